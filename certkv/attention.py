@@ -1,0 +1,301 @@
+"""CertifiedAttention: one decode step of one layer -> ``(output, Certificate)``.
+
+Composes a selector, a value policy, a ladder and a backend over a :class:`TieredKVStore`
+(paper Algorithm 1 and Section 3.4). Every head either returns ``O_quant`` with
+``||O_quant - O_ref||_2 <= E_key + E_val`` or dense SDPA on the FP16 originals.
+
+Shapes: ``q: [Hq, d]`` with ``Hq = G * Hkv`` (query head ``h`` reads kv head ``h // G``);
+per-head tensors ``[Hq]``; per-block tensors ``[Hq, n]`` where the ``n`` blocks are the store's
+quantized blocks followed, if present, by the exact FP16 partial tail block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from certkv.cache.store import TieredKVStore
+from certkv.certify.bounds import block_deltas, key_error_bound, tail_mass_bound, value_error_bound
+from certkv.certify.certificate import Certificate
+from certkv.certify.checks import boundary_ok, canary_ok, exploration_mask, ranking_consistent
+from certkv.certify.ladder import Ladder
+from certkv.certify.select import AdaptiveTopK, rank_blocks
+from certkv.certify.values import LocalThreshold
+from certkv.errors import ConfigError, EmptyStoreError, NonFiniteError, ShapeError, require
+from certkv.kernels.dispatch import get_backend
+
+MODES = ("certified", "naive", "dense")
+
+
+@dataclass
+class _Layout:
+    """The step's view of the store: blocks, masks and annotations, per kv head."""
+
+    keys: torch.Tensor  # [Hkv, n, B, d] FP32 (dequantized, exact tail block last)
+    values: torch.Tensor  # [Hkv, n, B, d] FP32
+    valid: torch.Tensor  # [n, B] token slots in use
+    quantized: torch.Tensor  # [n] False for the exact tail block
+    channel_bound: torch.Tensor  # [Hkv, n_q, d]
+    eta: torch.Tensor  # [Hkv, n] (0 on the exact tail block)
+    v_max: torch.Tensor  # [Hkv] max value norm over all tokens (Theorem 4.3)
+
+    @classmethod
+    def from_store(cls, store: TieredKVStore) -> _Layout:
+        keys, values = store.dequantized_keys(), store.dequantized_values()
+        hkv, nq, bsz = store.num_kv_heads, store.num_blocks, store.block_size
+        tail_k, tail_v = store.tail()
+        t = tail_k.shape[1]
+        valid = torch.ones(nq + (t > 0), bsz, dtype=torch.bool, device=store.device)
+        eta, nu = store.eta, store.nu
+        if t:
+            keys = torch.cat([keys, _pad_block(tail_k, bsz)], dim=1)
+            values = torch.cat([values, _pad_block(tail_v, bsz)], dim=1)
+            valid[-1, t:] = False
+            eta = torch.cat([eta, torch.zeros(hkv, 1, device=store.device)], dim=1)
+            tail_norm = tail_v.double().norm(dim=-1).amax(dim=-1, keepdim=True).float() * (1 + 1e-6)
+            nu = torch.cat([nu, tail_norm], dim=1)
+        quantized = torch.arange(valid.shape[0], device=store.device) < nq
+        return cls(keys, values, valid, quantized, store.key_channel_bound(), eta,
+                   nu.amax(dim=1))
+
+
+def _pad_block(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """FP16 ``[Hkv, t, d]`` (t < B) -> FP32 block ``[Hkv, 1, B, d]`` zero-padded."""
+    out = torch.zeros(x.shape[0], 1, block_size, x.shape[2], device=x.device)
+    out[:, 0, : x.shape[1]] = x.float()
+    return out
+
+
+def _key_bound(log_p, tail, delta_b, delta, v_max, exponent):
+    """``(log alpha_hat [Hq], E_key [Hq])`` for INT8 tail blocks ``tail: [Hq, n]`` (eq. 15)."""
+    neg_inf = torch.full_like(log_p, float("-inf"))
+    log_alpha = torch.logsumexp(torch.where(tail, log_p, neg_inf), dim=-1)
+    delta_tail = torch.where(tail, delta_b, torch.zeros_like(delta_b)).amax(dim=-1)
+    return log_alpha, key_error_bound(v_max, delta, delta_tail, log_alpha, exponent)
+
+
+@dataclass
+class CertifiedAttention:
+    """Certified attention for one decode step (defaults: the paper's Table 2 policy).
+
+    Args:
+        selector: chooses the FP16-key set (``AdaptiveTopK``).
+        value_policy: chooses blocks read with FP16 values (``LocalThreshold(v_tol=0.05)``).
+        ladder: rung 1-4 escalation and monitors (``Ladder``).
+        backend: ``"auto"``, ``"torch"`` or a backend object.
+        mode: ``"certified"``; ``"naive"`` (same quantized store, no promotion, no ladder);
+            ``"dense"`` (SDPA on the FP16 originals).
+    """
+
+    selector: AdaptiveTopK = field(default_factory=AdaptiveTopK)
+    value_policy: object = field(default_factory=LocalThreshold)
+    ladder: Ladder = field(default_factory=Ladder)
+    backend: object = "auto"
+    mode: str = "certified"
+
+    def __post_init__(self) -> None:
+        require(self.mode in MODES, ConfigError,
+                f"mode={self.mode!r} is unknown; choose one of {list(MODES)}.")
+        self.backend = get_backend(self.backend)
+
+    # ----------------------------------------------------------------- entry
+    def __call__(
+        self, q: torch.Tensor, store: TieredKVStore, scaling: float | None = None
+    ) -> tuple[torch.Tensor, Certificate]:
+        """One decode step: ``q [Hq, d]`` against ``store`` -> ``(out [Hq, d], Certificate)``."""
+        self._check(q, store)
+        scaling = store.head_dim**-0.5 if scaling is None else float(scaling)
+        q_dev = q.to(store.device)
+        if self.mode == "dense":
+            return self._dense_step(q_dev, store, scaling)
+        return self._quantized_step(q_dev, store, scaling)
+
+    def _check(self, q: torch.Tensor, store: TieredKVStore) -> None:
+        require(isinstance(q, torch.Tensor) and q.dim() == 2, ShapeError,
+                "q must be a 2-D tensor [num_query_heads, head_dim] for one decode step; "
+                "squeeze batch and time dimensions first.")
+        require(q.shape[1] == store.head_dim, ShapeError,
+                f"q has head_dim {q.shape[1]} but the store holds head_dim {store.head_dim}.")
+        require(q.shape[0] % store.num_kv_heads == 0 and q.shape[0] > 0, ShapeError,
+                f"q has {q.shape[0]} heads, not a multiple of the store's {store.num_kv_heads} "
+                "kv heads; pass all query heads of the layer.")
+        require(q.is_floating_point(), ShapeError, f"q has dtype {q.dtype}; pass a float query.")
+        require(bool(torch.isfinite(q).all()), NonFiniteError,
+                "q holds NaN or Inf; check the model's activations before attention.")
+        require(store.num_tokens > 0, EmptyStoreError,
+                "the store holds no tokens; append the prompt's keys and values before decoding.")
+
+    # ------------------------------------------------------------ dense mode
+    def _dense_step(self, q, store, scaling):
+        out = self._dense_heads(q, store, torch.arange(q.shape[0], device=q.device), scaling)
+        hq = q.shape[0]
+        zeros = torch.zeros(hq, device=q.device)
+        cert = Certificate(
+            candidate_e_key=zeros, candidate_e_val=zeros, e_key=zeros, e_val=zeros, delta=zeros,
+            tail_mass=zeros, k_star=torch.full((hq,), store.num_blocks, device=q.device),
+            rung=torch.full((hq,), 4, device=q.device), ranking_ok=zeros == 0,
+            boundary_ok=zeros == 0, canary_ok=zeros == 0,
+            value_blocks=torch.full((hq,), store.num_blocks, device=q.device),
+            value_promotions=0, num_blocks=store.num_blocks, mode="dense")
+        return out, cert
+
+    def _dense_heads(self, q, store, heads, scaling):
+        """Dense SDPA for query ``heads`` on their kv heads' FP16 originals (rungs 3-4)."""
+        if heads.numel() == q.shape[0]:  # the whole layer: GQA inside SDPA, no gather
+            k16, v16 = store.dense_kv()
+            return self.backend.dense(q, k16, v16, scaling)
+        kv_heads, gather = torch.unique(heads // (q.shape[0] // store.num_kv_heads),
+                                        return_inverse=True)
+        k16, v16 = store.dense_kv(kv_heads)
+        return self.backend.dense(q[heads], k16[gather], v16[gather], scaling)
+
+    # -------------------------------------------------------- quantized modes
+    def _quantized_step(self, q, store, scaling):
+        lay = _Layout.from_store(store)
+        hq, hkv = q.shape[0], store.num_kv_heads
+        group = hq // hkv
+        qg = q.float().reshape(hkv, group, -1)
+        certified = self.mode == "certified"
+        quantized = lay.quantized
+        n_q = int(quantized.sum())
+
+        # Phase 1: INT8 scores, block log-masses, normalised masses, Delta_b (eq. 8).
+        s8 = self.backend.score(qg, lay.keys, lay.valid, scaling)  # [Hkv, G, n, B]
+        l8 = torch.logsumexp(s8, dim=-1).reshape(hq, -1)
+        log_p = torch.log_softmax(l8, dim=-1)
+        p = log_p.exp()
+        delta_b = torch.zeros_like(p)
+        delta_b[:, :n_q] = block_deltas(qg, lay.channel_bound, scaling).reshape(hq, n_q)
+        delta = delta_b.amax(dim=-1) if n_q else torch.zeros(hq, device=q.device)
+        v_max = lay.v_max.repeat_interleave(group)
+
+        # Selection (paper 3.3) and rung 1.
+        promoted, expanded = self._select(log_p, quantized, delta_b, delta, v_max, group,
+                                          certified)
+        value_kv = self._value_promotion(log_p, lay.eta, delta, quantized, group, certified)
+
+        # Page-in and Phase 2 (mask-gated keys, FP16 values where promoted).
+        s2, values = self._page_in(store, lay, qg, s8, promoted, value_kv, scaling, group)
+        att = self.backend.attend(s2, values)
+        out = att.out.reshape(hq, -1)
+        rho = att.rho.reshape(hq, -1)
+        l16 = att.log_mass.reshape(hq, -1)
+
+        # Certificate: E_key (eq. 15) and E_val (Cor. 4.2).
+        tail = quantized & ~promoted
+        log_alpha, e_key = _key_bound(log_p, tail, delta_b, delta, v_max,
+                                      self.selector.mass_inflation)
+        value_q = value_kv.repeat_interleave(group, dim=0)
+        eta_q = lay.eta.repeat_interleave(group, dim=0) * ~value_q
+        e_val = value_error_bound(rho, eta_q)
+
+        # Checks (paper 6, 6.1) -> rungs 3 and 4.
+        true = torch.ones(hq, dtype=torch.bool, device=q.device)
+        ranking, boundary, canary = true, true, true
+        if certified:
+            ranking, boundary, canary = self._checks(s8, s2, l8, l16, delta_b, promoted, quantized)
+        finite = torch.isfinite(out).all(dim=-1) & torch.isfinite(e_key) & torch.isfinite(e_val)
+        head_dense = (~ranking | ~boundary | ~finite) if certified else ~finite
+        layer_dense = certified and self.ladder.layer_dense(head_dense, canary)
+
+        rung = torch.zeros(hq, dtype=torch.long, device=q.device)
+        rung[expanded] = 1
+        rung[value_q.any(dim=-1)] = 2
+        rung[head_dense] = 3
+        if layer_dense:
+            rung[:] = 4
+        out = self._fallback(q, store, out, rung, scaling)
+        fast = rung < 3
+        cert = Certificate(
+            candidate_e_key=e_key, candidate_e_val=e_val,
+            e_key=torch.where(fast, e_key, torch.zeros_like(e_key)),
+            e_val=torch.where(fast, e_val, torch.zeros_like(e_val)),
+            delta=delta, tail_mass=log_alpha.exp(), k_star=(promoted & quantized).sum(dim=-1),
+            rung=rung, ranking_ok=ranking, boundary_ok=boundary, canary_ok=canary,
+            value_blocks=value_q.sum(dim=-1), value_promotions=int(value_kv.sum()),
+            num_blocks=n_q, mode=self.mode)
+        return out.to(q.dtype), cert
+
+    def _select(self, log_p, quantized, delta_b, delta, v_max, group, certified):
+        """FP16-key set ``[Hq, n]`` (exact tail block always in) and the rung-1 flag ``[Hq]``."""
+        p = log_p.exp()
+        hq, n_q = p.shape[0], int(quantized.sum())
+        no = torch.zeros(hq, dtype=torch.bool, device=p.device)
+        if not certified:
+            return (~quantized).expand_as(p).clone(), no
+        sel = self.selector
+        order = rank_blocks(p, quantized)
+        k = sel.choose_k(p, quantized, order)
+        promoted = sel.promoted(order, k, quantized, group)
+        log_alpha, e_key = _key_bound(log_p, quantized & ~promoted, delta_b, delta, v_max,
+                                      sel.mass_inflation)
+        need = self.ladder.needs_expansion(
+            tail_mass_bound(log_alpha, delta, sel.mass_inflation), sel.tau_cov, e_key)
+        k_new = torch.where(need, self.ladder.expanded_k(k, sel.k_max, n_q), k)
+        expanded = k_new > k
+        if bool(expanded.any()):
+            promoted = sel.promoted(order, k_new, quantized, group)
+        explore = exploration_mask(quantized & ~promoted, self.ladder.exploration,
+                                   self.ladder.generator)
+        return promoted | explore, expanded
+
+    def _value_promotion(self, log_p, eta, delta, quantized, group, certified):
+        """Blocks read with FP16 values, per kv head ``[Hkv, n]`` (union of its query heads)."""
+        hkv = eta.shape[0]
+        if not certified:
+            return torch.zeros_like(eta, dtype=torch.bool)
+        eta_q = eta.repeat_interleave(group, dim=0)
+        chosen = self.value_policy.select(log_p, eta_q, delta) & quantized & (eta_q > 0)
+        return chosen.reshape(hkv, group, -1).any(dim=1)
+
+    def _page_in(self, store, lay, qg, s8, promoted, value_kv, scaling, group):
+        """Fetch FP16 keys/values of promoted blocks from Tier-2 and build Phase-2 inputs.
+
+        Returns mask-gated logits ``[Hkv, G, n, B]`` (FP16 keys on promoted blocks, INT8
+        elsewhere; the exact tail block is already exact) and values ``[Hkv, n, B, d]``.
+        """
+        hkv = store.num_kv_heads
+        promoted_kv = promoted.reshape(hkv, group, -1)
+        need_keys = promoted_kv.any(dim=1) & lay.quantized
+        s2 = s8
+        if bool(need_keys.any()):
+            kv_idx, blk_idx = need_keys.nonzero(as_tuple=True)
+            k16, _ = store.fetch_originals(kv_idx, blk_idx, which="k")
+            s16 = torch.einsum("pgd,ptd->pgt", qg[kv_idx], k16.float()) * scaling
+            s16_full = s8.clone()
+            empty = ~lay.valid[blk_idx][:, None]
+            s16_full[kv_idx, :, blk_idx] = s16.masked_fill(empty, float("-inf"))
+            s2 = torch.where(promoted_kv.unsqueeze(-1), s16_full, s8)
+        values = lay.values
+        if bool(value_kv.any()):
+            kv_idx, blk_idx = value_kv.nonzero(as_tuple=True)
+            _, v16 = store.fetch_originals(kv_idx, blk_idx, which="v")
+            values = values.clone()
+            values[kv_idx, blk_idx] = v16.float()
+        return s2, values
+
+    def _checks(self, s8, s2, l8, l16, delta_b, promoted, quantized):
+        """Ranking (eq. 17), boundary (eq. 18) and canary (Section 6) flags, each ``[Hq]``."""
+        hq = l8.shape[0]
+        lad = self.ladder
+        true = torch.ones(hq, dtype=torch.bool, device=l8.device)
+        tail = quantized & ~promoted
+        ranking = ranking_consistent(l8, l16, promoted, lad.r) if lad.ranking_check else true
+        boundary = (boundary_ok(l8, l16, delta_b, promoted, tail, lad.r)
+                    if lad.boundary_check else true)
+        canary = true
+        if lad.canary:
+            checked = promoted & quantized
+            canary = canary_ok(s8.reshape(hq, *s8.shape[2:]), s2.reshape(hq, *s2.shape[2:]),
+                               delta_b, checked, lad.eps_guard)
+        return ranking, boundary, canary
+
+    def _fallback(self, q, store, out, rung, scaling):
+        """Rungs 3-4: dense SDPA on the FP16 originals for every head with rung >= 3."""
+        heads = (rung >= 3).nonzero(as_tuple=True)[0]
+        if heads.numel() == 0:
+            return out
+        out = out.clone()
+        out[heads] = self._dense_heads(q, store, heads, scaling).float()
+        return out

@@ -1,0 +1,5 @@
+"""Tiered KV storage."""
+
+from certkv.cache.store import TieredKVStore
+
+__all__ = ["TieredKVStore"]

@@ -1,0 +1,313 @@
+"""TieredKVStore: one layer's tiered KV cache (paper 2.3, 3.1, Table 13).
+
+* FP16 **tail**: the trailing partial block (fewer than ``B`` tokens), in device memory, exact.
+* **Tier-1** (device): completed blocks, quantized atomically when they fill, with scales taken
+  from those ``B`` tokens alone and never updated (precondition P1), plus the per-block
+  annotations ``eta_b`` (max per-token value reconstruction error, measured exactly at write time)
+  and ``nu_b`` (max per-token value norm).
+* **Tier-2** (host, pinned when the device is CUDA): the FP16 originals of every completed block,
+  the ground truth for promotion and for the dense fallback (precondition P4).
+
+Shapes: ``append`` takes ``k, v: [Hkv, T, d]``; block tensors are ``[Hkv, n_blocks, B, d]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from certkv.errors import (
+    ConfigError,
+    NonFiniteError,
+    ShapeError,
+    Tier2UnavailableError,
+    require,
+)
+from certkv.quant import (
+    Blocks,
+    ChannelAffineKeyCodec,
+    GroupAffineValueCodec,
+    KeyCodec,
+    ValueCodec,
+)
+
+_TIER2_MISSING = (
+    "the FP16 originals (Tier-2) of this store were dropped, so no block can be promoted and no "
+    "dense fallback can run; build the store with keep_originals=True."
+)
+
+
+class _GrowingBlocks:
+    """Tensors that grow along dim 1 (the block axis) with amortised doubling.
+
+    Holds a dict of named tensors with leading dims ``[Hkv, capacity]``; ``view()`` returns the
+    first ``size`` blocks of each without copying.
+    """
+
+    def __init__(self, device: torch.device, pin: bool = False) -> None:
+        self.device = device
+        self.pin = pin
+        self.size = 0
+        self._data: Blocks = {}
+
+    def _allocate(self, like: torch.Tensor, capacity: int) -> torch.Tensor:
+        shape = (like.shape[0], capacity, *like.shape[2:])
+        return torch.empty(shape, dtype=like.dtype, device=self.device, pin_memory=self.pin)
+
+    def extend(self, blocks: Blocks) -> None:
+        n = next(iter(blocks.values())).shape[1]
+        capacity = next(iter(self._data.values())).shape[1] if self._data else 0
+        if self.size + n > capacity or not self._data:
+            new_capacity = max(2 * capacity, self.size + n, 4)
+            for name, new in blocks.items():
+                grown = self._allocate(new, new_capacity)
+                if name in self._data:
+                    grown[:, : self.size].copy_(self._data[name][:, : self.size])
+                self._data[name] = grown
+        for name, new in blocks.items():
+            self._data[name][:, self.size : self.size + n].copy_(new, non_blocking=self.pin)
+        self.size += n
+
+    def view(self) -> Blocks:
+        return {name: t[:, : self.size] for name, t in self._data.items()}
+
+    def nbytes(self) -> int:
+        return sum(t.element_size() * t[:, : self.size].numel() for t in self._data.values())
+
+    def clear(self) -> None:
+        self._data = {}
+        self.size = 0
+
+
+def _round_up_fp32(x: torch.Tensor) -> torch.Tensor:
+    """FP64 -> FP32 rounding up, so a stored bound is never below the exact value."""
+    y = x.float()
+    return torch.where(y.double() < x, torch.nextafter(y, torch.full_like(y, float("inf"))), y)
+
+
+class TieredKVStore:
+    """One layer's KV cache: FP16 tail, Tier-1 quantized blocks, Tier-2 FP16 originals.
+
+    Args:
+        num_kv_heads: ``Hkv``.
+        head_dim: ``d``.
+        block_size: ``B`` tokens per block (paper default 16).
+        value_group: ``g`` channels per value group of the default value codec (paper 16).
+        device: where the tail and Tier-1 live; Tier-2 is always host memory.
+        key_codec: default ``ChannelAffineKeyCodec(bits=8)``.
+        value_codec: default ``GroupAffineValueCodec(bits=4, group=value_group)``.
+        keep_originals: keep Tier-2; without it nothing can be promoted or fall back.
+    """
+
+    def __init__(
+        self,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int = 16,
+        value_group: int = 16,
+        device: str | torch.device = "cpu",
+        key_codec: KeyCodec | None = None,
+        value_codec: ValueCodec | None = None,
+        keep_originals: bool = True,
+    ) -> None:
+        for name, value in (("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
+                            ("block_size", block_size)):
+            require(isinstance(value, int) and value >= 1, ConfigError,
+                    f"{name}={value!r} must be a positive integer.")
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.key_codec = key_codec or ChannelAffineKeyCodec()
+        self.value_codec = value_codec or GroupAffineValueCodec(group=value_group)
+        self.key_codec.validate(head_dim, block_size)
+        self.value_codec.validate(head_dim, block_size)
+        self.keep_originals = keep_originals
+
+        pin = self.device.type == "cuda"
+        self._keys = _GrowingBlocks(self.device)
+        self._values = _GrowingBlocks(self.device)
+        self._annotations = _GrowingBlocks(self.device)  # eta, nu: [Hkv, n]
+        self._tier2 = _GrowingBlocks(torch.device("cpu"), pin=pin)  # k, v: [Hkv, n, B, d] fp16
+        tail_shape = (num_kv_heads, block_size, head_dim)
+        self._tail_k = torch.zeros(tail_shape, dtype=torch.float16, device=self.device)
+        self._tail_v = torch.zeros(tail_shape, dtype=torch.float16, device=self.device)
+        self.tail_len = 0
+        empty = torch.zeros(num_kv_heads, 0, block_size, head_dim, dtype=torch.float16,
+                            device=self.device)
+        self._commit_blocks(empty, empty)  # allocates every buffer, so views exist when empty
+
+    # ------------------------------------------------------------------ writing
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append ``k, v: [Hkv, T, d]`` (post-RoPE, any float dtype, ``T >= 1``).
+
+        Tokens join the FP16 tail; every block that fills is quantized at once (Tier-1), its
+        annotations eta_b / nu_b are measured and its FP16 originals move to Tier-2.
+        """
+        k16, v16 = self._check_append(k, v)
+        pending_k = torch.cat([self._tail_k[:, : self.tail_len], k16], dim=1)
+        pending_v = torch.cat([self._tail_v[:, : self.tail_len], v16], dim=1)
+        n_full = pending_k.shape[1] // self.block_size
+        if n_full:
+            cut = n_full * self.block_size
+            shape = (self.num_kv_heads, n_full, self.block_size, self.head_dim)
+            self._commit_blocks(pending_k[:, :cut].reshape(shape),
+                                pending_v[:, :cut].reshape(shape))
+            pending_k, pending_v = pending_k[:, cut:], pending_v[:, cut:]
+        self.tail_len = pending_k.shape[1]
+        self._tail_k[:, : self.tail_len] = pending_k
+        self._tail_v[:, : self.tail_len] = pending_v
+
+    def _check_append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        expected = f"[num_kv_heads={self.num_kv_heads}, T, head_dim={self.head_dim}]"
+        for name, x in (("k", k), ("v", v)):
+            require(isinstance(x, torch.Tensor) and x.dim() == 3, ShapeError,
+                    f"{name} must be a 3-D tensor shaped {expected}; reshape it before append.")
+            require(x.shape[0] == self.num_kv_heads and x.shape[2] == self.head_dim, ShapeError,
+                    f"{name} has shape {tuple(x.shape)} but the store expects {expected}.")
+            require(x.is_floating_point(), ShapeError,
+                    f"{name} has dtype {x.dtype}; pass floating-point keys and values.")
+        require(k.shape[1] == v.shape[1] and k.shape[1] >= 1, ShapeError,
+                f"k and v must hold the same number T >= 1 of tokens (got {k.shape[1]} and "
+                f"{v.shape[1]}).")
+        k16 = k.to(device=self.device, dtype=torch.float16)
+        v16 = v.to(device=self.device, dtype=torch.float16)
+        require(bool(torch.isfinite(k16).all() and torch.isfinite(v16).all()), NonFiniteError,
+                "k or v holds NaN or Inf (or values beyond the FP16 range); fix the model "
+                "outputs before caching them.")
+        return k16, v16
+
+    def _commit_blocks(self, k16: torch.Tensor, v16: torch.Tensor) -> None:
+        """Quantize completed blocks ``[Hkv, n, B, d]`` and move their originals to Tier-2."""
+        key_blocks = self.key_codec.encode(k16)
+        value_blocks = self.value_codec.encode(v16)
+        v64 = v16.double()
+        err = (self.value_codec.decode(value_blocks).double() - v64).norm(dim=-1)
+        eta = _round_up_fp32(err.amax(dim=-1))
+        nu = _round_up_fp32(v64.norm(dim=-1).amax(dim=-1))
+        self._keys.extend(key_blocks)
+        self._values.extend(value_blocks)
+        self._annotations.extend({"eta": eta, "nu": nu})
+        if self.keep_originals:
+            self._tier2.extend({"k": k16, "v": v16})
+
+    def drop_originals(self) -> None:
+        """Release Tier-2 (e.g. host memory is exhausted); promotion and fallback then raise."""
+        self.keep_originals = False
+        self._tier2.clear()
+
+    # ------------------------------------------------------------------ reading
+    @property
+    def num_blocks(self) -> int:
+        """Completed (quantized) blocks."""
+        return self._keys.size
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size + self.tail_len
+
+    def key_blocks(self) -> Blocks:
+        """Tier-1 key codes and metadata, leading dims ``[Hkv, n_blocks]``."""
+        return self._keys.view()
+
+    def value_blocks(self) -> Blocks:
+        """Tier-1 value codes and metadata, leading dims ``[Hkv, n_blocks]``."""
+        return self._values.view()
+
+    @property
+    def eta(self) -> torch.Tensor:
+        """``[Hkv, n_blocks]`` max per-token value reconstruction error (Cor. 4.2)."""
+        return self._annotations.view()["eta"]
+
+    @property
+    def nu(self) -> torch.Tensor:
+        """``[Hkv, n_blocks]`` max per-token value l2 norm (Theorem 4.3's V_max per block)."""
+        return self._annotations.view()["nu"]
+
+    def tail(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """FP16 keys and values of the partial tail block, ``[Hkv, tail_len, d]`` each."""
+        return self._tail_k[:, : self.tail_len], self._tail_v[:, : self.tail_len]
+
+    def dequantized_keys(self) -> torch.Tensor:
+        """FP32 ``[Hkv, n_blocks, B, d]`` keys reconstructed from Tier-1."""
+        return self.key_codec.decode(self.key_blocks())
+
+    def dequantized_values(self) -> torch.Tensor:
+        """FP32 ``[Hkv, n_blocks, B, d]`` values reconstructed from Tier-1."""
+        return self.value_codec.decode(self.value_blocks())
+
+    def key_channel_bound(self) -> torch.Tensor:
+        """FP32 ``[Hkv, n_blocks, d]`` per-channel key reconstruction bound (paper 2.3)."""
+        return self.key_codec.channel_bound(self.key_blocks())
+
+    def _tier2_view(self) -> Blocks:
+        require(self.keep_originals, Tier2UnavailableError, _TIER2_MISSING)
+        return self._tier2.view()
+
+    def fetch_originals(
+        self, kv_heads: torch.Tensor, blocks: torch.Tensor, which: str = "kv"
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Page in FP16 originals of ``(kv_heads[i], blocks[i])`` pairs from Tier-2.
+
+        Returns ``(k, v)``, each ``[P, B, d]`` FP16 on the store's device, or ``None`` where
+        ``which`` does not ask for it (``"k"``, ``"v"`` or ``"kv"``).
+        """
+        tier2 = self._tier2_view()
+        heads, blks = kv_heads.cpu(), blocks.cpu()
+        fetched = []
+        for name in ("k", "v"):
+            if name in which:
+                fetched.append(tier2[name][heads, blks].to(self.device, non_blocking=True))
+            else:
+                fetched.append(None)
+        return fetched[0], fetched[1]
+
+    def dense_kv(self, kv_heads: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """FP16 originals of every token (Tier-2 + tail) on the device (rungs 3-4, dense mode).
+
+        Returns ``k, v: [h, N, d]`` for the requested ``kv_heads`` (all ``Hkv`` by default);
+        only those heads are paged in.
+        """
+        tail_k, tail_v = self.tail()
+        if kv_heads is not None:
+            tail_k, tail_v = tail_k[kv_heads], tail_v[kv_heads]
+        if self.num_blocks == 0:
+            return tail_k, tail_v
+        tier2 = self._tier2_view()
+        heads = slice(None) if kv_heads is None else kv_heads.cpu()
+        k = tier2["k"][heads].flatten(1, 2).to(self.device, non_blocking=True)
+        v = tier2["v"][heads].flatten(1, 2).to(self.device, non_blocking=True)
+        return torch.cat([k, tail_k], dim=1), torch.cat([v, tail_v], dim=1)
+
+    # --------------------------------------------------------------- accounting
+    def tier1_bytes(self) -> int:
+        """Quantized codes + quantization metadata of completed blocks (Table 13's Tier-1 total).
+
+        Table 13 lists eta_b as "<1 byte/token, amortised" and leaves it out of the 288-byte
+        total; the annotations are counted by :meth:`annotation_bytes`.
+        """
+        return self._keys.nbytes() + self._values.nbytes()
+
+    def annotation_bytes(self) -> int:
+        """eta_b and nu_b: two FP32 per block per kv head."""
+        return self._annotations.nbytes()
+
+    def tail_bytes(self) -> int:
+        """FP16 partial tail block (device)."""
+        return 2 * 2 * self.num_kv_heads * self.tail_len * self.head_dim
+
+    def device_bytes(self) -> int:
+        """Everything this store keeps in device memory: Tier-1, annotations, tail."""
+        return self.tier1_bytes() + self.annotation_bytes() + self.tail_bytes()
+
+    def tier2_bytes(self) -> int:
+        """FP16 originals in host memory (Tier-2)."""
+        return self._tier2.nbytes()
+
+    def dense_bytes(self) -> int:
+        """What a dense FP16 KV cache of the same tokens would hold."""
+        return 2 * 2 * self.num_kv_heads * self.num_tokens * self.head_dim
+
+    def __repr__(self) -> str:
+        return (f"TieredKVStore(Hkv={self.num_kv_heads}, d={self.head_dim}, B={self.block_size}, "
+                f"tokens={self.num_tokens}, keys={self.key_codec.name}/{self.key_codec.bits}b, "
+                f"values={self.value_codec.name}/{self.value_codec.bits}b)")

@@ -1,0 +1,70 @@
+"""The per-step, per-head certificate (paper 4.6 contract; telemetry of Tables 11, 12, 15)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+RUNG_NAMES = {0: "fast path", 1: "K* expanded", 2: "values promoted", 3: "head dense",
+              4: "layer dense"}
+
+
+@dataclass
+class Certificate:
+    """What one decode step of one layer returned, per query head (every tensor is ``[Hq]``).
+
+    For each head either ``||out - O_ref||_2 <= e_key + e_val`` (rungs 0-2, ``O_ref`` = the same
+    attention on the FP16 originals) or the output is dense SDPA on the FP16 originals
+    (rungs 3-4, returned ``e_key = e_val = 0``). ``candidate_*`` are the bounds before the ladder.
+    """
+
+    candidate_e_key: torch.Tensor
+    candidate_e_val: torch.Tensor
+    e_key: torch.Tensor
+    e_val: torch.Tensor
+    delta: torch.Tensor  # Delta_h: max per-block score perturbation over quantized blocks (eq. 8)
+    tail_mass: torch.Tensor  # achieved INT8-estimated tail mass alpha_hat_T (eq. 15)
+    k_star: torch.Tensor  # quantized blocks read with FP16 keys
+    rung: torch.Tensor  # 0 fast path, 1 K* expanded, 2 values promoted, 3 head dense, 4 layer dense
+    ranking_ok: torch.Tensor  # eq. 17 (True where not checked)
+    boundary_ok: torch.Tensor  # eq. 18 (True where not checked)
+    canary_ok: torch.Tensor  # Section 6 score consistency (True where not checked)
+    value_blocks: torch.Tensor  # blocks of the head's KV group read with FP16 values
+    value_promotions: int  # (kv head, block) pairs paged in with FP16 values this step
+    num_blocks: int  # quantized blocks in the store
+    mode: str = "certified"
+
+    @property
+    def bound(self) -> torch.Tensor:
+        """Returned bound ``e_key + e_val`` per head (0 on dense heads)."""
+        return self.e_key + self.e_val
+
+    @property
+    def num_heads(self) -> int:
+        return int(self.rung.numel())
+
+    def to(self, device: str | torch.device) -> Certificate:
+        """A copy with every tensor on ``device``."""
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name, value in moved.items():
+            if isinstance(value, torch.Tensor):
+                moved[name] = value.to(device)
+        return Certificate(**moved)
+
+    def summary(self) -> dict[str, float | int | str]:
+        """Plain-number summary of the step (means and maxima over heads, rung counts)."""
+        out: dict[str, float | int | str] = {"mode": self.mode, "heads": self.num_heads,
+                                             "num_blocks": self.num_blocks}
+        for name in ("candidate_e_key", "candidate_e_val", "e_key", "e_val", "delta", "tail_mass"):
+            values = getattr(self, name).double()
+            out[f"{name}_mean"] = float(values.mean())
+            out[f"{name}_max"] = float(values.max())
+        out["k_star_mean"] = float(self.k_star.double().mean())
+        for rung in RUNG_NAMES:
+            out[f"rung{rung}"] = int((self.rung == rung).sum())
+        out["ranking_fail"] = int((~self.ranking_ok).sum())
+        out["boundary_fail"] = int((~self.boundary_ok).sum())
+        out["canary_fail"] = int((~self.canary_ok).sum())
+        out["value_promotions"] = self.value_promotions
+        return out

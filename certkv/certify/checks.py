@@ -1,0 +1,80 @@
+"""Runtime checks (paper Section 6): ranking consistency, boundary, score canary, exploration.
+
+Log-masses are unnormalised block log-sum-exps ``l_b = logsumexp_t s_{b,t}`` so Phase-1 (INT8)
+and Phase-2 (FP16) values are directly comparable. Shapes: ``[Hq, n]`` per block, ``[Hq]`` out.
+"""
+
+from __future__ import annotations
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+def top_r(log_mass: torch.Tensor, members: torch.Tensor, r: int):
+    """Indices ``[Hq, r]`` of the ``r`` largest log-masses among ``members`` and how many exist."""
+    masked = torch.where(members, log_mass, torch.full_like(log_mass, NEG_INF))
+    k = min(r, log_mass.shape[-1])
+    values, indices = torch.topk(masked, k, dim=-1, sorted=True)
+    return values, indices, members.sum(dim=-1)
+
+
+def ranking_consistent(
+    l_int8: torch.Tensor, l_fp16: torch.Tensor, promoted: torch.Tensor, r: int
+) -> torch.Tensor:
+    """Eq. 17: the top-``r`` promoted blocks agree, in order, under INT8 and FP16 log-masses."""
+    _, idx8, count = top_r(l_int8, promoted, r)
+    _, idx16, _ = top_r(l_fp16, promoted, r)
+    depth = torch.arange(idx8.shape[-1], device=idx8.device)
+    considered = depth.unsqueeze(0) < count.unsqueeze(-1)
+    return ((idx8 == idx16) | ~considered).all(dim=-1)
+
+
+def boundary_ok(
+    l_int8: torch.Tensor,
+    l_fp16: torch.Tensor,
+    delta_b: torch.Tensor,
+    promoted: torch.Tensor,
+    tail: torch.Tensor,
+    r: int,
+) -> torch.Tensor:
+    """Eq. 18: no INT8 tail block's upper-bounded FP16 log-mass ``l_b + Delta_b`` can enter the
+    top-``r`` of the promoted blocks. Holds trivially without tail blocks; fails if a tail exists
+    but fewer than ``r`` blocks are promoted (the ranking certificate cannot be issued).
+    """
+    values, _, count = top_r(l_fp16, promoted, r)
+    threshold = torch.where(
+        count >= r, values[..., -1], torch.full_like(values[..., -1], NEG_INF)
+    )
+    upper = torch.where(tail, l_int8 + delta_b, torch.full_like(l_int8, NEG_INF))
+    return (upper <= threshold.unsqueeze(-1)).all(dim=-1)
+
+
+def canary_ok(
+    s_int8: torch.Tensor,
+    s_fp16: torch.Tensor,
+    delta_b: torch.Tensor,
+    checked: torch.Tensor,
+    eps_guard: float,
+) -> torch.Tensor:
+    """Score-consistency canary (Section 6): ``|s_fp16 - s_int8| <= Delta_b + eps_guard``.
+
+    ``s_*: [Hq, n, B]`` token logits (``-inf`` on empty slots), ``checked: [Hq, n]`` the blocks
+    scored both ways. A violation means the stored metadata no longer matches the data (P2).
+    The guard also absorbs FP32 rounding of the two dot products (relative to ``|s|``).
+    """
+    finite = torch.isfinite(s_int8) & torch.isfinite(s_fp16)
+    gap = torch.where(finite, (s_fp16 - s_int8).abs(), torch.zeros_like(s_int8))
+    slack = eps_guard + 1e-5 * torch.where(finite, s_fp16.abs(), torch.zeros_like(s_fp16))
+    within = gap <= delta_b.unsqueeze(-1) + slack
+    return (within | ~checked.unsqueeze(-1)).all(dim=-1).all(dim=-1)
+
+
+def exploration_mask(
+    tail: torch.Tensor, fraction: float, generator: torch.Generator | None
+) -> torch.Tensor:
+    """Randomly pick about ``fraction`` of the tail blocks ``[Hq, n]`` for FP16 spot checks."""
+    if fraction <= 0:
+        return torch.zeros_like(tail)
+    draw = torch.rand(tail.shape, generator=generator, device="cpu").to(tail.device)
+    return tail & (draw < fraction)

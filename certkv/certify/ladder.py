@@ -1,0 +1,88 @@
+"""The fallback ladder (paper 3.4) and its monitors' settings (Section 6).
+
+Rung 1 expands K*; rung 2 is value promotion (the value policy); rung 3 replaces a head that
+fails the ranking or boundary check with dense SDPA on its FP16 originals; rung 4 replaces the
+whole layer (score canary violated, non-finite output, or too many heads on rung 3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from certkv.errors import ConfigError, require
+
+
+@dataclass
+class Ladder:
+    """Escalation policy and monitor settings (Table 2 defaults).
+
+    Args:
+        expand: enable rung 1.
+        expand_factor: rung 1 multiplies K* by this ("e.g. double it").
+        k_max: cap on K* after rung 1; ``None`` means twice the selector's ``k_max``
+            (the paper's effective promoted set is usually ``2 K_max``, 9.8).
+        e_key_tol: also expand when the candidate E_key exceeds this (``None``: only when the
+            certified tail mass ``e^{c Delta} alpha_hat`` misses ``1 - tau_cov``).
+        r: ranking-consistency depth (eq. 17-18).
+        ranking_check / boundary_check: enable the rung-3 checks.
+        canary: score-consistency canary on every block scored both ways (rung 4 on violation).
+        eps_guard: numerical guard of the canary and boundary comparisons.
+        exploration: fraction of tail blocks promoted at random for canary spot checks.
+        layer_dense_fraction: rung 4 once this fraction of heads needs rung 3.
+        seed: seed of the exploration draw.
+    """
+
+    expand: bool = True
+    expand_factor: float = 2.0
+    k_max: int | None = None
+    e_key_tol: float | None = None
+    r: int = 1
+    ranking_check: bool = True
+    boundary_check: bool = True
+    canary: bool = True
+    eps_guard: float = 1e-6
+    exploration: float = 0.0
+    layer_dense_fraction: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        require(self.expand_factor >= 1.0, ConfigError,
+                f"expand_factor={self.expand_factor} must be >= 1, e.g. 2.")
+        require(self.k_max is None or self.k_max >= 0, ConfigError,
+                f"ladder k_max={self.k_max} must be >= 0 or null.")
+        require(self.r >= 1, ConfigError, f"r={self.r} must be a positive integer, e.g. 1.")
+        require(0.0 <= self.exploration <= 1.0, ConfigError,
+                f"exploration={self.exploration} must lie in [0, 1], e.g. 0.02.")
+        require(0.0 < self.layer_dense_fraction <= 1.0, ConfigError,
+                f"layer_dense_fraction={self.layer_dense_fraction} must lie in (0, 1].")
+        require(self.eps_guard >= 0, ConfigError, f"eps_guard={self.eps_guard} must be >= 0.")
+        self._generator = torch.Generator().manual_seed(self.seed)
+
+    @property
+    def generator(self) -> torch.Generator:
+        return self._generator
+
+    def needs_expansion(
+        self, tail_bound: torch.Tensor, tau_cov: float, e_key: torch.Tensor
+    ) -> torch.Tensor:
+        """Rung 1 trigger per head: the certified tail mass misses ``1 - tau_cov`` (or E_key is
+        above ``e_key_tol`` when set)."""
+        need = tail_bound > (1.0 - tau_cov)
+        if self.e_key_tol is not None:
+            need = need | (e_key > self.e_key_tol)
+        return need if self.expand else torch.zeros_like(need)
+
+    def expanded_k(self, k: torch.Tensor, selector_k_max: int, n_quantized: int) -> torch.Tensor:
+        """Rung 1: ``K* -> min(max(ceil(factor K*), K* + 1), cap, n_quantized)``."""
+        cap = min(2 * selector_k_max if self.k_max is None else self.k_max, n_quantized)
+        grown = torch.maximum(torch.ceil(k * self.expand_factor).long(), k + 1).clamp(max=cap)
+        return torch.maximum(grown, k)
+
+    def layer_dense(self, head_dense: torch.Tensor, canary_ok: torch.Tensor) -> bool:
+        """Rung 4: any canary violation, or at least ``layer_dense_fraction`` of heads dense."""
+        if not bool(canary_ok.all()):
+            return True
+        return bool(head_dense.any()) and float(head_dense.float().mean()) >= (
+            self.layer_dense_fraction)

@@ -1,0 +1,88 @@
+"""Adaptive top-K* selection of FP16-key blocks (paper 3.3, Algorithm 1; per-KV-group union 9.9).
+
+All tensors are per query head: block masses ``p: [Hq, n]`` (normalised Phase-1 masses over every
+block, the exact FP16 tail block included) and ``quantized: [n]`` (False for the exact tail block).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from certkv.errors import ConfigError, require
+
+
+def rank_blocks(p: torch.Tensor, quantized: torch.Tensor) -> torch.Tensor:
+    """Block indices ``[Hq, n]`` by descending mass, quantized blocks first (stable order)."""
+    key = torch.where(quantized, p, torch.full_like(p, -1.0))
+    return torch.sort(key, dim=-1, descending=True, stable=True).indices
+
+
+def coverage_k(p: torch.Tensor, quantized: torch.Tensor, order: torch.Tensor, tau_cov: float):
+    """Smallest ``K`` with ``C_K >= tau_cov`` (paper 3.3 step 3), per head: ``[Hq]`` int64.
+
+    Coverage counts the exact (non-quantized) mass as already covered, then adds quantized
+    blocks in rank order; a block is needed while the mass covered before it is below target.
+    """
+    total = p.sum(dim=-1, keepdim=True)
+    exact = torch.where(quantized, torch.zeros_like(p), p).sum(dim=-1, keepdim=True)
+    ranked = torch.gather(torch.where(quantized, p, torch.zeros_like(p)), -1, order)
+    before = exact + torch.cumsum(ranked, dim=-1) - ranked
+    needed = (before < tau_cov * total) & quantized[order]
+    return needed.sum(dim=-1)
+
+
+def mask_top(order: torch.Tensor, k: torch.Tensor, quantized: torch.Tensor) -> torch.Tensor:
+    """Boolean ``[Hq, n]``: the first ``k[h]`` ranked blocks of each head plus the exact ones."""
+    positions = torch.arange(order.shape[-1], device=order.device).expand_as(order)
+    chosen = positions < k.unsqueeze(-1)
+    mask = torch.zeros_like(chosen).scatter(-1, order, chosen)
+    return mask | ~quantized
+
+
+def union_by_kv_group(mask: torch.Tensor, group: int) -> torch.Tensor:
+    """Per-KV-group union of FP16 sets (paper 9.9): ``[Hq, n] -> [Hq, n]``, GQA group ``G``."""
+    hq, n = mask.shape
+    union = mask.reshape(hq // group, group, n).any(dim=1, keepdim=True)
+    return union.expand(-1, group, -1).reshape(hq, n)
+
+
+@dataclass
+class AdaptiveTopK:
+    """Promote the fewest blocks whose INT8-estimated mass reaches ``tau_cov`` (Table 2 defaults).
+
+    Args:
+        tau_cov: coverage threshold.
+        k_min: minimum promoted blocks per head.
+        k_max: maximum promoted blocks per head (before Rung-1 expansion).
+        mass_inflation: exponent ``c`` of ``e^{c Delta}`` in the tail-mass bound: 2 (tight,
+            Theorem 4.4) or 3 (the paper's implementation, INT8 x INT8 scoring headroom).
+        kv_group_union: share one FP16 set per KV group (union of its query heads' sets).
+    """
+
+    tau_cov: float = 0.995
+    k_min: int = 2
+    k_max: int = 128
+    mass_inflation: float = 3.0
+    kv_group_union: bool = False
+
+    def __post_init__(self) -> None:
+        require(0.0 <= self.tau_cov <= 1.0, ConfigError,
+                f"tau_cov={self.tau_cov} must lie in [0, 1], e.g. 0.995.")
+        require(self.k_min >= 0, ConfigError, f"k_min={self.k_min} must be >= 0, e.g. 2.")
+        require(self.k_min <= self.k_max, ConfigError,
+                f"k_min={self.k_min} exceeds k_max={self.k_max}; raise k_max or lower k_min.")
+        require(self.mass_inflation >= 2.0, ConfigError,
+                f"mass_inflation={self.mass_inflation} would not bound the tail mass; use 2 or 3.")
+
+    def choose_k(self, p: torch.Tensor, quantized: torch.Tensor, order: torch.Tensor):
+        """``K* = clamp(min{K : C_K >= tau_cov}, K_min, K_max)``, at most the quantized count."""
+        k = coverage_k(p, quantized, order, self.tau_cov)
+        n_quantized = int(quantized.sum())
+        return k.clamp(self.k_min, self.k_max).clamp(max=n_quantized)
+
+    def promoted(self, order: torch.Tensor, k: torch.Tensor, quantized: torch.Tensor, group: int):
+        """FP16-key mask ``[Hq, n]`` for ranks below ``k`` (union per KV group if configured)."""
+        mask = mask_top(order, k, quantized)
+        return union_by_kv_group(mask, group) if self.kv_group_union else mask

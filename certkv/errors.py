@@ -1,0 +1,33 @@
+"""User-facing errors: each message is one sentence that names the fix."""
+
+from __future__ import annotations
+
+
+class CertKVError(ValueError):
+    """Base class for errors a user can cause (bad shapes, bad config, missing data)."""
+
+
+class ShapeError(CertKVError):
+    """A tensor has the wrong rank, size or head layout."""
+
+
+class ConfigError(CertKVError):
+    """A component was built with an invalid parameter."""
+
+
+class NonFiniteError(CertKVError):
+    """An input holds NaN or Inf."""
+
+
+class EmptyStoreError(CertKVError):
+    """Attention was asked of a store that holds no tokens."""
+
+
+class Tier2UnavailableError(CertKVError):
+    """FP16 originals needed for promotion or fallback are missing: never answer uncertified."""
+
+
+def require(condition: bool, error: type[CertKVError], message: str) -> None:
+    """Raise ``error(message)`` unless ``condition`` holds."""
+    if not condition:
+        raise error(message)

@@ -1,0 +1,97 @@
+"""PyTorch reference of the two phases (paper Algorithm 1) and the dense fallback.
+
+Runs on any device and is the oracle the Triton kernels are tested against. Shapes use
+``Hkv`` kv heads, ``G = Hq / Hkv`` query heads per kv head, ``n`` blocks of ``B`` token slots
+(empty slots of the partial tail block hold ``-inf`` scores), head dimension ``d``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+def block_scores(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float):
+    """Token logits ``s_{b,t} = scaling * q . k_{b,t}`` (Alg. 1 Phase 1), FP32.
+
+    Args:
+        q: ``[Hkv, G, d]``; keys: ``[Hkv, n, B, d]`` FP32; valid: ``[n, B]`` bool.
+    Returns:
+        ``[Hkv, G, n, B]`` with ``-inf`` on empty slots.
+    """
+    s = torch.einsum("kgd,kntd->kgnt", q.float(), keys.float()) * scaling
+    return s.masked_fill(~valid, float("-inf"))
+
+
+def block_log_mass(scores: torch.Tensor) -> torch.Tensor:
+    """Unnormalised block log-mass ``l_b = m_b + log sum_t exp(s_{b,t} - m_b)``: ``[..., n]``."""
+    return torch.logsumexp(scores, dim=-1)
+
+
+@dataclass
+class Attended:
+    """Phase-2 result: ``out [Hkv, G, d]``; block masses ``rho`` and log-masses ``[Hkv, G, n]``."""
+
+    out: torch.Tensor
+    rho: torch.Tensor
+    log_mass: torch.Tensor
+
+
+def attend(scores: torch.Tensor, values: torch.Tensor, fp64_scalars: bool = False) -> Attended:
+    """Phase 2 (Alg. 1): softmax-weighted sum over all blocks, split per block then reduced by
+    log-sum-exp (the online-softmax state of each block combined exactly, as in split-KV decode).
+
+    The softmax scalars (block max ``m_b``, sums ``l_b``, masses ``rho_b``) are FP32, or FP64 with
+    ``fp64_scalars`` (paper 9.10); the output accumulator is FP32.
+
+    Args:
+        scores: ``[Hkv, G, n, B]`` logits (``-inf`` on empty slots).
+        values: ``[Hkv, n, B, d]`` FP32.
+    """
+    scalar = torch.float64 if fp64_scalars else torch.float32
+    s = scores.to(scalar)
+    m_b = s.amax(dim=-1)  # [Hkv, G, n]
+    w = torch.exp(s - m_b.unsqueeze(-1))
+    l_b = w.sum(dim=-1)
+    o_b = torch.einsum("kgnt,kntd->kgnd", w.float(), values.float())
+    m = m_b.amax(dim=-1, keepdim=True)
+    alpha = torch.exp(m_b - m)
+    total = (alpha * l_b).sum(dim=-1, keepdim=True)
+    out = (alpha.float().unsqueeze(-1) * o_b).sum(dim=-2) / total.float()
+    rho = alpha * l_b / total
+    return Attended(out=out, rho=rho.float(), log_mass=(m_b + torch.log(l_b)).float())
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float):
+    """Dense SDPA on FP16 originals: the Dense baseline's code path and rungs 3-4 (paper 3.4).
+
+    Args:
+        q: ``[n, d]``; k, v: ``[h, N, d]`` with ``n`` a multiple of ``h`` (query head ``i`` reads
+            kv head ``i // (n / h)``, GQA without copying the cache).
+    Returns:
+        ``[n, d]`` in ``q``'s dtype (the originals are cast to it).
+    """
+    out = F.scaled_dot_product_attention(
+        q[None, :, None, :], k.to(q.dtype)[None], v.to(q.dtype)[None], scale=scaling,
+        enable_gqa=k.shape[0] != q.shape[0],
+    )
+    return out[0, :, 0, :]
+
+
+@dataclass
+class TorchBackend:
+    """Reference backend: every phase in PyTorch (CPU or CUDA)."""
+
+    fp64_scalars: bool = False
+    name: str = "torch"
+
+    def score(self, q, keys, valid, scaling):
+        return block_scores(q, keys, valid, scaling)
+
+    def attend(self, scores, values) -> Attended:
+        return attend(scores, values, self.fp64_scalars)
+
+    def dense(self, q, k, v, scaling):
+        return dense_attention(q, k, v, scaling)

@@ -1,0 +1,16 @@
+"""Codecs: FP16 blocks -> packed codes + metadata + a deterministic reconstruction bound."""
+
+from certkv.quant.base import Blocks, KeyCodec, ValueCodec
+from certkv.quant.fp16 import FP16KeyCodec, FP16ValueCodec
+from certkv.quant.int4_group import GroupAffineValueCodec
+from certkv.quant.int8_channel import ChannelAffineKeyCodec
+
+__all__ = [
+    "Blocks",
+    "ChannelAffineKeyCodec",
+    "FP16KeyCodec",
+    "FP16ValueCodec",
+    "GroupAffineValueCodec",
+    "KeyCodec",
+    "ValueCodec",
+]

@@ -1,0 +1,75 @@
+"""Codec interface: an FP16 block -> packed codes + metadata + a deterministic error bound.
+
+A codec turns blocks ``[Hkv, n, B, d]`` of FP16 originals into a dict of tensors whose leading
+dimensions are ``[Hkv, n]`` (codes and metadata, everything that lives in Tier-1). Byte accounting
+is the sum of those tensors' sizes, so it is exact by construction.
+
+Certification only needs one promise from a codec (paper 4.6, precondition P2):
+
+* key codecs bound the reconstruction error per channel: ``|k - k_hat| <= channel_bound`` for every
+  token of the block, which gives Delta_b (eq. 8);
+* value codecs bound it per token in l2: ``||v - v_hat||_2 <= token_bound``; the store additionally
+  measures the achieved per-token error exactly at write time (eta_b, Corollary 4.2).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+Blocks = dict[str, torch.Tensor]
+"""Codes and metadata of ``n`` blocks; every tensor has leading dimensions ``[Hkv, n]``."""
+
+FP32_EPS = 2.0**-24  # unit roundoff of float32
+
+
+def round_up_fp16(x: torch.Tensor) -> torch.Tensor:
+    """Cast a non-negative FP32 tensor to FP16, rounding up so a scale never shrinks."""
+    y = x.to(torch.float16)
+    low = y.float() < x
+    return torch.where(low, torch.nextafter(y, torch.full_like(y, float("inf"))), y)
+
+
+class KeyCodec(ABC):
+    """Quantizes key blocks; states a per-channel reconstruction bound (paper 2.3, eq. 2-3)."""
+
+    name: str = "key"
+    bits: int = 16
+
+    def validate(self, head_dim: int, block_size: int) -> None:  # noqa: B027 - optional hook
+        """Raise a ConfigError if this codec cannot handle the given shapes."""
+
+    @abstractmethod
+    def encode(self, k: torch.Tensor) -> Blocks:
+        """FP16 keys ``[Hkv, n, B, d]`` -> codes and metadata (leading dims ``[Hkv, n]``)."""
+
+    @abstractmethod
+    def decode(self, blocks: Blocks) -> torch.Tensor:
+        """Codes and metadata -> FP32 keys ``[Hkv, n, B, d]``."""
+
+    @abstractmethod
+    def channel_bound(self, blocks: Blocks) -> torch.Tensor:
+        """FP32 ``[Hkv, n, d]``: ``max_t |k[t, c] - k_hat[t, c]|`` is at most this, per channel."""
+
+
+class ValueCodec(ABC):
+    """Quantizes value blocks; states a per-token l2 reconstruction bound."""
+
+    name: str = "value"
+    bits: int = 16
+
+    def validate(self, head_dim: int, block_size: int) -> None:  # noqa: B027 - optional hook
+        """Raise a ConfigError if this codec cannot handle the given shapes."""
+
+    @abstractmethod
+    def encode(self, v: torch.Tensor) -> Blocks:
+        """FP16 values ``[Hkv, n, B, d]`` -> codes and metadata (leading dims ``[Hkv, n]``)."""
+
+    @abstractmethod
+    def decode(self, blocks: Blocks) -> torch.Tensor:
+        """Codes and metadata -> FP32 values ``[Hkv, n, B, d]``."""
+
+    @abstractmethod
+    def token_bound(self, blocks: Blocks) -> torch.Tensor:
+        """FP32 ``[Hkv, n, B]`` a-priori bound on ``||v_t - v_hat_t||_2`` from metadata alone."""

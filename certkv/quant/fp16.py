@@ -1,0 +1,48 @@
+"""FP16 passthrough codec: keeps the originals in Tier-1 (bound 0).
+
+Used for ablations such as "INT8 keys + FP16 values" (paper 9.4.1) and as the dense reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from certkv.quant.base import Blocks, KeyCodec, ValueCodec
+
+
+@dataclass
+class FP16KeyCodec(KeyCodec):
+    """Keys stored as FP16; Delta_b = 0."""
+
+    bits: int = 16
+    name: str = "fp16"
+
+    def encode(self, k: torch.Tensor) -> Blocks:
+        return {"data": k.to(torch.float16)}
+
+    def decode(self, blocks: Blocks) -> torch.Tensor:
+        return blocks["data"].float()
+
+    def channel_bound(self, blocks: Blocks) -> torch.Tensor:
+        data = blocks["data"]
+        return torch.zeros(*data.shape[:2], data.shape[-1], device=data.device)
+
+
+@dataclass
+class FP16ValueCodec(ValueCodec):
+    """Values stored as FP16; eta_b = 0."""
+
+    bits: int = 16
+    name: str = "fp16"
+
+    def encode(self, v: torch.Tensor) -> Blocks:
+        return {"data": v.to(torch.float16)}
+
+    def decode(self, blocks: Blocks) -> torch.Tensor:
+        return blocks["data"].float()
+
+    def token_bound(self, blocks: Blocks) -> torch.Tensor:
+        data = blocks["data"]
+        return torch.zeros(data.shape[:3], device=data.device)

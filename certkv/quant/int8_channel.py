@@ -1,0 +1,80 @@
+"""Per-channel, per-block affine key codec (paper 2.3, eq. 2-3; KVQuant-style).
+
+For a completed block with channel minimum ``l_c`` and maximum ``u_c`` the scale is
+``sigma_c = (u_c - l_c) / (2**bits - 1)`` and the offset ``z_c = l_c + 2**(bits-1) * sigma_c``, so
+every value of the block is representable without clipping and round-to-nearest gives
+``|k - k_hat| <= sigma_c / 2``. A constant channel (``u_c == l_c``) gets ``sigma_c = 0`` and
+reconstructs exactly. Scales and offsets are FP32 (``2d`` floats per block), codes are signed
+``bits``-wide integers (int8 storage at 8 bits, packed unsigned below that).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from certkv.quant.base import FP32_EPS, Blocks, KeyCodec
+from certkv.quant.packing import check_bits, pack_bits, unpack_bits
+
+# Headroom for FP32 rounding in encode/decode, relative to the magnitude being reconstructed:
+# a few ulps, far below sigma/2 for any real block, and enough to make the bound rigorous.
+_FP_SLACK = 16 * FP32_EPS
+
+
+@dataclass
+class ChannelAffineKeyCodec(KeyCodec):
+    """Keys: one FP32 scale and offset per channel per block; ``bits`` in {8, 4, 2}."""
+
+    bits: int = 8
+    name: str = "int8_channel"
+
+    def __post_init__(self) -> None:
+        check_bits(self.bits)
+
+    @property
+    def _half_range(self) -> int:
+        return 1 << (self.bits - 1)
+
+    def validate(self, head_dim: int, block_size: int) -> None:
+        if self.bits < 8:
+            # raises a ConfigError if head_dim cannot be packed at this width
+            pack_bits(torch.zeros(1, head_dim, dtype=torch.uint8), self.bits)
+
+    def encode(self, k: torch.Tensor) -> Blocks:
+        x = k.float()
+        lo = x.amin(dim=-2, keepdim=True)
+        hi = x.amax(dim=-2, keepdim=True)
+        scale = (hi - lo) / ((1 << self.bits) - 1)
+        offset = lo + self._half_range * scale
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        codes = torch.round((x - offset) / safe)
+        codes = codes.clamp(-self._half_range, self._half_range - 1).to(torch.int16)
+        return {
+            "codes": self._store_codes(codes),
+            "scale": scale.squeeze(-2),
+            "offset": offset.squeeze(-2),
+        }
+
+    def _store_codes(self, codes: torch.Tensor) -> torch.Tensor:
+        if self.bits == 8:
+            return codes.to(torch.int8)
+        return pack_bits((codes + self._half_range).to(torch.uint8), self.bits)
+
+    def codes(self, blocks: Blocks) -> torch.Tensor:
+        """Signed integer codes ``[Hkv, n, B, d]`` (int16) of stored blocks."""
+        stored = blocks["codes"]
+        if self.bits == 8:
+            return stored.to(torch.int16)
+        return unpack_bits(stored, self.bits).to(torch.int16) - self._half_range
+
+    def decode(self, blocks: Blocks) -> torch.Tensor:
+        scale = blocks["scale"].unsqueeze(-2)
+        offset = blocks["offset"].unsqueeze(-2)
+        return self.codes(blocks).float() * scale + offset
+
+    def channel_bound(self, blocks: Blocks) -> torch.Tensor:
+        scale, offset = blocks["scale"], blocks["offset"]
+        magnitude = offset.abs() + self._half_range * scale
+        bound = scale / 2 + _FP_SLACK * magnitude
+        return torch.where(scale > 0, bound, torch.zeros_like(bound))  # constant channel: exact

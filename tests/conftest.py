@@ -1,0 +1,20 @@
+import os
+import sys
+
+import pytest
+import torch
+from hypothesis import settings
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+settings.register_profile("ci", deadline=None, print_blob=True)
+settings.load_profile("ci")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,70 @@
+"""Runtime checks (paper 6, 6.1): constructed ranking swaps, boundary violations, canary."""
+
+from __future__ import annotations
+
+import torch
+
+from certkv.certify.checks import boundary_ok, canary_ok, exploration_mask, ranking_consistent
+
+ALL = torch.tensor([[True, True, True, False]])
+
+
+def test_ranking_check_fires_on_a_swap():
+    l8 = torch.tensor([[5.0, 4.9, 1.0, 0.0]])
+    same = torch.tensor([[5.1, 4.8, 1.2, 0.0]])
+    swapped = torch.tensor([[4.8, 5.1, 1.2, 0.0]])
+    assert ranking_consistent(l8, same, ALL, r=1).all()
+    assert not ranking_consistent(l8, swapped, ALL, r=1).any()
+    # a swap below depth r is tolerated, at depth 3 it is not
+    lower = torch.tensor([[5.1, 4.8, 4.9, 0.0]])
+    l8b = torch.tensor([[5.0, 4.0, 3.9, 0.0]])
+    assert ranking_consistent(l8b, lower, ALL, r=1).all()
+    assert not ranking_consistent(l8b, lower, ALL, r=3).any()
+
+
+def test_ranking_ignores_unpromoted_blocks_and_short_sets():
+    l8 = torch.tensor([[1.0, 9.0, 2.0, 0.0]])
+    l16 = torch.tensor([[1.0, -9.0, 2.0, 0.0]])
+    promoted = torch.tensor([[True, False, True, False]])
+    assert ranking_consistent(l8, l16, promoted, r=1).all()
+    assert ranking_consistent(l8, l16, promoted, r=5).all()  # only 2 promoted: compare those
+
+
+def test_boundary_check_fires_when_a_tail_block_could_enter_top_r():
+    l8 = torch.tensor([[5.0, 4.0, 3.0, 4.6]])
+    l16 = torch.tensor([[5.0, 4.0, 3.0, 0.0]])
+    delta = torch.tensor([[0.1, 0.1, 0.1, 0.3]])
+    promoted = torch.tensor([[True, True, True, False]])
+    tail = ~promoted
+    assert boundary_ok(l8, l16, delta, promoted, tail, r=1).all()  # 4.9 <= 5.0
+    assert not boundary_ok(l8, l16, delta, promoted, tail, r=2).any()  # 4.9 > 4.0
+    bigger = torch.tensor([[0.1, 0.1, 0.1, 0.5]])
+    assert not boundary_ok(l8, l16, bigger, promoted, tail, r=1).any()  # 5.1 > 5.0
+
+
+def test_boundary_cannot_certify_with_too_few_promoted_blocks():
+    l8 = torch.tensor([[5.0, -10.0]])
+    promoted = torch.tensor([[True, False]])
+    assert not boundary_ok(l8, l8, torch.zeros(1, 2), promoted, ~promoted, r=2).any()
+    no_tail = torch.tensor([[True, True]])
+    assert boundary_ok(l8, l8, torch.zeros(1, 2), no_tail, ~no_tail, r=3).all()
+
+
+def test_canary_detects_scores_outside_delta():
+    s8 = torch.tensor([[[1.0, 2.0], [3.0, float("-inf")]]])
+    delta = torch.tensor([[0.1, 0.1]])
+    checked = torch.tensor([[True, True]])
+    assert canary_ok(s8, s8 + 0.09, delta, checked, 1e-6).all()
+    bad = s8.clone()
+    bad[0, 1, 0] += 0.5
+    assert not canary_ok(s8, bad, delta, checked, 1e-6).any()
+    assert canary_ok(s8, bad, delta, torch.tensor([[True, False]]), 1e-6).all()  # unchecked
+
+
+def test_exploration_draws_only_tail_blocks():
+    tail = torch.tensor([[True, False, True, True] * 50])
+    gen = torch.Generator().manual_seed(0)
+    picked = exploration_mask(tail, 0.3, gen)
+    assert (picked <= tail).all()
+    assert 0.15 < picked.sum() / tail.sum() < 0.45
+    assert not exploration_mask(tail, 0.0, gen).any()

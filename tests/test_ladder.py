@@ -1,0 +1,195 @@
+"""Each rung of the fallback ladder (paper 3.4), driven through CertifiedAttention."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import dense_reference, make_kv, make_query
+from test_contract import check_contract
+
+from certkv import (
+    AdaptiveTopK,
+    CertifiedAttention,
+    ChannelAffineKeyCodec,
+    Ladder,
+    LocalThreshold,
+    NoValuePromotion,
+    TieredKVStore,
+)
+from certkv.errors import ConfigError, Tier2UnavailableError
+
+
+def store_with(n=256, d=32, hkv=2, seed=0, key_bits=8, **kv):
+    k, v = make_kv(hkv, n, d, seed=seed, **kv)
+    store = TieredKVStore(hkv, d, key_codec=ChannelAffineKeyCodec(bits=key_bits))
+    store.append(k, v)
+    return store, k
+
+
+def test_rung0_fast_path():
+    store, k = store_with()
+    q = make_query(k, 2, scale=0.01)  # near-uniform attention, tiny Delta
+    attn = CertifiedAttention(selector=AdaptiveTopK(tau_cov=0.5, k_min=0, k_max=64),
+                              value_policy=NoValuePromotion())
+    _, cert = attn(q, store)
+    assert (cert.rung == 0).all() and cert.value_promotions == 0
+    check_contract(store, q, attn)
+
+
+def test_rung1_expands_k_star_when_the_tail_misses_coverage():
+    store, k = store_with(n=512)
+    q = make_query(k, 2, scale=0.2)  # flat: coverage needs most blocks, k_max caps at 3
+    attn = CertifiedAttention(selector=AdaptiveTopK(k_min=0, k_max=3),
+                              value_policy=NoValuePromotion())
+    _, cert = attn(q, store)
+    assert (cert.rung == 1).all()
+    assert (cert.k_star == 6).all()  # doubled to 2 * k_max
+    no_expand = CertifiedAttention(selector=AdaptiveTopK(k_min=0, k_max=3),
+                                   value_policy=NoValuePromotion(), ladder=Ladder(expand=False))
+    _, base = no_expand(q, store)
+    assert (base.k_star == 3).all() and (base.tail_mass > cert.tail_mass).all()
+    capped = CertifiedAttention(selector=AdaptiveTopK(k_min=0, k_max=3),
+                                value_policy=NoValuePromotion(), ladder=Ladder(k_max=4))
+    assert (capped(q, store)[1].k_star == 4).all()
+    check_contract(store, q, attn)
+
+
+def test_rung2_promotes_values_and_lowers_e_val():
+    store, k = store_with(heavy_tail=True)
+    q = make_query(k, 2, scale=2.0, peaked=True)
+    never = CertifiedAttention(value_policy=NoValuePromotion())
+    always = CertifiedAttention(value_policy=LocalThreshold(v_tol=0.0))
+    _, c0 = never(q, store)
+    _, c1 = always(q, store)
+    assert c1.value_promotions > 0 and (c1.rung[c1.rung < 3] == 2).all()
+    assert (c1.candidate_e_val <= c0.candidate_e_val + 1e-6).all()
+    assert float(c1.candidate_e_val.max()) < 1e-6  # every block with error read in FP16
+    check_contract(store, q, always)
+
+
+def _find(seeds, predicate, make):
+    for seed in seeds:
+        case = make(seed)
+        if predicate(case):
+            return case
+    pytest.fail("no seed produced the constructed condition")
+
+
+def test_rung3_boundary_failure_returns_dense_for_that_head():
+    """Head 0 attends sharply to one token (its top block is certified); head 1 is flat, so INT8
+    tail blocks could outrank its single promoted block (eq. 18) and it falls back alone."""
+    store, k = store_with(n=128, hkv=1, key_bits=4)
+    needle = k[0, 70] / k[0, 70].norm()
+    flat = make_query(k, 1, seed=1, scale=0.3)[0]
+    q = torch.stack([needle * 40.0, flat])
+    attn = CertifiedAttention(selector=AdaptiveTopK(tau_cov=0.0, k_min=1, k_max=1),
+                              ladder=Ladder(expand=False))
+    out, cert = attn(q, store)
+    assert cert.boundary_ok.tolist() == [True, False]
+    assert cert.rung[1] == 3 and cert.rung[0] < 3
+    assert cert.e_key[1] == 0 and cert.candidate_e_key[1] > 0
+    torch.testing.assert_close(out[1], dense_reference(q, store)[1], rtol=1e-6, atol=1e-6)
+    check_contract(store, q, attn)
+
+
+def test_rung3_ranking_failure_returns_dense_for_that_head():
+    def make(seed):
+        store, k = store_with(n=96, d=16, seed=seed, key_bits=2)
+        q = make_query(k, 3, seed=seed, scale=3.0)
+        attn = CertifiedAttention(selector=AdaptiveTopK(tau_cov=1.0, k_min=0, k_max=128),
+                                  ladder=Ladder(r=3))
+        out, cert = attn(q, store)
+        return store, q, attn, out, cert
+
+    def some_heads_fail(case):
+        ok = case[4].ranking_ok
+        return bool((~ok).any() and ok.any())
+
+    store, q, attn, out, cert = _find(range(200), some_heads_fail, make)
+    flagged = ~cert.ranking_ok
+    assert (cert.rung[flagged] == 3).all()
+    torch.testing.assert_close(out[flagged], dense_reference(q, store)[flagged],
+                               rtol=1e-6, atol=1e-6)
+    check_contract(store, q, attn)
+
+
+def test_rung4_canary_detects_corrupted_metadata():
+    store, k = store_with(n=128)
+    q = make_query(k, 2, scale=2.0, peaked=True)
+    attn = CertifiedAttention(ladder=Ladder(exploration=1.0))  # spot-check every block
+    _, clean = attn(q, store)
+    assert clean.canary_ok.all() and (clean.rung < 4).all()
+    store.key_blocks()["offset"][0, 3] += 0.5  # stale / corrupted offsets of one block
+    out, cert = attn(q, store)
+    assert not cert.canary_ok.all()
+    assert (cert.rung == 4).all() and (cert.e_key == 0).all() and (cert.e_val == 0).all()
+    torch.testing.assert_close(out, dense_reference(q, store), rtol=1e-6, atol=1e-6)
+
+
+def test_rung4_when_too_many_heads_need_dense():
+    store, k = store_with(n=128, key_bits=2)
+    q = make_query(k, 2, scale=1.0)
+    attn = CertifiedAttention(selector=AdaptiveTopK(tau_cov=0.0, k_min=1, k_max=1),
+                              ladder=Ladder(expand=False, layer_dense_fraction=0.01))
+    out, cert = attn(q, store)
+    assert (cert.rung == 4).all()
+    torch.testing.assert_close(out, dense_reference(q, store), rtol=1e-6, atol=1e-6)
+
+
+def test_missing_tier2_raises_instead_of_answering_uncertified():
+    store, k = store_with(n=128)
+    q = make_query(k, 2, scale=2.0, peaked=True)
+    store.drop_originals()
+    with pytest.raises(Tier2UnavailableError, match="keep_originals=True"):
+        CertifiedAttention()(q, store)
+    out, cert = CertifiedAttention(mode="naive")(q, store)  # needs no originals
+    assert torch.isfinite(out).all() and (cert.rung == 0).all()
+
+
+def test_modes_share_the_store():
+    store, k = store_with(n=200, key_bits=2, outlier_channels=3)
+    q = make_query(k, 2, scale=3.0, peaked=True)
+    dense_out, dense_cert = CertifiedAttention(mode="dense")(q, store)
+    torch.testing.assert_close(dense_out, dense_reference(q, store), rtol=0, atol=0)
+    assert (dense_cert.rung == 4).all() and (dense_cert.bound == 0).all()
+    naive_out, naive = CertifiedAttention(mode="naive")(q, store)
+    cert_out, cert = CertifiedAttention()(q, store)
+    naive_err = (naive_out - dense_out).norm(dim=-1)
+    cert_err = (cert_out - dense_out).norm(dim=-1)
+    assert cert_err.mean() < naive_err.mean()
+    assert (cert.candidate_e_key <= naive.candidate_e_key + 1e-6).all()
+    assert (naive.k_star == 0).all() and naive.value_promotions == 0
+
+
+def test_fp64_scalars_option_agrees():
+    from certkv.kernels.reference import TorchBackend
+
+    store, k = store_with(n=300)
+    q = make_query(k, 2, scale=2.0)
+    a, ca = CertifiedAttention()(q, store)
+    b, cb = CertifiedAttention(backend=TorchBackend(fp64_scalars=True))(q, store)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert torch.equal(ca.rung, cb.rung)
+
+
+def test_summary_is_plain_numbers():
+    store, k = store_with()
+    _, cert = CertifiedAttention()(make_query(k, 2), store)
+    summary = cert.summary()
+    assert summary["heads"] == 4 and summary["mode"] == "certified"
+    assert all(isinstance(v, int | float | str) for v in summary.values())
+    assert sum(summary[f"rung{r}"] for r in range(5)) == 4
+    assert math.isfinite(summary["e_key_max"])
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"expand_factor": 0.5}, "expand_factor=0.5"),
+    ({"r": 0}, "r=0 must be a positive integer"),
+    ({"exploration": 2.0}, "exploration=2.0 must lie in"),
+    ({"layer_dense_fraction": 0.0}, "layer_dense_fraction=0.0"),
+])
+def test_bad_ladder_config(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        Ladder(**kwargs)

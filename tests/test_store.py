@@ -1,0 +1,122 @@
+"""TieredKVStore: atomic block quantization, tiers, annotations, byte accounting, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import make_kv
+
+from certkv import ChannelAffineKeyCodec, GroupAffineValueCodec, TieredKVStore
+from certkv.errors import ConfigError, NonFiniteError, ShapeError, Tier2UnavailableError
+
+
+def test_streaming_append_equals_bulk_append():
+    k, v = make_kv(3, 75, 32, seed=1, outlier_channels=2)
+    bulk = TieredKVStore(3, 32, block_size=8, value_group=8)
+    bulk.append(k, v)
+    stream = TieredKVStore(3, 32, block_size=8, value_group=8)
+    for t in range(75):
+        stream.append(k[:, t : t + 1], v[:, t : t + 1])
+    mixed = TieredKVStore(3, 32, block_size=8, value_group=8)
+    for chunk in torch.tensor_split(torch.arange(75), [5, 6, 30, 31]):
+        mixed.append(k[:, chunk], v[:, chunk])
+    for other in (stream, mixed):
+        assert other.num_tokens == bulk.num_tokens == 75
+        assert other.num_blocks == 9 and other.tail_len == 3
+        for a, b in ((bulk.key_blocks(), other.key_blocks()),
+                     (bulk.value_blocks(), other.value_blocks())):
+            assert a.keys() == b.keys()
+            for name in a:
+                assert torch.equal(a[name], b[name]), name
+        assert torch.equal(bulk.eta, other.eta) and torch.equal(bulk.nu, other.nu)
+        for x, y in zip(bulk.dense_kv(), other.dense_kv(), strict=True):
+            assert torch.equal(x, y)
+
+
+def test_blocks_are_quantized_from_their_own_tokens_and_never_updated():
+    k, v = make_kv(1, 48, 16, seed=2)
+    store = TieredKVStore(1, 16, block_size=16)
+    store.append(k[:, :16], v[:, :16])
+    first = {n: t.clone() for n, t in store.key_blocks().items()}
+    store.append(k[:, 16:] * 100, v[:, 16:] * 100)  # wildly different later tokens
+    for name, t in first.items():
+        assert torch.equal(store.key_blocks()[name][:, :1], t)
+    alone = ChannelAffineKeyCodec().encode(k[:, :16].half().reshape(1, 1, 16, 16))
+    assert torch.equal(alone["scale"], first["scale"])
+
+
+def test_tail_stays_fp16_and_tier2_holds_originals():
+    k, v = make_kv(2, 21, 16, seed=3)
+    store = TieredKVStore(2, 16, block_size=8, value_group=8)
+    store.append(k, v)
+    tail_k, tail_v = store.tail()
+    assert tail_k.shape == (2, 5, 16) and tail_k.dtype == torch.float16
+    assert torch.equal(tail_k, k[:, 16:].half()) and torch.equal(tail_v, v[:, 16:].half())
+    dense_k, dense_v = store.dense_kv()
+    assert torch.equal(dense_k, k.half()) and torch.equal(dense_v, v.half())
+    kk, vv = store.fetch_originals(torch.tensor([1, 0]), torch.tensor([0, 1]))
+    assert torch.equal(kk[0], k[1, :8].half()) and torch.equal(vv[1], v[0, 8:16].half())
+
+
+def test_annotations_are_exact_upper_bounds():
+    k, v = make_kv(2, 64, 32, seed=4, heavy_tail=True)
+    store = TieredKVStore(2, 32, block_size=16)
+    store.append(k, v)
+    v16 = v.half().double().reshape(2, 4, 16, 32)
+    err = (store.dequantized_values().double() - v16).norm(dim=-1).amax(dim=-1)
+    assert (store.eta.double() >= err).all()
+    assert (store.eta.double() - err).abs().max() <= 1e-6 * err.max()
+    norm = v16.norm(dim=-1).amax(dim=-1)
+    assert (store.nu.double() >= norm).all()
+
+
+@pytest.mark.parametrize(("d", "per_token"), [(128, 288), (64, 144)])
+def test_byte_accounting_matches_table_13(d, per_token):
+    k, v = make_kv(2, 160, d, seed=5)
+    store = TieredKVStore(2, d)  # paper defaults: B=16, g=16, INT8 keys, INT4 values
+    store.append(k, v)
+    tokens = store.num_tokens * store.num_kv_heads
+    assert store.tier1_bytes() == per_token * tokens
+    assert store.tier1_bytes() / store.dense_bytes() == pytest.approx(per_token / (4 * d))
+    assert store.tier2_bytes() == store.dense_bytes() == 4 * d * tokens
+    assert store.annotation_bytes() == 8 * store.num_blocks * store.num_kv_heads
+    store.append(k[:, :3], v[:, :3])
+    assert store.tail_bytes() == 4 * d * 3 * 2
+    assert store.device_bytes() == (store.tier1_bytes() + store.annotation_bytes()
+                                    + store.tail_bytes())
+
+
+def test_dropping_tier2_refuses_promotion():
+    k, v = make_kv(1, 32, 16, seed=6)
+    store = TieredKVStore(1, 16)
+    store.append(k, v)
+    store.drop_originals()
+    with pytest.raises(Tier2UnavailableError, match="keep_originals=True"):
+        store.dense_kv()
+    assert store.tier2_bytes() == 0
+
+
+@pytest.mark.parametrize(("k", "v", "error", "match"), [
+    (torch.zeros(2, 4), torch.zeros(2, 4), ShapeError, "3-D tensor"),
+    (torch.zeros(3, 4, 16), torch.zeros(3, 4, 16), ShapeError, "expects"),
+    (torch.zeros(2, 4, 8), torch.zeros(2, 4, 8), ShapeError, "expects"),
+    (torch.zeros(2, 4, 16), torch.zeros(2, 3, 16), ShapeError, "same number"),
+    (torch.zeros(2, 0, 16), torch.zeros(2, 0, 16), ShapeError, "T >= 1"),
+    (torch.zeros(2, 4, 16, dtype=torch.long), torch.zeros(2, 4, 16), ShapeError, "floating"),
+    (torch.full((2, 4, 16), float("nan")), torch.zeros(2, 4, 16), NonFiniteError, "NaN"),
+    (torch.zeros(2, 4, 16), torch.full((2, 4, 16), 1e6), NonFiniteError, "FP16 range"),
+])
+def test_bad_append_gives_one_clear_sentence(k, v, error, match):
+    store = TieredKVStore(2, 16)
+    with pytest.raises(error, match=match):
+        store.append(k, v)
+    assert store.num_tokens == 0
+
+
+def test_bad_store_configuration_names_the_fix():
+    with pytest.raises(ConfigError, match="does not divide head_dim=24"):
+        TieredKVStore(1, 24, value_group=16)
+    with pytest.raises(ConfigError, match="block_size=0 must be a positive integer"):
+        TieredKVStore(1, 16, block_size=0)
+    with pytest.raises(ConfigError, match="multiple of 4"):
+        TieredKVStore(1, 6, value_group=2, value_codec=GroupAffineValueCodec(bits=2, group=2))
