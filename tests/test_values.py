@@ -1,0 +1,56 @@
+"""Value policies (paper 3.4 rung 2, Corollary 4.2)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import make_kv, make_query
+from hypothesis import given
+from hypothesis import strategies as st
+
+from certkv import CertifiedAttention, GreedyBudget, LocalThreshold, NoValuePromotion, TieredKVStore
+from certkv.errors import ConfigError
+
+
+def test_local_threshold_is_per_block():
+    log_p = torch.tensor([[0.5, 0.3, 0.2]]).log()
+    eta = torch.tensor([[0.2, 0.1, 0.5]])
+    mask = LocalThreshold(v_tol=0.05).select(log_p, eta, torch.zeros(1))
+    assert mask.tolist() == [[True, False, True]]  # 0.10 > 0.05, 0.03 <= 0.05, 0.10 > 0.05
+
+
+def test_greedy_budget_promotes_largest_contributions_first():
+    log_p = torch.tensor([[0.5, 0.3, 0.2]]).log()
+    eta = torch.tensor([[0.2, 0.1, 0.5]])  # contributions 0.10, 0.03, 0.10 (Delta = 0)
+    assert GreedyBudget(0.05).select(log_p, eta, torch.zeros(1)).tolist() == [[True, False, True]]
+    assert GreedyBudget(0.13).select(log_p, eta, torch.zeros(1)).sum() == 1
+    assert not GreedyBudget(0.5).select(log_p, eta, torch.zeros(1)).any()
+    assert not NoValuePromotion().select(log_p, eta, torch.zeros(1)).any()
+
+
+@given(seed=st.integers(0, 1000), budget=st.sampled_from([0.0, 0.01, 0.05, 0.2]),
+       scale=st.sampled_from([0.3, 2.0, 10.0]))
+def test_greedy_budget_bounds_the_achieved_e_val(seed, budget, scale):
+    """The hard-budget policy guarantees E_val <= budget on every fast-path head (Cor. 4.2 with
+    the Lemma A.1 upper bound on Phase-2 block masses)."""
+    k, v = make_kv(2, 200, 32, seed=seed, heavy_tail=seed % 2 == 0)
+    store = TieredKVStore(2, 32, block_size=8, value_group=8)
+    store.append(k, v)
+    q = make_query(k, 2, seed=seed, scale=scale, peaked=seed % 3 == 0)
+    _, cert = CertifiedAttention(value_policy=GreedyBudget(budget))(q, store)
+    fast = cert.rung < 3
+    assert (cert.e_val[fast] <= budget * (1 + 1e-5) + 1e-7).all()
+
+
+@pytest.mark.parametrize("policy", [lambda: LocalThreshold(-1), lambda: GreedyBudget(-0.1)])
+def test_negative_tolerances_rejected(policy):
+    with pytest.raises(ConfigError, match="must be >= 0"):
+        policy()
+
+
+def test_infinite_tolerance_never_promotes():
+    log_p = torch.tensor([[0.9, 0.1]]).log()
+    eta = torch.tensor([[1e6, 1e6]])
+    assert not LocalThreshold(math.inf).select(log_p, eta, torch.zeros(1)).any()
