@@ -47,17 +47,15 @@ class _Layout:
         tail_k, tail_v = store.tail()
         t = tail_k.shape[1]
         valid = torch.ones(nq + (t > 0), bsz, dtype=torch.bool, device=store.device)
-        eta, nu = store.eta, store.nu
+        eta = store.eta
         if t:
             keys = torch.cat([keys, _pad_block(tail_k, bsz)], dim=1)
             values = torch.cat([values, _pad_block(tail_v, bsz)], dim=1)
             valid[-1, t:] = False
             eta = torch.cat([eta, torch.zeros(hkv, 1, device=store.device)], dim=1)
-            tail_norm = tail_v.double().norm(dim=-1).amax(dim=-1, keepdim=True).float() * (1 + 1e-6)
-            nu = torch.cat([nu, tail_norm], dim=1)
         quantized = torch.arange(valid.shape[0], device=store.device) < nq
         return cls(keys, values, valid, quantized, store.key_channel_bound(), eta,
-                   nu.amax(dim=1))
+                   store.value_norm_max())
 
 
 def _pad_block(x: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -223,6 +223,17 @@ class TieredKVStore:
         """``[Hkv, n_blocks]`` max per-token value l2 norm (Theorem 4.3's V_max per block)."""
         return self._annotations.view()["nu"]
 
+    def value_norm_max(self) -> torch.Tensor:
+        """``[Hkv]`` upper bound on ``max_t ||v_t||_2`` over every token (V_max, Theorem 4.3)."""
+        norms = [self.nu]
+        if self.tail_len:
+            tail_norm = self.tail()[1].double().norm(dim=-1).amax(dim=-1, keepdim=True)
+            norms.append(_round_up_fp32(tail_norm))
+        norms = torch.cat(norms, dim=1)
+        if norms.shape[1] == 0:
+            return torch.zeros(self.num_kv_heads, device=self.device)
+        return norms.amax(dim=1)
+
     def tail(self) -> tuple[torch.Tensor, torch.Tensor]:
         """FP16 keys and values of the partial tail block, ``[Hkv, tail_len, d]`` each."""
         return self._tail_k[:, : self.tail_len], self._tail_v[:, : self.tail_len]
