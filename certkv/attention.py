@@ -12,9 +12,11 @@ quantized blocks followed, if present, by the exact FP16 partial tail block.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
+from certkv.cache.scratch import ScratchCache
 from certkv.cache.store import TieredKVStore
 from certkv.certify.bounds import block_deltas, key_error_bound, tail_mass_bound, value_error_bound
 from certkv.certify.certificate import Certificate
@@ -42,15 +44,20 @@ class _Layout:
 
     @classmethod
     def from_store(cls, store: TieredKVStore) -> _Layout:
-        keys, values = store.dequantized_keys(), store.dequantized_values()
         hkv, nq, bsz = store.num_kv_heads, store.num_blocks, store.block_size
-        tail_k, tail_v = store.tail()
-        t = tail_k.shape[1]
+        t = store.tail_len
         valid = torch.ones(nq + (t > 0), bsz, dtype=torch.bool, device=store.device)
         eta = store.eta
+        mirrored = store.decoded_with_tail()
+        if mirrored is not None:
+            keys, values = mirrored
+        else:
+            keys, values = store.dequantized_keys(), store.dequantized_values()
         if t:
-            keys = torch.cat([keys, _pad_block(tail_k, bsz)], dim=1)
-            values = torch.cat([values, _pad_block(tail_v, bsz)], dim=1)
+            if mirrored is None:
+                tail_k, tail_v = store.tail()
+                keys = torch.cat([keys, _pad_block(tail_k, bsz)], dim=1)
+                values = torch.cat([values, _pad_block(tail_v, bsz)], dim=1)
             valid[-1, t:] = False
             eta = torch.cat([eta, torch.zeros(hkv, 1, device=store.device)], dim=1)
         quantized = torch.arange(valid.shape[0], device=store.device) < nq
@@ -99,15 +106,20 @@ class CertifiedAttention:
 
     # ----------------------------------------------------------------- entry
     def __call__(
-        self, q: torch.Tensor, store: TieredKVStore, scaling: float | None = None
+        self, q: torch.Tensor, store: TieredKVStore, scaling: float | None = None,
+        scratch: ScratchCache | None = None,
     ) -> tuple[torch.Tensor, Certificate]:
-        """One decode step: ``q [Hq, d]`` against ``store`` -> ``(out [Hq, d], Certificate)``."""
+        """One decode step: ``q [Hq, d]`` against ``store`` -> ``(out [Hq, d], Certificate)``.
+
+        ``scratch`` (optional) serves promoted FP16 blocks from device memory before Tier-2.
+        """
         self._check(q, store)
         scaling = store.head_dim**-0.5 if scaling is None else float(scaling)
         q_dev = q.to(store.device)
         if self.mode == "dense":
             return self._dense_step(q_dev, store, scaling)
-        return self._quantized_step(q_dev, store, scaling)
+        fetch = store.fetch_originals if scratch is None else partial(scratch.fetch, store)
+        return self._quantized_step(q_dev, store, scaling, fetch)
 
     def _check(self, q: torch.Tensor, store: TieredKVStore) -> None:
         require(isinstance(q, torch.Tensor) and q.dim() == 2, ShapeError,
@@ -149,7 +161,7 @@ class CertifiedAttention:
         return self.backend.dense(q[heads], k16[gather], v16[gather], scaling)
 
     # -------------------------------------------------------- quantized modes
-    def _quantized_step(self, q, store, scaling):
+    def _quantized_step(self, q, store, scaling, fetch):
         lay = _Layout.from_store(store)
         hq, hkv = q.shape[0], store.num_kv_heads
         group = hq // hkv
@@ -174,7 +186,7 @@ class CertifiedAttention:
         value_kv = self._value_promotion(log_p, lay.eta, delta, quantized, group, certified)
 
         # Page-in and Phase 2 (mask-gated keys, FP16 values where promoted).
-        s2, values = self._page_in(store, lay, qg, s8, promoted, value_kv, scaling, group)
+        s2, values = self._page_in(fetch, lay, qg, s8, promoted, value_kv, scaling, group)
         att = self.backend.attend(s2, values)
         out = att.out.reshape(hq, -1)
         rho = att.rho.reshape(hq, -1)
@@ -247,19 +259,20 @@ class CertifiedAttention:
         chosen = self.value_policy.select(log_p, eta_q, delta) & quantized & (eta_q > 0)
         return chosen.reshape(hkv, group, -1).any(dim=1)
 
-    def _page_in(self, store, lay, qg, s8, promoted, value_kv, scaling, group):
-        """Fetch FP16 keys/values of promoted blocks from Tier-2 and build Phase-2 inputs.
+    def _page_in(self, fetch, lay, qg, s8, promoted, value_kv, scaling, group):
+        """Fetch FP16 keys/values of promoted blocks (``fetch``: Tier-2 or the scratch cache)
+        and build Phase-2 inputs.
 
         Returns mask-gated logits ``[Hkv, G, n, B]`` (FP16 keys on promoted blocks, INT8
         elsewhere; the exact tail block is already exact) and values ``[Hkv, n, B, d]``.
         """
-        hkv = store.num_kv_heads
+        hkv = qg.shape[0]
         promoted_kv = promoted.reshape(hkv, group, -1)
         need_keys = promoted_kv.any(dim=1) & lay.quantized
         s2 = s8
         if bool(need_keys.any()):
             kv_idx, blk_idx = need_keys.nonzero(as_tuple=True)
-            k16, _ = store.fetch_originals(kv_idx, blk_idx, which="k")
+            k16, _ = fetch(kv_idx, blk_idx, which="k")
             s16 = torch.einsum("pgd,ptd->pgt", qg[kv_idx], k16.float()) * scaling
             s16_full = s8.clone()
             empty = ~lay.valid[blk_idx][:, None]
@@ -268,7 +281,7 @@ class CertifiedAttention:
         values = lay.values
         if bool(value_kv.any()):
             kv_idx, blk_idx = value_kv.nonzero(as_tuple=True)
-            _, v16 = store.fetch_originals(kv_idx, blk_idx, which="v")
+            _, v16 = fetch(kv_idx, blk_idx, which="v")
             values = values.clone()
             values[kv_idx, blk_idx] = v16.float()
         return s2, values

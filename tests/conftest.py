@@ -6,6 +6,9 @@ import torch
 from hypothesis import settings
 
 sys.path.insert(0, os.path.dirname(__file__))
+# Tests never reach a model hub: everything runs from local files.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 settings.register_profile("ci", deadline=None, print_blob=True)
 settings.load_profile("ci")

@@ -43,9 +43,10 @@ class _GrowingBlocks:
     first ``size`` blocks of each without copying.
     """
 
-    def __init__(self, device: torch.device, pin: bool = False) -> None:
+    def __init__(self, device: torch.device, pin: bool = False, spare: int = 0) -> None:
         self.device = device
         self.pin = pin
+        self.spare = spare  # blocks kept free after ``size`` (room for the padded tail block)
         self.size = 0
         self._data: Blocks = {}
 
@@ -56,8 +57,8 @@ class _GrowingBlocks:
     def extend(self, blocks: Blocks) -> None:
         n = next(iter(blocks.values())).shape[1]
         capacity = next(iter(self._data.values())).shape[1] if self._data else 0
-        if self.size + n > capacity or not self._data:
-            new_capacity = max(2 * capacity, self.size + n, 4)
+        if self.size + n + self.spare > capacity or not self._data:
+            new_capacity = max(2 * capacity, self.size + n + self.spare, 4)
             for name, new in blocks.items():
                 grown = self._allocate(new, new_capacity)
                 if name in self._data:
@@ -67,8 +68,9 @@ class _GrowingBlocks:
             self._data[name][:, self.size : self.size + n].copy_(new, non_blocking=self.pin)
         self.size += n
 
-    def view(self) -> Blocks:
-        return {name: t[:, : self.size] for name, t in self._data.items()}
+    def view(self, extra: int = 0) -> Blocks:
+        """The first ``size + extra`` blocks (``extra <= spare``) of each tensor, no copy."""
+        return {name: t[:, : self.size + extra] for name, t in self._data.items()}
 
     def nbytes(self) -> int:
         return sum(t.element_size() * t[:, : self.size].numel() for t in self._data.values())
@@ -96,6 +98,10 @@ class TieredKVStore:
         key_codec: default ``ChannelAffineKeyCodec(bits=8)``.
         value_codec: default ``GroupAffineValueCodec(bits=4, group=value_group)``.
         keep_originals: keep Tier-2; without it nothing can be promoted or fall back.
+        decoded_mirror: also keep the FP32 reconstruction of every block, decoded once when the
+            block is quantized, plus room for the padded tail block. The PyTorch reference path
+            then reads it instead of decoding Tier-1 every step (a CPU speed aid; the values are
+            bit-identical to decoding the codes; reported by :meth:`workspace_bytes`).
     """
 
     def __init__(
@@ -108,6 +114,7 @@ class TieredKVStore:
         key_codec: KeyCodec | None = None,
         value_codec: ValueCodec | None = None,
         keep_originals: bool = True,
+        decoded_mirror: bool = False,
     ) -> None:
         for name, value in (("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                             ("block_size", block_size)):
@@ -128,6 +135,7 @@ class TieredKVStore:
         self._values = _GrowingBlocks(self.device)
         self._annotations = _GrowingBlocks(self.device)  # eta, nu: [Hkv, n]
         self._tier2 = _GrowingBlocks(torch.device("cpu"), pin=pin)  # k, v: [Hkv, n, B, d] fp16
+        self._mirror = _GrowingBlocks(self.device, spare=1) if decoded_mirror else None
         tail_shape = (num_kv_heads, block_size, head_dim)
         self._tail_k = torch.zeros(tail_shape, dtype=torch.float16, device=self.device)
         self._tail_v = torch.zeros(tail_shape, dtype=torch.float16, device=self.device)
@@ -181,12 +189,15 @@ class TieredKVStore:
         key_blocks = self.key_codec.encode(k16)
         value_blocks = self.value_codec.encode(v16)
         v64 = v16.double()
-        err = (self.value_codec.decode(value_blocks).double() - v64).norm(dim=-1)
+        decoded_v = self.value_codec.decode(value_blocks)
+        err = (decoded_v.double() - v64).norm(dim=-1)
         eta = _round_up_fp32(err.amax(dim=-1))
         nu = _round_up_fp32(v64.norm(dim=-1).amax(dim=-1))
         self._keys.extend(key_blocks)
         self._values.extend(value_blocks)
         self._annotations.extend({"eta": eta, "nu": nu})
+        if self._mirror is not None:
+            self._mirror.extend({"k": self.key_codec.decode(key_blocks), "v": decoded_v})
         if self.keep_originals:
             self._tier2.extend({"k": k16, "v": v16})
 
@@ -237,6 +248,24 @@ class TieredKVStore:
     def tail(self) -> tuple[torch.Tensor, torch.Tensor]:
         """FP16 keys and values of the partial tail block, ``[Hkv, tail_len, d]`` each."""
         return self._tail_k[:, : self.tail_len], self._tail_v[:, : self.tail_len]
+
+    def decoded_with_tail(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """FP32 keys and values ``[Hkv, n, B, d]`` of every block with the partial tail block
+        (zero-padded) last, from the decoded mirror (no copy); ``None`` without a mirror."""
+        if self._mirror is None:
+            return None
+        extra = 1 if self.tail_len else 0
+        view = self._mirror.view(extra)
+        if extra:
+            for name, tail in zip(("k", "v"), self.tail(), strict=True):
+                block = view[name][:, -1]
+                block.zero_()
+                block[:, : self.tail_len] = tail.float()
+        return view["k"], view["v"]
+
+    def workspace_bytes(self) -> int:
+        """Device memory of the decoded mirror (0 without one)."""
+        return 0 if self._mirror is None else self._mirror.nbytes()
 
     def dequantized_keys(self) -> torch.Tensor:
         """FP32 ``[Hkv, n_blocks, B, d]`` keys reconstructed from Tier-1."""

@@ -52,6 +52,26 @@ class Certificate:
                 moved[name] = value.to(device)
         return Certificate(**moved)
 
+    @classmethod
+    def cat(cls, certs: list[Certificate]) -> Certificate:
+        """One certificate over the heads of several layers (for step-level summaries)."""
+        merged = {}
+        for f in fields(cls):
+            values = [getattr(c, f.name) for c in certs]
+            if isinstance(values[0], torch.Tensor):
+                merged[f.name] = torch.cat([v.to("cpu") for v in values])
+            elif f.name in ("value_promotions", "num_blocks"):
+                merged[f.name] = sum(values) if f.name == "value_promotions" else max(values)
+            else:
+                merged[f.name] = values[0]
+        return cls(**merged)
+
+    def head_records(self) -> list[dict[str, float | int | bool]]:
+        """One plain dict per head (for full per-head telemetry)."""
+        names = [f.name for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)]
+        columns = {n: getattr(self, n).tolist() for n in names}
+        return [{"head": h, **{n: columns[n][h] for n in names}} for h in range(self.num_heads)]
+
     def summary(self) -> dict[str, float | int | str]:
         """Plain-number summary of the step (means and maxima over heads, rung counts)."""
         out: dict[str, float | int | str] = {"mode": self.mode, "heads": self.num_heads,
@@ -68,3 +88,39 @@ class Certificate:
         out["canary_fail"] = int((~self.canary_ok).sum())
         out["value_promotions"] = self.value_promotions
         return out
+
+
+class CertificateLog:
+    """Collects the certificates of every layer and decode step of a generation.
+
+    ``keep="summary"`` stores one :meth:`Certificate.summary` per step (over all layers' heads);
+    ``keep="full"`` also stores every head's record. A new step starts when layer 0 reports.
+    """
+
+    def __init__(self, keep: str = "summary") -> None:
+        if keep not in ("summary", "full"):
+            raise ValueError(f"records={keep!r} is unknown; use 'summary' or 'full'.")
+        self.keep = keep
+        self.steps: list[dict] = []
+        self.heads: list[dict] = []
+        self._pending: list[tuple[int, Certificate]] = []
+
+    def record(self, layer_idx: int, cert: Certificate) -> None:
+        if layer_idx == 0 and self._pending:
+            self.flush()
+        self._pending.append((layer_idx, cert))
+
+    def flush(self) -> None:
+        """Close the current step."""
+        if not self._pending:
+            return
+        step = len(self.steps)
+        certs = [c for _, c in self._pending]
+        self.steps.append({"step": step, "layers": len(certs), **Certificate.cat(certs).summary()})
+        if self.keep == "full":
+            for layer, cert in self._pending:
+                self.heads.extend({"step": step, "layer": layer, **r} for r in cert.head_records())
+        self._pending = []
+
+    def reset(self) -> None:
+        self.steps, self.heads, self._pending = [], [], []

@@ -4,6 +4,7 @@ from certkv.quant.base import Blocks, KeyCodec, ValueCodec
 from certkv.quant.fp16 import FP16KeyCodec, FP16ValueCodec
 from certkv.quant.int4_group import GroupAffineValueCodec
 from certkv.quant.int8_channel import ChannelAffineKeyCodec
+from certkv.quant.kv import KVQuantizer
 
 __all__ = [
     "Blocks",
@@ -11,6 +12,7 @@ __all__ = [
     "FP16KeyCodec",
     "FP16ValueCodec",
     "GroupAffineValueCodec",
+    "KVQuantizer",
     "KeyCodec",
     "ValueCodec",
 ]

@@ -1,0 +1,131 @@
+"""transformers integration: a ``Cache`` whose layers are :class:`TieredKVStore` objects.
+
+``TieredCache.update`` appends the new post-RoPE keys/values to the layer's store and returns a
+:class:`StoreHandle` instead of tensors; the registered ``certkv`` attention function
+(``certkv.models.hook``) receives that handle as ``key`` and runs dense SDPA for prefill and
+:class:`CertifiedAttention` for every single-token decode step. Works with ``model(...)`` loops
+and ``model.generate(...)``. Batch size 1 (the paper's setting).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from certkv.attention import CertifiedAttention
+from certkv.cache.scratch import ScratchCache, ScratchStats
+from certkv.cache.store import TieredKVStore
+from certkv.certify.certificate import CertificateLog
+from certkv.errors import CertKVError, ConfigError, require
+from certkv.quant.kv import KVQuantizer
+
+_BATCH = ("batch size {n} is not supported: certkv follows the paper's batch size 1, so run "
+          "one sample at a time.")
+
+
+@dataclass
+class CacheSpec:
+    """The ``cache`` config group: scratch capacities (blocks, per layer) and telemetry."""
+
+    scratch_key_blocks: int = 2048
+    scratch_value_blocks: int = 2048
+    records: str = "summary"  # "summary": per-step summaries; "full": also every head
+
+    def __post_init__(self) -> None:
+        require(self.records in ("summary", "full"), ConfigError,
+                f"cache.records={self.records!r} is unknown; use 'summary' or 'full'.")
+
+
+@dataclass
+class StoreHandle:
+    """What ``update`` returns as keys and values: the layer plus the fresh states
+    ``[1, Hkv, T, d]`` (full precision, used by prefill's dense SDPA)."""
+
+    layer: TieredLayer
+    new_keys: torch.Tensor
+    new_values: torch.Tensor
+
+
+class TieredLayer(DynamicLayer):
+    """One decoder layer's cache: a :class:`TieredKVStore` plus its scratch cache."""
+
+    def __init__(self, cache: TieredCache, layer_idx: int) -> None:
+        super().__init__()
+        self.cache = cache
+        self.layer_idx = layer_idx
+        self.store: TieredKVStore | None = None
+        self.scratch = ScratchCache(cache.spec.scratch_key_blocks, cache.spec.scratch_value_blocks)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        require(key_states.shape[0] == 1, CertKVError, _BATCH.format(n=key_states.shape[0]))
+        self.dtype, self.device = key_states.dtype, key_states.device
+        _, hkv, _, d = key_states.shape
+        self.store = TieredKVStore(hkv, d, device=key_states.device,
+                                   decoded_mirror=key_states.device.type == "cpu",
+                                   **self.cache.quantizer.store_kwargs())
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        require(key_states.shape[0] == 1, CertKVError, _BATCH.format(n=key_states.shape[0]))
+        self.store.append(key_states[0], value_states[0])
+        handle = StoreHandle(self, key_states, value_states)
+        return handle, handle
+
+    def get_seq_length(self) -> int:
+        return 0 if self.store is None else self.store.num_tokens
+
+    def _unsupported(self, *args, **kwargs):
+        raise CertKVError("this cache operation (beam search, cropping, batching) is not "
+                          "supported by TieredCache; use greedy decoding with batch size 1.")
+
+    crop = reorder_cache = batch_repeat_interleave = batch_select_indices = _unsupported
+
+
+class TieredCache(Cache):
+    """A transformers ``Cache`` over one :class:`TieredKVStore` per decoder layer.
+
+    Args:
+        num_layers: decoder layers of the model.
+        attention: the certified attention (its ``mode`` picks dense / naive / certified).
+        quantizer: Tier-1 codecs and block size.
+        spec: scratch capacities and telemetry level.
+    """
+
+    def __init__(self, num_layers: int, attention: CertifiedAttention,
+                 quantizer: KVQuantizer | None = None, spec: CacheSpec | None = None) -> None:
+        self.attention = attention
+        self.quantizer = quantizer or KVQuantizer()
+        self.spec = spec or CacheSpec()
+        self.log = CertificateLog(self.spec.records)
+        super().__init__(layers=[TieredLayer(self, i) for i in range(num_layers)])
+
+    def clone_as(self, attention: CertifiedAttention, quantizer: KVQuantizer | None = None,
+                 spec: CacheSpec | None = None) -> TieredCache:
+        """A new cache holding the same tokens (from the FP16 originals) for another method, so
+        one dense prefill can serve several methods."""
+        cache = TieredCache(len(self.layers), attention, quantizer, spec or self.spec)
+        for layer, source in zip(cache.layers, self.layers, strict=True):
+            if source.store is not None:
+                k, v = source.store.dense_kv()
+                layer.update(k[None], v[None])
+        return cache
+
+    def stores(self) -> list[TieredKVStore]:
+        return [layer.store for layer in self.layers if layer.store is not None]
+
+    def bytes(self) -> dict[str, int]:
+        """Byte accounting summed over layers (Table 13 / 22)."""
+        stores = self.stores()
+        return {name: sum(getattr(s, f"{name}_bytes")() for s in stores)
+                for name in ("tier1", "annotation", "tail", "device", "tier2", "dense",
+                             "workspace")}
+
+    def scratch_stats(self) -> ScratchStats:
+        total = ScratchStats()
+        for layer in self.layers:
+            total = total + layer.scratch.stats
+        return total

@@ -1,0 +1,125 @@
+"""FP16 scratch cache in device memory (paper 3.1, 9.9, Tables 17-19).
+
+Keeps recently paged-in FP16 blocks of one layer so that consecutive decode steps do not copy
+the same blocks from Tier-2 again. Keys and values have separate capacities (in blocks) and
+separate LRU orders. It changes no result, only where the bytes come from; it counts hits,
+misses and host-to-device bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from certkv.errors import ConfigError, require
+
+
+@dataclass
+class ScratchStats:
+    """Counters of one scratch cache (or a sum of several)."""
+
+    hits: int = 0
+    misses: int = 0
+    h2d_bytes: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+    def __add__(self, other: ScratchStats) -> ScratchStats:
+        return ScratchStats(self.hits + other.hits, self.misses + other.misses,
+                            self.h2d_bytes + other.h2d_bytes)
+
+
+class _LRUBlocks:
+    """``capacity`` FP16 slots ``[B, d]`` for one kind (keys or values), LRU by use stamp.
+
+    Vectorised: ``slot_of[kv, block]`` maps cached blocks to slots (-1 when absent), ``owner``
+    and ``stamp`` describe each slot; one lookup or insertion is a handful of tensor ops.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.clock = 0
+        self.buffer = self.owner = self.stamp = self.slot_of = None
+
+    def _ensure(self, store) -> None:
+        device = store.device
+        if self.buffer is None:
+            shape = (self.capacity, store.block_size, store.head_dim)
+            self.buffer = torch.empty(shape, dtype=torch.float16, device=device)
+            self.owner = torch.full((self.capacity, 2), -1, dtype=torch.long, device=device)
+            self.stamp = torch.full((self.capacity,), -1, dtype=torch.long, device=device)
+            self.slot_of = torch.full((store.num_kv_heads, 0), -1, dtype=torch.long,
+                                      device=device)
+        if self.slot_of.shape[1] < store.num_blocks:
+            grown = torch.full((store.num_kv_heads, max(2 * self.slot_of.shape[1],
+                                                        store.num_blocks)), -1,
+                               dtype=torch.long, device=device)
+            grown[:, : self.slot_of.shape[1]] = self.slot_of
+            self.slot_of = grown
+
+    def fetch(self, store, kind: str, kv: torch.Tensor, blk: torch.Tensor, stats) -> torch.Tensor:
+        """FP16 blocks ``[P, B, d]`` of ``(kv[i], blk[i])``: hits from slots, misses from Tier-2."""
+        self._ensure(store)
+        self.clock += 1
+        kv, blk = kv.to(store.device), blk.to(store.device)
+        slots = self.slot_of[kv, blk]
+        hit = slots >= 0
+        self.stamp[slots[hit]] = self.clock
+        out = torch.empty(kv.numel(), store.block_size, store.head_dim, dtype=torch.float16,
+                          device=store.device)
+        out[hit] = self.buffer[slots[hit]]
+        miss = (~hit).nonzero(as_tuple=True)[0]
+        stats.hits += int(hit.sum())
+        stats.misses += miss.numel()
+        if miss.numel():
+            k, v = store.fetch_originals(kv[miss], blk[miss], which=kind)
+            fetched = k if kind == "k" else v
+            stats.h2d_bytes += fetched.numel() * fetched.element_size()
+            out[miss] = fetched
+            self._insert(kv[miss], blk[miss], fetched)
+        return out
+
+    def _insert(self, kv: torch.Tensor, blk: torch.Tensor, blocks: torch.Tensor) -> None:
+        """Cache fetched blocks in free or least recently used slots not used this step; blocks
+        that do not fit are served uncached (the paper's split-K fallback)."""
+        free = (self.stamp < self.clock).nonzero(as_tuple=True)[0]
+        take = min(free.numel(), kv.numel())
+        if take == 0:
+            return
+        victims = free[torch.argsort(self.stamp[free], stable=True)[:take]]
+        old = self.owner[victims]
+        evicted = old[:, 0] >= 0
+        self.slot_of[old[evicted, 0], old[evicted, 1]] = -1
+        self.slot_of[kv[:take], blk[:take]] = victims
+        self.owner[victims] = torch.stack([kv[:take], blk[:take]], dim=1)
+        self.stamp[victims] = self.clock
+        self.buffer[victims] = blocks[:take]
+
+
+@dataclass
+class ScratchCache:
+    """Per-layer FP16 scratch with separate key / value capacities in blocks (LRU)."""
+
+    key_blocks: int = 2048
+    value_blocks: int = 2048
+    stats: ScratchStats = field(default_factory=ScratchStats)
+
+    def __post_init__(self) -> None:
+        require(self.key_blocks >= 0 and self.value_blocks >= 0, ConfigError,
+                "scratch_key_blocks and scratch_value_blocks must be >= 0 (0 disables caching).")
+        self._lru = {"k": _LRUBlocks(self.key_blocks), "v": _LRUBlocks(self.value_blocks)}
+
+    def fetch(self, store, kv_heads: torch.Tensor, blocks: torch.Tensor, which: str = "kv"):
+        """Same contract as ``TieredKVStore.fetch_originals``, served from scratch when cached.
+
+        Returns ``(k, v)``, each ``[P, B, d]`` FP16 on the store's device or ``None``.
+        """
+        k = self._lru["k"].fetch(store, "k", kv_heads, blocks, self.stats) if "k" in which \
+            else None
+        v = self._lru["v"].fetch(store, "v", kv_heads, blocks, self.stats) if "v" in which \
+            else None
+        return k, v

@@ -1,0 +1,1 @@
+"""Evaluation: corpora, tasks, metrics."""

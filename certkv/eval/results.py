@@ -1,0 +1,76 @@
+"""Run directory: resolved config, per-sample JSONL, certificate JSONL, summary JSON.
+
+Every write is atomic (write a temporary file, then rename), so an interrupted run never leaves
+a half-written file, and a rerun of the same command skips the samples already recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` via a temporary file in the same directory and a rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class RunDir:
+    """The files of one run. Records are keyed by ``(task, sample, variant)``."""
+
+    SAMPLES = "samples.jsonl"
+    CERTIFICATES = "certificates.jsonl"
+    HEADS = "certificate_heads.jsonl"
+    SUMMARY = "summary.json"
+    CONFIG = "config.yaml"
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.samples = read_jsonl(self.root / self.SAMPLES)
+        self.certificates = read_jsonl(self.root / self.CERTIFICATES)
+        self._done = {self.key(r) for r in self.samples}
+
+    @staticmethod
+    def key(record: dict) -> tuple:
+        return record["task"], record["sample"], record["variant"]
+
+    def done(self, task: str, sample: int, variant: str) -> bool:
+        return (task, sample, variant) in self._done
+
+    def add(self, sample: dict, certificate: dict, heads: list[dict] | None = None) -> None:
+        """Record one finished ``(task, sample, variant)``; rewrites the JSONL files atomically."""
+        self.samples.append(sample)
+        self.certificates.append(certificate)
+        self._done.add(self.key(sample))
+        self._write_jsonl(self.SAMPLES, self.samples)
+        self._write_jsonl(self.CERTIFICATES, self.certificates)
+        if heads:
+            existing = read_jsonl(self.root / self.HEADS)
+            self._write_jsonl(self.HEADS, existing + heads)
+
+    def _write_jsonl(self, name: str, records: list[dict]) -> None:
+        write_atomic(self.root / name, "".join(json.dumps(r) + "\n" for r in records))
+
+    def write_summary(self, summary: dict) -> None:
+        write_atomic(self.root / self.SUMMARY, json.dumps(summary, indent=2) + "\n")
+
+    def write_config(self, text: str) -> None:
+        write_atomic(self.root / self.CONFIG, text)

@@ -1,0 +1,31 @@
+"""The Hydra entry point behind ``certkv run`` (composes ``conf/`` and runs the experiment)."""
+
+from __future__ import annotations
+
+import sys
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+from rich.console import Console
+
+from certkv.cli import CONF_DIR
+from certkv.errors import CertKVError
+
+
+@hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
+def main(cfg: DictConfig) -> None:
+    from certkv.eval.runner import run_experiment
+
+    out_dir = HydraConfig.get().runtime.output_dir
+    try:
+        summary = run_experiment(cfg, out_dir)
+    except (CertKVError, InstantiationException) as exc:
+        cause = exc if isinstance(exc, CertKVError) else exc.__cause__
+        if not isinstance(cause, CertKVError):
+            raise
+        Console(stderr=True).print(f"[bold red]error:[/] {cause}", highlight=False)
+        sys.exit(2)
+    instantiate(cfg.logger).log(summary, out_dir)

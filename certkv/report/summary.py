@@ -1,0 +1,66 @@
+"""Summarise a run directory's records per variant (quality, certificate, memory, speed)."""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+
+def _quantiles(values: list[float]) -> dict:
+    if not values:
+        return {"median": 0.0, "p95": 0.0, "max": 0.0}
+    x = torch.tensor(values, dtype=torch.float64)
+    return {"median": float(x.median()), "p95": float(torch.quantile(x, 0.95)),
+            "max": float(x.max())}
+
+
+def certificate_summary(records: list[dict]) -> dict:
+    """Table 11 convention: median / p95 of per-step means, max of per-step maxima; rung and
+    check rates per head-step (Table 15)."""
+    head_steps = sum(r["head_steps"] for r in records if r["steps"]) or 1
+    steps = sum(r["steps"] for r in records) or 1
+    out = {}
+    for name in ("e_key", "e_val", "candidate_e_key", "candidate_e_val"):
+        means = [v for r in records for v in r[f"{name}_step_mean"]]
+        maxes = [v for r in records for v in r[f"{name}_step_max"]]
+        q = _quantiles(means)
+        q["max"] = max(maxes, default=0.0)
+        out[name] = q
+    out["rung_rates"] = [sum(r[f"rung{k}"] for r in records) / head_steps for k in range(5)]
+    for name in ("ranking_fail", "boundary_fail", "canary_fail"):
+        out[f"{name}_rate"] = sum(r[name] for r in records) / head_steps
+    out["value_promotions_per_step"] = sum(r["value_promotions"] for r in records) / steps
+    out["k_star_mean"] = statistics.fmean(r["k_star_mean"] for r in records) if records else 0.0
+    out["tier1_over_dense"] = statistics.fmean(r["tier1_over_dense"] for r in records) \
+        if records else 0.0
+    out["scratch_hit_rate"] = statistics.fmean(r["scratch_hit_rate"] for r in records) \
+        if records else 0.0
+    out["h2d_bytes_per_step"] = sum(r["h2d_bytes"] for r in records) / steps
+    return out
+
+
+def summarize(samples: list[dict], certificates: list[dict], tasks, variants, cfg) -> dict:
+    """Per-variant summary of a run; step-time ratios are against the run's dense variant."""
+    per_variant = {}
+    for variant in variants:
+        mine = [s for s in samples if s["variant"] == variant.name]
+        quality = {}
+        for task in tasks:
+            rows = [s for s in mine if s["task"] == task.name]
+            if rows:
+                quality[task.name] = task.aggregate(rows)
+        ms = [s["ms_per_step"] for s in mine if s["decode_steps"]]
+        per_variant[variant.name] = {
+            "mode": variant.mode,
+            "quantizer": variant.quantizer.label,
+            "tasks": quality,
+            "certificate": certificate_summary(
+                [c for c in certificates if c["variant"] == variant.name]),
+            "ms_per_step": statistics.median(ms) if ms else 0.0,
+        }
+    dense = next((v for v in per_variant.values() if v["mode"] == "dense"), None)
+    for entry in per_variant.values():
+        base = dense["ms_per_step"] if dense else 0.0
+        entry["step_time_vs_dense"] = entry["ms_per_step"] / base if base else None
+    return {"experiment": cfg.experiment, "model": cfg.model.name, "variants": per_variant}

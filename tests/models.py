@@ -1,0 +1,30 @@
+"""Small random LLaMA-family models for integration tests (no download, seconds to build)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from certkv.models import enable
+
+SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+         "max_position_embeddings": 2048, "vocab_size": 512}
+
+
+def tiny_model(model_type: str = "llama", seed: int = 0, peaked: float = 4.0):
+    """A random model of ``model_type`` with q/k projections scaled up so attention is peaked
+    (random-init attention is nearly uniform, PLATFORM.md); returns (native sdpa, certkv copy)."""
+    config = AutoConfig.for_model(model_type, **SMALL)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(peaked)
+            layer.self_attn.k_proj.weight.mul_(peaked)
+    certkv_model = copy.deepcopy(model)
+    certkv_model.config = copy.deepcopy(model.config)
+    enable(certkv_model)
+    return model, certkv_model

@@ -1,0 +1,108 @@
+"""The typer CLI: overrides, +experiment, -m sweeps, --cfg job, bad overrides, resume, info."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+import certkv.eval.runner as runner_module
+from certkv.cli import app
+
+runner = CliRunner()
+TINY = ["+experiment=tiny", "task.perplexity.decode_tokens=3", "task.niah.trials=1",
+        "task.niah.max_new_tokens=2"]
+
+
+def run(*args):
+    return runner.invoke(app, ["run", *args], catch_exceptions=False)
+
+
+def run_dir_of(root):
+    """The single run directory below ``root`` (named after the overrides)."""
+    (found,) = {p.parent for p in root.rglob("samples.jsonl")}
+    return found
+
+
+@pytest.fixture
+def out(tmp_path):
+    return tmp_path / "runs"
+
+
+def test_run_writes_a_complete_run_directory(out):
+    result = run(*TINY, f"out_dir={out}", "ladder.k_max=64")
+    assert result.exit_code == 0, result.output
+    run_dir = run_dir_of(out / "tiny")
+    assert "ladder.k_max=64" in run_dir.name
+    names = {p.name for p in run_dir.iterdir()}
+    assert {"config.yaml", "samples.jsonl", "certificates.jsonl", "summary.json"} <= names
+    assert "k_max: 64" in (run_dir / "config.yaml").read_text()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert set(summary["variants"]) == {"dense", "naive", "certified"}
+    samples = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 2 * 3  # (perplexity + niah) x 3 variants
+    assert "certified" in result.output and "E_key" in result.output
+
+
+def test_rerun_resumes_instead_of_recomputing(out, monkeypatch):
+    assert run(*TINY, f"out_dir={out}").exit_code == 0
+    run_dir = run_dir_of(out / "tiny")
+    lines = (run_dir / "samples.jsonl").read_text().splitlines()
+    (run_dir / "samples.jsonl").write_text("\n".join(lines[:2]) + "\n")  # "interrupted"
+    certs = (run_dir / "certificates.jsonl").read_text().splitlines()
+    (run_dir / "certificates.jsonl").write_text("\n".join(certs[:2]) + "\n")
+    calls = []
+    original = runner_module._run_one
+    monkeypatch.setattr(runner_module, "_run_one",
+                        lambda *a, **k: calls.append(a[4].name) or original(*a, **k))
+    assert run(*TINY, f"out_dir={out}").exit_code == 0
+    assert len(calls) == 4  # only the missing (task, sample, variant) records
+    assert len((run_dir / "samples.jsonl").read_text().splitlines()) == 6
+    calls.clear()
+    assert run(*TINY, f"out_dir={out}").exit_code == 0
+    assert calls == []
+
+
+def test_multirun_sweep_uses_hydra_machinery(out):
+    result = run(*TINY, f"out_dir={out}", "selector.k_max=4,8", "-m")
+    assert result.exit_code == 0, result.output
+    sweep = out / "multirun" / "tiny"
+    assert (sweep / "multirun.yaml").exists()
+    subdirs = sorted(p.name for p in sweep.iterdir() if p.is_dir())
+    assert len([s for s in subdirs if "selector.k_max" in s]) == 2
+    for s in subdirs:
+        if "selector.k_max" in s:
+            assert (sweep / s / "summary.json").exists()
+
+
+def test_cfg_job_prints_the_composed_config():
+    result = run("--cfg", "job")
+    assert result.exit_code == 0
+    assert "experiment: smoke" in result.output and "tau_cov: 0.995" in result.output
+
+
+@pytest.mark.parametrize(("override", "expect"), [
+    ("model=gpt7", "model: llama31_8b, smollm2_135m, tiny_random"),
+    ("selector.nonsense=1", "Valid config groups and options"),
+    ("+experiment=nope", "experiment: smoke, tiny"),
+])
+def test_bad_override_gives_message_and_options(override, expect):
+    result = run(override)
+    assert result.exit_code == 2
+    assert expect in " ".join(result.output.split())  # rich wraps long lines
+    assert "Traceback" not in result.output
+
+
+def test_runtime_config_error_is_one_sentence(out):
+    result = runner.invoke(app, ["run", *TINY, f"out_dir={out}", "selector.tau_cov=2"])
+    assert result.exit_code == 2
+    assert "tau_cov=2 must lie in [0, 1]" in " ".join(result.output.split())
+    assert "Traceback" not in result.output
+
+
+def test_info_lists_groups_and_versions():
+    result = runner.invoke(app, ["info"])
+    assert result.exit_code == 0
+    for text in ("quantizer", "int8_int4", "smollm2_135m", "torch", "device"):
+        assert text in result.output

@@ -1,0 +1,141 @@
+"""TieredCache + the certkv attention inside transformers models (Llama, Mistral, Qwen2)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import dense_reference, float_tolerance, reference_fp64
+from models import tiny_model
+from transformers import DynamicCache
+
+from certkv import AdaptiveTopK, CertifiedAttention, Ladder, LocalThreshold
+from certkv.cache.hf import CacheSpec, TieredCache
+from certkv.errors import CertKVError
+
+
+class ContractChecker:
+    """Wraps a CertifiedAttention and checks every head of every call against FP64."""
+
+    def __init__(self, inner: CertifiedAttention) -> None:
+        self.inner = inner
+        self.head_steps = 0
+
+    def __call__(self, q, store, scaling=None, scratch=None):
+        out, cert = self.inner(q, store, scaling, scratch=scratch)
+        q32 = q.float()
+        err = (out.double() - reference_fp64(q32, store, scaling)).norm(dim=-1)
+        tol = float_tolerance(q32, store, scaling)
+        fast = cert.rung < 3
+        assert not (fast & (err > cert.bound.double() * (1 + 1e-5) + tol)).any()
+        if (~fast).any():
+            dense = dense_reference(q, store, scaling)
+            torch.testing.assert_close(out[~fast], dense[~fast], rtol=1e-5, atol=1e-5)
+        self.head_steps += q.shape[0]
+        return out, cert
+
+
+def prompt(n=40, seed=0):
+    return torch.randint(0, 512, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
+def test_generate_with_every_mode(model_type):
+    native, model = tiny_model(model_type)
+    ids = prompt()
+    ref = native.generate(ids, max_new_tokens=12, do_sample=False)
+    for mode in ("dense", "naive", "certified"):
+        attn = ContractChecker(CertifiedAttention(mode=mode))
+        cache = TieredCache(model.config.num_hidden_layers, attn)
+        out = model.generate(ids, max_new_tokens=12, do_sample=False, past_key_values=cache)
+        cache.log.flush()
+        assert out.shape == ref.shape
+        assert len(cache.log.steps) == 11  # the first new token comes from prefill
+        assert all(s["layers"] == 2 and s["heads"] == 8 for s in cache.log.steps)
+        assert attn.head_steps == 11 * 2 * 4
+        if mode == "dense":  # FP16 KV vs the model's FP32 KV: same greedy tokens here
+            assert torch.equal(out, ref)
+
+
+def test_model_loop_equals_generate_and_matches_native_logits():
+    native, model = tiny_model()
+    ids = prompt()
+    cache = TieredCache(2, CertifiedAttention(mode="dense"))
+    dyn = DynamicCache()
+    with torch.no_grad():
+        logits = model(ids, past_key_values=cache).logits[:, -1]
+        ref = native(ids, past_key_values=dyn).logits[:, -1]
+        torch.testing.assert_close(logits, ref, rtol=1e-5, atol=1e-5)  # prefill is dense SDPA
+        tokens = []
+        for _ in range(6):
+            nxt = logits.argmax(-1, keepdim=True)
+            tokens.append(int(nxt))
+            logits = model(nxt, past_key_values=cache).logits[:, -1]
+            ref = native(nxt, past_key_values=dyn).logits[:, -1]
+            torch.testing.assert_close(logits, ref, rtol=2e-3, atol=2e-3)  # FP16 KV rounding
+    gen = model.generate(ids, max_new_tokens=6, do_sample=False,
+                         past_key_values=TieredCache(2, CertifiedAttention(mode="dense")))
+    assert gen[0, ids.shape[1]:].tolist() == tokens
+
+
+def test_full_promotion_equals_dense():
+    _, model = tiny_model(seed=3)
+    ids = prompt(70, seed=3)
+    full = CertifiedAttention(selector=AdaptiveTopK(tau_cov=1.0, k_min=0, k_max=10_000),
+                              value_policy=LocalThreshold(v_tol=0.0))
+    outs, logits = [], []
+    for attn in (CertifiedAttention(mode="dense"), full):
+        cache = TieredCache(2, attn)
+        out = model.generate(ids, max_new_tokens=16, do_sample=False, past_key_values=cache,
+                             output_logits=True, return_dict_in_generate=True)
+        outs.append(out.sequences)
+        logits.append(torch.stack(out.logits))
+    assert torch.equal(outs[0], outs[1])
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
+
+
+def test_chunked_prefill_reads_cached_originals():
+    _, model = tiny_model()
+    ids = prompt(50)
+    with torch.no_grad():
+        whole = model(ids, past_key_values=TieredCache(2, CertifiedAttention())).logits[:, -1]
+        cache = TieredCache(2, CertifiedAttention())
+        model(ids[:, :30], past_key_values=cache)
+        chunked = model(ids[:, 30:], past_key_values=cache).logits[:, -1]
+    torch.testing.assert_close(whole, chunked, rtol=2e-3, atol=2e-3)
+    assert cache.get_seq_length() == 50
+
+
+def test_full_records_and_scratch_statistics():
+    _, model = tiny_model()
+    cache = TieredCache(2, CertifiedAttention(), spec=CacheSpec(records="full",
+                                                               scratch_key_blocks=64))
+    model.generate(prompt(64), max_new_tokens=5, do_sample=False, past_key_values=cache)
+    cache.log.flush()
+    assert len(cache.log.heads) == 4 * 2 * 4  # steps x layers x heads
+    assert {"step", "layer", "head", "e_key", "rung"} <= set(cache.log.heads[0])
+    stats = cache.scratch_stats()
+    assert stats.hits > 0 and stats.misses > 0 and stats.h2d_bytes > 0
+    sizes = cache.bytes()
+    assert sizes["tier2"] == sizes["dense"] - sizes["tail"]
+
+
+def test_batch_above_one_fails_with_one_sentence():
+    _, model = tiny_model()
+    with pytest.raises(CertKVError, match="batch size 2 is not supported"):
+        model(prompt().repeat(2, 1), past_key_values=TieredCache(2, CertifiedAttention()))
+
+
+def test_certkv_attention_without_tiered_cache_explains():
+    _, model = tiny_model()
+    with pytest.raises(CertKVError, match="needs a TieredCache"):
+        model(prompt(), past_key_values=DynamicCache())
+
+
+def test_ladder_config_reaches_the_model():
+    _, model = tiny_model(seed=1)
+    attn = CertifiedAttention(selector=AdaptiveTopK(k_min=0, k_max=1),
+                              ladder=Ladder(expand=False))
+    cache = TieredCache(2, attn)
+    model.generate(prompt(80), max_new_tokens=3, do_sample=False, past_key_values=cache)
+    cache.log.flush()
+    assert all(s["k_star_mean"] <= 1.0 for s in cache.log.steps)

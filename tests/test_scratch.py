@@ -1,0 +1,62 @@
+"""FP16 scratch cache: same results, LRU accounting, separate key/value capacity."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import make_kv, make_query
+
+from certkv import CertifiedAttention, TieredKVStore
+from certkv.cache.scratch import ScratchCache
+from certkv.errors import ConfigError
+
+
+def store(n=256):
+    k, v = make_kv(2, n, 32, seed=0)
+    s = TieredKVStore(2, 32)
+    s.append(k, v)
+    return s, k
+
+
+def test_scratch_returns_tier2_blocks_and_counts():
+    s, _ = store()
+    scratch = ScratchCache(key_blocks=4, value_blocks=0)
+    heads, blocks = torch.tensor([0, 1, 1]), torch.tensor([3, 3, 5])
+    k, v = scratch.fetch(s, heads, blocks, which="kv")
+    ref_k, ref_v = s.fetch_originals(heads, blocks)
+    assert torch.equal(k, ref_k) and torch.equal(v, ref_v)
+    assert scratch.stats.misses == 6 and scratch.stats.hits == 0
+    k2, _ = scratch.fetch(s, heads, blocks, which="k")
+    assert torch.equal(k2, ref_k)
+    assert scratch.stats.hits == 3  # keys cached; values have capacity 0
+    assert scratch.stats.h2d_bytes == 6 * 16 * 32 * 2
+
+
+def test_lru_evicts_least_recently_used():
+    s, _ = store()
+    scratch = ScratchCache(key_blocks=2, value_blocks=2)
+    for blk in (0, 1, 0, 2):  # 1 is the LRU entry when 2 arrives
+        scratch.fetch(s, torch.tensor([0]), torch.tensor([blk]), which="k")
+    before = scratch.stats.hits
+    scratch.fetch(s, torch.tensor([0]), torch.tensor([0]), which="k")
+    assert scratch.stats.hits == before + 1
+    scratch.fetch(s, torch.tensor([0]), torch.tensor([1]), which="k")
+    assert scratch.stats.misses == 4
+
+
+def test_attention_with_scratch_is_identical_and_hits_on_the_next_step():
+    s, k = store()
+    q = make_query(k, 2, seed=1, scale=2.0, peaked=True)
+    attn = CertifiedAttention()
+    out0, cert0 = attn(q, s)
+    scratch = ScratchCache(key_blocks=64, value_blocks=64)
+    out1, cert1 = attn(q, s, scratch=scratch)
+    assert torch.equal(out0, out1) and torch.equal(cert0.e_key, cert1.e_key)
+    misses = scratch.stats.misses
+    attn(q, s, scratch=scratch)
+    assert scratch.stats.misses == misses and scratch.stats.hits > 0
+
+
+def test_negative_capacity_rejected():
+    with pytest.raises(ConfigError, match="must be >= 0"):
+        ScratchCache(key_blocks=-1)
