@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from certkv.errors import CertKVError
+from certkv.files import data_dir, write_atomic
 
 # book name -> (Debian package, R package folder, R object name in data/Rdata.rdb)
 BOOKS: dict[str, tuple[str, str, str]] = {
@@ -216,21 +217,7 @@ def available_books() -> list[str]:
 
 def default_cache_dir() -> Path:
     """``$CERTKV_DATA`` if set, else ``~/.cache/certkv``."""
-    return Path(os.environ.get("CERTKV_DATA") or Path.home() / ".cache" / "certkv")
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    """Write UTF-8 text via a temporary file in the same folder and ``os.replace``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    return data_dir()
 
 
 def _run(command: list[str], cwd: Path, manual: str) -> None:
@@ -255,7 +242,13 @@ def _download_deb(package: str, cache: Path, manual: str) -> Path:
         return found[-1]
     debs.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache, prefix=".download-") as tmp:
-        _run(["apt-get", "download", package], Path(tmp), manual)
+        try:
+            _run(["apt-get", "download", package], Path(tmp), manual)
+        except CertKVError:
+            if not hasattr(os, "geteuid") or os.geteuid() != 0:
+                raise
+            _run(["apt-get", "update", "-qq"], Path(tmp), manual)  # stale package lists
+            _run(["apt-get", "download", package], Path(tmp), manual)
         for deb in Path(tmp).glob(f"{package}_*.deb"):
             os.replace(deb, debs / deb.name)
     found = sorted(debs.glob(f"{package}_*.deb"))
@@ -278,7 +271,7 @@ def _cache_package_books(package: str, cache: Path, manual: str) -> None:
             objects = read_lazyload(stem)
             if r_name not in objects:
                 raise CertKVError(f"{deb.name} holds no R object {r_name!r}; {manual}.")
-            _write_atomic(cache / "books" / f"{name}.txt", _book_from_r(objects[r_name], name))
+            write_atomic(cache / "books" / f"{name}.txt", _book_from_r(objects[r_name], name))
 
 
 def book_text(name: str = "emma", cache_dir: str | Path | None = None) -> str:

@@ -7,23 +7,9 @@ a half-written file, and a rerun of the same command skips the samples already r
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file in the same directory and a rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+from certkv.files import write_atomic
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -20,15 +20,11 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from certkv.errors import CertKVError, ConfigError, require
+from certkv.files import data_dir
 from certkv.models.hook import enable
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM"}
-
-
-def data_dir() -> Path:
-    """Where certkv caches converted models and corpora."""
-    return Path(os.environ.get("CERTKV_DATA", Path.home() / ".cache" / "certkv"))
 
 
 @dataclass
