@@ -1,0 +1,40 @@
+"""Model loading: clear sentences for missing models, random models of each architecture."""
+
+from __future__ import annotations
+
+import pytest
+
+from certkv.errors import CertKVError, ConfigError
+from certkv.models import load_model
+
+SMALL = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
+
+
+def test_missing_local_path_names_the_fix(tmp_path):
+    with pytest.raises(CertKVError, match="does not exist; point it at a model directory"):
+        load_model({"name": "x", "path": str(tmp_path / "nope")})
+
+
+def test_missing_weights_package_names_the_fix():
+    with pytest.raises(CertKVError, match="run `make setup`"):
+        load_model({"name": "x", "package": "certkv_no_such_weights", "gguf_file": "m.gguf"})
+
+
+def test_unreachable_hub_id_names_the_offline_default():
+    with pytest.raises(CertKVError, match="model=smollm2_135m"):
+        load_model({"name": "x", "path": "certkv-test/definitely-not-a-model"})
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+def test_random_models_use_the_certkv_attention(arch):
+    lm = load_model({"name": "r", "random_config": {"model_type": arch, **SMALL}})
+    assert lm.model.config._attn_implementation == "certkv"
+    assert lm.num_layers == 1 and lm.tokenizer is not None
+
+
+def test_bad_model_fields():
+    with pytest.raises(ConfigError, match="model_type='gpt9' is unknown"):
+        load_model({"name": "r", "random_config": {"model_type": "gpt9"}})
+    with pytest.raises(ConfigError, match="dtype='float8' is unknown"):
+        load_model({"name": "r", "dtype": "float8", "random_config": SMALL})
