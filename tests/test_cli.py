@@ -9,6 +9,7 @@ from typer.testing import CliRunner
 
 import certkv.eval.runner as runner_module
 from certkv.cli import app
+from certkv.report.markdown import summary_markdown
 
 runner = CliRunner()
 TINY = ["+experiment=tiny", "task.perplexity.decode_tokens=3", "task.niah.trials=1",
@@ -43,6 +44,8 @@ def test_run_writes_a_complete_run_directory(out):
     samples = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 2 * 3  # (perplexity + niah) x 3 variants
     assert "certified" in result.output and "E_key" in result.output
+    markdown = summary_markdown(summary, "certkv run", "test machine")
+    assert markdown.count("\n| ") == 4 and "| certified | K8/V4 |" in markdown
 
 
 def test_rerun_resumes_instead_of_recomputing(out, monkeypatch):
