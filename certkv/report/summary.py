@@ -64,3 +64,35 @@ def summarize(samples: list[dict], certificates: list[dict], tasks, variants, cf
         base = dense["ms_per_step"] if dense else 0.0
         entry["step_time_vs_dense"] = entry["ms_per_step"] / base if base else None
     return {"experiment": cfg.experiment, "model": cfg.model.name, "variants": per_variant}
+
+
+def table_rows(summary: dict, digits: int = 1) -> tuple[list[str], list[list[str]]]:
+    """Header and one row of cells per variant (quality, certificate quantiles, rungs, K*,
+    Tier-1 / dense bytes, step time), shared by the console and markdown reports."""
+    variants = summary["variants"]
+    tasks = sorted({t for v in variants.values() for t in v["tasks"]})
+    head = ["variant", "KV", *tasks, "E_key med/p95/max", "E_val med/p95/max",
+            "rungs % 0/1/2/3/4", "K* mean", "Tier-1/dense", "ms/step", "x dense"]
+
+    def triple(q: dict) -> str:
+        return "/".join(f"{q[k]:.{digits}e}" for k in ("median", "p95", "max"))
+
+    rows = []
+    for name, v in variants.items():
+        cert, dense, ratio = v["certificate"], v["mode"] == "dense", v["step_time_vs_dense"]
+        rows.append([
+            name, "FP16" if dense else v["quantizer"],
+            *[_quality(v["tasks"].get(t)) for t in tasks],
+            triple(cert["e_key"]), triple(cert["e_val"]),
+            "/".join(f"{100 * r:.0f}" for r in cert["rung_rates"]),
+            f"{cert['k_star_mean']:.1f}", "1.000" if dense else f"{cert['tier1_over_dense']:.3f}",
+            f"{v['ms_per_step']:.0f}", "-" if ratio is None else f"{ratio:.2f}"])
+    return head, rows
+
+
+def _quality(entry: dict | None) -> str:
+    if not entry:
+        return "-"
+    if "ppl" in entry:
+        return f"ppl {entry['ppl']:.3f}"
+    return f"acc {entry['accuracy']:.2f} (n={entry['trials']})"
