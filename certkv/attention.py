@@ -26,6 +26,7 @@ from certkv.certify.select import AdaptiveTopK, rank_blocks
 from certkv.certify.values import LocalThreshold
 from certkv.errors import ConfigError, EmptyStoreError, NonFiniteError, ShapeError, require
 from certkv.kernels.dispatch import get_backend
+from certkv.timing import NULL_TIMER, PhaseTimer
 
 MODES = ("certified", "naive", "dense")
 
@@ -98,6 +99,7 @@ class CertifiedAttention:
     ladder: Ladder = field(default_factory=Ladder)
     backend: object = "auto"
     mode: str = "certified"
+    timer: PhaseTimer | None = None  # set by benchmarks to time each phase (Table 16)
 
     def __post_init__(self) -> None:
         require(self.mode in MODES, ConfigError,
@@ -162,7 +164,9 @@ class CertifiedAttention:
 
     # -------------------------------------------------------- quantized modes
     def _quantized_step(self, q, store, scaling, fetch):
-        lay = _Layout.from_store(store)
+        timer = self.timer or NULL_TIMER
+        with timer.phase("layout"):
+            lay = _Layout.from_store(store)
         hq, hkv = q.shape[0], store.num_kv_heads
         group = hq // hkv
         qg = q.float().reshape(hkv, group, -1)
@@ -171,43 +175,50 @@ class CertifiedAttention:
         n_q = int(quantized.sum())
 
         # Phase 1: INT8 scores, block log-masses, normalised masses, Delta_b (eq. 8).
-        s8 = self.backend.score(qg, lay.keys, lay.valid, scaling)  # [Hkv, G, n, B]
-        l8 = torch.logsumexp(s8, dim=-1).reshape(hq, -1)
-        log_p = torch.log_softmax(l8, dim=-1)
-        p = log_p.exp()
-        delta_b = torch.zeros_like(p)
-        delta_b[:, :n_q] = block_deltas(qg, lay.channel_bound, scaling).reshape(hq, n_q)
-        delta = delta_b.amax(dim=-1) if n_q else torch.zeros(hq, device=q.device)
-        v_max = lay.v_max.repeat_interleave(group)
+        with timer.phase("phase1"):
+            s8 = self.backend.score(qg, lay.keys, lay.valid, scaling)  # [Hkv, G, n, B]
+            l8 = torch.logsumexp(s8, dim=-1).reshape(hq, -1)
+            log_p = torch.log_softmax(l8, dim=-1)
+            delta_b = torch.zeros_like(log_p)
+            delta_b[:, :n_q] = block_deltas(qg, lay.channel_bound, scaling).reshape(hq, n_q)
+            delta = delta_b.amax(dim=-1) if n_q else torch.zeros(hq, device=q.device)
+            v_max = lay.v_max.repeat_interleave(group)
 
-        # Selection (paper 3.3) and rung 1.
-        promoted, expanded = self._select(log_p, quantized, delta_b, delta, v_max, group,
-                                          certified)
-        value_kv = self._value_promotion(log_p, lay.eta, delta, quantized, group, certified)
+        # Selection (paper 3.3), rung 1, value promotion (rung 2).
+        with timer.phase("select"):
+            promoted, expanded = self._select(log_p, quantized, delta_b, delta, v_max, group,
+                                              certified)
+            value_kv = self._value_promotion(log_p, lay.eta, delta, quantized, group, certified)
 
         # Page-in and Phase 2 (mask-gated keys, FP16 values where promoted).
-        s2, values = self._page_in(fetch, lay, qg, s8, promoted, value_kv, scaling, group)
-        att = self.backend.attend(s2, values)
-        out = att.out.reshape(hq, -1)
-        rho = att.rho.reshape(hq, -1)
-        l16 = att.log_mass.reshape(hq, -1)
+        with timer.phase("page_in"):
+            s2, values = self._page_in(fetch, lay, qg, s8, promoted, value_kv, scaling, group)
+        with timer.phase("phase2"):
+            att = self.backend.attend(s2, values)
+            out = att.out.reshape(hq, -1)
+            rho = att.rho.reshape(hq, -1)
+            l16 = att.log_mass.reshape(hq, -1)
 
         # Certificate: E_key (eq. 15) and E_val (Cor. 4.2).
-        tail = quantized & ~promoted
-        log_alpha, e_key = _key_bound(log_p, tail, delta_b, delta, v_max,
-                                      self.selector.mass_inflation)
-        value_q = value_kv.repeat_interleave(group, dim=0)
-        eta_q = lay.eta.repeat_interleave(group, dim=0) * ~value_q
-        e_val = value_error_bound(rho, eta_q)
+        with timer.phase("certificate"):
+            tail = quantized & ~promoted
+            log_alpha, e_key = _key_bound(log_p, tail, delta_b, delta, v_max,
+                                          self.selector.mass_inflation)
+            value_q = value_kv.repeat_interleave(group, dim=0)
+            eta_q = lay.eta.repeat_interleave(group, dim=0) * ~value_q
+            e_val = value_error_bound(rho, eta_q)
 
         # Checks (paper 6, 6.1) -> rungs 3 and 4.
-        true = torch.ones(hq, dtype=torch.bool, device=q.device)
-        ranking, boundary, canary = true, true, true
-        if certified:
-            ranking, boundary, canary = self._checks(s8, s2, l8, l16, delta_b, promoted, quantized)
-        finite = torch.isfinite(out).all(dim=-1) & torch.isfinite(e_key) & torch.isfinite(e_val)
-        head_dense = (~ranking | ~boundary | ~finite) if certified else ~finite
-        layer_dense = certified and self.ladder.layer_dense(head_dense, canary)
+        with timer.phase("checks"):
+            true = torch.ones(hq, dtype=torch.bool, device=q.device)
+            ranking, boundary, canary = true, true, true
+            if certified:
+                ranking, boundary, canary = self._checks(s8, s2, l8, l16, delta_b, promoted,
+                                                         quantized)
+            finite = (torch.isfinite(out).all(dim=-1) & torch.isfinite(e_key)
+                      & torch.isfinite(e_val))
+            head_dense = (~ranking | ~boundary | ~finite) if certified else ~finite
+            layer_dense = certified and self.ladder.layer_dense(head_dense, canary)
 
         rung = torch.zeros(hq, dtype=torch.long, device=q.device)
         rung[expanded] = 1
@@ -215,7 +226,8 @@ class CertifiedAttention:
         rung[head_dense] = 3
         if layer_dense:
             rung[:] = 4
-        out = self._fallback(q, store, out, rung, scaling)
+        with timer.phase("fallback"):
+            out = self._fallback(q, store, out, rung, scaling)
         fast = rung < 3
         cert = Certificate(
             candidate_e_key=e_key, candidate_e_val=e_val,

