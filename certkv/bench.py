@@ -175,11 +175,12 @@ def plot_attention(records: list[dict], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     labels = sorted({(r["case"]["head_dim"], r["case"]["group"]) for r in records})
-    for d, g in labels:
+    colors = {"dense": "C0", "naive": "C1", "certified": "C2"}
+    for (d, g), style in zip(labels, ("-", "--", ":", "-."), strict=False):
         rows = [r for r in records if (r["case"]["head_dim"], r["case"]["group"]) == (d, g)]
         ctx = [r["case"]["context"] for r in rows]
-        for method, style in (("dense", "-"), ("naive", ":"), ("certified", "--")):
-            ax.plot(ctx, [r["ms"][method] for r in rows], style, marker="o",
+        for method, color in colors.items():
+            ax.plot(ctx, [r["ms"][method] for r in rows], style, color=color, marker="o",
                     label=f"{method} d={d} {g}:1")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
