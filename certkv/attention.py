@@ -26,51 +26,10 @@ from certkv.certify.select import AdaptiveTopK, rank_blocks
 from certkv.certify.values import LocalThreshold
 from certkv.errors import ConfigError, EmptyStoreError, NonFiniteError, ShapeError, require
 from certkv.kernels.dispatch import get_backend
+from certkv.kernels.layout import StagedBlocks, StepLayout
 from certkv.timing import NULL_TIMER, PhaseTimer
 
 MODES = ("certified", "naive", "dense")
-
-
-@dataclass
-class _Layout:
-    """The step's view of the store: blocks, masks and annotations, per kv head."""
-
-    keys: torch.Tensor  # [Hkv, n, B, d] FP32 (dequantized, exact tail block last)
-    values: torch.Tensor  # [Hkv, n, B, d] FP32
-    valid: torch.Tensor  # [n, B] token slots in use
-    quantized: torch.Tensor  # [n] False for the exact tail block
-    channel_bound: torch.Tensor  # [Hkv, n_q, d]
-    eta: torch.Tensor  # [Hkv, n] (0 on the exact tail block)
-    v_max: torch.Tensor  # [Hkv] max value norm over all tokens (Theorem 4.3)
-
-    @classmethod
-    def from_store(cls, store: TieredKVStore) -> _Layout:
-        hkv, nq, bsz = store.num_kv_heads, store.num_blocks, store.block_size
-        t = store.tail_len
-        valid = torch.ones(nq + (t > 0), bsz, dtype=torch.bool, device=store.device)
-        eta = store.eta
-        mirrored = store.decoded_with_tail()
-        if mirrored is not None:
-            keys, values = mirrored
-        else:
-            keys, values = store.dequantized_keys(), store.dequantized_values()
-        if t:
-            if mirrored is None:
-                tail_k, tail_v = store.tail()
-                keys = torch.cat([keys, _pad_block(tail_k, bsz)], dim=1)
-                values = torch.cat([values, _pad_block(tail_v, bsz)], dim=1)
-            valid[-1, t:] = False
-            eta = torch.cat([eta, torch.zeros(hkv, 1, device=store.device)], dim=1)
-        quantized = torch.arange(valid.shape[0], device=store.device) < nq
-        return cls(keys, values, valid, quantized, store.key_channel_bound(), eta,
-                   store.value_norm_max())
-
-
-def _pad_block(x: torch.Tensor, block_size: int) -> torch.Tensor:
-    """FP16 ``[Hkv, t, d]`` (t < B) -> FP32 block ``[Hkv, 1, B, d]`` zero-padded."""
-    out = torch.zeros(x.shape[0], 1, block_size, x.shape[2], device=x.device)
-    out[:, 0, : x.shape[1]] = x.float()
-    return out
 
 
 def _key_bound(log_p, tail, delta_b, delta, v_max, exponent):
@@ -166,7 +125,7 @@ class CertifiedAttention:
     def _quantized_step(self, q, store, scaling, fetch):
         timer = self.timer or NULL_TIMER
         with timer.phase("layout"):
-            lay = _Layout.from_store(store)
+            lay = StepLayout(store)
         hq, hkv = q.shape[0], store.num_kv_heads
         group = hq // hkv
         qg = q.float().reshape(hkv, group, -1)
@@ -176,7 +135,7 @@ class CertifiedAttention:
 
         # Phase 1: INT8 scores, block log-masses, normalised masses, Delta_b (eq. 8).
         with timer.phase("phase1"):
-            s8 = self.backend.score(qg, lay.keys, lay.valid, scaling)  # [Hkv, G, n, B]
+            s8 = self.backend.score(qg, lay, scaling)  # [Hkv, G, n, B]
             l8 = torch.logsumexp(s8, dim=-1).reshape(hq, -1)
             log_p = torch.log_softmax(l8, dim=-1)
             delta_b = torch.zeros_like(log_p)
@@ -192,9 +151,9 @@ class CertifiedAttention:
 
         # Page-in and Phase 2 (mask-gated keys, FP16 values where promoted).
         with timer.phase("page_in"):
-            s2, values = self._page_in(fetch, lay, qg, s8, promoted, value_kv, scaling, group)
+            s2, staged = self._page_in(fetch, lay, qg, s8, promoted, value_kv, scaling, group)
         with timer.phase("phase2"):
-            att = self.backend.attend(s2, values)
+            att = self.backend.attend(s2, lay, staged)
             out = att.out.reshape(hq, -1)
             rho = att.rho.reshape(hq, -1)
             l16 = att.log_mass.reshape(hq, -1)
@@ -276,7 +235,8 @@ class CertifiedAttention:
         and build Phase-2 inputs.
 
         Returns mask-gated logits ``[Hkv, G, n, B]`` (FP16 keys on promoted blocks, INT8
-        elsewhere; the exact tail block is already exact) and values ``[Hkv, n, B, d]``.
+        elsewhere; the exact tail block is already exact) and the staged FP16 values of
+        value-promoted blocks (or None).
         """
         hkv = qg.shape[0]
         promoted_kv = promoted.reshape(hkv, group, -1)
@@ -290,13 +250,12 @@ class CertifiedAttention:
             empty = ~lay.valid[blk_idx][:, None]
             s16_full[kv_idx, :, blk_idx] = s16.masked_fill(empty, float("-inf"))
             s2 = torch.where(promoted_kv.unsqueeze(-1), s16_full, s8)
-        values = lay.values
+        staged = None
         if bool(value_kv.any()):
             kv_idx, blk_idx = value_kv.nonzero(as_tuple=True)
             _, v16 = fetch(kv_idx, blk_idx, which="v")
-            values = values.clone()
-            values[kv_idx, blk_idx] = v16.float()
-        return s2, values
+            staged = StagedBlocks(kv_idx, blk_idx, v16)
+        return s2, staged
 
     def _checks(self, s8, s2, l8, l16, delta_b, promoted, quantized):
         """Ranking (eq. 17), boundary (eq. 18) and canary (Section 6) flags, each ``[Hq]``."""

@@ -80,18 +80,29 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: 
     return out[0, :, 0, :]
 
 
+def merge_staged(values: torch.Tensor, staged) -> torch.Tensor:
+    """``values [Hkv, n, B, d]`` with the staged FP16 blocks written in (a copy if any)."""
+    if staged is None:
+        return values
+    values = values.clone()
+    values[staged.kv_heads, staged.blocks] = staged.data.float()
+    return values
+
+
 @dataclass
 class TorchBackend:
-    """Reference backend: every phase in PyTorch (CPU or CUDA)."""
+    """Reference backend: every phase in PyTorch on decoded FP32 blocks (CPU or CUDA)."""
 
     fp64_scalars: bool = False
     name: str = "torch"
 
-    def score(self, q, keys, valid, scaling):
-        return block_scores(q, keys, valid, scaling)
+    def score(self, q, lay, scaling):
+        """Phase-1 logits ``[Hkv, G, n, B]`` from the step layout's decoded keys."""
+        return block_scores(q, lay.keys, lay.valid, scaling)
 
-    def attend(self, scores, values) -> Attended:
-        return attend(scores, values, self.fp64_scalars)
+    def attend(self, scores, lay, staged) -> Attended:
+        """Phase 2 over decoded values, with staged FP16 values where promoted."""
+        return attend(scores, merge_staged(lay.values, staged), self.fp64_scalars)
 
     def dense(self, q, k, v, scaling):
         return dense_attention(q, k, v, scaling)

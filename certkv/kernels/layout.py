@@ -1,0 +1,74 @@
+"""The step's view of a store, shared by the orchestrator and the backends.
+
+Blocks are the store's quantized blocks followed, if present, by the exact FP16 partial tail
+block (zero-padded to ``B`` slots; ``valid`` marks the slots in use). Decoded FP32 keys/values
+are produced lazily, so a backend that works on the codes (Triton) never decodes the cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+from certkv.cache.store import TieredKVStore
+
+
+@dataclass
+class StagedBlocks:
+    """FP16 blocks paged in for this step: ``data[i]`` is block ``blocks[i]`` of kv head
+    ``kv_heads[i]`` (``[P, B, d]``)."""
+
+    kv_heads: torch.Tensor
+    blocks: torch.Tensor
+    data: torch.Tensor
+
+
+class StepLayout:
+    """Masks and annotations of one step over ``n`` blocks of a store."""
+
+    def __init__(self, store: TieredKVStore) -> None:
+        self.store = store
+        nq, bsz, t = store.num_blocks, store.block_size, store.tail_len
+        self.num_quantized = nq
+        self.valid = torch.ones(nq + (t > 0), bsz, dtype=torch.bool, device=store.device)
+        if t:
+            self.valid[-1, t:] = False
+        self.quantized = torch.arange(self.valid.shape[0], device=store.device) < nq  # [n]
+        self.channel_bound = store.key_channel_bound()  # [Hkv, n_q, d]
+        eta = store.eta
+        if t:
+            eta = torch.cat([eta, torch.zeros(store.num_kv_heads, 1, device=store.device)], 1)
+        self.eta = eta  # [Hkv, n], 0 on the exact tail block
+        self.v_max = store.value_norm_max()  # [Hkv] (Theorem 4.3)
+
+    @cached_property
+    def _decoded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        store = self.store
+        mirrored = store.decoded_with_tail()
+        if mirrored is not None:
+            return mirrored
+        keys, values = store.dequantized_keys(), store.dequantized_values()
+        if store.tail_len:
+            tail_k, tail_v = store.tail()
+            keys = torch.cat([keys, pad_block(tail_k, store.block_size)], dim=1)
+            values = torch.cat([values, pad_block(tail_v, store.block_size)], dim=1)
+        return keys, values
+
+    @property
+    def keys(self) -> torch.Tensor:
+        """FP32 ``[Hkv, n, B, d]`` reconstructed keys (exact tail block last)."""
+        return self._decoded[0]
+
+    @property
+    def values(self) -> torch.Tensor:
+        """FP32 ``[Hkv, n, B, d]`` reconstructed values (exact tail block last)."""
+        return self._decoded[1]
+
+
+def pad_block(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """FP16 ``[Hkv, t, d]`` (t < B) -> FP32 block ``[Hkv, 1, B, d]`` zero-padded."""
+    out = torch.zeros(x.shape[0], 1, block_size, x.shape[2], device=x.device)
+    out[:, 0, : x.shape[1]] = x.float()
+    return out
