@@ -1,18 +1,33 @@
-"""Backend choice: ``torch`` (reference, any device); ``auto`` picks the best available."""
+"""Backend choice: ``torch`` (reference, any device), ``triton`` (fused kernels), ``auto``
+(Triton on CUDA when available, else the reference)."""
 
 from __future__ import annotations
 
 from certkv.errors import ConfigError
 from certkv.kernels.reference import TorchBackend
 
-BACKENDS = {"torch": TorchBackend}
+
+def _triton(**kwargs):
+    from certkv.kernels.triton_backend import TritonBackend
+
+    return TritonBackend(**kwargs)
+
+
+BACKENDS = {"torch": TorchBackend, "triton": _triton}
 
 
 def get_backend(backend: str | object = "auto", **kwargs):
-    """Return a backend object for a name (``auto``, ``torch``) or pass an instance through."""
+    """Return a backend object for a name (``auto``, ``torch``, ``triton``) or pass an
+    instance through."""
     if not isinstance(backend, str):
         return backend
-    name = "torch" if backend == "auto" else backend
-    if name not in BACKENDS:
+    if backend == "auto":
+        import torch
+
+        from certkv.kernels.triton_backend import triton_available
+
+        backend = "triton" if torch.cuda.is_available() and triton_available() else "torch"
+        kwargs = {} if backend == "triton" else kwargs
+    if backend not in BACKENDS:
         raise ConfigError(f"unknown backend {backend!r}; choose one of {['auto', *BACKENDS]}.")
-    return BACKENDS[name](**kwargs)
+    return BACKENDS[backend](**kwargs)
