@@ -122,3 +122,23 @@ def test_full_size_kernels_on_cuda(context):
     b, cb = CertifiedAttention(backend="triton")(q, store)
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     assert torch.equal(ca.rung, cb.rung)
+
+
+def test_quantize_on_append_kernel_matches_the_codecs():
+    k, v = make_kv(2, 83, 32, seed=7, outlier_channels=3, heavy_tail=True)
+    torch_store = TieredKVStore(2, 32, value_group=8, fused_encode=False)
+    fused_store = TieredKVStore(2, 32, value_group=8, fused_encode=True)
+    assert fused_store.fused_encode and not torch_store.fused_encode
+    for store in (torch_store, fused_store):
+        store.append(k[:, :40], v[:, :40])
+        store.append(k[:, 40:], v[:, 40:])
+    for a, b in ((torch_store.key_blocks(), fused_store.key_blocks()),
+                 (torch_store.value_blocks(), fused_store.value_blocks())):
+        for name in a:
+            assert torch.equal(a[name], b[name]), name
+    # annotations: FP32 in the kernel, inflated to stay upper bounds of the exact FP64 values
+    assert (fused_store.eta >= torch_store.eta * (1 - 1e-7)).all()
+    torch.testing.assert_close(fused_store.eta, torch_store.eta, rtol=1e-4, atol=1e-7)
+    assert (fused_store.nu >= torch_store.nu * (1 - 1e-7)).all()
+    q = make_query(k, 3, seed=7, scale=2.0, peaked=True)
+    check_contract(fused_store, q, CertifiedAttention(backend=TritonBackend()))

@@ -13,6 +13,8 @@ Shapes: ``append`` takes ``k, v: [Hkv, T, d]``; block tensors are ``[Hkv, n_bloc
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 from certkv.errors import (
@@ -102,6 +104,9 @@ class TieredKVStore:
             block is quantized, plus room for the padded tail block. The PyTorch reference path
             then reads it instead of decoding Tier-1 every step (a CPU speed aid; the values are
             bit-identical to decoding the codes; reported by :meth:`workspace_bytes`).
+        fused_encode: quantize completed blocks with the Triton kernel
+            (``certkv.kernels.triton_quantize``); ``None`` = on CUDA when the codecs are the
+            defaults (INT8 keys, INT4 values) and B, d are powers of two.
     """
 
     def __init__(
@@ -115,6 +120,7 @@ class TieredKVStore:
         value_codec: ValueCodec | None = None,
         keep_originals: bool = True,
         decoded_mirror: bool = False,
+        fused_encode: bool | None = None,
     ) -> None:
         for name, value in (("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                             ("block_size", block_size)):
@@ -129,6 +135,8 @@ class TieredKVStore:
         self.key_codec.validate(head_dim, block_size)
         self.value_codec.validate(head_dim, block_size)
         self.keep_originals = keep_originals
+        self.fused_encode = self._fused_supported() and (
+            self.device.type == "cuda" if fused_encode is None else fused_encode)
 
         pin = self.device.type == "cuda"
         self._keys = _GrowingBlocks(self.device)
@@ -184,20 +192,36 @@ class TieredKVStore:
                 "outputs before caching them.")
         return k16, v16
 
-    def _commit_blocks(self, k16: torch.Tensor, v16: torch.Tensor) -> None:
-        """Quantize completed blocks ``[Hkv, n, B, d]`` and move their originals to Tier-2."""
+    def _fused_supported(self) -> bool:
+        pow2 = all(x & (x - 1) == 0 for x in (self.block_size, self.head_dim))
+        return (pow2 and isinstance(self.key_codec, ChannelAffineKeyCodec)
+                and self.key_codec.bits == 8 and isinstance(self.value_codec,
+                                                            GroupAffineValueCodec)
+                and self.value_codec.bits == 4 and importlib.util.find_spec("triton") is not None)
+
+    def _encode(self, k16: torch.Tensor, v16: torch.Tensor):
+        """Codes, metadata and annotations eta_b / nu_b of completed blocks ``[Hkv, n, B, d]``."""
+        if self.fused_encode and k16.shape[1]:
+            from certkv.kernels.triton_quantize import quantize_blocks
+
+            return quantize_blocks(k16, v16, self.value_codec.group)
         key_blocks = self.key_codec.encode(k16)
         value_blocks = self.value_codec.encode(v16)
         v64 = v16.double()
-        decoded_v = self.value_codec.decode(value_blocks)
-        err = (decoded_v.double() - v64).norm(dim=-1)
+        err = (self.value_codec.decode(value_blocks).double() - v64).norm(dim=-1)
         eta = _round_up_fp32(err.amax(dim=-1))
         nu = _round_up_fp32(v64.norm(dim=-1).amax(dim=-1))
+        return key_blocks, value_blocks, eta, nu
+
+    def _commit_blocks(self, k16: torch.Tensor, v16: torch.Tensor) -> None:
+        """Quantize completed blocks ``[Hkv, n, B, d]`` and move their originals to Tier-2."""
+        key_blocks, value_blocks, eta, nu = self._encode(k16, v16)
         self._keys.extend(key_blocks)
         self._values.extend(value_blocks)
         self._annotations.extend({"eta": eta, "nu": nu})
         if self._mirror is not None:
-            self._mirror.extend({"k": self.key_codec.decode(key_blocks), "v": decoded_v})
+            self._mirror.extend({"k": self.key_codec.decode(key_blocks),
+                                 "v": self.value_codec.decode(value_blocks)})
         if self.keep_originals:
             self._tier2.extend({"k": k16, "v": v16})
 
