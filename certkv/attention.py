@@ -131,7 +131,7 @@ class CertifiedAttention:
         qg = q.float().reshape(hkv, group, -1)
         certified = self.mode == "certified"
         quantized = lay.quantized
-        n_q = int(quantized.sum())
+        n_q = lay.num_quantized  # known on the host: no device sync
 
         # Phase 1: INT8 scores, block log-masses, normalised masses, Delta_b (eq. 8).
         with timer.phase("phase1"):
@@ -145,8 +145,8 @@ class CertifiedAttention:
 
         # Selection (paper 3.3), rung 1, value promotion (rung 2).
         with timer.phase("select"):
-            promoted, expanded = self._select(log_p, quantized, delta_b, delta, v_max, group,
-                                              certified)
+            promoted, expanded = self._select(log_p, quantized, n_q, delta_b, delta, v_max,
+                                              group, certified)
             value_kv = self._value_promotion(log_p, lay.eta, delta, quantized, group, certified)
 
         # Page-in and Phase 2 (mask-gated keys, FP16 values where promoted).
@@ -198,16 +198,16 @@ class CertifiedAttention:
             num_blocks=n_q, mode=self.mode)
         return out.to(q.dtype), cert
 
-    def _select(self, log_p, quantized, delta_b, delta, v_max, group, certified):
+    def _select(self, log_p, quantized, n_q, delta_b, delta, v_max, group, certified):
         """FP16-key set ``[Hq, n]`` (exact tail block always in) and the rung-1 flag ``[Hq]``."""
         p = log_p.exp()
-        hq, n_q = p.shape[0], int(quantized.sum())
+        hq = p.shape[0]
         no = torch.zeros(hq, dtype=torch.bool, device=p.device)
         if not certified:
             return (~quantized).expand_as(p).clone(), no
         sel = self.selector
         order = rank_blocks(p, quantized)
-        k = sel.choose_k(p, quantized, order)
+        k = sel.choose_k(p, quantized, order, n_q)
         promoted = sel.promoted(order, k, quantized, group)
         log_alpha, e_key = _key_bound(log_p, quantized & ~promoted, delta_b, delta, v_max,
                                       sel.mass_inflation)
@@ -215,8 +215,7 @@ class CertifiedAttention:
             tail_mass_bound(log_alpha, delta, sel.mass_inflation), sel.tau_cov, e_key)
         k_new = torch.where(need, self.ladder.expanded_k(k, sel.k_max, n_q), k)
         expanded = k_new > k
-        if bool(expanded.any()):
-            promoted = sel.promoted(order, k_new, quantized, group)
+        promoted = sel.promoted(order, k_new, quantized, group)  # all tensor ops, no host sync
         explore = exploration_mask(quantized & ~promoted, self.ladder.exploration,
                                    self.ladder.generator)
         return promoted | explore, expanded

@@ -76,10 +76,13 @@ class AdaptiveTopK:
         require(self.mass_inflation >= 2.0, ConfigError,
                 f"mass_inflation={self.mass_inflation} would not bound the tail mass; use 2 or 3.")
 
-    def choose_k(self, p: torch.Tensor, quantized: torch.Tensor, order: torch.Tensor):
-        """``K* = clamp(min{K : C_K >= tau_cov}, K_min, K_max)``, at most the quantized count."""
+    def choose_k(self, p: torch.Tensor, quantized: torch.Tensor, order: torch.Tensor,
+                 n_quantized: int | None = None):
+        """``K* = clamp(min{K : C_K >= tau_cov}, K_min, K_max)``, at most the quantized count
+        (pass ``n_quantized`` when known to avoid a device sync)."""
         k = coverage_k(p, quantized, order, self.tau_cov)
-        n_quantized = int(quantized.sum())
+        if n_quantized is None:
+            n_quantized = int(quantized.sum())
         return k.clamp(self.k_min, self.k_max).clamp(max=n_quantized)
 
     def promoted(self, order: torch.Tensor, k: torch.Tensor, quantized: torch.Tensor, group: int):
