@@ -37,6 +37,14 @@ def make_query(k, group, *, seed=0, scale=1.0, peaked=False):
     return q / q.norm(dim=-1, keepdim=True).clamp_min(1e-12) * scale * d**0.5
 
 
+def cuda_layer(hkv, n, d, group, seed=1):
+    """A CUDA store of ``n`` synthetic tokens (outlier channels) and a peaked query."""
+    k, v = make_kv(hkv, n, d, seed=seed, outlier_channels=4)
+    store = TieredKVStore(hkv, d, device="cuda")
+    store.append(k.cuda(), v.cuda())
+    return store, make_query(k, group, seed=seed + 1, scale=2.0, peaked=True).cuda()
+
+
 def originals(store: TieredKVStore):
     """FP16 originals ``[Hkv, N, d]`` of every token in the store (Tier-2 + tail)."""
     return store.dense_kv()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from helpers import make_kv, make_query, reference_fp64
+from helpers import cuda_layer, make_kv, reference_fp64
 
 from certkv import CertifiedAttention, TieredKVStore
 
@@ -20,10 +20,7 @@ def test_tier2_is_pinned_host_memory_and_tier1_on_device():
 
 @pytest.mark.parametrize("context", [1000, 16384])
 def test_contract_on_cuda(context):
-    k, v = make_kv(4, context, 128, seed=1, outlier_channels=4)
-    store = TieredKVStore(4, 128, device="cuda")
-    store.append(k.cuda(), v.cuda())
-    q = make_query(k, 4, seed=2, scale=2.0, peaked=True).cuda()
+    store, q = cuda_layer(4, context, 128, group=4)
     out, cert = CertifiedAttention()(q, store)
     err = (out.double() - reference_fp64(q, store)).norm(dim=-1)
     fast = cert.rung < 3

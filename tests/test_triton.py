@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_kv, make_query
+from helpers import cuda_layer, make_kv, make_query
 from hypothesis import HealthCheck, given, settings
 from test_contract import build, check_contract, scenarios
 
@@ -114,10 +114,7 @@ def test_auto_backend_is_the_reference_without_cuda():
 @pytest.mark.gpu
 @pytest.mark.parametrize("context", [4096, 65536])
 def test_full_size_kernels_on_cuda(context):
-    k, v = make_kv(8, context, 128, seed=1, outlier_channels=4)
-    store = TieredKVStore(8, 128, device="cuda")
-    store.append(k.cuda(), v.cuda())
-    q = make_query(k, 4, seed=2, scale=2.0, peaked=True).cuda()
+    store, q = cuda_layer(8, context, 128, group=4)
     a, ca = CertifiedAttention(backend="torch")(q, store)
     b, cb = CertifiedAttention(backend="triton")(q, store)
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
