@@ -210,7 +210,7 @@ def bench_decode(model: str, contexts: list[int], device: torch.device, repeats:
     """Whole-model decode step, dense vs certified, for a random-weight model config."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from certkv.cache.hf import TieredCache
+    from certkv.cache.hf import CacheSpec
     from certkv.eval.runner import Decoder, prefill
     from certkv.models.hook import enable
     from certkv.models.loading import LoadedModel, ModelSpec
@@ -224,7 +224,7 @@ def bench_decode(model: str, contexts: list[int], device: torch.device, repeats:
     records = []
     for context in contexts:
         ids = torch.randint(0, config.vocab_size, (context,)).tolist()
-        base = prefill(lm, ids[:-1], 16, TieredCache(1, CertifiedAttention()).spec)
+        base = prefill(lm, ids[:-1], 16, CacheSpec())
         row = {"model": model, "context": context, "ms": {}, "phases_ms": {}}
         for mode in ("dense", "certified"):
             timer = PhaseTimer()

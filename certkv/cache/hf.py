@@ -63,7 +63,8 @@ class TieredLayer(DynamicLayer):
         self.dtype, self.device = key_states.dtype, key_states.device
         _, hkv, _, d = key_states.shape
         self.store = TieredKVStore(hkv, d, device=key_states.device,
-                                   decoded_mirror=key_states.device.type == "cpu",
+                                   decoded_mirror=key_states.device.type == "cpu"
+                                   and self.cache.attention.mode != "dense",
                                    **self.cache.quantizer.store_kwargs())
         self.is_initialized = True
 
