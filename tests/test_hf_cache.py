@@ -20,6 +20,10 @@ class ContractChecker:
         self.inner = inner
         self.head_steps = 0
 
+    @property
+    def mode(self) -> str:
+        return self.inner.mode
+
     def __call__(self, q, store, scaling=None, scratch=None):
         out, cert = self.inner(q, store, scaling, scratch=scratch)
         q32 = q.float()
