@@ -8,7 +8,6 @@ its own copy of the cache (:meth:`TieredCache.clone_as`). Results go to the run 
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass
 
 import torch
@@ -19,8 +18,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from certkv.attention import MODES, CertifiedAttention
 from certkv.cache.hf import CacheSpec, TieredCache
 from certkv.errors import ConfigError, require
+from certkv.eval.decode import Decoder, prefill
 from certkv.eval.results import RunDir
-from certkv.models.loading import LoadedModel, load_model
+from certkv.models.loading import load_model
 from certkv.quant import FP16KeyCodec, FP16ValueCodec, KVQuantizer
 
 COMPONENTS = ("quantizer", "selector", "value_policy", "ladder")
@@ -59,42 +59,6 @@ def build_variants(cfg: DictConfig) -> list[Variant]:
         variants.append(Variant(name, mode, attention, quantizer))
         names.add(name)
     return variants
-
-
-class Decoder:
-    """Feeds one token at a time through the model with a tiered cache; times each step."""
-
-    def __init__(self, lm: LoadedModel, cache: TieredCache) -> None:
-        self.lm, self.cache, self.tokenizer = lm, cache, lm.tokenizer
-        self.step_ms: list[float] = []
-
-    @torch.inference_mode()
-    def step(self, token: int) -> torch.Tensor:
-        """Decode ``token``; returns FP32 logits ``[vocab]`` of the next token."""
-        ids = torch.tensor([[token]], device=self.lm.device)
-        _sync(self.lm.device)
-        start = time.perf_counter()
-        out = self.lm.model(input_ids=ids, past_key_values=self.cache, use_cache=True)
-        _sync(self.lm.device)
-        self.step_ms.append(1e3 * (time.perf_counter() - start))
-        return out.logits[0, -1].float()
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-@torch.inference_mode()
-def prefill(lm: LoadedModel, prefix: list[int], block_size: int, spec: CacheSpec) -> TieredCache:
-    """Dense prefill of ``prefix`` into a cache of FP16 originals (paper 8)."""
-    dense = CertifiedAttention(mode="dense")
-    cache = TieredCache(lm.num_layers, dense, KVQuantizer(FP16KeyCodec(), FP16ValueCodec(),
-                                                          block_size), spec)
-    if prefix:
-        ids = torch.tensor([prefix], device=lm.device)
-        lm.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    return cache
 
 
 def certificate_record(cache: TieredCache) -> dict:
