@@ -17,9 +17,9 @@ def make_kv(hkv, n, d, *, seed=0, outlier_channels=0, heavy_tail=False, key_offs
     if outlier_channels:
         idx = torch.randperm(d, generator=gen)[:outlier_channels]
         k[..., idx] *= 10 + 90 * torch.rand(outlier_channels, generator=gen)
-    if heavy_tail:
-        t = torch.distributions.StudentT(1.5).sample((hkv, n, d))
-        v = t.clamp(-3e4, 3e4)
+    if heavy_tail:  # Cauchy (Student-t, 1 dof) from the seeded generator: deterministic
+        u = torch.rand(hkv, n, d, generator=gen).clamp(1e-6, 1 - 1e-6)
+        v = torch.tan(torch.pi * (u - 0.5)).clamp(-3e4, 3e4)
     else:
         v = torch.randn(hkv, n, d, generator=gen)
     return k, v

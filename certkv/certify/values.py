@@ -50,7 +50,9 @@ class GreedyBudget:
         rho_ub = torch.exp((2.0 * delta.unsqueeze(-1) + log_p_hat).clamp(max=0.0))
         contribution = rho_ub * eta
         ranked, order = torch.sort(contribution, dim=-1, descending=True, stable=True)
-        remaining = contribution.sum(dim=-1, keepdim=True) - torch.cumsum(ranked, dim=-1) + ranked
+        # suffix sums (what is left if blocks j.. stay INT4), summed from the small end so tiny
+        # contributions are not lost to cancellation against the total
+        remaining = torch.flip(torch.cumsum(torch.flip(ranked, [-1]), dim=-1), [-1])
         needed = (remaining > self.e_val_budget) & (ranked > 0)
         return torch.zeros_like(needed).scatter(-1, order, needed)
 
