@@ -148,6 +148,7 @@ class TieredKVStore:
         self._tail_k = torch.zeros(tail_shape, dtype=torch.float16, device=self.device)
         self._tail_v = torch.zeros(tail_shape, dtype=torch.float16, device=self.device)
         self.tail_len = 0
+        self._nu_max = torch.zeros(num_kv_heads, device=self.device)  # running max of nu_b
         empty = torch.zeros(num_kv_heads, 0, block_size, head_dim, dtype=torch.float16,
                             device=self.device)
         self._commit_blocks(empty, empty)  # allocates every buffer, so views exist when empty
@@ -219,9 +220,12 @@ class TieredKVStore:
         self._keys.extend(key_blocks)
         self._values.extend(value_blocks)
         self._annotations.extend({"eta": eta, "nu": nu})
+        if nu.shape[1]:
+            self._nu_max = torch.maximum(self._nu_max, nu.amax(dim=1))
         if self._mirror is not None:
             self._mirror.extend({"k": self.key_codec.decode(key_blocks),
-                                 "v": self.value_codec.decode(value_blocks)})
+                                 "v": self.value_codec.decode(value_blocks),
+                                 "bound": self.key_codec.channel_bound(key_blocks)})
         if self.keep_originals:
             self._tier2.extend({"k": k16, "v": v16})
 
@@ -259,15 +263,12 @@ class TieredKVStore:
         return self._annotations.view()["nu"]
 
     def value_norm_max(self) -> torch.Tensor:
-        """``[Hkv]`` upper bound on ``max_t ||v_t||_2`` over every token (V_max, Theorem 4.3)."""
-        norms = [self.nu]
-        if self.tail_len:
-            tail_norm = self.tail()[1].double().norm(dim=-1).amax(dim=-1, keepdim=True)
-            norms.append(_round_up_fp32(tail_norm))
-        norms = torch.cat(norms, dim=1)
-        if norms.shape[1] == 0:
-            return torch.zeros(self.num_kv_heads, device=self.device)
-        return norms.amax(dim=1)
+        """``[Hkv]`` upper bound on ``max_t ||v_t||_2`` over every token (V_max, Theorem 4.3):
+        the running max of nu_b, and the tail tokens' norms."""
+        if not self.tail_len:
+            return self._nu_max.clone()
+        tail_norm = self.tail()[1].double().norm(dim=-1).amax(dim=-1)
+        return torch.maximum(self._nu_max, _round_up_fp32(tail_norm))
 
     def tail(self) -> tuple[torch.Tensor, torch.Tensor]:
         """FP16 keys and values of the partial tail block, ``[Hkv, tail_len, d]`` each."""
@@ -300,7 +301,10 @@ class TieredKVStore:
         return self.value_codec.decode(self.value_blocks())
 
     def key_channel_bound(self) -> torch.Tensor:
-        """FP32 ``[Hkv, n_blocks, d]`` per-channel key reconstruction bound (paper 2.3)."""
+        """FP32 ``[Hkv, n_blocks, d]`` per-channel key reconstruction bound (paper 2.3), from the
+        stored metadata (cached in the decoded mirror when there is one)."""
+        if self._mirror is not None:
+            return self._mirror.view()["bound"]
         return self.key_codec.channel_bound(self.key_blocks())
 
     def _tier2_view(self) -> Blocks:
