@@ -38,3 +38,11 @@ def test_bad_model_fields():
         load_model({"name": "r", "random_config": {"model_type": "gpt9"}})
     with pytest.raises(ConfigError, match="dtype='float8' is unknown"):
         load_model({"name": "r", "dtype": "float8", "random_config": SMALL})
+
+
+def test_context_longer_than_the_model_names_the_fix():
+    from certkv.eval.tasks import NeedleTask, PerplexityTask
+
+    for task in (PerplexityTask(context=10_000), NeedleTask(context=10_000)):
+        with pytest.raises(CertKVError, match="exceeds the model's 8192 tokens; lower task"):
+            task.samples(tokenizer=None, max_context=8192)
