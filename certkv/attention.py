@@ -18,7 +18,13 @@ import torch
 
 from certkv.cache.scratch import ScratchCache
 from certkv.cache.store import TieredKVStore
-from certkv.certify.bounds import block_deltas, key_error_bound, tail_mass_bound, value_error_bound
+from certkv.certify.bounds import (
+    block_deltas,
+    key_error_bound,
+    phase2_tail_mass_bound,
+    tail_mass_bound,
+    value_error_bound,
+)
 from certkv.certify.certificate import Certificate
 from certkv.certify.checks import boundary_ok, canary_ok, exploration_mask, ranking_consistent
 from certkv.certify.ladder import Ladder
@@ -32,12 +38,14 @@ from certkv.timing import NULL_TIMER, PhaseTimer
 MODES = ("certified", "naive", "dense")
 
 
-def _key_bound(log_p, tail, delta_b, delta, v_max, exponent):
-    """``(log alpha_hat [Hq], E_key [Hq])`` for INT8 tail blocks ``tail: [Hq, n]`` (eq. 15)."""
+def _key_bound(log_p, tail, delta_b, delta, v_max, exponent, tail_cap=None):
+    """``(log alpha_hat [Hq], E_key [Hq])`` for INT8 tail blocks ``tail: [Hq, n]`` (eq. 15);
+    ``tail_cap`` is an extra valid bound on the true tail mass (after Phase 2)."""
     neg_inf = torch.full_like(log_p, float("-inf"))
     log_alpha = torch.logsumexp(torch.where(tail, log_p, neg_inf), dim=-1)
     delta_tail = torch.where(tail, delta_b, torch.zeros_like(delta_b)).amax(dim=-1)
-    return log_alpha, key_error_bound(v_max, delta, delta_tail, log_alpha, exponent)
+    e_key = key_error_bound(v_max, delta, delta_tail, log_alpha, exponent, tail_cap)
+    return log_alpha, e_key
 
 
 @dataclass
@@ -161,8 +169,9 @@ class CertifiedAttention:
         # Certificate: E_key (eq. 15) and E_val (Cor. 4.2).
         with timer.phase("certificate"):
             tail = quantized & ~promoted
+            tail_cap = phase2_tail_mass_bound(l8, l16, delta_b, promoted, tail)
             log_alpha, e_key = _key_bound(log_p, tail, delta_b, delta, v_max,
-                                          self.selector.mass_inflation)
+                                          self.selector.mass_inflation, tail_cap)
             value_q = value_kv.repeat_interleave(group, dim=0)
             eta_q = lay.eta.repeat_interleave(group, dim=0) * ~value_q
             e_val = value_error_bound(rho, eta_q)

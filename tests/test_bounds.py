@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from certkv.certify.bounds import (
     block_deltas,
     key_error_bound,
+    phase2_tail_mass_bound,
     tail_mass_bound,
     total_variation,
     value_error_bound,
@@ -119,3 +120,26 @@ def test_value_error_bound_corollary_4_2():
     rho = torch.tensor([[0.5, 0.3, 0.2]])
     eta = torch.tensor([[0.1, 0.0, 1.0]])
     torch.testing.assert_close(value_error_bound(rho, eta), torch.tensor([0.25]))
+
+
+@given(seed=st.integers(0, 10_000), blocks=st.integers(2, 40),
+       delta=st.sampled_from([1e-3, 0.05, 0.3, 2.0]), frac=st.floats(0.05, 0.95))
+def test_phase2_tail_mass_bound_holds_and_beats_eq_14(seed, blocks, delta, frac):
+    """alpha_T <= U_T / (Z_F + U_T) with exact promoted masses and INT8 tail masses inflated by
+    their own Delta_b; it is never looser than eq. 14's e^{2 Delta} alpha_hat."""
+    gen = torch.Generator().manual_seed(seed)
+    bsz = 4
+    s = torch.randn(1, blocks, bsz, generator=gen, dtype=torch.float64) * 3
+    delta_b = delta * torch.rand(1, blocks, generator=gen, dtype=torch.float64)
+    shift = (torch.rand(1, blocks, bsz, generator=gen, dtype=torch.float64) * 2 - 1)
+    s8 = s + shift * delta_b.unsqueeze(-1)  # INT8 logits within Delta_b of the true ones
+    tail = torch.rand(1, blocks, generator=gen) < frac
+    promoted = ~tail
+    l16, l8 = torch.logsumexp(s, -1), torch.logsumexp(s8, -1)
+    true_tail = torch.softmax(l16, -1)[tail].sum()
+    bound = phase2_tail_mass_bound(l8, l16, delta_b, promoted, tail)
+    assert true_tail <= bound * (1 + 1e-9) + 1e-12
+    # eq. 14 (tight exponent 2) with Delta = max over all blocks, alpha_hat from Phase 1
+    alpha_hat = torch.softmax(l8, -1)[tail].sum()
+    eq14 = min(1.0, math.exp(2 * float(delta_b.max())) * float(alpha_hat))
+    assert float(bound) <= eq14 * (1 + 1e-9) + 1e-12

@@ -48,6 +48,7 @@ def key_error_bound(
     delta_tail: torch.Tensor,
     log_alpha_hat: torch.Tensor,
     exponent: float,
+    tail_cap: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """E_key (eq. 15): ``2 V_max TV``, ``TV <= min(tanh(Delta_T / 2), a_T (e^{2 Delta_T} - 1))``.
 
@@ -59,14 +60,42 @@ def key_error_bound(
       ``A = a(S)``, logit shifts of at most ``Delta_T`` give ``a'(S) <= A e^D / (A e^D +
       (1 - A) e^-D)``, so ``TV = a'(S) - A <= max_A (...) = tanh(Delta_T / 2)``.
 
+    ``tail_cap`` is an optional second valid bound on the true tail mass (e.g.
+    :func:`phase2_tail_mass_bound`); the smaller one is used.
+
     The minimum of valid bounds is valid and never looser than eq. 15. Returns 0 where nothing
     is left on INT8 keys.
     """
     tail = tail_mass_bound(log_alpha_hat, delta, exponent)
+    if tail_cap is not None:
+        tail = torch.minimum(tail, tail_cap)
     spread = torch.expm1(2 * delta_tail)
     lemma_a3 = torch.where(tail > 0, tail * spread, torch.zeros_like(tail))
     tv = torch.minimum(torch.tanh(delta_tail / 2), lemma_a3)
     return 2 * v_max * tv
+
+
+def phase2_tail_mass_bound(
+    l_int8: torch.Tensor,
+    l_fp16: torch.Tensor,
+    delta_b: torch.Tensor,
+    promoted: torch.Tensor,
+    tail: torch.Tensor,
+) -> torch.Tensor:
+    """True tail mass bound from Phase 2: ``U_T / (Z_F + U_T)`` per head ``[Hq]``.
+
+    After Phase 2 the unnormalised FP16 mass of the promoted set, ``Z_F = sum_F e^{l16_b}``, is
+    known exactly (the exact tail block included), and each INT8 tail block's FP16 mass is at
+    most ``e^{l8_b + Delta_b}`` (eq. 8 per token), so ``Z_T <= U_T = sum_T e^{l8_b + Delta_b}``;
+    ``x / (Z_F + x)`` grows with ``x``, hence ``alpha_T <= U_T / (Z_F + U_T)``. Unlike eq. 14
+    this inflates only the tail, block by block, not the whole denominator by ``e^{2 Delta}``.
+    Log-masses ``[Hq, n]``; evaluated as ``sigmoid(log U_T - log Z_F)``.
+    """
+    neg_inf = torch.full_like(l_int8, float("-inf"))
+    log_u = torch.logsumexp(torch.where(tail, l_int8 + delta_b, neg_inf), dim=-1)
+    log_z = torch.logsumexp(torch.where(promoted, l_fp16, neg_inf), dim=-1)
+    bound = torch.sigmoid(log_u - log_z)
+    return torch.where(torch.isfinite(log_u), bound, torch.zeros_like(bound))
 
 
 def value_error_bound(rho: torch.Tensor, eta: torch.Tensor) -> torch.Tensor:
