@@ -13,7 +13,7 @@ import torch
 from certkv.attention import CertifiedAttention
 from certkv.cache.hf import CacheSpec, TieredCache
 from certkv.models.loading import LoadedModel
-from certkv.quant import FP16KeyCodec, FP16ValueCodec, KVQuantizer
+from certkv.quant import KVQuantizer
 
 
 class Decoder:
@@ -43,9 +43,8 @@ def _sync(device: torch.device) -> None:
 @torch.inference_mode()
 def prefill(lm: LoadedModel, prefix: list[int], block_size: int, spec: CacheSpec) -> TieredCache:
     """Dense prefill of ``prefix`` into a cache of FP16 originals (paper 8)."""
-    dense = CertifiedAttention(mode="dense")
-    cache = TieredCache(lm.num_layers, dense, KVQuantizer(FP16KeyCodec(), FP16ValueCodec(),
-                                                          block_size), spec)
+    cache = TieredCache(lm.num_layers, CertifiedAttention(mode="dense"),
+                        KVQuantizer.fp16(block_size), spec)
     if prefix:
         ids = torch.tensor([prefix], device=lm.device)
         lm.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)

@@ -21,7 +21,7 @@ from certkv.errors import ConfigError, require
 from certkv.eval.decode import Decoder, prefill
 from certkv.eval.results import RunDir
 from certkv.models.loading import load_model
-from certkv.quant import FP16KeyCodec, FP16ValueCodec, KVQuantizer
+from certkv.quant import KVQuantizer
 
 COMPONENTS = ("quantizer", "selector", "value_policy", "ladder")
 
@@ -53,7 +53,7 @@ def build_variants(cfg: DictConfig) -> list[Variant]:
         parts = {c: instantiate(OmegaConf.merge(cfg[c], entry.get(c, {}))) for c in COMPONENTS}
         quantizer = parts["quantizer"]
         if mode == "dense":  # dense reads FP16 originals only: skip quantization work
-            quantizer = KVQuantizer(FP16KeyCodec(), FP16ValueCodec(), quantizer.block_size)
+            quantizer = KVQuantizer.fp16(quantizer.block_size)
         attention = CertifiedAttention(parts["selector"], parts["value_policy"], parts["ladder"],
                                        backend, mode)
         variants.append(Variant(name, mode, attention, quantizer))

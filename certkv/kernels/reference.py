@@ -25,11 +25,6 @@ def block_scores(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scali
     return s.masked_fill(~valid, float("-inf"))
 
 
-def block_log_mass(scores: torch.Tensor) -> torch.Tensor:
-    """Unnormalised block log-mass ``l_b = m_b + log sum_t exp(s_{b,t} - m_b)``: ``[..., n]``."""
-    return torch.logsumexp(scores, dim=-1)
-
-
 @dataclass
 class Attended:
     """Phase-2 result: ``out [Hkv, G, d]``; block masses ``rho`` and log-masses ``[Hkv, G, n]``."""

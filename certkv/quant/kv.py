@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from certkv.errors import ConfigError, require
 from certkv.quant.base import KeyCodec, ValueCodec
+from certkv.quant.fp16 import FP16KeyCodec, FP16ValueCodec
 from certkv.quant.int4_group import GroupAffineValueCodec
 from certkv.quant.int8_channel import ChannelAffineKeyCodec
 
@@ -21,6 +22,12 @@ class KVQuantizer:
     def __post_init__(self) -> None:
         require(isinstance(self.block_size, int) and self.block_size >= 1, ConfigError,
                 f"block_size={self.block_size!r} must be a positive integer, e.g. 16.")
+
+    @classmethod
+    def fp16(cls, block_size: int = 16) -> KVQuantizer:
+        """FP16 passthrough in Tier-1: what the dense mode and the shared dense prefill use
+        (they read only FP16 originals, so no quantization work is done)."""
+        return cls(FP16KeyCodec(), FP16ValueCodec(), block_size)
 
     def store_kwargs(self) -> dict:
         """Keyword arguments for ``TieredKVStore``."""
