@@ -17,16 +17,15 @@ from functools import partial
 import torch
 
 from certkv.cache.scratch import ScratchCache
-from certkv.cache.store import TieredKVStore
+from certkv.cache.store import NONFINITE_KV, TieredKVStore
 from certkv.certify.bounds import (
-    block_deltas,
     key_error_bound,
     phase2_tail_mass_bound,
     tail_mass_bound,
     value_error_bound,
 )
 from certkv.certify.certificate import Certificate
-from certkv.certify.checks import boundary_ok, canary_ok, exploration_mask, ranking_consistent
+from certkv.certify.checks import exploration_mask
 from certkv.certify.ladder import Ladder
 from certkv.certify.select import AdaptiveTopK, rank_blocks
 from certkv.certify.values import LocalThreshold
@@ -36,6 +35,7 @@ from certkv.kernels.layout import StagedBlocks, StepLayout
 from certkv.timing import NULL_TIMER, PhaseTimer
 
 MODES = ("certified", "naive", "dense")
+_NONFINITE_Q = "q holds NaN or Inf; check the model's activations before attention."
 
 
 def _key_bound(log_p, tail, delta_b, delta, v_max, exponent, tail_cap=None):
@@ -86,6 +86,7 @@ class CertifiedAttention:
         scaling = store.head_dim**-0.5 if scaling is None else float(scaling)
         q_dev = q.to(store.device)
         if self.mode == "dense":
+            require(bool(torch.isfinite(q).all()), NonFiniteError, _NONFINITE_Q)
             return self._dense_step(q_dev, store, scaling)
         fetch = store.fetch_originals if scratch is None else partial(scratch.fetch, store)
         return self._quantized_step(q_dev, store, scaling, fetch)
@@ -100,8 +101,6 @@ class CertifiedAttention:
                 f"q has {q.shape[0]} heads, not a multiple of the store's {store.num_kv_heads} "
                 "kv heads; pass all query heads of the layer.")
         require(q.is_floating_point(), ShapeError, f"q has dtype {q.dtype}; pass a float query.")
-        require(bool(torch.isfinite(q).all()), NonFiniteError,
-                "q holds NaN or Inf; check the model's activations before attention.")
         require(store.num_tokens > 0, EmptyStoreError,
                 "the store holds no tokens; append the prompt's keys and values before decoding.")
 
@@ -124,10 +123,11 @@ class CertifiedAttention:
         if heads.numel() == q.shape[0]:  # the whole layer: GQA inside SDPA, no gather
             k16, v16 = store.dense_kv()
             return self.backend.dense(q, k16, v16, scaling)
-        kv_heads, gather = torch.unique(heads // (q.shape[0] // store.num_kv_heads),
-                                        return_inverse=True)
+        kv_heads, gather = torch.unique(heads.cpu() // (q.shape[0] // store.num_kv_heads),
+                                        return_inverse=True)  # host indices (after the read)
         k16, v16 = store.dense_kv(kv_heads)
-        return self.backend.dense(q[heads], k16[gather], v16[gather], scaling)
+        gather = gather.to(k16.device, non_blocking=True)
+        return self.backend.dense(q[heads.to(q.device)], k16[gather], v16[gather], scaling)
 
     # -------------------------------------------------------- quantized modes
     def _quantized_step(self, q, store, scaling, fetch):
@@ -143,25 +143,25 @@ class CertifiedAttention:
 
         # Phase 1: INT8 scores, block log-masses, normalised masses, Delta_b (eq. 8).
         with timer.phase("phase1"):
-            s8 = self.backend.score(qg, lay, scaling)  # [Hkv, G, n, B]
-            l8 = torch.logsumexp(s8, dim=-1).reshape(hq, -1)
+            scored = self.backend.phase1(qg, lay, scaling)
+            l8 = scored.log_mass.reshape(hq, -1)
             log_p = torch.log_softmax(l8, dim=-1)
-            delta_b = torch.zeros_like(log_p)
-            delta_b[:, :n_q] = block_deltas(qg, lay.channel_bound, scaling).reshape(hq, n_q)
-            delta = delta_b.amax(dim=-1) if n_q else torch.zeros(hq, device=q.device)
+            delta_b = scored.delta_b.reshape(hq, -1)  # 0 on the exact tail block
+            delta = delta_b.amax(dim=-1)
             v_max = lay.v_max.repeat_interleave(group)
 
-        # Selection (paper 3.3), rung 1, value promotion (rung 2).
+        # Selection (paper 3.3), rung 1, value promotion (rung 2): device tensors only.
         with timer.phase("select"):
             promoted, expanded = self._select(log_p, quantized, n_q, delta_b, delta, v_max,
                                               group, certified)
             value_kv = self._value_promotion(log_p, lay.eta, delta, quantized, group, certified)
 
-        # Page-in and Phase 2 (mask-gated keys, FP16 values where promoted).
+        # Page-in (the step's first host read) and Phase 2 (gated keys, FP16 values).
         with timer.phase("page_in"):
-            s2, staged = self._page_in(fetch, lay, qg, s8, promoted, value_kv, scaling, group)
+            keys, values = self._page_in(fetch, lay, promoted, value_kv, group, certified)
         with timer.phase("phase2"):
-            att = self.backend.attend(s2, lay, staged)
+            att = self.backend.phase2(qg, scored, lay, promoted.reshape(hkv, group, -1), keys,
+                                      values, scaling, self.ladder.eps_guard)
             out = att.out.reshape(hq, -1)
             rho = att.rho.reshape(hq, -1)
             l16 = att.log_mass.reshape(hq, -1)
@@ -176,26 +176,21 @@ class CertifiedAttention:
             eta_q = lay.eta.repeat_interleave(group, dim=0) * ~value_q
             e_val = value_error_bound(rho, eta_q)
 
-        # Checks (paper 6, 6.1) -> rungs 3 and 4.
+        # Checks (paper 6, 6.1) -> rungs 3 and 4, then the step's second host read.
         with timer.phase("checks"):
-            true = torch.ones(hq, dtype=torch.bool, device=q.device)
-            ranking, boundary, canary = true, true, true
-            if certified:
-                ranking, boundary, canary = self._checks(s8, s2, l8, l16, delta_b, promoted,
-                                                         quantized)
+            ranking, boundary, canary = self._checks(l8, l16, delta_b, promoted, tail,
+                                                     att.canary, certified)
             finite = (torch.isfinite(out).all(dim=-1) & torch.isfinite(e_key)
                       & torch.isfinite(e_val))
-            head_dense = (~ranking | ~boundary | ~finite) if certified else ~finite
-            layer_dense = certified and self.ladder.layer_dense(head_dense, canary)
-
-        rung = torch.zeros(hq, dtype=torch.long, device=q.device)
-        rung[expanded] = 1
-        rung[value_q.any(dim=-1)] = 2
-        rung[head_dense] = 3
-        if layer_dense:
-            rung[:] = 4
+            rung = expanded.long()  # torch.where, not masked writes: no device sync
+            rung = torch.where(value_q.any(dim=-1), 2, rung)
+            rung = torch.where((~ranking | ~boundary | ~finite) if certified else ~finite, 3,
+                               rung)
+            if certified:
+                rung = torch.where(self.ladder.layer_dense(rung >= 3, canary), 4, rung)
+            dense_heads = self._host_flags(q, store, rung)
         with timer.phase("fallback"):
-            out = self._fallback(q, store, out, rung, scaling)
+            out = self._fallback(q, store, out, dense_heads, scaling)
         fast = rung < 3
         cert = Certificate(
             candidate_e_key=e_key, candidate_e_val=e_val,
@@ -203,7 +198,8 @@ class CertifiedAttention:
             e_val=torch.where(fast, e_val, torch.zeros_like(e_val)),
             delta=delta, tail_mass=log_alpha.exp(), k_star=(promoted & quantized).sum(dim=-1),
             rung=rung, ranking_ok=ranking, boundary_ok=boundary, canary_ok=canary,
-            value_blocks=value_q.sum(dim=-1), value_promotions=int(value_kv.sum()),
+            value_blocks=value_q.sum(dim=-1),
+            value_promotions=0 if values is None else values.blocks.numel(),
             num_blocks=n_q, mode=self.mode)
         return out.to(q.dtype), cert
 
@@ -226,7 +222,7 @@ class CertifiedAttention:
         expanded = k_new > k
         promoted = sel.promoted(order, k_new, quantized, group)  # all tensor ops, no host sync
         explore = exploration_mask(quantized & ~promoted, self.ladder.exploration,
-                                   self.ladder.generator)
+                                   self.ladder.generator(p.device))
         return promoted | explore, expanded
 
     def _value_promotion(self, log_p, eta, delta, quantized, group, certified):
@@ -238,54 +234,67 @@ class CertifiedAttention:
         chosen = self.value_policy.select(log_p, eta_q, delta) & quantized & (eta_q > 0)
         return chosen.reshape(hkv, group, -1).any(dim=1)
 
-    def _page_in(self, fetch, lay, qg, s8, promoted, value_kv, scaling, group):
-        """Fetch FP16 keys/values of promoted blocks (``fetch``: Tier-2 or the scratch cache)
-        and build Phase-2 inputs.
+    def _page_in(self, fetch, lay, promoted, value_kv, group, certified):
+        """Fetch the FP16 keys of blocks promoted for any query head of a kv head and the FP16
+        values of value-promoted blocks (``fetch``: Tier-2 or the scratch cache).
 
-        Returns mask-gated logits ``[Hkv, G, n, B]`` (FP16 keys on promoted blocks, INT8
-        elsewhere; the exact tail block is already exact) and the staged FP16 values of
-        value-promoted blocks (or None).
+        The two ``[Hkv, n]`` masks are read to the host once (the step's first host read:
+        Tier-2 lives in host memory, so the host must know what to copy). Returns two
+        :class:`StagedBlocks` (or None); the exact tail block is never staged.
         """
-        hkv = qg.shape[0]
-        promoted_kv = promoted.reshape(hkv, group, -1)
-        need_keys = promoted_kv.any(dim=1) & lay.quantized
-        s2 = s8
-        if bool(need_keys.any()):
-            kv_idx, blk_idx = need_keys.nonzero(as_tuple=True)
-            k16, _ = fetch(kv_idx, blk_idx, which="k")
-            s16 = torch.einsum("pgd,ptd->pgt", qg[kv_idx], k16.float()) * scaling
-            s16_full = s8.clone()
-            empty = ~lay.valid[blk_idx][:, None]
-            s16_full[kv_idx, :, blk_idx] = s16.masked_fill(empty, float("-inf"))
-            s2 = torch.where(promoted_kv.unsqueeze(-1), s16_full, s8)
-        staged = None
-        if bool(value_kv.any()):
-            kv_idx, blk_idx = value_kv.nonzero(as_tuple=True)
-            _, v16 = fetch(kv_idx, blk_idx, which="v")
-            staged = StagedBlocks(kv_idx, blk_idx, v16)
-        return s2, staged
+        if not certified:  # naive: nothing is promoted, no host read
+            return None, None
+        hkv = lay.store.num_kv_heads
+        need_keys = promoted.reshape(hkv, group, -1).any(dim=1) & lay.quantized
+        plan = to_host(torch.stack([need_keys, value_kv]))  # [2, Hkv, n] bool
+        staged = []
+        for which, mask in zip(("k", "v"), plan, strict=True):
+            kv_idx, blk_idx = mask.nonzero(as_tuple=True)  # host tensors
+            if kv_idx.numel() == 0:
+                staged.append(None)
+                continue
+            k16, v16 = fetch(kv_idx, blk_idx, which=which)
+            dev = lay.store.device
+            staged.append(StagedBlocks(kv_idx.to(dev, non_blocking=True),
+                                       blk_idx.to(dev, non_blocking=True),
+                                       k16 if which == "k" else v16))
+        return staged[0], staged[1]
 
-    def _checks(self, s8, s2, l8, l16, delta_b, promoted, quantized):
+    def _checks(self, l8, l16, delta_b, promoted, tail, canary_blocks, certified):
         """Ranking (eq. 17), boundary (eq. 18) and canary (Section 6) flags, each ``[Hq]``."""
         hq = l8.shape[0]
         lad = self.ladder
         true = torch.ones(hq, dtype=torch.bool, device=l8.device)
-        tail = quantized & ~promoted
-        ranking = ranking_consistent(l8, l16, promoted, lad.r) if lad.ranking_check else true
-        boundary = (boundary_ok(l8, l16, delta_b, promoted, tail, lad.r)
-                    if lad.boundary_check else true)
-        canary = true
-        if lad.canary:
-            checked = promoted & quantized
-            canary = canary_ok(s8.reshape(hq, *s8.shape[2:]), s2.reshape(hq, *s2.shape[2:]),
-                               delta_b, checked, lad.eps_guard)
+        if not certified:
+            return true, true, true
+        ranking, boundary = true, true
+        if lad.ranking_check or lad.boundary_check:
+            ranking, boundary = self.backend.checks(l8, l16, delta_b, promoted, tail, lad.r)
+            ranking = ranking if lad.ranking_check else true
+            boundary = boundary if lad.boundary_check else true
+        canary = ~canary_blocks.reshape(hq, -1).any(dim=-1) if lad.canary else true
         return ranking, boundary, canary
 
-    def _fallback(self, q, store, out, rung, scaling):
-        """Rungs 3-4: dense SDPA on the FP16 originals for every head with rung >= 3."""
-        heads = (rung >= 3).nonzero(as_tuple=True)[0]
+    def _host_flags(self, q, store, rung):
+        """The step's second host read: which heads need dense SDPA (Tier-2 is on the host),
+        together with the deferred finiteness checks of ``q`` and of the appended K/V."""
+        bad = torch.stack([~torch.isfinite(q).all(), store.nonfinite_appended()])
+        flags = to_host(torch.cat([rung >= 3, bad]))
+        require(not bool(flags[-2]), NonFiniteError, _NONFINITE_Q)
+        require(not bool(flags[-1]), NonFiniteError, NONFINITE_KV)
+        return flags[:-2].nonzero(as_tuple=True)[0]
+
+    def _fallback(self, q, store, out, heads, scaling):
+        """Rungs 3-4: dense SDPA on the FP16 originals for the query ``heads`` (host indices)."""
         if heads.numel() == 0:
             return out
         out = out.clone()
-        out[heads] = self._dense_heads(q, store, heads, scaling).float()
+        dev_heads = heads.to(out.device, non_blocking=True)
+        out[dev_heads] = self._dense_heads(q, store, heads, scaling).float()
         return out
+
+
+def to_host(x: torch.Tensor) -> torch.Tensor:
+    """Every device-to-host read of a decode step goes through here (at most two per step:
+    the page-in plan and the fallback flags); tests count the calls."""
+    return x.to("cpu")

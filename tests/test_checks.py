@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from certkv.certify.checks import boundary_ok, canary_ok, exploration_mask, ranking_consistent
+from certkv.certify.checks import (
+    boundary_ok,
+    canary_violations,
+    exploration_mask,
+    ranking_consistent,
+    top_r,
+)
 
 ALL = torch.tensor([[True, True, True, False]])
 
@@ -51,14 +57,21 @@ def test_boundary_cannot_certify_with_too_few_promoted_blocks():
 
 
 def test_canary_detects_scores_outside_delta():
-    s8 = torch.tensor([[[1.0, 2.0], [3.0, float("-inf")]]])
+    s8 = torch.tensor([[[1.0, 2.0], [3.0, float("-inf")]]])  # [heads, blocks, B]
     delta = torch.tensor([[0.1, 0.1]])
-    checked = torch.tensor([[True, True]])
-    assert canary_ok(s8, s8 + 0.09, delta, checked, 1e-6).all()
+    assert not canary_violations(s8, s8 + 0.09, delta, 1e-6).any()
     bad = s8.clone()
     bad[0, 1, 0] += 0.5
-    assert not canary_ok(s8, bad, delta, checked, 1e-6).any()
-    assert canary_ok(s8, bad, delta, torch.tensor([[True, False]]), 1e-6).all()  # unchecked
+    assert canary_violations(s8, bad, delta, 1e-6).tolist() == [[False, True]]
+    assert not canary_violations(s8, bad, delta + 0.5, 1e-6).any()
+
+
+def test_ranking_breaks_ties_by_block_index():
+    l8 = torch.tensor([[2.0, 3.0, 3.0, 1.0]])
+    promoted = torch.ones(1, 4, dtype=torch.bool)
+    _, idx, _ = top_r(l8, promoted, 3)
+    assert idx.tolist() == [[1, 2, 0]]
+    assert ranking_consistent(l8, l8, promoted, r=3).all()
 
 
 def test_exploration_draws_only_tail_blocks():

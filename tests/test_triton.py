@@ -14,10 +14,11 @@ from test_contract import build, check_contract, scenarios
 from certkv import CertifiedAttention, ChannelAffineKeyCodec, TieredKVStore
 from certkv.kernels.dispatch import get_backend
 from certkv.kernels.layout import StagedBlocks, StepLayout
-from certkv.kernels.reference import Attended, TorchBackend, merge_staged
+from certkv.kernels.reference import Attended, TorchBackend, gated_scores, merge_staged
 
 pytest.importorskip("triton")
 from certkv.kernels.triton_backend import TritonBackend
+from certkv.kernels.triton_checks import ranking_and_boundary
 
 ATOL = 1e-6
 
@@ -30,20 +31,32 @@ def case(hkv=2, group=3, d=32, tokens=75, seed=0, block=16):
     return store, q.reshape(hkv, group, d)
 
 
+def flash_rule(kernel, ref, oracle, name):
+    """Kernel error <= 2 x reference error + ATOL against the FP64 oracle (finite entries)."""
+    finite = torch.isfinite(oracle)
+    assert torch.equal(finite, torch.isfinite(kernel)), name
+    ref_err = (ref.double() - oracle)[finite].abs().max()
+    kernel_err = (kernel.double() - oracle)[finite].abs().max()
+    ulps = 4 * 2.0**-23 * oracle[finite].abs().max()  # FP32 rounding of the magnitude
+    assert kernel_err <= 2 * ref_err + ATOL + ulps, name
+
+
 @pytest.mark.parametrize("seed", range(4))
-def test_phase1_scores_flash_attention_rule(seed):
+def test_phase1_flash_attention_rule(seed):
     store, qg = case(seed=seed)
     lay = StepLayout(store)
     scaling = store.head_dim**-0.5
     oracle = torch.einsum("kgd,kntd->kgnt", qg.double(), lay.keys.double()) * scaling
     oracle = oracle.masked_fill(~lay.valid, float("-inf"))
-    ref = TorchBackend().score(qg, lay, scaling)
-    kernel = TritonBackend().score(qg, lay, scaling)
-    finite = torch.isfinite(oracle)
-    assert torch.equal(finite, torch.isfinite(kernel))
-    ref_err = (ref.double() - oracle)[finite].abs().max()
-    kernel_err = (kernel.double() - oracle)[finite].abs().max()
-    assert kernel_err <= 2 * ref_err + ATOL
+    bound = lay.channel_bound.double()
+    oracle_delta = scaling * torch.einsum("kgd,knd->kgn", qg.double().abs(), bound)
+    ref = TorchBackend().phase1(qg, lay, scaling)
+    kernel = TritonBackend().phase1(qg, lay, scaling)
+    flash_rule(kernel.scores, ref.scores, oracle, "scores")
+    flash_rule(kernel.log_mass, ref.log_mass, torch.logsumexp(oracle, dim=-1), "log_mass")
+    n_q = lay.num_quantized
+    flash_rule(kernel.delta_b[..., :n_q], ref.delta_b[..., :n_q], oracle_delta, "delta_b")
+    assert (kernel.delta_b[..., n_q:] == 0).all()  # the exact tail block
 
 
 def fp64_attend(scores, values):
@@ -55,24 +68,80 @@ def fp64_attend(scores, values):
     return Attended(out=out, rho=w.sum(-1), log_mass=torch.logsumexp(s, dim=-1))
 
 
+def staged(store, kv, blk, which):
+    kv, blk = torch.tensor(kv), torch.tensor(blk)
+    k16, v16 = store.fetch_originals(kv, blk, which=which)
+    return StagedBlocks(kv, blk, k16 if which == "k" else v16)
+
+
 @pytest.mark.parametrize(("seed", "promote"), [(0, False), (1, True), (2, True), (3, False)])
 def test_phase2_attend_flash_attention_rule(seed, promote):
     store, qg = case(seed=seed, tokens=100)
     lay = StepLayout(store)
-    scores = TorchBackend().score(qg, lay, store.head_dim**-0.5)
-    staged = None
+    scaling = store.head_dim**-0.5
+    scored = TorchBackend().phase1(qg, lay, scaling)
+    hkv, group, n = scored.log_mass.shape
+    gate = torch.zeros(hkv, group, n, dtype=torch.bool)
+    keys = values = None
     if promote:
-        kv, blk = torch.tensor([0, 1, 1]), torch.tensor([2, 0, 4])
-        staged = StagedBlocks(kv, blk, store.fetch_originals(kv, blk, which="v")[1])
-    values = merge_staged(lay.values, staged)
-    oracle = fp64_attend(scores, values)
-    ref = TorchBackend().attend(scores, lay, staged)
-    kernel = TritonBackend(split=2).attend(scores, lay, staged)
+        keys = staged(store, [0, 0, 1], [1, 3, 2], "k")
+        gate[0, 0, 1] = gate[0, 1:, 3] = gate[1, :, 2] = True
+        values = staged(store, [0, 1, 1], [2, 0, 4], "v")
+    s2, _ = gated_scores(qg, scored, gate, keys, scaling, 1e-6)
+    if promote:  # the oracle's FP16-key logits in FP64
+        s16 = torch.einsum("pgd,ptd->pgt", qg[keys.kv_heads].double(),
+                           keys.data.double()) * scaling
+        s2 = s2.double()
+        at = s2[keys.kv_heads, :, keys.blocks]
+        s2[keys.kv_heads, :, keys.blocks] = torch.where(
+            gate[keys.kv_heads, :, keys.blocks].unsqueeze(-1), s16, at)
+    oracle = fp64_attend(s2, merge_staged(lay.values, values))
+    args = (qg, scored, lay, gate, keys, values, scaling, 1e-6)
+    ref = TorchBackend().phase2(*args)
+    kernel = TritonBackend(split=2).phase2(*args)
     for name in ("out", "rho", "log_mass"):
-        o = getattr(oracle, name).double()
-        ref_err = (getattr(ref, name).double() - o).abs().max()
-        ker_err = (getattr(kernel, name).double() - o).abs().max()
-        assert ker_err <= 2 * ref_err + ATOL, name
+        flash_rule(getattr(kernel, name), getattr(ref, name), getattr(oracle, name).double(),
+                   name)
+    assert torch.equal(kernel.canary, ref.canary) and not ref.canary.any()
+
+
+def test_phase2_canary_flags_a_staged_block_that_disagrees_with_its_codes():
+    store, qg = case(seed=6, tokens=64)
+    lay = StepLayout(store)
+    scaling = store.head_dim**-0.5
+    scored = TorchBackend().phase1(qg, lay, scaling)
+    gate = torch.zeros(scored.log_mass.shape, dtype=torch.bool)
+    gate[1, :, 2] = True
+    gate[1, 0, 1] = True
+    keys = staged(store, [1, 1], [1, 2], "k")
+    keys.data[1] += 3.0  # block 2 of kv head 1 no longer matches its INT8 codes (P2 broken)
+    args = (qg, scored, lay, gate, keys, None, scaling, 1e-6)
+    ref = TorchBackend().phase2(*args)
+    kernel = TritonBackend(split=3).phase2(*args)
+    expected = torch.zeros_like(gate)
+    expected[1, :, 2] = True
+    assert torch.equal(ref.canary, expected) and torch.equal(kernel.canary, expected)
+
+
+@pytest.mark.parametrize("r", [1, 2, 3])
+@pytest.mark.parametrize("n", [1, 7, 40])
+def test_checks_kernel_matches_the_reference(r, n):
+    gen = torch.Generator().manual_seed(100 * r + n)
+    hq = 24
+    l8 = torch.randn(hq, n, generator=gen).round(decimals=1)  # rounding makes ties common
+    l16 = l8 + 0.05 * torch.randn(hq, n, generator=gen).round(decimals=1)
+    l16[::5] = l8[::5]  # some heads agree exactly
+    delta = 0.2 * torch.rand(hq, n, generator=gen)
+    promoted = torch.rand(hq, n, generator=gen) < 0.4
+    promoted[::3] = True
+    quantized = torch.ones(n, dtype=torch.bool)
+    quantized[-1] = n == 1
+    tail = quantized & ~promoted
+    ref = TorchBackend().checks(l8, l16, delta, promoted, tail, r)
+    kernel = ranking_and_boundary(l8, l16, delta, promoted, tail, r, block_n=8)
+    for a, b in zip(ref, kernel, strict=True):
+        assert torch.equal(a, b)
+    assert ref[0].any() and ref[1].any()
 
 
 @settings(max_examples=40, suppress_health_check=[HealthCheck.too_slow])

@@ -36,8 +36,9 @@ class ScratchStats:
 class _LRUBlocks:
     """``capacity`` FP16 slots ``[B, d]`` for one kind (keys or values), LRU by use stamp.
 
-    Vectorised: ``slot_of[kv, block]`` maps cached blocks to slots (-1 when absent), ``owner``
-    and ``stamp`` describe each slot; one lookup or insertion is a handful of tensor ops.
+    The bookkeeping is on the host (``slot_of[kv, block]`` -> slot or -1, each slot's ``owner``
+    and ``stamp``): page-in indices are host tensors already, so lookups and evictions never
+    wait for the device; only the FP16 ``buffer`` lives in device memory.
     """
 
     def __init__(self, capacity: int) -> None:
@@ -46,40 +47,41 @@ class _LRUBlocks:
         self.buffer = self.owner = self.stamp = self.slot_of = None
 
     def _ensure(self, store) -> None:
-        device = store.device
         if self.buffer is None:
             shape = (self.capacity, store.block_size, store.head_dim)
-            self.buffer = torch.empty(shape, dtype=torch.float16, device=device)
-            self.owner = torch.full((self.capacity, 2), -1, dtype=torch.long, device=device)
-            self.stamp = torch.full((self.capacity,), -1, dtype=torch.long, device=device)
-            self.slot_of = torch.full((store.num_kv_heads, 0), -1, dtype=torch.long,
-                                      device=device)
+            self.buffer = torch.empty(shape, dtype=torch.float16, device=store.device)
+            self.owner = torch.full((self.capacity, 2), -1, dtype=torch.long)
+            self.stamp = torch.full((self.capacity,), -1, dtype=torch.long)
+            self.slot_of = torch.full((store.num_kv_heads, 0), -1, dtype=torch.long)
         if self.slot_of.shape[1] < store.num_blocks:
             grown = torch.full((store.num_kv_heads, max(2 * self.slot_of.shape[1],
-                                                        store.num_blocks)), -1,
-                               dtype=torch.long, device=device)
+                                                        store.num_blocks)), -1, dtype=torch.long)
             grown[:, : self.slot_of.shape[1]] = self.slot_of
             self.slot_of = grown
 
     def fetch(self, store, kind: str, kv: torch.Tensor, blk: torch.Tensor, stats) -> torch.Tensor:
-        """FP16 blocks ``[P, B, d]`` of ``(kv[i], blk[i])``: hits from slots, misses from Tier-2."""
+        """FP16 blocks ``[P, B, d]`` of ``(kv[i], blk[i])`` (host indices): hits from slots,
+        misses from Tier-2."""
         self._ensure(store)
         self.clock += 1
-        kv, blk = kv.to(store.device), blk.to(store.device)
+        dev = store.device
+        kv, blk = kv.cpu(), blk.cpu()
         slots = self.slot_of[kv, blk]
         hit = slots >= 0
         self.stamp[slots[hit]] = self.clock
         out = torch.empty(kv.numel(), store.block_size, store.head_dim, dtype=torch.float16,
-                          device=store.device)
-        out[hit] = self.buffer[slots[hit]]
-        miss = (~hit).nonzero(as_tuple=True)[0]
-        stats.hits += int(hit.sum())
+                          device=dev)
+        hit_at, miss = hit.nonzero(as_tuple=True)[0], (~hit).nonzero(as_tuple=True)[0]
+        if hit_at.numel():
+            out[hit_at.to(dev, non_blocking=True)] = self.buffer[
+                slots[hit_at].to(dev, non_blocking=True)]
+        stats.hits += hit_at.numel()
         stats.misses += miss.numel()
         if miss.numel():
             k, v = store.fetch_originals(kv[miss], blk[miss], which=kind)
             fetched = k if kind == "k" else v
             stats.h2d_bytes += fetched.numel() * fetched.element_size()
-            out[miss] = fetched
+            out[miss.to(dev, non_blocking=True)] = fetched
             self._insert(kv[miss], blk[miss], fetched)
         return out
 
@@ -97,7 +99,7 @@ class _LRUBlocks:
         self.slot_of[kv[:take], blk[:take]] = victims
         self.owner[victims] = torch.stack([kv[:take], blk[:take]], dim=1)
         self.stamp[victims] = self.clock
-        self.buffer[victims] = blocks[:take]
+        self.buffer[victims.to(blocks.device, non_blocking=True)] = blocks[:take]
 
 
 @dataclass
@@ -116,7 +118,8 @@ class ScratchCache:
     def fetch(self, store, kv_heads: torch.Tensor, blocks: torch.Tensor, which: str = "kv"):
         """Same contract as ``TieredKVStore.fetch_originals``, served from scratch when cached.
 
-        Returns ``(k, v)``, each ``[P, B, d]`` FP16 on the store's device or ``None``.
+        Indices are host tensors (the page-in plan). Returns ``(k, v)``, each ``[P, B, d]`` FP16
+        on the store's device or ``None``.
         """
         k = self._lru["k"].fetch(store, "k", kv_heads, blocks, self.stats) if "k" in which \
             else None

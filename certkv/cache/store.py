@@ -38,6 +38,9 @@ _TIER2_MISSING = (
 )
 
 
+NONFINITE_KV = ("k or v holds NaN or Inf (or values beyond the FP16 range); fix the model outputs "
+                "before caching them.")
+
 class _GrowingBlocks:
     """Tensors that grow along dim 1 (the block axis) with amortised doubling.
 
@@ -149,6 +152,7 @@ class TieredKVStore:
         self._tail_v = torch.zeros(tail_shape, dtype=torch.float16, device=self.device)
         self.tail_len = 0
         self._nu_max = torch.zeros(num_kv_heads, device=self.device)  # running max of nu_b
+        self._nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)
         empty = torch.zeros(num_kv_heads, 0, block_size, head_dim, dtype=torch.float16,
                             device=self.device)
         self._commit_blocks(empty, empty)  # allocates every buffer, so views exist when empty
@@ -188,10 +192,17 @@ class TieredKVStore:
                 f"{v.shape[1]}).")
         k16 = k.to(device=self.device, dtype=torch.float16)
         v16 = v.to(device=self.device, dtype=torch.float16)
-        require(bool(torch.isfinite(k16).all() and torch.isfinite(v16).all()), NonFiniteError,
-                "k or v holds NaN or Inf (or values beyond the FP16 range); fix the model "
-                "outputs before caching them.")
+        bad = ~(torch.isfinite(k16).all() & torch.isfinite(v16).all())
+        if self.device.type == "cpu":
+            require(not bool(bad), NonFiniteError, NONFINITE_KV)
+        else:  # no device sync per token: CertifiedAttention reads the flag with its others
+            self._nonfinite = self._nonfinite | bad
         return k16, v16
+
+    def nonfinite_appended(self) -> torch.Tensor:
+        """0-d bool: some appended K/V was NaN/Inf (checked at once on CPU, deferred to the
+        attention step's host read on accelerators)."""
+        return self._nonfinite
 
     def _fused_supported(self) -> bool:
         pow2 = all(x & (x - 1) == 0 for x in (self.block_size, self.head_dim))

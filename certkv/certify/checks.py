@@ -15,8 +15,9 @@ def top_r(log_mass: torch.Tensor, members: torch.Tensor, r: int):
     """Indices ``[Hq, r]`` of the ``r`` largest log-masses among ``members`` and how many exist."""
     masked = torch.where(members, log_mass, torch.full_like(log_mass, NEG_INF))
     k = min(r, log_mass.shape[-1])
-    values, indices = torch.topk(masked, k, dim=-1, sorted=True)
-    return values, indices, members.sum(dim=-1)
+    # stable: equal log-masses rank by block index, the order the fused kernel uses too
+    values, indices = torch.sort(masked, dim=-1, descending=True, stable=True)
+    return values[..., :k], indices[..., :k], members.sum(dim=-1)
 
 
 def ranking_consistent(
@@ -50,31 +51,28 @@ def boundary_ok(
     return (upper <= threshold.unsqueeze(-1)).all(dim=-1)
 
 
-def canary_ok(
-    s_int8: torch.Tensor,
-    s_fp16: torch.Tensor,
-    delta_b: torch.Tensor,
-    checked: torch.Tensor,
-    eps_guard: float,
+def canary_violations(
+    s_int8: torch.Tensor, s_fp16: torch.Tensor, delta_b: torch.Tensor, eps_guard: float
 ) -> torch.Tensor:
-    """Score-consistency canary (Section 6): ``|s_fp16 - s_int8| <= Delta_b + eps_guard``.
+    """Score-consistency canary (Section 6) per block: some token has
+    ``|s_fp16 - s_int8| > Delta_b + eps_guard``.
 
-    ``s_*: [Hq, n, B]`` token logits (``-inf`` on empty slots), ``checked: [Hq, n]`` the blocks
-    scored both ways. A violation means the stored metadata no longer matches the data (P2).
-    The guard also absorbs FP32 rounding of the two dot products (relative to ``|s|``).
+    ``s_*: [..., B]`` token logits of one block each (``-inf`` on empty slots), ``delta_b: [...]``.
+    A violation means the stored metadata no longer matches the data (P2). The guard also
+    absorbs FP32 rounding of the two dot products (relative to ``|s|``). Returns bool ``[...]``.
     """
     finite = torch.isfinite(s_int8) & torch.isfinite(s_fp16)
     gap = torch.where(finite, (s_fp16 - s_int8).abs(), torch.zeros_like(s_int8))
     slack = eps_guard + 1e-5 * torch.where(finite, s_fp16.abs(), torch.zeros_like(s_fp16))
-    within = gap <= delta_b.unsqueeze(-1) + slack
-    return (within | ~checked.unsqueeze(-1)).all(dim=-1).all(dim=-1)
+    return (gap > delta_b.unsqueeze(-1) + slack).any(dim=-1)
 
 
 def exploration_mask(
     tail: torch.Tensor, fraction: float, generator: torch.Generator | None
 ) -> torch.Tensor:
-    """Randomly pick about ``fraction`` of the tail blocks ``[Hq, n]`` for FP16 spot checks."""
+    """Randomly pick about ``fraction`` of the tail blocks ``[Hq, n]`` for FP16 spot checks
+    (``generator`` lives on ``tail``'s device)."""
     if fraction <= 0:
         return torch.zeros_like(tail)
-    draw = torch.rand(tail.shape, generator=generator, device="cpu").to(tail.device)
+    draw = torch.rand(tail.shape, generator=generator, device=tail.device)
     return tail & (draw < fraction)

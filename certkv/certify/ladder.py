@@ -58,11 +58,15 @@ class Ladder:
         require(0.0 < self.layer_dense_fraction <= 1.0, ConfigError,
                 f"layer_dense_fraction={self.layer_dense_fraction} must lie in (0, 1].")
         require(self.eps_guard >= 0, ConfigError, f"eps_guard={self.eps_guard} must be >= 0.")
-        self._generator = torch.Generator().manual_seed(self.seed)
+        self._generators: dict[str, torch.Generator] = {}
 
-    @property
-    def generator(self) -> torch.Generator:
-        return self._generator
+    def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
+        """The exploration draw's generator on ``device`` (seeded with ``seed``; drawing on the
+        device keeps the step free of host round-trips)."""
+        key = str(torch.device(device))
+        if key not in self._generators:
+            self._generators[key] = torch.Generator(device=key).manual_seed(self.seed)
+        return self._generators[key]
 
     def needs_expansion(
         self, tail_bound: torch.Tensor, tau_cov: float, e_key: torch.Tensor
@@ -80,9 +84,8 @@ class Ladder:
         grown = torch.maximum(torch.ceil(k * self.expand_factor).long(), k + 1).clamp(max=cap)
         return torch.maximum(grown, k)
 
-    def layer_dense(self, head_dense: torch.Tensor, canary_ok: torch.Tensor) -> bool:
-        """Rung 4: any canary violation, or at least ``layer_dense_fraction`` of heads dense."""
-        if not bool(canary_ok.all()):
-            return True
-        return bool(head_dense.any()) and float(head_dense.float().mean()) >= (
-            self.layer_dense_fraction)
+    def layer_dense(self, head_dense: torch.Tensor, canary_ok: torch.Tensor) -> torch.Tensor:
+        """Rung 4 (a 0-d bool tensor, no host sync): any canary violation, or at least
+        ``layer_dense_fraction`` of heads dense."""
+        fraction = head_dense.float().mean()
+        return ~canary_ok.all() | (head_dense.any() & (fraction >= self.layer_dense_fraction))

@@ -36,12 +36,16 @@ class StepLayout:
         if t:
             self.valid[-1, t:] = False
         self.quantized = torch.arange(self.valid.shape[0], device=store.device) < nq  # [n]
-        self.channel_bound = store.key_channel_bound()  # [Hkv, n_q, d]
         eta = store.eta
         if t:
             eta = torch.cat([eta, torch.zeros(store.num_kv_heads, 1, device=store.device)], 1)
         self.eta = eta  # [Hkv, n], 0 on the exact tail block
         self.v_max = store.value_norm_max()  # [Hkv] (Theorem 4.3)
+
+    @cached_property
+    def channel_bound(self) -> torch.Tensor:
+        """FP32 ``[Hkv, n_q, d]`` per-channel key error bounds (fused kernels skip this)."""
+        return self.store.key_channel_bound()
 
     @cached_property
     def _decoded(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,6 +12,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from certkv.certify.bounds import block_deltas
+from certkv.certify.checks import boundary_ok, canary_violations, ranking_consistent
+
 
 def block_scores(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float):
     """Token logits ``s_{b,t} = scaling * q . k_{b,t}`` (Alg. 1 Phase 1), FP32.
@@ -26,12 +29,59 @@ def block_scores(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scali
 
 
 @dataclass
+class Scored:
+    """Phase-1 result: logits ``scores [Hkv, G, n, B]``, block log-masses
+    ``log_mass = logsumexp_t s_{b,t}`` and ``delta_b`` (eq. 8; 0 on the exact tail block), both
+    ``[Hkv, G, n]``."""
+
+    scores: torch.Tensor
+    log_mass: torch.Tensor
+    delta_b: torch.Tensor
+
+
+@dataclass
 class Attended:
-    """Phase-2 result: ``out [Hkv, G, d]``; block masses ``rho`` and log-masses ``[Hkv, G, n]``."""
+    """Phase-2 result: ``out [Hkv, G, d]``; block masses ``rho`` and log-masses ``[Hkv, G, n]``;
+    ``canary [Hkv, G, n]`` marks gated blocks whose FP16 logits left ``Delta_b`` (Section 6)."""
 
     out: torch.Tensor
     rho: torch.Tensor
     log_mass: torch.Tensor
+    canary: torch.Tensor | None = None
+
+
+def phase1(q: torch.Tensor, lay, scaling: float) -> Scored:
+    """Phase 1 on the step layout's decoded keys: logits, block log-masses and ``Delta_b``.
+
+    Args:
+        q: ``[Hkv, G, d]``; lay: the step's :class:`~certkv.kernels.layout.StepLayout`.
+    """
+    s = block_scores(q, lay.keys, lay.valid, scaling)
+    delta = torch.zeros(s.shape[:3], device=s.device)
+    delta[..., : lay.num_quantized] = block_deltas(q, lay.channel_bound, scaling)
+    return Scored(scores=s, log_mass=torch.logsumexp(s, dim=-1), delta_b=delta)
+
+
+def gated_scores(q: torch.Tensor, scored: Scored, gate: torch.Tensor, keys, scaling: float,
+                 eps_guard: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Phase-2 logits: FP16-key logits on the staged key blocks for the heads whose ``gate``
+    (``[Hkv, G, n]``, the promoted set) is set, Phase-1 logits elsewhere.
+
+    Returns the logits ``[Hkv, G, n, B]`` and the canary violations ``[Hkv, G, n]`` of the gated
+    blocks (:func:`~certkv.certify.checks.canary_violations`).
+    """
+    s8 = scored.scores
+    violated = torch.zeros_like(gate)
+    if keys is None:
+        return s8, violated
+    kv, blk = keys.kv_heads, keys.blocks
+    s16 = torch.einsum("pgd,ptd->pgt", q[kv].float(), keys.data.float()) * scaling  # [P, G, B]
+    s8_at, on = s8[kv, :, blk], gate[kv, :, blk]
+    violated[kv, :, blk] = on & canary_violations(s8_at, s16, scored.delta_b[kv, :, blk],
+                                                  eps_guard)
+    s2 = s8.clone()
+    s2[kv, :, blk] = torch.where(on.unsqueeze(-1), s16, s8_at)
+    return s2, violated
 
 
 def attend(scores: torch.Tensor, values: torch.Tensor, fp64_scalars: bool = False) -> Attended:
@@ -91,13 +141,20 @@ class TorchBackend:
     fp64_scalars: bool = False
     name: str = "torch"
 
-    def score(self, q, lay, scaling):
-        """Phase-1 logits ``[Hkv, G, n, B]`` from the step layout's decoded keys."""
-        return block_scores(q, lay.keys, lay.valid, scaling)
+    def phase1(self, q, lay, scaling) -> Scored:
+        return phase1(q, lay, scaling)
 
-    def attend(self, scores, lay, staged) -> Attended:
-        """Phase 2 over decoded values, with staged FP16 values where promoted."""
-        return attend(scores, merge_staged(lay.values, staged), self.fp64_scalars)
+    def phase2(self, q, scored, lay, gate, keys, values, scaling, eps_guard) -> Attended:
+        """Phase 2 over decoded values: gated FP16-key logits, staged FP16 values."""
+        s2, violated = gated_scores(q, scored, gate, keys, scaling, eps_guard)
+        att = attend(s2, merge_staged(lay.values, values), self.fp64_scalars)
+        att.canary = violated
+        return att
+
+    def checks(self, l_int8, l_fp16, delta_b, promoted, tail, r):
+        """Ranking (eq. 17) and boundary (eq. 18) flags ``[Hq]``."""
+        return (ranking_consistent(l_int8, l_fp16, promoted, r),
+                boundary_ok(l_int8, l_fp16, delta_b, promoted, tail, r))
 
     def dense(self, q, k, v, scaling):
         return dense_attention(q, k, v, scaling)

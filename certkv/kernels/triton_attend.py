@@ -1,11 +1,17 @@
-"""Triton Phase 2 (paper Alg. 1): one split-KV pass over mask-gated logits and INT4 values.
+"""Triton Phase 2 (paper Alg. 1): one fused split-KV pass with mask-gated FP16 keys.
 
 Grid ``(kv head, split)``: each program walks ``SPLIT`` consecutive blocks for all ``G`` query
-heads of its kv head. Per block it reads the Phase-2 logits (FP16-key logits on promoted blocks,
-INT8 elsewhere), the INT4 value codes unpacked in registers with their FP16 group scale/offset,
-or, where ``slot[kv, block] >= 0``, FP16 values staged from Tier-2 / the scratch cache (value
-promotion and the exact tail block). FP32 online softmax; per-block max ``m_b`` and sum ``l_b``
-are written for the block masses; the splits are merged by log-sum-exp in :func:`reduce_splits`.
+heads of its kv head. Per block it
+
+* reads the Phase-1 INT8 logits; where ``key_slot[kv, block] >= 0`` it also reads the block's
+  FP16 keys (staged from the scratch cache / Tier-2), computes their logits and uses them for
+  the query heads whose ``gate`` is set (the promoted set K*), checking on the way the score
+  canary ``|s_fp16 - s_int8| <= Delta_b + eps`` (Section 6) for those heads;
+* reads the INT4 value codes, unpacked in registers with their FP16 group scale/offset, or,
+  where ``value_slot[kv, block] >= 0``, FP16 values (value promotion and the exact tail block);
+* keeps an FP32 online softmax and writes the block max ``m_b`` and sum ``l_b`` (block masses).
+
+The splits are merged by log-sum-exp in :func:`reduce_splits`.
 """
 
 from __future__ import annotations
@@ -14,15 +20,16 @@ import torch
 import triton
 import triton.language as tl
 
-from certkv.kernels.reference import Attended
+from certkv.kernels.reference import Attended, Scored
 
 
 @triton.jit
-def _attend_kernel(s_ptr, code_ptr, vs_ptr, vo_ptr, slot_ptr, staged_ptr,
-                   mb_ptr, lb_ptr, m_ptr, l_ptr, acc_ptr,
-                   s_sk, s_sg, s_sn, s_ck, s_cn, s_ct, s_vk, s_vn, s_vt, s_lk,
+def _attend_kernel(s_ptr, q_ptr, kslot_ptr, kstaged_ptr, gate_ptr, delta_ptr,
+                   code_ptr, vs_ptr, vo_ptr, slot_ptr, staged_ptr,
+                   mb_ptr, lb_ptr, canary_ptr, m_ptr, l_ptr, acc_ptr,
+                   s_sk, s_sg, s_sn, s_qk, s_qg, s_ck, s_cn, s_ct, s_vk, s_vn, s_vt, s_lk,
                    s_pp, s_pt, s_bk, s_bg, s_mk, s_mg, s_ak, s_ag, s_as,
-                   n_blocks, n_quant,
+                   n_blocks, n_quant, scaling, eps_guard,
                    G: tl.constexpr, BLOCK_G: tl.constexpr, B: tl.constexpr, D: tl.constexpr,
                    GROUP: tl.constexpr, SPLIT: tl.constexpr):
     kv = tl.program_id(0)
@@ -31,15 +38,31 @@ def _attend_kernel(s_ptr, code_ptr, vs_ptr, vo_ptr, slot_ptr, staged_ptr,
     t = tl.arange(0, B)
     c = tl.arange(0, D)
     gmask = g < G
+    q = tl.load(q_ptr + kv * s_qk + g[:, None] * s_qg + c[None, :], mask=gmask[:, None],
+                other=0.0)
     m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
     lsum = tl.zeros((BLOCK_G,), tl.float32)
     acc = tl.zeros((BLOCK_G, D), tl.float32)
     zero_bd = t[:, None] * 0 + c[None, :] * 0  # [B, D] int zeros: broadcast scalars to masks
     for i in range(SPLIT):
         blk = split * SPLIT + i
-        live_g = (g * 0 + blk) < n_blocks
+        live = blk < n_blocks
+        live_g = gmask & ((g * 0 + blk) < n_blocks)
+        row = kv * s_bk + g * s_bg + blk  # offset of (kv, g, blk) in the [Hkv, G, n] tensors
         s = tl.load(s_ptr + kv * s_sk + g[:, None] * s_sg + blk * s_sn + t[None, :],
-                    mask=(gmask & live_g)[:, None] & (t[None, :] < B), other=float("-inf"))
+                    mask=live_g[:, None] & (t[None, :] < B), other=float("-inf"))
+        kslot = tl.load(kslot_ptr + kv * s_lk + tl.minimum(blk, n_blocks - 1))
+        if live & (kslot >= 0):  # FP16 keys staged for this block: gated logits + canary
+            k16 = tl.load(kstaged_ptr + kslot * s_pp + t[:, None] * s_pt + c[None, :])
+            s16 = tl.sum(q[:, None, :] * k16.to(tl.float32)[None, :, :], axis=2) * scaling
+            on = tl.load(gate_ptr + row, mask=live_g, other=0) != 0
+            delta = tl.load(delta_ptr + row, mask=live_g, other=0.0)
+            finite = (tl.abs(s16) < float("inf")) & (tl.abs(s) < float("inf"))
+            gap = tl.where(finite, tl.abs(s16 - s), 0.0)
+            slack = eps_guard + 1e-5 * tl.where(finite, tl.abs(s16), 0.0)
+            bad = on[:, None] & (gap > delta[:, None] + slack)
+            tl.store(canary_ptr + row, tl.max(bad.to(tl.int8), axis=1), mask=live_g)
+            s = tl.where(on[:, None], s16, s)
         slot = tl.load(slot_ptr + kv * s_lk + tl.minimum(blk, n_blocks - 1))
         int4 = ((zero_bd + blk) < n_quant) & ((zero_bd + slot) < 0)
         fp16 = ((zero_bd + slot) >= 0) & ((zero_bd + blk) < n_blocks)
@@ -60,8 +83,8 @@ def _attend_kernel(s_ptr, code_ptr, vs_ptr, vo_ptr, slot_ptr, staged_ptr,
         w = tl.exp(s - m_safe[:, None])
         l_b = tl.sum(w, axis=1)
         o_b = tl.sum(w[:, :, None] * v[None, :, :], axis=1)  # [BLOCK_G, D]
-        tl.store(mb_ptr + kv * s_bk + g * s_bg + blk, m_b, mask=gmask & live_g)
-        tl.store(lb_ptr + kv * s_bk + g * s_bg + blk, l_b, mask=gmask & live_g)
+        tl.store(mb_ptr + row, m_b, mask=live_g)
+        tl.store(lb_ptr + row, l_b, mask=live_g)
         m_new = tl.maximum(m, m_b)
         m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m - m_new_safe)
@@ -88,31 +111,50 @@ def reduce_splits(m_b, l_b, m, lsum, acc) -> Attended:
     return Attended(out=out, rho=rho, log_mass=m_b + torch.log(l_b))
 
 
-def int4_attend(scores: torch.Tensor, codes: torch.Tensor, vscale: torch.Tensor,
-                voffset: torch.Tensor, slot: torch.Tensor, staged: torch.Tensor, group: int,
+def int4_attend(scored: Scored, q: torch.Tensor, gate: torch.Tensor, key_slot: torch.Tensor,
+                key_data: torch.Tensor, values: dict, value_slot: torch.Tensor,
+                value_data: torch.Tensor, group: int, scaling: float, eps_guard: float,
                 split: int = 16) -> Attended:
-    """Phase 2 over ``n`` blocks: ``scores [Hkv, G, n, B]``; INT4 ``codes [Hkv, n_q, B, d/2]``
-    with FP16 ``vscale, voffset [Hkv, n_q, B, d/g]``; ``slot [Hkv, n]`` (int32) indexes FP16
-    blocks ``staged [P, B, d]`` that replace the INT4 values (-1: none)."""
+    """Phase 2 over ``n`` blocks.
+
+    Args:
+        scored: Phase-1 logits ``[Hkv, G, n, B]`` and ``delta_b [Hkv, G, n]``.
+        q: ``[Hkv, G, d]``; gate: bool ``[Hkv, G, n]`` (use FP16-key logits where staged).
+        key_slot / value_slot: int32 ``[Hkv, n]`` into FP16 blocks ``key_data`` /
+            ``value_data [P, B, d]`` (-1: not staged).
+        values: the store's INT4 blocks: ``codes [Hkv, n_q, B, d/2]``, FP16
+            ``scale, offset [Hkv, n_q, B, d/g]``.
+    Returns:
+        :class:`Attended` with the canary violations of the gated blocks.
+    """
+    scores = scored.scores.contiguous()
     hkv, g, n, bsz = scores.shape
-    d = staged.shape[-1]
+    d = value_data.shape[-1]
+    codes, vscale, voffset = values["codes"], values["scale"], values["offset"]
     n_splits = triton.cdiv(n, split)
     dev = scores.device
     m_b = torch.empty(hkv, g, n, device=dev)
     l_b = torch.empty_like(m_b)
+    canary = torch.zeros(hkv, g, n, dtype=torch.int8, device=dev)
     m = torch.empty(hkv, g, n_splits, device=dev)
     lsum = torch.empty_like(m)
     acc = torch.empty(hkv, g, n_splits, d, device=dev)
-    scores = scores.contiguous()
-    slot = slot.to(torch.int32).contiguous()
-    staged = staged.contiguous()
+    q = q.float().contiguous()
+    gate = gate.to(torch.int8).contiguous()
+    delta = scored.delta_b.float().contiguous()
+    key_data, value_data = key_data.contiguous(), value_data.contiguous()
+    assert key_data.stride()[1:] == value_data.stride()[1:] and m_b.stride() == gate.stride()
     _attend_kernel[(hkv, n_splits)](
-        scores, codes, vscale, voffset, slot, staged, m_b, l_b, m, lsum, acc,
-        scores.stride(0), scores.stride(1), scores.stride(2),
+        scores, q, key_slot.contiguous(), key_data, gate, delta,
+        codes, vscale, voffset, value_slot.contiguous(), value_data,
+        m_b, l_b, canary, m, lsum, acc,
+        scores.stride(0), scores.stride(1), scores.stride(2), q.stride(0), q.stride(1),
         codes.stride(0), codes.stride(1), codes.stride(2),
-        vscale.stride(0), vscale.stride(1), vscale.stride(2), slot.stride(0),
-        staged.stride(0), staged.stride(1), m_b.stride(0), m_b.stride(1),
+        vscale.stride(0), vscale.stride(1), vscale.stride(2), value_slot.stride(0),
+        value_data.stride(0), value_data.stride(1), m_b.stride(0), m_b.stride(1),
         m.stride(0), m.stride(1), acc.stride(0), acc.stride(1), acc.stride(2),
-        n, codes.shape[1],
+        n, codes.shape[1], float(scaling), float(eps_guard),
         G=g, BLOCK_G=triton.next_power_of_2(g), B=bsz, D=d, GROUP=group, SPLIT=split)
-    return reduce_splits(m_b, l_b, m, lsum, acc)
+    att = reduce_splits(m_b, l_b, m, lsum, acc)
+    att.canary = canary.bool()
+    return att

@@ -73,8 +73,14 @@ class ChannelAffineKeyCodec(KeyCodec):
         offset = blocks["offset"].unsqueeze(-2)
         return self.codes(blocks).float() * scale + offset
 
+    def bound_coefficients(self) -> tuple[float, float]:
+        """``(a, b)`` with ``r_c = a sigma_c + b |z_c|`` (0 where ``sigma_c = 0``): ``sigma_c / 2``
+        plus the FP32 headroom on the magnitude ``|z_c| + 2**(bits-1) sigma_c``. Fused kernels
+        compute Delta_b from the scales they already read with these."""
+        return 0.5 + _FP_SLACK * self._half_range, _FP_SLACK
+
     def channel_bound(self, blocks: Blocks) -> torch.Tensor:
         scale, offset = blocks["scale"], blocks["offset"]
-        magnitude = offset.abs() + self._half_range * scale
-        bound = scale / 2 + _FP_SLACK * magnitude
+        a, b = self.bound_coefficients()
+        bound = a * scale + b * offset.abs()
         return torch.where(scale > 0, bound, torch.zeros_like(bound))  # constant channel: exact
