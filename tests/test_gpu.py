@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
+import torch
 from helpers import cuda_layer, make_kv, reference_fp64
 
 from certkv import CertifiedAttention, TieredKVStore
+from certkv.errors import NonFiniteError
 
 pytestmark = pytest.mark.gpu
 
@@ -25,3 +29,29 @@ def test_contract_on_cuda(context):
     err = (out.double() - reference_fp64(q, store)).norm(dim=-1)
     fast = cert.rung < 3
     assert (err[fast] <= cert.bound.double()[fast] * (1 + 1e-5) + 1e-4).all()
+
+
+def test_nonfinite_kv_on_cuda_is_reported_at_the_next_step_without_a_sync_per_append():
+    k, v = make_kv(2, 64, 32, seed=0)
+    store = TieredKVStore(2, 32, device="cuda")
+    store.append(k.cuda(), v.cuda())
+    bad = torch.full((2, 1, 32), float("nan"), device="cuda")
+    store.append(bad, bad)  # deferred: no device sync here
+    with pytest.raises(NonFiniteError, match="NaN or Inf"):
+        CertifiedAttention()(torch.randn(4, 32, device="cuda"), store)
+
+
+def test_a_certified_step_syncs_only_at_its_two_host_reads():
+    store, q = cuda_layer(8, 8192, 128, group=4)
+    attn = CertifiedAttention(backend="triton")
+    attn(q, store)  # warm-up (compilation, allocator)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            attn(q, store)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) <= 4, [str(w.message) for w in syncs]  # two reads (+ their copies)

@@ -8,6 +8,7 @@ from helpers import make_kv
 
 from certkv import ChannelAffineKeyCodec, GroupAffineValueCodec, TieredKVStore
 from certkv.errors import ConfigError, NonFiniteError, ShapeError, Tier2UnavailableError
+from certkv.quant import FP16KeyCodec, FP16ValueCodec
 
 
 def test_streaming_append_equals_bulk_append():
@@ -120,3 +121,19 @@ def test_bad_store_configuration_names_the_fix():
         TieredKVStore(1, 16, block_size=0)
     with pytest.raises(ConfigError, match="multiple of 4"):
         TieredKVStore(1, 6, value_group=2, value_codec=GroupAffineValueCodec(bits=2, group=2))
+
+
+def test_a_lossless_store_keeps_its_originals_in_tier1_and_reads_them_without_copies():
+    k, v = make_kv(2, 53, 16, seed=4)
+    store = TieredKVStore(2, 16, key_codec=FP16KeyCodec(), value_codec=FP16ValueCodec())
+    store.append(k[:, :40], v[:, :40])
+    store.append(k[:, 40:], v[:, 40:])
+    assert store.lossless and store.tier2_bytes() == 0
+    dk, dv = store.dense_kv()
+    assert torch.equal(dk, k.half()) and torch.equal(dv, v.half())
+    assert dk.untyped_storage().data_ptr() == store.key_blocks()["data"].untyped_storage(
+    ).data_ptr()  # a view of Tier-1, not a copy
+    kk, vv = store.fetch_originals(torch.tensor([1, 0]), torch.tensor([2, 0]))
+    assert torch.equal(kk[0], k[1, 32:48].half()) and torch.equal(vv[1], v[0, :16].half())
+    hk, _ = store.dense_kv(torch.tensor([1]))
+    assert torch.equal(hk[0], k[1].half())

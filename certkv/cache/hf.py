@@ -99,7 +99,7 @@ class TieredCache(Cache):
     def __init__(self, num_layers: int, attention: CertifiedAttention,
                  quantizer: KVQuantizer | None = None, spec: CacheSpec | None = None) -> None:
         self.attention = attention
-        self.quantizer = quantizer or KVQuantizer()
+        self.quantizer = (quantizer or KVQuantizer()).for_mode(attention.mode)
         self.spec = spec or CacheSpec()
         self.log = CertificateLog(self.spec.records)
         super().__init__(layers=[TieredLayer(self, i) for i in range(num_layers)])
@@ -111,7 +111,8 @@ class TieredCache(Cache):
         cache = TieredCache(len(self.layers), attention, quantizer, spec or self.spec)
         for layer, source in zip(cache.layers, self.layers, strict=True):
             if source.store is not None:
-                k, v = source.store.dense_kv()
+                with torch.inference_mode():  # the source may hold inference tensors (prefill)
+                    k, v = source.store.dense_kv()
                 layer.update(k[None], v[None])
         return cache
 

@@ -27,6 +27,8 @@ from certkv.errors import (
 from certkv.quant import (
     Blocks,
     ChannelAffineKeyCodec,
+    FP16KeyCodec,
+    FP16ValueCodec,
     GroupAffineValueCodec,
     KeyCodec,
     ValueCodec,
@@ -99,7 +101,8 @@ class TieredKVStore:
         head_dim: ``d``.
         block_size: ``B`` tokens per block (paper default 16).
         value_group: ``g`` channels per value group of the default value codec (paper 16).
-        device: where the tail and Tier-1 live; Tier-2 is always host memory.
+        device: where the tail and Tier-1 live; Tier-2 is always host memory (a store with FP16
+            passthrough codecs is lossless: its Tier-1 holds the originals, no Tier-2 copy).
         key_codec: default ``ChannelAffineKeyCodec(bits=8)``.
         value_codec: default ``GroupAffineValueCodec(bits=4, group=value_group)``.
         keep_originals: keep Tier-2; without it nothing can be promoted or fall back.
@@ -141,9 +144,14 @@ class TieredKVStore:
         self.fused_encode = self._fused_supported() and (
             self.device.type == "cuda" if fused_encode is None else fused_encode)
 
+        # FP16 passthrough codecs (dense mode, dense prefill): Tier-1 already holds the
+        # originals on the device, so there is no Tier-2 copy and dense reads need no H2D copy
+        self.lossless = isinstance(self.key_codec, FP16KeyCodec) and isinstance(
+            self.value_codec, FP16ValueCodec)
         pin = self.device.type == "cuda"
-        self._keys = _GrowingBlocks(self.device)
-        self._values = _GrowingBlocks(self.device)
+        spare = 1 if self.lossless else 0  # room for the tail block: zero-copy dense views
+        self._keys = _GrowingBlocks(self.device, spare=spare)
+        self._values = _GrowingBlocks(self.device, spare=spare)
         self._annotations = _GrowingBlocks(self.device)  # eta, nu: [Hkv, n]
         self._tier2 = _GrowingBlocks(torch.device("cpu"), pin=pin)  # k, v: [Hkv, n, B, d] fp16
         self._mirror = _GrowingBlocks(self.device, spare=1) if decoded_mirror else None
@@ -237,7 +245,7 @@ class TieredKVStore:
             self._mirror.extend({"k": self.key_codec.decode(key_blocks),
                                  "v": self.value_codec.decode(value_blocks),
                                  "bound": self.key_codec.channel_bound(key_blocks)})
-        if self.keep_originals:
+        if self.keep_originals and not self.lossless:
             self._tier2.extend({"k": k16, "v": v16})
 
     def drop_originals(self) -> None:
@@ -318,7 +326,11 @@ class TieredKVStore:
             return self._mirror.view()["bound"]
         return self.key_codec.channel_bound(self.key_blocks())
 
-    def _tier2_view(self) -> Blocks:
+    def _originals(self, extra: int = 0) -> Blocks:
+        """FP16 originals ``k, v: [Hkv, n, B, d]`` of completed blocks: Tier-2 in host memory,
+        or Tier-1 itself for a lossless store (with ``extra`` spare blocks)."""
+        if self.lossless:
+            return {"k": self._keys.view(extra)["data"], "v": self._values.view(extra)["data"]}
         require(self.keep_originals, Tier2UnavailableError, _TIER2_MISSING)
         return self._tier2.view()
 
@@ -330,12 +342,13 @@ class TieredKVStore:
         Returns ``(k, v)``, each ``[P, B, d]`` FP16 on the store's device, or ``None`` where
         ``which`` does not ask for it (``"k"``, ``"v"`` or ``"kv"``).
         """
-        tier2 = self._tier2_view()
-        heads, blks = kv_heads.cpu(), blocks.cpu()
+        originals = self._originals()
+        where = self._keys.device if self.lossless else torch.device("cpu")
+        heads, blks = kv_heads.to(where), blocks.to(where)
         fetched = []
         for name in ("k", "v"):
             if name in which:
-                fetched.append(tier2[name][heads, blks].to(self.device, non_blocking=True))
+                fetched.append(originals[name][heads, blks].to(self.device, non_blocking=True))
             else:
                 fetched.append(None)
         return fetched[0], fetched[1]
@@ -346,16 +359,29 @@ class TieredKVStore:
         Returns ``k, v: [h, N, d]`` for the requested ``kv_heads`` (all ``Hkv`` by default);
         only those heads are paged in.
         """
+        if self.lossless and kv_heads is None:
+            return self._dense_view()
         tail_k, tail_v = self.tail()
         if kv_heads is not None:
             tail_k, tail_v = tail_k[kv_heads], tail_v[kv_heads]
         if self.num_blocks == 0:
             return tail_k, tail_v
-        tier2 = self._tier2_view()
-        heads = slice(None) if kv_heads is None else kv_heads.cpu()
-        k = tier2["k"][heads].flatten(1, 2).to(self.device, non_blocking=True)
-        v = tier2["v"][heads].flatten(1, 2).to(self.device, non_blocking=True)
+        originals = self._originals()
+        heads = slice(None) if kv_heads is None else kv_heads.to(originals["k"].device)
+        k = originals["k"][heads].flatten(1, 2).to(self.device, non_blocking=True)
+        v = originals["v"][heads].flatten(1, 2).to(self.device, non_blocking=True)
         return torch.cat([k, tail_k], dim=1), torch.cat([v, tail_v], dim=1)
+
+    def _dense_view(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Lossless store: every token as ``[Hkv, N, d]`` views of Tier-1 (the tail is copied
+        into the spare block; no copy of the cache, as a dense FP16 KV cache would hold it)."""
+        extra = 1 if self.tail_len else 0
+        originals = self._originals(extra)
+        if extra:
+            for name, tail in zip(("k", "v"), self.tail(), strict=True):
+                originals[name][:, -1, : self.tail_len] = tail
+        n = self.num_tokens
+        return originals["k"].flatten(1, 2)[:, :n], originals["v"].flatten(1, 2)[:, :n]
 
     # --------------------------------------------------------------- accounting
     def tier1_bytes(self) -> int:

@@ -51,9 +51,7 @@ def build_variants(cfg: DictConfig) -> list[Variant]:
                 f"variant {name!r} has unknown keys {sorted(unknown)}; it may set name, mode and "
                 f"{', '.join(COMPONENTS)}.")
         parts = {c: instantiate(OmegaConf.merge(cfg[c], entry.get(c, {}))) for c in COMPONENTS}
-        quantizer = parts["quantizer"]
-        if mode == "dense":  # dense reads FP16 originals only: skip quantization work
-            quantizer = KVQuantizer.fp16(quantizer.block_size)
+        quantizer = parts["quantizer"].for_mode(mode)
         attention = CertifiedAttention(parts["selector"], parts["value_policy"], parts["ladder"],
                                        backend, mode)
         variants.append(Variant(name, mode, attention, quantizer))

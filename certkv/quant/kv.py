@@ -29,6 +29,11 @@ class KVQuantizer:
         (they read only FP16 originals, so no quantization work is done)."""
         return cls(FP16KeyCodec(), FP16ValueCodec(), block_size)
 
+    def for_mode(self, mode: str) -> KVQuantizer:
+        """The quantizer a cache in attention ``mode`` uses: FP16 passthrough for ``dense`` (it
+        reads only FP16 originals, kept on the device), this one otherwise."""
+        return KVQuantizer.fp16(self.block_size) if mode == "dense" else self
+
     def store_kwargs(self) -> dict:
         """Keyword arguments for ``TieredKVStore``."""
         return {"block_size": self.block_size, "key_codec": self.key_codec,
