@@ -149,7 +149,7 @@ def bench_attention(
     for case in track(cases, description="bench attention"):
         records.append(bench.bench_attention_case(case, dev, repeats))
     report = bench.BenchReport(f"attention_{dev.type}", _command(), out)
-    path = report.write(records, bench.attention_table(records),
+    path = report.write(records, bench.attention_table(records, report.info["peak_gbps"]),
                         lambda p: bench.plot_attention(records, p))
     Console().print(path.read_text())
 

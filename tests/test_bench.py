@@ -69,3 +69,20 @@ def test_bench_runs_without_hydra_or_matplotlib(tmp_path):
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "plot skipped" in (tmp_path / "attention_cpu.md").read_text()
+
+
+def test_targets_are_checked_against_the_peak_bandwidth():
+    def record(context, p2_ratio, p2_gbps, step_ratio, checks):
+        return {"case": {"context": context}, "label": f"N={context}",
+                "phase2": {"ratio_vs_dense": p2_ratio, "gbps": p2_gbps},
+                "ratio_vs_dense": {"certified": step_ratio}, "checks_share": checks}
+
+    rows = bench.target_lines([record(16384, 2.0, 1.0, 9.0, 0.5),
+                               record(65536, 0.7, 2100.0, 1.6, 0.04)], peak_gbps=3350.0)
+    text = "\n".join(rows)
+    assert "N=16384" not in text  # below 32K: no target
+    assert "| phase 2 <= 0.75x dense | N=65536 | 0.70x | yes |" in text
+    assert "| phase 2 >= 60% of peak | N=65536 | 63% | yes |" in text
+    assert "| step <= 1.5x dense | N=65536 | 1.60x | no |" in text
+    assert "| checks <= 5% of step | N=65536 | 4.0% | yes |" in text
+    assert "not evaluated" in bench.target_lines([], None)[0]

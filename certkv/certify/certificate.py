@@ -54,13 +54,22 @@ class Certificate:
 
     @classmethod
     def cat(cls, certs: list[Certificate]) -> Certificate:
-        """One certificate over the heads of several layers (for step-level summaries)."""
+        """One certificate over the heads of several layers (for step-level summaries), on the
+        host. The per-head tensors are joined on their device and copied in one transfer (one
+        host read per decode step for the whole log, not one per layer and field)."""
         merged = {}
+        names = [f.name for f in fields(cls) if isinstance(getattr(certs[0], f.name), torch.Tensor)]
+        device = getattr(certs[0], names[0]).device
+        joined = [torch.cat([getattr(c, name).to(device) for c in certs]) for name in names]
+        packed = torch.cat([t.double() for t in joined]).to("cpu")  # exact for every field
+        for name, t, part in zip(names, joined, packed.split([t.numel() for t in joined]),
+                                 strict=True):
+            merged[name] = part.to(t.dtype)
         for f in fields(cls):
             values = [getattr(c, f.name) for c in certs]
             if isinstance(values[0], torch.Tensor):
-                merged[f.name] = torch.cat([v.to("cpu") for v in values])
-            elif f.name in ("value_promotions", "num_blocks"):
+                continue
+            if f.name in ("value_promotions", "num_blocks"):
                 merged[f.name] = sum(values) if f.name == "value_promotions" else max(values)
             else:
                 merged[f.name] = values[0]

@@ -116,13 +116,17 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: 
         q: ``[n, d]``; k, v: ``[h, N, d]`` with ``n`` a multiple of ``h`` (query head ``i`` reads
             kv head ``i // (n / h)``, GQA without copying the cache).
     Returns:
-        ``[n, d]`` in ``q``'s dtype (the originals are cast to it).
+        ``[n, d]`` in ``q``'s dtype. A 16-bit ``q`` runs in the cache's dtype (production FP16
+        decode: the cache is read in place, never converted); an FP32/FP64 ``q`` upcasts the
+        originals (the exact reference).
     """
+    half = q.dtype in (torch.float16, torch.bfloat16)
+    dtype = k.dtype if half else q.dtype
     out = F.scaled_dot_product_attention(
-        q[None, :, None, :], k.to(q.dtype)[None], v.to(q.dtype)[None], scale=scaling,
+        q.to(dtype)[None, :, None, :], k.to(dtype)[None], v.to(dtype)[None], scale=scaling,
         enable_gqa=k.shape[0] != q.shape[0],
     )
-    return out[0, :, 0, :]
+    return out[0, :, 0, :].to(q.dtype)
 
 
 def merge_staged(values: torch.Tensor, staged) -> torch.Tensor:
