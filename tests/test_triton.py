@@ -41,9 +41,9 @@ def flash_rule(kernel, ref, oracle, name):
     assert kernel_err <= 2 * ref_err + ATOL + ulps, name
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_phase1_flash_attention_rule(seed):
-    store, qg = case(seed=seed)
+@pytest.mark.parametrize(("seed", "split"), [(0, 1), (1, 3), (2, None), (3, 8)])
+def test_phase1_flash_attention_rule(seed, split):
+    store, qg = case(seed=seed, tokens=75 + 40 * seed)
     lay = StepLayout(store)
     scaling = store.head_dim**-0.5
     oracle = torch.einsum("kgd,kntd->kgnt", qg.double(), lay.keys.double()) * scaling
@@ -51,7 +51,7 @@ def test_phase1_flash_attention_rule(seed):
     bound = lay.channel_bound.double()
     oracle_delta = scaling * torch.einsum("kgd,knd->kgn", qg.double().abs(), bound)
     ref = TorchBackend().phase1(qg, lay, scaling)
-    kernel = TritonBackend().phase1(qg, lay, scaling)
+    kernel = TritonBackend(split=split).phase1(qg, lay, scaling)
     flash_rule(kernel.scores, ref.scores, oracle, "scores")
     flash_rule(kernel.log_mass, ref.log_mass, torch.logsumexp(oracle, dim=-1), "log_mass")
     n_q = lay.num_quantized

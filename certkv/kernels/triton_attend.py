@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from certkv.kernels.reference import Attended, Scored
+from certkv.kernels.triton_score import blocks_per_program
 
 
 @triton.jit
@@ -114,7 +115,7 @@ def reduce_splits(m_b, l_b, m, lsum, acc) -> Attended:
 def int4_attend(scored: Scored, q: torch.Tensor, gate: torch.Tensor, key_slot: torch.Tensor,
                 key_data: torch.Tensor, values: dict, value_slot: torch.Tensor,
                 value_data: torch.Tensor, group: int, scaling: float, eps_guard: float,
-                split: int = 16) -> Attended:
+                split: int | None = None) -> Attended:
     """Phase 2 over ``n`` blocks.
 
     Args:
@@ -131,6 +132,7 @@ def int4_attend(scored: Scored, q: torch.Tensor, gate: torch.Tensor, key_slot: t
     hkv, g, n, bsz = scores.shape
     d = value_data.shape[-1]
     codes, vscale, voffset = values["codes"], values["scale"], values["offset"]
+    split = split or blocks_per_program(n, hkv, scores.device)
     n_splits = triton.cdiv(n, split)
     dev = scores.device
     m_b = torch.empty(hkv, g, n, device=dev)

@@ -38,7 +38,7 @@ def triton_available() -> bool:
 class TritonBackend:
     """Fused kernels for INT8 keys / INT4 values; the reference for everything else."""
 
-    split: int = 16  # blocks per Phase-2 program (split-KV)
+    split: int | None = None  # blocks per program in Phase 1 / 2 (None: by SM count)
     name: str = "triton"
 
     def __post_init__(self) -> None:
@@ -67,7 +67,8 @@ class TritonBackend:
         store = lay.store
         blocks = store.key_blocks()
         s, log_mass, delta = int8_phase1(q, blocks["codes"], blocks["scale"], blocks["offset"],
-                                         scaling, store.key_codec.bound_coefficients())
+                                         scaling, store.key_codec.bound_coefficients(),
+                                         self.split)
         if store.tail_len:
             tail = pad_block(store.tail()[0], store.block_size)
             s_tail = torch.einsum("kgd,kntd->kgnt", q.float(), tail) * scaling

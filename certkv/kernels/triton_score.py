@@ -1,8 +1,8 @@
 """Triton Phase 1 (paper Alg. 1): block logits, log-masses and Delta_b from INT8 key codes.
 
-One program per (kv head, block): it loads the block's INT8 codes ``[B, d]`` and FP32
-per-channel scale/offset once for all ``G`` query heads of the kv head (GQA-aware),
-dequantizes in registers (eq. 3) and writes
+Grid ``(kv head, split)``: each program walks ``SPLIT`` consecutive blocks; per block it loads
+the INT8 codes ``[B, d]`` and FP32 per-channel scale/offset once for all ``G`` query heads of
+the kv head (GQA-aware), dequantizes in registers (eq. 3) and writes
 
 * the logits ``s_{b,t}`` (read again by Phase 2 for the blocks it keeps at INT8),
 * the block log-mass ``l_b = m_b + log sum_t exp(s_{b,t} - m_b)`` (eq. 8's ``p_hat`` before
@@ -24,35 +24,52 @@ import triton.language as tl
 @triton.jit
 def _score_kernel(q_ptr, code_ptr, scale_ptr, offset_ptr, s_out, l_out, d_out,
                   s_qk, s_qg, s_ck, s_cn, s_ct, s_sk, s_sn, s_ok, s_og, s_on, s_lk, s_lg,
-                  scaling, bound_a, bound_b,
-                  G: tl.constexpr, BLOCK_G: tl.constexpr, B: tl.constexpr, D: tl.constexpr):
+                  n_blocks, scaling, bound_a, bound_b,
+                  G: tl.constexpr, BLOCK_G: tl.constexpr, B: tl.constexpr, D: tl.constexpr,
+                  SPLIT: tl.constexpr):
     kv = tl.program_id(0)
-    blk = tl.program_id(1)
     g = tl.arange(0, BLOCK_G)
     t = tl.arange(0, B)
     c = tl.arange(0, D)
     gmask = g < G
     q = tl.load(q_ptr + kv * s_qk + g[:, None] * s_qg + c[None, :], mask=gmask[:, None],
                 other=0.0)
-    codes = tl.load(code_ptr + kv * s_ck + blk * s_cn + t[:, None] * s_ct + c[None, :])
-    scale = tl.load(scale_ptr + kv * s_sk + blk * s_sn + c)
-    offset = tl.load(offset_ptr + kv * s_sk + blk * s_sn + c)
-    k = codes.to(tl.float32) * scale[None, :] + offset[None, :]  # eq. 3, in registers
-    s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scaling  # [BLOCK_G, B]
-    tl.store(s_out + kv * s_ok + g[:, None] * s_og + blk * s_on + t[None, :], s,
-             mask=gmask[:, None])
-    m = tl.max(s, axis=1)
-    log_mass = m + tl.log(tl.sum(tl.exp(s - m[:, None]), axis=1))
-    bound = tl.where(scale > 0, bound_a * scale + bound_b * tl.abs(offset), 0.0)  # r_c
-    delta = tl.sum(tl.abs(q) * bound[None, :], axis=1) * scaling  # eq. 8
-    tl.store(l_out + kv * s_lk + g * s_lg + blk, log_mass, mask=gmask)
-    tl.store(d_out + kv * s_lk + g * s_lg + blk, delta, mask=gmask)
+    q_abs = tl.abs(q)
+    for i in range(SPLIT):
+        blk = tl.program_id(1) * SPLIT + i
+        live = (c * 0 + blk) < n_blocks  # [D]
+        codes = tl.load(code_ptr + kv * s_ck + blk * s_cn + t[:, None] * s_ct + c[None, :],
+                        mask=live[None, :], other=0)
+        scale = tl.load(scale_ptr + kv * s_sk + blk * s_sn + c, mask=live, other=0.0)
+        offset = tl.load(offset_ptr + kv * s_sk + blk * s_sn + c, mask=live, other=0.0)
+        k = codes.to(tl.float32) * scale[None, :] + offset[None, :]  # eq. 3, in registers
+        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scaling  # [BLOCK_G, B]
+        live_g = gmask & ((g * 0 + blk) < n_blocks)
+        tl.store(s_out + kv * s_ok + g[:, None] * s_og + blk * s_on + t[None, :], s,
+                 mask=live_g[:, None])
+        m = tl.max(s, axis=1)
+        log_mass = m + tl.log(tl.sum(tl.exp(s - m[:, None]), axis=1))
+        bound = tl.where(scale > 0, bound_a * scale + bound_b * tl.abs(offset), 0.0)  # r_c
+        delta = tl.sum(q_abs * bound[None, :], axis=1) * scaling  # eq. 8
+        tl.store(l_out + kv * s_lk + g * s_lg + blk, log_mass, mask=live_g)
+        tl.store(d_out + kv * s_lk + g * s_lg + blk, delta, mask=live_g)
+
+
+def blocks_per_program(n: int, hkv: int, device: torch.device, waves: int = 4) -> int:
+    """Blocks each program walks (power of two, 1-64): enough programs for ``waves`` per SM on
+    a GPU, few large ones in the interpreter. Used by Phase 1 and Phase 2 (split-KV)."""
+    if device.type != "cuda":
+        return 4
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(64, triton.next_power_of_2(triton.cdiv(n * hkv, waves * sms))))
 
 
 def int8_phase1(q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
-                offset: torch.Tensor, scaling: float, bound: tuple[float, float]):
+                offset: torch.Tensor, scaling: float, bound: tuple[float, float],
+                split: int | None = None):
     """Phase 1 of ``q [Hkv, G, d]`` against INT8 blocks ``codes [Hkv, n, B, d]`` with FP32
-    ``scale, offset [Hkv, n, d]``; ``bound = (a, b)`` of ``r_c = a sigma_c + b |z_c|``.
+    ``scale, offset [Hkv, n, d]``; ``bound = (a, b)`` of ``r_c = a sigma_c + b |z_c|``;
+    ``split`` blocks per program (``None``: :func:`blocks_per_program`).
 
     Returns ``(s [Hkv, G, n, B], log_mass [Hkv, G, n], delta_b [Hkv, G, n])``, all FP32.
     """
@@ -65,11 +82,12 @@ def int8_phase1(q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
     if n == 0:
         return s, log_mass, delta
     assert codes.stride(3) == 1 and scale.stride(2) == 1 and scale.stride() == offset.stride()
-    _score_kernel[(hkv, n)](
+    split = split or blocks_per_program(n, hkv, q.device)
+    _score_kernel[(hkv, triton.cdiv(n, split))](
         q, codes, scale, offset, s, log_mass, delta,
         q.stride(0), q.stride(1), codes.stride(0), codes.stride(1), codes.stride(2),
         scale.stride(0), scale.stride(1), s.stride(0), s.stride(1), s.stride(2),
         log_mass.stride(0), log_mass.stride(1),
-        float(scaling), float(bound[0]), float(bound[1]),
-        G=group, BLOCK_G=triton.next_power_of_2(group), B=bsz, D=d)
+        n, float(scaling), float(bound[0]), float(bound[1]),
+        G=group, BLOCK_G=triton.next_power_of_2(group), B=bsz, D=d, SPLIT=split)
     return s, log_mass, delta
