@@ -293,6 +293,11 @@ class TieredKVStore:
         """FP16 keys and values of the partial tail block, ``[Hkv, tail_len, d]`` each."""
         return self._tail_k[:, : self.tail_len], self._tail_v[:, : self.tail_len]
 
+    def tail_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The FP16 tail buffers ``[Hkv, B, d]`` (rows ``>= tail_len`` are stale): kernels read
+        the exact tail block in place, masked by ``tail_len``."""
+        return self._tail_k, self._tail_v
+
     def decoded_with_tail(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """FP32 keys and values ``[Hkv, n, B, d]`` of every block with the partial tail block
         (zero-padded) last, from the decoded mirror (no copy); ``None`` without a mirror."""

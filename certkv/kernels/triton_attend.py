@@ -8,7 +8,8 @@ heads of its kv head. Per block it
   the query heads whose ``gate`` is set (the promoted set K*), checking on the way the score
   canary ``|s_fp16 - s_int8| <= Delta_b + eps`` (Section 6) for those heads;
 * reads the INT4 value codes, unpacked in registers with their FP16 group scale/offset, or,
-  where ``value_slot[kv, block] >= 0``, FP16 values (value promotion and the exact tail block);
+  where ``value_slot[kv, block] >= 0``, staged FP16 values (value promotion), or, on the exact
+  tail block, the store's FP16 tail values in place;
 * keeps an FP32 online softmax and writes the block max ``m_b`` and sum ``l_b`` (block masses).
 
 The splits are merged by log-sum-exp in :func:`reduce_splits`.
@@ -26,11 +27,11 @@ from certkv.kernels.triton_score import blocks_per_program
 
 @triton.jit
 def _attend_kernel(s_ptr, q_ptr, kslot_ptr, kstaged_ptr, gate_ptr, delta_ptr,
-                   code_ptr, vs_ptr, vo_ptr, slot_ptr, staged_ptr,
+                   code_ptr, vs_ptr, vo_ptr, slot_ptr, staged_ptr, tail_ptr,
                    mb_ptr, lb_ptr, canary_ptr, m_ptr, l_ptr, acc_ptr,
                    s_sk, s_sg, s_sn, s_qk, s_qg, s_ck, s_cn, s_ct, s_vk, s_vn, s_vt, s_lk,
-                   s_pp, s_pt, s_bk, s_bg, s_mk, s_mg, s_ak, s_ag, s_as,
-                   n_blocks, n_quant, scaling, eps_guard,
+                   s_pp, s_pt, s_tk, s_tt, s_bk, s_bg, s_mk, s_mg, s_ak, s_ag, s_as,
+                   n_blocks, n_quant, tail_len, scaling, eps_guard,
                    G: tl.constexpr, BLOCK_G: tl.constexpr, B: tl.constexpr, D: tl.constexpr,
                    GROUP: tl.constexpr, SPLIT: tl.constexpr):
     kv = tl.program_id(0)
@@ -66,7 +67,8 @@ def _attend_kernel(s_ptr, q_ptr, kslot_ptr, kstaged_ptr, gate_ptr, delta_ptr,
             s = tl.where(on[:, None], s16, s)
         slot = tl.load(slot_ptr + kv * s_lk + tl.minimum(blk, n_blocks - 1))
         int4 = ((zero_bd + blk) < n_quant) & ((zero_bd + slot) < 0)
-        fp16 = ((zero_bd + slot) >= 0) & ((zero_bd + blk) < n_blocks)
+        fp16 = ((zero_bd + slot) >= 0) & ((zero_bd + blk) < n_quant)
+        tail = ((zero_bd + blk) == n_quant) & (t[:, None] + c[None, :] * 0 < tail_len)
         byte = tl.load(code_ptr + kv * s_ck + blk * s_cn + t[:, None] * s_ct + c[None, :] // 2,
                        mask=int4, other=0)
         code = (byte >> ((c[None, :] % 2) * 4).to(tl.uint8)) & 0xF  # unsigned nibble
@@ -78,7 +80,9 @@ def _attend_kernel(s_ptr, q_ptr, kslot_ptr, kstaged_ptr, gate_ptr, delta_ptr,
         v_int4 = code.to(tl.float32) * vs + vo
         v16 = tl.load(staged_ptr + slot * s_pp + t[:, None] * s_pt + c[None, :], mask=fp16,
                       other=0.0).to(tl.float32)
-        v = tl.where(fp16, v16, v_int4)  # [B, D]
+        v_tail = tl.load(tail_ptr + kv * s_tk + t[:, None] * s_tt + c[None, :], mask=tail,
+                         other=0.0).to(tl.float32)
+        v = tl.where(fp16, v16, tl.where(tail, v_tail, v_int4))  # [B, D]
         m_b = tl.max(s, axis=1)  # [BLOCK_G]
         m_safe = tl.where(m_b == float("-inf"), 0.0, m_b)
         w = tl.exp(s - m_safe[:, None])
@@ -114,9 +118,10 @@ def reduce_splits(m_b, l_b, m, lsum, acc) -> Attended:
 
 def int4_attend(scored: Scored, q: torch.Tensor, gate: torch.Tensor, key_slot: torch.Tensor,
                 key_data: torch.Tensor, values: dict, value_slot: torch.Tensor,
-                value_data: torch.Tensor, group: int, scaling: float, eps_guard: float,
-                split: int | None = None) -> Attended:
-    """Phase 2 over ``n`` blocks.
+                value_data: torch.Tensor, tail: torch.Tensor, tail_len: int, group: int,
+                scaling: float, eps_guard: float, split: int | None = None) -> Attended:
+    """Phase 2 over ``n`` blocks (the ``n_q`` quantized ones, then the exact tail block if
+    ``tail_len > 0``).
 
     Args:
         scored: Phase-1 logits ``[Hkv, G, n, B]`` and ``delta_b [Hkv, G, n]``.
@@ -125,12 +130,13 @@ def int4_attend(scored: Scored, q: torch.Tensor, gate: torch.Tensor, key_slot: t
             ``value_data [P, B, d]`` (-1: not staged).
         values: the store's INT4 blocks: ``codes [Hkv, n_q, B, d/2]``, FP16
             ``scale, offset [Hkv, n_q, B, d/g]``.
+        tail: the store's FP16 tail values ``[Hkv, B, d]``, read in place (``tail_len`` rows).
     Returns:
         :class:`Attended` with the canary violations of the gated blocks.
     """
     scores = scored.scores.contiguous()
     hkv, g, n, bsz = scores.shape
-    d = value_data.shape[-1]
+    d = q.shape[-1]
     codes, vscale, voffset = values["codes"], values["scale"], values["offset"]
     split = split or blocks_per_program(n, hkv, scores.device)
     n_splits = triton.cdiv(n, split)
@@ -146,16 +152,18 @@ def int4_attend(scored: Scored, q: torch.Tensor, gate: torch.Tensor, key_slot: t
     delta = scored.delta_b.float().contiguous()
     key_data, value_data = key_data.contiguous(), value_data.contiguous()
     assert key_data.stride()[1:] == value_data.stride()[1:] and m_b.stride() == gate.stride()
+    assert tail.stride(2) == 1
     _attend_kernel[(hkv, n_splits)](
         scores, q, key_slot.contiguous(), key_data, gate, delta,
-        codes, vscale, voffset, value_slot.contiguous(), value_data,
+        codes, vscale, voffset, value_slot.contiguous(), value_data, tail,
         m_b, l_b, canary, m, lsum, acc,
         scores.stride(0), scores.stride(1), scores.stride(2), q.stride(0), q.stride(1),
         codes.stride(0), codes.stride(1), codes.stride(2),
         vscale.stride(0), vscale.stride(1), vscale.stride(2), value_slot.stride(0),
-        value_data.stride(0), value_data.stride(1), m_b.stride(0), m_b.stride(1),
-        m.stride(0), m.stride(1), acc.stride(0), acc.stride(1), acc.stride(2),
-        n, codes.shape[1], float(scaling), float(eps_guard),
+        value_data.stride(0), value_data.stride(1), tail.stride(0), tail.stride(1),
+        m_b.stride(0), m_b.stride(1), m.stride(0), m.stride(1),
+        acc.stride(0), acc.stride(1), acc.stride(2),
+        n, codes.shape[1], tail_len, float(scaling), float(eps_guard),
         G=g, BLOCK_G=triton.next_power_of_2(g), B=bsz, D=d, GROUP=group, SPLIT=split)
     att = reduce_splits(m_b, l_b, m, lsum, acc)
     att.canary = canary.bool()

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from certkv.errors import ConfigError, require
-from certkv.kernels.layout import StagedBlocks, StepLayout, pad_block
+from certkv.kernels.layout import StagedBlocks, StepLayout
 from certkv.kernels.reference import Attended, Scored, TorchBackend, dense_attention
 from certkv.quant.int4_group import GroupAffineValueCodec
 from certkv.quant.int8_channel import ChannelAffineKeyCodec
@@ -58,24 +58,17 @@ class TritonBackend:
                 and _pow2(store.block_size) and _pow2(store.head_dim))
 
     def phase1(self, q: torch.Tensor, lay: StepLayout, scaling: float) -> Scored:
-        """Phase 1 for quantized blocks in one kernel (logits, log-masses, Delta_b); the exact
-        tail block (at most ``B - 1`` tokens) in PyTorch."""
+        """Phase 1 in one kernel: logits, log-masses and Delta_b of every INT8 block and of the
+        exact FP16 tail block (read in place)."""
         if not self._keys_supported(lay):
             return self.reference.phase1(q, lay, scaling)
         from certkv.kernels.triton_score import int8_phase1
 
         store = lay.store
         blocks = store.key_blocks()
-        s, log_mass, delta = int8_phase1(q, blocks["codes"], blocks["scale"], blocks["offset"],
-                                         scaling, store.key_codec.bound_coefficients(),
-                                         self.split)
-        if store.tail_len:
-            tail = pad_block(store.tail()[0], store.block_size)
-            s_tail = torch.einsum("kgd,kntd->kgnt", q.float(), tail) * scaling
-            s_tail = s_tail.masked_fill(~lay.valid[-1:], float("-inf"))
-            s = torch.cat([s, s_tail], dim=2)
-            log_mass = torch.cat([log_mass, torch.logsumexp(s_tail, dim=-1)], dim=2)
-            delta = torch.cat([delta, torch.zeros_like(log_mass[..., :1])], dim=2)
+        s, log_mass, delta = int8_phase1(
+            q, blocks["codes"], blocks["scale"], blocks["offset"], store.tail_buffers()[0],
+            store.tail_len, scaling, store.key_codec.bound_coefficients(), self.split)
         return Scored(scores=s, log_mass=log_mass, delta_b=delta)
 
     def phase2(self, q, scored: Scored, lay: StepLayout, gate, keys, values, scaling,
@@ -89,13 +82,10 @@ class TritonBackend:
 
         store = lay.store
         shape = (store.num_kv_heads, lay.valid.shape[0])
-        tail_v = None
-        if store.tail_len:
-            tail_v = pad_block(store.tail()[1], store.block_size)[:, 0].half()
         key_slot, key_data = slot_map(keys, shape, lay)
-        value_slot, value_data = slot_map(values, shape, lay, tail_v)
-        blocks = store.value_blocks()
-        return int4_attend(scored, q, gate, key_slot, key_data, blocks, value_slot, value_data,
+        value_slot, value_data = slot_map(values, shape, lay)
+        return int4_attend(scored, q, gate, key_slot, key_data, store.value_blocks(),
+                           value_slot, value_data, store.tail_buffers()[1], store.tail_len,
                            store.value_codec.group, scaling, eps_guard, self.split)
 
     def checks(self, l_int8, l_fp16, delta_b, promoted, tail, r):
@@ -108,23 +98,16 @@ class TritonBackend:
         return dense_attention(q, k, v, scaling)
 
 
-def slot_map(staged: StagedBlocks | None, shape: tuple[int, int], lay: StepLayout,
-             tail: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Slot map ``[Hkv, n]`` (int32, -1: not staged) into FP16 blocks ``[P, B, d]``: the staged
-    blocks, then (if given) the exact tail block ``tail [Hkv, B, d]`` of every kv head."""
+def slot_map(staged: StagedBlocks | None, shape: tuple[int, int],
+             lay: StepLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slot map ``[Hkv, n]`` (int32, -1: not staged) into the staged FP16 blocks ``[P, B, d]``
+    (used in place; a one-block dummy when nothing is staged)."""
     store = lay.store
     dev = store.device
     slot = torch.full(shape, -1, dtype=torch.int32, device=dev)
-    parts = []
-    if staged is not None:
-        slot[staged.kv_heads, staged.blocks] = torch.arange(
-            staged.data.shape[0], dtype=torch.int32, device=dev)
-        parts.append(staged.data.half())
-    if tail is not None:
-        first = sum(p.shape[0] for p in parts)
-        slot[:, -1] = torch.arange(first, first + shape[0], dtype=torch.int32, device=dev)
-        parts.append(tail)
-    if not parts:  # a valid pointer the kernel never reads
-        parts.append(torch.zeros(1, store.block_size, store.head_dim, dtype=torch.float16,
-                                 device=dev))
-    return slot, torch.cat(parts)
+    if staged is None:  # a valid pointer the kernel never reads
+        return slot, torch.zeros(1, store.block_size, store.head_dim, dtype=torch.float16,
+                                 device=dev)
+    slot[staged.kv_heads, staged.blocks] = torch.arange(staged.data.shape[0], dtype=torch.int32,
+                                                        device=dev)
+    return slot, staged.data.half()
