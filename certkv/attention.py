@@ -11,6 +11,7 @@ quantized blocks followed, if present, by the exact FP16 partial tail block.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -59,6 +60,9 @@ class CertifiedAttention:
         backend: ``"auto"``, ``"torch"`` or a backend object.
         mode: ``"certified"``; ``"naive"`` (same quantized store, no promotion, no ladder);
             ``"dense"`` (SDPA on the FP16 originals).
+        compile: ``torch.compile`` the selection and certificate segments (dozens of small ops
+            -> a few fused kernels): ``None`` = on CUDA only, ``False`` = never, ``True`` =
+            inductor, or a dynamo backend name (tests use ``"aot_eager"``).
     """
 
     selector: AdaptiveTopK = field(default_factory=AdaptiveTopK)
@@ -67,11 +71,13 @@ class CertifiedAttention:
     backend: object = "auto"
     mode: str = "certified"
     timer: PhaseTimer | None = None  # set by benchmarks to time each phase (Table 16)
+    compile: bool | str | None = None
 
     def __post_init__(self) -> None:
         require(self.mode in MODES, ConfigError,
                 f"mode={self.mode!r} is unknown; choose one of {list(MODES)}.")
         self.backend = get_backend(self.backend)
+        self._compiled: dict = {}
 
     # ----------------------------------------------------------------- entry
     def __call__(
@@ -139,72 +145,141 @@ class CertifiedAttention:
         group = hq // hkv
         qg = q.float().reshape(hkv, group, -1)
         certified = self.mode == "certified"
-        quantized = lay.quantized
-        n_q = lay.num_quantized  # known on the host: no device sync
 
-        # Phase 1: INT8 scores, block log-masses, normalised masses, Delta_b (eq. 8).
+        # Phase 1: INT8 logits, block log-masses, Delta_b (eq. 8).
         with timer.phase("phase1"):
             scored = self.backend.phase1(qg, lay, scaling)
-            l8 = scored.log_mass.reshape(hq, -1)
-            log_p = torch.log_softmax(l8, dim=-1)
-            delta_b = scored.delta_b.reshape(hq, -1)  # 0 on the exact tail block
-            delta = delta_b.amax(dim=-1)
-            v_max = lay.v_max.repeat_interleave(group)
 
         # Selection (paper 3.3), rung 1, value promotion (rung 2): device tensors only.
         with timer.phase("select"):
-            promoted, expanded = self._select(log_p, quantized, n_q, delta_b, delta, v_max,
-                                              group, certified)
-            value_kv = self._value_promotion(log_p, lay.eta, delta, quantized, group, certified)
+            draw = self.ladder.exploration_draw((hq, lay.quantized.numel()), q.device) \
+                if certified else None
+            sel = self._segment("_select_step", q.device)(
+                scored.log_mass, scored.delta_b, lay.quantized, lay.eta, lay.v_max, draw,
+                lay.num_quantized)
+            log_p, delta_b, delta, v_max, promoted, expanded, value_kv, plan = sel
 
         # Page-in (the step's first host read) and Phase 2 (gated keys, FP16 values).
         with timer.phase("page_in"):
-            keys, values = self._page_in(fetch, lay, promoted, value_kv, group, certified)
+            keys, values = self._page_in(fetch, lay, plan) if certified else (None, None)
         with timer.phase("phase2"):
             att = self.backend.phase2(qg, scored, lay, promoted.reshape(hkv, group, -1), keys,
                                       values, scaling, self.ladder.eps_guard)
-            out = att.out.reshape(hq, -1)
-            rho = att.rho.reshape(hq, -1)
-            l16 = att.log_mass.reshape(hq, -1)
 
-        # Certificate: E_key (eq. 15) and E_val (Cor. 4.2).
-        with timer.phase("certificate"):
-            tail = quantized & ~promoted
-            tail_cap = phase2_tail_mass_bound(l8, l16, delta_b, promoted, tail)
-            log_alpha, e_key = _key_bound(log_p, tail, delta_b, delta, v_max,
-                                          self.selector.mass_inflation, tail_cap)
-            value_q = value_kv.repeat_interleave(group, dim=0)
-            eta_q = lay.eta.repeat_interleave(group, dim=0) * ~value_q
-            e_val = value_error_bound(rho, eta_q)
-
-        # Checks (paper 6, 6.1) -> rungs 3 and 4, then the step's second host read.
+        # Ranking and boundary checks (eq. 17-18): one small backend call.
+        l8, l16 = scored.log_mass.reshape(hq, -1), att.log_mass.reshape(hq, -1)
         with timer.phase("checks"):
-            ranking, boundary, canary = self._checks(l8, l16, delta_b, promoted, tail,
-                                                     att.canary, certified)
-            finite = (torch.isfinite(out).all(dim=-1) & torch.isfinite(e_key)
-                      & torch.isfinite(e_val))
-            rung = expanded.long()  # torch.where, not masked writes: no device sync
-            rung = torch.where(value_q.any(dim=-1), 2, rung)
-            rung = torch.where((~ranking | ~boundary | ~finite) if certified else ~finite, 3,
-                               rung)
-            if certified:
-                rung = torch.where(self.ladder.layer_dense(rung >= 3, canary), 4, rung)
-            dense_heads = self._host_flags(q, store, rung)
+            ranking, boundary = self._rank_checks(l8, l16, delta_b, promoted, lay.quantized,
+                                                  certified)
+
+        # Certificate (eq. 15, Cor. 4.2), canary, rungs 3-4, then the step's second host read.
+        with timer.phase("certificate"):
+            bounds = self._segment("_certify_step", q.device)(
+                l8, l16, att.rho.reshape(hq, -1), att.out.reshape(hq, -1), log_p, delta_b,
+                delta, v_max, promoted, lay.quantized, expanded, value_kv, lay.eta, ranking,
+                boundary, att.canary, q, store.nonfinite_appended())
+            e_key, e_val, log_alpha, canary, rung, value_blocks, flags = bounds
+            dense_heads = self._host_flags(flags)
         with timer.phase("fallback"):
-            out = self._fallback(q, store, out, dense_heads, scaling)
+            out = self._fallback(q, store, att.out.reshape(hq, -1), dense_heads, scaling)
         fast = rung < 3
         cert = Certificate(
             candidate_e_key=e_key, candidate_e_val=e_val,
             e_key=torch.where(fast, e_key, torch.zeros_like(e_key)),
             e_val=torch.where(fast, e_val, torch.zeros_like(e_val)),
-            delta=delta, tail_mass=log_alpha.exp(), k_star=(promoted & quantized).sum(dim=-1),
-            rung=rung, ranking_ok=ranking, boundary_ok=boundary, canary_ok=canary,
-            value_blocks=value_q.sum(dim=-1),
+            delta=delta, tail_mass=log_alpha.exp(),
+            k_star=(promoted & lay.quantized).sum(dim=-1), rung=rung, ranking_ok=ranking,
+            boundary_ok=boundary, canary_ok=canary, value_blocks=value_blocks,
             value_promotions=0 if values is None else values.blocks.numel(),
-            num_blocks=n_q, mode=self.mode)
+            num_blocks=lay.num_quantized, mode=self.mode)
         return out.to(q.dtype), cert
 
-    def _select(self, log_p, quantized, n_q, delta_b, delta, v_max, group, certified):
+    def _segment(self, name: str, device: torch.device):
+        """The pure tensor segment ``name``, compiled (fused kernels, one graph, dynamic
+        shapes) when ``compile`` asks for it on this device, else the eager method. A segment
+        that fails to compile warns once and runs eagerly from then on."""
+        fn = getattr(self, name)
+        backend = self.compile
+        if backend is None:
+            backend = "inductor" if device.type == "cuda" else False
+        if backend is False:
+            return fn
+        backend = "inductor" if backend is True else backend
+        if (name, backend) not in self._compiled:
+            self._compiled[name, backend] = _CompiledSegment(fn, backend)
+        return self._compiled[name, backend]
+
+    def _select_step(self, l8_kv, delta_kv, quantized, eta, v_max_kv, draw, n_q):
+        """Selection segment (pure tensor code, no host reads; compiled on GPU).
+
+        Args:
+            l8_kv, delta_kv: Phase-1 log-masses and Delta_b ``[Hkv, G, n]``.
+            quantized: ``[n]``; eta: ``[Hkv, n]``; v_max_kv: ``[Hkv]``.
+            draw: uniform ``[Hq, n]`` for exploration, or None; n_q: quantized block count.
+        Returns:
+            ``log_p, delta_b [Hq, n]``, ``delta, v_max [Hq]``, ``promoted [Hq, n]``, ``expanded
+            [Hq]``, ``value_kv [Hkv, n]`` and the page-in plan ``[2, Hkv, n]`` (FP16 keys
+            needed by any head of the kv head, FP16 values).
+        """
+        hkv, group, n = l8_kv.shape
+        hq = hkv * group
+        log_p = torch.log_softmax(l8_kv.reshape(hq, n), dim=-1)
+        delta_b = delta_kv.reshape(hq, n)  # 0 on the exact tail block
+        delta = delta_b.amax(dim=-1)
+        v_max = v_max_kv.repeat_interleave(group)
+        certified = self.mode == "certified"
+        promoted, expanded = self._select(log_p, quantized, n_q, delta_b, delta, v_max, group,
+                                          certified, draw)
+        value_kv = self._value_promotion(log_p, eta, delta, quantized, group, certified)
+        need_keys = promoted.reshape(hkv, group, n).any(dim=1) & quantized
+        return (log_p, delta_b, delta, v_max, promoted, expanded, value_kv,
+                torch.stack([need_keys, value_kv]))
+
+    def _certify_step(self, l8, l16, rho, out, log_p, delta_b, delta, v_max, promoted, quantized,
+                      expanded, value_kv, eta, ranking, boundary, canary_blocks, q, kv_bad):
+        """Certificate segment (pure tensor code; compiled on GPU): E_key (eq. 15), E_val
+        (Cor. 4.2), the canary, the rungs, and the flags the host reads.
+
+        Shapes: ``[Hq, n]`` per block, ``[Hq]`` per head, ``out [Hq, d]``, ``eta, value_kv
+        [Hkv, n]``, ``canary_blocks [Hkv, G, n]``. Returns ``e_key, e_val, log_alpha, canary,
+        rung, value_blocks`` ``[Hq]`` and ``flags [Hq + 2]`` (heads needing dense SDPA, then
+        non-finite ``q`` and non-finite appended K/V).
+        """
+        hq = l8.shape[0]
+        group = hq // eta.shape[0]
+        certified = self.mode == "certified"
+        tail = quantized & ~promoted
+        tail_cap = phase2_tail_mass_bound(l8, l16, delta_b, promoted, tail)
+        log_alpha, e_key = _key_bound(log_p, tail, delta_b, delta, v_max,
+                                      self.selector.mass_inflation, tail_cap)
+        value_q = value_kv.repeat_interleave(group, dim=0)
+        e_val = value_error_bound(rho, eta.repeat_interleave(group, dim=0) * ~value_q)
+        canary = ~canary_blocks.reshape(hq, -1).any(dim=-1)
+        if not (certified and self.ladder.canary):
+            canary = torch.ones_like(canary)
+        finite = torch.isfinite(out).all(dim=-1) & torch.isfinite(e_key) & torch.isfinite(e_val)
+        rung = expanded.long()  # torch.where, not masked writes: no device sync
+        rung = torch.where(value_q.any(dim=-1), 2, rung)
+        rung = torch.where((~ranking | ~boundary | ~finite) if certified else ~finite, 3, rung)
+        if certified:
+            rung = torch.where(self.ladder.layer_dense(rung >= 3, canary), 4, rung)
+        bad = torch.stack([~torch.isfinite(q).all(), kv_bad])
+        flags = torch.cat([rung >= 3, bad])
+        return e_key, e_val, log_alpha, canary, rung, value_q.sum(dim=-1), flags
+
+    def _rank_checks(self, l8, l16, delta_b, promoted, quantized, certified):
+        """Ranking (eq. 17) and boundary (eq. 18) flags ``[Hq]`` from the backend (a Triton
+        kernel on GPU); all True where disabled or not certified."""
+        true = torch.ones(l8.shape[0], dtype=torch.bool, device=l8.device)
+        lad = self.ladder
+        if not certified or not (lad.ranking_check or lad.boundary_check):
+            return true, true
+        ranking, boundary = self.backend.checks(l8, l16, delta_b, promoted,
+                                                quantized & ~promoted, lad.r)
+        return (ranking if lad.ranking_check else true,
+                boundary if lad.boundary_check else true)
+
+    def _select(self, log_p, quantized, n_q, delta_b, delta, v_max, group, certified, draw):
         """FP16-key set ``[Hq, n]`` (exact tail block always in) and the rung-1 flag ``[Hq]``."""
         p = log_p.exp()
         hq = p.shape[0]
@@ -222,9 +297,10 @@ class CertifiedAttention:
         k_new = torch.where(need, self.ladder.expanded_k(k, sel.k_max, n_q), k)
         expanded = k_new > k
         promoted = sel.promoted(order, k_new, quantized, group)  # all tensor ops, no host sync
-        explore = exploration_mask(quantized & ~promoted, self.ladder.exploration,
-                                   self.ladder.generator(p.device))
-        return promoted | explore, expanded
+        if draw is not None:
+            promoted = promoted | exploration_mask(quantized & ~promoted, draw,
+                                                   self.ladder.exploration)
+        return promoted, expanded
 
     def _value_promotion(self, log_p, eta, delta, quantized, group, certified):
         """Blocks read with FP16 values, per kv head ``[Hkv, n]`` (union of its query heads)."""
@@ -235,21 +311,16 @@ class CertifiedAttention:
         chosen = self.value_policy.select(log_p, eta_q, delta) & quantized & (eta_q > 0)
         return chosen.reshape(hkv, group, -1).any(dim=1)
 
-    def _page_in(self, fetch, lay, promoted, value_kv, group, certified):
-        """Fetch the FP16 keys of blocks promoted for any query head of a kv head and the FP16
-        values of value-promoted blocks (``fetch``: Tier-2 or the scratch cache).
+    def _page_in(self, fetch, lay, plan):
+        """Fetch the FP16 keys and values the ``plan [2, Hkv, n]`` asks for (``fetch``: Tier-2
+        or the scratch cache).
 
-        The two ``[Hkv, n]`` masks are read to the host once (the step's first host read:
-        Tier-2 lives in host memory, so the host must know what to copy). Returns two
-        :class:`StagedBlocks` (or None); the exact tail block is never staged.
+        The plan is read to the host once (the step's first host read: Tier-2 lives in host
+        memory, so the host must know what to copy). Returns two :class:`StagedBlocks` (or
+        None); the exact tail block is never staged.
         """
-        if not certified:  # naive: nothing is promoted, no host read
-            return None, None
-        hkv = lay.store.num_kv_heads
-        need_keys = promoted.reshape(hkv, group, -1).any(dim=1) & lay.quantized
-        plan = to_host(torch.stack([need_keys, value_kv]))  # [2, Hkv, n] bool
         staged = []
-        for which, mask in zip(("k", "v"), plan, strict=True):
+        for which, mask in zip(("k", "v"), to_host(plan), strict=True):
             kv_idx, blk_idx = mask.nonzero(as_tuple=True)  # host tensors
             if kv_idx.numel() == 0:
                 staged.append(None)
@@ -261,26 +332,10 @@ class CertifiedAttention:
                                        k16 if which == "k" else v16))
         return staged[0], staged[1]
 
-    def _checks(self, l8, l16, delta_b, promoted, tail, canary_blocks, certified):
-        """Ranking (eq. 17), boundary (eq. 18) and canary (Section 6) flags, each ``[Hq]``."""
-        hq = l8.shape[0]
-        lad = self.ladder
-        true = torch.ones(hq, dtype=torch.bool, device=l8.device)
-        if not certified:
-            return true, true, true
-        ranking, boundary = true, true
-        if lad.ranking_check or lad.boundary_check:
-            ranking, boundary = self.backend.checks(l8, l16, delta_b, promoted, tail, lad.r)
-            ranking = ranking if lad.ranking_check else true
-            boundary = boundary if lad.boundary_check else true
-        canary = ~canary_blocks.reshape(hq, -1).any(dim=-1) if lad.canary else true
-        return ranking, boundary, canary
-
-    def _host_flags(self, q, store, rung):
+    def _host_flags(self, flags):
         """The step's second host read: which heads need dense SDPA (Tier-2 is on the host),
-        together with the deferred finiteness checks of ``q`` and of the appended K/V."""
-        bad = torch.stack([~torch.isfinite(q).all(), store.nonfinite_appended()])
-        flags = to_host(torch.cat([rung >= 3, bad]))
+        with the deferred finiteness checks of ``q`` and of the appended K/V (``[Hq + 2]``)."""
+        flags = to_host(flags)
         require(not bool(flags[-2]), NonFiniteError, _NONFINITE_Q)
         require(not bool(flags[-1]), NonFiniteError, NONFINITE_KV)
         return flags[:-2].nonzero(as_tuple=True)[0]
@@ -293,6 +348,32 @@ class CertifiedAttention:
         dev_heads = heads.to(out.device, non_blocking=True)
         out[dev_heads] = self._dense_heads(q, store, heads, scaling).float()
         return out
+
+
+class _CompiledSegment:
+    """``torch.compile(fn)`` with an eager fallback: compilation problems (a missing toolchain,
+    an unsupported op) cost speed, never a decode step."""
+
+    def __init__(self, fn, backend: str) -> None:
+        self.fn, self.backend, self.compiled = fn, backend, None
+        try:
+            self.compiled = torch.compile(fn, backend=backend, dynamic=True, fullgraph=True)
+        except Exception as exc:  # any compiler failure: fall back
+            self._give_up(exc)
+
+    def _give_up(self, exc: Exception) -> None:
+        warnings.warn(f"torch.compile (backend={self.backend!r}) failed for "
+                      f"{self.fn.__name__}: {type(exc).__name__}: {exc}; running it eagerly "
+                      "(set compile=False to silence this).", RuntimeWarning, stacklevel=3)
+        self.compiled = None
+
+    def __call__(self, *args):
+        if self.compiled is not None:
+            try:
+                return self.compiled(*args)
+            except Exception as exc:  # compiler errors surface at first call
+                self._give_up(exc)
+        return self.fn(*args)
 
 
 def to_host(x: torch.Tensor) -> torch.Tensor:

@@ -53,3 +53,4 @@ def test_any_float_query_dtype(store, dtype):
     out, cert = CertifiedAttention()(torch.randn(4, 16).to(dtype), store)
     assert out.dtype == dtype and out.shape == (4, 16)
     assert cert.rung.shape == (4,)
+

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from certkv.certify import Ladder
 from certkv.certify.checks import (
     boundary_ok,
     canary_violations,
@@ -76,8 +77,11 @@ def test_ranking_breaks_ties_by_block_index():
 
 def test_exploration_draws_only_tail_blocks():
     tail = torch.tensor([[True, False, True, True] * 50])
-    gen = torch.Generator().manual_seed(0)
-    picked = exploration_mask(tail, 0.3, gen)
+    draw = Ladder(exploration=0.3, seed=0).exploration_draw(tail.shape, "cpu")
+    picked = exploration_mask(tail, draw, 0.3)
     assert (picked <= tail).all()
     assert 0.15 < picked.sum() / tail.sum() < 0.45
-    assert not exploration_mask(tail, 0.0, gen).any()
+    assert not exploration_mask(tail, draw, 0.0).any()
+    assert Ladder(exploration=0.0).exploration_draw(tail.shape, "cpu") is None
+    again = Ladder(exploration=0.3, seed=0).exploration_draw(tail.shape, "cpu")
+    assert torch.equal(draw, again)  # seeded

@@ -32,10 +32,10 @@ def out(tmp_path):
 
 
 def test_run_writes_a_complete_run_directory(out):
-    result = run(*TINY, f"out_dir={out}", "ladder.k_max=64")
+    result = run(*TINY, f"out_dir={out}", "ladder.k_max=64", "compile=aot_eager")
     assert result.exit_code == 0, result.output
     run_dir = run_dir_of(out / "tiny")
-    assert "ladder.k_max=64" in run_dir.name
+    assert "ladder.k_max=64" in run_dir.name and "compile=aot_eager" in run_dir.name
     names = {p.name for p in run_dir.iterdir()}
     assert {"config.yaml", "samples.jsonl", "certificates.jsonl", "summary.json"} <= names
     assert "k_max: 64" in (run_dir / "config.yaml").read_text()

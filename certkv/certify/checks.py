@@ -67,12 +67,7 @@ def canary_violations(
     return (gap > delta_b.unsqueeze(-1) + slack).any(dim=-1)
 
 
-def exploration_mask(
-    tail: torch.Tensor, fraction: float, generator: torch.Generator | None
-) -> torch.Tensor:
-    """Randomly pick about ``fraction`` of the tail blocks ``[Hq, n]`` for FP16 spot checks
-    (``generator`` lives on ``tail``'s device)."""
-    if fraction <= 0:
-        return torch.zeros_like(tail)
-    draw = torch.rand(tail.shape, generator=generator, device=tail.device)
+def exploration_mask(tail: torch.Tensor, draw: torch.Tensor, fraction: float) -> torch.Tensor:
+    """Pick about ``fraction`` of the tail blocks ``[Hq, n]`` for FP16 spot checks, from a
+    uniform ``draw`` of the same shape (:meth:`Ladder.exploration_draw`)."""
     return tail & (draw < fraction)

@@ -60,13 +60,15 @@ class Ladder:
         require(self.eps_guard >= 0, ConfigError, f"eps_guard={self.eps_guard} must be >= 0.")
         self._generators: dict[str, torch.Generator] = {}
 
-    def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
-        """The exploration draw's generator on ``device`` (seeded with ``seed``; drawing on the
-        device keeps the step free of host round-trips)."""
+    def exploration_draw(self, shape: tuple[int, ...], device: torch.device | str):
+        """Uniform draw ``shape`` for the exploration spot checks, or None when exploration is
+        off. Drawn on ``device`` from a generator seeded with ``seed`` (no host round-trip)."""
+        if self.exploration <= 0:
+            return None
         key = str(torch.device(device))
         if key not in self._generators:
             self._generators[key] = torch.Generator(device=key).manual_seed(self.seed)
-        return self._generators[key]
+        return torch.rand(shape, generator=self._generators[key], device=key)
 
     def needs_expansion(
         self, tail_bound: torch.Tensor, tau_cov: float, e_key: torch.Tensor

@@ -53,7 +53,7 @@ def build_variants(cfg: DictConfig) -> list[Variant]:
         parts = {c: instantiate(OmegaConf.merge(cfg[c], entry.get(c, {}))) for c in COMPONENTS}
         quantizer = parts["quantizer"].for_mode(mode)
         attention = CertifiedAttention(parts["selector"], parts["value_policy"], parts["ladder"],
-                                       backend, mode)
+                                       backend, mode, compile=cfg.get("compile"))
         variants.append(Variant(name, mode, attention, quantizer))
         names.add(name)
     return variants
