@@ -23,12 +23,16 @@ from certkv.kernels.triton_checks import ranking_and_boundary
 ATOL = 1e-6
 
 
-def case(hkv=2, group=3, d=32, tokens=75, seed=0, block=16):
+def case(hkv=2, group=3, d=32, tokens=75, seed=0, block=16, device="cpu"):
     k, v = make_kv(hkv, tokens, d, seed=seed, outlier_channels=2)
-    store = TieredKVStore(hkv, d, block_size=block, value_group=8)
-    store.append(k, v)
+    store = TieredKVStore(hkv, d, block_size=block, value_group=8 if d < 128 else 16,
+                          device=device)
+    store.append(k.to(device), v.to(device))
     q = make_query(k, group, seed=seed, scale=3.0, peaked=seed % 2 == 0)
-    return store, q.reshape(hkv, group, d)
+    return store, q.reshape(hkv, group, d).to(device)
+
+
+GPU_FULL = {"hkv": 8, "group": 4, "d": 128, "device": "cuda"}  # Llama-3.1-8B's attention shape
 
 
 def flash_rule(kernel, ref, oracle, name):
@@ -41,9 +45,12 @@ def flash_rule(kernel, ref, oracle, name):
     assert kernel_err <= 2 * ref_err + ATOL + ulps, name
 
 
-@pytest.mark.parametrize(("seed", "split"), [(0, 1), (1, 3), (2, None), (3, 8)])
-def test_phase1_flash_attention_rule(seed, split):
-    store, qg = case(seed=seed, tokens=75 + 40 * seed)
+@pytest.mark.parametrize(("seed", "split", "shape"), [
+    (0, 1, {}), (1, 3, {}), (2, None, {}), (3, 8, {}),
+    pytest.param(4, None, {**GPU_FULL, "tokens": 32768 + 7}, marks=pytest.mark.gpu),
+])
+def test_phase1_flash_attention_rule(seed, split, shape):
+    store, qg = case(seed=seed, **{"tokens": 75 + 40 * seed, **shape})
     lay = StepLayout(store)
     scaling = store.head_dim**-0.5
     oracle = torch.einsum("kgd,kntd->kgnt", qg.double(), lay.keys.double()) * scaling
@@ -71,17 +78,20 @@ def fp64_attend(scores, values):
 def staged(store, kv, blk, which):
     kv, blk = torch.tensor(kv), torch.tensor(blk)
     k16, v16 = store.fetch_originals(kv, blk, which=which)
-    return StagedBlocks(kv, blk, k16 if which == "k" else v16)
+    return StagedBlocks(kv.to(store.device), blk.to(store.device), k16 if which == "k" else v16)
 
 
-@pytest.mark.parametrize(("seed", "promote"), [(0, False), (1, True), (2, True), (3, False)])
-def test_phase2_attend_flash_attention_rule(seed, promote):
-    store, qg = case(seed=seed, tokens=100)
+@pytest.mark.parametrize(("seed", "promote", "shape"), [
+    (0, False, {}), (1, True, {}), (2, True, {}), (3, False, {}),
+    pytest.param(4, True, {**GPU_FULL, "tokens": 32768 + 9}, marks=pytest.mark.gpu),
+])
+def test_phase2_attend_flash_attention_rule(seed, promote, shape):
+    store, qg = case(seed=seed, **{"tokens": 100, **shape})
     lay = StepLayout(store)
     scaling = store.head_dim**-0.5
     scored = TorchBackend().phase1(qg, lay, scaling)
     hkv, group, n = scored.log_mass.shape
-    gate = torch.zeros(hkv, group, n, dtype=torch.bool)
+    gate = torch.zeros(hkv, group, n, dtype=torch.bool, device=qg.device)
     keys = values = None
     if promote:
         keys = staged(store, [0, 0, 1], [1, 3, 2], "k")
@@ -124,7 +134,7 @@ def test_phase2_canary_flags_a_staged_block_that_disagrees_with_its_codes():
 
 
 @pytest.mark.parametrize("r", [1, 2, 3])
-@pytest.mark.parametrize("n", [1, 7, 40])
+@pytest.mark.parametrize("n", [1, 7, 40, pytest.param(8192, marks=pytest.mark.gpu)])
 def test_checks_kernel_matches_the_reference(r, n):
     gen = torch.Generator().manual_seed(100 * r + n)
     hq = 24
@@ -138,7 +148,11 @@ def test_checks_kernel_matches_the_reference(r, n):
     quantized[-1] = n == 1
     tail = quantized & ~promoted
     ref = TorchBackend().checks(l8, l16, delta, promoted, tail, r)
-    kernel = ranking_and_boundary(l8, l16, delta, promoted, tail, r, block_n=8)
+    if n > 1000:  # full size on the GPU
+        l8, l16, delta, promoted, tail = (x.cuda() for x in (l8, l16, delta, promoted, tail))
+    kernel = ranking_and_boundary(l8, l16, delta, promoted, tail, r,
+                                  block_n=8 if n < 1000 else 1024)
+    kernel = tuple(x.cpu() for x in kernel)
     for a, b in zip(ref, kernel, strict=True):
         assert torch.equal(a, b)
     assert ref[0].any() and ref[1].any()

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from certkv.kernels.reference import Attended, Scored
-from certkv.kernels.triton_score import blocks_per_program
+from certkv.kernels.triton_score import blocks_per_program, load_group_queries
 
 
 @triton.jit
@@ -40,8 +40,7 @@ def _attend_kernel(s_ptr, q_ptr, kslot_ptr, kstaged_ptr, gate_ptr, delta_ptr,
     t = tl.arange(0, B)
     c = tl.arange(0, D)
     gmask = g < G
-    q = tl.load(q_ptr + kv * s_qk + g[:, None] * s_qg + c[None, :], mask=gmask[:, None],
-                other=0.0)
+    q = load_group_queries(q_ptr, kv, s_qk, s_qg, G, BLOCK_G, D)
     m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
     lsum = tl.zeros((BLOCK_G,), tl.float32)
     acc = tl.zeros((BLOCK_G, D), tl.float32)

@@ -23,6 +23,16 @@ import triton.language as tl
 
 
 @triton.jit
+def load_group_queries(q_ptr, kv, s_qk, s_qg, G: tl.constexpr, BLOCK_G: tl.constexpr,
+                       D: tl.constexpr):
+    """The ``G`` query heads of kv head ``kv`` as ``[BLOCK_G, D]`` (padding rows are 0)."""
+    g = tl.arange(0, BLOCK_G)
+    c = tl.arange(0, D)
+    return tl.load(q_ptr + kv * s_qk + g[:, None] * s_qg + c[None, :], mask=(g < G)[:, None],
+                   other=0.0)
+
+
+@triton.jit
 def _score_kernel(q_ptr, code_ptr, scale_ptr, offset_ptr, tail_ptr, s_out, l_out, d_out,
                   s_qk, s_qg, s_ck, s_cn, s_ct, s_sk, s_sn, s_tk, s_tt, s_ok, s_og, s_on,
                   s_lk, s_lg, n_quant, tail_len, scaling, bound_a, bound_b,
@@ -33,8 +43,7 @@ def _score_kernel(q_ptr, code_ptr, scale_ptr, offset_ptr, tail_ptr, s_out, l_out
     t = tl.arange(0, B)
     c = tl.arange(0, D)
     gmask = g < G
-    q = tl.load(q_ptr + kv * s_qk + g[:, None] * s_qg + c[None, :], mask=gmask[:, None],
-                other=0.0)
+    q = load_group_queries(q_ptr, kv, s_qk, s_qg, G, BLOCK_G, D)
     q_abs = tl.abs(q)
     n_blocks = n_quant + (tail_len > 0)
     for i in range(SPLIT):
