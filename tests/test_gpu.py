@@ -55,3 +55,12 @@ def test_a_certified_step_syncs_only_at_its_two_host_reads():
             torch.cuda.set_sync_debug_mode("default")
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
     assert len(syncs) <= 4, [str(w.message) for w in syncs]  # two reads (+ their copies)
+
+
+def test_tier2_reads_wait_for_the_asynchronous_copies_into_pinned_memory():
+    k, v = make_kv(2, 4096, 64, seed=3)
+    store = TieredKVStore(2, 64, device="cuda")
+    for start in range(0, 4096, 512):  # several appends, no step (no host read) in between
+        store.append(k[:, start:start + 512].cuda(), v[:, start:start + 512].cuda())
+    dk, dv = store.dense_kv()
+    assert torch.equal(dk.cpu(), k.half()) and torch.equal(dv.cpu(), v.half())

@@ -56,6 +56,14 @@ class _GrowingBlocks:
         self.spare = spare  # blocks kept free after ``size`` (room for the padded tail block)
         self.size = 0
         self._data: Blocks = {}
+        self._copied = None  # CUDA event after the last asynchronous copy into pinned memory
+
+    def _wait(self) -> None:
+        """Host reads of pinned memory wait for the asynchronous device-to-host copies into it
+        (usually long done: every decode step reads from the device once)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
 
     def _allocate(self, like: torch.Tensor, capacity: int) -> torch.Tensor:
         shape = (like.shape[0], capacity, *like.shape[2:])
@@ -65,6 +73,7 @@ class _GrowingBlocks:
         n = next(iter(blocks.values())).shape[1]
         capacity = next(iter(self._data.values())).shape[1] if self._data else 0
         if self.size + n + self.spare > capacity or not self._data:
+            self._wait()  # growing copies the old buffer on the host
             new_capacity = max(2 * capacity, self.size + n + self.spare, 4)
             for name, new in blocks.items():
                 grown = self._allocate(new, new_capacity)
@@ -73,10 +82,14 @@ class _GrowingBlocks:
                 self._data[name] = grown
         for name, new in blocks.items():
             self._data[name][:, self.size : self.size + n].copy_(new, non_blocking=self.pin)
+        if self.pin and n and next(iter(blocks.values())).is_cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
         self.size += n
 
     def view(self, extra: int = 0) -> Blocks:
         """The first ``size + extra`` blocks (``extra <= spare``) of each tensor, no copy."""
+        self._wait()
         return {name: t[:, : self.size + extra] for name, t in self._data.items()}
 
     def nbytes(self) -> int:
