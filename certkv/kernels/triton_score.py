@@ -45,7 +45,7 @@ def _score_kernel(q_ptr, code_ptr, scale_ptr, offset_ptr, tail_ptr, s_out, l_out
     gmask = g < G
     q = load_group_queries(q_ptr, kv, s_qk, s_qg, G, BLOCK_G, D)
     q_abs = tl.abs(q)
-    n_blocks = n_quant + (tail_len > 0)
+    n_blocks = n_quant + (tail_len > 0).to(tl.int32)
     for i in range(SPLIT):
         blk = tl.program_id(1) * SPLIT + i
         quant = (c * 0 + blk) < n_quant  # [D]: an INT8 block

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Everything issue #4 measures on a GPU, in one go: the `gpu` tests (full-size kernels, the
+# contract on CUDA, host syncs), then the attention and whole-model benches. Results land in
+# reports/bench/ (markdown + JSON + plot, with the device and versions). Uses the python on
+# PATH (or $PYTHON); the lent GPU machines are offline, so it installs nothing: it needs torch,
+# triton, transformers, typer, rich, pytest and hypothesis.
+#   bash scripts/gpu_checks.sh            # tests + benches
+#   bash scripts/gpu_checks.sh --quick    # tests + 64K attention only
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+mkdir -p reports/bench
+"$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'" || exit 2
+"$PY" -m pytest -m gpu -p no:cacheprovider tests 2>&1 | tee reports/bench/gpu_tests.txt
+if [[ "${1:-}" == "--quick" ]]; then
+  "$PY" -m certkv.cli bench attention --context 65536 --repeats 50
+  exit
+fi
+"$PY" -m certkv.cli bench attention --context 32768 --context 65536 --context 131072 --repeats 50
+"$PY" -m certkv.cli bench decode --model llama31_8b --context 8192 --context 32768 \
+  --context 65536 --repeats 10
