@@ -103,7 +103,8 @@ def _attend_kernel(s_ptr, q_ptr, kslot_ptr, kstaged_ptr, gate_ptr, delta_ptr,
 
 
 def reduce_splits(m_b, l_b, m, lsum, acc) -> Attended:
-    """Merge per-split online-softmax states by log-sum-exp; block masses from ``m_b, l_b``.
+    """Merge per-split online-softmax states by log-sum-exp; block masses from ``m_b, l_b``
+    (PyTorch; the oracle of :func:`_reduce_kernel`).
 
     Shapes: ``m_b, l_b [Hkv, G, n]``; ``m, lsum [Hkv, G, S]``; ``acc [Hkv, G, S, d]``.
     """
@@ -113,6 +114,58 @@ def reduce_splits(m_b, l_b, m, lsum, acc) -> Attended:
     out = (weight.unsqueeze(-1) * acc).sum(dim=-2) / total
     rho = torch.exp(m_b - top) * l_b / total
     return Attended(out=out, rho=rho, log_mass=m_b + torch.log(l_b))
+
+
+@triton.jit
+def _reduce_kernel(mb_ptr, lb_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, rho_ptr, lm_ptr,
+                   n_blocks, n_splits, s_h, s_mh, s_ah, s_as, s_oh,
+                   D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program per query head: :func:`reduce_splits` without a dozen small launches."""
+    h = tl.program_id(0)
+    c = tl.arange(0, D)
+    top = float("-inf")
+    for start in range(0, n_splits, BLOCK_S):
+        sp = start + tl.arange(0, BLOCK_S)
+        mv = tl.load(m_ptr + h * s_mh + sp, mask=sp < n_splits, other=float("-inf"))
+        top = tl.maximum(top, tl.max(mv, axis=0))
+    total = 0.0
+    out = tl.zeros((D,), tl.float32)
+    for start in range(0, n_splits, BLOCK_S):
+        sp = start + tl.arange(0, BLOCK_S)
+        live = sp < n_splits
+        mv = tl.load(m_ptr + h * s_mh + sp, mask=live, other=float("-inf"))
+        weight = tl.where(live, tl.exp(mv - top), 0.0)
+        total += tl.sum(weight * tl.load(l_ptr + h * s_mh + sp, mask=live, other=0.0), axis=0)
+        acc = tl.load(acc_ptr + h * s_ah + sp[:, None] * s_as + c[None, :],
+                      mask=live[:, None], other=0.0)
+        out += tl.sum(weight[:, None] * acc, axis=0)
+    tl.store(out_ptr + h * s_oh + c, out / total)
+    for start in range(0, n_blocks, BLOCK_N):
+        b = start + tl.arange(0, BLOCK_N)
+        live = b < n_blocks
+        mb = tl.load(mb_ptr + h * s_h + b, mask=live, other=0.0)
+        lb = tl.load(lb_ptr + h * s_h + b, mask=live, other=1.0)
+        tl.store(rho_ptr + h * s_h + b, tl.exp(mb - top) * lb / total, mask=live)
+        tl.store(lm_ptr + h * s_h + b, mb + tl.log(lb), mask=live)
+
+
+def reduce_splits_fused(m_b, l_b, m, lsum, acc) -> Attended:
+    """:func:`reduce_splits` in one kernel (same shapes, FP32)."""
+    hkv, g, n = m_b.shape
+    n_splits, d = acc.shape[2], acc.shape[3]
+    hq = hkv * g
+    m_b, l_b = m_b.reshape(hq, n), l_b.reshape(hq, n)
+    m, lsum, acc = m.reshape(hq, n_splits), lsum.reshape(hq, n_splits), acc.reshape(hq, n_splits,
+                                                                                      d)
+    out = torch.empty(hq, d, device=m.device)
+    rho, log_mass = torch.empty_like(m_b), torch.empty_like(m_b)
+    _reduce_kernel[(hq,)](m_b, l_b, m, lsum, acc, out, rho, log_mass, n, n_splits,
+                          m_b.stride(0), m.stride(0), acc.stride(0), acc.stride(1),
+                          out.stride(0), D=d,
+                          BLOCK_S=min(64, triton.next_power_of_2(n_splits)),
+                          BLOCK_N=min(1024, triton.next_power_of_2(n)))
+    return Attended(out=out.reshape(hkv, g, d), rho=rho.reshape(hkv, g, n),
+                    log_mass=log_mass.reshape(hkv, g, n))
 
 
 def int4_attend(scored: Scored, q: torch.Tensor, gate: torch.Tensor, key_slot: torch.Tensor,
@@ -164,6 +217,6 @@ def int4_attend(scored: Scored, q: torch.Tensor, gate: torch.Tensor, key_slot: t
         acc.stride(0), acc.stride(1), acc.stride(2),
         n, codes.shape[1], tail_len, float(scaling), float(eps_guard),
         G=g, BLOCK_G=triton.next_power_of_2(g), B=bsz, D=d, GROUP=group, SPLIT=split)
-    att = reduce_splits(m_b, l_b, m, lsum, acc)
+    att = reduce_splits_fused(m_b, l_b, m, lsum, acc)
     att.canary = canary.bool()
     return att
