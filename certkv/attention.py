@@ -95,8 +95,8 @@ class CertifiedAttention:
             if store.device.type == "cpu":
                 require(bool(torch.isfinite(q).all()), NonFiniteError, _NONFINITE_Q)
             return self._dense_step(q_dev, store, scaling)
-        fetch = store.fetch_originals if scratch is None else partial(scratch.fetch, store)
-        return self._quantized_step(q_dev, store, scaling, fetch)
+        stage = partial(_tier2_stage, store) if scratch is None else partial(scratch.stage, store)
+        return self._quantized_step(q_dev, store, scaling, stage)
 
     def _check(self, q: torch.Tensor, store: TieredKVStore) -> None:
         require(isinstance(q, torch.Tensor) and q.dim() == 2, ShapeError,
@@ -137,7 +137,7 @@ class CertifiedAttention:
         return self.backend.dense(q[heads.to(q.device)], k16[gather], v16[gather], scaling)
 
     # -------------------------------------------------------- quantized modes
-    def _quantized_step(self, q, store, scaling, fetch):
+    def _quantized_step(self, q, store, scaling, stage):
         timer = self.timer or NULL_TIMER
         with timer.phase("layout"):
             lay = StepLayout(store)
@@ -161,7 +161,7 @@ class CertifiedAttention:
 
         # Page-in (the step's first host read) and Phase 2 (gated keys, FP16 values).
         with timer.phase("page_in"):
-            keys, values = self._page_in(fetch, lay, plan) if certified else (None, None)
+            keys, values = self._page_in(stage, lay, plan) if certified else (None, None)
         with timer.phase("phase2"):
             att = self.backend.phase2(qg, scored, lay, promoted.reshape(hkv, group, -1), keys,
                                       values, scaling, self.ladder.eps_guard)
@@ -311,25 +311,24 @@ class CertifiedAttention:
         chosen = self.value_policy.select(log_p, eta_q, delta) & quantized & (eta_q > 0)
         return chosen.reshape(hkv, group, -1).any(dim=1)
 
-    def _page_in(self, fetch, lay, plan):
-        """Fetch the FP16 keys and values the ``plan [2, Hkv, n]`` asks for (``fetch``: Tier-2
-        or the scratch cache).
+    def _page_in(self, stage, lay, plan):
+        """Stage the FP16 keys and values the ``plan [2, Hkv, n]`` asks for (``stage``: the
+        scratch cache, read in place by the kernels, or Tier-2).
 
         The plan is read to the host once (the step's first host read: Tier-2 lives in host
         memory, so the host must know what to copy). Returns two :class:`StagedBlocks` (or
         None); the exact tail block is never staged.
         """
         staged = []
+        dev = lay.store.device
         for which, mask in zip(("k", "v"), to_host(plan), strict=True):
             kv_idx, blk_idx = mask.nonzero(as_tuple=True)  # host tensors
             if kv_idx.numel() == 0:
                 staged.append(None)
                 continue
-            k16, v16 = fetch(kv_idx, blk_idx, which=which)
-            dev = lay.store.device
+            data, rows = stage(kv_idx, blk_idx, which)
             staged.append(StagedBlocks(kv_idx.to(dev, non_blocking=True),
-                                       blk_idx.to(dev, non_blocking=True),
-                                       k16 if which == "k" else v16))
+                                       blk_idx.to(dev, non_blocking=True), data, rows))
         return staged[0], staged[1]
 
     def _host_flags(self, flags):
@@ -348,6 +347,12 @@ class CertifiedAttention:
         dev_heads = heads.to(out.device, non_blocking=True)
         out[dev_heads] = self._dense_heads(q, store, heads, scaling).float()
         return out
+
+
+def _tier2_stage(store: TieredKVStore, kv_heads, blocks, which: str):
+    """Stage ``which`` (``"k"`` or ``"v"``) blocks straight from Tier-2: ``(data, None)``."""
+    k, v = store.fetch_originals(kv_heads, blocks, which=which)
+    return (k if which == "k" else v), None
 
 
 class _CompiledSegment:

@@ -60,3 +60,29 @@ def test_attention_with_scratch_is_identical_and_hits_on_the_next_step():
 def test_negative_capacity_rejected():
     with pytest.raises(ConfigError, match="must be >= 0"):
         ScratchCache(key_blocks=-1)
+
+
+def test_stage_serves_resident_blocks_in_place_and_gathers_when_they_do_not_fit():
+    s, _ = store()
+    heads, blocks = torch.tensor([0, 1, 1]), torch.tensor([3, 3, 5])
+    ref_k, _ = s.fetch_originals(heads, blocks)
+    roomy = ScratchCache(key_blocks=4, value_blocks=4)
+    data, rows = roomy.stage(s, heads, blocks, "k")
+    assert data is roomy._lru["k"].buffer and torch.equal(data[rows], ref_k)  # the pool itself
+    tight = ScratchCache(key_blocks=2, value_blocks=2)
+    data, rows = tight.stage(s, heads, blocks, "k")
+    assert rows is None and torch.equal(data, ref_k)  # a gathered copy: 3 blocks, 2 slots
+
+
+@pytest.mark.parametrize("capacity", [0, 3, 4096])
+def test_attention_reads_the_scratch_pool_in_place_with_the_same_result(capacity):
+    from certkv.kernels.triton_backend import TritonBackend
+
+    s, k = store(300)
+    q = make_query(k, 2, seed=2, scale=3.0, peaked=True)
+    expected, _ = CertifiedAttention()(q, s)
+    for backend in ("torch", TritonBackend()):
+        scratch = ScratchCache(key_blocks=capacity, value_blocks=capacity)
+        for _ in range(2):  # misses, then hits
+            out, _ = CertifiedAttention(backend=backend)(q, s, scratch=scratch)
+            torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)

@@ -59,9 +59,14 @@ class _LRUBlocks:
             grown[:, : self.slot_of.shape[1]] = self.slot_of
             self.slot_of = grown
 
-    def fetch(self, store, kind: str, kv: torch.Tensor, blk: torch.Tensor, stats) -> torch.Tensor:
-        """FP16 blocks ``[P, B, d]`` of ``(kv[i], blk[i])`` (host indices): hits from slots,
-        misses from Tier-2."""
+    def stage(self, store, kind: str, kv: torch.Tensor, blk: torch.Tensor, stats):
+        """FP16 blocks of ``(kv[i], blk[i])`` (host indices): hits from slots, misses from
+        Tier-2 into free or least recently used slots.
+
+        Returns ``(data, rows)``: the slot buffer and each block's slot (device) when every
+        block is resident, so kernels read the scratch cache in place; otherwise (more misses
+        than free slots) the blocks gathered into a new ``[P, B, d]`` tensor and None.
+        """
         self._ensure(store)
         self.clock += 1
         dev = store.device
@@ -69,21 +74,25 @@ class _LRUBlocks:
         slots = self.slot_of[kv, blk]
         hit = slots >= 0
         self.stamp[slots[hit]] = self.clock
-        out = torch.empty(kv.numel(), store.block_size, store.head_dim, dtype=torch.float16,
-                          device=dev)
-        hit_at, miss = hit.nonzero(as_tuple=True)[0], (~hit).nonzero(as_tuple=True)[0]
-        if hit_at.numel():
-            out[hit_at.to(dev, non_blocking=True)] = self.buffer[
-                slots[hit_at].to(dev, non_blocking=True)]
-        stats.hits += hit_at.numel()
+        miss = (~hit).nonzero(as_tuple=True)[0]
+        stats.hits += kv.numel() - miss.numel()
         stats.misses += miss.numel()
+        fetched = None
         if miss.numel():
             k, v = store.fetch_originals(kv[miss], blk[miss], which=kind)
             fetched = k if kind == "k" else v
             stats.h2d_bytes += fetched.numel() * fetched.element_size()
-            out[miss.to(dev, non_blocking=True)] = fetched
             self._insert(kv[miss], blk[miss], fetched)
-        return out
+            slots = self.slot_of[kv, blk]  # the inserted ones now have slots
+        if bool((slots >= 0).all()):  # host tensor
+            return self.buffer, slots.to(dev, non_blocking=True)
+        out = torch.empty(kv.numel(), store.block_size, store.head_dim, dtype=torch.float16,
+                          device=dev)
+        cached = (slots >= 0).nonzero(as_tuple=True)[0]
+        out[cached.to(dev, non_blocking=True)] = self.buffer[
+            slots[cached].to(dev, non_blocking=True)]
+        out[miss.to(dev, non_blocking=True)] = fetched
+        return out, None
 
     def _insert(self, kv: torch.Tensor, blk: torch.Tensor, blocks: torch.Tensor) -> None:
         """Cache fetched blocks in free or least recently used slots not used this step; blocks
@@ -115,14 +124,22 @@ class ScratchCache:
                 "scratch_key_blocks and scratch_value_blocks must be >= 0 (0 disables caching).")
         self._lru = {"k": _LRUBlocks(self.key_blocks), "v": _LRUBlocks(self.value_blocks)}
 
+    def stage(self, store, kv_heads: torch.Tensor, blocks: torch.Tensor, which: str):
+        """``(data, rows)`` for the keys (``which="k"``) or values (``"v"``) of
+        ``(kv_heads[i], blocks[i])`` (host indices): see :meth:`_LRUBlocks.stage`."""
+        return self._lru[which].stage(store, which, kv_heads, blocks, self.stats)
+
     def fetch(self, store, kv_heads: torch.Tensor, blocks: torch.Tensor, which: str = "kv"):
         """Same contract as ``TieredKVStore.fetch_originals``, served from scratch when cached.
 
-        Indices are host tensors (the page-in plan). Returns ``(k, v)``, each ``[P, B, d]`` FP16
-        on the store's device or ``None``.
+        Indices are host tensors. Returns ``(k, v)``, each ``[P, B, d]`` FP16 on the store's
+        device or ``None``.
         """
-        k = self._lru["k"].fetch(store, "k", kv_heads, blocks, self.stats) if "k" in which \
-            else None
-        v = self._lru["v"].fetch(store, "v", kv_heads, blocks, self.stats) if "v" in which \
-            else None
-        return k, v
+        out = []
+        for kind in ("k", "v"):
+            if kind not in which:
+                out.append(None)
+                continue
+            data, rows = self.stage(store, kv_heads, blocks, kind)
+            out.append(data if rows is None else data[rows])
+        return out[0], out[1]

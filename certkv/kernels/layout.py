@@ -17,12 +17,18 @@ from certkv.cache.store import TieredKVStore
 
 @dataclass
 class StagedBlocks:
-    """FP16 blocks paged in for this step: ``data[i]`` is block ``blocks[i]`` of kv head
-    ``kv_heads[i]`` (``[P, B, d]``)."""
+    """FP16 blocks paged in for this step: block ``blocks[i]`` of kv head ``kv_heads[i]`` is
+    ``data[rows[i]]`` (``data`` a pool such as the scratch cache, read in place) or ``data[i]``
+    when ``rows`` is None; ``data: [P, B, d]``."""
 
     kv_heads: torch.Tensor
     blocks: torch.Tensor
     data: torch.Tensor
+    rows: torch.Tensor | None = None
+
+    def gathered(self) -> torch.Tensor:
+        """``[len(blocks), B, d]``: the staged blocks in order (a gather for a pool)."""
+        return self.data if self.rows is None else self.data[self.rows]
 
 
 class StepLayout:

@@ -75,7 +75,7 @@ def gated_scores(q: torch.Tensor, scored: Scored, gate: torch.Tensor, keys, scal
     if keys is None:
         return s8, violated
     kv, blk = keys.kv_heads, keys.blocks
-    s16 = torch.einsum("pgd,ptd->pgt", q[kv].float(), keys.data.float()) * scaling  # [P, G, B]
+    s16 = torch.einsum("pgd,ptd->pgt", q[kv].float(), keys.gathered().float()) * scaling
     s8_at, on = s8[kv, :, blk], gate[kv, :, blk]
     violated[kv, :, blk] = on & canary_violations(s8_at, s16, scored.delta_b[kv, :, blk],
                                                   eps_guard)
@@ -134,7 +134,7 @@ def merge_staged(values: torch.Tensor, staged) -> torch.Tensor:
     if staged is None:
         return values
     values = values.clone()
-    values[staged.kv_heads, staged.blocks] = staged.data.float()
+    values[staged.kv_heads, staged.blocks] = staged.gathered().float()
     return values
 
 

@@ -101,13 +101,15 @@ class TritonBackend:
 def slot_map(staged: StagedBlocks | None, shape: tuple[int, int],
              lay: StepLayout) -> tuple[torch.Tensor, torch.Tensor]:
     """Slot map ``[Hkv, n]`` (int32, -1: not staged) into the staged FP16 blocks ``[P, B, d]``
-    (used in place; a one-block dummy when nothing is staged)."""
+    (read in place, the scratch pool included; a one-block dummy when nothing is staged)."""
     store = lay.store
     dev = store.device
     slot = torch.full(shape, -1, dtype=torch.int32, device=dev)
     if staged is None:  # a valid pointer the kernel never reads
         return slot, torch.zeros(1, store.block_size, store.head_dim, dtype=torch.float16,
                                  device=dev)
-    slot[staged.kv_heads, staged.blocks] = torch.arange(staged.data.shape[0], dtype=torch.int32,
-                                                        device=dev)
+    rows = staged.rows
+    if rows is None:
+        rows = torch.arange(staged.data.shape[0], device=dev)
+    slot[staged.kv_heads, staged.blocks] = rows.to(torch.int32)
     return slot, staged.data.half()
