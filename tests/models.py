@@ -25,6 +25,5 @@ def tiny_model(model_type: str = "llama", seed: int = 0, peaked: float = 4.0):
             layer.self_attn.q_proj.weight.mul_(peaked)
             layer.self_attn.k_proj.weight.mul_(peaked)
     certkv_model = copy.deepcopy(model)
-    certkv_model.config = copy.deepcopy(model.config)
     enable(certkv_model)
     return model, certkv_model
