@@ -90,8 +90,10 @@ class AttentionCase:
         return store, q.to(device), k.to(device, torch.float16), v.to(device, torch.float16)
 
 
-def bench_attention_case(case: AttentionCase, device: torch.device, repeats: int) -> dict:
-    """Time dense / naive / certified for one case; returns a JSON-able record.
+def bench_attention_case(case: AttentionCase, device: torch.device, repeats: int,
+                         compile: bool | str | None = None) -> dict:
+    """Time dense / naive / certified for one case; returns a JSON-able record (``compile``:
+    as :class:`CertifiedAttention`; the first timed warm-up calls absorb compilation).
 
     Whole-step times are taken without the phase timer (its per-phase synchronisation would
     inflate them); the phase breakdown comes from separate timed runs.
@@ -103,9 +105,9 @@ def bench_attention_case(case: AttentionCase, device: torch.device, repeats: int
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     qd, kd, vd = q.to(dtype), k16.to(dtype), v16.to(dtype)
     dense_ms = timed(lambda: dense_attention(qd, kd, vd, scaling), repeats)
-    naive = CertifiedAttention(mode="naive")
+    naive = CertifiedAttention(mode="naive", compile=compile)
     naive_ms = timed(lambda: naive(q, store), repeats)
-    certified = CertifiedAttention()
+    certified = CertifiedAttention(compile=compile)
     scratch = ScratchCache()
     cert_ms = timed(lambda: certified(q, store, scratch=scratch), repeats)
     timer = certified.timer = PhaseTimer()
@@ -265,7 +267,7 @@ MODEL_CONFIGS = {
 
 
 def bench_decode(model: str, contexts: list[int], device: torch.device, repeats: int,
-                 dtype: torch.dtype) -> list[dict]:
+                 dtype: torch.dtype, compile: bool | str | None = None) -> list[dict]:
     """Whole-model decode step, dense vs certified, for a random-weight model config."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -286,7 +288,7 @@ def bench_decode(model: str, contexts: list[int], device: torch.device, repeats:
         base = prefill(lm, ids[:-1], 16, CacheSpec())
         row = {"model": model, "context": context, "ms": {}, "phases_ms": {}}
         for mode in ("dense", "certified"):
-            attention = CertifiedAttention(mode=mode)
+            attention = CertifiedAttention(mode=mode, compile=compile)
             decoder = Decoder(lm, base.clone_as(attention))
             token = ids[-1]
             row["ms"][mode] = timed(lambda d=decoder, t=token: d.step(t), repeats)

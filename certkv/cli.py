@@ -115,6 +115,15 @@ bench_app = typer.Typer(no_args_is_help=True, help="Decode-step benchmarks (resu
 app.add_typer(bench_app, name="bench")
 
 
+COMPILE_HELP = ("torch.compile the selection/certificate segments: auto (on CUDA), on, off, or "
+                "a dynamo backend name")
+
+
+def _compile(name: str) -> bool | str | None:
+    """``--compile`` value -> ``CertifiedAttention.compile``."""
+    return {"auto": None, "on": True, "off": False}.get(name, name)
+
+
 def _device(name: str):
     import torch
 
@@ -134,6 +143,7 @@ def bench_attention(
     context: Annotated[list[int] | None, typer.Option(
         help="context lengths (default: 4K-128K on GPU, 1K and 4K on CPU)")] = None,
     repeats: int = 20, device: str = "auto", out: Path = Path("reports/bench"),
+    compile: Annotated[str, typer.Option(help=COMPILE_HELP)] = "auto",
 ) -> None:
     """One decode step of one layer: dense FP16 SDPA vs naive vs certified (phases, GB/s)."""
     from certkv import bench
@@ -147,7 +157,7 @@ def bench_attention(
     from rich.progress import track
 
     for case in track(cases, description="bench attention"):
-        records.append(bench.bench_attention_case(case, dev, repeats))
+        records.append(bench.bench_attention_case(case, dev, repeats, _compile(compile)))
     report = bench.BenchReport(f"attention_{dev.type}", _command(), out)
     path = report.write(records, bench.attention_table(records, report.info["peak_gbps"]),
                         lambda p: bench.plot_attention(records, p))
@@ -162,6 +172,7 @@ def bench_decode(
         help="contexts (default: 8K-64K on GPU, 1K and 2K on CPU)")] = None,
     repeats: int = 5, device: str = "auto", dtype: str = "auto",
     out: Path = Path("reports/bench"),
+    compile: Annotated[str, typer.Option(help=COMPILE_HELP)] = "auto",
 ) -> None:
     """Whole-model decode step (random weights), dense vs certified, Table 16 phase shares."""
     import torch
@@ -176,7 +187,7 @@ def bench_decode(
                    "float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
     if torch_dtype is None:
         _fail(f"--dtype {dtype!r} is unknown; use auto, float32 or bfloat16.")
-    records = bench.bench_decode(model, contexts, dev, repeats, torch_dtype)
+    records = bench.bench_decode(model, contexts, dev, repeats, torch_dtype, _compile(compile))
     report = bench.BenchReport(f"decode_{model}_{dev.type}", _command(), out)
     path = report.write(records, bench.decode_table(records),
                         lambda p: bench.plot_decode(records, p))

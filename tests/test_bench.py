@@ -24,7 +24,8 @@ def test_attention_case_record():
 
 def test_bench_attention_command_writes_report(tmp_path):
     result = runner.invoke(app, ["bench", "attention", "--context", "128", "--repeats", "1",
-                                 "--device", "cpu", "--out", str(tmp_path)])
+                                 "--device", "cpu", "--out", str(tmp_path),
+                                 "--compile", "aot_eager"])
     assert result.exit_code == 0, result.output
     data = json.loads((tmp_path / "attention_cpu.json").read_text())
     assert data["command"].startswith("certkv") and len(data["records"]) == 2
