@@ -20,3 +20,6 @@ fi
 "$PY" -m certkv.cli bench attention --context 32768 --context 65536 --context 131072 --repeats 50
 "$PY" -m certkv.cli bench decode --model llama31_8b --context 8192 --context 32768 \
   --context 65536 --repeats 10
+# A/B: the same 64K attention step with the selection/certificate segments left eager
+"$PY" -m certkv.cli bench attention --context 65536 --repeats 50 --compile off \
+  --out reports/bench/eager_segments
