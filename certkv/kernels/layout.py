@@ -36,17 +36,26 @@ class StepLayout:
 
     def __init__(self, store: TieredKVStore) -> None:
         self.store = store
-        nq, bsz, t = store.num_blocks, store.block_size, store.tail_len
+        nq, t = store.num_blocks, store.tail_len
         self.num_quantized = nq
-        self.valid = torch.ones(nq + (t > 0), bsz, dtype=torch.bool, device=store.device)
-        if t:
-            self.valid[-1, t:] = False
-        self.quantized = torch.arange(self.valid.shape[0], device=store.device) < nq  # [n]
+        self.num_blocks = nq + (t > 0)  # n: the exact tail block last, if any
+        self.quantized = torch.arange(self.num_blocks, device=store.device) < nq  # [n]
         eta = store.eta
         if t:
             eta = torch.cat([eta, torch.zeros(store.num_kv_heads, 1, device=store.device)], 1)
         self.eta = eta  # [Hkv, n], 0 on the exact tail block
         self.v_max = store.value_norm_max()  # [Hkv] (Theorem 4.3)
+
+    @cached_property
+    def valid(self) -> torch.Tensor:
+        """Bool ``[n, B]``: token slots in use (all but the tail block's empty ones); the
+        PyTorch reference masks with it, the kernels read ``tail_len`` instead."""
+        store = self.store
+        valid = torch.ones(self.num_blocks, store.block_size, dtype=torch.bool,
+                           device=store.device)
+        if store.tail_len:
+            valid[-1, store.tail_len:] = False
+        return valid
 
     @cached_property
     def channel_bound(self) -> torch.Tensor:

@@ -102,25 +102,11 @@ def _attend_kernel(s_ptr, q_ptr, kslot_ptr, kstaged_ptr, gate_ptr, delta_ptr,
              mask=gmask[:, None])
 
 
-def reduce_splits(m_b, l_b, m, lsum, acc) -> Attended:
-    """Merge per-split online-softmax states by log-sum-exp; block masses from ``m_b, l_b``
-    (PyTorch; the oracle of :func:`_reduce_kernel`).
-
-    Shapes: ``m_b, l_b [Hkv, G, n]``; ``m, lsum [Hkv, G, S]``; ``acc [Hkv, G, S, d]``.
-    """
-    top = m.amax(dim=-1, keepdim=True)
-    weight = torch.exp(m - top)
-    total = (weight * lsum).sum(dim=-1, keepdim=True)
-    out = (weight.unsqueeze(-1) * acc).sum(dim=-2) / total
-    rho = torch.exp(m_b - top) * l_b / total
-    return Attended(out=out, rho=rho, log_mass=m_b + torch.log(l_b))
-
-
 @triton.jit
 def _reduce_kernel(mb_ptr, lb_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, rho_ptr, lm_ptr,
                    n_blocks, n_splits, s_h, s_mh, s_ah, s_as, s_oh,
                    D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One program per query head: :func:`reduce_splits` without a dozen small launches."""
+    """One program per query head merges its splits and writes its block masses."""
     h = tl.program_id(0)
     c = tl.arange(0, D)
     top = float("-inf")
@@ -149,8 +135,12 @@ def _reduce_kernel(mb_ptr, lb_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, rho_ptr, lm_p
         tl.store(lm_ptr + h * s_h + b, mb + tl.log(lb), mask=live)
 
 
-def reduce_splits_fused(m_b, l_b, m, lsum, acc) -> Attended:
-    """:func:`reduce_splits` in one kernel (same shapes, FP32)."""
+def reduce_splits(m_b, l_b, m, lsum, acc) -> Attended:
+    """Merge per-split online-softmax states by log-sum-exp (one kernel); block masses
+    ``rho_b = e^{m_b - top} l_b / total`` and log-masses ``m_b + log l_b``.
+
+    Shapes: ``m_b, l_b [Hkv, G, n]``; ``m, lsum [Hkv, G, S]``; ``acc [Hkv, G, S, d]``; FP32.
+    """
     hkv, g, n = m_b.shape
     n_splits, d = acc.shape[2], acc.shape[3]
     hq = hkv * g
@@ -217,6 +207,6 @@ def int4_attend(scored: Scored, q: torch.Tensor, gate: torch.Tensor, key_slot: t
         acc.stride(0), acc.stride(1), acc.stride(2),
         n, codes.shape[1], tail_len, float(scaling), float(eps_guard),
         G=g, BLOCK_G=triton.next_power_of_2(g), B=bsz, D=d, GROUP=group, SPLIT=split)
-    att = reduce_splits_fused(m_b, l_b, m, lsum, acc)
+    att = reduce_splits(m_b, l_b, m, lsum, acc)
     att.canary = canary.bool()
     return att

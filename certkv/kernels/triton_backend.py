@@ -81,7 +81,7 @@ class TritonBackend:
         from certkv.kernels.triton_attend import int4_attend
 
         store = lay.store
-        shape = (store.num_kv_heads, lay.valid.shape[0])
+        shape = (store.num_kv_heads, lay.num_blocks)
         key_slot, key_data = slot_map(keys, shape, lay)
         value_slot, value_data = slot_map(values, shape, lay)
         return int4_attend(scored, q, gate, key_slot, key_data, store.value_blocks(),
