@@ -88,9 +88,9 @@ class _LRUBlocks:
             return self.buffer, slots.to(dev, non_blocking=True)
         out = torch.empty(kv.numel(), store.block_size, store.head_dim, dtype=torch.float16,
                           device=dev)
-        cached = (slots >= 0).nonzero(as_tuple=True)[0]
-        out[cached.to(dev, non_blocking=True)] = self.buffer[
-            slots[cached].to(dev, non_blocking=True)]
+        hit_at = hit.nonzero(as_tuple=True)[0]  # the hits from the buffer, the misses as fetched
+        out[hit_at.to(dev, non_blocking=True)] = self.buffer[
+            slots[hit_at].to(dev, non_blocking=True)]
         out[miss.to(dev, non_blocking=True)] = fetched
         return out, None
 

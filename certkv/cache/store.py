@@ -43,6 +43,7 @@ _TIER2_MISSING = (
 NONFINITE_KV = ("k or v holds NaN or Inf (or values beyond the FP16 range); fix the model outputs "
                 "before caching them.")
 
+
 class _GrowingBlocks:
     """Tensors that grow along dim 1 (the block axis) with amortised doubling.
 
@@ -361,7 +362,7 @@ class TieredKVStore:
         ``which`` does not ask for it (``"k"``, ``"v"`` or ``"kv"``).
         """
         originals = self._originals()
-        where = self._keys.device if self.lossless else torch.device("cpu")
+        where = self.device if self.lossless else torch.device("cpu")  # where originals live
         heads, blks = kv_heads.to(where), blocks.to(where)
         fetched = []
         for name in ("k", "v"):
