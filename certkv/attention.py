@@ -2,7 +2,9 @@
 
 Composes a selector, a value policy, a ladder and a backend over a :class:`TieredKVStore`
 (paper Algorithm 1 and Section 3.4). Every head either returns ``O_quant`` with
-``||O_quant - O_ref||_2 <= E_key + E_val`` or dense SDPA on the FP16 originals.
+``||O_quant - O_ref||_2 <= E_key + E_val + E_arith`` or dense attention on the FP16 originals
+with ``||O_dense - O_ref||_2 <= E_arith``, ``O_ref`` being attention in exact arithmetic on the
+FP16 originals (:mod:`certkv.certify.arith`).
 
 Shapes: ``q: [Hq, d]`` with ``Hq = G * Hkv`` (query head ``h`` reads kv head ``h // G``);
 per-head tensors ``[Hq]``; per-block tensors ``[Hq, n]`` where the ``n`` blocks are the store's
@@ -11,6 +13,7 @@ quantized blocks followed, if present, by the exact FP16 partial tail block.
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass, field
 from functools import partial
@@ -19,9 +22,10 @@ import torch
 
 from certkv.cache.scratch import ScratchCache
 from certkv.cache.store import NONFINITE_KV, TieredKVStore
+from certkv.certify.arith import ArithSpec, dense_arith, quantized_arith, step_counts
 from certkv.certify.bounds import (
     key_error_bound,
-    phase2_tail_mass_bound,
+    phase2_tail_logit,
     tail_mass_bound,
     value_error_bound,
 )
@@ -33,20 +37,21 @@ from certkv.certify.values import LocalThreshold
 from certkv.errors import ConfigError, EmptyStoreError, NonFiniteError, ShapeError, require
 from certkv.kernels.dispatch import get_backend
 from certkv.kernels.layout import StagedBlocks, StepLayout
+from certkv.kernels.reference import DENSE_CHUNK, dense_rounding
 from certkv.timing import NULL_TIMER, PhaseTimer
 
 MODES = ("certified", "naive", "dense")
 _NONFINITE_Q = "q holds NaN or Inf; check the model's activations before attention."
 
 
-def _key_bound(log_p, tail, delta_b, delta, v_max, exponent, tail_cap=None):
-    """``(log alpha_hat [Hq], E_key [Hq])`` for INT8 tail blocks ``tail: [Hq, n]`` (eq. 15);
-    ``tail_cap`` is an extra valid bound on the true tail mass (after Phase 2)."""
+def _key_bound(log_p, tail, delta_b, delta, v_max, exponent, cap_logit=None):
+    """``(log alpha_hat, Delta_T, E_key)``, each ``[Hq]``, for INT8 tail blocks ``tail: [Hq, n]``
+    (eq. 15); ``cap_logit`` gives an extra valid bound on the true tail mass (after Phase 2)."""
     neg_inf = torch.full_like(log_p, float("-inf"))
     log_alpha = torch.logsumexp(torch.where(tail, log_p, neg_inf), dim=-1)
     delta_tail = torch.where(tail, delta_b, torch.zeros_like(delta_b)).amax(dim=-1)
-    e_key = key_error_bound(v_max, delta, delta_tail, log_alpha, exponent, tail_cap)
-    return log_alpha, e_key
+    e_key = key_error_bound(v_max, delta, delta_tail, log_alpha, exponent, cap_logit)
+    return log_alpha, delta_tail, e_key
 
 
 @dataclass
@@ -78,6 +83,7 @@ class CertifiedAttention:
                 f"mode={self.mode!r} is unknown; choose one of {list(MODES)}.")
         self.backend = get_backend(self.backend)
         self._compiled: dict = {}
+        self._specs: dict[ArithSpec, ArithSpec] = {}
 
     # ----------------------------------------------------------------- entry
     def __call__(
@@ -89,7 +95,11 @@ class CertifiedAttention:
         ``scratch`` (optional) serves promoted FP16 blocks from device memory before Tier-2.
         """
         self._check(q, store)
-        scaling = store.head_dim**-0.5 if scaling is None else float(scaling)
+        scaling = store.head_dim**-0.5 if scaling is None else scaling
+        require(isinstance(scaling, (int, float)) and math.isfinite(scaling) and scaling > 0,
+                ConfigError, f"scaling={scaling!r} must be a finite positive number (the "
+                "softmax scale, usually head_dim**-0.5); pass the model's scaling or None.")
+        scaling = float(scaling)
         q_dev = q.to(store.device)
         if self.mode == "dense":  # the baseline: no host reads on accelerators, as plain SDPA
             if store.device.type == "cpu":
@@ -97,6 +107,18 @@ class CertifiedAttention:
             return self._dense_step(q_dev, store, scaling)
         stage = partial(_tier2_stage, store) if scratch is None else partial(scratch.stage, store)
         return self._quantized_step(q_dev, store, scaling, stage)
+
+    def _arith_spec(self, q: torch.Tensor, store: TieredKVStore, scaling: float,
+                    lay: StepLayout | None) -> ArithSpec:
+        """The static facts of the arithmetic bound for this step (host only), one object per
+        distinct setting (a stable constant for the compiled certificate segment)."""
+        dense, dense_u = dense_rounding(q, torch.float16)
+        rounding = self.backend.rounding(lay) if lay is not None else dense
+        spec = ArithSpec(head_dim=store.head_dim, scaling=scaling,
+                         mass_inflation=self.selector.mass_inflation, out_dtype=q.dtype,
+                         rounding=rounding, dense_rounding=dense, dense_u=dense_u,
+                         value_decode=store.value_codec.decode_rounding())
+        return self._specs.setdefault(spec, spec)
 
     def _check(self, q: torch.Tensor, store: TieredKVStore) -> None:
         require(isinstance(q, torch.Tensor) and q.dim() == 2, ShapeError,
@@ -116,14 +138,24 @@ class CertifiedAttention:
         out = self._dense_heads(q, store, torch.arange(q.shape[0], device=q.device), scaling)
         hq = q.shape[0]
         zeros = torch.zeros(hq, device=q.device)
+        e_arith = self._dense_arith(self._arith_spec(q, store, scaling, None), q, store)
         cert = Certificate(
-            candidate_e_key=zeros, candidate_e_val=zeros, e_key=zeros, e_val=zeros, delta=zeros,
+            candidate_e_key=zeros, candidate_e_val=zeros, e_key=zeros, e_val=zeros,
+            e_arith=e_arith, delta=zeros,
             tail_mass=zeros, k_star=torch.full((hq,), store.num_blocks, device=q.device),
             rung=torch.full((hq,), 4, device=q.device), ranking_ok=zeros == 0,
             boundary_ok=zeros == 0, canary_ok=zeros == 0,
             value_blocks=torch.full((hq,), store.num_blocks, device=q.device),
             value_promotions=0, num_blocks=store.num_blocks, mode="dense")
         return out, cert
+
+    @staticmethod
+    def _dense_arith(spec: ArithSpec, q, store: TieredKVStore) -> torch.Tensor:
+        """E_arith ``[Hq]`` of the dense path (device ops only)."""
+        n_tokens = store.num_tokens
+        counts = step_counts(-(-n_tokens // DENSE_CHUNK), n_tokens, q.device)
+        v_max = store.value_norm_max().repeat_interleave(q.shape[0] // store.num_kv_heads)
+        return dense_arith(spec, *counts, q=q, key_abs_max=store.key_abs_max(), v_max=v_max)
 
     def _dense_heads(self, q, store, heads, scaling):
         """Dense SDPA for query ``heads`` on their kv heads' FP16 originals (rungs 3-4)."""
@@ -174,11 +206,16 @@ class CertifiedAttention:
 
         # Certificate (eq. 15, Cor. 4.2), canary, rungs 3-4, then the step's second host read.
         with timer.phase("certificate"):
+            spec = self._arith_spec(q, store, scaling, lay)
+            counts = step_counts(lay.num_blocks, store.num_tokens, q.device)
+            dense_counts = step_counts(-(-store.num_tokens // DENSE_CHUNK), store.num_tokens,
+                                       q.device)
             bounds = self._segment("_certify_step", q.device)(
                 l8, l16, att.rho.reshape(hq, -1), att.out.reshape(hq, -1), log_p, delta_b,
                 delta, v_max, promoted, lay.quantized, expanded, value_kv, lay.eta, ranking,
-                boundary, att.canary, q, store.nonfinite_appended())
-            e_key, e_val, log_alpha, canary, rung, value_blocks, flags = bounds
+                boundary, att.canary, q, store.nonfinite_appended(), spec, counts,
+                dense_counts, store.key_abs_max(), store.value_error_max())
+            e_key, e_val, e_arith, log_alpha, canary, rung, value_blocks, flags = bounds
             dense_heads = self._host_flags(flags)
         with timer.phase("fallback"):
             out = self._fallback(q, store, att.out.reshape(hq, -1), dense_heads, scaling)
@@ -186,13 +223,13 @@ class CertifiedAttention:
         cert = Certificate(
             candidate_e_key=e_key, candidate_e_val=e_val,
             e_key=torch.where(fast, e_key, torch.zeros_like(e_key)),
-            e_val=torch.where(fast, e_val, torch.zeros_like(e_val)),
+            e_val=torch.where(fast, e_val, torch.zeros_like(e_val)), e_arith=e_arith,
             delta=delta, tail_mass=log_alpha.exp(),
             k_star=(promoted & lay.quantized).sum(dim=-1), rung=rung, ranking_ok=ranking,
             boundary_ok=boundary, canary_ok=canary, value_blocks=value_blocks,
             value_promotions=0 if values is None else values.blocks.numel(),
             num_blocks=lay.num_quantized, mode=self.mode)
-        return out.to(q.dtype), cert
+        return out, cert
 
     def _segment(self, name: str, device: torch.device):
         """The pure tensor segment ``name``, compiled (fused kernels, one graph, dynamic
@@ -236,36 +273,50 @@ class CertifiedAttention:
                 torch.stack([need_keys, value_kv]))
 
     def _certify_step(self, l8, l16, rho, out, log_p, delta_b, delta, v_max, promoted, quantized,
-                      expanded, value_kv, eta, ranking, boundary, canary_blocks, q, kv_bad):
+                      expanded, value_kv, eta, ranking, boundary, canary_blocks, q, kv_bad,
+                      spec, counts, dense_counts, key_abs_max, eta_max_kv):
         """Certificate segment (pure tensor code; compiled on GPU): E_key (eq. 15), E_val
-        (Cor. 4.2), the canary, the rungs, and the flags the host reads.
+        (Cor. 4.2), E_arith of the quantized and of the dense path (:mod:`arith`), the
+        canary, the rungs, and the flags the host reads.
 
-        Shapes: ``[Hq, n]`` per block, ``[Hq]`` per head, ``out [Hq, d]``, ``eta, value_kv
-        [Hkv, n]``, ``canary_blocks [Hkv, G, n]``. Returns ``e_key, e_val, log_alpha, canary,
-        rung, value_blocks`` ``[Hq]`` and ``flags [Hq + 2]`` (heads needing dense SDPA, then
-        non-finite ``q`` and non-finite appended K/V).
+        Shapes: ``[Hq, n]`` per block, ``[Hq]`` per head, ``out [Hq, d]`` (FP32), ``q`` in the
+        caller's dtype, ``eta, value_kv [Hkv, n]``, ``canary_blocks [Hkv, G, n]``,
+        ``key_abs_max [Hkv, d]``, ``eta_max_kv [Hkv]``; ``counts`` / ``dense_counts``: FP64
+        scalars ``(n, N)`` of Phase 2 and of the dense path. Returns ``e_key, e_val, e_arith,
+        log_alpha, canary, rung, value_blocks`` ``[Hq]`` and ``flags [Hq + 2]`` (heads needing
+        dense attention, then non-finite ``q`` and non-finite appended K/V). A head whose
+        output or bound is not finite, or whose output overflows the caller's dtype, goes
+        dense (rung 3).
         """
         hq = l8.shape[0]
         group = hq // eta.shape[0]
         certified = self.mode == "certified"
         tail = quantized & ~promoted
-        tail_cap = phase2_tail_mass_bound(l8, l16, delta_b, promoted, tail)
-        log_alpha, e_key = _key_bound(log_p, tail, delta_b, delta, v_max,
-                                      self.selector.mass_inflation, tail_cap)
+        cap_logit = phase2_tail_logit(l8, l16, delta_b, promoted, tail)
+        log_alpha, delta_tail, e_key = _key_bound(log_p, tail, delta_b, delta, v_max,
+                                                  self.selector.mass_inflation, cap_logit)
         value_q = value_kv.repeat_interleave(group, dim=0)
         e_val = value_error_bound(rho, eta.repeat_interleave(group, dim=0) * ~value_q)
+        e_arith = quantized_arith(
+            spec, *counts, q=q, key_abs_max=key_abs_max, delta=delta, delta_tail=delta_tail,
+            log_alpha=log_alpha, cap_logit=cap_logit, v_max=v_max,
+            eta_max=eta_max_kv.repeat_interleave(group), e_key=e_key, e_val=e_val,
+            out_norm=out.norm(dim=-1))
         canary = ~canary_blocks.reshape(hq, -1).any(dim=-1)
         if not (certified and self.ladder.canary):
             canary = torch.ones_like(canary)
-        finite = torch.isfinite(out).all(dim=-1) & torch.isfinite(e_key) & torch.isfinite(e_val)
+        finite = (torch.isfinite(out.to(q.dtype)).all(dim=-1) & torch.isfinite(e_key)
+                  & torch.isfinite(e_val) & torch.isfinite(e_arith))
         rung = expanded.long()  # torch.where, not masked writes: no device sync
         rung = torch.where(value_q.any(dim=-1), 2, rung)
         rung = torch.where((~ranking | ~boundary | ~finite) if certified else ~finite, 3, rung)
         if certified:
             rung = torch.where(self.ladder.layer_dense(rung >= 3, canary), 4, rung)
+        dense = dense_arith(spec, *dense_counts, q=q, key_abs_max=key_abs_max, v_max=v_max)
+        e_arith = torch.where(rung >= 3, dense, e_arith)
         bad = torch.stack([~torch.isfinite(q).all(), kv_bad])
         flags = torch.cat([rung >= 3, bad])
-        return e_key, e_val, log_alpha, canary, rung, value_q.sum(dim=-1), flags
+        return e_key, e_val, e_arith, log_alpha, canary, rung, value_q.sum(dim=-1), flags
 
     def _rank_checks(self, l8, l16, delta_b, promoted, quantized, certified):
         """Ranking (eq. 17) and boundary (eq. 18) flags ``[Hq]`` from the backend (a Triton
@@ -290,8 +341,8 @@ class CertifiedAttention:
         order = rank_blocks(p, quantized)
         k = sel.choose_k(p, quantized, order, n_q)
         promoted = sel.promoted(order, k, quantized, group)
-        log_alpha, e_key = _key_bound(log_p, quantized & ~promoted, delta_b, delta, v_max,
-                                      sel.mass_inflation)
+        log_alpha, _, e_key = _key_bound(log_p, quantized & ~promoted, delta_b, delta, v_max,
+                                         sel.mass_inflation)
         need = self.ladder.needs_expansion(
             tail_mass_bound(log_alpha, delta, sel.mass_inflation), sel.tau_cov, e_key)
         k_new = torch.where(need, self.ladder.expanded_k(k, sel.k_max, n_q), k)
@@ -340,12 +391,14 @@ class CertifiedAttention:
         return flags[:-2].nonzero(as_tuple=True)[0]
 
     def _fallback(self, q, store, out, heads, scaling):
-        """Rungs 3-4: dense SDPA on the FP16 originals for the query ``heads`` (host indices)."""
+        """The FP32 output cast to ``q``'s dtype, with rungs 3-4 (dense attention on the FP16
+        originals) written in for the query ``heads`` (host indices)."""
+        out = out.to(q.dtype)
         if heads.numel() == 0:
             return out
-        out = out.clone()
+        out = out.clone() if out.dtype == torch.float32 else out
         dev_heads = heads.to(out.device, non_blocking=True)
-        out[dev_heads] = self._dense_heads(q, store, heads, scaling).float()
+        out[dev_heads] = self._dense_heads(q, store, heads, scaling)
         return out
 
 

@@ -174,6 +174,9 @@ class TieredKVStore:
         self._tail_v = torch.zeros(tail_shape, dtype=torch.float16, device=self.device)
         self.tail_len = 0
         self._nu_max = torch.zeros(num_kv_heads, device=self.device)  # running max of nu_b
+        self._eta_max = torch.zeros(num_kv_heads, device=self.device)  # running max of eta_b
+        # running channel max of |k| over every token: the logit magnitude of e_arith
+        self._key_abs_max = torch.zeros(num_kv_heads, head_dim, device=self.device)
         self._nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)
         empty = torch.zeros(num_kv_heads, 0, block_size, head_dim, dtype=torch.float16,
                             device=self.device)
@@ -187,6 +190,7 @@ class TieredKVStore:
         annotations eta_b / nu_b are measured and its FP16 originals move to Tier-2.
         """
         k16, v16 = self._check_append(k, v)
+        self._key_abs_max = torch.maximum(self._key_abs_max, k16.abs().amax(dim=1).float())
         pending_k = torch.cat([self._tail_k[:, : self.tail_len], k16], dim=1)
         pending_v = torch.cat([self._tail_v[:, : self.tail_len], v16], dim=1)
         n_full = pending_k.shape[1] // self.block_size
@@ -255,6 +259,7 @@ class TieredKVStore:
         self._annotations.extend({"eta": eta, "nu": nu})
         if nu.shape[1]:
             self._nu_max = torch.maximum(self._nu_max, nu.amax(dim=1))
+            self._eta_max = torch.maximum(self._eta_max, eta.amax(dim=1))
         if self._mirror is not None:
             self._mirror.extend({"k": self.key_codec.decode(key_blocks),
                                  "v": self.value_codec.decode(value_blocks),
@@ -302,6 +307,16 @@ class TieredKVStore:
             return self._nu_max.clone()
         tail_norm = self.tail()[1].double().norm(dim=-1).amax(dim=-1)
         return torch.maximum(self._nu_max, _round_up_fp32(tail_norm))
+
+    def value_error_max(self) -> torch.Tensor:
+        """``[Hkv]`` the largest eta_b (0 without quantized blocks): ``||v_hat_t|| <= V_max +
+        this`` for every decoded value (the arithmetic bound's value magnitude)."""
+        return self._eta_max
+
+    def key_abs_max(self) -> torch.Tensor:
+        """FP32 ``[Hkv, d]``: ``max_t |k_{t,c}|`` over every appended key (exact; NaN once a
+        NaN key was appended). Bounds the logits' magnitude for the arithmetic bound."""
+        return self._key_abs_max
 
     def tail(self) -> tuple[torch.Tensor, torch.Tensor]:
         """FP16 keys and values of the partial tail block, ``[Hkv, tail_len, d]`` each."""

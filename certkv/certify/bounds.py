@@ -42,60 +42,73 @@ def tail_mass_bound(
                        torch.zeros_like(log_bound))
 
 
+def log_expm1(x: torch.Tensor) -> torch.Tensor:
+    """``log(e^x - 1)`` for ``x >= 0`` without overflow (``-inf`` at 0)."""
+    big = x > 20
+    return torch.where(big, x + torch.log1p(-torch.exp(-x)),
+                       torch.log(torch.expm1(torch.where(big, torch.zeros_like(x), x))))
+
+
 def key_error_bound(
     v_max: torch.Tensor,
     delta: torch.Tensor,
     delta_tail: torch.Tensor,
     log_alpha_hat: torch.Tensor,
     exponent: float,
-    tail_cap: torch.Tensor | None = None,
+    cap_logit: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """E_key (eq. 15): ``2 V_max TV``, ``TV <= min(tanh(Delta_T / 2), a_T (e^{2 Delta_T} - 1))``.
 
     * ``a_T = min(1, e^{c Delta} alpha_hat)`` bounds the true tail mass (Theorem 4.4, eq. 14);
       ``Delta`` is the max over every quantized block, ``c`` the mass-inflation exponent.
     * ``a_T (e^{2 Delta_T} - 1)`` is Lemma A.3, where ``Delta_T <= Delta`` is the max over the
-      INT8 tail blocks, the only tokens whose Phase-2 logits are perturbed.
+      INT8 tail blocks, the only tokens whose Phase-2 logits are perturbed. It is evaluated in
+      log space: ``a_T`` may underflow FP32 next to a huge ``e^{2 Delta_T}``.
     * ``tanh(Delta_T / 2)`` sharpens Lemma A.2 (``tanh Delta``): with ``S = {t: a'_t > a_t}`` and
       ``A = a(S)``, logit shifts of at most ``Delta_T`` give ``a'(S) <= A e^D / (A e^D +
       (1 - A) e^-D)``, so ``TV = a'(S) - A <= max_A (...) = tanh(Delta_T / 2)``.
 
-    ``tail_cap`` is an optional second valid bound on the true tail mass (e.g.
-    :func:`phase2_tail_mass_bound`); the smaller one is used.
+    ``cap_logit`` (optional) is ``x`` of a second valid tail-mass bound ``sigmoid(x)`` (e.g.
+    :func:`phase2_tail_logit`); the smaller bound is used.
 
-    The minimum of valid bounds is valid and never looser than eq. 15. Returns 0 where nothing
-    is left on INT8 keys.
+    The minimum of valid bounds is valid and never looser than eq. 15. Every argument enters
+    monotonically (a larger argument never gives a smaller bound), which
+    :mod:`certkv.certify.arith` relies on. Returns 0 where nothing is left on INT8 keys.
     """
-    tail = tail_mass_bound(log_alpha_hat, delta, exponent)
-    if tail_cap is not None:
-        tail = torch.minimum(tail, tail_cap)
-    spread = torch.expm1(2 * delta_tail)
-    lemma_a3 = torch.where(tail > 0, tail * spread, torch.zeros_like(tail))
-    tv = torch.minimum(torch.tanh(delta_tail / 2), lemma_a3)
+    log_tail = (exponent * delta + log_alpha_hat).clamp(max=0.0)  # -inf: no tail
+    if cap_logit is not None:
+        log_tail = torch.minimum(log_tail, torch.nn.functional.logsigmoid(cap_logit))
+    no_tail = torch.isneginf(log_tail)
+    log_a3 = torch.where(no_tail, log_tail, log_tail + log_expm1(2 * delta_tail))
+    tv = torch.minimum(torch.tanh(delta_tail / 2), torch.exp(log_a3.clamp(max=0.0)))
     return 2 * v_max * tv
 
 
-def phase2_tail_mass_bound(
+def phase2_tail_logit(
     l_int8: torch.Tensor,
     l_fp16: torch.Tensor,
     delta_b: torch.Tensor,
     promoted: torch.Tensor,
     tail: torch.Tensor,
 ) -> torch.Tensor:
-    """True tail mass bound from Phase 2: ``U_T / (Z_F + U_T)`` per head ``[Hq]``.
+    """True tail mass bound from Phase 2 as a logit: ``alpha_T <= sigmoid(log U_T - log Z_F)``.
 
     After Phase 2 the unnormalised FP16 mass of the promoted set, ``Z_F = sum_F e^{l16_b}``, is
     known exactly (the exact tail block included), and each INT8 tail block's FP16 mass is at
     most ``e^{l8_b + Delta_b}`` (eq. 8 per token), so ``Z_T <= U_T = sum_T e^{l8_b + Delta_b}``;
     ``x / (Z_F + x)`` grows with ``x``, hence ``alpha_T <= U_T / (Z_F + U_T)``. Unlike eq. 14
     this inflates only the tail, block by block, not the whole denominator by ``e^{2 Delta}``.
-    Log-masses ``[Hq, n]``; evaluated as ``sigmoid(log U_T - log Z_F)``.
+    Log-masses ``[Hq, n]`` -> ``[Hq]``; ``-inf`` without a tail, ``+inf`` with nothing promoted.
     """
     neg_inf = torch.full_like(l_int8, float("-inf"))
     log_u = torch.logsumexp(torch.where(tail, l_int8 + delta_b, neg_inf), dim=-1)
     log_z = torch.logsumexp(torch.where(promoted, l_fp16, neg_inf), dim=-1)
-    bound = torch.sigmoid(log_u - log_z)
-    return torch.where(torch.isfinite(log_u), bound, torch.zeros_like(bound))
+    return torch.where(torch.isneginf(log_u), log_u, log_u - log_z)
+
+
+def phase2_tail_mass_bound(l_int8, l_fp16, delta_b, promoted, tail) -> torch.Tensor:
+    """``U_T / (Z_F + U_T)`` per head ``[Hq]`` (:func:`phase2_tail_logit`)."""
+    return torch.sigmoid(phase2_tail_logit(l_int8, l_fp16, delta_b, promoted, tail))
 
 
 def value_error_bound(rho: torch.Tensor, eta: torch.Tensor) -> torch.Tensor:

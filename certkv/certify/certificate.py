@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 import torch
+
+from certkv.errors import NonFiniteError
 
 RUNG_NAMES = {0: "fast path", 1: "K* expanded", 2: "values promoted", 3: "head dense",
               4: "layer dense"}
@@ -14,15 +17,19 @@ RUNG_NAMES = {0: "fast path", 1: "K* expanded", 2: "values promoted", 3: "head d
 class Certificate:
     """What one decode step of one layer returned, per query head (every tensor is ``[Hq]``).
 
-    For each head either ``||out - O_ref||_2 <= e_key + e_val`` (rungs 0-2, ``O_ref`` = the same
-    attention on the FP16 originals) or the output is dense SDPA on the FP16 originals
-    (rungs 3-4, returned ``e_key = e_val = 0``). ``candidate_*`` are the bounds before the ladder.
+    For every head ``||out - O_ref||_2 <= bound = e_key + e_val + e_arith``, ``O_ref`` being
+    attention in exact arithmetic on the FP16 originals. On rungs 0-2 ``e_key`` and ``e_val``
+    are the paper's terms (eq. 15, Cor. 4.2) and ``e_arith`` what floating point adds
+    (:mod:`certkv.certify.arith`); on rungs 3-4 the output is dense attention on the FP16
+    originals, ``e_key = e_val = 0`` and ``e_arith`` bounds the dense path's own rounding.
+    ``candidate_*`` are the paper's terms before the ladder.
     """
 
     candidate_e_key: torch.Tensor
     candidate_e_val: torch.Tensor
     e_key: torch.Tensor
     e_val: torch.Tensor
+    e_arith: torch.Tensor  # floating point's share of the bound (all rungs)
     delta: torch.Tensor  # Delta_h: max per-block score perturbation over quantized blocks (eq. 8)
     tail_mass: torch.Tensor  # achieved INT8-estimated tail mass alpha_hat_T (eq. 15)
     k_star: torch.Tensor  # quantized blocks read with FP16 keys
@@ -37,8 +44,8 @@ class Certificate:
 
     @property
     def bound(self) -> torch.Tensor:
-        """Returned bound ``e_key + e_val`` per head (0 on dense heads)."""
-        return self.e_key + self.e_val
+        """Returned bound ``e_key + e_val + e_arith`` per head (``e_arith`` on dense heads)."""
+        return self.e_key + self.e_val + self.e_arith
 
     @property
     def num_heads(self) -> int:
@@ -85,7 +92,8 @@ class Certificate:
         """Plain-number summary of the step (means and maxima over heads, rung counts)."""
         out: dict[str, float | int | str] = {"mode": self.mode, "heads": self.num_heads,
                                              "num_blocks": self.num_blocks}
-        for name in ("candidate_e_key", "candidate_e_val", "e_key", "e_val", "delta", "tail_mass"):
+        for name in ("candidate_e_key", "candidate_e_val", "e_key", "e_val", "e_arith", "bound",
+                     "delta", "tail_mass"):
             values = getattr(self, name).double()
             out[f"{name}_mean"] = float(values.mean())
             out[f"{name}_max"] = float(values.max())
@@ -125,7 +133,12 @@ class CertificateLog:
             return
         step = len(self.steps)
         certs = [c for _, c in self._pending]
-        self.steps.append({"step": step, "layers": len(certs), **Certificate.cat(certs).summary()})
+        summary = Certificate.cat(certs).summary()
+        if not math.isfinite(summary["bound_max"]):  # only non-finite inputs lead here
+            self._pending = []
+            raise NonFiniteError("a head's error bound is not finite because q, k or v held NaN "
+                                 "or Inf; check the model's activations before attention.")
+        self.steps.append({"step": step, "layers": len(certs), **summary})
         if self.keep == "full":
             for layer, cert in self._pending:
                 self.heads.extend({"step": step, "layer": layer, **r} for r in cert.head_records())

@@ -12,8 +12,36 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from certkv.certify.arith import U32, Rounding, matmul_input_rounding
 from certkv.certify.bounds import block_deltas
 from certkv.certify.checks import boundary_ok, canary_violations, ranking_consistent
+
+
+def dot_chunk(d: int) -> int:
+    """Channels per chunk of the logits' two-level dot products: the divisor of ``d`` nearest
+    ``sqrt(d)`` (8 at d = 64 and 128)."""
+    return min((c for c in range(1, d + 1) if d % c == 0), key=lambda c: (abs(c * c - d), -c))
+
+
+def dot_depth(d: int) -> int:
+    """Roundings a product takes in a two-level dot product of ``d`` channels: its own, at most
+    ``c - 1`` additions in its chunk and ``d / c - 1`` across chunks (any order in each)."""
+    c = dot_chunk(d)
+    return c + d // c - 1
+
+
+def channel_dot(equation: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``torch.einsum(equation, x, y)`` contracting the channel axis ``d`` (last in both inputs)
+    in two levels: chunks of :func:`dot_chunk` channels, then a sum over chunks. Whatever order
+    the backend picks within each level, no product passes through more than
+    :func:`dot_depth` roundings (the arithmetic bound counts on it; a flat einsum over ``d``
+    would need ``d``)."""
+    d = x.shape[-1]
+    c = dot_chunk(d)
+    inputs, output = equation.split("->")
+    chunked = ",".join(term.replace("d", "zd") for term in inputs.split(",")) + "->" + output
+    return torch.einsum(chunked + "z", x.unflatten(-1, (d // c, c)),
+                        y.unflatten(-1, (d // c, c))).sum(dim=-1)
 
 
 def block_scores(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float):
@@ -24,7 +52,7 @@ def block_scores(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scali
     Returns:
         ``[Hkv, G, n, B]`` with ``-inf`` on empty slots.
     """
-    s = torch.einsum("kgd,kntd->kgnt", q.float(), keys.float()) * scaling
+    s = channel_dot("kgd,kntd->kgnt", q.float(), keys.float()) * scaling
     return s.masked_fill(~valid, float("-inf"))
 
 
@@ -75,7 +103,7 @@ def gated_scores(q: torch.Tensor, scored: Scored, gate: torch.Tensor, keys, scal
     if keys is None:
         return s8, violated
     kv, blk = keys.kv_heads, keys.blocks
-    s16 = torch.einsum("pgd,ptd->pgt", q[kv].float(), keys.gathered().float()) * scaling
+    s16 = channel_dot("pgd,ptd->pgt", q[kv].float(), keys.gathered().float()) * scaling
     s8_at, on = s8[kv, :, blk], gate[kv, :, blk]
     violated[kv, :, blk] = on & canary_violations(s8_at, s16, scored.delta_b[kv, :, blk],
                                                   eps_guard)
@@ -109,24 +137,82 @@ def attend(scores: torch.Tensor, values: torch.Tensor, fp64_scalars: bool = Fals
     return Attended(out=out, rho=rho.float(), log_mass=(m_b + torch.log(l_b)).float())
 
 
+DENSE_CHUNK = 256  # tokens per chunk of the dense path's two-level sums
+
+
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float):
-    """Dense SDPA on FP16 originals: the Dense baseline's code path and rungs 3-4 (paper 3.4).
+    """Dense attention on FP16 originals: the Dense baseline's code path and rungs 3-4 (paper 3.4).
 
     Args:
         q: ``[n, d]``; k, v: ``[h, N, d]`` with ``n`` a multiple of ``h`` (query head ``i`` reads
             kv head ``i // (n / h)``, GQA without copying the cache).
     Returns:
-        ``[n, d]`` in ``q``'s dtype. A 16-bit ``q`` runs in the cache's dtype (production FP16
-        decode: the cache is read in place, never converted); an FP32/FP64 ``q`` upcasts the
-        originals (the exact reference).
+        ``[n, d]`` in ``q``'s dtype, finite for finite inputs. An FP16 ``q`` on CUDA runs SDPA
+        in FP16 on the cache in place (production decode; the CUDA kernels keep logits and
+        softmax in FP32, so FP16 inputs cannot overflow them); everything else runs
+        :func:`prescaled_attention` (FP32, FP64 for an FP64 ``q``), which cannot overflow for
+        any finite input. :func:`dense_rounding` describes the arithmetic of both.
     """
-    half = q.dtype in (torch.float16, torch.bfloat16)
-    dtype = k.dtype if half else q.dtype
-    out = F.scaled_dot_product_attention(
-        q.to(dtype)[None, :, None, :], k.to(dtype)[None], v.to(dtype)[None], scale=scaling,
-        enable_gqa=k.shape[0] != q.shape[0],
-    )
-    return out[0, :, 0, :].to(q.dtype)
+    if _fast_sdpa(q, k):
+        out = F.scaled_dot_product_attention(
+            q[None, :, None, :], k[None], v[None], scale=scaling,
+            enable_gqa=k.shape[0] != q.shape[0])
+        return out[0, :, 0, :]
+    return prescaled_attention(q, k, v, scaling).to(q.dtype)
+
+
+def _fast_sdpa(q: torch.Tensor, k: torch.Tensor) -> bool:
+    return q.is_cuda and q.dtype == torch.float16 and k.dtype == torch.float16
+
+
+def prescaled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float):
+    """Softmax attention that no finite input can overflow: ``[n, d]`` in FP32 (FP64 for an FP64
+    ``q``); shapes as :func:`dense_attention`.
+
+    Each query is divided by a power of two ``f >= |q|_inf`` (exact), so the scaled logits
+    ``s / f`` stay far inside the range; the max-shifted logits are scaled back,
+    ``x = (s/f - max) f <= 0`` (``-inf`` where that overflows: a weight of exactly 0 in the
+    limit), and ``e^x`` lies in ``[0, 1]`` with 1 at the maximum. Sums run in two levels over
+    chunks of ``DENSE_CHUNK`` tokens, so no value passes through more than
+    ``DENSE_CHUNK + N / DENSE_CHUNK`` additions (:func:`dense_rounding`).
+    """
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    h, big_n, d = k.shape
+    qg = q.to(dtype).reshape(h, -1, d)
+    _, exponent = torch.frexp(qg.abs().amax(dim=-1, keepdim=True))  # |q| < 2^exponent
+    top = 1023 if dtype == torch.float64 else 127  # largest finite power of two
+    f = torch.ldexp(torch.ones_like(qg[..., :1]), exponent.clamp(0, top))
+    s = channel_dot("kgd,knd->kgn", qg / f, k.to(dtype)) * scaling
+    w = torch.exp((s - s.amax(dim=-1, keepdim=True)) * f)  # [h, G, N]
+    chunks = -(-big_n // DENSE_CHUNK)
+    pad = chunks * DENSE_CHUNK - big_n
+    w = F.pad(w, (0, pad)).reshape(h, qg.shape[1], chunks, DENSE_CHUNK)
+    vc = F.pad(v.to(dtype), (0, 0, 0, pad)).reshape(h, chunks, DENSE_CHUNK, d)
+    num = torch.einsum("kgmc,kmcd->kgmd", w, vc).sum(dim=2)
+    den = w.sum(dim=-1).sum(dim=-1, keepdim=True)
+    return (num / den).reshape(q.shape[0], d)
+
+
+def dense_rounding(q: torch.Tensor, cache_dtype: torch.dtype) -> tuple[Rounding, float]:
+    """The dense path's rounding chain and unit roundoff for a query like ``q``
+    (:mod:`certkv.certify.arith`, item 4).
+
+    * :func:`prescaled_attention`: one exponential; a numerator term takes the product, at most
+      ``DENSE_CHUNK - 1`` then ``N / DENSE_CHUNK`` additions and the division; logits take the
+      prescaling, the scaling cast and product and the scaling back.
+    * FP16 SDPA on CUDA (flash / memory-efficient / cuDNN kernels, or the math kernel with its
+      default FP32 upcast), assumed conservatively: FP32 logits from tensor cores (truncating
+      accumulation: twice the roundings), an online softmax rescaling at least every 16 tokens,
+      weights rounded to FP16 before the value product, the FP32 sum in any order.
+    """
+    if _fast_sdpa(q, torch.empty(0, dtype=cache_dtype, device=q.device)):
+        return Rounding(exps=3, exps_per_token=1 / 16, depth=8, depth_per_token=2, dot_scale=2,
+                        weight_u=2.0**-11, weight_abs=2.0**-25), U32
+    u = 2.0**-53 if q.dtype == torch.float64 else U32
+    product_u = 0.0 if q.dtype == torch.float64 else matmul_input_rounding()
+    return Rounding(exps=1, depth=DENSE_CHUNK + 6, depth_per_token=1 / DENSE_CHUNK,
+                    dot_depth=dot_depth(q.shape[-1]), logit_roundings=5,
+                    product_u=product_u), u
 
 
 def merge_staged(values: torch.Tensor, staged) -> torch.Tensor:
@@ -162,3 +248,12 @@ class TorchBackend:
 
     def dense(self, q, k, v, scaling):
         return dense_attention(q, k, v, scaling)
+
+    def rounding(self, lay) -> Rounding:
+        """Rounding chain of :func:`attend` (arith item 4): a weight takes ``exp(s - m_b)`` and
+        ``exp(m_b - m)``; a numerator term the product, ``B - 1`` additions in its block, the
+        rescaling product, ``n - 1`` additions over blocks and the division (and, with FP64
+        scalars, three casts to FP32). Logits and the value sum are einsums (matmuls)."""
+        return Rounding(exps=2, depth=lay.store.block_size + 6, depth_per_block=1,
+                        dot_depth=dot_depth(lay.store.head_dim),
+                        product_u=matmul_input_rounding())

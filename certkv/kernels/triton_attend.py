@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from certkv.kernels.reference import Attended, Scored
-from certkv.kernels.triton_score import blocks_per_program, load_group_queries
+from certkv.kernels.reference import Attended, Scored, dot_chunk
+from certkv.kernels.triton_score import blocks_per_program, channel_dot, load_group_queries
 
 
 @triton.jit
@@ -33,7 +33,7 @@ def _attend_kernel(s_ptr, q_ptr, kslot_ptr, kstaged_ptr, gate_ptr, delta_ptr,
                    s_pp, s_pt, s_tk, s_tt, s_bk, s_bg, s_mk, s_mg, s_ak, s_ag, s_as,
                    n_blocks, n_quant, tail_len, scaling, eps_guard,
                    G: tl.constexpr, BLOCK_G: tl.constexpr, B: tl.constexpr, D: tl.constexpr,
-                   GROUP: tl.constexpr, SPLIT: tl.constexpr):
+                   DOT_C: tl.constexpr, GROUP: tl.constexpr, SPLIT: tl.constexpr):
     kv = tl.program_id(0)
     split = tl.program_id(1)
     g = tl.arange(0, BLOCK_G)
@@ -55,7 +55,7 @@ def _attend_kernel(s_ptr, q_ptr, kslot_ptr, kstaged_ptr, gate_ptr, delta_ptr,
         kslot = tl.load(kslot_ptr + kv * s_lk + tl.minimum(blk, n_blocks - 1))
         if live & (kslot >= 0):  # FP16 keys staged for this block: gated logits + canary
             k16 = tl.load(kstaged_ptr + kslot * s_pp + t[:, None] * s_pt + c[None, :])
-            s16 = tl.sum(q[:, None, :] * k16.to(tl.float32)[None, :, :], axis=2) * scaling
+            s16 = channel_dot(q, k16.to(tl.float32), BLOCK_G, B, D, DOT_C) * scaling
             on = tl.load(gate_ptr + row, mask=live_g, other=0) != 0
             delta = tl.load(delta_ptr + row, mask=live_g, other=0.0)
             finite = (tl.abs(s16) < float("inf")) & (tl.abs(s) < float("inf"))
@@ -206,7 +206,8 @@ def int4_attend(scored: Scored, q: torch.Tensor, gate: torch.Tensor, key_slot: t
         m_b.stride(0), m_b.stride(1), m.stride(0), m.stride(1),
         acc.stride(0), acc.stride(1), acc.stride(2),
         n, codes.shape[1], tail_len, float(scaling), float(eps_guard),
-        G=g, BLOCK_G=triton.next_power_of_2(g), B=bsz, D=d, GROUP=group, SPLIT=split)
+        G=g, BLOCK_G=triton.next_power_of_2(g), B=bsz, D=d, DOT_C=dot_chunk(d), GROUP=group,
+        SPLIT=split)
     att = reduce_splits(m_b, l_b, m, lsum, acc)
     att.canary = canary.bool()
     return att

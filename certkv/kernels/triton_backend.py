@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from certkv.certify.arith import Rounding
 from certkv.errors import ConfigError, require
 from certkv.kernels.layout import StagedBlocks, StepLayout
 from certkv.kernels.reference import Attended, Scored, TorchBackend, dense_attention
@@ -96,6 +97,23 @@ class TritonBackend:
 
     def dense(self, q, k, v, scaling):
         return dense_attention(q, k, v, scaling)
+
+    def rounding(self, lay: StepLayout) -> Rounding:
+        """Rounding chain of the fused Phase 2 (arith item 4), or the reference's where a phase
+        falls back. A weight takes its own exponential, the rescaling into its split's running
+        maximum and every later one (at most ``SPLIT`` blocks per program), and the merge's;
+        a numerator term the product, ``B - 1`` additions, two roundings per online-softmax
+        update, the merge's product, additions over splits (at most ``n``) and the division.
+        Plain FP32 multiply-adds: no reduced-precision matmul."""
+        reference = self.reference.rounding(lay)
+        if not self._values_supported(lay):
+            return reference
+        from certkv.kernels.triton_score import MAX_SPLIT
+
+        split = self.split or (MAX_SPLIT if lay.store.device.type == "cuda" else 4)
+        product_u = 0.0 if self._keys_supported(lay) else reference.product_u
+        return Rounding(exps=split + 3, depth=lay.store.block_size + 2 * split + 6,
+                        depth_per_block=1, dot_depth=reference.dot_depth, product_u=product_u)
 
 
 def slot_map(staged: StagedBlocks | None, shape: tuple[int, int],

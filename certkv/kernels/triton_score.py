@@ -12,7 +12,7 @@ the kv head (GQA-aware), dequantizes in registers (eq. 3) and writes
   the scales already in registers (the codec's ``bound_coefficients``).
 
 FP32 multiply-adds throughout (no TF32), so the results match the PyTorch reference to FP32
-rounding.
+rounding; dot products sum in two levels (:func:`channel_dot`), as the reference does.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from certkv.kernels.reference import dot_chunk
 
 
 @triton.jit
@@ -33,11 +35,21 @@ def load_group_queries(q_ptr, kv, s_qk, s_qg, G: tl.constexpr, BLOCK_G: tl.const
 
 
 @triton.jit
+def channel_dot(q, k, BLOCK_G: tl.constexpr, B: tl.constexpr, D: tl.constexpr,
+                DOT_C: tl.constexpr):
+    """``q [BLOCK_G, D] . k [B, D] -> [BLOCK_G, B]`` summed in two levels: chunks of ``DOT_C``
+    channels, then across chunks, so no product takes more than ``DOT_C + D / DOT_C - 1``
+    roundings whatever order each reduction uses (``reference.dot_depth``)."""
+    prod = tl.reshape(q[:, None, :] * k[None, :, :], (BLOCK_G, B, D // DOT_C, DOT_C))
+    return tl.sum(tl.sum(prod, axis=3), axis=2)
+
+
+@triton.jit
 def _score_kernel(q_ptr, code_ptr, scale_ptr, offset_ptr, tail_ptr, s_out, l_out, d_out,
                   s_qk, s_qg, s_ck, s_cn, s_ct, s_sk, s_sn, s_tk, s_tt, s_ok, s_og, s_on,
                   s_lk, s_lg, n_quant, tail_len, scaling, bound_a, bound_b,
                   G: tl.constexpr, BLOCK_G: tl.constexpr, B: tl.constexpr, D: tl.constexpr,
-                  SPLIT: tl.constexpr):
+                  DOT_C: tl.constexpr, SPLIT: tl.constexpr):
     kv = tl.program_id(0)
     g = tl.arange(0, BLOCK_G)
     t = tl.arange(0, B)
@@ -58,7 +70,7 @@ def _score_kernel(q_ptr, code_ptr, scale_ptr, offset_ptr, tail_ptr, s_out, l_out
         k16 = tl.load(tail_ptr + kv * s_tk + t[:, None] * s_tt + c[None, :],
                       mask=(tail & (t < tail_len))[:, None], other=0.0)
         k = tl.where(tail[:, None], k16.to(tl.float32), k)
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scaling  # [BLOCK_G, B]
+        s = channel_dot(q, k, BLOCK_G, B, D, DOT_C) * scaling  # [BLOCK_G, B]
         s = tl.where((tail & (t >= tail_len))[None, :], float("-inf"), s)  # empty slots
         live_g = gmask & ((g * 0 + blk) < n_blocks)
         tl.store(s_out + kv * s_ok + g[:, None] * s_og + blk * s_on + t[None, :], s,
@@ -72,13 +84,16 @@ def _score_kernel(q_ptr, code_ptr, scale_ptr, offset_ptr, tail_ptr, s_out, l_out
         tl.store(d_out + kv * s_lk + g * s_lg + blk, delta, mask=live_g)
 
 
+MAX_SPLIT = 64  # most blocks one program walks on a GPU (bounds the rounding chain)
+
+
 def blocks_per_program(n: int, hkv: int, device: torch.device, waves: int = 4) -> int:
-    """Blocks each program walks (power of two, 1-64): enough programs for ``waves`` per SM on
-    a GPU, few large ones in the interpreter. Used by Phase 1 and Phase 2 (split-KV)."""
+    """Blocks each program walks (power of two, 1-``MAX_SPLIT``): enough programs for ``waves``
+    per SM on a GPU, few large ones in the interpreter. Used by Phase 1 and Phase 2."""
     if device.type != "cuda":
         return 4
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(64, triton.next_power_of_2(triton.cdiv(n * hkv, waves * sms))))
+    return max(1, min(MAX_SPLIT, triton.next_power_of_2(triton.cdiv(n * hkv, waves * sms))))
 
 
 def int8_phase1(q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
@@ -110,5 +125,6 @@ def int8_phase1(q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
         scale.stride(0), scale.stride(1), tail.stride(0), tail.stride(1),
         s.stride(0), s.stride(1), s.stride(2), log_mass.stride(0), log_mass.stride(1),
         n_q, tail_len, float(scaling), float(bound[0]), float(bound[1]),
-        G=group, BLOCK_G=triton.next_power_of_2(group), B=bsz, D=d, SPLIT=split)
+        G=group, BLOCK_G=triton.next_power_of_2(group), B=bsz, D=d, DOT_C=dot_chunk(d),
+        SPLIT=split)
     return s, log_mass, delta

@@ -63,6 +63,15 @@ class GroupAffineValueCodec(ValueCodec):
         out = grouped * scale + offset
         return out.reshape(codes.shape)
 
+    def decode_rounding(self) -> float:
+        """Decode is ``code * s + o``: one evaluation errs by at most ``2u (|code s| + |o|)``
+        per channel, two differ by twice that. ``o`` is the group minimum and
+        ``code s <= (hi - lo) + s/2`` with ``s <= (hi - lo) / (2^b - 1) (1 + 2^-10) + 2^-24``
+        (FP16 rounding up, subnormals included), so ``|code s| + |o| <= 3.2 max_group |v| +
+        2^-24`` and, in l2, ``<= 3.2 sqrt(g) ||v|| + 2^-24 sqrt(d)``:
+        ``c = 4 * 3.2 (1 + u) sqrt(g) <= 13 sqrt(g)``."""
+        return 13.0 * self.group**0.5
+
     def token_bound(self, blocks: Blocks) -> torch.Tensor:
         half = blocks["scale"].float() / 2  # [Hkv, n, B, d/g]
         return torch.sqrt((half.square() * self.group).sum(dim=-1)) * (1 + 1e-5)

@@ -1,0 +1,322 @@
+"""E_arith: a rigorous bound on what floating point adds to a head's output (pure functions).
+
+The paper's terms E_key and E_val bound the error of attention *in exact arithmetic* on the
+quantized cache. The output a caller receives is computed in FP32 (16-bit SDPA on the dense
+CUDA path) and cast to the caller's dtype. ``e_arith`` closes the gap, so that for every head
+
+    ``||out - O_ref||_2 <= e_key + e_val + e_arith``,
+
+``O_ref`` being attention in exact arithmetic on the FP16 originals (or, on dense heads,
+``||out - O_ref|| <= e_arith``). Everything is computed at run time from per-head magnitudes the
+step already has; the composition runs in FP64 (a few dozen ops on ``[Hq]`` tensors) and the
+result is rounded up to FP32, so evaluating the bound cannot lose what it bounds.
+
+Model (Higham, *Accuracy and Stability of Numerical Algorithms*, 2nd ed., 2.2 and 3.1): every
+basic operation is ``fl(a op b) = (a op b)(1 + theta)``, ``|theta| <= u`` (``u = 2^-24`` in
+FP32), except in the subnormal range, which is covered by absolute terms (flush-to-zero
+included: < ``2^-126`` per operation). ``gamma_n = n u / (1 - n u)``.
+
+1. **Logits** (Phase 1, Phase 2's FP16 keys, the dense path). A dot product whose products
+   each pass through at most ``m`` roundings errs by ``<= gamma_m sum_c |q_c k_c|`` (Higham
+   3.1; FMA only removes roundings). In *any* order ``m = d``; certkv sums in two levels
+   (chunks of about ``sqrt(d)`` channels, then across chunks: ``m = c + d/c - 1``, 15 at
+   d = 64, 23 at d = 128) so that the bound does not depend on a BLAS's internal order.
+   Rounding ``q`` to FP32 (FP64 queries), the scaling to FP32 and the product by it add three
+   more roundings. With ``K_c = max_t |k_{t,c}|`` over every cached original (the store's
+   running channel maximum) and ``|k_hat_c| <= |k_c| + r_c`` (the codec's channel bound),
+   ``scaling * sum_c |q_c| |k'_c| <= S + Delta_b`` with ``S = scaling sum_c |q_c| K_c``. So
+   every computed logit is within ``eps = gamma_{m+3} (S + Delta) + (underflow)`` of
+   ``scaling * q . k'`` for the key ``k'`` the path used. The computed ``Delta_b`` itself
+   (an FP32 sum of ``d`` non-negative terms) is at most ``gamma_{d+4}`` below the exact one,
+   which ``eps`` also absorbs. Hence ``|s_hat_t - s_t| <= Delta_b + eps`` on INT8 tail tokens
+   and ``<= eps`` on every other token (promoted blocks, the exact tail block).
+
+2. **Key term** (eq. 15 with rounded logits). Perturb first the tail ``T`` (by at most
+   ``Delta_T + eps``), then the rest ``F`` (by at most ``eps``). TV is a metric, so
+   ``TV(p, p_hat) <= min(tanh(D_T/2), a_T (e^{2 D_T} - 1)) + tanh(eps/2)`` with
+   ``D_T = Delta_T + eps`` (Lemma A.2 sharpened, Lemma A.3). The true tail mass ``a_T`` is
+   bounded as in eq. 14 with every Phase-1 logit off by at most ``Delta + eps`` (Theorem 4.4:
+   ``e^{c (Delta + eps)} alpha_hat``), and by ``U_T / (Z_F + U_T)`` with ``U_T, Z_F`` off by
+   ``e^{+-eps}``. The log-sum-exps that give ``log alpha_hat``, ``log U_T`` and ``log Z_F`` are
+   themselves computed in FP32: each is within ``kappa`` of the exact log-sum-exp of the
+   computed logits (item 5). ``E_key+ = 2 V_max TV`` evaluated with all of this, and
+   ``e_arith`` carries ``E_key+ - E_key``.
+
+3. **Value term.** Phase 2 decodes INT4 values in registers, possibly with an FMA, so its
+   reconstruction differs from the codec's own (on which ``eta_b`` was measured exactly) by at
+   most the codec's ``decode_rounding`` (``13 u sqrt(g) ||v||``). The block masses ``rho_b``
+   are computed with relative error ``omega_rho`` (item 5) and ``E_val`` is an FP32 sum of
+   ``n`` products: the exact ``sum_b rho_b eta_b`` is at most
+   ``E_val / ((1 - gamma_{n+1})(1 - omega_rho))`` plus the underflow of tiny masses.
+
+4. **Weighted value sum, normalisation, merge of splits.** With ``Obar = sum_t p_hat_t v'_t``
+   (exact softmax of the computed logits times the values the kernel used), every term of the
+   numerator and of the denominator is computed with relative error at most
+   ``omega_num, omega_den`` (the *rounding chain* of a token: its exponentials and the
+   roundings of every product and sum it joins on its way to the output, a property of the
+   backend's summation order, see :class:`Rounding`). Writing ``O_hat = N_hat / D_hat``:
+   ``||O_hat - Obar|| <= ((u + omega_den) ||Obar|| + (1 + u) omega_num V') / (1 - omega_den)``
+   with ``V' >= max_t ||v'_t||`` (``V_max`` plus the largest ``eta`` for decoded values).
+   An exponential's argument ``x_t <= 0`` is rounded relatively, which multiplies the weight by
+   ``e^{+-3 u |x_t|}``; averaged with the softmax weights this costs ``3 u log N`` (since
+   ``E_p[-x] <= H(p) <= log N``, because ``p_t = e^{x_t} / Z`` with ``Z >= 1``). Weights below
+   ``e^-88`` may underflow: at most ``2^-120`` each, relative to a denominator ``>= 1``.
+
+5. **Log-sum-exps and block masses.** A log-sum-exp ``m + log sum_i e^{y_i - m}`` over ``k``
+   computed inputs errs by at most ``2 (omega_e + gamma_k + u log k) + 4 u log k + u |result|``
+   (``omega_e``: one exponential), and input errors pass through with weight at most 1;
+   chaining Phase 1's block log-mass, the log-softmax over blocks and the log-sum-exp over the
+   tail gives ``kappa`` below (generous constants). Block masses ``rho_b = e^{m_b - top}
+   l_b / total`` have relative error at most ``omega_rho``.
+
+6. **Cast to the caller's dtype.** FP16 / BF16 rounding moves each component by at most
+   ``u_t |x|`` (or half a subnormal spacing), so the output by ``u_t ||O_hat|| + sqrt(d) mu_t``.
+   A value beyond the 16-bit range is not bounded but rejected: the head goes dense.
+
+7. **Dense heads** (rungs 3-4 and ``mode=dense``) get items 1, 4 and 6 for the dense path's
+   own arithmetic (logit rounding on every token: ``2 V_max tanh(eps/2)``).
+
+The composition is ``(E_key+ + E_val+ + items 4, 6) (1 + 4u) - e_key - e_val`` in FP64, rounded
+up to FP32 (so that ``e_key + e_val + e_arith`` summed in FP32 still covers it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from certkv.certify.bounds import key_error_bound
+
+U32 = 2.0**-24  # unit roundoff of FP32
+EXP_ULPS = 8  # any exp used (Sleef, libm, CUDA expf / ex2.approx) is within 8 u, argument aside
+ARG_ROUNDING = 3  # relative roundings of an exp argument: the subtraction, log2(e) scaling (x2)
+NORMAL_EXP = 88.0  # e^-88 > 2^-127: smaller weights are treated as absolute underflow
+TINY = 2.0**-120  # absolute allowance per underflowed (or flushed) operation, generous
+
+_UNIT_ROUNDOFF = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: U32,
+                  torch.float64: 2.0**-53}
+_HALF_SUBNORMAL = {torch.float16: 2.0**-25, torch.bfloat16: 2.0**-134}
+
+
+def gamma(n, u: float = U32):
+    """Higham's ``gamma_n = n u / (1 - n u)`` (2.4): relative error of ``n`` roundings.
+    ``n`` a number or an FP64 tensor (per-step counts stay tensors: no recompiles)."""
+    nu = n * u
+    if isinstance(nu, torch.Tensor):
+        return torch.where(nu < 0.5, nu / (1.0 - nu), math.inf)
+    return nu / (1.0 - nu) if nu < 0.5 else math.inf
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """Unit roundoff of a float dtype (FP32 for anything unknown)."""
+    return _UNIT_ROUNDOFF.get(dtype, U32)
+
+
+def matmul_input_rounding() -> float:
+    """Extra relative rounding of each FP32 matmul input under the current
+    ``torch.get_float32_matmul_precision()`` (``high``: TF32, ``medium``: BF16); 0 at
+    ``highest``. Einsum-based paths (the PyTorch reference, the dense path) round each product's
+    two inputs so; the Triton kernels use plain FP32 multiply-adds and are not affected."""
+    return {"highest": 0.0, "high": 2.0**-11}.get(torch.get_float32_matmul_precision(),
+                                                  2.0**-8)
+
+
+@dataclass(frozen=True)
+class Rounding:
+    """The rounding chain of one token's contribution on a path to the output (item 4).
+
+    Counts are affine in the step's ``n`` blocks and ``N`` tokens, so one description serves
+    every step of a backend.
+
+    Args:
+        exps, exps_per_token: exponentials a weight passes through (its own, then every
+            rescaling by a new running maximum: block to split to head).
+        depth, depth_per_block, depth_per_token: further roundings of a numerator term (the
+            weight x value product, each sum it joins in the path's actual summation order,
+            rescaling products, the division); denominator terms take at most as many.
+        dot_depth: roundings a product takes inside a logit's dot product (a two-level sum
+            over chunks of channels keeps it near ``2 sqrt(d)``); None: ``d`` (any order).
+        logit_roundings: roundings of a logit besides its dot product (query cast, scaling
+            cast, the product by it, prescaling).
+        dot_scale: multiplier of the dot product's rounding count (2 for tensor cores, whose
+            FP32 accumulation may truncate instead of rounding).
+        product_u: extra relative error of each product's two inputs (reduced-precision FP32
+            matmul, :func:`matmul_input_rounding`).
+        weight_u, weight_abs: relative / absolute rounding of each softmax weight before the
+            value product (16-bit SDPA kernels round them to 16 bits; 0 otherwise).
+    """
+
+    exps: int
+    depth: int
+    depth_per_block: int = 0
+    depth_per_token: float = 0.0
+    exps_per_token: float = 0.0
+    dot_depth: int | None = None
+    logit_roundings: int = 3
+    dot_scale: int = 1
+    product_u: float = 0.0
+    weight_u: float = 0.0
+    weight_abs: float = 0.0
+
+    def relative(self, n_blocks: torch.Tensor, n_tokens: torch.Tensor,
+                 u: float = U32) -> torch.Tensor:
+        """Relative error of one term of a weighted sum, exponent arguments aside."""
+        exps = self.exps + self.exps_per_token * n_tokens
+        depth = self.depth + self.depth_per_block * n_blocks + self.depth_per_token * n_tokens
+        return (torch.exp(exps * math.log1p(EXP_ULPS * u)) * (1 + gamma(depth, u))
+                * (1 + self.product_u) ** 2 * (1 + self.weight_u) - 1)
+
+
+def _arg_rounding(n_tokens: torch.Tensor, u: float) -> torch.Tensor:
+    """Weighted cost of rounded exp arguments (item 4): ``3 u log N`` (with higher orders)."""
+    return ARG_ROUNDING * u * torch.log(n_tokens.clamp_min(2)) * math.exp(
+        ARG_ROUNDING * u * NORMAL_EXP)
+
+
+def _round_up_fp32(x: torch.Tensor) -> torch.Tensor:
+    """FP64 -> FP32 rounding up (never below the FP64 value)."""
+    y = x.float()
+    return torch.where(y.double() < x, torch.nextafter(y, torch.full_like(y, math.inf)), y)
+
+
+def _widen(x: torch.Tensor, slack: torch.Tensor) -> torch.Tensor:
+    """``x + slack + 8 u |x|`` where ``x`` is finite (a computed log quantity plus its
+    rounding allowance); infinities stay as they are."""
+    return torch.where(torch.isfinite(x), x + slack + 8 * U32 * x.abs(), x)
+
+
+def logit_magnitude(q: torch.Tensor, key_abs_max: torch.Tensor, scaling: float):
+    """``(S, sum_c K_c)`` per query head, FP64 ``[Hq]`` each (item 1): ``S = scaling sum_c
+    |q_c| K_c`` bounds ``scaling sum_c |q_c| |k_c|`` for every cached original key.
+
+    Args:
+        q: ``[Hq, d]``; key_abs_max: ``[Hkv, d]`` running channel max ``K_c`` of ``|k|``.
+    """
+    hq, d = q.shape
+    kmax = key_abs_max.double().repeat_interleave(hq // key_abs_max.shape[0], dim=0)
+    s = scaling * (q.double().abs() * kmax).sum(dim=-1)
+    return s * (1 + gamma(d + 2, 2.0**-53)), kmax.sum(dim=-1)
+
+
+def logit_rounding(magnitude: torch.Tensor, delta: torch.Tensor, key_abs_sum: torch.Tensor,
+                   scaling: float, d: int, rounding: Rounding, u: float = U32) -> torch.Tensor:
+    """``eps`` (item 1), FP64 ``[Hq]``: every computed logit is within ``eps`` of
+    ``scaling q . k'`` (``k'`` the key the path used), and the exact ``Delta_b`` within
+    ``eps`` above the computed one.
+
+    Args:
+        magnitude: ``S`` (:func:`logit_magnitude`); delta: the head's computed max ``Delta_b``
+            (0 on the dense path); key_abs_sum: ``sum_c K_c`` (times any prescaling factor).
+    """
+    delta = delta.double()
+    depth = d if rounding.dot_depth is None else rounding.dot_depth
+    g_dot = gamma(rounding.dot_scale * depth + rounding.logit_roundings, u) + 2 * rounding.product_u
+    g_delta = gamma(d + 4)  # Delta_b is always an FP32 sum
+    underflow = scaling * TINY * (d + key_abs_sum.double())
+    return g_dot * (magnitude + delta) * (1 + 2 * g_delta) + 2 * g_delta * delta + underflow
+
+
+def log_sum_exp_rounding(magnitude: torch.Tensor, delta: torch.Tensor, n_blocks: torch.Tensor,
+                         n_tokens: torch.Tensor, u: float = U32) -> torch.Tensor:
+    """``kappa`` (item 5), FP64 ``[Hq]``: how far a computed block log-mass, log-softmax or
+    log-sum-exp over blocks is from the exact one of the computed logits (the ``u |x|``
+    rounding of a result ``x`` itself is added by :func:`_widen`)."""
+    log_n = torch.log(n_tokens.clamp_min(2))
+    omega_e = EXP_ULPS * u + _arg_rounding(n_tokens, u)
+    per_lse = 2 * (omega_e + gamma(n_blocks + n_tokens, u) + u * log_n) + 4 * u * log_n
+    return 8 * per_lse + 8 * u * (magnitude + delta.double() + log_n + 1)
+
+
+def accumulation_error(rounding: Rounding, v_bound: torch.Tensor, n_blocks: torch.Tensor,
+                       n_tokens: torch.Tensor, u: float = U32) -> torch.Tensor:
+    """Item 4: ``||O_hat - Obar||`` for a softmax-weighted sum of ``n_tokens`` values of norm
+    at most ``v_bound`` (``[Hq]``), FP64."""
+    omega_den = rounding.relative(n_blocks, n_tokens, u) + _arg_rounding(n_tokens, u)
+    omega_num = omega_den + rounding.weight_abs * n_tokens
+    omega = (u + omega_den + (1 + u) * omega_num) / (1 - omega_den)
+    return (omega + n_tokens * TINY) * v_bound.double()
+
+
+def cast_error(out_norm: torch.Tensor, d: int, dtype: torch.dtype) -> torch.Tensor:
+    """Item 6: rounding ``[Hq]`` outputs of norm at most ``out_norm`` to ``dtype`` (0 when
+    ``dtype`` holds every FP32 value)."""
+    if dtype not in _HALF_SUBNORMAL:
+        return torch.zeros_like(out_norm, dtype=torch.float64)
+    return unit_roundoff(dtype) * out_norm.double() + math.sqrt(d) * _HALF_SUBNORMAL[dtype]
+
+
+@dataclass(frozen=True)
+class ArithSpec:
+    """Static facts the bound needs (fixed for a layer; the per-step counts ``n``, ``N`` are
+    passed as tensors)."""
+
+    head_dim: int
+    scaling: float
+    mass_inflation: float  # c of eq. 14
+    out_dtype: torch.dtype  # the caller's dtype (the output is cast to it)
+    rounding: Rounding  # the backend's chain on the quantized path
+    dense_rounding: Rounding  # the dense path's chain (rungs 3-4, mode=dense)
+    dense_u: float = U32  # unit roundoff the dense path computes in (FP64 for FP64 queries)
+    value_decode: float = 0.0  # the value codec's decode_rounding factor (item 3)
+
+
+def step_counts(n_blocks: int, n_tokens: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's ``n`` and ``N`` as FP64 device scalars (fill kernels: no transfer, and
+    symbolic under ``torch.compile``)."""
+    return (torch.full((), n_blocks, dtype=torch.float64, device=device),
+            torch.full((), n_tokens, dtype=torch.float64, device=device))
+
+
+def quantized_arith(spec: ArithSpec, n_blocks, n_tokens, *, q, key_abs_max, delta, delta_tail,
+                    log_alpha, cap_logit, v_max, eta_max, e_key, e_val,
+                    out_norm) -> torch.Tensor:
+    """``e_arith`` of the quantized path (rungs 0-2), FP32 ``[Hq]`` rounded up (items 1-6).
+
+    Args (``[Hq]`` unless stated): n_blocks, n_tokens: FP64 scalars (:func:`step_counts`);
+    q ``[Hq, d]``; key_abs_max ``[Hkv, d]``; delta / delta_tail: the computed max ``Delta_b``
+    over quantized / INT8-tail blocks; log_alpha: computed ``log alpha_hat`` of the tail;
+    cap_logit: computed ``log U_T - log Z_F``; v_max; eta_max: the largest ``eta_b``; e_key,
+    e_val: the paper's terms as returned; out_norm: ``||O_hat||`` (FP32, before the cast).
+    """
+    d = spec.head_dim
+    v = v_max.double()
+    magnitude, key_abs_sum = logit_magnitude(q, key_abs_max, spec.scaling)
+    eps = logit_rounding(magnitude, delta, key_abs_sum, spec.scaling, d, spec.rounding)
+    kappa = log_sum_exp_rounding(magnitude, delta, n_blocks, n_tokens)
+    e_key_plus = key_error_bound(
+        v, delta.double() + eps, delta_tail.double() + eps,
+        _widen(log_alpha.double(), kappa), spec.mass_inflation,
+        _widen(cap_logit.double(), 2 * eps + 2 * kappa),
+    ) + 2 * v * torch.tanh(eps / 2)
+    decode = spec.value_decode * U32 * (v + math.sqrt(d) * 2.0**-24)
+    omega = (spec.rounding.relative(n_blocks, n_tokens)
+             + math.expm1(ARG_ROUNDING * U32 * NORMAL_EXP))  # block masses: unweighted
+    omega_rho = (2 * omega + U32) / (1 - omega)
+    e_val_plus = (e_val.double() / ((1 - gamma(n_blocks + 1)) * (1 - omega_rho))
+                  + n_blocks * TINY * eta_max.double() + decode)
+    v_prime = v + eta_max.double() + decode
+    acc = accumulation_error(spec.rounding, v_prime, n_blocks, n_tokens)
+    cast = cast_error(out_norm.double() * (1 + gamma(d + 1)), d, spec.out_dtype)
+    total = (e_key_plus + e_val_plus + acc + cast) * (1 + 4 * U32) + TINY * (v_prime + 1)
+    return _round_up_fp32((total - e_key.double() - e_val.double()).clamp_min(0.0))
+
+
+def dense_arith(spec: ArithSpec, n_blocks, n_tokens, *, q, key_abs_max,
+                v_max) -> torch.Tensor:
+    """``e_arith`` of the dense path (rungs 3-4, ``mode=dense``), FP32 ``[Hq]`` rounded up:
+    logit rounding on every token (``2 V_max tanh(eps/2)``), the weighted sum and its
+    normalisation, the cast (items 1, 4, 6). The dense path prescales ``q`` by a power of two
+    ``<= 2 max(1, |q|_inf)``, whose subnormal underflow enters ``eps``. ``n_blocks`` counts
+    the dense path's chunks."""
+    d, u = spec.head_dim, spec.dense_u
+    v = v_max.double()
+    magnitude, key_abs_sum = logit_magnitude(q, key_abs_max, spec.scaling)
+    prescale = 2 * q.double().abs().amax(dim=-1).clamp_min(1.0)
+    eps = logit_rounding(magnitude, torch.zeros_like(v), key_abs_sum * prescale,
+                         spec.scaling, d, spec.dense_rounding, u)
+    acc = accumulation_error(spec.dense_rounding, v, n_blocks, n_tokens, u)
+    cast = cast_error(v + acc, d, spec.out_dtype)
+    total = (2 * v * torch.tanh(eps / 2) + acc + cast) * (1 + 4 * U32) + TINY * (v + 1)
+    return _round_up_fp32(total)
