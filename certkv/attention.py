@@ -114,7 +114,7 @@ class CertifiedAttention:
         distinct setting (a stable constant for the compiled certificate segment)."""
         dense, dense_u = dense_rounding(q, torch.float16)
         rounding = self.backend.rounding(lay) if lay is not None else dense
-        spec = ArithSpec(head_dim=store.head_dim, scaling=scaling,
+        spec = ArithSpec(head_dim=store.head_dim, block_size=store.block_size, scaling=scaling,
                          mass_inflation=self.selector.mass_inflation, out_dtype=q.dtype,
                          rounding=rounding, dense_rounding=dense, dense_u=dense_u,
                          value_decode=store.value_codec.decode_rounding())

@@ -150,7 +150,7 @@ class Rounding:
 
     exps: int
     depth: int
-    depth_per_block: int = 0
+    depth_per_block: float = 0.0
     depth_per_token: float = 0.0
     exps_per_token: float = 0.0
     dot_depth: int | None = None
@@ -218,15 +218,25 @@ def logit_rounding(magnitude: torch.Tensor, delta: torch.Tensor, key_abs_sum: to
     return g_dot * (magnitude + delta) * (1 + 2 * g_delta) + 2 * g_delta * delta + underflow
 
 
-def log_sum_exp_rounding(magnitude: torch.Tensor, delta: torch.Tensor, n_blocks: torch.Tensor,
-                         n_tokens: torch.Tensor, u: float = U32) -> torch.Tensor:
-    """``kappa`` (item 5), FP64 ``[Hq]``: how far a computed block log-mass, log-softmax or
-    log-sum-exp over blocks is from the exact one of the computed logits (the ``u |x|``
-    rounding of a result ``x`` itself is added by :func:`_widen`)."""
-    log_n = torch.log(n_tokens.clamp_min(2))
+def _lse_rounding(terms, n_tokens: torch.Tensor, u: float):
+    """Error of one computed log-sum-exp over ``terms`` inputs, rounding of the result aside
+    (item 5): ``2 (omega_e + gamma_k + u log k) + 4 u log k``."""
+    log_k = math.log(max(terms, 2)) if isinstance(terms, int) else torch.log(terms.clamp_min(2))
     omega_e = EXP_ULPS * u + _arg_rounding(n_tokens, u)
-    per_lse = 2 * (omega_e + gamma(n_blocks + n_tokens, u) + u * log_n) + 4 * u * log_n
-    return 8 * per_lse + 8 * u * (magnitude + delta.double() + log_n + 1)
+    return 2 * (omega_e + gamma(terms, u) + u * log_k) + 4 * u * log_k
+
+
+def log_sum_exp_rounding(magnitude: torch.Tensor, delta: torch.Tensor, block_size: int,
+                         n_blocks: torch.Tensor, n_tokens: torch.Tensor,
+                         u: float = U32) -> torch.Tensor:
+    """``kappa`` (item 5), FP64 ``[Hq]``: how far ``log alpha_hat`` (block log-masses over
+    ``B`` tokens, a log-softmax and a log-sum-exp over ``n`` blocks) or either half of
+    ``log U_T - log Z_F`` is from the exact value for the computed logits; generous by 2x. The
+    ``u |x|`` rounding of the result ``x`` itself is added by :func:`_widen`."""
+    log_n = torch.log(n_tokens.clamp_min(2))
+    chained = 2 * _lse_rounding(block_size, n_tokens, u) + 2 * _lse_rounding(n_blocks, n_tokens,
+                                                                               u)
+    return 2 * chained + 8 * u * (magnitude + delta.double() + log_n + 1)
 
 
 def accumulation_error(rounding: Rounding, v_bound: torch.Tensor, n_blocks: torch.Tensor,
@@ -253,6 +263,7 @@ class ArithSpec:
     passed as tensors)."""
 
     head_dim: int
+    block_size: int
     scaling: float
     mass_inflation: float  # c of eq. 14
     out_dtype: torch.dtype  # the caller's dtype (the output is cast to it)
@@ -284,7 +295,7 @@ def quantized_arith(spec: ArithSpec, n_blocks, n_tokens, *, q, key_abs_max, delt
     v = v_max.double()
     magnitude, key_abs_sum = logit_magnitude(q, key_abs_max, spec.scaling)
     eps = logit_rounding(magnitude, delta, key_abs_sum, spec.scaling, d, spec.rounding)
-    kappa = log_sum_exp_rounding(magnitude, delta, n_blocks, n_tokens)
+    kappa = log_sum_exp_rounding(magnitude, delta, spec.block_size, n_blocks, n_tokens)
     e_key_plus = key_error_bound(
         v, delta.double() + eps, delta_tail.double() + eps,
         _widen(log_alpha.double(), kappa), spec.mass_inflation,

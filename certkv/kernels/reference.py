@@ -44,6 +44,21 @@ def channel_dot(equation: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor
                         y.unflatten(-1, (d // c, c))).sum(dim=-1)
 
 
+SUM_CHUNK = 64  # terms per chunk of the two-level sums over blocks
+
+
+def chunked_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x.sum(dim)`` in two levels (chunks of ``SUM_CHUNK``, then across chunks): no term
+    passes through more than ``SUM_CHUNK + n / SUM_CHUNK`` additions, whatever order each
+    level uses (a flat sum may take ``n``)."""
+    n = x.shape[dim]
+    if n <= SUM_CHUNK:
+        return x.sum(dim=dim)
+    x = x.movedim(dim, -1)
+    x = F.pad(x, (0, -n % SUM_CHUNK)).unflatten(-1, (-1, SUM_CHUNK))
+    return x.sum(dim=-1).sum(dim=-1)
+
+
 def block_scores(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float):
     """Token logits ``s_{b,t} = scaling * q . k_{b,t}`` (Alg. 1 Phase 1), FP32.
 
@@ -114,7 +129,8 @@ def gated_scores(q: torch.Tensor, scored: Scored, gate: torch.Tensor, keys, scal
 
 def attend(scores: torch.Tensor, values: torch.Tensor, fp64_scalars: bool = False) -> Attended:
     """Phase 2 (Alg. 1): softmax-weighted sum over all blocks, split per block then reduced by
-    log-sum-exp (the online-softmax state of each block combined exactly, as in split-KV decode).
+    log-sum-exp (the online-softmax state of each block combined exactly, as in split-KV decode;
+    the sums over blocks run in two levels, :func:`chunked_sum`).
 
     The softmax scalars (block max ``m_b``, sums ``l_b``, masses ``rho_b``) are FP32, or FP64 with
     ``fp64_scalars`` (paper 9.10); the output accumulator is FP32.
@@ -131,8 +147,8 @@ def attend(scores: torch.Tensor, values: torch.Tensor, fp64_scalars: bool = Fals
     o_b = torch.einsum("kgnt,kntd->kgnd", w.float(), values.float())
     m = m_b.amax(dim=-1, keepdim=True)
     alpha = torch.exp(m_b - m)
-    total = (alpha * l_b).sum(dim=-1, keepdim=True)
-    out = (alpha.float().unsqueeze(-1) * o_b).sum(dim=-2) / total.float()
+    total = chunked_sum(alpha * l_b, -1).unsqueeze(-1)
+    out = chunked_sum(alpha.float().unsqueeze(-1) * o_b, -2) / total.float()
     rho = alpha * l_b / total
     return Attended(out=out, rho=rho.float(), log_mass=(m_b + torch.log(l_b)).float())
 
@@ -252,8 +268,10 @@ class TorchBackend:
     def rounding(self, lay) -> Rounding:
         """Rounding chain of :func:`attend` (arith item 4): a weight takes ``exp(s - m_b)`` and
         ``exp(m_b - m)``; a numerator term the product, ``B - 1`` additions in its block, the
-        rescaling product, ``n - 1`` additions over blocks and the division (and, with FP64
-        scalars, three casts to FP32). Logits and the value sum are einsums (matmuls)."""
-        return Rounding(exps=2, depth=lay.store.block_size + 6, depth_per_block=1,
+        rescaling product, ``SUM_CHUNK + n / SUM_CHUNK`` additions over blocks and the division
+        (and, with FP64 scalars, three casts to FP32). Logits and the value sum are einsums
+        (matmuls)."""
+        return Rounding(exps=2, depth=lay.store.block_size + SUM_CHUNK + 6,
+                        depth_per_block=1 / SUM_CHUNK,
                         dot_depth=dot_depth(lay.store.head_dim),
                         product_u=matmul_input_rounding())

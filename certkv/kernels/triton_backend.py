@@ -103,8 +103,9 @@ class TritonBackend:
         falls back. A weight takes its own exponential, the rescaling into its split's running
         maximum and every later one (at most ``SPLIT`` blocks per program), and the merge's;
         a numerator term the product, ``B - 1`` additions, two roundings per online-softmax
-        update, the merge's product, additions over splits (at most ``n``) and the division.
-        Plain FP32 multiply-adds: no reduced-precision matmul."""
+        update, the merge's product, its additions over splits (a tree within chunks of 64
+        splits, then one per chunk: at most ``64 + n / 64``) and the division. Plain FP32
+        multiply-adds: no reduced-precision matmul."""
         reference = self.reference.rounding(lay)
         if not self._values_supported(lay):
             return reference
@@ -112,8 +113,9 @@ class TritonBackend:
 
         split = self.split or (MAX_SPLIT if lay.store.device.type == "cuda" else 4)
         product_u = 0.0 if self._keys_supported(lay) else reference.product_u
-        return Rounding(exps=split + 3, depth=lay.store.block_size + 2 * split + 6,
-                        depth_per_block=1, dot_depth=reference.dot_depth, product_u=product_u)
+        return Rounding(exps=split + 3, depth=lay.store.block_size + 2 * split + 64 + 6,
+                        depth_per_block=1 / 64, dot_depth=reference.dot_depth,
+                        product_u=product_u)
 
 
 def slot_map(staged: StagedBlocks | None, shape: tuple[int, int],
