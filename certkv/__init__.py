@@ -1,7 +1,8 @@
 """certkv: runtime-certified quantized KV-cache attention.
 
-Every head of every decode step either returns quantized attention with a runtime bound
-``||O_quant - O_ref||_2 <= E_key + E_val`` or dense SDPA on the FP16 originals.
+Every head of every decode step returns its output with a runtime bound
+``||out - O_ref||_2 <= E_key + E_val + E_arith`` against attention in exact arithmetic on the
+FP16 originals (quantized attention), or dense attention with ``E_key = E_val = 0``.
 """
 
 from certkv.attention import MODES, CertifiedAttention

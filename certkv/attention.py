@@ -383,7 +383,7 @@ class CertifiedAttention:
         return staged[0], staged[1]
 
     def _host_flags(self, flags):
-        """The step's second host read: which heads need dense SDPA (Tier-2 is on the host),
+        """The step's second host read: which heads need dense attention (Tier-2 is on the host),
         with the deferred finiteness checks of ``q`` and of the appended K/V (``[Hq + 2]``)."""
         flags = to_host(flags)
         require(not bool(flags[-2]), NonFiniteError, _NONFINITE_Q)

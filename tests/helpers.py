@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from certkv import TieredKVStore
-from certkv.kernels.reference import dense_attention
+from certkv.kernels.reference import dense_attention, exact_attention
 
 
 def make_kv(hkv, n, d, *, seed=0, outlier_channels=0, heavy_tail=False, key_offset=0.0):
@@ -50,12 +50,7 @@ def originals(store: TieredKVStore):
 
 def reference_fp64(q, store, scaling=None):
     """O_ref: softmax attention on the original K/V, computed in FP64 -> ``[Hq, d]``."""
-    k, v = originals(store)
-    group = q.shape[0] // store.num_kv_heads
-    k, v = k.double().repeat_interleave(group, 0), v.double().repeat_interleave(group, 0)
-    scaling = store.head_dim**-0.5 if scaling is None else scaling
-    w = torch.softmax(torch.einsum("hd,hnd->hn", q.double(), k) * scaling, dim=-1)
-    return torch.einsum("hn,hnd->hd", w, v)
+    return exact_attention(q, store, scaling)
 
 
 def dense_reference(q, store, scaling=None):

@@ -72,9 +72,9 @@ def test_fp32_rounding_is_inside_the_bound_when_the_math_terms_are_zero(backend,
 
 def near_tie_layer(tokens: int, d: int = 64, logit: float = 2500.0, seed: int = 0):
     """Keys with outlier channels of 50; one query aligned with the longest key ``i`` so that
-    its logit is about ``logit``, and token ``j`` a copy of ``i`` one FP16 ulp apart on an outlier channel
-    (logits about 0.4 apart: a near tie whose weights FP32 rounding moves), with opposite
-    values."""
+    its logit is about ``logit``, and token ``j`` a copy of ``i`` one FP16 ulp apart on an
+    outlier channel (logits about 1 apart: a near tie whose weights FP32 rounding moves), with
+    opposite values."""
     k, v = make_kv(1, tokens, d, seed=seed)
     k[..., :4] *= 50
     k = k.half().float()

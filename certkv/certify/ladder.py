@@ -1,7 +1,7 @@
 """The fallback ladder (paper 3.4) and its monitors' settings (Section 6).
 
 Rung 1 expands K*; rung 2 is value promotion (the value policy); rung 3 replaces a head that
-fails the ranking or boundary check with dense SDPA on its FP16 originals; rung 4 replaces the
+fails the ranking or boundary check with dense attention on its FP16 originals; rung 4 replaces the
 whole layer (score canary violated, non-finite output, or too many heads on rung 3).
 """
 

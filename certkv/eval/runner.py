@@ -70,7 +70,7 @@ def certificate_record(cache: TieredCache) -> dict:
               "device_bytes": sizes["device"], "tier2_bytes": sizes["tier2"],
               "dense_bytes": sizes["dense"], "scratch_hit_rate": stats.hit_rate,
               "h2d_bytes": stats.h2d_bytes}
-    for name in ("e_key", "e_val", "candidate_e_key", "candidate_e_val"):
+    for name in ("e_key", "e_val", "e_arith", "bound", "candidate_e_key", "candidate_e_val"):
         record[f"{name}_step_mean"] = [s[f"{name}_mean"] for s in steps]
         record[f"{name}_step_max"] = [s[f"{name}_max"] for s in steps]
     for rung in range(5):

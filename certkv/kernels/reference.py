@@ -153,6 +153,18 @@ def attend(scores: torch.Tensor, values: torch.Tensor, fp64_scalars: bool = Fals
     return Attended(out=out, rho=rho.float(), log_mass=(m_b + torch.log(l_b)).float())
 
 
+def exact_attention(q: torch.Tensor, store, scaling: float | None = None) -> torch.Tensor:
+    """``O_ref``: softmax attention on the store's FP16 originals computed in FP64 (the oracle of
+    the certificate's contract) -> ``[Hq, d]`` FP64. Its own rounding is about 1e-12 relative."""
+    k, v = store.dense_kv()
+    group = q.shape[0] // store.num_kv_heads
+    k = k.double().repeat_interleave(group, 0)
+    v = v.double().repeat_interleave(group, 0)
+    scaling = store.head_dim**-0.5 if scaling is None else scaling
+    w = torch.softmax(torch.einsum("hd,hnd->hn", q.to(k.device).double(), k) * scaling, dim=-1)
+    return torch.einsum("hn,hnd->hd", w, v)
+
+
 DENSE_CHUNK = 256  # tokens per chunk of the dense path's two-level sums
 
 

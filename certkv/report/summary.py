@@ -21,9 +21,9 @@ def certificate_summary(records: list[dict]) -> dict:
     head_steps = sum(r["head_steps"] for r in records if r["steps"]) or 1
     steps = sum(r["steps"] for r in records) or 1
     out = {}
-    for name in ("e_key", "e_val", "candidate_e_key", "candidate_e_val"):
-        means = [v for r in records for v in r[f"{name}_step_mean"]]
-        maxes = [v for r in records for v in r[f"{name}_step_max"]]
+    for name in ("e_key", "e_val", "e_arith", "bound", "candidate_e_key", "candidate_e_val"):
+        means = [v for r in records for v in r.get(f"{name}_step_mean", [])]
+        maxes = [v for r in records for v in r.get(f"{name}_step_max", [])]
         q = _quantiles(means)
         q["max"] = max(maxes, default=0.0)
         out[name] = q
@@ -72,7 +72,8 @@ def table_rows(summary: dict, digits: int = 1) -> tuple[list[str], list[list[str
     variants = summary["variants"]
     tasks = sorted({t for v in variants.values() for t in v["tasks"]})
     head = ["variant", "KV", *tasks, "E_key med/p95/max", "E_val med/p95/max",
-            "rungs % 0/1/2/3/4", "K* mean", "Tier-1/dense", "ms/step", "x dense"]
+            "E_arith med/p95/max", "rungs % 0/1/2/3/4", "K* mean", "Tier-1/dense", "ms/step",
+            "x dense"]
 
     def triple(q: dict) -> str:
         return "/".join(f"{q[k]:.{digits}e}" for k in ("median", "p95", "max"))
@@ -83,7 +84,7 @@ def table_rows(summary: dict, digits: int = 1) -> tuple[list[str], list[list[str
         rows.append([
             name, "FP16" if dense else v["quantizer"],
             *[_quality(v["tasks"].get(t)) for t in tasks],
-            triple(cert["e_key"]), triple(cert["e_val"]),
+            triple(cert["e_key"]), triple(cert["e_val"]), triple(cert["e_arith"]),
             "/".join(f"{100 * r:.0f}" for r in cert["rung_rates"]),
             f"{cert['k_star_mean']:.1f}", "1.000" if dense else f"{cert['tier1_over_dense']:.3f}",
             f"{v['ms_per_step']:.0f}", "-" if ratio is None else f"{ratio:.2f}"])
