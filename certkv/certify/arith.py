@@ -18,9 +18,9 @@ included: < ``2^-126`` per operation). ``gamma_n = n u / (1 - n u)``.
 
 1. **Logits** (Phase 1, Phase 2's FP16 keys, the dense path). A dot product whose products
    each pass through at most ``m`` roundings errs by ``<= gamma_m sum_c |q_c k_c|`` (Higham
-   3.1; FMA only removes roundings). In *any* order ``m = d``; certkv sums in two levels
-   (chunks of about ``sqrt(d)`` channels, then across chunks: ``m = c + d/c - 1``, 15 at
-   d = 64, 23 at d = 128) so that the bound does not depend on a BLAS's internal order.
+   3.1; FMA only removes roundings). In *any* order ``m = d`` (the PyTorch paths: a BLAS
+   matmul); the Triton kernels sum in two levels (chunks of about ``sqrt(d)`` channels, then
+   across chunks: ``m = c + d/c - 1``, 15 at d = 64, 23 at d = 128, :func:`dot_depth`).
    Rounding ``q`` to FP32 (FP64 queries), the scaling to FP32 and the product by it add three
    more roundings. With ``K_c = max_t |k_{t,c}|`` over every cached original (the store's
    running channel maximum) and ``|k_hat_c| <= |k_c| + r_c`` (the codec's channel bound),
@@ -107,6 +107,20 @@ def gamma(n, u: float = U32):
     if isinstance(nu, torch.Tensor):
         return torch.where(nu < 0.5, nu / (1.0 - nu), math.inf)
     return nu / (1.0 - nu) if nu < 0.5 else math.inf
+
+
+def dot_chunk(d: int) -> int:
+    """Channels per chunk of a two-level dot product: the divisor of ``d`` nearest
+    ``sqrt(d)`` (8 at d = 64 and 128)."""
+    return min((c for c in range(1, d + 1) if d % c == 0), key=lambda c: (abs(c * c - d), -c))
+
+
+def dot_depth(d: int) -> int:
+    """Roundings a product takes in a two-level dot product of ``d`` channels (chunks of
+    :func:`dot_chunk`): its own, at most ``c - 1`` additions in its chunk and ``d / c - 1``
+    across chunks, whatever order each level uses (a flat dot product: ``d``)."""
+    c = dot_chunk(d)
+    return c + d // c - 1
 
 
 def unit_roundoff(dtype: torch.dtype) -> float:

@@ -16,34 +16,6 @@ from certkv.certify.arith import U32, Rounding, matmul_input_rounding
 from certkv.certify.bounds import block_deltas
 from certkv.certify.checks import boundary_ok, canary_violations, ranking_consistent
 
-
-def dot_chunk(d: int) -> int:
-    """Channels per chunk of the logits' two-level dot products: the divisor of ``d`` nearest
-    ``sqrt(d)`` (8 at d = 64 and 128)."""
-    return min((c for c in range(1, d + 1) if d % c == 0), key=lambda c: (abs(c * c - d), -c))
-
-
-def dot_depth(d: int) -> int:
-    """Roundings a product takes in a two-level dot product of ``d`` channels: its own, at most
-    ``c - 1`` additions in its chunk and ``d / c - 1`` across chunks (any order in each)."""
-    c = dot_chunk(d)
-    return c + d // c - 1
-
-
-def channel_dot(equation: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``torch.einsum(equation, x, y)`` contracting the channel axis ``d`` (last in both inputs)
-    in two levels: chunks of :func:`dot_chunk` channels, then a sum over chunks. Whatever order
-    the backend picks within each level, no product passes through more than
-    :func:`dot_depth` roundings (the arithmetic bound counts on it; a flat einsum over ``d``
-    would need ``d``)."""
-    d = x.shape[-1]
-    c = dot_chunk(d)
-    inputs, output = equation.split("->")
-    chunked = ",".join(term.replace("d", "zd") for term in inputs.split(",")) + "->" + output
-    return torch.einsum(chunked + "z", x.unflatten(-1, (d // c, c)),
-                        y.unflatten(-1, (d // c, c))).sum(dim=-1)
-
-
 SUM_CHUNK = 64  # terms per chunk of the two-level sums over blocks
 
 
@@ -67,7 +39,9 @@ def block_scores(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scali
     Returns:
         ``[Hkv, G, n, B]`` with ``-inf`` on empty slots.
     """
-    s = channel_dot("kgd,kntd->kgnt", q.float(), keys.float()) * scaling
+    hkv, n, bsz, d = keys.shape
+    flat = keys.float().reshape(hkv, n * bsz, d).transpose(1, 2)  # a view: BLAS reads k^T
+    s = (q.float() @ flat).reshape(hkv, -1, n, bsz) * scaling
     return s.masked_fill(~valid, float("-inf"))
 
 
@@ -118,7 +92,7 @@ def gated_scores(q: torch.Tensor, scored: Scored, gate: torch.Tensor, keys, scal
     if keys is None:
         return s8, violated
     kv, blk = keys.kv_heads, keys.blocks
-    s16 = channel_dot("pgd,ptd->pgt", q[kv].float(), keys.gathered().float()) * scaling
+    s16 = (q[kv].float() @ keys.gathered().float().transpose(1, 2)) * scaling
     s8_at, on = s8[kv, :, blk], gate[kv, :, blk]
     violated[kv, :, blk] = on & canary_violations(s8_at, s16, scored.delta_b[kv, :, blk],
                                                   eps_guard)
@@ -210,7 +184,7 @@ def prescaled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scali
     _, exponent = torch.frexp(qg.abs().amax(dim=-1, keepdim=True))  # |q| < 2^exponent
     top = 1023 if dtype == torch.float64 else 127  # largest finite power of two
     f = torch.ldexp(torch.ones_like(qg[..., :1]), exponent.clamp(0, top))
-    s = channel_dot("kgd,knd->kgn", qg / f, k.to(dtype)) * scaling
+    s = ((qg / f) @ k.to(dtype).transpose(1, 2)) * scaling
     w = torch.exp((s - s.amax(dim=-1, keepdim=True)) * f)  # [h, G, N]
     chunks = -(-big_n // DENSE_CHUNK)
     pad = chunks * DENSE_CHUNK - big_n
@@ -239,8 +213,7 @@ def dense_rounding(q: torch.Tensor, cache_dtype: torch.dtype) -> tuple[Rounding,
     u = 2.0**-53 if q.dtype == torch.float64 else U32
     product_u = 0.0 if q.dtype == torch.float64 else matmul_input_rounding()
     return Rounding(exps=1, depth=DENSE_CHUNK + 6, depth_per_token=1 / DENSE_CHUNK,
-                    dot_depth=dot_depth(q.shape[-1]), logit_roundings=5,
-                    product_u=product_u), u
+                    logit_roundings=5, product_u=product_u), u
 
 
 def merge_staged(values: torch.Tensor, staged) -> torch.Tensor:
@@ -282,8 +255,6 @@ class TorchBackend:
         ``exp(m_b - m)``; a numerator term the product, ``B - 1`` additions in its block, the
         rescaling product, ``SUM_CHUNK + n / SUM_CHUNK`` additions over blocks and the division
         (and, with FP64 scalars, three casts to FP32). Logits and the value sum are einsums
-        (matmuls)."""
+        (matmuls: any order over ``d``)."""
         return Rounding(exps=2, depth=lay.store.block_size + SUM_CHUNK + 6,
-                        depth_per_block=1 / SUM_CHUNK,
-                        dot_depth=dot_depth(lay.store.head_dim),
-                        product_u=matmul_input_rounding())
+                        depth_per_block=1 / SUM_CHUNK, product_u=matmul_input_rounding())

@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from certkv.kernels.reference import Attended, Scored, dot_chunk
+from certkv.certify.arith import dot_chunk
+from certkv.kernels.reference import Attended, Scored
 from certkv.kernels.triton_score import blocks_per_program, channel_dot, load_group_queries
 
 

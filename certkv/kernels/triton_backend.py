@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from certkv.certify.arith import Rounding
+from certkv.certify.arith import Rounding, dot_depth
 from certkv.errors import ConfigError, require
 from certkv.kernels.layout import StagedBlocks, StepLayout
 from certkv.kernels.reference import Attended, Scored, TorchBackend, dense_attention
@@ -107,15 +107,13 @@ class TritonBackend:
         splits, then one per chunk: at most ``64 + n / 64``) and the division. Plain FP32
         multiply-adds: no reduced-precision matmul."""
         reference = self.reference.rounding(lay)
-        if not self._values_supported(lay):
-            return reference
+        if not (self._values_supported(lay) and self._keys_supported(lay)):
+            return reference  # a phase runs the reference (BLAS dot products, any order)
         from certkv.kernels.triton_score import MAX_SPLIT
 
         split = self.split or (MAX_SPLIT if lay.store.device.type == "cuda" else 4)
-        product_u = 0.0 if self._keys_supported(lay) else reference.product_u
         return Rounding(exps=split + 3, depth=lay.store.block_size + 2 * split + 64 + 6,
-                        depth_per_block=1 / 64, dot_depth=reference.dot_depth,
-                        product_u=product_u)
+                        depth_per_block=1 / 64, dot_depth=dot_depth(lay.store.head_dim))
 
 
 def slot_map(staged: StagedBlocks | None, shape: tuple[int, int],

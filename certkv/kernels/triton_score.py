@@ -12,7 +12,8 @@ the kv head (GQA-aware), dequantizes in registers (eq. 3) and writes
   the scales already in registers (the codec's ``bound_coefficients``).
 
 FP32 multiply-adds throughout (no TF32), so the results match the PyTorch reference to FP32
-rounding; dot products sum in two levels (:func:`channel_dot`), as the reference does.
+rounding; dot products sum in two levels (:func:`channel_dot`), which the arithmetic
+bound counts on.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from certkv.kernels.reference import dot_chunk
+from certkv.certify.arith import dot_chunk
 
 
 @triton.jit
@@ -39,7 +40,7 @@ def channel_dot(q, k, BLOCK_G: tl.constexpr, B: tl.constexpr, D: tl.constexpr,
                 DOT_C: tl.constexpr):
     """``q [BLOCK_G, D] . k [B, D] -> [BLOCK_G, B]`` summed in two levels: chunks of ``DOT_C``
     channels, then across chunks, so no product takes more than ``DOT_C + D / DOT_C - 1``
-    roundings whatever order each reduction uses (``reference.dot_depth``)."""
+    roundings whatever order each reduction uses (``arith.dot_depth``)."""
     prod = tl.reshape(q[:, None, :] * k[None, :, :], (BLOCK_G, B, D // DOT_C, DOT_C))
     return tl.sum(tl.sum(prod, axis=3), axis=2)
 
