@@ -111,7 +111,7 @@ def info() -> None:
 
 
 bench_app = typer.Typer(no_args_is_help=True, help="Decode-step benchmarks (results in "
-                                                  "reports/bench/).")
+                                                  "runs/bench/; --out to choose).")
 app.add_typer(bench_app, name="bench")
 
 
@@ -142,7 +142,7 @@ def _command() -> str:
 def bench_attention(
     context: Annotated[list[int] | None, typer.Option(
         help="context lengths (default: 4K-128K on GPU, 1K and 4K on CPU)")] = None,
-    repeats: int = 20, device: str = "auto", out: Path = Path("reports/bench"),
+    repeats: int = 20, device: str = "auto", out: Path = Path("runs/bench"),
     compile: Annotated[str, typer.Option(help=COMPILE_HELP)] = "auto",
 ) -> None:
     """One decode step of one layer: dense FP16 SDPA vs naive vs certified (phases, GB/s)."""
@@ -170,8 +170,10 @@ def bench_decode(
         "smollm2_135m"),
     context: Annotated[list[int] | None, typer.Option(
         help="contexts (default: 8K-64K on GPU, 1K and 2K on CPU)")] = None,
-    repeats: int = 5, device: str = "auto", dtype: str = "auto",
-    out: Path = Path("reports/bench"),
+    repeats: int = 5, device: str = "auto",
+    dtype: Annotated[str, typer.Option(help="model dtype: auto (float16 on CUDA, float32 on "
+                                       "CPU), float32, float16, bfloat16")] = "auto",
+    out: Path = Path("runs/bench"),
     compile: Annotated[str, typer.Option(help=COMPILE_HELP)] = "auto",
 ) -> None:
     """Whole-model decode step (random weights), dense vs certified, Table 16 phase shares."""
@@ -183,10 +185,13 @@ def bench_decode(
         _fail(f"unknown model config {model!r}; use one of {list(bench.MODEL_CONFIGS)}.")
     dev = _device(device)
     contexts = context or ([8192, 16384, 32768, 65536] if dev.type == "cuda" else [1024, 2048])
-    torch_dtype = {"auto": torch.bfloat16 if dev.type == "cuda" else torch.float32,
-                   "float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
+    # FP16 on CUDA: the dense baseline then reads the FP16 cache in place with SDPA (BF16 and
+    # FP32 queries take the overflow-proof FP32 dense path, which converts the cache)
+    torch_dtype = {"auto": torch.float16 if dev.type == "cuda" else torch.float32,
+                   "float32": torch.float32, "float16": torch.float16,
+                   "bfloat16": torch.bfloat16}.get(dtype)
     if torch_dtype is None:
-        _fail(f"--dtype {dtype!r} is unknown; use auto, float32 or bfloat16.")
+        _fail(f"--dtype {dtype!r} is unknown; use auto, float32, float16 or bfloat16.")
     records = bench.bench_decode(model, contexts, dev, repeats, torch_dtype, _compile(compile))
     report = bench.BenchReport(f"decode_{model}_{dev.type}", _command(), out)
     path = report.write(records, bench.decode_table(records),

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything issue #4 measures on a GPU, in one go: the `gpu` tests (full-size kernels, the
 # contract on CUDA, host syncs), then the attention and whole-model benches. Results land in
-# reports/bench/ (markdown + JSON + plot, with the device and versions). Uses the python on
+# $OUTDIR (default reports/bench/; markdown + JSON + plot, with the device and versions; on the
+# lent machine pass OUTDIR=$OUT/bench so they come back). Uses the python on
 # PATH (or $PYTHON); the lent GPU machines are offline, so it installs nothing: it needs torch,
 # triton, transformers, typer, rich, pytest and hypothesis.
 #   bash scripts/gpu_checks.sh            # tests + benches
@@ -10,16 +11,18 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-mkdir -p reports/bench
+OUTDIR=${OUTDIR:-reports/bench}
+mkdir -p "$OUTDIR"
 "$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'" || exit 2
-"$PY" -m pytest -m gpu -p no:cacheprovider tests 2>&1 | tee reports/bench/gpu_tests.txt
+"$PY" -m pytest -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUTDIR/gpu_tests.txt"
 if [[ "${1:-}" == "--quick" ]]; then
-  "$PY" -m certkv.cli bench attention --context 65536 --repeats 50
+  "$PY" -m certkv.cli bench attention --context 65536 --repeats 50 --out "$OUTDIR"
   exit
 fi
-"$PY" -m certkv.cli bench attention --context 32768 --context 65536 --context 131072 --repeats 50
+"$PY" -m certkv.cli bench attention --context 32768 --context 65536 --context 131072 \
+  --repeats 50 --out "$OUTDIR"
 "$PY" -m certkv.cli bench decode --model llama31_8b --context 8192 --context 32768 \
-  --context 65536 --repeats 10
+  --context 65536 --repeats 10 --out "$OUTDIR"
 # A/B: the same 64K attention step with the selection/certificate segments left eager
 "$PY" -m certkv.cli bench attention --context 65536 --repeats 50 --compile off \
-  --out reports/bench/eager_segments
+  --out "$OUTDIR/eager_segments"
