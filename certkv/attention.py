@@ -14,6 +14,7 @@ quantized blocks followed, if present, by the exact FP16 partial tail block.
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 from dataclasses import dataclass, field
 from functools import partial
@@ -96,7 +97,8 @@ class CertifiedAttention:
         """
         self._check(q, store)
         scaling = store.head_dim**-0.5 if scaling is None else scaling
-        require(isinstance(scaling, (int, float)) and math.isfinite(scaling) and scaling > 0,
+        require(isinstance(scaling, numbers.Real) and not isinstance(scaling, bool)
+                and math.isfinite(scaling) and scaling > 0,
                 ConfigError, f"scaling={scaling!r} must be a finite positive number (the "
                 "softmax scale, usually head_dim**-0.5); pass the model's scaling or None.")
         scaling = float(scaling)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -135,7 +136,7 @@ def test_16_bit_queries_get_16_bit_outputs_with_their_rounding_in_the_bound(back
     assert err.max() > 0.01  # the 16-bit output rounding is real
 
 
-@pytest.mark.parametrize("scaling", [0.0, -0.125, math.nan, math.inf, "0.125"])
+@pytest.mark.parametrize("scaling", [0.0, -0.125, math.nan, math.inf, "0.125", True])
 @pytest.mark.parametrize("mode", ["certified", "dense"])
 def test_scaling_must_be_finite_and_positive(scaling, mode):
     k, v = make_kv(1, 40, 16)
@@ -143,6 +144,15 @@ def test_scaling_must_be_finite_and_positive(scaling, mode):
     store.append(k, v)
     with pytest.raises(ConfigError, match="finite positive number"):
         CertifiedAttention(mode=mode)(make_query(k, 2), store, scaling)
+
+
+def test_scaling_accepts_any_real_number():
+    k, v = make_kv(1, 40, 16)
+    store = TieredKVStore(1, 16)
+    store.append(k, v)
+    q = make_query(k, 2)
+    out, _ = CertifiedAttention()(q, store, np.float32(0.25))
+    assert torch.equal(out, CertifiedAttention()(q, store, 0.25)[0])
 
 
 def test_bf16_queries_beyond_the_fp16_range_stay_finite_on_every_dense_path():
