@@ -27,7 +27,7 @@ import torch
 from certkv.attention import CertifiedAttention
 from certkv.cache.scratch import ScratchCache
 from certkv.cache.store import TieredKVStore
-from certkv.files import write_atomic
+from certkv.files import source_commit, write_atomic
 from certkv.kernels.reference import dense_attention
 from certkv.timing import PhaseTimer, _sync
 
@@ -45,7 +45,8 @@ def device_info() -> dict:
     else:
         name, peak = f"CPU ({platform.machine()}, {os.cpu_count()} cores)", None
     return {"device": name, "peak_gbps": peak, "torch": torch.__version__,
-            "transformers": transformers.__version__, "python": platform.python_version()}
+            "transformers": transformers.__version__, "python": platform.python_version(),
+            "commit": source_commit()}
 
 
 def timed(fn, repeats: int, warmup: int = 2) -> float:
@@ -166,6 +167,7 @@ class BenchReport:
         payload = {"command": self.command, **self.info, "records": records}
         write_atomic(self.out_dir / f"{self.name}.json", json.dumps(payload, indent=2) + "\n")
         head = [f"# certkv bench {self.name}", "", f"Command: `{self.command}`  ",
+                f"Commit: `{self.info['commit']}`  ",
                 f"Device: {self.info['device']} (peak {self.info['peak_gbps'] or 'n/a'} GB/s); "
                 f"torch {self.info['torch']}, transformers {self.info['transformers']}", "",
                 f"![{self.name}]({self.name}.png)", ""]

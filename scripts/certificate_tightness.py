@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 from pathlib import Path
 
@@ -29,6 +28,7 @@ import torch
 from certkv.attention import CertifiedAttention
 from certkv.cache.hf import TieredCache
 from certkv.demo import DemoLayer
+from certkv.files import source_commit
 from certkv.kernels.reference import exact_attention
 from certkv.quant import ChannelAffineKeyCodec, GroupAffineValueCodec, KVQuantizer
 
@@ -121,18 +121,10 @@ def measure_smollm2(steps: int, context: int) -> list[dict]:
     return rows
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def write(rows: list[dict], command: str, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     machine = f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}"
-    commit = _commit()
+    commit = source_commit()
     lines = [
         "# Certificate tightness (bound / actual error) and the arithmetic term's share",
         "",
