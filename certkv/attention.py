@@ -23,7 +23,13 @@ import torch
 
 from certkv.cache.scratch import ScratchCache
 from certkv.cache.store import NONFINITE_KV, TieredKVStore
-from certkv.certify.arith import ArithSpec, dense_arith, quantized_arith, step_counts
+from certkv.certify.arith import (
+    ArithSpec,
+    as_tensors,
+    dense_arith,
+    quantized_arith,
+    step_coefficients,
+)
 from certkv.certify.bounds import (
     key_error_bound,
     phase2_tail_logit,
@@ -38,7 +44,7 @@ from certkv.certify.values import LocalThreshold
 from certkv.errors import ConfigError, EmptyStoreError, NonFiniteError, ShapeError, require
 from certkv.kernels.dispatch import get_backend
 from certkv.kernels.layout import StagedBlocks, StepLayout
-from certkv.kernels.reference import DENSE_CHUNK, dense_rounding
+from certkv.kernels.reference import dense_rounding
 from certkv.timing import NULL_TIMER, PhaseTimer
 
 MODES = ("certified", "naive", "dense")
@@ -154,10 +160,9 @@ class CertifiedAttention:
     @staticmethod
     def _dense_arith(spec: ArithSpec, q, store: TieredKVStore) -> torch.Tensor:
         """E_arith ``[Hq]`` of the dense path (device ops only)."""
-        n_tokens = store.num_tokens
-        counts = step_counts(-(-n_tokens // DENSE_CHUNK), n_tokens, q.device)
         v_max = store.value_norm_max().repeat_interleave(q.shape[0] // store.num_kv_heads)
-        return dense_arith(spec, *counts, q=q, key_abs_max=store.key_abs_max(), v_max=v_max)
+        return dense_arith(spec, store.num_tokens, q=q, key_abs_max=store.key_abs_max(),
+                           v_max=v_max)
 
     def _dense_heads(self, q, store, heads, scaling):
         """Dense SDPA for query ``heads`` on their kv heads' FP16 originals (rungs 3-4)."""
@@ -209,18 +214,20 @@ class CertifiedAttention:
         # Certificate (eq. 15, Cor. 4.2), canary, rungs 3-4, then the step's second host read.
         with timer.phase("certificate"):
             spec = self._arith_spec(q, store, scaling, lay)
-            counts = step_counts(lay.num_blocks, store.num_tokens, q.device)
-            dense_counts = step_counts(-(-store.num_tokens // DENSE_CHUNK), store.num_tokens,
-                                       q.device)
-            bounds = self._segment("_certify_step", q.device)(
+            segment = self._segment("_certify_step", q.device)
+            coef = step_coefficients(spec, lay.num_blocks, store.num_tokens)
+            if isinstance(segment, _CompiledSegment):  # no recompile when the counts change
+                coef = as_tensors(coef, q.device)
+            bounds = segment(
                 l8, l16, att.rho.reshape(hq, -1), att.out.reshape(hq, -1), log_p, delta_b,
                 delta, v_max, promoted, lay.quantized, expanded, value_kv, lay.eta, ranking,
-                boundary, att.canary, q, store.nonfinite_appended(), spec, counts,
-                dense_counts, store.key_abs_max(), store.value_error_max())
+                boundary, att.canary, q, store.nonfinite_appended(), spec, coef,
+                store.key_abs_max(), store.value_error_max())
             e_key, e_val, e_arith, log_alpha, canary, rung, value_blocks, flags = bounds
             dense_heads = self._host_flags(flags)
         with timer.phase("fallback"):
-            out = self._fallback(q, store, att.out.reshape(hq, -1), dense_heads, scaling)
+            out, e_arith = self._fallback(q, store, att.out.reshape(hq, -1), dense_heads,
+                                          scaling, spec, e_arith)
         fast = rung < 3
         cert = Certificate(
             candidate_e_key=e_key, candidate_e_val=e_val,
@@ -276,19 +283,18 @@ class CertifiedAttention:
 
     def _certify_step(self, l8, l16, rho, out, log_p, delta_b, delta, v_max, promoted, quantized,
                       expanded, value_kv, eta, ranking, boundary, canary_blocks, q, kv_bad,
-                      spec, counts, dense_counts, key_abs_max, eta_max_kv):
+                      spec, coef, key_abs_max, eta_max_kv):
         """Certificate segment (pure tensor code; compiled on GPU): E_key (eq. 15), E_val
-        (Cor. 4.2), E_arith of the quantized and of the dense path (:mod:`arith`), the
-        canary, the rungs, and the flags the host reads.
+        (Cor. 4.2), E_arith of the quantized path (:mod:`certkv.certify.arith`), the canary,
+        the rungs, and the flags the host reads.
 
         Shapes: ``[Hq, n]`` per block, ``[Hq]`` per head, ``out [Hq, d]`` (FP32), ``q`` in the
         caller's dtype, ``eta, value_kv [Hkv, n]``, ``canary_blocks [Hkv, G, n]``,
-        ``key_abs_max [Hkv, d]``, ``eta_max_kv [Hkv]``; ``counts`` / ``dense_counts``: FP64
-        scalars ``(n, N)`` of Phase 2 and of the dense path. Returns ``e_key, e_val, e_arith,
-        log_alpha, canary, rung, value_blocks`` ``[Hq]`` and ``flags [Hq + 2]`` (heads needing
-        dense attention, then non-finite ``q`` and non-finite appended K/V). A head whose
-        output or bound is not finite, or whose output overflows the caller's dtype, goes
-        dense (rung 3).
+        ``key_abs_max [Hkv, d]``, ``eta_max_kv [Hkv]``; ``spec, coef``: the arithmetic bound's
+        static facts and step coefficients. Returns ``e_key, e_val, e_arith, log_alpha,
+        canary, rung, value_blocks`` ``[Hq]`` and ``flags [Hq + 2]`` (heads needing dense
+        attention, then non-finite ``q`` and non-finite appended K/V). A head whose output or
+        bound is not finite, or whose output overflows the caller's dtype, goes dense (rung 3).
         """
         hq = l8.shape[0]
         group = hq // eta.shape[0]
@@ -300,7 +306,7 @@ class CertifiedAttention:
         value_q = value_kv.repeat_interleave(group, dim=0)
         e_val = value_error_bound(rho, eta.repeat_interleave(group, dim=0) * ~value_q)
         e_arith = quantized_arith(
-            spec, *counts, q=q, key_abs_max=key_abs_max, delta=delta, delta_tail=delta_tail,
+            spec, coef, q=q, key_abs_max=key_abs_max, delta=delta, delta_tail=delta_tail,
             log_alpha=log_alpha, cap_logit=cap_logit, v_max=v_max,
             eta_max=eta_max_kv.repeat_interleave(group), e_key=e_key, e_val=e_val,
             out_norm=out.norm(dim=-1))
@@ -314,8 +320,6 @@ class CertifiedAttention:
         rung = torch.where((~ranking | ~boundary | ~finite) if certified else ~finite, 3, rung)
         if certified:
             rung = torch.where(self.ladder.layer_dense(rung >= 3, canary), 4, rung)
-        dense = dense_arith(spec, *dense_counts, q=q, key_abs_max=key_abs_max, v_max=v_max)
-        e_arith = torch.where(rung >= 3, dense, e_arith)
         bad = torch.stack([~torch.isfinite(q).all(), kv_bad])
         flags = torch.cat([rung >= 3, bad])
         return e_key, e_val, e_arith, log_alpha, canary, rung, value_q.sum(dim=-1), flags
@@ -392,16 +396,19 @@ class CertifiedAttention:
         require(not bool(flags[-1]), NonFiniteError, NONFINITE_KV)
         return flags[:-2].nonzero(as_tuple=True)[0]
 
-    def _fallback(self, q, store, out, heads, scaling):
+    def _fallback(self, q, store, out, heads, scaling, spec, e_arith):
         """The FP32 output cast to ``q``'s dtype, with rungs 3-4 (dense attention on the FP16
-        originals) written in for the query ``heads`` (host indices)."""
+        originals) written in for the query ``heads`` (host indices), and ``e_arith`` with the
+        dense path's bound on those heads."""
         out = out.to(q.dtype)
         if heads.numel() == 0:
-            return out
+            return out, e_arith
         out = out.clone() if out.dtype == torch.float32 else out
         dev_heads = heads.to(out.device, non_blocking=True)
         out[dev_heads] = self._dense_heads(q, store, heads, scaling)
-        return out
+        e_arith = e_arith.clone()
+        e_arith[dev_heads] = self._dense_arith(spec, q, store)[dev_heads]
+        return out, e_arith
 
 
 def _tier2_stage(store: TieredKVStore, kv_heads, blocks, which: str):

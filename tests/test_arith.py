@@ -21,7 +21,7 @@ from certkv import (
     LocalThreshold,
     TieredKVStore,
 )
-from certkv.certify.arith import Rounding, dot_chunk, dot_depth, gamma, step_counts
+from certkv.certify.arith import Rounding, dot_chunk, dot_depth, gamma
 from certkv.certify.bounds import key_error_bound
 from certkv.certify.certificate import CertificateLog
 from certkv.errors import ConfigError, NonFiniteError
@@ -234,14 +234,17 @@ def test_e_arith_is_small_at_ordinary_magnitudes():
 
 
 def test_rounding_chain_grows_with_every_count():
-    n, big_n = step_counts(8, 128, "cpu")
+    n, big_n = 8, 128
     base = Rounding(exps=2, depth=20)
-    rel = float(base.relative(n, big_n))
+    rel = base.relative(n, big_n)
     assert 0 < rel < 1e-4
+    assert base.accumulation(n, big_n) > 2 * rel
     for more in (Rounding(exps=3, depth=20), Rounding(exps=2, depth=21),
                  Rounding(exps=2, depth=20, depth_per_block=1),
-                 Rounding(exps=2, depth=20, product_u=2.0**-11)):
-        assert float(more.relative(n, big_n)) > rel
+                 Rounding(exps=2, depth=20, product_u=2.0**-11),
+                 Rounding(exps=2, depth=20, weight_u=2.0**-11)):
+        assert more.relative(n, big_n) > rel
+    assert Rounding(exps=2, depth=20, dot_depth=15).logit_gamma(64) < base.logit_gamma(64)
     assert gamma(10) == pytest.approx(10 * 2.0**-24, rel=1e-6) and gamma(2**23) == math.inf
 
 

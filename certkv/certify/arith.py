@@ -84,6 +84,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -100,12 +101,9 @@ _UNIT_ROUNDOFF = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float3
 _HALF_SUBNORMAL = {torch.float16: 2.0**-25, torch.bfloat16: 2.0**-134}
 
 
-def gamma(n, u: float = U32):
-    """Higham's ``gamma_n = n u / (1 - n u)`` (2.4): relative error of ``n`` roundings.
-    ``n`` a number or an FP64 tensor (per-step counts stay tensors: no recompiles)."""
+def gamma(n: float, u: float = U32) -> float:
+    """Higham's ``gamma_n = n u / (1 - n u)`` (2.4): relative error of ``n`` roundings."""
     nu = n * u
-    if isinstance(nu, torch.Tensor):
-        return torch.where(nu < 0.5, nu / (1.0 - nu), math.inf)
     return nu / (1.0 - nu) if nu < 0.5 else math.inf
 
 
@@ -174,25 +172,43 @@ class Rounding:
     weight_u: float = 0.0
     weight_abs: float = 0.0
 
-    def relative(self, n_blocks: torch.Tensor, n_tokens: torch.Tensor,
-                 u: float = U32) -> torch.Tensor:
+    def relative(self, n_blocks: int, n_tokens: int, u: float = U32) -> float:
         """Relative error of one term of a weighted sum, exponent arguments aside."""
         exps = self.exps + self.exps_per_token * n_tokens
         depth = self.depth + self.depth_per_block * n_blocks + self.depth_per_token * n_tokens
-        return (torch.exp(exps * math.log1p(EXP_ULPS * u)) * (1 + gamma(depth, u))
+        return ((1 + EXP_ULPS * u) ** exps * (1 + gamma(depth, u))
                 * (1 + self.product_u) ** 2 * (1 + self.weight_u) - 1)
 
+    def logit_gamma(self, d: int, u: float = U32) -> float:
+        """Relative error of a logit against ``sum_c |q_c k_c|`` (item 1)."""
+        depth = d if self.dot_depth is None else self.dot_depth
+        return gamma(self.dot_scale * depth + self.logit_roundings, u) + 2 * self.product_u
 
-def _arg_rounding(n_tokens: torch.Tensor, u: float) -> torch.Tensor:
+    def accumulation(self, n_blocks: int, n_tokens: int, u: float = U32) -> float:
+        """Item 4: ``||O_hat - Obar|| <= this * V'`` for a softmax-weighted sum of ``n_tokens``
+        values of norm at most ``V'``."""
+        omega_den = self.relative(n_blocks, n_tokens, u) + _arg_rounding(n_tokens, u)
+        omega_num = omega_den + self.weight_abs * n_tokens
+        return (u + omega_den + (1 + u) * omega_num) / (1 - omega_den) + n_tokens * TINY
+
+
+def _arg_rounding(n_tokens: int, u: float) -> float:
     """Weighted cost of rounded exp arguments (item 4): ``3 u log N`` (with higher orders)."""
-    return ARG_ROUNDING * u * torch.log(n_tokens.clamp_min(2)) * math.exp(
-        ARG_ROUNDING * u * NORMAL_EXP)
+    return ARG_ROUNDING * u * math.log(max(n_tokens, 2)) * math.exp(ARG_ROUNDING * u * NORMAL_EXP)
+
+
+def _lse_rounding(terms: int, n_tokens: int, u: float) -> float:
+    """Error of one computed log-sum-exp over ``terms`` inputs, rounding of the result aside
+    (item 5): ``2 (omega_e + gamma_k + u log k) + 4 u log k``."""
+    log_k = math.log(max(terms, 2))
+    omega_e = EXP_ULPS * u + _arg_rounding(n_tokens, u)
+    return 2 * (omega_e + gamma(terms, u) + u * log_k) + 4 * u * log_k
 
 
 def _round_up_fp32(x: torch.Tensor) -> torch.Tensor:
-    """FP64 -> FP32 rounding up (never below the FP64 value)."""
-    y = x.float()
-    return torch.where(y.double() < x, torch.nextafter(y, torch.full_like(y, math.inf)), y)
+    """Non-negative FP64 -> FP32, never below ``x``: rounding to nearest loses at most
+    ``2^-24`` relatively (``2^-150`` absolutely), which the factor and the offset cover."""
+    return (x * (1 + 2.0**-22) + 2.0**-140).float()
 
 
 def _widen(x: torch.Tensor, slack: torch.Tensor) -> torch.Tensor:
@@ -214,67 +230,28 @@ def logit_magnitude(q: torch.Tensor, key_abs_max: torch.Tensor, scaling: float):
     return s * (1 + gamma(d + 2, 2.0**-53)), kmax.sum(dim=-1)
 
 
-def logit_rounding(magnitude: torch.Tensor, delta: torch.Tensor, key_abs_sum: torch.Tensor,
-                   scaling: float, d: int, rounding: Rounding, u: float = U32) -> torch.Tensor:
+def logit_rounding(spec_gamma: float, magnitude, delta, key_abs_sum, scaling: float, d: int):
     """``eps`` (item 1), FP64 ``[Hq]``: every computed logit is within ``eps`` of
     ``scaling q . k'`` (``k'`` the key the path used), and the exact ``Delta_b`` within
-    ``eps`` above the computed one.
-
-    Args:
-        magnitude: ``S`` (:func:`logit_magnitude`); delta: the head's computed max ``Delta_b``
-            (0 on the dense path); key_abs_sum: ``sum_c K_c`` (times any prescaling factor).
-    """
-    delta = delta.double()
-    depth = d if rounding.dot_depth is None else rounding.dot_depth
-    g_dot = gamma(rounding.dot_scale * depth + rounding.logit_roundings, u) + 2 * rounding.product_u
+    ``eps`` above the computed one. ``spec_gamma``: :meth:`Rounding.logit_gamma`; magnitude:
+    ``S``; delta: the head's computed max ``Delta_b`` (0 on the dense path); key_abs_sum:
+    ``sum_c K_c`` (times any prescaling factor), for underflow."""
     g_delta = gamma(d + 4)  # Delta_b is always an FP32 sum
-    underflow = scaling * TINY * (d + key_abs_sum.double())
-    return g_dot * (magnitude + delta) * (1 + 2 * g_delta) + 2 * g_delta * delta + underflow
+    underflow = scaling * TINY * (d + key_abs_sum)
+    return spec_gamma * (magnitude + delta) * (1 + 2 * g_delta) + 2 * g_delta * delta + underflow
 
 
-def _lse_rounding(terms, n_tokens: torch.Tensor, u: float):
-    """Error of one computed log-sum-exp over ``terms`` inputs, rounding of the result aside
-    (item 5): ``2 (omega_e + gamma_k + u log k) + 4 u log k``."""
-    log_k = math.log(max(terms, 2)) if isinstance(terms, int) else torch.log(terms.clamp_min(2))
-    omega_e = EXP_ULPS * u + _arg_rounding(n_tokens, u)
-    return 2 * (omega_e + gamma(terms, u) + u * log_k) + 4 * u * log_k
-
-
-def log_sum_exp_rounding(magnitude: torch.Tensor, delta: torch.Tensor, block_size: int,
-                         n_blocks: torch.Tensor, n_tokens: torch.Tensor,
-                         u: float = U32) -> torch.Tensor:
-    """``kappa`` (item 5), FP64 ``[Hq]``: how far ``log alpha_hat`` (block log-masses over
-    ``B`` tokens, a log-softmax and a log-sum-exp over ``n`` blocks) or either half of
-    ``log U_T - log Z_F`` is from the exact value for the computed logits; generous by 2x. The
-    ``u |x|`` rounding of the result ``x`` itself is added by :func:`_widen`."""
-    log_n = torch.log(n_tokens.clamp_min(2))
-    chained = 2 * _lse_rounding(block_size, n_tokens, u) + 2 * _lse_rounding(n_blocks, n_tokens,
-                                                                               u)
-    return 2 * chained + 8 * u * (magnitude + delta.double() + log_n + 1)
-
-
-def accumulation_error(rounding: Rounding, v_bound: torch.Tensor, n_blocks: torch.Tensor,
-                       n_tokens: torch.Tensor, u: float = U32) -> torch.Tensor:
-    """Item 4: ``||O_hat - Obar||`` for a softmax-weighted sum of ``n_tokens`` values of norm
-    at most ``v_bound`` (``[Hq]``), FP64."""
-    omega_den = rounding.relative(n_blocks, n_tokens, u) + _arg_rounding(n_tokens, u)
-    omega_num = omega_den + rounding.weight_abs * n_tokens
-    omega = (u + omega_den + (1 + u) * omega_num) / (1 - omega_den)
-    return (omega + n_tokens * TINY) * v_bound.double()
-
-
-def cast_error(out_norm: torch.Tensor, d: int, dtype: torch.dtype) -> torch.Tensor:
+def cast_error(out_norm: torch.Tensor, d: int, dtype: torch.dtype):
     """Item 6: rounding ``[Hq]`` outputs of norm at most ``out_norm`` to ``dtype`` (0 when
     ``dtype`` holds every FP32 value)."""
     if dtype not in _HALF_SUBNORMAL:
-        return torch.zeros_like(out_norm, dtype=torch.float64)
-    return unit_roundoff(dtype) * out_norm.double() + math.sqrt(d) * _HALF_SUBNORMAL[dtype]
+        return 0.0
+    return unit_roundoff(dtype) * out_norm + math.sqrt(d) * _HALF_SUBNORMAL[dtype]
 
 
 @dataclass(frozen=True)
 class ArithSpec:
-    """Static facts the bound needs (fixed for a layer; the per-step counts ``n``, ``N`` are
-    passed as tensors)."""
+    """Static facts the bound needs (fixed for a layer and setting)."""
 
     head_dim: int
     block_size: int
@@ -287,61 +264,82 @@ class ArithSpec:
     value_decode: float = 0.0  # the value codec's decode_rounding factor (item 3)
 
 
-def step_counts(n_blocks: int, n_tokens: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The step's ``n`` and ``N`` as FP64 device scalars (fill kernels: no transfer, and
-    symbolic under ``torch.compile``)."""
-    return (torch.full((), n_blocks, dtype=torch.float64, device=device),
-            torch.full((), n_tokens, dtype=torch.float64, device=device))
+class StepCoefficients(NamedTuple):
+    """The step's count-dependent scalars of the quantized path, computed on the host from ``n``
+    blocks and ``N`` tokens (floats; 0-d device tensors for a compiled segment, so that a new
+    count never recompiles it)."""
+
+    kappa: float  # item 5 without the per-head magnitude part
+    val_rel: float  # E_val+ = E_val (1 + val_rel) + ...: block masses and the sum over blocks
+    val_abs: float  # ... + val_abs * eta_max: underflowed block masses
+    acc: float  # item 4: ||O_hat - Obar|| <= acc * V'
 
 
-def quantized_arith(spec: ArithSpec, n_blocks, n_tokens, *, q, key_abs_max, delta, delta_tail,
-                    log_alpha, cap_logit, v_max, eta_max, e_key, e_val,
+def step_coefficients(spec: ArithSpec, n_blocks: int, n_tokens: int) -> StepCoefficients:
+    """:class:`StepCoefficients` of a quantized step over ``n_blocks`` and ``n_tokens``."""
+    log_n = math.log(max(n_tokens, 2))
+    chained = 2 * _lse_rounding(spec.block_size, n_tokens, U32) + 2 * _lse_rounding(
+        n_blocks, n_tokens, U32)
+    omega = spec.rounding.relative(n_blocks, n_tokens) + math.expm1(
+        ARG_ROUNDING * U32 * NORMAL_EXP)  # block masses: unweighted
+    omega_rho = (2 * omega + U32) / (1 - omega)
+    return StepCoefficients(
+        kappa=2 * chained + 8 * U32 * (log_n + 1),
+        val_rel=1 / ((1 - gamma(n_blocks + 1)) * (1 - omega_rho)) - 1,
+        val_abs=n_blocks * TINY,
+        acc=spec.rounding.accumulation(n_blocks, n_tokens))
+
+
+def as_tensors(coef: StepCoefficients, device) -> StepCoefficients:
+    """The coefficients as FP64 0-d tensors on ``device`` (one non-blocking copy)."""
+    packed = torch.tensor(coef, dtype=torch.float64).to(device, non_blocking=True)
+    return StepCoefficients(*packed.unbind())
+
+
+def quantized_arith(spec: ArithSpec, coef: StepCoefficients, *, q, key_abs_max, delta,
+                    delta_tail, log_alpha, cap_logit, v_max, eta_max, e_key, e_val,
                     out_norm) -> torch.Tensor:
     """``e_arith`` of the quantized path (rungs 0-2), FP32 ``[Hq]`` rounded up (items 1-6).
 
-    Args (``[Hq]`` unless stated): n_blocks, n_tokens: FP64 scalars (:func:`step_counts`);
-    q ``[Hq, d]``; key_abs_max ``[Hkv, d]``; delta / delta_tail: the computed max ``Delta_b``
-    over quantized / INT8-tail blocks; log_alpha: computed ``log alpha_hat`` of the tail;
-    cap_logit: computed ``log U_T - log Z_F``; v_max; eta_max: the largest ``eta_b``; e_key,
-    e_val: the paper's terms as returned; out_norm: ``||O_hat||`` (FP32, before the cast).
+    Args (``[Hq]`` unless stated): coef: :func:`step_coefficients`; q ``[Hq, d]``;
+    key_abs_max ``[Hkv, d]``; delta / delta_tail: the computed max ``Delta_b`` over quantized /
+    INT8-tail blocks; log_alpha: computed ``log alpha_hat`` of the tail; cap_logit: computed
+    ``log U_T - log Z_F``; v_max; eta_max: the largest ``eta_b``; e_key, e_val: the paper's
+    terms as returned; out_norm: ``||O_hat||`` (the FP32 output before the cast).
     """
     d = spec.head_dim
-    v = v_max.double()
+    inputs = torch.stack([delta, delta_tail, log_alpha, cap_logit, v_max, eta_max, e_key,
+                          e_val, out_norm]).double()  # one conversion to FP64
+    dlt, dlt_t, log_a, cap, v, eta, e_key, e_val, out_norm = inputs.unbind()
     magnitude, key_abs_sum = logit_magnitude(q, key_abs_max, spec.scaling)
-    eps = logit_rounding(magnitude, delta, key_abs_sum, spec.scaling, d, spec.rounding)
-    kappa = log_sum_exp_rounding(magnitude, delta, spec.block_size, n_blocks, n_tokens)
+    eps = logit_rounding(spec.rounding.logit_gamma(d), magnitude, dlt, key_abs_sum,
+                         spec.scaling, d)
+    kappa = coef.kappa + 8 * U32 * (magnitude + dlt)
     e_key_plus = key_error_bound(
-        v, delta.double() + eps, delta_tail.double() + eps,
-        _widen(log_alpha.double(), kappa), spec.mass_inflation,
-        _widen(cap_logit.double(), 2 * eps + 2 * kappa),
+        v, dlt + eps, dlt_t + eps, _widen(log_a, kappa), spec.mass_inflation,
+        _widen(cap, 2 * eps + 2 * kappa),
     ) + 2 * v * torch.tanh(eps / 2)
     decode = spec.value_decode * U32 * (v + math.sqrt(d) * 2.0**-24)
-    omega = (spec.rounding.relative(n_blocks, n_tokens)
-             + math.expm1(ARG_ROUNDING * U32 * NORMAL_EXP))  # block masses: unweighted
-    omega_rho = (2 * omega + U32) / (1 - omega)
-    e_val_plus = (e_val.double() / ((1 - gamma(n_blocks + 1)) * (1 - omega_rho))
-                  + n_blocks * TINY * eta_max.double() + decode)
-    v_prime = v + eta_max.double() + decode
-    acc = accumulation_error(spec.rounding, v_prime, n_blocks, n_tokens)
-    cast = cast_error(out_norm.double() * (1 + gamma(d + 1)), d, spec.out_dtype)
-    total = (e_key_plus + e_val_plus + acc + cast) * (1 + 4 * U32) + TINY * (v_prime + 1)
-    return _round_up_fp32((total - e_key.double() - e_val.double()).clamp_min(0.0))
+    e_val_plus = e_val * (1 + coef.val_rel) + coef.val_abs * eta + decode
+    v_prime = v + eta + decode
+    cast = cast_error(out_norm * (1 + gamma(d + 1)), d, spec.out_dtype)
+    total = (e_key_plus + e_val_plus + coef.acc * v_prime + cast) * (1 + 4 * U32)
+    total = total + TINY * (v_prime + 1) - e_key - e_val
+    return _round_up_fp32(total.clamp_min(0.0))
 
 
-def dense_arith(spec: ArithSpec, n_blocks, n_tokens, *, q, key_abs_max,
-                v_max) -> torch.Tensor:
+def dense_arith(spec: ArithSpec, n_tokens: int, *, q, key_abs_max, v_max) -> torch.Tensor:
     """``e_arith`` of the dense path (rungs 3-4, ``mode=dense``), FP32 ``[Hq]`` rounded up:
     logit rounding on every token (``2 V_max tanh(eps/2)``), the weighted sum and its
     normalisation, the cast (items 1, 4, 6). The dense path prescales ``q`` by a power of two
-    ``<= 2 max(1, |q|_inf)``, whose subnormal underflow enters ``eps``. ``n_blocks`` counts
-    the dense path's chunks."""
+    ``<= 2 max(1, |q|_inf)``, whose subnormal underflow enters ``eps``."""
     d, u = spec.head_dim, spec.dense_u
     v = v_max.double()
     magnitude, key_abs_sum = logit_magnitude(q, key_abs_max, spec.scaling)
     prescale = 2 * q.double().abs().amax(dim=-1).clamp_min(1.0)
-    eps = logit_rounding(magnitude, torch.zeros_like(v), key_abs_sum * prescale,
-                         spec.scaling, d, spec.dense_rounding, u)
-    acc = accumulation_error(spec.dense_rounding, v, n_blocks, n_tokens, u)
+    eps = logit_rounding(spec.dense_rounding.logit_gamma(d, u), magnitude, 0.0,
+                         key_abs_sum * prescale, spec.scaling, d)
+    acc = spec.dense_rounding.accumulation(0, n_tokens, u) * v
     cast = cast_error(v + acc, d, spec.out_dtype)
     total = (2 * v * torch.tanh(eps / 2) + acc + cast) * (1 + 4 * U32) + TINY * (v + 1)
     return _round_up_fp32(total)
