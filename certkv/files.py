@@ -29,8 +29,9 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 def source_commit() -> str:
-    """The certkv checkout's commit (short hash, ``-dirty`` if tracked files changed since), for
-    the provenance line of a report; ``unknown`` outside a git checkout."""
+    """The certkv checkout's commit (short hash, ``-dirty`` if tracked files outside
+    ``reports/`` changed since), for the provenance line of a report; ``unknown`` outside a git
+    checkout."""
     root = Path(__file__).resolve().parent.parent
 
     def git(*args: str) -> str:
@@ -39,6 +40,7 @@ def source_commit() -> str:
 
     try:
         commit = git("rev-parse", "--short", "HEAD")
-        return commit + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+        changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!reports")
+        return commit + ("-dirty" if changed else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
