@@ -165,7 +165,7 @@ class CertifiedAttention:
                            v_max=v_max)
 
     def _dense_heads(self, q, store, heads, scaling):
-        """Dense SDPA for query ``heads`` on their kv heads' FP16 originals (rungs 3-4)."""
+        """Dense attention for query ``heads`` on their kv heads' FP16 originals (rungs 3-4)."""
         if heads.numel() == q.shape[0]:  # the whole layer: GQA inside SDPA, no gather
             k16, v16 = store.dense_kv()
             return self.backend.dense(q, k16, v16, scaling)

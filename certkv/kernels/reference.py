@@ -155,7 +155,7 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: 
         :func:`prescaled_attention` (FP32, FP64 for an FP64 ``q``), which cannot overflow for
         any finite input. :func:`dense_rounding` describes the arithmetic of both.
     """
-    if _fast_sdpa(q, k):
+    if _fast_sdpa(q.dtype, k.dtype, q.device):
         out = F.scaled_dot_product_attention(
             q[None, :, None, :], k[None], v[None], scale=scaling,
             enable_gqa=k.shape[0] != q.shape[0])
@@ -163,8 +163,9 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: 
     return prescaled_attention(q, k, v, scaling).to(q.dtype)
 
 
-def _fast_sdpa(q: torch.Tensor, k: torch.Tensor) -> bool:
-    return q.is_cuda and q.dtype == torch.float16 and k.dtype == torch.float16
+def _fast_sdpa(q_dtype: torch.dtype, cache_dtype: torch.dtype, device: torch.device) -> bool:
+    """FP16 queries on an FP16 cache on CUDA run SDPA in place."""
+    return device.type == "cuda" and q_dtype == cache_dtype == torch.float16
 
 
 def prescaled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float):
@@ -207,7 +208,7 @@ def dense_rounding(q: torch.Tensor, cache_dtype: torch.dtype) -> tuple[Rounding,
       accumulation: twice the roundings), an online softmax rescaling at least every 16 tokens,
       weights rounded to FP16 before the value product, the FP32 sum in any order.
     """
-    if _fast_sdpa(q, torch.empty(0, dtype=cache_dtype, device=q.device)):
+    if _fast_sdpa(q.dtype, cache_dtype, q.device):
         return Rounding(exps=3, exps_per_token=1 / 16, depth=8, depth_per_token=2, dot_scale=2,
                         weight_u=2.0**-11, weight_abs=2.0**-25), U32
     u = 2.0**-53 if q.dtype == torch.float64 else U32
