@@ -60,7 +60,9 @@ def scenarios(draw):
         "exploration": draw(st.sampled_from([0.0, 0.3])),
         "fp64_scalars": draw(st.booleans()),
         "mode": draw(st.sampled_from(["certified", "certified", "naive"])),
-        "q_dtype": draw(st.sampled_from(["float32", "float32", "float16", "bfloat16"])),
+        "q_dtype": draw(st.sampled_from(["float32", "float32", "float16", "bfloat16",
+                                         "float64"])),
+        "scaling": draw(st.sampled_from([None, None, None, 1.0, 0.02])),
         "seed": draw(st.integers(0, 2**16)),
         "chunks": draw(st.integers(1, 3)),
     }
@@ -109,7 +111,7 @@ def check_contract(store, q, attn, scaling=None):
 @given(scenarios())
 def test_contract_holds_on_every_head(sc):
     store, q, attn = build(sc)
-    check_contract(store, q, attn)
+    check_contract(store, q, attn, sc["scaling"])
 
 
 def test_contract_over_a_decode_sequence():

@@ -164,7 +164,7 @@ def test_contract_with_triton_backend(sc):
     sc = {**sc, "tokens": min(sc["tokens"], 64), "fp64_scalars": False}
     store, q, attn = build(sc)
     attn.backend = TritonBackend(split=4)
-    check_contract(store, q, attn)
+    check_contract(store, q, attn, sc["scaling"])
 
 
 def test_triton_and_torch_backends_agree_through_attention():
