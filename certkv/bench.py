@@ -270,11 +270,11 @@ MODEL_CONFIGS = {
 
 def bench_decode(model: str, contexts: list[int], device: torch.device, repeats: int,
                  dtype: torch.dtype, compile: bool | str | None = None) -> list[dict]:
-    """Whole-model decode step, dense vs certified, for a random-weight model config."""
+    """Whole-model decode step, dense vs certified, for a random-weight model config. Dense is
+    the model's own cache and SDPA in its dtype (what a user would run instead)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from certkv.cache.hf import CacheSpec
-    from certkv.eval.decode import Decoder, prefill
+    from certkv.eval.decode import Method, Prefill
     from certkv.models.hook import enable
     from certkv.models.loading import LoadedModel, ModelSpec
 
@@ -287,11 +287,12 @@ def bench_decode(model: str, contexts: list[int], device: torch.device, repeats:
     records = []
     for context in contexts:
         ids = torch.randint(0, config.vocab_size, (context,)).tolist()
-        base = prefill(lm, ids[:-1], 16, CacheSpec())
+        shared = Prefill(lm, ids[:-1])
         row = {"model": model, "context": context, "ms": {}, "phases_ms": {}}
         for mode in ("dense", "certified"):
-            attention = CertifiedAttention(mode=mode, compile=compile)
-            decoder = Decoder(lm, base.clone_as(attention))
+            method = Method.build(mode, mode, compile=compile)
+            attention = method.attention
+            decoder = shared.session(method).decoder()
             token = ids[-1]
             row["ms"][mode] = timed(lambda d=decoder, t=token: d.step(t), repeats)
             timer = attention.timer = PhaseTimer()  # breakdown from a separate, synced step

@@ -58,7 +58,7 @@ def test_rerun_resumes_instead_of_recomputing(out, monkeypatch):
     calls = []
     original = runner_module._run_one
     monkeypatch.setattr(runner_module, "_run_one",
-                        lambda *a, **k: calls.append(a[4].name) or original(*a, **k))
+                        lambda *a, **k: calls.append(a[3].name) or original(*a, **k))
     assert run(*TINY, f"out_dir={out}").exit_code == 0
     assert len(calls) == 4  # only the missing (task, sample, variant) records
     assert len((run_dir / "samples.jsonl").read_text().splitlines()) == 6

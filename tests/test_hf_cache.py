@@ -123,10 +123,31 @@ def test_batch_above_one_fails_with_one_sentence():
         model(prompt().repeat(2, 1), past_key_values=TieredCache(2, CertifiedAttention()))
 
 
-def test_certkv_attention_without_tiered_cache_explains():
+def test_without_a_tiered_cache_the_model_runs_its_own_sdpa():
+    native, model = tiny_model()
+    ids = prompt()
+    with torch.no_grad():
+        for cache in (None, DynamicCache()):
+            torch.testing.assert_close(model(ids, past_key_values=cache).logits,
+                                       native(ids).logits, rtol=0, atol=0)
+
+
+def test_a_dropped_cache_is_freed_at_once():
+    """No reference cycle between a TieredCache and its layers: dropping the last reference
+    frees the stores without waiting for the cyclic garbage collector."""
+    import gc
+    import weakref
+
     _, model = tiny_model()
-    with pytest.raises(CertKVError, match="needs a TieredCache"):
-        model(prompt(), past_key_values=DynamicCache())
+    cache = TieredCache(2, CertifiedAttention())
+    model(prompt(), past_key_values=cache)
+    store = weakref.ref(cache.layers[0].store)
+    gc.disable()
+    try:
+        del cache
+        assert store() is None
+    finally:
+        gc.enable()
 
 
 def test_ladder_config_reaches_the_model():

@@ -86,3 +86,19 @@ def test_attention_reads_the_scratch_pool_in_place_with_the_same_result(capacity
         for _ in range(2):  # misses, then hits
             out, _ = CertifiedAttention(backend=backend)(q, s, scratch=scratch)
             torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_pool_holds_no_more_slots_than_the_context_can_use():
+    """The pool grows with the context (one slot per (kv head, block) at most), up to the
+    configured capacity, keeping what it holds."""
+    k, v = make_kv(2, 256, 32, seed=0)
+    s = TieredKVStore(2, 32)
+    s.append(k[:, :64], v[:, :64])  # 4 blocks per kv head
+    scratch = ScratchCache(key_blocks=2048, value_blocks=12)
+    heads, blocks = torch.tensor([0, 1]), torch.tensor([1, 3])
+    first, _ = scratch.fetch(s, heads, blocks, which="kv")
+    assert scratch._lru["k"].buffer.shape[0] == 8 and scratch._lru["v"].buffer.shape[0] == 8
+    s.append(k[:, 64:], v[:, 64:])  # 16 blocks per kv head
+    again, _ = scratch.fetch(s, heads, torch.tensor([1, 15]), which="kv")
+    assert scratch._lru["k"].buffer.shape[0] == 32 and scratch._lru["v"].buffer.shape[0] == 12
+    assert torch.equal(again[0], first[0]) and scratch.stats.hits == 2  # kept through growth

@@ -9,6 +9,7 @@ and ``model.generate(...)``. Batch size 1 (the paper's setting).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -49,11 +50,15 @@ class StoreHandle:
 
 
 class TieredLayer(DynamicLayer):
-    """One decoder layer's cache: a :class:`TieredKVStore` plus its scratch cache."""
+    """One decoder layer's cache: a :class:`TieredKVStore` plus its scratch cache.
+
+    It refers to its :class:`TieredCache` weakly: a strong back-reference would make a cycle that
+    keeps every dropped cache (stores, Tier-2, scratch) alive until Python's cyclic collector
+    happens to run."""
 
     def __init__(self, cache: TieredCache, layer_idx: int) -> None:
         super().__init__()
-        self.cache = cache
+        self._cache = weakref.ref(cache)
         self.layer_idx = layer_idx
         self.store: TieredKVStore | None = None
         self.scratch = ScratchCache(cache.spec.scratch_key_blocks, cache.spec.scratch_value_blocks)
@@ -75,6 +80,10 @@ class TieredLayer(DynamicLayer):
         self.store.append(key_states[0], value_states[0])
         handle = StoreHandle(self, key_states, value_states)
         return handle, handle
+
+    @property
+    def cache(self) -> TieredCache:
+        return self._cache()
 
     def get_seq_length(self) -> int:
         return 0 if self.store is None else self.store.num_tokens
@@ -108,12 +117,23 @@ class TieredCache(Cache):
                  spec: CacheSpec | None = None) -> TieredCache:
         """A new cache holding the same tokens (from the FP16 originals) for another method, so
         one dense prefill can serve several methods."""
-        cache = TieredCache(len(self.layers), attention, quantizer, spec or self.spec)
-        for layer, source in zip(cache.layers, self.layers, strict=True):
-            if source.store is not None:
-                with torch.inference_mode():  # the source may hold inference tensors (prefill)
-                    k, v = source.store.dense_kv()
-                layer.update(k[None], v[None])
+        with torch.inference_mode():  # the source may hold inference tensors (prefill)
+            states = [None if s is None else s.dense_kv() for s in
+                      (layer.store for layer in self.layers)]
+        return TieredCache.from_states(states, attention, quantizer, spec or self.spec)
+
+    @classmethod
+    def from_states(cls, states: list, attention: CertifiedAttention,
+                    quantizer: KVQuantizer | None = None,
+                    spec: CacheSpec | None = None) -> TieredCache:
+        """A cache holding given keys and values: ``states[i]`` is layer ``i``'s ``(k, v)``,
+        each ``[Hkv, T, d]`` (or ``[1, Hkv, T, d]``), or None for an empty layer (e.g. the
+        prefill states of a model's own cache)."""
+        cache = cls(len(states), attention, quantizer, spec)
+        for layer, state in zip(cache.layers, states, strict=True):
+            if state is not None:
+                k, v = (x if x.dim() == 4 else x[None] for x in state)
+                layer.update(k, v)
         return cache
 
     def stores(self) -> list[TieredKVStore]:

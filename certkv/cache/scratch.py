@@ -34,7 +34,7 @@ class ScratchStats:
 
 
 class _LRUBlocks:
-    """``capacity`` FP16 slots ``[B, d]`` for one kind (keys or values), LRU by use stamp.
+    """Up to ``capacity`` FP16 slots ``[B, d]`` for one kind (keys or values), LRU by use stamp.
 
     The bookkeeping is on the host (``slot_of[kv, block]`` -> slot or -1, each slot's ``owner``
     and ``stamp``): page-in indices are host tensors already, so lookups and evictions never
@@ -47,12 +47,24 @@ class _LRUBlocks:
         self.buffer = self.owner = self.stamp = self.slot_of = None
 
     def _ensure(self, store) -> None:
+        """Size the pool to what the store can use (one slot per ``(kv head, block)`` pair, at
+        most ``capacity``), growing it by doubling as the context grows; slots keep their
+        indices."""
+        want = min(self.capacity, store.num_kv_heads * store.num_blocks)
         if self.buffer is None:
-            shape = (self.capacity, store.block_size, store.head_dim)
-            self.buffer = torch.empty(shape, dtype=torch.float16, device=store.device)
-            self.owner = torch.full((self.capacity, 2), -1, dtype=torch.long)
-            self.stamp = torch.full((self.capacity,), -1, dtype=torch.long)
+            self.buffer = torch.empty(0, store.block_size, store.head_dim, dtype=torch.float16,
+                                      device=store.device)
+            self.owner = torch.full((0, 2), -1, dtype=torch.long)
+            self.stamp = torch.full((0,), -1, dtype=torch.long)
             self.slot_of = torch.full((store.num_kv_heads, 0), -1, dtype=torch.long)
+        size = self.buffer.shape[0]
+        if size < want:
+            grown = min(self.capacity, max(2 * size, want))
+            extra = grown - size
+            self.buffer = torch.cat([self.buffer, self.buffer.new_empty(
+                extra, *self.buffer.shape[1:])])
+            self.owner = torch.cat([self.owner, torch.full((extra, 2), -1, dtype=torch.long)])
+            self.stamp = torch.cat([self.stamp, torch.full((extra,), -1, dtype=torch.long)])
         if self.slot_of.shape[1] < store.num_blocks:
             grown = torch.full((store.num_kv_heads, max(2 * self.slot_of.shape[1],
                                                         store.num_blocks)), -1, dtype=torch.long)

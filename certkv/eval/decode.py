@@ -1,31 +1,80 @@
-"""Token-by-token decoding through a tiered cache, and the shared dense prefill (paper 8).
+"""The evaluation protocol (paper 8) as a small public API, free of Hydra (``certkv bench`` runs
+where only torch, transformers, typer and rich are installed).
 
-Free of Hydra so that ``certkv bench`` runs where only torch, transformers, typer and rich are
-installed (the lent GPU machines).
+One dense prefill of a prompt with the model's own cache is shared by every method; each method
+then decodes from the last prompt token on its own copy, so the first predicted token already
+comes from the method under test. The dense method keeps the model's own cache and SDPA in the
+model's dtype (what a user would run instead); quantized methods get a
+:class:`~certkv.cache.hf.TieredCache` built from the same prefill states::
+
+    lm = load_model(SMOLLM2)
+    ids = lm.tokenizer.encode(prompt, add_special_tokens=False)
+    shared = Prefill(lm, ids[:-1])
+    for method in (Method.build("dense", "dense"), Method.build("certified")):
+        session = shared.session(method)
+        answer = session.decoder().generate(ids[-1], max_new_tokens=32)  # stops at EOS
+        print(method.name, lm.tokenizer.decode(answer), session.certificate_record()["steps"])
+
+``model.generate(ids, past_key_values=TieredCache(...))`` also works, but there the dense prefill
+produces the first answer token; the protocol above makes every answer token a method step.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
+from dataclasses import dataclass, field
 
 import torch
+from transformers import DynamicCache
 
-from certkv.attention import CertifiedAttention
+from certkv.attention import MODES, CertifiedAttention
 from certkv.cache.hf import CacheSpec, TieredCache
+from certkv.certify.ladder import Ladder
+from certkv.certify.select import AdaptiveTopK
+from certkv.certify.values import LocalThreshold
+from certkv.errors import ConfigError, require
 from certkv.models.loading import LoadedModel
 from certkv.quant import KVQuantizer
 
 
-class Decoder:
-    """Feeds one token at a time through the model with a tiered cache; times each step."""
+@dataclass
+class Method:
+    """One method compared on the same prompts: a name, a mode, the attention and the Tier-1
+    quantizer. :meth:`build` makes one from plain Python; the runner builds them from Hydra."""
 
-    def __init__(self, lm: LoadedModel, cache: TieredCache) -> None:
+    name: str
+    mode: str
+    attention: CertifiedAttention
+    quantizer: KVQuantizer = field(default_factory=KVQuantizer)
+
+    def __post_init__(self) -> None:
+        require(self.mode in MODES, ConfigError,
+                f"method {self.name!r} has mode={self.mode!r}; use one of {list(MODES)}.")
+        self.quantizer = self.quantizer.for_mode(self.mode)
+
+    @classmethod
+    def build(cls, name: str = "certified", mode: str = "certified", *,
+              quantizer: KVQuantizer | None = None, selector: AdaptiveTopK | None = None,
+              value_policy: object | None = None, ladder: Ladder | None = None,
+              backend: object = "auto", compile: bool | str | None = None) -> Method:
+        """A method with the paper's defaults (Table 2) for anything not given."""
+        attention = CertifiedAttention(selector or AdaptiveTopK(),
+                                       value_policy or LocalThreshold(), ladder or Ladder(),
+                                       backend, mode, compile=compile)
+        return cls(name, mode, attention, quantizer or KVQuantizer())
+
+
+class Decoder:
+    """Feeds tokens through the model with one cache; times each decode step."""
+
+    def __init__(self, lm: LoadedModel, cache) -> None:
         self.lm, self.cache, self.tokenizer = lm, cache, lm.tokenizer
         self.step_ms: list[float] = []
 
     @torch.inference_mode()
     def step(self, token: int) -> torch.Tensor:
-        """Decode ``token``; returns FP32 logits ``[vocab]`` of the next token."""
+        """Decode ``token`` (one step of the method); returns FP32 logits ``[vocab]``."""
         ids = torch.tensor([[token]], device=self.lm.device)
         _sync(self.lm.device)
         start = time.perf_counter()
@@ -34,18 +83,124 @@ class Decoder:
         self.step_ms.append(1e3 * (time.perf_counter() - start))
         return out.logits[0, -1].float()
 
+    @torch.inference_mode()
+    def feed(self, ids: list[int]) -> None:
+        """Prefill more prompt tokens densely (e.g. a question after a shared document); not
+        decode steps, not timed."""
+        if ids:
+            self.lm.model(input_ids=torch.tensor([ids], device=self.lm.device),
+                          past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+
+    def generate(self, first: int, max_new_tokens: int) -> list[int]:
+        """Greedy decoding from the prompt's last token ``first``: at most ``max_new_tokens``
+        tokens, stopping after an end-of-sequence token (which is not returned)."""
+        stop = end_of_sequence_ids(self.lm)
+        token, out = first, []
+        for _ in range(max_new_tokens):
+            token = int(self.step(token).argmax())
+            if token in stop:
+                break
+            out.append(token)
+        return out
+
+
+def end_of_sequence_ids(lm: LoadedModel) -> set[int]:
+    """The model's end-of-sequence ids (generation config and tokenizer)."""
+    ids: set[int] = set()
+    for source in (getattr(lm.model, "generation_config", None), lm.tokenizer):
+        eos = getattr(source, "eos_token_id", None)
+        ids.update([eos] if isinstance(eos, int) else list(eos or []))
+    return ids
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-@torch.inference_mode()
-def prefill(lm: LoadedModel, prefix: list[int], block_size: int, spec: CacheSpec) -> TieredCache:
-    """Dense prefill of ``prefix`` into a cache of FP16 originals (paper 8)."""
-    cache = TieredCache(lm.num_layers, CertifiedAttention(mode="dense"),
-                        KVQuantizer.fp16(block_size), spec)
-    if prefix:
-        ids = torch.tensor([prefix], device=lm.device)
-        lm.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    return cache
+class Prefill:
+    """The dense prefill of ``prefix`` (token ids) with the model's own cache, in its dtype;
+    :meth:`session` gives each method its own copy."""
+
+    @torch.inference_mode()
+    def __init__(self, lm: LoadedModel, prefix: list[int]) -> None:
+        self.lm, self.length = lm, len(prefix)
+        cache = DynamicCache()
+        if prefix:
+            lm.model(input_ids=torch.tensor([prefix], device=lm.device), past_key_values=cache,
+                     use_cache=True, logits_to_keep=1)
+        layers = getattr(cache, "layers", [])
+        self.states = [(layer.keys, layer.values) if getattr(layer, "keys", None) is not None
+                       else None for layer in layers]
+        self.states += [None] * (lm.num_layers - len(self.states))
+
+    def cache_for(self, method: Method, spec: CacheSpec | None = None):
+        """A fresh cache holding the prefill for ``method``: the model's own cache for the dense
+        method, a :class:`TieredCache` of the FP16 originals for the others."""
+        if method.mode == "dense":
+            cache = DynamicCache()
+            with torch.inference_mode():
+                for i, state in enumerate(self.states):
+                    if state is not None:
+                        cache.update(state[0].clone(), state[1].clone(), i)
+            return cache
+        return TieredCache.from_states(self.states, method.attention, method.quantizer,
+                                       spec or CacheSpec())
+
+    def session(self, method: Method, spec: CacheSpec | None = None) -> Session:
+        return Session(self, method, spec or CacheSpec())
+
+
+class Session:
+    """One method on one prefilled prompt: :meth:`decoder` gives a fresh decoder on a fresh
+    copy of the prefill each time (a task may ask several questions of one document); the
+    session gathers their step times and certificates."""
+
+    def __init__(self, prefill: Prefill, method: Method, spec: CacheSpec) -> None:
+        self.prefill, self.method, self.spec = prefill, method, spec
+        self.decoders: list[Decoder] = []
+
+    def decoder(self) -> Decoder:
+        decoder = Decoder(self.prefill.lm, self.prefill.cache_for(self.method, self.spec))
+        self.decoders.append(decoder)
+        return decoder
+
+    @property
+    def step_ms(self) -> list[float]:
+        return [ms for d in self.decoders for ms in d.step_ms]
+
+    def certificate_record(self) -> dict:
+        """Per-step certificate telemetry of every decoder (paper Tables 11, 12, 15): empty for
+        the dense method, which runs the model's own attention."""
+        caches = [d.cache for d in self.decoders if isinstance(d.cache, TieredCache)]
+        for cache in caches:
+            cache.log.flush()
+        return certificate_record(caches)
+
+
+_STEP_FIELDS = ("e_key", "e_val", "e_arith", "bound", "candidate_e_key", "candidate_e_val")
+
+
+def certificate_record(caches: list[TieredCache]) -> dict:
+    """Per-step certificate telemetry of some caches' logs, as one record (steps pooled)."""
+    steps = [s for cache in caches for s in cache.log.steps]
+    record = {"steps": len(steps), "head_steps": sum(s["heads"] for s in steps) or 1}
+    sizes = [cache.bytes() for cache in caches] or [{}]
+    largest = max(sizes, key=lambda b: b.get("dense", 0))
+    record.update({"tier1_over_dense": largest.get("tier1", 0) / max(largest.get("dense", 1), 1),
+                   "device_bytes": largest.get("device", 0),
+                   "tier2_bytes": largest.get("tier2", 0),
+                   "dense_bytes": largest.get("dense", 0)})
+    stats = [cache.scratch_stats() for cache in caches]
+    hits, misses = sum(s.hits for s in stats), sum(s.misses for s in stats)
+    record["scratch_hit_rate"] = hits / (hits + misses) if hits + misses else 0.0
+    record["h2d_bytes"] = sum(s.h2d_bytes for s in stats)
+    for name in _STEP_FIELDS:
+        record[f"{name}_step_mean"] = [s[f"{name}_mean"] for s in steps]
+        record[f"{name}_step_max"] = [s[f"{name}_max"] for s in steps]
+    for rung in range(5):
+        record[f"rung{rung}"] = sum(s[f"rung{rung}"] for s in steps)
+    for name in ("ranking_fail", "boundary_fail", "canary_fail", "value_promotions"):
+        record[name] = sum(s[name] for s in steps)
+    record["k_star_mean"] = statistics.fmean(s["k_star_mean"] for s in steps) if steps else 0.0
+    return record

@@ -2,7 +2,8 @@
 
 Each task turns a tokenizer into samples; every sample is prefilled once with dense attention
 (paper 8), then each method decodes from the last prompt token on its own copy of the cache, so
-the first predicted token already comes from the method under test.
+the first predicted token already comes from the method under test. ``evaluate`` receives the
+method's :class:`~certkv.eval.decode.Session` and asks it for decoders.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ class PerplexityTask:
                        meta={"book": self.book, "context": self.context})
                 for i, w in enumerate(windows)]
 
-    def evaluate(self, decoder, sample: Sample) -> dict:
+    def evaluate(self, session, sample: Sample) -> dict:
+        decoder = session.decoder()
         nll, token = 0.0, sample.first
         for target in sample.target:
             logits = decoder.step(token)
@@ -95,12 +97,9 @@ class NeedleTask:
                               meta={"depth": t.depth, "context": len(ids)}))
         return out
 
-    def evaluate(self, decoder, sample: Sample) -> dict:
-        token, generated = sample.first, []
-        for _ in range(self.max_new_tokens):
-            token = int(decoder.step(token).argmax())
-            generated.append(token)
-        text = decoder.tokenizer.decode(generated)
+    def evaluate(self, session, sample: Sample) -> dict:
+        decoder = session.decoder()
+        text = decoder.tokenizer.decode(decoder.generate(sample.first, self.max_new_tokens))
         return {"generated": text, "answer": sample.answer, "score": score(sample.answer, text)}
 
     @staticmethod

@@ -4,6 +4,8 @@ Registered once under the name ``certkv`` (attention function and SDPA mask func
 attention function receives, as ``key``, the :class:`StoreHandle` that ``TieredCache.update``
 returned: prefill (``Tq > 1``) runs the model's own dense SDPA over the prompt; every decode step
 (``Tq == 1``) runs :class:`CertifiedAttention` on the layer's store and logs the certificate.
+With any other cache (or none) the model runs exactly as with ``attn_implementation="sdpa"``:
+certification happens only where a :class:`~certkv.cache.hf.TieredCache` is passed.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from certkv.cache.hf import StoreHandle
-from certkv.errors import CertKVError
 
 NAME = "certkv"
 
@@ -22,9 +23,9 @@ NAME = "certkv"
 def certkv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                      **kwargs):
     """``query [1, Hq, Tq, d]`` -> ``(out [1, Tq, Hq, d], None)``."""
-    if not isinstance(key, StoreHandle):
-        raise CertKVError("the certkv attention needs a TieredCache; pass "
-                          "past_key_values=TieredCache(...) to the model or to generate().")
+    if not isinstance(key, StoreHandle):  # the model's own cache: plain SDPA
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      dropout=dropout, scaling=scaling, **kwargs)
     layer = key.layer
     _, hq, tq, d = query.shape
     if tq > 1:
