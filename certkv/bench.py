@@ -27,8 +27,9 @@ import torch
 from certkv.attention import CertifiedAttention
 from certkv.cache.scratch import ScratchCache
 from certkv.cache.store import TieredKVStore
-from certkv.files import source_commit, write_atomic
+from certkv.files import write_atomic
 from certkv.kernels.reference import dense_attention
+from certkv.provenance import source_commit
 from certkv.timing import PhaseTimer, _sync
 
 # Peak DRAM bandwidth (GB/s) of GPUs this project is measured on; None elsewhere.

@@ -1,4 +1,4 @@
-"""The ``certkv`` command line (typer): run, info, demo.
+"""The ``certkv`` command line (typer): run, report, info, bench, demo.
 
 ``certkv run`` hands its arguments to Hydra, so every Hydra feature works as usual:
 ``key=value`` and ``+experiment=NAME`` overrides, ``-m`` multirun sweeps (output dirs,
@@ -82,6 +82,30 @@ def run(ctx: typer.Context) -> None:
 
     sys.argv = ["certkv run", *args]
     hydra_main()
+
+
+@app.command()
+def report(
+    run_dirs: Annotated[list[Path], typer.Argument(help="run directories (finished or partial)")],
+    out: Annotated[Path | None, typer.Option(
+        help="where README.md, figures/ and report.json go (default: runs/reports/<runs>; "
+             "reports/<name> for a committed report)")] = None,
+) -> None:
+    """Render the paper's tables and figures from run directories alone."""
+    from certkv.report.document import build_report, print_report, write_report
+
+    missing = [str(p) for p in run_dirs if not p.is_dir()]
+    if missing:
+        _fail(f"no such run directory: {', '.join(missing)}; pass directories that "
+              "`certkv run` wrote (see its last line).")
+    try:
+        built = build_report(run_dirs)
+    except CertKVError as exc:
+        _fail(str(exc))
+    print_report(built)
+    target = out or Path("runs/reports") / "+".join(dict.fromkeys(r.experiment
+                                                                  for r in built.runs))
+    Console().print(f"report: {write_report(built, target)}")
 
 
 @app.command()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import tempfile
 from pathlib import Path
 
@@ -27,20 +26,3 @@ def write_atomic(path: Path, text: str) -> None:
         Path(tmp).unlink(missing_ok=True)
         raise
 
-
-def source_commit() -> str:
-    """The certkv checkout's commit (short hash, ``-dirty`` if tracked files outside
-    ``reports/`` changed since), for the provenance line of a report; ``unknown`` outside a git
-    checkout."""
-    root = Path(__file__).resolve().parent.parent
-
-    def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
-                              check=True, timeout=10).stdout.strip()
-
-    try:
-        commit = git("rev-parse", "--short", "HEAD")
-        changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!reports")
-        return commit + ("-dirty" if changed else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"

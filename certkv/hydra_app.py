@@ -28,4 +28,8 @@ def main(cfg: DictConfig) -> None:
             raise
         Console(stderr=True).print(f"[bold red]error:[/] {cause}", highlight=False)
         sys.exit(2)
-    instantiate(cfg.logger).log(summary, out_dir)
+    from certkv.report.document import build_report, write_report
+
+    report = build_report([out_dir])
+    write_report(report, out_dir)  # README.md, figures/, report.json in the run directory
+    instantiate(cfg.logger).log(report, summary, out_dir)

@@ -28,8 +28,8 @@ import torch
 from certkv.attention import CertifiedAttention
 from certkv.cache.hf import TieredCache
 from certkv.demo import DemoLayer
-from certkv.files import source_commit
 from certkv.kernels.reference import exact_attention
+from certkv.provenance import source_commit
 from certkv.quant import ChannelAffineKeyCodec, GroupAffineValueCodec, KVQuantizer
 
 MODES = ("certified", "naive")

@@ -44,6 +44,11 @@ def test_run_writes_a_complete_run_directory(out):
     samples = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 2 * 3  # (perplexity + niah) x 3 variants
     assert "certified" in result.output and "E_key" in result.output
+    assert "…" not in result.output  # long cells wrap, they are not cut
+    assert {"README.md", "report.json", "run.json", "figures"} <= names  # the run's report
+    meta = json.loads((run_dir / "run.json").read_text())
+    assert {"commit", "threads", "torch", "command", "wall_s"} <= set(meta)
+    assert "Quality against dense" in (run_dir / "README.md").read_text()
     markdown = summary_markdown(summary, "certkv run", "test machine")
     assert markdown.count("\n| ") == 2 + 3 and "| certified | K8/V4 |" in markdown
 
@@ -88,7 +93,7 @@ def test_cfg_job_prints_the_composed_config():
 @pytest.mark.parametrize(("override", "expect"), [
     ("model=gpt7", "model: llama31_8b, smollm2_135m, tiny_random"),
     ("selector.nonsense=1", "Valid config groups and options"),
-    ("+experiment=nope", "experiment: smoke, tiny"),
+    ("+experiment=nope", "experiment: niah_4k, niah_8k, pg19_4k, pg19_8k, ruler_4k, ruler_8k"),
 ])
 def test_bad_override_gives_message_and_options(override, expect):
     result = run(override)

@@ -41,8 +41,9 @@ def test_bad_model_fields():
 
 
 def test_context_longer_than_the_model_names_the_fix():
-    from certkv.eval.tasks import NeedleTask, PerplexityTask
+    from certkv.eval.tasks import NeedleTask, PerplexityTask, RulerTask
 
-    for task in (PerplexityTask(context=10_000), NeedleTask(context=10_000)):
-        with pytest.raises(CertKVError, match="exceeds the model's 8192 tokens; lower task"):
+    for task in (PerplexityTask(context=10_000), NeedleTask(context=10_000),
+                 RulerTask(context=10_000)):
+        with pytest.raises(CertKVError, match=r"must lie in \[1, 8192\] \(the model's context"):
             task.samples(tokenizer=None, max_context=8192)

@@ -325,3 +325,77 @@ def token_windows(
                           f"token {start} need {needed}; use a longer book or fewer/shorter "
                           f"windows.")
     return [ids[start + i * length : start + (i + 1) * length] for i in range(count)]
+
+
+# --------------------------------------------------------------------------------------------
+# Corpora of documents (the perplexity task's PG-19 protocol).
+# --------------------------------------------------------------------------------------------
+
+PG19 = "pg19"  # the hub's emozilla/pg19 test split (needs network and the datasets package)
+
+
+def corpus_documents(corpus: str, limit: int | None = None) -> list[tuple[str, str]]:
+    """``(name, text)`` documents of a corpus: a book name (:func:`available_books`), ``books``
+    (every offline book), a directory of ``.txt`` files, or ``pg19`` (PG-19's test split from
+    the hub, streamed; at most ``limit`` documents)."""
+    if corpus in BOOKS:
+        return [(corpus, book_text(corpus))]
+    if corpus == "books":
+        return [(name, book_text(name)) for name in available_books()]
+    if corpus == PG19:
+        return _pg19_documents(limit)
+    folder = Path(corpus).expanduser()
+    if folder.is_dir():
+        files = sorted(folder.glob("*.txt"))
+        if not files:
+            raise CertKVError(f"{folder} holds no .txt files; put UTF-8 text files there or "
+                              f"use corpus=books.")
+        return [(f.stem, f.read_text(encoding="utf-8")) for f in files]
+    raise CertKVError(f"corpus {corpus!r} is neither a book ({', '.join(available_books())}), "
+                      f"'books', 'pg19' nor a directory of .txt files; pick one of those.")
+
+
+def _pg19_documents(limit: int | None) -> list[tuple[str, str]]:
+    """The first ``limit`` books of PG-19's test split (``emozilla/pg19``), streamed."""
+    try:
+        import datasets
+    except ImportError as exc:
+        raise CertKVError("corpus=pg19 needs the datasets package; pip install datasets, or "
+                          "use corpus=books (offline).") from exc
+    try:
+        stream = datasets.load_dataset("emozilla/pg19", split="test", streaming=True)
+        docs = []
+        for row in stream:
+            docs.append((str(row.get("short_book_title") or len(docs)), row["text"]))
+            if limit is not None and len(docs) >= limit:
+                break
+        return docs
+    except Exception as exc:  # offline, hub errors: one sentence, the offline alternative
+        raise CertKVError(f"PG-19 could not be read from the hub ({type(exc).__name__}); check "
+                          f"the network or use corpus=books (offline).") from exc
+
+
+def corpus_windows(tokenizer: Any, corpus: str, length: int,
+                   count: int) -> list[tuple[str, list[int]]]:
+    """``count`` non-overlapping windows of ``length`` tokens as ``(document, ids)``: the first
+    window of every document long enough, then the second of each, and so on (the paper's PG-19
+    chunks, spread over books)."""
+    docs = corpus_documents(corpus, limit=count)
+    ids = [(name, encode(tokenizer, text)) for name, text in docs]
+    ids = [(name, toks) for name, toks in ids if len(toks) >= length]
+    if not ids:
+        raise CertKVError(f"no document of corpus {corpus!r} has {length} tokens; use a longer "
+                          f"corpus or a shorter context.")
+    windows, round_ = [], 0
+    while len(windows) < count:
+        added = False
+        for name, toks in ids:
+            start = round_ * length
+            if start + length <= len(toks) and len(windows) < count:
+                windows.append((name, toks[start:start + length]))
+                added = True
+        if not added:
+            raise CertKVError(f"corpus {corpus!r} holds only {len(windows)} windows of {length} "
+                              f"tokens, fewer than {count}; ask for fewer windows.")
+        round_ += 1
+    return windows

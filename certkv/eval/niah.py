@@ -1,6 +1,11 @@
-"""Needle-in-a-haystack prompts built from real book text (arXiv 2605.20868 Sec. 8, one needle).
+"""Needle-in-a-haystack prompts built from real book text (arXiv 2605.20868 Sec. 8).
 
-A trial hides one needle sentence, e.g. ``The secret passkey is 4821.``, in a window of book
+:func:`make_multi_needle_trials` is the paper's protocol: ten fixed needles per trial, needle
+``j`` at depth ``DEPTHS[j]`` (depth-major order), inserted before filler sentence
+``floor(depth * num_filler_sentences)``; each needle is then asked about separately.
+
+:func:`make_trials` is the single-needle variant: a trial hides one needle sentence, e.g.
+``The secret passkey is 4821.``, in a window of book
 sentences (the filler) at a depth from ``DEPTHS`` and asks for it at the end, so that a small
 base or instruct model answers by continuation::
 
@@ -189,3 +194,92 @@ def score(answer: str, generated: str) -> float:
     if not answer:
         raise CertKVError("score needs a non-empty answer; pass the trial's answer string.")
     return 1.0 if answer.lower() in generated.lower() else 0.0
+
+
+# The paper's ten fixed needles: (project, codename); needle j sits at depth DEPTHS[j].
+FIXED_NEEDLES: tuple[tuple[str, str], ...] = (
+    ("Aurora", "Crimson Falcon"), ("Basalt", "Silent Orchid"), ("Cobalt", "Velvet Comet"),
+    ("Driftwood", "Amber Lantern"), ("Ember", "Glass Tortoise"), ("Fjord", "Copper Heron"),
+    ("Granite", "Hollow Pine"), ("Harbor", "Quiet Glacier"), ("Indigo", "Iron Meadow"),
+    ("Juniper", "Blue Otter"))
+_MULTI_HEADER = ("Ten secret project codenames are hidden in the text below. Find them and "
+                 "remember them.")
+
+
+def _multi_needle(key: str, value: str) -> str:
+    return f"The secret codename of project {key} is {value}."
+
+
+def _multi_question(key: str) -> str:
+    return (f"What is the secret codename of project {key}? The secret codename of project "
+            f"{key} is")
+
+
+@dataclass(frozen=True)
+class MultiNeedleTrial:
+    """One trial of the paper's NIAH: ``document`` (header and filler with the ten needles,
+    ending in a blank line) is read once; ``questions[j]`` asks for ``answers[j]``, the needle
+    at ``depths[j]``; document plus the longest question plus ``answer_tokens`` fit in
+    ``context_tokens``."""
+
+    document: str
+    questions: tuple[str, ...]
+    answers: tuple[str, ...]
+    depths: tuple[float, ...]
+    context_tokens: int
+    index: int
+
+
+def _multi_document(filler: list[str]) -> str:
+    """Header, then the filler with needle ``j`` before sentence
+    ``floor(DEPTHS[j] * len(filler))``, then a blank line."""
+    body: list[str] = []
+    slots = [int(depth * len(filler)) for depth in DEPTHS]
+    for k in range(len(filler) + 1):
+        body += [_multi_needle(*FIXED_NEEDLES[j]) for j, slot in enumerate(slots) if slot == k]
+        if k < len(filler):
+            body.append(filler[k])
+    return f"{_MULTI_HEADER}\n\n{' '.join(body)}\n\n"
+
+
+def make_multi_needle_trials(tokenizer: Any, text: str, context_tokens: int, num_trials: int,
+                             seed: int = 20260416, *,
+                             answer_tokens: int = 16) -> list[MultiNeedleTrial]:
+    """``num_trials`` trials of the paper's ten-needle NIAH at ``context_tokens`` tokens.
+
+    Trial ``i`` reads its own window of consecutive book sentences (start drawn from
+    ``random.Random(f"{seed}:{i}")``) with the ten :data:`FIXED_NEEDLES` at depths 0.0-0.9;
+    sentences are dropped from the end until the document, the longest question and
+    ``answer_tokens`` fit in ``context_tokens`` (tokens of ``tokenizer``, special tokens off).
+    """
+    if num_trials < 1:
+        raise CertKVError(f"num_trials must be at least 1, got {num_trials}; pass a positive "
+                          f"count.")
+    lowered = text.lower()
+    for _, value in FIXED_NEEDLES:
+        if value.lower() in lowered:
+            raise CertKVError(f"the book already contains the needle value {value!r}; use "
+                              f"another book.")
+    sentences = split_sentences(text)
+    costs = [len(encode(tokenizer, " " + s)) for s in sentences]
+    questions = tuple(_multi_question(key) for key, _ in FIXED_NEEDLES)
+    fixed = (len(encode(tokenizer, _multi_document([])))
+             + sum(len(encode(tokenizer, " " + _multi_needle(*n))) for n in FIXED_NEEDLES))
+    budget = (context_tokens - answer_tokens - fixed
+              - max(len(encode(tokenizer, q)) for q in questions) - 8)
+    if budget < 1:
+        raise CertKVError(f"context_tokens={context_tokens} leaves no room for filler after "
+                          f"the ten needles and a question; use at least "
+                          f"{context_tokens - budget + 64}.")
+    trials = []
+    for index in range(num_trials):
+        rng = random.Random(f"{seed}:{index}")
+        filler, filler_costs = _pick_filler(rng, sentences, costs, budget)
+        limit = context_tokens - answer_tokens - max(len(encode(tokenizer, q))
+                                                     for q in questions)
+        while len(encode(tokenizer, _multi_document(filler))) > limit and filler:
+            filler, filler_costs = filler[:-1], filler_costs[:-1]
+        trials.append(MultiNeedleTrial(_multi_document(filler), questions,
+                                       tuple(value for _, value in FIXED_NEEDLES), DEPTHS,
+                                       context_tokens, index))
+    return trials

@@ -26,6 +26,7 @@ class RunDir:
     HEADS = "certificate_heads.jsonl"
     SUMMARY = "summary.json"
     CONFIG = "config.yaml"
+    META = "run.json"
 
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
@@ -60,3 +61,13 @@ class RunDir:
 
     def write_config(self, text: str) -> None:
         write_atomic(self.root / self.CONFIG, text)
+
+    def read_meta(self) -> dict:
+        path = self.root / self.META
+        return json.loads(path.read_text()) if path.exists() else {}
+
+    def write_meta(self, meta: dict) -> None:
+        """Provenance of the run (command, commit, machine, threads, versions, wall time),
+        merged into what earlier (resumed) sessions recorded."""
+        write_atomic(self.root / self.META, json.dumps({**self.read_meta(), **meta}, indent=2)
+                     + "\n")

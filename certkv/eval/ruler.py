@@ -285,6 +285,11 @@ def _family(subtask: str) -> str:
     return "niah" if subtask.startswith("niah") else subtask
 
 
+def answer_budget(subtask: str) -> int:
+    """The subtask's answer budget in new tokens (RULER's ``tokens_to_generate``)."""
+    return _BUDGET[_family(subtask)]
+
+
 def _check_args(context_tokens: int, index: int, haystack: str) -> None:
     """Raise for a non-positive context, a negative index or a non-text haystack."""
     if isinstance(context_tokens, bool) or not isinstance(context_tokens, int) \

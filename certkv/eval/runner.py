@@ -9,6 +9,8 @@ recorded.
 from __future__ import annotations
 
 import statistics
+import sys
+import time
 
 import torch
 from hydra.utils import instantiate
@@ -28,6 +30,7 @@ from certkv.errors import ConfigError, require
 from certkv.eval.decode import Method, Prefill
 from certkv.eval.results import RunDir
 from certkv.models.loading import load_model
+from certkv.provenance import environment
 
 COMPONENTS = ("quantizer", "selector", "value_policy", "ladder")
 Variant = Method  # a run's variants are protocol methods built from the config
@@ -47,7 +50,7 @@ def build_variants(cfg: DictConfig) -> list[Method]:
         require(not unknown, ConfigError,
                 f"variant {name!r} has unknown keys {sorted(unknown)}; it may set name, mode and "
                 f"{', '.join(COMPONENTS)}.")
-        parts = {c: instantiate(OmegaConf.merge(cfg[c], entry.get(c, {}))) for c in COMPONENTS}
+        parts = {c: instantiate(_override(cfg[c], entry.get(c, {}))) for c in COMPONENTS}
         attention = CertifiedAttention(parts["selector"], parts["value_policy"], parts["ladder"],
                                        backend, mode, compile=cfg.get("compile"))
         variants.append(Method(name, mode, attention, parts["quantizer"]))
@@ -55,12 +58,33 @@ def build_variants(cfg: DictConfig) -> list[Method]:
     return variants
 
 
+def _override(base, change):
+    """``base`` with a variant's changes merged in; a node that names another ``_target_``
+    replaces the base node instead (its fields belong to another class)."""
+    base = OmegaConf.to_container(base, resolve=True) if OmegaConf.is_config(base) else base
+    change = (OmegaConf.to_container(change, resolve=True) if OmegaConf.is_config(change)
+              else change)
+    if not (isinstance(base, dict) and isinstance(change, dict)):
+        return change
+    if "_target_" in change and change["_target_"] != base.get("_target_"):
+        return change
+    merged = dict(base)
+    for key, value in change.items():
+        merged[key] = _override(base[key], value) if key in base else value
+    return merged
+
+
 def run_experiment(cfg: DictConfig, out_dir: str, progress: bool = True) -> dict:
     """Run every task sample x variant not yet recorded in ``out_dir``; returns the summary."""
     from certkv.report.summary import summarize
 
+    started = time.time()
+    if cfg.get("threads"):
+        torch.set_num_threads(int(cfg.threads))
     run = RunDir(out_dir)
     run.write_config(OmegaConf.to_yaml(cfg, resolve=True))
+    run.write_meta({"experiment": cfg.experiment, "model": cfg.model.name,
+                    "command": " ".join(sys.argv), "seed": cfg.seed, **environment()})
     torch.manual_seed(cfg.seed)
     variants = build_variants(cfg)
     spec: CacheSpec = instantiate(cfg.cache)
@@ -83,6 +107,8 @@ def run_experiment(cfg: DictConfig, out_dir: str, progress: bool = True) -> dict
                 bar.advance(job)
     summary = summarize(run.samples, run.certificates, tasks, variants, cfg)
     run.write_summary(summary)
+    run.write_meta({"wall_s": run.read_meta().get("wall_s", 0.0) + time.time() - started,
+                    "records": len(run.samples), "planned": len(plan) * len(variants)})
     return summary
 
 

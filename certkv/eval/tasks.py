@@ -1,26 +1,38 @@
-"""Tasks of the ``task`` config group: teacher-forced perplexity and needle retrieval.
+"""Tasks of the ``task`` config group: the paper's evaluation protocol (Section 8).
+
+* :class:`PerplexityTask` -- PG-19's: non-overlapping windows of ``context`` tokens, the first
+  half prefilled densely, the second half teacher-forced through the method.
+* :class:`NeedleTask` -- NIAH: ten fixed needles per trial at depths 0.0-0.9, each asked
+  separately; a trial passes only if all ten are retrieved (``needles=1``: one per trial).
+* :class:`RulerTask` -- RULER's synthetic subtasks (:mod:`certkv.eval.ruler`); a slice is one
+  sample of every subtask.
 
 Each task turns a tokenizer into samples; every sample is prefilled once with dense attention
 (paper 8), then each method decodes from the last prompt token on its own copy of the cache, so
 the first predicted token already comes from the method under test. ``evaluate`` receives the
-method's :class:`~certkv.eval.decode.Session` and asks it for decoders.
+method's :class:`~certkv.eval.decode.Session` and asks it for decoders (one per question).
+Every generation is greedy and stops at end-of-sequence or the task's answer budget.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from certkv.errors import CertKVError, require
-from certkv.eval.corpora import book_text, token_windows
-from certkv.eval.niah import make_trials, score
+from certkv.eval import ruler
+from certkv.eval.corpora import book_text, corpus_windows, encode
+from certkv.eval.niah import make_multi_needle_trials, make_trials, score
 
 
 @dataclass
 class Sample:
-    """One prompt: ``prefix`` is prefilled densely, ``first`` starts the decode."""
+    """One prompt: ``prefix`` is prefilled densely, ``first`` starts the decode; ``meta`` is
+    recorded with the results, ``payload`` is what ``evaluate`` needs (not recorded)."""
 
     index: int
     prefix: list[int]
@@ -28,34 +40,42 @@ class Sample:
     target: list[int] = field(default_factory=list)  # teacher-forced continuation
     answer: str = ""  # expected retrieval
     meta: dict = field(default_factory=dict)
+    payload: Any = None
 
 
 def _check_context(context: int, max_context: int, task: str) -> None:
-    require(context <= max_context, CertKVError,
-            f"{task} context {context} exceeds the model's {max_context} tokens; lower "
-            f"task.{task}.context.")
+    require(0 < context <= max_context, CertKVError,
+            f"{task} context {context} must lie in [1, {max_context}] (the model's context); "
+            f"set task.{task}.context accordingly.")
 
 
 @dataclass
 class PerplexityTask:
-    """Perplexity of the last ``decode_tokens`` of each book window, each token predicted by a
-    decode step of the method (teacher forcing); the rest of the window is dense prefill."""
+    """Teacher-forced perplexity, the paper's PG-19 protocol: ``windows`` non-overlapping windows
+    of ``context`` tokens from ``corpus``; the first ``context - decode_tokens`` tokens of a
+    window are prefilled densely and every later token is predicted by a decode step of the
+    method (``decode_tokens=None``: half the window, as in the paper).
 
-    book: str = "emma"
-    context: int = 2048
-    decode_tokens: int = 64
-    windows: int = 1
+    ``corpus``: a book name, ``books`` (every offline book), a directory of ``.txt`` files, or
+    ``pg19`` (PG-19's test split from the hub, when online).
+    """
+
+    corpus: str = "books"
+    context: int = 4096
+    decode_tokens: int | None = None
+    windows: int = 20
     name: str = "perplexity"
 
     def samples(self, tokenizer, max_context: int) -> list[Sample]:
         _check_context(self.context, max_context, self.name)
-        require(0 < self.decode_tokens < self.context, CertKVError,
-                f"decode_tokens={self.decode_tokens} must lie in [1, context); lower it.")
-        windows = token_windows(tokenizer, book_text(self.book), self.context, self.windows)
-        split = self.context - self.decode_tokens
+        decode = self.context // 2 if self.decode_tokens is None else self.decode_tokens
+        require(0 < decode < self.context, CertKVError,
+                f"decode_tokens={decode} must lie in [1, context); lower it.")
+        split = self.context - decode
         return [Sample(i, w[: split - 1], w[split - 1], target=w[split:],
-                       meta={"book": self.book, "context": self.context})
-                for i, w in enumerate(windows)]
+                       meta={"document": doc, "context": self.context})
+                for i, (doc, w) in enumerate(corpus_windows(tokenizer, self.corpus,
+                                                            self.context, self.windows))]
 
     def evaluate(self, session, sample: Sample) -> dict:
         decoder = session.decoder()
@@ -71,38 +91,135 @@ class PerplexityTask:
     def aggregate(records: list[dict]) -> dict:
         nll = sum(r["nll"] for r in records)
         tokens = sum(r["tokens"] for r in records)
-        return {"ppl": math.exp(nll / tokens), "tokens": tokens}
+        return {"ppl": math.exp(nll / tokens), "tokens": tokens, "windows": len(records)}
 
 
 @dataclass
 class NeedleTask:
-    """Needle-in-a-haystack on book text: greedy answer of ``max_new_tokens`` tokens, scored by
-    case-insensitive substring match."""
+    """Needle-in-a-haystack retrieval on book text, scored by case-insensitive substring match.
+
+    ``needles=10`` (the paper): ten fixed needles per trial at depths 0.0-0.9; each is asked in
+    its own question after the shared document (a fresh copy of the prefilled cache per
+    question); accuracy = the fraction retrieved, a trial passes only if all ten are.
+    ``needles=1``: one needle per trial at depth-major depths, asked once. ``context`` bounds
+    document, question and answer together.
+    """
 
     book: str = "emma"
-    context: int = 2048
-    trials: int = 5
-    max_new_tokens: int = 8
+    context: int = 4096
+    trials: int = 10
+    needles: int = 10
+    max_new_tokens: int = 16
     seed: int = 20260416
     name: str = "niah"
 
+    def __post_init__(self) -> None:
+        require(self.needles in (1, 10), CertKVError,
+                f"needles={self.needles} is not supported; use 10 (the paper) or 1.")
+
     def samples(self, tokenizer, max_context: int) -> list[Sample]:
         _check_context(self.context, max_context, self.name)
-        trials = make_trials(tokenizer, book_text(self.book), self.context, self.trials,
+        text = book_text(self.book)
+        if self.needles == 1:
+            return self._single(tokenizer, text)
+        trials = make_multi_needle_trials(tokenizer, text, self.context, self.trials,
+                                          seed=self.seed, answer_tokens=self.max_new_tokens)
+        out = []
+        for t in trials:
+            ids = encode(tokenizer, t.document)
+            questions = [encode(tokenizer, q) for q in t.questions]
+            out.append(Sample(t.index, ids, -1, answer=" | ".join(t.answers),
+                              meta={"context": len(ids) + max(map(len, questions)),
+                                    "needles": len(t.answers)},
+                              payload=(questions, t.answers)))
+        return out
+
+    def _single(self, tokenizer, text: str) -> list[Sample]:
+        trials = make_trials(tokenizer, text, self.context - self.max_new_tokens, self.trials,
                              seed=self.seed)
         out = []
         for t in trials:
-            ids = tokenizer.encode(t.prompt, add_special_tokens=False)
+            ids = encode(tokenizer, t.prompt)
             out.append(Sample(t.index, ids[:-1], ids[-1], answer=t.answer,
-                              meta={"depth": t.depth, "context": len(ids)}))
+                              meta={"depth": t.depth, "context": len(ids), "needles": 1},
+                              payload=None))
         return out
 
     def evaluate(self, session, sample: Sample) -> dict:
-        decoder = session.decoder()
-        text = decoder.tokenizer.decode(decoder.generate(sample.first, self.max_new_tokens))
-        return {"generated": text, "answer": sample.answer, "score": score(sample.answer, text)}
+        if sample.payload is None:  # one needle, its question ends the prefix
+            questions, answers = [None], [sample.answer]
+        else:
+            questions, answers = sample.payload
+        generated = []
+        for question in questions:
+            decoder = session.decoder()
+            if question is None:
+                tokens = decoder.generate(sample.first, self.max_new_tokens)
+            else:
+                decoder.feed(question[:-1])
+                tokens = decoder.generate(question[-1], self.max_new_tokens)
+            generated.append(decoder.tokenizer.decode(tokens))
+        found = [score(a, g) for a, g in zip(answers, generated, strict=True)]
+        return {"generated": generated, "answers": list(answers), "retrieved": found,
+                "accuracy": sum(found) / len(found), "pass": all(found)}
 
     @staticmethod
     def aggregate(records: list[dict]) -> dict:
-        return {"accuracy": sum(r["score"] for r in records) / len(records),
+        return {"accuracy": statistics.fmean(r["accuracy"] for r in records),
+                "pass_rate": statistics.fmean(float(r["pass"]) for r in records),
                 "trials": len(records)}
+
+
+@dataclass
+class RulerTask:
+    """RULER's synthetic subtasks (:mod:`certkv.eval.ruler`): ``slices`` slices, each one sample
+    of every subtask in ``subtasks`` (the paper's seven by default). ``context`` is the whole
+    sequence, prompt and the subtask's answer budget (RULER's ``max_seq_length``); the haystack is
+    real book text offline. Greedy answers stop at end-of-sequence or the budget; the score is
+    the fraction of required references found (RULER's ``string_match_all``)."""
+
+    subtasks: tuple[str, ...] = ruler.PAPER_SUBTASKS
+    context: int = 4096
+    slices: int = 10
+    book: str = "emma"
+    name: str = "ruler"
+
+    def __post_init__(self) -> None:
+        self.subtasks = tuple(self.subtasks)
+        unknown = [s for s in self.subtasks if s not in ruler.SUBTASKS]
+        require(not unknown and self.subtasks, CertKVError,
+                f"unknown RULER subtasks {unknown}; choose from {list(ruler.SUBTASKS)}.")
+
+    def samples(self, tokenizer, max_context: int) -> list[Sample]:
+        _check_context(self.context, max_context, self.name)
+        haystack = book_text(self.book)
+        out = []
+        for slice_ in range(self.slices):
+            for j, subtask in enumerate(self.subtasks):
+                sample = ruler.make_sample(tokenizer, subtask, self.context
+                                           - ruler.answer_budget(subtask), slice_, haystack)
+                ids = encode(tokenizer, sample.prompt)
+                out.append(Sample(slice_ * len(self.subtasks) + j, ids[:-1], ids[-1],
+                                  answer=" | ".join(sample.answers),
+                                  meta={"subtask": subtask, "slice": slice_,
+                                        "context": len(ids) + sample.max_new_tokens},
+                                  payload=sample))
+        return out
+
+    def evaluate(self, session, sample: Sample) -> dict:
+        rs: ruler.RulerSample = sample.payload
+        decoder = session.decoder()
+        text = decoder.tokenizer.decode(decoder.generate(sample.first, rs.max_new_tokens))
+        value = ruler.score(rs, text)
+        return {"generated": text, "answers": list(rs.answers), "score": value,
+                "pass": value == 1.0}
+
+    @staticmethod
+    def aggregate(records: list[dict]) -> dict:
+        per_subtask: dict[str, list[float]] = {}
+        for r in records:
+            per_subtask.setdefault(r["subtask"], []).append(r["score"])
+        return {"accuracy": statistics.fmean(r["score"] for r in records),
+                "trials": len(records),
+                "slices": len({r["slice"] for r in records}),
+                "subtasks": {k: statistics.fmean(v) for k, v in per_subtask.items()}}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from certkv.files import source_commit
+from certkv.provenance import source_commit
 from certkv.report.summary import table_rows
 
 

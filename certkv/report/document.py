@@ -1,0 +1,100 @@
+"""A report of one or more run directories: the paper's tables, figures and provenance,
+rendered to the console and to ``README.md`` (with ``figures/*.png`` and ``report.json``).
+
+Built from the run directories alone, so any run, finished or partial, can be re-rendered
+(``certkv report RUN_DIR ...``); ``certkv run`` writes one into its run directory when it ends.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table as RichTable
+
+from certkv.files import write_atomic
+from certkv.report import plots, tables
+from certkv.report.tables import RunData, Table
+
+
+@dataclass
+class Report:
+    title: str
+    runs: list[RunData]
+    tables: list[Table]
+
+    def provenance(self) -> list[str]:
+        """One line per run: what ran, where, with which code, how long."""
+        lines = []
+        for run in self.runs:
+            m = run.meta
+            done = f"{m.get('records', len(run.samples))}/{m.get('planned', '?')} records"
+            wall = f", wall time {m['wall_s'] / 60:.1f} min" if "wall_s" in m else ""
+            lines.append(
+                f"`{run.experiment}` ({run.model}): `{m.get('command', '?')}`; commit "
+                f"`{m.get('commit', '?')}`; {m.get('device', '?')}, {m.get('threads', '?')} "
+                f"threads; torch {m.get('torch', '?')}, transformers "
+                f"{m.get('transformers', '?')}; seed {m.get('seed', '?')}; {done}{wall}; "
+                f"run directory `{run.root}`")
+        return lines
+
+
+def build_report(paths: list[str | Path]) -> Report:
+    """The tables of the run directories ``paths`` (Tables 3-5, 6-8, 10-12, 15 as they apply)."""
+    runs = [RunData.load(p) for p in paths]
+    found: list[Table | None] = [tables.quality_table(runs)]
+    for run in runs:
+        found += [tables.perplexity_table(run) if "perplexity" in run.tasks else None,
+                  tables.ruler_table(run), tables.niah_table(run),
+                  tables.certificate_table(run), tables.runtime_table(run)]
+    title = ", ".join(dict.fromkeys(f"{r.experiment}: {r.model}" for r in runs))
+    return Report(title, runs, [t for t in found if t is not None and t.rows])
+
+
+def _markdown_table(table: Table) -> list[str]:
+    def cell(x: str) -> str:
+        return x.replace("|", "\\|")
+
+    return [f"## {table.title}", "", f"| {' | '.join(map(cell, table.head))} |",
+            "|" + " --- |" * len(table.head),
+            *[f"| {' | '.join(map(cell, row))} |" for row in table.rows], "", table.note, ""]
+
+
+def write_report(report: Report, out_dir: str | Path) -> Path:
+    """Write ``README.md``, ``figures/*.png`` and ``report.json`` under ``out_dir``; returns
+    the README's path. Figures need matplotlib (skipped, and said so, without it)."""
+    out = Path(out_dir)
+    lines = [f"# {report.title}", "", *[f"* {line}" for line in report.provenance()], ""]
+    for table in report.tables:
+        lines += _markdown_table(table)
+    figures = []
+    try:
+        for run in report.runs:
+            for name, draw in plots.FIGURES.items():
+                path = out / "figures" / f"{run.experiment}_{name}.png"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                if draw(run, path):
+                    figures.append(path.relative_to(out))
+    except ImportError:
+        lines.append("(figures skipped: matplotlib is not installed)")
+    lines += [f"![{f.stem}]({f.as_posix()})" for f in figures]
+    write_atomic(out / "README.md", "\n".join(lines) + "\n")
+    write_atomic(out / "report.json", json.dumps(
+        {"title": report.title, "provenance": report.provenance(),
+         "tables": [asdict(t) for t in report.tables]}, indent=2) + "\n")
+    return out / "README.md"
+
+
+def print_report(report: Report, console: Console | None = None) -> None:
+    """The tables on the console; long cells wrap inside their column instead of being cut."""
+    console = console or Console(width=None if Console().is_terminal else 200)
+    console.print(f"[bold]{report.title}[/]")
+    for table in report.tables:
+        rich = RichTable(title=table.title, caption=table.note, caption_justify="left")
+        for i, col in enumerate(table.head):
+            rich.add_column(col, justify="left" if i == 0 else "right", overflow="fold")
+        for row in table.rows:
+            rich.add_row(*row)
+        console.print(rich)

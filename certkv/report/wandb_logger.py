@@ -1,0 +1,113 @@
+"""The ``wandb`` logger: the run's report on the console, and a W&B run with the resolved
+config, per-step certificate summaries as metrics, per-sample results as a table, the report's
+tables and figures, and the headline quality numbers in the run summary.
+
+``mode="offline"`` (the default) needs no account and no network: the run is written under the
+run directory (``wandb/offline-run-*``) and uploaded later with ``wandb sync``; ``online`` uses
+the user's key; ``disabled`` logs nothing. One W&B run per Hydra job, grouped by experiment (a
+multirun sweep's jobs share the group).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from certkv.errors import ConfigError, require
+from certkv.report.console import ConsoleLogger
+from certkv.report.tables import quality_delta
+
+MODES = ("offline", "online", "disabled")
+MAX_POINTS = 2000  # per-step points logged per method (longer runs are strided)
+
+
+@dataclass
+class WandbLogger:
+    """Console report plus one W&B run (``mode``: offline, online or disabled)."""
+
+    project: str = "certkv"
+    entity: str | None = None
+    mode: str = "offline"
+    group: str | None = None  # default: the experiment
+    name: str | None = None  # default: the run directory's name
+    tags: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        require(self.mode in MODES, ConfigError,
+                f"logger.mode={self.mode!r} is unknown; use one of {list(MODES)}.")
+
+    def log(self, report, summary: dict, run_dir: str) -> None:
+        ConsoleLogger().log(report, summary, run_dir)
+        try:
+            import wandb
+        except ImportError as exc:
+            raise ConfigError("logger=wandb needs the wandb package; pip install "
+                              "'certkv[wandb]' or use logger=console.") from exc
+        run_data = report.runs[0]
+        run = wandb.init(project=self.project, entity=self.entity, mode=self.mode,
+                         dir=run_dir, group=self.group or run_data.experiment,
+                         name=self.name or Path(run_dir).name, tags=list(self.tags),
+                         job_type=run_data.experiment, config=run_data.config)
+        try:
+            self._certificates(run, run_data)
+            self._samples(run, wandb, run_data)
+            self._report(run, wandb, report, Path(run_dir))
+            self._summary(run, run_data)
+        finally:
+            run.finish()
+
+    @staticmethod
+    def _certificates(run, data) -> None:
+        """Per-step certificate summaries of every method, one step axis per method."""
+        for variant in data.variants:
+            records = data.certificate_records(variant)
+            steps = [(r[f"{n}_step_mean"][i] for n in ("e_key", "e_val", "e_arith"))
+                     for r in records for i in range(len(r.get("e_key_step_mean", [])))]
+            steps = [tuple(s) for s in steps]
+            if not steps:
+                continue
+            prefix = f"certificate/{variant}"
+            run.define_metric(f"{prefix}/step")
+            run.define_metric(f"{prefix}/*", step_metric=f"{prefix}/step")
+            stride = max(1, len(steps) // MAX_POINTS)
+            for k in range(0, len(steps), stride):
+                e_key, e_val, e_arith = steps[k]
+                run.log({f"{prefix}/step": k, f"{prefix}/e_key": e_key,
+                         f"{prefix}/e_val": e_val, f"{prefix}/e_arith": e_arith,
+                         f"{prefix}/bound": e_key + e_val + e_arith})
+
+    @staticmethod
+    def _samples(run, wandb, data) -> None:
+        """Every per-sample record as one table (lists and dicts as JSON text)."""
+        if not data.samples:
+            return
+        columns = list(dict.fromkeys(k for r in data.samples for k in r))
+        rows = [[_cell(r.get(c)) for c in columns] for r in data.samples]
+        run.log({"samples": wandb.Table(columns=columns, data=rows)})
+
+    @staticmethod
+    def _report(run, wandb, report, run_dir: Path) -> None:
+        """The report's tables and figures."""
+        for table in report.tables:
+            key = "tables/" + "".join(c if c.isalnum() else "_" for c in table.title.lower())
+            run.log({key: wandb.Table(columns=table.head, data=table.rows)})
+        for figure in sorted((run_dir / "figures").glob("*.png")):
+            run.log({f"figures/{figure.stem}": wandb.Image(str(figure))})
+
+    @staticmethod
+    def _summary(run, data) -> None:
+        """Headline numbers: each method's quality and delta to dense per task."""
+        for task in data.tasks:
+            for variant in data.variants:
+                q = quality_delta(data, task, variant)
+                if q is not None:
+                    base = f"quality/{task}/{variant}"
+                    run.summary[f"{base}/{q['metric']}"] = q["method"]
+                    run.summary[f"{base}/delta"] = q["delta"].estimate
+                    run.summary[f"{base}/delta_low"] = q["delta"].low
+                    run.summary[f"{base}/delta_high"] = q["delta"].high
+
+
+def _cell(value):
+    return json.dumps(value) if isinstance(value, list | dict) else value

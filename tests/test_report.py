@@ -1,0 +1,164 @@
+"""`certkv report` and the W&B logger on hand-made run directories with known answers."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from certkv.cli import app
+from certkv.eval import stats
+from certkv.report.document import build_report, write_report
+from certkv.report.tables import RunData, quality_delta
+
+STEP = {"e_key_step_mean": [0.01, 0.02], "e_key_step_max": [0.1, 0.2],
+        "e_val_step_mean": [0.03, 0.04], "e_val_step_max": [0.3, 0.4],
+        "e_arith_step_mean": [1e-3, 2e-3], "e_arith_step_max": [1e-2, 2e-2],
+        "bound_step_mean": [0.05, 0.06], "bound_step_max": [0.5, 0.6],
+        "candidate_e_key_step_mean": [0.01, 0.02], "candidate_e_key_step_max": [0.1, 0.2],
+        "candidate_e_val_step_mean": [0.03, 0.04], "candidate_e_val_step_max": [0.3, 0.4],
+        "steps": 2, "head_steps": 20, "rung0": 10, "rung1": 2, "rung2": 6, "rung3": 2,
+        "rung4": 0, "ranking_fail": 1, "boundary_fail": 1, "canary_fail": 0,
+        "value_promotions": 4, "k_star_mean": 3.0, "tier1_over_dense": 0.56,
+        "scratch_hit_rate": 0.5, "h2d_bytes": 2**20, "device_bytes": 1, "tier2_bytes": 1,
+        "dense_bytes": 2}
+NO_STEPS = {"steps": 0, "head_steps": 1, **{f"rung{k}": 0 for k in range(5)},
+            "ranking_fail": 0, "boundary_fail": 0, "canary_fail": 0, "value_promotions": 0,
+            "k_star_mean": 0.0, "tier1_over_dense": 0.0, "scratch_hit_rate": 0.0,
+            "h2d_bytes": 0}
+
+
+def write_run(root, experiment, samples, variants=("dense", "certified")):
+    """A run directory as `certkv run` writes it (config, run.json, JSONL records)."""
+    root.mkdir(parents=True)
+    modes = {v: "dense" if v == "dense" else "certified" for v in variants}
+    config = {"experiment": experiment, "model": {"name": "toy"},
+              "task": {"ruler": {"context": 4096}, "niah": {"context": 4096},
+                       "perplexity": {"context": 4096}},
+              "variants": [{"name": v, "mode": modes[v]} for v in variants]}
+    (root / "config.yaml").write_text(yaml.safe_dump(config))
+    (root / "run.json").write_text(json.dumps({"experiment": experiment, "model": "toy",
+                                               "command": "certkv run", "commit": "abc",
+                                               "threads": 2, "wall_s": 60.0}))
+    certs = [{"task": s["task"], "sample": s["sample"], "variant": s["variant"],
+              **(NO_STEPS if s["variant"] == "dense" else STEP)} for s in samples]
+    for name, rows in (("samples.jsonl", samples), ("certificates.jsonl", certs)):
+        (root / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root
+
+
+def rec(task, sample, variant, **fields):
+    return {"task": task, "sample": sample, "variant": variant,
+            "mode": "dense" if variant == "dense" else "certified", "decode_steps": 2,
+            "ms_per_step": 10.0 if variant == "dense" else 25.0, **fields}
+
+
+def ruler_run(tmp_path, drop_last=False):
+    """2 slices x 2 subtasks; certified misses one vt answer in slice 1."""
+    samples = []
+    for slice_ in range(2):
+        for j, subtask in enumerate(("niah_single", "vt")):
+            index = 2 * slice_ + j
+            for variant in ("dense", "certified"):
+                score = 0.0 if (variant, slice_, subtask) == ("certified", 1, "vt") else 1.0
+                samples.append(rec("ruler", index, variant, subtask=subtask, slice=slice_,
+                                   score=score, **{"pass": score == 1.0}))
+    if drop_last:
+        samples = samples[:-1]  # a partial run: the last sample of certified is missing
+    return write_run(tmp_path / "ruler_4k", "ruler_4k", samples)
+
+
+def test_ruler_tables_from_a_run_directory(tmp_path):
+    run = RunData.load(ruler_run(tmp_path))
+    q = quality_delta(run, "ruler", "certified")
+    assert q["dense"] == 1.0 and q["method"] == 0.75 and q["n"] == 4
+    assert (q["mcnemar"].critical, q["mcnemar"].reverse, q["mcnemar"].p_value) == (1, 0, 1.0)
+    expected = stats.clustered_bootstrap_delta([1, 1, 1, 1], [1, 1, 1, 0], [0, 0, 1, 1],
+                                               seed=stats.seed_for("ruler_4k", "ruler", 4096,
+                                                                   "certified"))
+    assert q["delta"] == expected
+    report = build_report([run.root])
+    titles = [t.title for t in report.tables]
+    assert any("RULER accuracy per subtask" in t for t in titles)
+    per_subtask = next(t for t in report.tables if "per subtask" in t.title)
+    assert [r[0] for r in per_subtask.rows] == ["niah_single", "vt", "all"]
+    assert per_subtask.rows[1][1] == "1.000" and per_subtask.rows[1][2].startswith("0.500")
+
+
+def test_partial_runs_render_on_the_finished_pairs(tmp_path):
+    run = RunData.load(ruler_run(tmp_path, drop_last=True))
+    assert quality_delta(run, "ruler", "certified")["n"] == 3
+
+
+def test_niah_and_perplexity_tables(tmp_path):
+    samples = []
+    for i, (d, c) in enumerate([(True, True), (True, False), (False, True), (True, True)]):
+        samples += [rec("niah", i, "dense", accuracy=1.0 if d else 0.9, **{"pass": d}),
+                    rec("niah", i, "certified", accuracy=1.0 if c else 0.8, **{"pass": c})]
+    for i, (d, c) in enumerate([(10.0, 10.1), (20.0, 20.3)]):
+        samples += [rec("perplexity", i, "dense", nll=100 * math.log(d), tokens=100, ppl=d,
+                        document="emma"),
+                    rec("perplexity", i, "certified", nll=100 * math.log(c), tokens=100, ppl=c,
+                        document="emma")]
+    run = RunData.load(write_run(tmp_path / "mixed", "mixed", samples))
+    niah = quality_delta(run, "niah", "certified")
+    assert (niah["mcnemar"].both_pass, niah["mcnemar"].critical, niah["mcnemar"].reverse,
+            niah["mcnemar"].both_fail) == (2, 1, 1, 0)
+    ppl = quality_delta(run, "perplexity", "certified")
+    assert ppl["delta"].estimate == pytest.approx(0.2)
+    assert ppl["delta"] == stats.t_interval([10.1 - 10.0, 20.3 - 20.0])
+    assert ppl["dense"] == pytest.approx(math.sqrt(200.0))  # exp of the mean NLL per token
+    out = write_report(build_report([run.root]), tmp_path / "out")
+    text = out.read_text()
+    assert "NIAH (mixed" in text and "Perplexity per window" in text and "commit `abc`" in text
+    assert (tmp_path / "out" / "figures" / "mixed_perplexity_deltas.png").exists()
+    assert (tmp_path / "out" / "figures" / "mixed_rungs.png").exists()
+    tables = json.loads((tmp_path / "out" / "report.json").read_text())["tables"]
+    runtime = next(t for t in tables if t["title"].startswith("Ladder"))
+    assert runtime["rows"][1][1] == "50.0/10.0/30.0/10.0/0.0" and runtime["rows"][1][-1] == "2.50"
+
+
+def test_report_command(tmp_path):
+    runner = CliRunner()
+    run_dir = ruler_run(tmp_path)
+    result = runner.invoke(app, ["report", str(run_dir), "--out", str(tmp_path / "rep")])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "rep" / "README.md").exists()
+    assert (tmp_path / "rep" / "figures" / "ruler_4k_ruler_subtasks.png").exists()
+    bad = runner.invoke(app, ["report", str(tmp_path / "nope")])
+    assert bad.exit_code == 2 and "no such run directory" in bad.output
+
+
+def test_wandb_logger_offline(tmp_path, monkeypatch):
+    """A real offline W&B run (no account, no network): config, per-step certificates, the
+    samples table, the report's tables and figures, the quality summary."""
+    wandb = pytest.importorskip("wandb")
+    from certkv.report.wandb_logger import WandbLogger
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run_dir = ruler_run(tmp_path)
+    report = build_report([run_dir])
+    write_report(report, run_dir)
+    logged, summary = [], {}
+    original = wandb.sdk.wandb_run.Run.log
+
+    def spy(self, data, *args, **kwargs):
+        logged.append(dict(data))
+        return original(self, data, *args, **kwargs)
+
+    monkeypatch.setattr(wandb.sdk.wandb_run.Run, "log", spy)
+    finish = wandb.sdk.wandb_run.Run.finish
+    monkeypatch.setattr(wandb.sdk.wandb_run.Run, "finish",
+                        lambda self, *a, **k: (summary.update(dict(self.summary)),
+                                               finish(self, *a, **k))[1])
+    WandbLogger(mode="offline").log(report, {}, str(run_dir))
+    keys = {k for d in logged for k in d}
+    assert {"certificate/certified/e_key", "certificate/certified/bound", "samples"} <= keys
+    assert any(k.startswith("tables/") for k in keys)
+    assert any(k.startswith("figures/") for k in keys)
+    assert summary["quality/ruler/certified/accuracy"] == 0.75
+    offline = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert offline and offline[0].stat().st_size > 0
