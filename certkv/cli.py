@@ -172,6 +172,11 @@ def bench_attention(
     """One decode step of one layer: dense FP16 SDPA vs naive vs certified (phases, GB/s)."""
     from certkv import bench
 
+    if context and min(context) < 1:
+        _fail(f"--context {min(context)} is not a token count; pass positive contexts such as "
+              "--context 4096.")
+    if repeats < 1:
+        _fail(f"--repeats {repeats} must be at least 1, e.g. --repeats 20.")
     dev = _device(device)
     cases = bench.default_cases(dev)
     if context:
@@ -207,6 +212,9 @@ def bench_decode(
 
     if model not in bench.MODEL_CONFIGS:
         _fail(f"unknown model config {model!r}; use one of {list(bench.MODEL_CONFIGS)}.")
+    if (context and min(context) < 2) or repeats < 1:
+        _fail("--context must be at least 2 tokens and --repeats at least 1; pass e.g. "
+              "--context 1024 --repeats 5.")
     dev = _device(device)
     contexts = context or ([8192, 16384, 32768, 65536] if dev.type == "cuda" else [1024, 2048])
     # FP16 on CUDA: the dense baseline then reads the FP16 cache in place with SDPA (BF16 and
@@ -225,12 +233,16 @@ def bench_decode(
 
 @app.command()
 def demo(context: int = 2048, kv_heads: int = 8, group: int = 4, head_dim: int = 128,
-         seed: int = 0) -> None:
+         value_group: Annotated[int, typer.Option(help="INT4 value group g (divides head_dim)")]
+         = 16, seed: int = 0) -> None:
     """One certified decode step on synthetic data: dense vs naive vs certified."""
     from certkv.demo import run_demo
 
+    if min(context, kv_heads, group, head_dim, value_group) < 1:
+        _fail("--context, --kv-heads, --group, --head-dim and --value-group must be positive "
+              "integers, e.g. --context 2048 --head-dim 128.")
     try:
-        run_demo(context, kv_heads, group, head_dim, seed)
+        run_demo(context, kv_heads, group, head_dim, seed, value_group=value_group)
     except CertKVError as exc:
         _fail(str(exc))
 

@@ -73,7 +73,7 @@ def _quantiles(x: torch.Tensor) -> str:
 
 
 def run_demo(context: int = 2048, kv_heads: int = 8, group: int = 4, head_dim: int = 128,
-             seed: int = 0, console: Console | None = None) -> list[dict]:
+             seed: int = 0, console: Console | None = None, value_group: int = 16) -> list[dict]:
     """Print the comparison table and the certified step's per-head certificate; return rows."""
     console = console or Console(width=None if Console().is_terminal else 132)
     layer = DemoLayer.make(context, kv_heads, group, head_dim, seed)
@@ -84,7 +84,7 @@ def run_demo(context: int = 2048, kv_heads: int = 8, group: int = 4, head_dim: i
         table.add_column(col, justify="right")
     rows, shown = [], None
     for key_bits in (8, 2):
-        store = layer.store(key_bits)
+        store = layer.store(key_bits, value_group=value_group)
         ref = layer.reference(store)
         for mode in ("dense", "naive", "certified"):
             out, cert, ms = timed_step(CertifiedAttention(mode=mode), layer.q, store)

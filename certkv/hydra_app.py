@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
 import sys
+from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -23,6 +25,7 @@ def main(cfg: DictConfig) -> None:
     try:
         summary = run_experiment(cfg, out_dir)
     except (CertKVError, InstantiationException) as exc:
+        _discard_if_empty(Path(out_dir), Path(cfg.out_dir))
         cause = exc if isinstance(exc, CertKVError) else exc.__cause__
         if not isinstance(cause, CertKVError):
             raise
@@ -33,3 +36,15 @@ def main(cfg: DictConfig) -> None:
     report = build_report([out_dir])
     write_report(report, out_dir)  # README.md, figures/, report.json in the run directory
     instantiate(cfg.logger).log(report, summary, out_dir)
+
+
+def _discard_if_empty(run_dir: Path, root: Path) -> None:
+    """A run that failed before recording any result leaves no look-alike directory behind
+    (Hydra creates it before the job starts); empty parents up to ``root`` go too."""
+    if (run_dir / "samples.jsonl").exists():
+        return  # a resumed run keeps what it recorded
+    shutil.rmtree(run_dir, ignore_errors=True)
+    parent = run_dir.parent
+    while parent != root and root in parent.parents and not any(parent.iterdir()):
+        parent.rmdir()
+        parent = parent.parent

@@ -81,16 +81,16 @@ def run_experiment(cfg: DictConfig, out_dir: str, progress: bool = True) -> dict
     started = time.time()
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg.threads))
-    run = RunDir(out_dir)
-    run.write_config(OmegaConf.to_yaml(cfg, resolve=True))
-    run.write_meta({"experiment": cfg.experiment, "model": cfg.model.name,
-                    "command": " ".join(sys.argv), "seed": cfg.seed, **environment()})
     torch.manual_seed(cfg.seed)
-    variants = build_variants(cfg)
+    variants = build_variants(cfg)  # everything is validated before the run directory exists
     spec: CacheSpec = instantiate(cfg.cache)
     tasks = [instantiate(node) for node in cfg.task.values()]
     lm = load_model(instantiate(cfg.model))
     plan = [(task, s) for task in tasks for s in task.samples(lm.tokenizer, lm.max_context)]
+    run = RunDir(out_dir)
+    run.write_config(OmegaConf.to_yaml(cfg, resolve=True))
+    run.write_meta({"experiment": cfg.experiment, "model": cfg.model.name,
+                    "command": " ".join(sys.argv), "seed": cfg.seed, **environment()})
     columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn())
     with Progress(*columns, disable=not progress) as bar:

@@ -132,6 +132,15 @@ def _load_tokenizer(spec: ModelSpec):
     return AutoTokenizer.from_pretrained(path, **kwargs)
 
 
+def load_tokenizer(spec: ModelSpec | dict = None):
+    """The tokenizer of a model spec (default: SmolLM2) without loading the weights, e.g. to
+    generate a task's prompts; a random model uses its ``tokenizer`` spec (or SmolLM2's)."""
+    spec = ModelSpec(**(spec or SMOLLM2)) if isinstance(spec, dict | None) else spec
+    if spec.random_config is not None:
+        spec = ModelSpec(**(spec.tokenizer or SMOLLM2))
+    return _load_tokenizer(spec)
+
+
 def _load_pretrained(spec: ModelSpec, dtype: torch.dtype):
     path, kwargs, cached = _resolved_source(spec)
     try:

@@ -31,9 +31,10 @@ class GroupAffineValueCodec(ValueCodec):
                 f"value_group={self.group} must be a positive integer such as 16.")
 
     def validate(self, head_dim: int, block_size: int) -> None:
+        divisor = max(c for c in range(1, min(head_dim, 16) + 1) if head_dim % c == 0)
         require(head_dim % self.group == 0, ConfigError,
-                f"value_group={self.group} does not divide head_dim={head_dim}; choose a divisor "
-                f"of {head_dim} such as 16.")
+                f"value_group={self.group} does not divide head_dim={head_dim}; use a divisor "
+                f"of {head_dim}, e.g. value_group={divisor}.")
         if self.bits < 8:
             pack_bits(torch.zeros(1, head_dim, dtype=torch.uint8), self.bits)
 
