@@ -114,3 +114,28 @@ def test_info_lists_groups_and_versions():
     assert result.exit_code == 0
     for text in ("quantizer", "int8_int4", "smollm2_135m", "torch", "device"):
         assert text in result.output
+
+
+@pytest.mark.parametrize(("experiment", "sizes", "table"), [
+    ("ruler_4k", ["task.ruler.context=1024", "task.ruler.slices=1", "logger=wandb"],
+     "RULER accuracy per subtask"),
+    ("niah_4k", ["task.niah.context=900", "task.niah.trials=1", "task.niah.max_new_tokens=3"],
+     "NIAH (niah_4k"),
+    ("pg19_4k", ["task.perplexity.context=128", "task.perplexity.windows=2",
+                 "task.perplexity.decode_tokens=4"], "Perplexity per window"),
+])
+def test_paper_experiments_end_to_end_on_a_tiny_model(out, monkeypatch, experiment, sizes,
+                                                       table):
+    """Each evaluation task through `certkv run` on tiny_random: all four methods, the report in
+    the run directory (and a W&B run, offline), then `certkv report` from the directory alone."""
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    result = run(f"+experiment={experiment}", "model=tiny_random", *sizes, f"out_dir={out}")
+    assert result.exit_code == 0, result.output
+    run_dir = run_dir_of(out / experiment)
+    samples = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert {s["variant"] for s in samples} == {"dense", "naive", "certified", "certified-fp16v"}
+    assert table in (run_dir / "README.md").read_text()
+    if "logger=wandb" in sizes:
+        assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    again = runner.invoke(app, ["report", str(run_dir), "--out", str(out / "rep")])
+    assert again.exit_code == 0 and table in (out / "rep" / "README.md").read_text()

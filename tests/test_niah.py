@@ -8,7 +8,15 @@ import re
 import pytest
 
 from certkv.errors import CertKVError
-from certkv.eval.niah import DEPTHS, NeedleTrial, make_trials, score, split_sentences
+from certkv.eval.niah import (
+    DEPTHS,
+    FIXED_NEEDLES,
+    NeedleTrial,
+    make_multi_needle_trials,
+    make_trials,
+    score,
+    split_sentences,
+)
 
 
 class WordTokenizer:
@@ -108,3 +116,37 @@ def test_score():
     assert score("4821", " 4812.") == 0.0
     with pytest.raises(CertKVError, match="non-empty answer"):
         score("", "anything")
+
+
+@pytest.mark.parametrize("context_tokens", [400, 1500])
+def test_ten_needle_trials_follow_the_paper(tok, context_tokens):
+    """Ten fixed needles per trial at depths 0.0-0.9 (depth-major), needle j before filler
+    sentence floor(j/10 x sentences); the document, the longest question and the answer budget
+    fit; each question asks for its needle; trials are seeded and differ in their filler."""
+    trials = make_multi_needle_trials(tok, book(), context_tokens, num_trials=3,
+                                      answer_tokens=16)
+    again = make_multi_needle_trials(WordTokenizer(), book(), context_tokens, num_trials=3,
+                                     answer_tokens=16)
+    assert trials == again and trials[0].document != trials[1].document
+    for trial in trials:
+        assert trial.answers == tuple(v for _, v in FIXED_NEEDLES) and trial.depths == DEPTHS
+        longest = max(len(tok.encode(q, add_special_tokens=False)) for q in trial.questions)
+        assert len(tok.encode(trial.document, add_special_tokens=False)) + longest + 16 \
+            <= context_tokens
+        _header, body, _ = trial.document.split("\n\n")
+        sentences = split_sentences(body)
+        needles = [f"The secret codename of project {k} is {v}." for k, v in FIXED_NEEDLES]
+        positions = [sentences.index(n) for n in needles]
+        assert positions == sorted(positions)  # depth-major
+        filler = len(sentences) - 10
+        assert filler > 0
+        for j, position in enumerate(positions):
+            assert position - j == int(DEPTHS[j] * filler)  # filler sentences before needle j
+        for (key, value), question in zip(FIXED_NEEDLES, trial.questions, strict=True):
+            assert key in question and value not in question
+            assert question.endswith(f"The secret codename of project {key} is")
+
+
+def test_ten_needle_trials_reject_a_book_that_holds_a_needle_value(tok):
+    with pytest.raises(CertKVError, match="already contains the needle value"):
+        make_multi_needle_trials(tok, book() + " Crimson Falcon.", 400, num_trials=1)
