@@ -89,8 +89,14 @@ def run_experiment(cfg: DictConfig, out_dir: str, progress: bool = True) -> dict
     plan = [(task, s) for task in tasks for s in task.samples(lm.tokenizer, lm.max_context)]
     run = RunDir(out_dir)
     run.write_config(OmegaConf.to_yaml(cfg, resolve=True))
+    planned = len(plan) * len(variants)
     run.write_meta({"experiment": cfg.experiment, "model": cfg.model.name,
-                    "command": " ".join(sys.argv), "seed": cfg.seed, **environment()})
+                    "command": " ".join(sys.argv), "seed": cfg.seed, "planned": planned,
+                    **environment()})
+    earlier = run.read_meta().get("wall_s", 0.0)  # wall time of earlier (resumed) sessions
+
+    def progress_meta() -> None:  # after every record: an interrupted session still counts
+        run.write_meta({"wall_s": earlier + time.time() - started, "records": len(run.samples)})
     columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn())
     with Progress(*columns, disable=not progress) as bar:
@@ -104,11 +110,11 @@ def run_experiment(cfg: DictConfig, out_dir: str, progress: bool = True) -> dict
             for variant in todo:
                 bar.update(job, description=f"{task.name} #{sample.index} {variant.name}")
                 _run_one(run, task, sample, variant, shared, spec)
+                progress_meta()
                 bar.advance(job)
     summary = summarize(run.samples, run.certificates, tasks, variants, cfg)
     run.write_summary(summary)
-    run.write_meta({"wall_s": run.read_meta().get("wall_s", 0.0) + time.time() - started,
-                    "records": len(run.samples), "planned": len(plan) * len(variants)})
+    progress_meta()
     return summary
 
 
