@@ -8,6 +8,22 @@ from certkv import TieredKVStore
 from certkv.kernels.reference import dense_attention, exact_attention
 
 
+class WordTokenizer:
+    """One token per whitespace-separated word; ``encode``/``decode`` shaped like HF's (for
+    prompt generators tested without a real tokenizer)."""
+
+    def __init__(self):
+        self.vocab: dict[str, int] = {"<s>": 0}
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = [self.vocab.setdefault(w, len(self.vocab)) for w in text.split()]
+        return ([0] if add_special_tokens else []) + ids
+
+    def decode(self, ids: list[int]) -> str:
+        inverse = {i: w for w, i in self.vocab.items()}
+        return " ".join(inverse[i] for i in ids)
+
+
 def make_kv(hkv, n, d, *, seed=0, outlier_channels=0, heavy_tail=False, key_offset=0.0):
     """Keys ``[Hkv, n, d]`` with optional outlier channels, values optionally heavy-tailed."""
     gen = torch.Generator().manual_seed(seed)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from helpers import WordTokenizer
 
 from certkv.errors import CertKVError
 from certkv.eval.niah import (
@@ -17,21 +18,6 @@ from certkv.eval.niah import (
     score,
     split_sentences,
 )
-
-
-class WordTokenizer:
-    """One token per whitespace-separated word; ``encode``/``decode`` shaped like HF's."""
-
-    def __init__(self):
-        self.vocab: dict[str, int] = {"<s>": 0}
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = [self.vocab.setdefault(w, len(self.vocab)) for w in text.split()]
-        return ([0] if add_special_tokens else []) + ids
-
-    def decode(self, ids: list[int]) -> str:
-        inverse = {i: w for w, i in self.vocab.items()}
-        return " ".join(inverse[i] for i in ids)
 
 
 def book(sentences: int = 600) -> str:

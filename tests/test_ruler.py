@@ -10,6 +10,7 @@ from collections import Counter
 from itertools import pairwise
 
 import pytest
+from helpers import WordTokenizer
 
 from certkv.errors import CertKVError
 from certkv.eval import ruler
@@ -30,17 +31,6 @@ BOOK_KINDS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquer
               "niah_single_2", "niah_single_3", "niah_multikey_1")
 NUMBER = r"\d{7}"
 UUID = r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}"
-
-
-class WordTokenizer:
-    """One token per whitespace-separated word; ``encode`` shaped like HF's."""
-
-    def __init__(self):
-        self.vocab: dict[str, int] = {"<s>": 0}
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = [self.vocab.setdefault(w, len(self.vocab)) for w in text.split()]
-        return ([0] if add_special_tokens else []) + ids
 
 
 def make_book(sentences: int = 3000) -> str:
