@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 import sys
 from pathlib import Path
@@ -10,11 +11,25 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
 from certkv.cli import CONF_DIR
 from certkv.errors import CertKVError
+
+MAX_DIRNAME = 120
+
+
+def short_dirname(overrides: str) -> str:
+    """A run directory name from the overrides: as Hydra writes it, or, when that would be too
+    long for a file system (e.g. a ``variants=[...]`` list), its start and a hash of the whole."""
+    if len(overrides) <= MAX_DIRNAME:
+        return overrides
+    digest = hashlib.md5(overrides.encode()).hexdigest()[:10]
+    return f"{overrides[:MAX_DIRNAME - 11].rstrip(',')}-{digest}"
+
+
+OmegaConf.register_new_resolver("dirname", short_dirname, replace=True)
 
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")

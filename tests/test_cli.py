@@ -139,3 +139,14 @@ def test_paper_experiments_end_to_end_on_a_tiny_model(out, monkeypatch, experime
         assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     again = runner.invoke(app, ["report", str(run_dir), "--out", str(out / "rep")])
     assert again.exit_code == 0 and table in (out / "rep" / "README.md").read_text()
+
+
+def test_a_long_override_gets_a_short_run_directory(out):
+    """A variants list on the command line would make Hydra's directory name too long for the
+    file system: it is cut and completed by a hash of the whole."""
+    variants = ("variants=[{name: dense, mode: dense}, {name: naive, mode: naive}, "
+                "{name: naive-k2, mode: naive, quantizer: {key_codec: {bits: 2}}}]")
+    result = run(*TINY, variants, f"out_dir={out}")
+    assert result.exit_code == 0, result.output
+    name = run_dir_of(out / "tiny").name
+    assert len(name) <= 120 and name.startswith("task.")
