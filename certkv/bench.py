@@ -282,7 +282,8 @@ def bench_decode(model: str, contexts: list[int], device: torch.device, repeats:
     cfg = dict(MODEL_CONFIGS[model])
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     torch.manual_seed(0)
-    net = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval()
+    with device:  # random init on the device: an 8B model takes minutes to init on a CPU
+        net = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     enable(net)
     lm = LoadedModel(net, None, ModelSpec(name=model))
     records = []

@@ -48,7 +48,7 @@ def channel_dot(q, k, BLOCK_G: tl.constexpr, B: tl.constexpr, D: tl.constexpr,
 @triton.jit
 def _score_kernel(q_ptr, code_ptr, scale_ptr, offset_ptr, tail_ptr, s_out, l_out, d_out,
                   s_qk, s_qg, s_ck, s_cn, s_ct, s_sk, s_sn, s_tk, s_tt, s_ok, s_og, s_on,
-                  s_lk, s_lg, n_quant, tail_len, scaling, bound_a, bound_b,
+                  s_lk, s_lg, n_blocks, n_quant, tail_len, scaling, bound_a, bound_b,
                   G: tl.constexpr, BLOCK_G: tl.constexpr, B: tl.constexpr, D: tl.constexpr,
                   DOT_C: tl.constexpr, SPLIT: tl.constexpr):
     kv = tl.program_id(0)
@@ -58,7 +58,6 @@ def _score_kernel(q_ptr, code_ptr, scale_ptr, offset_ptr, tail_ptr, s_out, l_out
     gmask = g < G
     q = load_group_queries(q_ptr, kv, s_qk, s_qg, G, BLOCK_G, D)
     q_abs = tl.abs(q)
-    n_blocks = n_quant + (tail_len > 0).to(tl.int32)
     for i in range(SPLIT):
         blk = tl.program_id(1) * SPLIT + i
         quant = (c * 0 + blk) < n_quant  # [D]: an INT8 block
@@ -125,7 +124,7 @@ def int8_phase1(q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
         q.stride(0), q.stride(1), codes.stride(0), codes.stride(1), codes.stride(2),
         scale.stride(0), scale.stride(1), tail.stride(0), tail.stride(1),
         s.stride(0), s.stride(1), s.stride(2), log_mass.stride(0), log_mass.stride(1),
-        n_q, tail_len, float(scaling), float(bound[0]), float(bound[1]),
+        n, n_q, tail_len, float(scaling), float(bound[0]), float(bound[1]),
         G=group, BLOCK_G=triton.next_power_of_2(group), B=bsz, D=d, DOT_C=dot_chunk(d),
         SPLIT=split)
     return s, log_mass, delta
