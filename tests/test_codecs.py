@@ -111,3 +111,15 @@ def test_bad_codec_parameters_name_the_fix():
         GroupAffineValueCodec(group=32).validate(48, 16)
     with pytest.raises(ConfigError, match="positive integer"):
         GroupAffineValueCodec(group=0)
+
+
+@pytest.mark.parametrize("codec, head_dim, fixed", [
+    (GroupAffineValueCodec(bits=4, group=4), 7, 8),
+    (ChannelAffineKeyCodec(bits=2), 6, 8),
+])
+def test_an_unpackable_head_dim_is_named_before_the_group(codec, head_dim, fixed):
+    """The first message names a fix that works: following it passes validation (it used to
+    advise value_group=7 for head_dim=7, which 4-bit packing then refused)."""
+    with pytest.raises(ConfigError, match=f"head_dim={head_dim} cannot hold .* e.g. {fixed}"):
+        codec.validate(head_dim, 16)
+    codec.validate(fixed, 16)

@@ -14,7 +14,7 @@ import torch
 
 from certkv.errors import ConfigError, require
 from certkv.quant.base import Blocks, ValueCodec, round_up_fp16
-from certkv.quant.packing import check_bits, pack_bits, unpack_bits
+from certkv.quant.packing import check_bits, check_packable, pack_bits, unpack_bits
 
 
 @dataclass
@@ -31,12 +31,11 @@ class GroupAffineValueCodec(ValueCodec):
                 f"value_group={self.group} must be a positive integer such as 16.")
 
     def validate(self, head_dim: int, block_size: int) -> None:
+        check_packable(head_dim, self.bits, "value")
         divisor = max(c for c in range(1, min(head_dim, 16) + 1) if head_dim % c == 0)
         require(head_dim % self.group == 0, ConfigError,
                 f"value_group={self.group} does not divide head_dim={head_dim}; use a divisor "
                 f"of {head_dim}, e.g. value_group={divisor}.")
-        if self.bits < 8:
-            pack_bits(torch.zeros(1, head_dim, dtype=torch.uint8), self.bits)
 
     def _grouped(self, v: torch.Tensor) -> torch.Tensor:
         return v.reshape(*v.shape[:-1], v.shape[-1] // self.group, self.group)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from certkv.quant.base import FP32_EPS, Blocks, KeyCodec
-from certkv.quant.packing import check_bits, pack_bits, unpack_bits
+from certkv.quant.packing import check_bits, check_packable, pack_bits, unpack_bits
 
 # Headroom for FP32 rounding in encode/decode, relative to the magnitude being reconstructed:
 # a few ulps, far below sigma/2 for any real block, and enough to make the bound rigorous.
@@ -37,9 +37,7 @@ class ChannelAffineKeyCodec(KeyCodec):
         return 1 << (self.bits - 1)
 
     def validate(self, head_dim: int, block_size: int) -> None:
-        if self.bits < 8:
-            # raises a ConfigError if head_dim cannot be packed at this width
-            pack_bits(torch.zeros(1, head_dim, dtype=torch.uint8), self.bits)
+        check_packable(head_dim, self.bits, "key")
 
     def encode(self, k: torch.Tensor) -> Blocks:
         x = k.float()

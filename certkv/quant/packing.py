@@ -15,6 +15,15 @@ def check_bits(bits: int, allowed: tuple[int, ...] = SUPPORTED_BITS) -> int:
     return bits
 
 
+def check_packable(head_dim: int, bits: int, kind: str) -> None:
+    """Sub-byte codes are packed ``8 // bits`` per byte along ``head_dim``: it must divide."""
+    per_byte = 8 // bits
+    require(head_dim % per_byte == 0, ConfigError,
+            f"head_dim={head_dim} cannot hold {bits}-bit {kind} codes ({per_byte} per byte); use "
+            f"a head_dim that is a multiple of {per_byte}, e.g. "
+            f"{per_byte * -(-head_dim // per_byte)}.")
+
+
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack unsigned codes ``[..., n]`` (values < 2**bits) into bytes ``[..., n * bits // 8]``.
 
