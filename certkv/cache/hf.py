@@ -40,6 +40,16 @@ class CacheSpec:
 
 
 @dataclass
+class CacheTelemetry:
+    """What a finished cache leaves for its certificate record, without its tensors: the
+    certificate log, the byte accounting and the scratch counters."""
+
+    log: CertificateLog
+    bytes: dict[str, int]
+    scratch: ScratchStats
+
+
+@dataclass
 class StoreHandle:
     """What ``update`` returns as keys and values: the layer plus the fresh states
     ``[1, Hkv, T, d]`` (full precision, used by prefill's dense SDPA)."""
@@ -151,3 +161,9 @@ class TieredCache(Cache):
         for layer in self.layers:
             total = total + layer.scratch.stats
         return total
+
+    def telemetry(self) -> CacheTelemetry:
+        """The log (its last step closed), bytes and scratch counters, detached from the
+        stores: they outlive the cache."""
+        self.log.flush()
+        return CacheTelemetry(self.log, self.bytes(), self.scratch_stats())

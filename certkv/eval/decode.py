@@ -29,11 +29,11 @@ import torch
 from transformers import DynamicCache
 
 from certkv.attention import MODES, CertifiedAttention
-from certkv.cache.hf import CacheSpec, TieredCache
+from certkv.cache.hf import CacheSpec, CacheTelemetry, TieredCache
 from certkv.certify.ladder import Ladder
 from certkv.certify.select import AdaptiveTopK
 from certkv.certify.values import LocalThreshold
-from certkv.errors import ConfigError, require
+from certkv.errors import CertKVError, ConfigError, require
 from certkv.models.loading import LoadedModel
 from certkv.quant import KVQuantizer
 
@@ -66,19 +66,51 @@ class Method:
 
 
 class Decoder:
-    """Feeds tokens through the model with one cache; times each decode step."""
+    """Feeds tokens through the model with one cache; times each decode step.
+
+    :meth:`close` (or leaving a ``with`` block) frees the cache and keeps its telemetry (step
+    times, certificate log, bytes, scratch counters): a task that asks many questions of one
+    document holds one cache at a time instead of one per question."""
 
     def __init__(self, lm: LoadedModel, cache) -> None:
         self.lm, self.cache, self.tokenizer = lm, cache, lm.tokenizer
         self.step_ms: list[float] = []
+        self.telemetry: CacheTelemetry | None = None
+
+    def __enter__(self) -> Decoder:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Free the cache, keeping its telemetry (idempotent)."""
+        if isinstance(self.cache, TieredCache):
+            self.telemetry = self.cache.telemetry()
+        self.cache = None
+
+    def cache_telemetry(self) -> CacheTelemetry | None:
+        """The telemetry of a certkv cache, open or closed (None for the model's own cache)."""
+        if isinstance(self.cache, TieredCache):
+            return self.cache.telemetry()
+        return self.telemetry
+
+    def _ids(self, ids: list[list[int]]) -> torch.Tensor:
+        require(self.cache is not None, CertKVError,
+                "this decoder is closed; ask the session for a fresh one with "
+                "session.decoder().")
+        return torch.tensor(ids, device=self.lm.device)
+
+    def _forward(self, ids: torch.Tensor, **kwargs):
+        return self.lm.model(input_ids=ids, past_key_values=self.cache, use_cache=True, **kwargs)
 
     @torch.inference_mode()
     def step(self, token: int) -> torch.Tensor:
         """Decode ``token`` (one step of the method); returns FP32 logits ``[vocab]``."""
-        ids = torch.tensor([[token]], device=self.lm.device)
+        ids = self._ids([[token]])
         _sync(self.lm.device)
         start = time.perf_counter()
-        out = self.lm.model(input_ids=ids, past_key_values=self.cache, use_cache=True)
+        out = self._forward(ids)
         _sync(self.lm.device)
         self.step_ms.append(1e3 * (time.perf_counter() - start))
         return out.logits[0, -1].float()
@@ -88,8 +120,7 @@ class Decoder:
         """Prefill more prompt tokens densely (e.g. a question after a shared document); not
         decode steps, not timed."""
         if ids:
-            self.lm.model(input_ids=torch.tensor([ids], device=self.lm.device),
-                          past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+            self._forward(self._ids([ids]), logits_to_keep=1)
 
     def generate(self, first: int, max_new_tokens: int) -> list[int]:
         """Greedy decoding from the prompt's last token ``first``: at most ``max_new_tokens``
@@ -169,29 +200,31 @@ class Session:
     def step_ms(self) -> list[float]:
         return [ms for d in self.decoders for ms in d.step_ms]
 
+    def telemetry(self) -> list[CacheTelemetry]:
+        """The certkv caches' telemetry of every decoder, open or closed (none for dense)."""
+        found = (d.cache_telemetry() for d in self.decoders)
+        return [t for t in found if t is not None]
+
     def certificate_record(self) -> dict:
         """Per-step certificate telemetry of every decoder (paper Tables 11, 12, 15): empty for
         the dense method, which runs the model's own attention."""
-        caches = [d.cache for d in self.decoders if isinstance(d.cache, TieredCache)]
-        for cache in caches:
-            cache.log.flush()
-        return certificate_record(caches)
+        return certificate_record(self.telemetry())
 
 
 _STEP_FIELDS = ("e_key", "e_val", "e_arith", "bound", "candidate_e_key", "candidate_e_val")
 
 
-def certificate_record(caches: list[TieredCache]) -> dict:
-    """Per-step certificate telemetry of some caches' logs, as one record (steps pooled)."""
+def certificate_record(caches: list[CacheTelemetry]) -> dict:
+    """Per-step certificate telemetry of some caches, as one record (steps pooled)."""
     steps = [s for cache in caches for s in cache.log.steps]
     record = {"steps": len(steps), "head_steps": sum(s["heads"] for s in steps) or 1}
-    sizes = [cache.bytes() for cache in caches] or [{}]
+    sizes = [cache.bytes for cache in caches] or [{}]
     largest = max(sizes, key=lambda b: b.get("dense", 0))
     record.update({"tier1_over_dense": largest.get("tier1", 0) / max(largest.get("dense", 1), 1),
                    "device_bytes": largest.get("device", 0),
                    "tier2_bytes": largest.get("tier2", 0),
                    "dense_bytes": largest.get("dense", 0)})
-    stats = [cache.scratch_stats() for cache in caches]
+    stats = [cache.scratch for cache in caches]
     hits, misses = sum(s.hits for s in stats), sum(s.misses for s in stats)
     record["scratch_hit_rate"] = hits / (hits + misses) if hits + misses else 0.0
     record["h2d_bytes"] = sum(s.h2d_bytes for s in stats)

@@ -128,6 +128,5 @@ def _run_one(run: RunDir, task, sample, variant: Method, shared: Prefill,
               "ms_per_step": statistics.median(ms) if ms else 0.0}
     heads = None
     if spec.records == "full":
-        heads = [{**key, **h} for d in session.decoders
-                 if hasattr(d.cache, "log") for h in d.cache.log.heads]
+        heads = [{**key, **h} for t in session.telemetry() for h in t.log.heads]
     run.add(record, {**key, **session.certificate_record()}, heads)

@@ -78,12 +78,12 @@ class PerplexityTask:
                                                             self.context, self.windows))]
 
     def evaluate(self, session, sample: Sample) -> dict:
-        decoder = session.decoder()
         nll, token = 0.0, sample.first
-        for target in sample.target:
-            logits = decoder.step(token)
-            nll -= float(torch.log_softmax(logits, dim=-1)[target])
-            token = target
+        with session.decoder() as decoder:
+            for target in sample.target:
+                logits = decoder.step(token)
+                nll -= float(torch.log_softmax(logits, dim=-1)[target])
+                token = target
         n = len(sample.target)
         return {"nll": nll, "tokens": n, "ppl": math.exp(nll / n)}
 
@@ -152,12 +152,12 @@ class NeedleTask:
             questions, answers = sample.payload
         generated = []
         for question in questions:
-            decoder = session.decoder()
-            if question is None:
-                tokens = decoder.generate(sample.first, self.max_new_tokens)
-            else:
-                decoder.feed(question[:-1])
-                tokens = decoder.generate(question[-1], self.max_new_tokens)
+            with session.decoder() as decoder:  # one document copy alive at a time
+                if question is None:
+                    tokens = decoder.generate(sample.first, self.max_new_tokens)
+                else:
+                    decoder.feed(question[:-1])
+                    tokens = decoder.generate(question[-1], self.max_new_tokens)
             generated.append(decoder.tokenizer.decode(tokens))
         found = [score(a, g) for a, g in zip(answers, generated, strict=True)]
         return {"generated": generated, "answers": list(answers), "retrieved": found,
@@ -208,8 +208,8 @@ class RulerTask:
 
     def evaluate(self, session, sample: Sample) -> dict:
         rs: ruler.RulerSample = sample.payload
-        decoder = session.decoder()
-        text = decoder.tokenizer.decode(decoder.generate(sample.first, rs.max_new_tokens))
+        with session.decoder() as decoder:
+            text = decoder.tokenizer.decode(decoder.generate(sample.first, rs.max_new_tokens))
         value = ruler.score(rs, text)
         return {"generated": text, "answers": list(rs.answers), "score": value,
                 "pass": value == 1.0}
