@@ -437,10 +437,24 @@ class _CompiledSegment:
     def __call__(self, *args):
         if self.compiled is not None:
             try:
-                return self.compiled(*args)
+                return self.compiled(*(_steady(a) for a in args))
             except Exception as exc:  # compiler errors surface at first call
                 self._give_up(exc)
         return self.fn(*args)
+
+
+def _steady(x):
+    """A segment argument in the one form the compiled graph was made for: contiguous (a view
+    of a growing buffer has a stride that changes with its capacity) and, under inference mode,
+    an inference tensor (a tensor made before the first step is not). Either difference fails
+    a guard and recompiles; on a real model these recompiles reached dynamo's limit (8) within
+    minutes and left the segments eager for the rest of the run. The arguments are per-head and
+    per-block tensors, so the copies are small."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    if torch.is_inference_mode_enabled() and not x.is_inference():
+        return x.clone(memory_format=torch.contiguous_format)
+    return x.contiguous()
 
 
 def to_host(x: torch.Tensor) -> torch.Tensor:

@@ -40,3 +40,23 @@ def test_a_segment_that_cannot_compile_runs_eagerly_with_one_warning():
         out, _ = CertifiedAttention(compile="no_such_backend")(q, store)
     expected, _ = CertifiedAttention()(q, store)
     assert torch.equal(out, expected)
+
+
+def test_a_growing_cache_under_inference_mode_compiles_each_segment_once():
+    """On SmolLM2 (GPU, 4K RULER) the segments recompiled until dynamo's limit of 8 and then
+    ran eagerly: views of growing buffers change stride with their capacity, and tensors made
+    before the first step are not inference tensors. Both now keep the first graph."""
+    from torch._dynamo.utils import counters
+
+    k, v = make_kv(2, 700, 32, seed=2, outlier_channels=2)
+    store = TieredKVStore(2, 32, value_group=8)
+    store.append(k[:, :40], v[:, :40])  # made outside inference mode, like a prefill
+    attention = CertifiedAttention(compile="eager")
+    graphs = []
+    with torch.inference_mode():
+        for step, end in enumerate([41, 42, 97, 160, 161, 300, 555, 700]):
+            store.append(k[:, store.num_tokens:end], v[:, store.num_tokens:end])
+            attention(make_query(k[:, :end], 3, seed=step, scale=3.0), store)
+            graphs.append(counters["stats"]["unique_graphs"])
+    assert all(seg.compiled is not None for seg in attention._compiled.values())
+    assert graphs == [graphs[0]] * len(graphs), graphs

@@ -121,6 +121,17 @@ def test_niah_and_perplexity_tables(tmp_path):
     assert runtime["rows"][1][1] == "50.0/10.0/30.0/10.0/0.0" and runtime["rows"][1][-1] == "2.50"
 
 
+def test_one_perplexity_window_says_it_has_no_interval(tmp_path):
+    samples = [rec("perplexity", 0, "dense", nll=100 * math.log(10.0), tokens=100, ppl=10.0,
+                   document="emma"),
+               rec("perplexity", 0, "certified", nll=100 * math.log(10.5), tokens=100, ppl=10.5,
+                   document="emma")]
+    report = build_report([write_run(tmp_path / "one", "one", samples)])
+    quality = next(t for t in report.tables if t.title.startswith("Quality"))
+    cell = next(c for c in quality.rows[0] if c.startswith("+0.500"))
+    assert cell == "+0.500 [no CI: n=1]"
+
+
 def test_report_command(tmp_path):
     runner = CliRunner()
     run_dir = ruler_run(tmp_path)

@@ -103,6 +103,10 @@ def _fmt(x: float, digits: int = 3) -> str:
 
 
 def _interval(iv: stats.Interval, digits: int = 3) -> str:
+    """``+0.012 [-0.004, +0.020]``; an interval one sample cannot give (a t-interval over one
+    window is infinite) says so instead of printing ``[-inf, +inf]``."""
+    if not (math.isfinite(iv.low) and math.isfinite(iv.high)):
+        return f"{iv.estimate:+.{digits}f} [no CI: n={iv.n}]"
     return f"{iv.estimate:+.{digits}f} [{iv.low:+.{digits}f}, {iv.high:+.{digits}f}]"
 
 
