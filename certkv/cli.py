@@ -26,14 +26,16 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 
 
 def _fail(message: str) -> None:
-    Console(stderr=True).print(f"[bold red]error:[/] {message}", highlight=False)
+    from rich.markup import escape
+
+    Console(stderr=True).print(f"[bold red]error:[/] {escape(message)}", highlight=False)
     raise typer.Exit(2)
 
 
 def config_groups() -> dict[str, list[str]]:
     """Config group -> option names, read from ``conf/``."""
     return {d.name: sorted(p.stem for p in d.glob("*.yaml"))
-            for d in sorted(CONF_DIR.iterdir()) if d.is_dir()}
+            for d in sorted(CONF_DIR.iterdir()) if d.is_dir() and d.name != "hydra"}
 
 
 def _first_choices(overrides: list[str]) -> list[str]:
@@ -245,6 +247,147 @@ def demo(context: int = 2048, kv_heads: int = 8, group: int = 4, head_dim: int =
         run_demo(context, kv_heads, group, head_dim, seed, value_group=value_group)
     except CertKVError as exc:
         _fail(str(exc))
+
+
+sweep_app = typer.Typer(no_args_is_help=True, help="Ablation sweeps (Hydra multiruns) with an "
+                        "aggregate table and figure; results in runs/sweeps/ (--out to choose).")
+app.add_typer(sweep_app, name="sweep")
+SWEEP = {"context_settings": {"allow_extra_args": True, "ignore_unknown_options": True}}
+VALUES_HELP = "comma-separated grid (default: the paper's, see `certkv sweep --help`)"
+OUT_HELP = "where the aggregate README.md, figure and sweep.json go (default: the sweep dir)"
+
+
+def _launchers() -> list[str]:
+    """Launcher configs Hydra can find (its own, installed plugins', conf/hydra/launcher/)."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    with initialize_config_dir(str(CONF_DIR), version_base=None):
+        return sorted(GlobalHydra.instance().config_loader().get_group_options("hydra/launcher"))
+
+
+def _run_sweep(ctx: typer.Context, knob: str, axes: dict[str, list[str]],
+               out: Path | None) -> None:
+    """Validate, run the multirun, aggregate. Every problem is one sentence naming the fix."""
+    from hydra import compose, initialize_config_dir
+
+    from certkv.sweep import multirun_args, sweep_name
+
+    overrides = list(ctx.args)
+    if not any(a.lstrip("+").startswith("experiment=") for a in overrides):
+        overrides.insert(0, f"+experiment={DEFAULT_EXPERIMENT}")
+    for item in overrides:
+        if item.startswith("hydra/launcher=") and item.split("=", 1)[1] not in _launchers():
+            _fail(f"unknown launcher {item.split('=', 1)[1]!r}; use one of {_launchers()} "
+                  "(joblib and submitit need `pip install 'certkv[launchers]'`).")
+    name = sweep_name(knob, axes)
+    try:
+        args = multirun_args(name, axes, overrides)
+    except CertKVError as exc:
+        _fail(str(exc))
+    task = [a for a in args if "=" in a and not a.startswith(("-", "hydra.", "hydra/"))]
+    problem = validate_overrides(task)
+    if problem:
+        _fail(problem)
+    with initialize_config_dir(str(CONF_DIR), version_base=None):
+        cfg = compose("config", overrides=_first_choices(task))
+    from certkv.hydra_app import main as hydra_main
+
+    sys.argv = ["certkv sweep", *args]
+    hydra_main()
+    from certkv.report.sweep import build_sweep_report
+
+    root = Path(cfg.out_dir) / "sweeps" / name / cfg.experiment
+    try:
+        report = build_sweep_report(name, root, list(axes), out or root)
+    except CertKVError as exc:
+        _fail(str(exc))
+    from certkv.report.document import print_tables
+
+    print_tables([report.table])
+    Console().print(f"sweep: {report.points} points ({report.failed} failed); aggregate: "
+                    f"{(out or root) / 'README.md'}")
+    _log_sweep(cfg, report)
+
+
+def _log_sweep(cfg, report) -> None:
+    """The aggregate to W&B as well when ``logger=wandb``."""
+    from hydra.utils import instantiate
+
+    logger = instantiate(cfg.logger)
+    if hasattr(logger, "log_sweep"):
+        logger.log_sweep(report)
+
+
+@sweep_app.command("kmax", **SWEEP)
+def sweep_kmax(ctx: typer.Context,
+               values: Annotated[str | None, typer.Option(help=VALUES_HELP)] = None,
+               out: Annotated[Path | None, typer.Option(help=OUT_HELP)] = None) -> None:
+    """Selector K_max (paper Table 9: 64,128,256,512)."""
+    _knob(ctx, "kmax", values, out)
+
+
+@sweep_app.command("vtol", **SWEEP)
+def sweep_vtol(ctx: typer.Context,
+               values: Annotated[str | None, typer.Option(help=VALUES_HELP)] = None,
+               out: Annotated[Path | None, typer.Option(help=OUT_HELP)] = None) -> None:
+    """Value tolerance v_tol (paper 9.4.1; default grid 0.01,0.02,0.05,0.1,0.2)."""
+    _knob(ctx, "vtol", values, out)
+
+
+@sweep_app.command("group", **SWEEP)
+def sweep_group(ctx: typer.Context,
+                values: Annotated[str | None, typer.Option(help=VALUES_HELP)] = None,
+                out: Annotated[Path | None, typer.Option(help=OUT_HELP)] = None) -> None:
+    """INT4 value group size g with the Tier-1 bytes it costs (grid 8,16,32)."""
+    _knob(ctx, "group", values, out)
+
+
+@sweep_app.command("scratch", **SWEEP)
+def sweep_scratch(ctx: typer.Context,
+                  values: Annotated[str | None, typer.Option(help=VALUES_HELP)] = None,
+                  value_blocks: Annotated[str | None, typer.Option(
+                      help="value scratch capacities too (Table 19's asymmetric grid); "
+                           "default: as many as keys")] = None,
+                  out: Annotated[Path | None, typer.Option(help=OUT_HELP)] = None) -> None:
+    """FP16 scratch capacity in blocks per layer (Tables 17-19): hit rate, H2D, step time."""
+    _knob(ctx, "scratch", values, out, value_blocks)
+
+
+@sweep_app.command("custom", **SWEEP)
+def sweep_custom(ctx: typer.Context,
+                 out: Annotated[Path | None, typer.Option(help=OUT_HELP)] = None) -> None:
+    """Any config fields: certkv sweep custom KEY=V1,V2 [KEY=...] [overrides]."""
+    from certkv.sweep import parse_axis
+
+    axes, rest = {}, []
+    for item in ctx.args:
+        value = item.partition("=")[2]
+        if "," in value and not value.lstrip().startswith(("[", "{", "'", '"')) \
+                and not item.startswith(("+experiment", "hydra")):
+            try:
+                name, grid = parse_axis(item)
+            except CertKVError as exc:
+                _fail(str(exc))
+            axes[name] = grid
+        else:
+            rest.append(item)
+    if not axes:
+        _fail("certkv sweep custom needs at least one axis KEY=V1,V2, e.g. "
+              "value_policy.v_tol=0.02,0.05.")
+    ctx.args = rest
+    _run_sweep(ctx, "custom", axes, out)
+
+
+def _knob(ctx: typer.Context, knob: str, values: str | None, out: Path | None,
+          value_blocks: str | None = None) -> None:
+    from certkv.sweep import knob_axes
+
+    try:
+        axes = knob_axes(knob, values, value_blocks)
+    except CertKVError as exc:
+        _fail(str(exc))
+    _run_sweep(ctx, knob, axes, out)
 
 
 def main() -> None:

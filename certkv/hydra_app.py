@@ -10,6 +10,7 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
+from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
@@ -34,17 +35,28 @@ OmegaConf.register_new_resolver("dirname", short_dirname, replace=True)
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> None:
+    from certkv.eval.results import RunDir
     from certkv.eval.runner import run_experiment
 
     out_dir = HydraConfig.get().runtime.output_dir
+    multirun = HydraConfig.get().mode == RunMode.MULTIRUN
+    console = Console(stderr=True)
+    if multirun and RunDir.finished(out_dir, OmegaConf.to_yaml(cfg, resolve=True)):
+        console.print(f"[bold]skipped:[/] {out_dir} finished earlier.", highlight=False)
+        return
+    Path(out_dir, RunDir.FAILED).unlink(missing_ok=True)  # a fresh attempt
     try:
         summary = run_experiment(cfg, out_dir)
     except (CertKVError, InstantiationException) as exc:
-        _discard_if_empty(Path(out_dir), Path(cfg.out_dir))
         cause = exc if isinstance(exc, CertKVError) else exc.__cause__
         if not isinstance(cause, CertKVError):
             raise
-        Console(stderr=True).print(f"[bold red]error:[/] {cause}", highlight=False)
+        if multirun:  # one failed point of a sweep: record it and let Hydra go on
+            RunDir.record_failure(out_dir, str(cause))
+            console.print(f"[bold red]point failed:[/] {out_dir}: {cause}", highlight=False)
+            return
+        _discard_if_empty(Path(out_dir), Path(cfg.out_dir))
+        console.print(f"[bold red]error:[/] {cause}", highlight=False)
         sys.exit(2)
     from certkv.report.document import build_report, write_report
 

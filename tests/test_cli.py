@@ -91,7 +91,7 @@ def test_cfg_job_prints_the_composed_config():
 
 
 @pytest.mark.parametrize(("override", "expect"), [
-    ("model=gpt7", "model: llama31_8b, smollm2_135m, tiny_random"),
+    ("model=gpt7", "model: llama31_70b, llama31_8b, smollm2_135m, tiny_random"),
     ("selector.nonsense=1", "Valid config groups and options"),
     ("+experiment=nope", "experiment: niah_4k, niah_8k, niah_llama31_8b, pg19_4k"),
 ])

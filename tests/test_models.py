@@ -47,3 +47,27 @@ def test_context_longer_than_the_model_names_the_fix():
                  RulerTask(context=10_000)):
         with pytest.raises(CertKVError, match=r"must lie in \[1, 8192\] \(the model's context"):
             task.samples(tokenizer=None, max_context=8192)
+
+
+def test_device_map_is_handed_to_accelerate_and_the_model_stays_where_it_put_it(monkeypatch):
+    """A model larger than one GPU (conf/model/llama31_70b.yaml) loads with device_map=auto;
+    load_model then does not move it to one device."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from certkv.models import loading
+
+    seen = {}
+    tiny = load_model({"name": "tiny", "random_config": {"hidden_size": 32,
+                       "intermediate_size": 64, "num_hidden_layers": 1,
+                       "num_attention_heads": 2, "num_key_value_heads": 1}, "device": "cpu"})
+
+    def fake(path, **kwargs):
+        seen.update(kwargs)
+        return tiny.model
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", fake)
+    monkeypatch.setattr(loading.AutoTokenizer, "from_pretrained", lambda *a, **k: tiny.tokenizer)
+    monkeypatch.setattr(torch.nn.Module, "to", lambda *a, **k: pytest.fail("moved"))
+    lm = load_model({"name": "big", "path": "some/hub-id", "device_map": "auto"})
+    assert seen["device_map"] == "auto" and lm.model is tiny.model

@@ -27,6 +27,7 @@ class RunDir:
     SUMMARY = "summary.json"
     CONFIG = "config.yaml"
     META = "run.json"
+    FAILED = "failed.json"
 
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
@@ -61,6 +62,29 @@ class RunDir:
 
     def write_config(self, text: str) -> None:
         write_atomic(self.root / self.CONFIG, text)
+
+    @classmethod
+    def finished(cls, root: str | Path, config_text: str) -> bool:
+        """Whether ``root`` already holds a complete run of exactly this resolved config (a
+        sweep skips such points instead of reloading the model to find nothing to do)."""
+        root = Path(root)
+        if not (root / cls.SUMMARY).exists() or not (root / cls.CONFIG).exists():
+            return False
+        meta = json.loads((root / cls.META).read_text()) if (root / cls.META).exists() else {}
+        complete = meta.get("records", -1) >= meta.get("planned", float("inf"))
+        return complete and (root / cls.CONFIG).read_text() == config_text
+
+    @classmethod
+    def record_failure(cls, root: str | Path, message: str) -> None:
+        """A point of a sweep that failed (e.g. validation): its directory says why."""
+        root = Path(root)
+        root.mkdir(parents=True, exist_ok=True)
+        write_atomic(root / cls.FAILED, json.dumps({"error": message}, indent=2) + "\n")
+
+    @classmethod
+    def failure(cls, root: str | Path) -> str | None:
+        path = Path(root) / cls.FAILED
+        return json.loads(path.read_text())["error"] if path.exists() else None
 
     def read_meta(self) -> dict:
         path = self.root / self.META

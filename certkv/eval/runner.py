@@ -86,6 +86,8 @@ def run_experiment(cfg: DictConfig, out_dir: str, progress: bool = True) -> dict
     spec: CacheSpec = instantiate(cfg.cache)
     tasks = [instantiate(node) for node in cfg.task.values()]
     lm = load_model(instantiate(cfg.model))
+    for variant in variants:  # before anything is recorded: a sweep point fails whole
+        variant.quantizer.validate(lm.head_dim)
     plan = [(task, s) for task in tasks for s in task.samples(lm.tokenizer, lm.max_context)]
     run = RunDir(out_dir)
     run.write_config(OmegaConf.to_yaml(cfg, resolve=True))

@@ -49,6 +49,9 @@ class ModelSpec:
             ``model_type`` picks the architecture: llama, mistral, qwen2).
         dtype: ``float32``, ``bfloat16`` or ``float16``.
         device: ``auto`` (CUDA if available), ``cpu`` or ``cuda``.
+        device_map: accelerate's placement for a model larger than one GPU (``auto``: layers
+            spread over every visible GPU; each layer's cache lives where its layer does);
+            ``device`` is then ignored.
         seed: seed of the random initialisation.
     """
 
@@ -61,6 +64,7 @@ class ModelSpec:
     dtype: str = "float32"
     device: str = "auto"
     seed: int = 0
+    device_map: str | None = None
     extra: dict = field(default_factory=dict)
 
 
@@ -77,6 +81,12 @@ class LoadedModel:
     @property
     def num_layers(self) -> int:
         return self.model.config.num_hidden_layers
+
+    @property
+    def head_dim(self) -> int:
+        config = self.model.config
+        return int(getattr(config, "head_dim", None)
+                   or config.hidden_size // config.num_attention_heads)
 
     @property
     def max_context(self) -> int:
@@ -152,7 +162,8 @@ def _load_pretrained(spec: ModelSpec, dtype: torch.dtype):
     path, kwargs, cached = _resolved_source(spec)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+        placement = {"device_map": spec.device_map} if spec.device_map else {}
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs, **placement)
     except OSError as exc:
         what = spec.path or spec.package
         raise CertKVError(f"could not load model {what!r} ({exc.__class__.__name__}); check the "
@@ -224,7 +235,9 @@ def load_model(spec: ModelSpec | dict) -> LoadedModel:
         model, tokenizer = _load_random(spec, dtype)
     else:
         model, tokenizer = _load_pretrained(spec, dtype)
-    model = model.to(resolve_device(spec.device)).eval()
+    if not spec.device_map:
+        model = model.to(resolve_device(spec.device))
+    model = model.eval()
     if model.device.type == "cpu":
         own_memory(model)
     enable(model)

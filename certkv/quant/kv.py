@@ -34,6 +34,11 @@ class KVQuantizer:
         reads only FP16 originals, kept on the device), this one otherwise."""
         return KVQuantizer.fp16(self.block_size) if mode == "dense" else self
 
+    def validate(self, head_dim: int) -> None:
+        """Fail (one sentence naming the fix) if a layer of ``head_dim`` cannot be stored."""
+        self.key_codec.validate(head_dim, self.block_size)
+        self.value_codec.validate(head_dim, self.block_size)
+
     def store_kwargs(self) -> dict:
         """Keyword arguments for ``TieredKVStore``."""
         return {"block_size": self.block_size, "key_codec": self.key_codec,

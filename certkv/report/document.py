@@ -53,7 +53,7 @@ def build_report(paths: list[str | Path]) -> Report:
     return Report(title, runs, [t for t in found if t is not None and t.rows])
 
 
-def _markdown_table(table: Table) -> list[str]:
+def markdown_table(table: Table) -> list[str]:
     def cell(x: str) -> str:
         return x.replace("|", "\\|")
 
@@ -68,7 +68,7 @@ def write_report(report: Report, out_dir: str | Path) -> Path:
     out = Path(out_dir)
     lines = [f"# {report.title}", "", *[f"* {line}" for line in report.provenance()], ""]
     for table in report.tables:
-        lines += _markdown_table(table)
+        lines += markdown_table(table)
     figures = []
     try:
         for run in report.runs:
@@ -89,9 +89,18 @@ def write_report(report: Report, out_dir: str | Path) -> Path:
 
 def print_report(report: Report, console: Console | None = None) -> None:
     """The tables on the console; long cells wrap inside their column instead of being cut."""
-    console = console or Console(width=None if Console().is_terminal else 200)
+    console = console or _console()
     console.print(f"[bold]{report.title}[/]")
-    for table in report.tables:
+    print_tables(report.tables, console)
+
+
+def _console() -> Console:
+    return Console(width=None if Console().is_terminal else 200)
+
+
+def print_tables(tables: list[Table], console: Console | None = None) -> None:
+    console = console or _console()
+    for table in tables:
         rich = RichTable(title=table.title, caption=table.note, caption_justify="left")
         for i, col in enumerate(table.head):
             rich.add_column(col, justify="left" if i == 0 else "right", overflow="fold")

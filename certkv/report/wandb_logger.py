@@ -39,11 +39,7 @@ class WandbLogger:
 
     def log(self, report, summary: dict, run_dir: str) -> None:
         ConsoleLogger().log(report, summary, run_dir)
-        try:
-            import wandb
-        except ImportError as exc:
-            raise ConfigError("logger=wandb needs the wandb package; pip install "
-                              "'certkv[wandb]' or use logger=console.") from exc
+        wandb = _wandb()
         run_data = report.runs[0]
         run = wandb.init(project=self.project, entity=self.entity, mode=self.mode,
                          dir=run_dir, group=self.group or run_data.experiment,
@@ -54,6 +50,21 @@ class WandbLogger:
             self._samples(run, wandb, run_data)
             self._report(run, wandb, report, Path(run_dir))
             self._summary(run, run_data)
+        finally:
+            run.finish()
+
+    def log_sweep(self, report) -> None:
+        """A sweep's aggregate (:class:`certkv.report.sweep.SweepReport`) as one more W&B run
+        in the sweep's group: the table and the figure."""
+        wandb = _wandb()
+        run = wandb.init(project=self.project, entity=self.entity, mode=self.mode,
+                         dir=str(report.root), group=self.group or f"sweep-{report.name}",
+                         name=f"sweep-{report.name}", job_type="sweep", tags=list(self.tags))
+        try:
+            run.log({f"sweep/{report.name}": wandb.Table(columns=report.table.head,
+                                                         data=report.table.rows)})
+            if report.figure is not None:
+                run.log({f"sweep/{report.name}_figure": wandb.Image(str(report.figure))})
         finally:
             run.finish()
 
@@ -107,6 +118,15 @@ class WandbLogger:
                     run.summary[f"{base}/delta"] = q["delta"].estimate
                     run.summary[f"{base}/delta_low"] = q["delta"].low
                     run.summary[f"{base}/delta_high"] = q["delta"].high
+
+
+def _wandb():
+    try:
+        import wandb
+    except ImportError as exc:
+        raise ConfigError("logger=wandb needs the wandb package; pip install "
+                          "'certkv[wandb]' or use logger=console.") from exc
+    return wandb
 
 
 def _cell(value):
