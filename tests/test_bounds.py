@@ -11,11 +11,16 @@ from hypothesis import strategies as st
 
 from certkv.certify.bounds import (
     block_deltas,
+    block_tv_bound,
+    centred_radius,
     key_error_bound,
     phase2_tail_mass_bound,
+    spectral_norm_upper,
     tail_mass_bound,
     total_variation,
+    value_block_terms,
     value_error_bound,
+    value_error_bound_tight,
 )
 
 
@@ -143,3 +148,139 @@ def test_phase2_tail_mass_bound_holds_and_beats_eq_14(seed, blocks, delta, frac)
     alpha_hat = torch.softmax(l8, -1)[tail].sum()
     eq14 = min(1.0, math.exp(2 * float(delta_b.max())) * float(alpha_hat))
     assert float(bound) <= eq14 * (1 + 1e-9) + 1e-12
+
+
+def blocks_case(seed, blocks, bsz, delta, frac, sign=None):
+    """Exact logits ``s [blocks, bsz]``, perturbed ``s2`` with ``|s2 - s| <= D_b`` on the tail
+    blocks (vertices of the box if ``sign`` is given) and 0 elsewhere."""
+    gen = torch.Generator().manual_seed(seed)
+    s = torch.randn(blocks, bsz, generator=gen, dtype=torch.float64) * 3
+    d_b = delta * torch.rand(blocks, generator=gen, dtype=torch.float64)
+    tail = torch.rand(blocks, generator=gen) < frac
+    d_b = d_b * tail
+    if sign is None:
+        y = (torch.rand(blocks, bsz, generator=gen, dtype=torch.float64) * 2 - 1)
+    else:
+        y = torch.full((blocks, bsz), float(sign), dtype=torch.float64)
+    y = y * d_b.unsqueeze(-1)
+    return s, s + y, d_b
+
+
+def masses(s):
+    p = torch.softmax(s.flatten(), 0).reshape(s.shape)
+    return p, p.sum(-1), p.norm(dim=-1)
+
+
+@given(seed=st.integers(0, 10_000), blocks=st.integers(1, 30), bsz=st.sampled_from([1, 4, 16]),
+       delta=st.sampled_from([1e-4, 0.05, 0.3, 2.0, 30.0]), frac=st.floats(0.0, 1.0),
+       sign=st.sampled_from([None, 1, -1]))
+def test_block_tv_bound_holds(seed, blocks, bsz, delta, frac, sign):
+    """TV(p, p') <= sum_b phi(D_b) min(rho'_b D_b, ||p'_b|| lambda_b) / W with the *perturbed*
+    distribution's block masses, on random and extreme (box-vertex) perturbations."""
+    s, s2, d_b = blocks_case(seed, blocks, bsz, delta, frac, sign)
+    p, _, _ = masses(s)
+    p2, rho2, spread2 = masses(s2)
+    tv = float(total_variation(p.flatten(), p2.flatten()))
+    lam = (s2 - s).norm(dim=-1)
+    for bound in (block_tv_bound(rho2, d_b), block_tv_bound(rho2, d_b, lam, spread2)):
+        assert tv <= float(bound) * (1 + 1e-9) + 1e-15
+
+
+@pytest.mark.parametrize("delta", [1e-3, 1e-2])
+def test_block_tv_bound_is_first_order_tight(delta):
+    """One-signed small shifts on a small tail: the bound is TV (1 + O(delta + alpha_T)); the
+    paper's a_T (e^{2 Delta} - 1) is about twice as large."""
+    gen = torch.Generator().manual_seed(0)
+    s = torch.randn(20, 8, generator=gen, dtype=torch.float64)
+    s[:18] += 6.0  # 18 heavy blocks, 2 light tail blocks
+    d_b = torch.zeros(20, dtype=torch.float64)
+    d_b[18:] = delta
+    s2 = s + d_b.unsqueeze(-1)
+    p, _, _ = masses(s)
+    p2, rho2, _ = masses(s2)
+    tv = float(total_variation(p.flatten(), p2.flatten()))
+    bound = float(block_tv_bound(rho2, d_b))
+    alpha = float(p[18:].sum())
+    assert tv <= bound <= tv * (1 + 2 * delta + 2 * alpha)
+    assert alpha * math.expm1(2 * delta) > 1.9 * bound
+
+
+def test_block_tv_bound_edge_cases():
+    rho = torch.tensor([0.5, 0.5])
+    assert float(block_tv_bound(rho, torch.zeros(2))) == 0.0  # exact keys
+    assert float(block_tv_bound(rho, torch.tensor([float("inf"), 0.0]))) == 1.0
+    assert float(block_tv_bound(rho, torch.tensor([200.0, 0.0]))) == 1.0  # overflow: TV <= 1
+    assert float(block_tv_bound(torch.tensor([0.0, 1.0]), torch.tensor([5.0, 0.0]))) == 0.0
+
+
+@given(seed=st.integers(0, 10_000), rows=st.sampled_from([1, 3, 16]),
+       cols=st.sampled_from([1, 8, 64]), rank_one=st.booleans())
+def test_spectral_norm_upper_bounds_the_operator_norm(seed, rows, cols, rank_one):
+    gen = torch.Generator().manual_seed(seed)
+    e = torch.randn(2, 3, rows, cols, generator=gen, dtype=torch.float64)
+    if rank_one:  # aligned errors: every row the same direction
+        e = e[..., :1, :] * torch.rand(2, 3, rows, 1, generator=gen, dtype=torch.float64)
+    exact = torch.linalg.matrix_norm(e, ord=2)
+    upper = spectral_norm_upper(e)
+    assert (upper * (1 + 1e-12) >= exact).all()  # FP64 rounding: the store inflates so
+    assert (upper <= exact * (1 + 1e-6) + 1e-150).all()
+    assert (upper <= e.square().sum(dim=(-2, -1)).sqrt() * (1 + 1e-15)).all()
+    assert spectral_norm_upper(torch.zeros(2, 0, 4, 4)).shape == (2, 0)
+
+
+@given(seed=st.integers(0, 10_000), bsz=st.sampled_from([1, 4, 16]),
+       aligned=st.booleans(), one_token=st.booleans())
+def test_value_block_terms_bound_the_block_error(seed, bsz, aligned, one_token):
+    """||sum_t p_t e_t|| <= min(rho eta, s ||p||_2): random errors, errors aligned within the
+    block (the spectral form's worst case), attention on one token (the spread's worst case)."""
+    gen = torch.Generator().manual_seed(seed)
+    d = 16
+    e = torch.randn(bsz, d, generator=gen, dtype=torch.float64)
+    if aligned:
+        e = e[:1].expand(bsz, d)
+    p = torch.rand(bsz, generator=gen, dtype=torch.float64) * 0.3
+    if one_token:
+        p = torch.zeros_like(p)
+        p[int(torch.randint(bsz, (1,), generator=gen))] = 0.7
+    actual = float((p.unsqueeze(-1) * e).sum(0).norm())
+    rho, spread = p.sum().reshape(1), p.norm().reshape(1)
+    eta = e.norm(dim=-1).amax().reshape(1)
+    sigma = spectral_norm_upper(e).reshape(1)
+    bound = float(value_error_bound_tight(rho, eta, spread, sigma))
+    assert actual <= bound * (1 + 1e-12)
+    assert bound <= float(value_error_bound(rho, eta))
+    if aligned:  # equal errors: the triangle inequality is exact, so is the bound
+        assert bound <= actual * (1 + 1e-9)
+
+
+def test_value_block_terms_spread_wins_on_spread_attention():
+    gen = torch.Generator().manual_seed(1)
+    e = torch.randn(16, 64, generator=gen, dtype=torch.float64)
+    p = torch.full((16,), 1 / 16, dtype=torch.float64)
+    sigma = spectral_norm_upper(e).reshape(1)
+    tight = value_block_terms(p.sum().reshape(1), e.norm(dim=-1).amax().reshape(1),
+                              p.norm().reshape(1), sigma)
+    assert float(tight) < 0.5 * float(e.norm(dim=-1).amax())
+
+
+@given(seed=st.integers(0, 10_000), offset=st.sampled_from([0.0, 10.0, 1e3]),
+       delta=st.sampled_from([0.01, 0.5, 3.0]))
+def test_centred_values_bound_the_key_term(seed, offset, delta):
+    """||sum_t (p'_t - p_t) v_t|| <= 2 TV max_t ||v_t - c|| for a fixed c (here the channel
+    midrange): a large common value offset no longer enters E_key."""
+    gen = torch.Generator().manual_seed(seed)
+    n, d = 64, 8
+    s = torch.randn(n, generator=gen, dtype=torch.float64) * 2
+    s2 = s + (torch.rand(n, generator=gen, dtype=torch.float64) * 2 - 1) * delta
+    v = torch.randn(n, d, generator=gen, dtype=torch.float64) + offset
+    p, p2 = torch.softmax(s, 0), torch.softmax(s2, 0)
+    actual = float(((p2 - p).unsqueeze(-1) * v).sum(0).norm())
+    centre = (v.amax(0) + v.amin(0)) / 2
+    radius = float(centred_radius(v, centre))
+    tv = float(total_variation(p, p2))
+    assert actual <= 2 * tv * radius * (1 + 1e-9) + 1e-15
+    assert radius <= float(v.norm(dim=-1).amax()) or offset == 0.0
+    bound = key_error_bound(torch.tensor([radius], dtype=torch.float64),
+                            torch.tensor([delta]), torch.tensor([delta]),
+                            torch.tensor([0.0]), 2.0, tv_cap=torch.tensor([tv]))
+    assert float(bound) <= 2 * tv * radius * (1 + 1e-6)

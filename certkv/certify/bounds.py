@@ -56,6 +56,7 @@ def key_error_bound(
     log_alpha_hat: torch.Tensor,
     exponent: float,
     cap_logit: torch.Tensor | None = None,
+    tv_cap: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """E_key (eq. 15): ``2 V_max TV``, ``TV <= min(tanh(Delta_T / 2), a_T (e^{2 Delta_T} - 1))``.
 
@@ -69,7 +70,13 @@ def key_error_bound(
       (1 - A) e^-D)``, so ``TV = a'(S) - A <= max_A (...) = tanh(Delta_T / 2)``.
 
     ``cap_logit`` (optional) is ``x`` of a second valid tail-mass bound ``sigmoid(x)`` (e.g.
-    :func:`phase2_tail_logit`); the smaller bound is used.
+    :func:`phase2_tail_logit`); the smaller bound is used. ``tv_cap`` (optional) is a second
+    valid bound on ``TV`` itself (e.g. :func:`block_tv_bound`); the smaller is used.
+
+    ``v_max`` may be any ``R >= max_t ||v_t - c||`` for a fixed vector ``c``
+    (:func:`centred_radius`): both distributions sum to one, so
+    ``sum_t (a'_t - a_t) v_t = sum_t (a'_t - a_t)(v_t - c)`` and Theorem 4.3's proof goes through
+    with ``R`` in place of ``V_max`` (``c = 0`` is the paper's form).
 
     The minimum of valid bounds is valid and never looser than eq. 15. Every argument enters
     monotonically (a larger argument never gives a smaller bound), which
@@ -81,7 +88,126 @@ def key_error_bound(
     no_tail = torch.isneginf(log_tail)
     log_a3 = torch.where(no_tail, log_tail, log_tail + log_expm1(2 * delta_tail))
     tv = torch.minimum(torch.tanh(delta_tail / 2), torch.exp(log_a3.clamp(max=0.0)))
+    if tv_cap is not None:
+        tv = torch.minimum(tv, tv_cap.to(tv.dtype))
     return 2 * v_max * tv
+
+
+def centred_radius(v: torch.Tensor, centre: torch.Tensor) -> torch.Tensor:
+    """``max_t ||v_t - c||_2`` over a block's tokens, FP64 (the centred ``V_max`` of
+    :func:`key_error_bound`): ``v [..., B, d]``, ``centre [..., d]`` (broadcast) -> ``[...]``."""
+    return (v.double() - centre.double().unsqueeze(-2)).norm(dim=-1).amax(dim=-1)
+
+
+def spectral_norm_upper(err: torch.Tensor) -> torch.Tensor:
+    """Upper bound on the spectral norm ``||E||_2`` of error matrices ``E [..., B, d]`` -> FP64
+    ``[...]`` (one per block and kv head; measured at write time).
+
+    ``||E||_2^2 = lambda_max(G)`` for the Gram matrix ``G = E E^T`` (or ``E^T E``, the smaller
+    one), formed in FP64 and handed to a symmetric eigensolver. Forming ``G`` errs by at most
+    ``gamma_d ||E||_F^2`` and a backward-stable eigensolver moves ``lambda_max`` by at most
+    ``p(B) u ||G||_2 <= p(B) u ||E||_F^2`` (``u = 2^-53``, ``p`` a low-degree polynomial), both
+    far below the slack ``1e-12 ||E||_F^2`` added under the root. ``||E||_2 <= ||E||_F`` always,
+    so the smaller of the two is returned (both within a few FP64 ulps of an upper bound: the
+    store inflates stored annotations by ``1e-12`` relative before rounding them up to FP32).
+    """
+    e = err.double()
+    frob2 = e.square().sum(dim=(-2, -1))
+    if e.numel() == 0:
+        return frob2.sqrt()
+    rows, cols = e.shape[-2:]
+    gram = e @ e.transpose(-1, -2) if rows <= cols else e.transpose(-1, -2) @ e
+    top = torch.linalg.eigvalsh(gram)[..., -1].clamp_min(0.0)
+    return torch.minimum(torch.sqrt(top + 1e-12 * frob2), frob2.sqrt())
+
+
+def value_block_terms(rho: torch.Tensor, eta: torch.Tensor, spread: torch.Tensor | None = None,
+                      sigma: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-block value-error contributions ``[..., n]`` (Cor. 4.2, sharpened):
+    ``||sum_{t in b} p_t e_t||_2 <= min(rho_b eta_b, s_b ||p_b||_2)``.
+
+    ``e_t = v_hat_t - v_t``; ``E_b [B, d]`` stacks a block's ``e_t``; ``p_b [B]`` its tokens'
+    weights. Triangle inequality: ``||E_b^T p_b|| <= sum_t p_t ||e_t|| <= rho_b eta_b``
+    (``rho_b = sum p_t``, ``eta_b = max ||e_t||``). Operator norm: ``||E_b^T p_b|| <=
+    ||E_b||_2 ||p_b||_2 = s_b ||p_b||_2``, which is smaller when the weight spreads over the
+    block (``||p_b||_2 = rho_b / sqrt(B)`` for uniform weights) and the errors are not aligned
+    (``s_b`` ~ ``eta_b (1 + sqrt(d / B))`` for random errors, ``sqrt(B) eta_b`` at worst).
+
+    Args: ``rho, eta, spread = ||p_b||_2, sigma = s_b``, all ``[..., n]`` (spread/sigma None:
+    the paper's ``rho_b eta_b``).
+    """
+    terms = rho * eta
+    if spread is None or sigma is None:
+        return terms
+    return torch.minimum(terms, spread * sigma)
+
+
+def value_error_bound_tight(rho, eta, spread=None, sigma=None) -> torch.Tensor:
+    """E_val ``= sum_b min(rho_b eta_b, s_b ||p_b||_2)`` (:func:`value_block_terms`) ->
+    ``[...]``: the triangle inequality over blocks, each block bounded as tightly as known."""
+    return value_block_terms(rho, eta, spread, sigma).sum(dim=-1)
+
+
+def logit_error_norms(q_norm: torch.Tensor, key_spec: torch.Tensor,
+                      scaling: float) -> torch.Tensor:
+    """``lambda_b``: ``||x_b||_2 <= scaling ||q|| s^K_b`` bounds the l2 norm over block ``b``'s
+    tokens of the logit errors ``x_t = scaling q . (k_hat_t - k_t)`` (``x_b = scaling E^K_b q``,
+    ``s^K_b = ||E^K_b||_2`` the key-error spectral norm). ``q_norm [Hkv, G]``,
+    ``key_spec [Hkv, n]`` -> ``[Hkv, G, n]``."""
+    return scaling * q_norm.unsqueeze(-1) * key_spec.unsqueeze(1)
+
+
+def tightened_deltas(delta_b: torch.Tensor, q_norm: torch.Tensor, key_err: torch.Tensor,
+                     scaling: float) -> torch.Tensor:
+    """Per-block max logit error ``min(Delta_b, scaling ||q|| max_t ||k_t - k_hat_t||)`` (eq. 8
+    and Cauchy-Schwarz per token): both bound ``|scaling q . (k_t - k_hat_t)|`` for every token
+    of the block, so their minimum does. ``delta_b [Hkv, G, n]`` (eq. 8's channel form),
+    ``q_norm [Hkv, G]``, ``key_err [Hkv, n]`` (0 on the exact tail block) -> ``[Hkv, G, n]``."""
+    return torch.minimum(delta_b, scaling * q_norm.unsqueeze(-1) * key_err.unsqueeze(1))
+
+
+def block_tv_bound(rho: torch.Tensor, delta_b: torch.Tensor, lam: torch.Tensor | None = None,
+                   spread: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-block bound on ``TV(p, p')`` from the *perturbed* distribution's block masses.
+
+    ``p = softmax(s)`` (exact logits), ``p' = softmax(s')`` (the logits the step used), ``y_t =
+    s'_t - s_t`` with ``|y_t| <= D_b`` on block ``b`` (``D_b = 0`` where keys are exact) and
+    ``||y_b||_2 <= lambda_b``. Then ``p_t = p'_t e^{-y_t} / W`` with ``W = sum_t p'_t e^{-y_t}``
+    and ``sum_t |p_t - p'_t| = (1/W) sum_t p'_t |e^{-y_t} - W| <= (1/W) (sum_t p'_t
+    |e^{-y_t} - 1| + |1 - W|) <= (2/W) sum_t p'_t |e^{-y_t} - 1|`` (as ``|1 - W| = |sum_t p'_t
+    (e^{-y_t} - 1)|``). Hence, with ``phi(D) = (e^D - 1) / D`` (``|e^{-y} - 1| <= phi(D) |y|``
+    for ``|y| <= D``, by convexity of ``e^x``), ``rho'_b = p'(b)`` and Cauchy-Schwarz
+    ``sum_{t in b} p'_t |y_t| <= min(rho'_b D_b, ||p'_b||_2 lambda_b)``::
+
+        TV <= sum_b phi(D_b) min(rho'_b D_b, ||p'_b||_2 lambda_b) / W,
+        W >= max(1 - sum_b rho'_b (1 - e^{-D_b}), e^{-max_b D_b}) > 0
+
+    (``W >= sum_b rho'_b e^{-D_b}`` = the first form, and every ``e^{-y_t} >= e^{-max D}``
+    gives the second, so the denominator is positive for finite ``D``; where it is not, or the
+    result exceeds 1, ``TV <= 1`` is returned). First-order tight: for small one-signed ``y`` on
+    a small tail, ``TV = sum_t p_t |y_t| + O(y^2 + alpha_T y)``. Against Lemma A.3
+    (``a_T (e^{2 Delta_T} - 1) ~ 2 Delta_T a_T``) it saves the factor 2, weights each block by
+    its own ``D_b`` and uses ``p'``'s block masses directly (no ``e^{c Delta}`` inflation).
+
+    Monotone in every argument (larger ``rho, D, lambda, spread`` never give a smaller bound),
+    so upper bounds of them may be passed (:mod:`certkv.certify.arith`).
+
+    Args: ``rho, delta_b [..., n]`` (``D_b``); ``lam, spread [..., n]`` or None -> ``[...]``.
+    """
+    d = delta_b
+    positive = d > 0
+    safe = torch.where(positive & torch.isfinite(d), d, torch.ones_like(d))
+    phi = torch.where(positive, torch.expm1(safe) / safe, torch.ones_like(d))
+    phi = torch.where(torch.isinf(d), torch.full_like(d, float("inf")), phi)
+    per = torch.where(rho > 0, rho * d, torch.zeros_like(d))
+    if lam is not None and spread is not None:
+        per = torch.minimum(per, torch.where(spread > 0, spread * lam, torch.zeros_like(d)))
+    num = torch.where(per > 0, phi * per, torch.zeros_like(d)).sum(dim=-1)
+    loss = torch.where(rho > 0, rho * -torch.expm1(-d), torch.zeros_like(d)).sum(dim=-1)
+    den = torch.maximum(1.0 - loss, torch.exp(-d.amax(dim=-1)))
+    tv = torch.where(num > 0, num / den.clamp_min(torch.finfo(den.dtype).tiny),
+                     torch.zeros_like(num))
+    return tv.clamp(max=1.0).nan_to_num(nan=1.0)
 
 
 def phase2_tail_logit(
