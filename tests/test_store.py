@@ -71,6 +71,58 @@ def test_annotations_are_exact_upper_bounds():
     assert (store.nu.double() >= norm).all()
 
 
+@pytest.mark.parametrize("key_bits", [8, 4, 2])
+def test_tight_annotations_bound_the_brute_force_values(key_bits):
+    """Every annotation is an upper bound of the quantity measured by brute force in FP64 and
+    within a tiny factor of it (value and key error spectral norms, key error norms, radius)."""
+    k, v = make_kv(2, 70, 32, seed=8, outlier_channels=2)
+    v = v + 5.0  # a common offset: the centred radius is much smaller than V_max
+    store = TieredKVStore(2, 32, block_size=16, value_group=8,
+                          key_codec=ChannelAffineKeyCodec(bits=key_bits))
+    store.append(k[:, :40], v[:, :40])
+    store.append(k[:, 40:], v[:, 40:])
+    n = store.num_blocks
+    k16 = k[:, : 16 * n].half().double().reshape(2, n, 16, 32)
+    v16 = v[:, : 16 * n].half().double().reshape(2, n, 16, 32)
+    ev = store.dequantized_values().double() - v16
+    ek = store.dequantized_keys().double() - k16
+    centre = v[:, :40].half().float()
+    centre = ((centre.amax(1) + centre.amin(1)) / 2).double()
+    brute = {"value_spec": torch.linalg.matrix_norm(ev, ord=2),
+             "key_err": ek.norm(dim=-1).amax(-1),
+             "key_spec": torch.linalg.matrix_norm(ek, ord=2),
+             "v_radius": (v16 - centre[:, None, None]).norm(dim=-1).amax(-1),
+             "eta": ev.norm(dim=-1).amax(-1), "nu": v16.norm(dim=-1).amax(-1)}
+    for name, exact in brute.items():
+        got = store.annotation(name).double()
+        assert (got >= exact).all(), name
+        rel = 1e-3 if name.startswith("key") else 1e-6  # keys: plus the decode slack
+        assert (got <= exact * (1 + rel) + 1e-30).all(), name
+    assert (store.annotation("value_spec") <= store.eta * 4).all()  # B = 16: sqrt(B) eta max
+    tail = v[:, 16 * n :].half().double()
+    radius = torch.maximum(brute["v_radius"].amax(-1), (tail - centre[:, None]).norm(dim=-1)
+                           .amax(-1))
+    assert (store.value_radius().double() >= radius).all()
+    assert (store.value_radius() < 0.7 * store.value_norm_max()).all()
+    with pytest.raises(ConfigError, match="annotation 'sigma' is unknown"):
+        store.annotation("sigma")
+
+
+def test_clone_is_independent():
+    k, v = make_kv(2, 50, 16, seed=9)
+    store = TieredKVStore(2, 16, block_size=8, value_group=8, decoded_mirror=True)
+    store.append(k[:, :45], v[:, :45])
+    copy = store.clone()
+    copy.append(k[:, 45:], v[:, 45:])
+    assert store.num_tokens == 45 and copy.num_tokens == 50
+    assert store.num_blocks == 5 and copy.num_blocks == 6
+    for a, b in zip(store.dense_kv(), copy.dense_kv(), strict=True):
+        assert torch.equal(a, b[:, :45])
+    for name in ("eta", "key_spec", "v_radius"):
+        assert torch.equal(store.annotation(name), copy.annotation(name)[:, :5])
+    assert torch.equal(store.decoded_with_tail()[0][:, :5], copy.decoded_with_tail()[0][:, :5])
+
+
 @pytest.mark.parametrize(("d", "per_token"), [(128, 288), (64, 144)])
 def test_byte_accounting_matches_table_13(d, per_token):
     k, v = make_kv(2, 160, d, seed=5)
@@ -80,7 +132,7 @@ def test_byte_accounting_matches_table_13(d, per_token):
     assert store.tier1_bytes() == per_token * tokens
     assert store.tier1_bytes() / store.dense_bytes() == pytest.approx(per_token / (4 * d))
     assert store.tier2_bytes() == store.dense_bytes() == 4 * d * tokens
-    assert store.annotation_bytes() == 8 * store.num_blocks * store.num_kv_heads
+    assert store.annotation_bytes() == 24 * store.num_blocks * store.num_kv_heads
     store.append(k[:, :3], v[:, :3])
     assert store.tail_bytes() == 4 * d * 3 * 2
     assert store.device_bytes() == (store.tier1_bytes() + store.annotation_bytes()

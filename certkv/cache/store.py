@@ -2,9 +2,12 @@
 
 * FP16 **tail**: the trailing partial block (fewer than ``B`` tokens), in device memory, exact.
 * **Tier-1** (device): completed blocks, quantized atomically when they fill, with scales taken
-  from those ``B`` tokens alone and never updated (precondition P1), plus the per-block
-  annotations ``eta_b`` (max per-token value reconstruction error, measured exactly at write time)
-  and ``nu_b`` (max per-token value norm).
+  from those ``B`` tokens alone and never updated (precondition P1), plus six FP32 annotations
+  per block and kv head (:data:`ANNOTATIONS`, 24 bytes), measured exactly in FP64 at write time
+  from the FP16 originals and rounded up: ``eta_b`` (max per-token value reconstruction error),
+  ``nu_b`` (max per-token value norm), the value-error spectral norm ``s_b``, the key error's
+  max token norm and spectral norm (with the codec's decode slack, so they bound the keys any
+  kernel decodes) and the centred value radius ``max_t ||v_t - c||``.
 * **Tier-2** (host, pinned when the device is CUDA): the FP16 originals of every completed block,
   the ground truth for promotion and for the dense fallback (precondition P4).
 
@@ -13,10 +16,12 @@ Shapes: ``append`` takes ``k, v: [Hkv, T, d]``; block tensors are ``[Hkv, n_bloc
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 
 import torch
 
+from certkv.certify.bounds import centred_radius, spectral_norm_upper
 from certkv.errors import (
     ConfigError,
     NonFiniteError,
@@ -100,11 +105,65 @@ class _GrowingBlocks:
         self._data = {}
         self.size = 0
 
+    def clone(self) -> _GrowingBlocks:
+        """An independent copy (same capacity; pinned where this one is)."""
+        self._wait()
+        new = _GrowingBlocks(self.device, self.pin, self.spare)
+        new.size = self.size
+        for name, t in self._data.items():
+            new._data[name] = self._allocate(t, t.shape[1]).copy_(t)
+        return new
+
 
 def _round_up_fp32(x: torch.Tensor) -> torch.Tensor:
     """FP64 -> FP32 rounding up, so a stored bound is never below the exact value."""
     y = x.float()
     return torch.where(y.double() < x, torch.nextafter(y, torch.full_like(y, float("inf"))), y)
+
+
+ANNOTATIONS = ("eta", "nu", "value_spec", "key_err", "key_spec", "v_radius")
+"""Per-block, per-kv-head FP32 annotations ``[Hkv, n]`` (:func:`block_annotations`)."""
+
+_INFLATE = 1.0 + 1e-12  # covers the FP64 rounding of the measurements (norms, eigenvalues)
+
+
+def _error_norms(err: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(max_t ||e_t||, ||E||_2 upper bound)`` of FP64 error blocks ``[Hkv, n, B, d]``."""
+    return err.norm(dim=-1).amax(dim=-1), spectral_norm_upper(err)
+
+
+def block_annotations(k16: torch.Tensor, v16: torch.Tensor, key_codec: KeyCodec,
+                      value_codec: ValueCodec, key_blocks: Blocks, value_blocks: Blocks,
+                      centre: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The write-time annotations of completed blocks (FP16 originals ``k16, v16 [Hkv, n, B,
+    d]``, their codes, the fixed value centre ``c [Hkv, d]``) -> FP32 ``[Hkv, n]`` each, never
+    below the exact values (FP64, inflated by ``1e-12`` relative, rounded up):
+
+    * ``eta``: ``max_t ||v_hat_t - v_t||`` (Cor. 4.2); ``value_spec``: ``||V_hat_b - V_b||_2``
+      (:func:`~certkv.certify.bounds.value_block_terms`); both on the codec's own decode (a
+      kernel's differs by the codec's ``decode_rounding``, which E_arith carries);
+    * ``nu``: ``max_t ||v_t||`` (V_max); ``v_radius``: ``max_t ||v_t - c||`` (centred V_max);
+    * ``key_err``: ``max_t ||k_hat_t - k_t||`` and ``key_spec``: ``||K_hat_b - K_b||_2``, each
+      plus what the codec's ``decode_slack`` ``sigma [d]`` can add for *any* FP32 decode
+      (``||sigma||`` per token, ``||Sigma||_2 <= ||Sigma||_F <= sqrt(B) ||sigma||`` per block).
+    """
+    v64, k64 = v16.double(), k16.double()
+    lossless_v = isinstance(value_codec, FP16ValueCodec)
+    lossless_k = isinstance(key_codec, FP16KeyCodec)
+    zeros = torch.zeros(v64.shape[:2], dtype=torch.float64, device=v64.device)
+    eta, value_spec = (zeros, zeros) if lossless_v else _error_norms(
+        value_codec.decode(value_blocks).double() - v64)
+    if lossless_k:
+        key_err = key_spec = zeros
+    else:
+        key_err, key_spec = _error_norms(key_codec.decode(key_blocks).double() - k64)
+        slack = key_codec.decode_slack(key_blocks).double().norm(dim=-1)  # [Hkv, n]
+        key_err = key_err + slack
+        key_spec = key_spec + slack * k64.shape[2] ** 0.5
+    found = {"eta": eta, "nu": v64.norm(dim=-1).amax(dim=-1), "value_spec": value_spec,
+             "key_err": key_err, "key_spec": key_spec,
+             "v_radius": centred_radius(v64, centre.unsqueeze(1))}
+    return {name: _round_up_fp32(found[name] * _INFLATE) for name in ANNOTATIONS}
 
 
 class TieredKVStore:
@@ -166,7 +225,7 @@ class TieredKVStore:
         spare = 1 if self.lossless else 0  # room for the tail block: zero-copy dense views
         self._keys = _GrowingBlocks(self.device, spare=spare)
         self._values = _GrowingBlocks(self.device, spare=spare)
-        self._annotations = _GrowingBlocks(self.device)  # eta, nu: [Hkv, n]
+        self._annotations = _GrowingBlocks(self.device)  # ANNOTATIONS: [Hkv, n] each
         self._tier2 = _GrowingBlocks(torch.device("cpu"), pin=pin)  # k, v: [Hkv, n, B, d] fp16
         self._mirror = _GrowingBlocks(self.device, spare=1) if decoded_mirror else None
         tail_shape = (num_kv_heads, block_size, head_dim)
@@ -175,6 +234,11 @@ class TieredKVStore:
         self.tail_len = 0
         self._nu_max = torch.zeros(num_kv_heads, device=self.device)  # running max of nu_b
         self._eta_max = torch.zeros(num_kv_heads, device=self.device)  # running max of eta_b
+        self._radius_max = torch.zeros(num_kv_heads, device=self.device)  # of v_radius_b
+        # the fixed centre c of the centred value radius: per-channel midrange of the values
+        # of the first append (any fixed c is valid, Theorem 4.3 centred)
+        self._centre = torch.zeros(num_kv_heads, head_dim, device=self.device)
+        self._centred = False
         # running channel max of |k| over every token: the logit magnitude of e_arith
         self._key_abs_max = torch.zeros(num_kv_heads, head_dim, device=self.device)
         self._nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)
@@ -190,6 +254,10 @@ class TieredKVStore:
         annotations eta_b / nu_b are measured and its FP16 originals move to Tier-2.
         """
         k16, v16 = self._check_append(k, v)
+        if not self._centred:
+            vf = v16.float()
+            self._centre = (vf.amax(dim=1) + vf.amin(dim=1)) / 2
+            self._centred = True
         self._key_abs_max = torch.maximum(self._key_abs_max, k16.abs().amax(dim=1).float())
         pending_k = torch.cat([self._tail_k[:, : self.tail_len], k16], dim=1)
         pending_v = torch.cat([self._tail_v[:, : self.tail_len], v16], dim=1)
@@ -238,34 +306,48 @@ class TieredKVStore:
                 and self.value_codec.bits == 4 and importlib.util.find_spec("triton") is not None)
 
     def _encode(self, k16: torch.Tensor, v16: torch.Tensor):
-        """Codes, metadata and annotations eta_b / nu_b of completed blocks ``[Hkv, n, B, d]``."""
+        """Codes, metadata and :data:`ANNOTATIONS` of completed blocks ``[Hkv, n, B, d]``. The
+        annotations are measured in PyTorch on either path (the fused kernel's own eta / nu are
+        not used)."""
         if self.fused_encode and k16.shape[1]:
             from certkv.kernels.triton_quantize import quantize_blocks
 
-            return quantize_blocks(k16, v16, self.value_codec.group)
-        key_blocks = self.key_codec.encode(k16)
-        value_blocks = self.value_codec.encode(v16)
-        v64 = v16.double()
-        err = (self.value_codec.decode(value_blocks).double() - v64).norm(dim=-1)
-        eta = _round_up_fp32(err.amax(dim=-1))
-        nu = _round_up_fp32(v64.norm(dim=-1).amax(dim=-1))
-        return key_blocks, value_blocks, eta, nu
+            key_blocks, value_blocks, _, _ = quantize_blocks(k16, v16, self.value_codec.group)
+        else:
+            key_blocks = self.key_codec.encode(k16)
+            value_blocks = self.value_codec.encode(v16)
+        notes = block_annotations(k16, v16, self.key_codec, self.value_codec, key_blocks,
+                                  value_blocks, self._centre)
+        return key_blocks, value_blocks, notes
 
     def _commit_blocks(self, k16: torch.Tensor, v16: torch.Tensor) -> None:
         """Quantize completed blocks ``[Hkv, n, B, d]`` and move their originals to Tier-2."""
-        key_blocks, value_blocks, eta, nu = self._encode(k16, v16)
+        key_blocks, value_blocks, notes = self._encode(k16, v16)
         self._keys.extend(key_blocks)
         self._values.extend(value_blocks)
-        self._annotations.extend({"eta": eta, "nu": nu})
-        if nu.shape[1]:
-            self._nu_max = torch.maximum(self._nu_max, nu.amax(dim=1))
-            self._eta_max = torch.maximum(self._eta_max, eta.amax(dim=1))
+        self._annotations.extend(notes)
+        if k16.shape[1]:
+            self._nu_max = torch.maximum(self._nu_max, notes["nu"].amax(dim=1))
+            self._eta_max = torch.maximum(self._eta_max, notes["eta"].amax(dim=1))
+            self._radius_max = torch.maximum(self._radius_max, notes["v_radius"].amax(dim=1))
         if self._mirror is not None:
             self._mirror.extend({"k": self.key_codec.decode(key_blocks),
                                  "v": self.value_codec.decode(value_blocks),
                                  "bound": self.key_codec.channel_bound(key_blocks)})
         if self.keep_originals and not self.lossless:
             self._tier2.extend({"k": k16, "v": v16})
+
+    def clone(self) -> TieredKVStore:
+        """An independent copy of this store (every tier, annotation and running statistic), so
+        one quantized prefill can serve several methods without quantizing it again."""
+        new = copy.copy(self)
+        for name in ("_keys", "_values", "_annotations", "_tier2", "_mirror"):
+            blocks = getattr(self, name)
+            setattr(new, name, None if blocks is None else blocks.clone())
+        for name in ("_tail_k", "_tail_v", "_nu_max", "_eta_max", "_radius_max", "_centre",
+                     "_key_abs_max", "_nonfinite"):
+            setattr(new, name, getattr(self, name).clone())
+        return new
 
     def drop_originals(self) -> None:
         """Release Tier-2 (e.g. host memory is exhausted); promotion and fallback then raise."""
@@ -299,6 +381,26 @@ class TieredKVStore:
     def nu(self) -> torch.Tensor:
         """``[Hkv, n_blocks]`` max per-token value l2 norm (Theorem 4.3's V_max per block)."""
         return self._annotations.view()["nu"]
+
+    def annotation(self, name: str) -> torch.Tensor:
+        """FP32 ``[Hkv, n_blocks]`` annotation ``name`` (one of :data:`ANNOTATIONS`)."""
+        require(name in ANNOTATIONS, ConfigError,
+                f"annotation {name!r} is unknown; use one of {list(ANNOTATIONS)}.")
+        return self._annotations.view()[name]
+
+    @property
+    def centre(self) -> torch.Tensor:
+        """FP32 ``[Hkv, d]``: the fixed value centre ``c`` of the centred radius."""
+        return self._centre
+
+    def value_radius(self) -> torch.Tensor:
+        """``[Hkv]`` upper bound on ``max_t ||v_t - c||_2`` over every token (the centred V_max
+        of E_key, :func:`~certkv.certify.bounds.key_error_bound`): the running max of the
+        blocks' ``v_radius`` and the tail tokens' radii."""
+        if not self.tail_len:
+            return self._radius_max.clone()
+        tail = centred_radius(self.tail()[1], self._centre) * _INFLATE
+        return torch.maximum(self._radius_max, _round_up_fp32(tail))
 
     def value_norm_max(self) -> torch.Tensor:
         """``[Hkv]`` upper bound on ``max_t ||v_t||_2`` over every token (V_max, Theorem 4.3):
@@ -427,7 +529,7 @@ class TieredKVStore:
         return self._keys.nbytes() + self._values.nbytes()
 
     def annotation_bytes(self) -> int:
-        """eta_b and nu_b: two FP32 per block per kv head."""
+        """The :data:`ANNOTATIONS`: six FP32 (24 bytes) per block per kv head."""
         return self._annotations.nbytes()
 
     def tail_bytes(self) -> int:

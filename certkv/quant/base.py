@@ -52,6 +52,13 @@ class KeyCodec(ABC):
     def channel_bound(self, blocks: Blocks) -> torch.Tensor:
         """FP32 ``[Hkv, n, d]``: ``max_t |k[t, c] - k_hat[t, c]|`` is at most this, per channel."""
 
+    def decode_slack(self, blocks: Blocks) -> torch.Tensor:
+        """FP32 ``[Hkv, n, d]``: any FP32 evaluation of :meth:`decode` (a fused kernel's in
+        registers included, FMA or not) is within this of this codec's own decode, per channel
+        and token. The store measures key-error annotations on its own decode and adds this, so
+        they bound the error of the keys the kernels actually use. 0 for exact decoders."""
+        return torch.zeros_like(self.channel_bound(blocks))
+
 
 class ValueCodec(ABC):
     """Quantizes value blocks; states a per-token l2 reconstruction bound."""

@@ -77,6 +77,15 @@ class ChannelAffineKeyCodec(KeyCodec):
         compute Delta_b from the scales they already read with these."""
         return 0.5 + _FP_SLACK * self._half_range, _FP_SLACK
 
+    def decode_slack(self, blocks: Blocks) -> torch.Tensor:
+        """``code * sigma_c + z_c`` with ``|code| <= 2^(bits-1)``: one FP32 evaluation errs by at
+        most ``2u (2^(bits-1) sigma_c + |z_c|)`` (a product and a sum, or one FMA), two differ by
+        twice that, inside ``_FP_SLACK (2^(bits-1) sigma_c + |z_c|)``; exact where
+        ``sigma_c = 0`` (code 0, offset ``l_c``)."""
+        scale, offset = blocks["scale"], blocks["offset"]
+        slack = _FP_SLACK * (self._half_range * scale + offset.abs())
+        return torch.where(scale > 0, slack, torch.zeros_like(slack))
+
     def channel_bound(self, blocks: Blocks) -> torch.Tensor:
         scale, offset = blocks["scale"], blocks["offset"]
         a, b = self.bound_coefficients()
