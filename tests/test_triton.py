@@ -61,18 +61,22 @@ def test_phase1_flash_attention_rule(seed, split, shape):
     kernel = TritonBackend(split=split).phase1(qg, lay, scaling)
     flash_rule(kernel.scores, ref.scores, oracle, "scores")
     flash_rule(kernel.log_mass, ref.log_mass, torch.logsumexp(oracle, dim=-1), "log_mass")
+    flash_rule(kernel.log_spread, ref.log_spread, 0.5 * torch.logsumexp(2 * oracle, dim=-1),
+               "log_spread")
     n_q = lay.num_quantized
     flash_rule(kernel.delta_b[..., :n_q], ref.delta_b[..., :n_q], oracle_delta, "delta_b")
     assert (kernel.delta_b[..., n_q:] == 0).all()  # the exact tail block
 
 
 def fp64_attend(scores, values):
-    """Oracle: softmax attention over all tokens in FP64, with block masses and log-masses."""
+    """Oracle: softmax attention over all tokens in FP64, with block masses, log-masses and
+    spreads ``||p_b||_2``."""
     s, v = scores.double(), values.double()
     hkv, g, n, b = s.shape
     w = torch.softmax(s.reshape(hkv, g, n * b), dim=-1).reshape(hkv, g, n, b)
     out = torch.einsum("kgnt,kntd->kgd", w, v)
-    return Attended(out=out, rho=w.sum(-1), log_mass=torch.logsumexp(s, dim=-1))
+    return Attended(out=out, rho=w.sum(-1), log_mass=torch.logsumexp(s, dim=-1),
+                    spread=w.norm(dim=-1))
 
 
 def staged(store, kv, blk, which):
@@ -109,7 +113,7 @@ def test_phase2_attend_flash_attention_rule(seed, promote, shape):
     args = (qg, scored, lay, gate, keys, values, scaling, 1e-6)
     ref = TorchBackend().phase2(*args)
     kernel = TritonBackend(split=2).phase2(*args)
-    for name in ("out", "rho", "log_mass"):
+    for name in ("out", "rho", "log_mass", "spread"):
         flash_rule(getattr(kernel, name), getattr(ref, name), getattr(oracle, name).double(),
                    name)
     assert torch.equal(kernel.canary, ref.canary) and not ref.canary.any()
@@ -227,14 +231,15 @@ def test_quantize_on_append_kernel_matches_the_codecs():
     check_contract(fused_store, q, CertifiedAttention(backend=TritonBackend()))
 
 
-def torch_merge(m_b, l_b, m, lsum, acc) -> Attended:
+def torch_merge(m_b, l_b, m, lsum, acc, l2_b) -> Attended:
     """Oracle of the split reduction: the log-sum-exp merge in PyTorch."""
     top = m.amax(dim=-1, keepdim=True)
     weight = torch.exp(m - top)
     total = (weight * lsum).sum(dim=-1, keepdim=True)
     out = (weight.unsqueeze(-1) * acc).sum(dim=-2) / total
     rho = torch.exp(m_b - top) * l_b / total
-    return Attended(out=out, rho=rho, log_mass=m_b + torch.log(l_b))
+    spread = torch.exp(m_b - top) * l2_b.sqrt() / total
+    return Attended(out=out, rho=rho, log_mass=m_b + torch.log(l_b), spread=spread)
 
 
 def test_fused_split_reduction_matches_the_torch_merge():
@@ -247,7 +252,9 @@ def test_fused_split_reduction_matches_the_torch_merge():
     m = m_b.reshape(hkv, g, splits, 2).amax(-1)
     lsum = 1 + 20 * torch.rand(hkv, g, splits, generator=gen)
     acc = torch.randn(hkv, g, splits, d, generator=gen)
-    ref, fused = torch_merge(m_b, l_b, m, lsum, acc), reduce_splits(m_b, l_b, m, lsum, acc)
-    for name in ("out", "rho", "log_mass"):
+    l2_b = l_b * torch.rand(hkv, g, n, generator=gen).clamp_min(0.1)
+    ref, fused = (torch_merge(m_b, l_b, m, lsum, acc, l2_b),
+                  reduce_splits(m_b, l_b, m, lsum, acc, l2_b))
+    for name in ("out", "rho", "log_mass", "spread"):
         torch.testing.assert_close(getattr(fused, name), getattr(ref, name), rtol=1e-5,
                                    atol=1e-6)

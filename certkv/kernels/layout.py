@@ -40,11 +40,14 @@ class StepLayout:
         self.num_quantized = nq
         self.num_blocks = nq + (t > 0)  # n: the exact tail block last, if any
         self.quantized = torch.arange(self.num_blocks, device=store.device) < nq  # [n]
-        eta = store.eta
-        if t:
-            eta = torch.cat([eta, torch.zeros(store.num_kv_heads, 1, device=store.device)], 1)
-        self.eta = eta  # [Hkv, n], 0 on the exact tail block
+        pad = (lambda x: torch.cat([x, torch.zeros(store.num_kv_heads, 1, device=x.device)], 1)
+               ) if t else (lambda x: x)
+        self.eta = pad(store.eta)  # [Hkv, n], 0 on the exact tail block
+        self.value_spec = pad(store.annotation("value_spec"))  # [Hkv, n] ||E^V_b||_2
+        self.key_err = pad(store.annotation("key_err"))  # [Hkv, n] max_t ||k_hat_t - k_t||
+        self.key_spec = pad(store.annotation("key_spec"))  # [Hkv, n] ||E^K_b||_2
         self.v_max = store.value_norm_max()  # [Hkv] (Theorem 4.3)
+        self.v_radius = store.value_radius()  # [Hkv] max_t ||v_t - c|| (centred Theorem 4.3)
 
     @cached_property
     def valid(self) -> torch.Tensor:

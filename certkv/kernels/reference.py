@@ -48,23 +48,29 @@ def block_scores(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scali
 @dataclass
 class Scored:
     """Phase-1 result: logits ``scores [Hkv, G, n, B]``, block log-masses
-    ``log_mass = logsumexp_t s_{b,t}`` and ``delta_b`` (eq. 8; 0 on the exact tail block), both
-    ``[Hkv, G, n]``."""
+    ``log_mass = logsumexp_t s_{b,t}``, ``delta_b`` (eq. 8; 0 on the exact tail block) and the
+    block log-spreads ``log_spread = log ||e^{s_b}||_2 = logsumexp_t(2 s_{b,t}) / 2`` (the l2
+    norm of the block's unnormalised weights; minus the log-sum-exp of ``log_mass`` over blocks
+    it is ``log ||p_hat_b||_2``), all ``[Hkv, G, n]``."""
 
     scores: torch.Tensor
     log_mass: torch.Tensor
     delta_b: torch.Tensor
+    log_spread: torch.Tensor | None = None
 
 
 @dataclass
 class Attended:
-    """Phase-2 result: ``out [Hkv, G, d]``; block masses ``rho`` and log-masses ``[Hkv, G, n]``;
-    ``canary [Hkv, G, n]`` marks gated blocks whose FP16 logits left ``Delta_b`` (Section 6)."""
+    """Phase-2 result: ``out [Hkv, G, d]``; block masses ``rho``, log-masses and spreads
+    ``spread = ||p_b||_2`` (the l2 norm of the block's normalised token weights, for the
+    spectral value bound and the block TV bound) ``[Hkv, G, n]``; ``canary [Hkv, G, n]`` marks
+    gated blocks whose FP16 logits left ``Delta_b`` (Section 6)."""
 
     out: torch.Tensor
     rho: torch.Tensor
     log_mass: torch.Tensor
     canary: torch.Tensor | None = None
+    spread: torch.Tensor | None = None
 
 
 def phase1(q: torch.Tensor, lay, scaling: float) -> Scored:
@@ -76,7 +82,8 @@ def phase1(q: torch.Tensor, lay, scaling: float) -> Scored:
     s = block_scores(q, lay.keys, lay.valid, scaling)
     delta = torch.zeros(s.shape[:3], device=s.device)
     delta[..., : lay.num_quantized] = block_deltas(q, lay.channel_bound, scaling)
-    return Scored(scores=s, log_mass=torch.logsumexp(s, dim=-1), delta_b=delta)
+    return Scored(scores=s, log_mass=torch.logsumexp(s, dim=-1), delta_b=delta,
+                  log_spread=0.5 * torch.logsumexp(2 * s, dim=-1))
 
 
 def gated_scores(q: torch.Tensor, scored: Scored, gate: torch.Tensor, keys, scaling: float,
@@ -106,8 +113,10 @@ def attend(scores: torch.Tensor, values: torch.Tensor, fp64_scalars: bool = Fals
     log-sum-exp (the online-softmax state of each block combined exactly, as in split-KV decode;
     the sums over blocks run in two levels, :func:`chunked_sum`).
 
-    The softmax scalars (block max ``m_b``, sums ``l_b``, masses ``rho_b``) are FP32, or FP64 with
-    ``fp64_scalars`` (paper 9.10); the output accumulator is FP32.
+    The softmax scalars (block max ``m_b``, sums ``l_b`` and ``l2_b = sum_t w_t^2``, masses
+    ``rho_b``, spreads ``||p_b||_2 = e^{m_b - m} sqrt(l2_b) / total``) are FP32, or FP64 with
+    ``fp64_scalars`` (paper 9.10); the output accumulator is FP32. The spread takes one more
+    accumulator in the same pass.
 
     Args:
         scores: ``[Hkv, G, n, B]`` logits (``-inf`` on empty slots).
@@ -118,13 +127,16 @@ def attend(scores: torch.Tensor, values: torch.Tensor, fp64_scalars: bool = Fals
     m_b = s.amax(dim=-1)  # [Hkv, G, n]
     w = torch.exp(s - m_b.unsqueeze(-1))
     l_b = w.sum(dim=-1)
+    l2_b = (w * w).sum(dim=-1)
     o_b = torch.einsum("kgnt,kntd->kgnd", w.float(), values.float())
     m = m_b.amax(dim=-1, keepdim=True)
     alpha = torch.exp(m_b - m)
     total = chunked_sum(alpha * l_b, -1).unsqueeze(-1)
     out = chunked_sum(alpha.float().unsqueeze(-1) * o_b, -2) / total.float()
     rho = alpha * l_b / total
-    return Attended(out=out, rho=rho.float(), log_mass=(m_b + torch.log(l_b)).float())
+    spread = alpha * torch.sqrt(l2_b) / total
+    return Attended(out=out, rho=rho.float(), log_mass=(m_b + torch.log(l_b)).float(),
+                    spread=spread.float())
 
 
 def exact_attention(q: torch.Tensor, store, scaling: float | None = None) -> torch.Tensor:

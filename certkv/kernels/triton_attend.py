@@ -10,7 +10,8 @@ heads of its kv head. Per block it
 * reads the INT4 value codes, unpacked in registers with their FP16 group scale/offset, or,
   where ``value_slot[kv, block] >= 0``, staged FP16 values (value promotion), or, on the exact
   tail block, the store's FP16 tail values in place;
-* keeps an FP32 online softmax and writes the block max ``m_b`` and sum ``l_b`` (block masses).
+* keeps an FP32 online softmax and writes the block max ``m_b``, sum ``l_b`` (block masses) and
+  sum of squares ``l2_b = sum_t w_t^2`` (block spreads ``||p_b||_2``), one more accumulator.
 
 The splits are merged by log-sum-exp in :func:`reduce_splits`.
 """
@@ -29,7 +30,7 @@ from certkv.kernels.triton_score import blocks_per_program, channel_dot, load_gr
 @triton.jit
 def _attend_kernel(s_ptr, q_ptr, kslot_ptr, kstaged_ptr, gate_ptr, delta_ptr,
                    code_ptr, vs_ptr, vo_ptr, slot_ptr, staged_ptr, tail_ptr,
-                   mb_ptr, lb_ptr, canary_ptr, m_ptr, l_ptr, acc_ptr,
+                   mb_ptr, lb_ptr, sb_ptr, canary_ptr, m_ptr, l_ptr, acc_ptr,
                    s_sk, s_sg, s_sn, s_qk, s_qg, s_ck, s_cn, s_ct, s_vk, s_vn, s_vt, s_lk,
                    s_pp, s_pt, s_tk, s_tt, s_bk, s_bg, s_mk, s_mg, s_ak, s_ag, s_as,
                    n_blocks, n_quant, tail_len, scaling, eps_guard,
@@ -87,9 +88,11 @@ def _attend_kernel(s_ptr, q_ptr, kslot_ptr, kstaged_ptr, gate_ptr, delta_ptr,
         m_safe = tl.where(m_b == float("-inf"), 0.0, m_b)
         w = tl.exp(s - m_safe[:, None])
         l_b = tl.sum(w, axis=1)
+        l2_b = tl.sum(w * w, axis=1)
         o_b = tl.sum(w[:, :, None] * v[None, :, :], axis=1)  # [BLOCK_G, D]
         tl.store(mb_ptr + row, m_b, mask=live_g)
         tl.store(lb_ptr + row, l_b, mask=live_g)
+        tl.store(sb_ptr + row, l2_b, mask=live_g)
         m_new = tl.maximum(m, m_b)
         m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m - m_new_safe)
@@ -104,10 +107,12 @@ def _attend_kernel(s_ptr, q_ptr, kslot_ptr, kstaged_ptr, gate_ptr, delta_ptr,
 
 
 @triton.jit
-def _reduce_kernel(mb_ptr, lb_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, rho_ptr, lm_ptr,
+def _reduce_kernel(mb_ptr, lb_ptr, sb_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, rho_ptr, lm_ptr,
+                   sp_ptr,
                    n_blocks, n_splits, s_h, s_mh, s_ah, s_as, s_oh,
                    D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One program per query head merges its splits and writes its block masses."""
+    """One program per query head merges its splits and writes its block masses and
+    spreads."""
     h = tl.program_id(0)
     c = tl.arange(0, D)
     top = float("-inf")
@@ -132,31 +137,37 @@ def _reduce_kernel(mb_ptr, lb_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, rho_ptr, lm_p
         live = b < n_blocks
         mb = tl.load(mb_ptr + h * s_h + b, mask=live, other=0.0)
         lb = tl.load(lb_ptr + h * s_h + b, mask=live, other=1.0)
-        tl.store(rho_ptr + h * s_h + b, tl.exp(mb - top) * lb / total, mask=live)
+        sb = tl.load(sb_ptr + h * s_h + b, mask=live, other=1.0)
+        scale = tl.exp(mb - top)
+        tl.store(rho_ptr + h * s_h + b, scale * lb / total, mask=live)
+        tl.store(sp_ptr + h * s_h + b, scale * tl.sqrt(sb) / total, mask=live)
         tl.store(lm_ptr + h * s_h + b, mb + tl.log(lb), mask=live)
 
 
-def reduce_splits(m_b, l_b, m, lsum, acc) -> Attended:
+def reduce_splits(m_b, l_b, m, lsum, acc, l2_b=None) -> Attended:
     """Merge per-split online-softmax states by log-sum-exp (one kernel); block masses
-    ``rho_b = e^{m_b - top} l_b / total`` and log-masses ``m_b + log l_b``.
+    ``rho_b = e^{m_b - top} l_b / total``, log-masses ``m_b + log l_b`` and spreads
+    ``||p_b||_2 = e^{m_b - top} sqrt(l2_b) / total``.
 
-    Shapes: ``m_b, l_b [Hkv, G, n]``; ``m, lsum [Hkv, G, S]``; ``acc [Hkv, G, S, d]``; FP32.
+    Shapes: ``m_b, l_b, l2_b [Hkv, G, n]`` (``l2_b`` None: spreads of one-token blocks);
+    ``m, lsum [Hkv, G, S]``; ``acc [Hkv, G, S, d]``; FP32.
     """
     hkv, g, n = m_b.shape
     n_splits, d = acc.shape[2], acc.shape[3]
     hq = hkv * g
-    m_b, l_b = m_b.reshape(hq, n), l_b.reshape(hq, n)
+    l2_b = l_b.square() if l2_b is None else l2_b
+    m_b, l_b, l2_b = m_b.reshape(hq, n), l_b.reshape(hq, n), l2_b.reshape(hq, n)
     m, lsum, acc = m.reshape(hq, n_splits), lsum.reshape(hq, n_splits), acc.reshape(hq, n_splits,
                                                                                       d)
     out = torch.empty(hq, d, device=m.device)
-    rho, log_mass = torch.empty_like(m_b), torch.empty_like(m_b)
-    _reduce_kernel[(hq,)](m_b, l_b, m, lsum, acc, out, rho, log_mass, n, n_splits,
+    rho, log_mass, spread = (torch.empty_like(m_b) for _ in range(3))
+    _reduce_kernel[(hq,)](m_b, l_b, l2_b, m, lsum, acc, out, rho, log_mass, spread, n, n_splits,
                           m_b.stride(0), m.stride(0), acc.stride(0), acc.stride(1),
                           out.stride(0), D=d,
                           BLOCK_S=min(64, triton.next_power_of_2(n_splits)),
                           BLOCK_N=min(1024, triton.next_power_of_2(n)))
     return Attended(out=out.reshape(hkv, g, d), rho=rho.reshape(hkv, g, n),
-                    log_mass=log_mass.reshape(hkv, g, n))
+                    log_mass=log_mass.reshape(hkv, g, n), spread=spread.reshape(hkv, g, n))
 
 
 def int4_attend(scored: Scored, q: torch.Tensor, gate: torch.Tensor, key_slot: torch.Tensor,
@@ -185,7 +196,7 @@ def int4_attend(scored: Scored, q: torch.Tensor, gate: torch.Tensor, key_slot: t
     n_splits = triton.cdiv(n, split)
     dev = scores.device
     m_b = torch.empty(hkv, g, n, device=dev)
-    l_b = torch.empty_like(m_b)
+    l_b, l2_b = torch.empty_like(m_b), torch.empty_like(m_b)
     canary = torch.zeros(hkv, g, n, dtype=torch.int8, device=dev)
     m = torch.empty(hkv, g, n_splits, device=dev)
     lsum = torch.empty_like(m)
@@ -199,7 +210,7 @@ def int4_attend(scored: Scored, q: torch.Tensor, gate: torch.Tensor, key_slot: t
     _attend_kernel[(hkv, n_splits)](
         scores, q, key_slot.contiguous(), key_data, gate, delta,
         codes, vscale, voffset, value_slot.contiguous(), value_data, tail,
-        m_b, l_b, canary, m, lsum, acc,
+        m_b, l_b, l2_b, canary, m, lsum, acc,
         scores.stride(0), scores.stride(1), scores.stride(2), q.stride(0), q.stride(1),
         codes.stride(0), codes.stride(1), codes.stride(2),
         vscale.stride(0), vscale.stride(1), vscale.stride(2), value_slot.stride(0),
@@ -209,6 +220,6 @@ def int4_attend(scored: Scored, q: torch.Tensor, gate: torch.Tensor, key_slot: t
         n, codes.shape[1], tail_len, float(scaling), float(eps_guard),
         G=g, BLOCK_G=triton.next_power_of_2(g), B=bsz, D=d, DOT_C=dot_chunk(d), GROUP=group,
         SPLIT=split)
-    att = reduce_splits(m_b, l_b, m, lsum, acc)
+    att = reduce_splits(m_b, l_b, m, lsum, acc, l2_b)
     att.canary = canary.bool()
     return att

@@ -59,18 +59,18 @@ class TritonBackend:
                 and _pow2(store.block_size) and _pow2(store.head_dim))
 
     def phase1(self, q: torch.Tensor, lay: StepLayout, scaling: float) -> Scored:
-        """Phase 1 in one kernel: logits, log-masses and Delta_b of every INT8 block and of the
-        exact FP16 tail block (read in place)."""
+        """Phase 1 in one kernel: logits, log-masses, log-spreads and Delta_b of every INT8
+        block and of the exact FP16 tail block (read in place)."""
         if not self._keys_supported(lay):
             return self.reference.phase1(q, lay, scaling)
         from certkv.kernels.triton_score import int8_phase1
 
         store = lay.store
         blocks = store.key_blocks()
-        s, log_mass, delta = int8_phase1(
+        s, log_mass, delta, log_spread = int8_phase1(
             q, blocks["codes"], blocks["scale"], blocks["offset"], store.tail_buffers()[0],
             store.tail_len, scaling, store.key_codec.bound_coefficients(), self.split)
-        return Scored(scores=s, log_mass=log_mass, delta_b=delta)
+        return Scored(scores=s, log_mass=log_mass, delta_b=delta, log_spread=log_spread)
 
     def phase2(self, q, scored: Scored, lay: StepLayout, gate, keys, values, scaling,
                eps_guard) -> Attended:

@@ -9,7 +9,9 @@ the kv head (GQA-aware), dequantizes in registers (eq. 3) and writes
 * the block log-mass ``l_b = m_b + log sum_t exp(s_{b,t} - m_b)`` (eq. 8's ``p_hat`` before
   normalisation),
 * ``Delta_b = scaling * sum_c |q_c| r_c`` (eq. 8) with ``r_c = a sigma_c + b |z_c|`` computed from
-  the scales already in registers (the codec's ``bound_coefficients``).
+  the scales already in registers (the codec's ``bound_coefficients``),
+* the block log-spread ``m_b + log sum_t exp(2 (s_{b,t} - m_b)) / 2`` (``log ||e^{s_b}||_2``,
+  the value policy's spread estimate), one more sum over the logits already in registers.
 
 FP32 multiply-adds throughout (no TF32), so the results match the PyTorch reference to FP32
 rounding; dot products sum in two levels (:func:`channel_dot`), which the arithmetic
@@ -46,7 +48,7 @@ def channel_dot(q, k, BLOCK_G: tl.constexpr, B: tl.constexpr, D: tl.constexpr,
 
 
 @triton.jit
-def _score_kernel(q_ptr, code_ptr, scale_ptr, offset_ptr, tail_ptr, s_out, l_out, d_out,
+def _score_kernel(q_ptr, code_ptr, scale_ptr, offset_ptr, tail_ptr, s_out, l_out, d_out, ls_out,
                   s_qk, s_qg, s_ck, s_cn, s_ct, s_sk, s_sn, s_tk, s_tt, s_ok, s_og, s_on,
                   s_lk, s_lg, n_blocks, n_quant, tail_len, scaling, bound_a, bound_b,
                   G: tl.constexpr, BLOCK_G: tl.constexpr, B: tl.constexpr, D: tl.constexpr,
@@ -77,11 +79,14 @@ def _score_kernel(q_ptr, code_ptr, scale_ptr, offset_ptr, tail_ptr, s_out, l_out
                  mask=live_g[:, None])
         m = tl.max(s, axis=1)
         m = tl.where(m == float("-inf"), 0.0, m)  # past the last block: nothing is stored
-        log_mass = m + tl.log(tl.sum(tl.exp(s - m[:, None]), axis=1))
+        w = tl.exp(s - m[:, None])
+        log_mass = m + tl.log(tl.sum(w, axis=1))
+        log_spread = m + 0.5 * tl.log(tl.sum(w * w, axis=1))
         bound = tl.where(scale > 0, bound_a * scale + bound_b * tl.abs(offset), 0.0)  # r_c
         delta = tl.sum(q_abs * bound[None, :], axis=1) * scaling  # eq. 8 (0 on the tail)
         tl.store(l_out + kv * s_lk + g * s_lg + blk, log_mass, mask=live_g)
         tl.store(d_out + kv * s_lk + g * s_lg + blk, delta, mask=live_g)
+        tl.store(ls_out + kv * s_lk + g * s_lg + blk, log_spread, mask=live_g)
 
 
 MAX_SPLIT = 64  # most blocks one program walks on a GPU (bounds the rounding chain)
@@ -104,7 +109,7 @@ def int8_phase1(q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
     read in place from ``tail [Hkv, B, d]``. ``bound = (a, b)`` of ``r_c = a sigma_c + b |z_c|``;
     ``split`` blocks per program (``None``: :func:`blocks_per_program`).
 
-    Returns ``(s [Hkv, G, n, B], log_mass [Hkv, G, n], delta_b [Hkv, G, n])``, all FP32, with
+    Returns ``(s [Hkv, G, n, B], log_mass, delta_b, log_spread [Hkv, G, n])``, all FP32, with
     ``n = n_q + (tail_len > 0)``, ``-inf`` logits on empty tail slots and ``Delta_b = 0`` there.
     """
     hkv, group, d = q.shape
@@ -114,17 +119,18 @@ def int8_phase1(q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
     s = torch.empty(hkv, group, n, bsz, device=q.device, dtype=torch.float32)
     log_mass = torch.empty(hkv, group, n, device=q.device, dtype=torch.float32)
     delta = torch.empty_like(log_mass)
+    log_spread = torch.empty_like(log_mass)
     if n == 0:
-        return s, log_mass, delta
+        return s, log_mass, delta, log_spread
     assert codes.stride(3) == 1 and scale.stride(2) == 1 and scale.stride() == offset.stride()
     assert tail.stride(2) == 1
     split = split or blocks_per_program(n, hkv, q.device)
     _score_kernel[(hkv, triton.cdiv(n, split))](
-        q, codes, scale, offset, tail, s, log_mass, delta,
+        q, codes, scale, offset, tail, s, log_mass, delta, log_spread,
         q.stride(0), q.stride(1), codes.stride(0), codes.stride(1), codes.stride(2),
         scale.stride(0), scale.stride(1), tail.stride(0), tail.stride(1),
         s.stride(0), s.stride(1), s.stride(2), log_mass.stride(0), log_mass.stride(1),
         n, n_q, tail_len, float(scaling), float(bound[0]), float(bound[1]),
         G=group, BLOCK_G=triton.next_power_of_2(group), B=bsz, D=d, DOT_C=dot_chunk(d),
         SPLIT=split)
-    return s, log_mass, delta
+    return s, log_mass, delta, log_spread
