@@ -25,16 +25,21 @@ from certkv.cache.scratch import ScratchCache
 from certkv.cache.store import NONFINITE_KV, TieredKVStore
 from certkv.certify.arith import (
     ArithSpec,
+    BlockTerms,
     as_tensors,
     dense_arith,
     quantized_arith,
     step_coefficients,
 )
 from certkv.certify.bounds import (
+    block_tv_bound,
     key_error_bound,
+    logit_error_norms,
     phase2_tail_logit,
     tail_mass_bound,
+    tightened_deltas,
     value_error_bound,
+    value_error_bound_tight,
 )
 from certkv.certify.certificate import Certificate
 from certkv.certify.checks import exploration_mask
@@ -51,14 +56,20 @@ MODES = ("certified", "naive", "dense")
 _NONFINITE_Q = "q holds NaN or Inf; check the model's activations before attention."
 
 
-def _key_bound(log_p, tail, delta_b, delta, v_max, exponent, cap_logit=None):
+def _key_bound(log_p, tail, delta_b, delta, v_max, exponent, cap_logit=None, tv_cap=None):
     """``(log alpha_hat, Delta_T, E_key)``, each ``[Hq]``, for INT8 tail blocks ``tail: [Hq, n]``
-    (eq. 15); ``cap_logit`` gives an extra valid bound on the true tail mass (after Phase 2)."""
+    (eq. 15); ``cap_logit`` gives an extra valid bound on the true tail mass (after Phase 2),
+    ``tv_cap`` one on TV itself (the per-block bound)."""
     neg_inf = torch.full_like(log_p, float("-inf"))
     log_alpha = torch.logsumexp(torch.where(tail, log_p, neg_inf), dim=-1)
     delta_tail = torch.where(tail, delta_b, torch.zeros_like(delta_b)).amax(dim=-1)
-    e_key = key_error_bound(v_max, delta, delta_tail, log_alpha, exponent, cap_logit)
+    e_key = key_error_bound(v_max, delta, delta_tail, log_alpha, exponent, cap_logit, tv_cap)
     return log_alpha, delta_tail, e_key
+
+
+def _on(mask, x):
+    """``x`` where ``mask``, 0 elsewhere (same shape)."""
+    return torch.where(mask, x, torch.zeros_like(x))
 
 
 @dataclass
@@ -194,9 +205,11 @@ class CertifiedAttention:
             draw = self.ladder.exploration_draw((hq, lay.quantized.numel()), q.device) \
                 if certified else None
             sel = self._segment("_select_step", q.device)(
-                scored.log_mass, scored.delta_b, lay.quantized, lay.eta, lay.v_max, draw,
-                lay.num_quantized)
-            log_p, delta_b, delta, v_max, promoted, expanded, value_kv, plan = sel
+                qg, scored.log_mass, scored.delta_b, _log_spread(scored), lay.quantized,
+                lay.eta, lay.value_spec, lay.key_err, lay.v_max, lay.v_radius, draw,
+                lay.num_quantized, scaling)
+            (log_p, delta_b, delta, delta_chan, v_max, v_rad, q_norm, promoted, expanded,
+             value_kv, plan) = sel
 
         # Page-in (the step's first host read) and Phase 2 (gated keys, FP16 values).
         with timer.phase("page_in"):
@@ -219,11 +232,13 @@ class CertifiedAttention:
             if isinstance(segment, _CompiledSegment):  # no recompile when the counts change
                 coef = as_tensors(coef, q.device)
             bounds = segment(
-                l8, l16, att.rho.reshape(hq, -1), att.out.reshape(hq, -1), log_p, delta_b,
-                delta, v_max, promoted, lay.quantized, expanded, value_kv, lay.eta, ranking,
-                boundary, att.canary, q, store.nonfinite_appended(), spec, coef,
-                store.key_abs_max(), store.value_error_max())
-            e_key, e_val, e_arith, log_alpha, canary, rung, value_blocks, flags = bounds
+                l8, l16, att.rho.reshape(hq, -1), _spread(att).reshape(hq, -1),
+                att.out.reshape(hq, -1), log_p, delta_b, delta, delta_chan, v_max, v_rad,
+                q_norm, promoted, lay.quantized, expanded, value_kv, lay.eta, lay.value_spec,
+                lay.key_spec, ranking, boundary, att.canary, q, store.nonfinite_appended(),
+                spec, coef, store.key_abs_max(), store.value_error_max())
+            (e_key, e_val, e_arith, log_alpha, canary, rung, value_blocks, flags, paper_key,
+             paper_val) = bounds
             dense_heads = self._host_flags(flags)
         with timer.phase("fallback"):
             out, e_arith = self._fallback(q, store, att.out.reshape(hq, -1), dense_heads,
@@ -237,7 +252,8 @@ class CertifiedAttention:
             k_star=(promoted & lay.quantized).sum(dim=-1), rung=rung, ranking_ok=ranking,
             boundary_ok=boundary, canary_ok=canary, value_blocks=value_blocks,
             value_promotions=0 if values is None else values.blocks.numel(),
-            num_blocks=lay.num_quantized, mode=self.mode)
+            num_blocks=lay.num_quantized, mode=self.mode, paper_e_key=paper_key,
+            paper_e_val=paper_val)
         return out, cert
 
     def _segment(self, name: str, device: torch.device):
@@ -255,61 +271,86 @@ class CertifiedAttention:
             self._compiled[name, backend] = _CompiledSegment(fn, backend)
         return self._compiled[name, backend]
 
-    def _select_step(self, l8_kv, delta_kv, quantized, eta, v_max_kv, draw, n_q):
+    def _select_step(self, qg, l8_kv, delta_kv, log_spread_kv, quantized, eta, value_spec,
+                     key_err, v_max_kv, v_rad_kv, draw, n_q, scaling):
         """Selection segment (pure tensor code, no host reads; compiled on GPU).
 
         Args:
-            l8_kv, delta_kv: Phase-1 log-masses and Delta_b ``[Hkv, G, n]``.
-            quantized: ``[n]``; eta: ``[Hkv, n]``; v_max_kv: ``[Hkv]``.
-            draw: uniform ``[Hq, n]`` for exploration, or None; n_q: quantized block count.
+            qg: ``[Hkv, G, d]`` FP32 queries.
+            l8_kv, delta_kv, log_spread_kv: Phase-1 log-masses, Delta_b (eq. 8's channel form)
+                and log-spreads ``[Hkv, G, n]``.
+            quantized: ``[n]``; eta, value_spec, key_err: ``[Hkv, n]``; v_max_kv, v_rad_kv:
+                ``[Hkv]``.
+            draw: uniform ``[Hq, n]`` for exploration, or None; n_q: quantized block count;
+            scaling: the softmax scale.
         Returns:
-            ``log_p, delta_b [Hq, n]``, ``delta, v_max [Hq]``, ``promoted [Hq, n]``, ``expanded
-            [Hq]``, ``value_kv [Hkv, n]`` and the page-in plan ``[2, Hkv, n]`` (FP16 keys
-            needed by any head of the kv head, FP16 values).
+            ``log_p, delta_b [Hq, n]`` (``delta_b`` tightened, :func:`tightened_deltas`),
+            ``delta [Hq]``, the channel-form ``delta_chan [Hq, n]``, ``v_max, v_rad [Hq]``,
+            ``q_norm [Hkv, G]``, ``promoted [Hq, n]``, ``expanded [Hq]``, ``value_kv
+            [Hkv, n]`` and the page-in plan ``[2, Hkv, n]`` (FP16 keys needed by any head of
+            the kv head, FP16 values).
         """
         hkv, group, n = l8_kv.shape
         hq = hkv * group
         log_p = torch.log_softmax(l8_kv.reshape(hq, n), dim=-1)
-        delta_b = delta_kv.reshape(hq, n)  # 0 on the exact tail block
+        q_norm = qg.norm(dim=-1)
+        delta_chan = delta_kv.reshape(hq, n)  # 0 on the exact tail block
+        delta_b = tightened_deltas(delta_kv, q_norm, key_err, scaling).reshape(hq, n)
         delta = delta_b.amax(dim=-1)
         v_max = v_max_kv.repeat_interleave(group)
+        v_rad = torch.minimum(v_rad_kv.repeat_interleave(group), v_max)
         certified = self.mode == "certified"
-        promoted, expanded = self._select(log_p, quantized, n_q, delta_b, delta, v_max, group,
-                                          certified, draw)
-        value_kv = self._value_promotion(log_p, eta, delta, quantized, group, certified)
+        promoted, expanded = self._select(log_p, quantized, n_q, delta_b, delta, delta_chan,
+                                          v_max, v_rad, group, certified, draw)
+        log_spread = log_spread_kv.reshape(hq, n) - torch.logsumexp(l8_kv.reshape(hq, n), -1,
+                                                                     keepdim=True)
+        value_kv = self._value_promotion(log_p, eta, delta, log_spread, value_spec, quantized,
+                                         group, certified)
         need_keys = promoted.reshape(hkv, group, n).any(dim=1) & quantized
-        return (log_p, delta_b, delta, v_max, promoted, expanded, value_kv,
-                torch.stack([need_keys, value_kv]))
+        return (log_p, delta_b, delta, delta_chan, v_max, v_rad, q_norm, promoted, expanded,
+                value_kv, torch.stack([need_keys, value_kv]))
 
-    def _certify_step(self, l8, l16, rho, out, log_p, delta_b, delta, v_max, promoted, quantized,
-                      expanded, value_kv, eta, ranking, boundary, canary_blocks, q, kv_bad,
-                      spec, coef, key_abs_max, eta_max_kv):
-        """Certificate segment (pure tensor code; compiled on GPU): E_key (eq. 15), E_val
-        (Cor. 4.2), E_arith of the quantized path (:mod:`certkv.certify.arith`), the canary,
-        the rungs, and the flags the host reads.
+    def _certify_step(self, l8, l16, rho, spread, out, log_p, delta_b, delta, delta_chan, v_max,
+                      v_rad, q_norm, promoted, quantized, expanded, value_kv, eta, value_spec,
+                      key_spec, ranking, boundary, canary_blocks, q, kv_bad, spec, coef,
+                      key_abs_max, eta_max_kv):
+        """Certificate segment (pure tensor code; compiled on GPU): the tight E_key (eq. 15
+        with the per-block TV bound and centred values) and E_val (Cor. 4.2 with the spectral
+        block terms), E_arith of the quantized path (:mod:`certkv.certify.arith`), the paper's
+        own terms (telemetry), the canary, the rungs, and the flags the host reads.
 
         Shapes: ``[Hq, n]`` per block, ``[Hq]`` per head, ``out [Hq, d]`` (FP32), ``q`` in the
-        caller's dtype, ``eta, value_kv [Hkv, n]``, ``canary_blocks [Hkv, G, n]``,
-        ``key_abs_max [Hkv, d]``, ``eta_max_kv [Hkv]``; ``spec, coef``: the arithmetic bound's
-        static facts and step coefficients. Returns ``e_key, e_val, e_arith, log_alpha,
-        canary, rung, value_blocks`` ``[Hq]`` and ``flags [Hq + 2]`` (heads needing dense
-        attention, then non-finite ``q`` and non-finite appended K/V). A head whose output or
-        bound is not finite, or whose output overflows the caller's dtype, goes dense (rung 3).
+        caller's dtype, ``q_norm [Hkv, G]``, ``eta, value_spec, key_spec, value_kv [Hkv, n]``,
+        ``canary_blocks [Hkv, G, n]``, ``key_abs_max [Hkv, d]``, ``eta_max_kv [Hkv]``;
+        ``spec, coef``: the arithmetic bound's static facts and step coefficients. Returns
+        ``e_key, e_val, e_arith, log_alpha, canary, rung, value_blocks`` ``[Hq]``, ``flags
+        [Hq + 2]`` (heads needing dense attention, then non-finite ``q`` and non-finite
+        appended K/V) and the paper's ``e_key, e_val`` ``[Hq]``. A head whose output or bound
+        is not finite, or whose output overflows the caller's dtype, goes dense (rung 3).
         """
         hq = l8.shape[0]
         group = hq // eta.shape[0]
         certified = self.mode == "certified"
         tail = quantized & ~promoted
         cap_logit = phase2_tail_logit(l8, l16, delta_b, promoted, tail)
-        log_alpha, delta_tail, e_key = _key_bound(log_p, tail, delta_b, delta, v_max,
-                                                  self.selector.mass_inflation, cap_logit)
+        lam = logit_error_norms(q_norm, key_spec, spec.scaling).reshape(hq, -1)
+        tv_block = block_tv_bound(_on(tail, rho), _on(tail, delta_b), _on(tail, lam),
+                                  _on(tail, spread))
+        log_alpha, delta_tail, e_key = _key_bound(log_p, tail, delta_b, delta, v_rad,
+                                                  self.selector.mass_inflation, cap_logit,
+                                                  tv_block)
         value_q = value_kv.repeat_interleave(group, dim=0)
-        e_val = value_error_bound(rho, eta.repeat_interleave(group, dim=0) * ~value_q)
+        eta_q = _on(~value_q, eta.repeat_interleave(group, dim=0))
+        sigma_q = _on(~value_q, value_spec.repeat_interleave(group, dim=0))
+        e_val = value_error_bound_tight(rho, eta_q, spread, sigma_q)
+        paper_key, paper_val = self._paper_terms(l8, l16, log_p, delta_chan, v_max, promoted,
+                                                 tail, rho, eta_q)
         e_arith = quantized_arith(
             spec, coef, q=q, key_abs_max=key_abs_max, delta=delta, delta_tail=delta_tail,
             log_alpha=log_alpha, cap_logit=cap_logit, v_max=v_max,
             eta_max=eta_max_kv.repeat_interleave(group), e_key=e_key, e_val=e_val,
-            out_norm=out.norm(dim=-1))
+            out_norm=out.norm(dim=-1), v_rad=v_rad, sigma_max=sigma_q.amax(dim=-1),
+            blocks=BlockTerms(rho, spread, delta_b, lam, tail))
         canary = ~canary_blocks.reshape(hq, -1).any(dim=-1)
         if not (certified and self.ladder.canary):
             canary = torch.ones_like(canary)
@@ -322,7 +363,17 @@ class CertifiedAttention:
             rung = torch.where(self.ladder.layer_dense(rung >= 3, canary), 4, rung)
         bad = torch.stack([~torch.isfinite(q).all(), kv_bad])
         flags = torch.cat([rung >= 3, bad])
-        return e_key, e_val, e_arith, log_alpha, canary, rung, value_q.sum(dim=-1), flags
+        return (e_key, e_val, e_arith, log_alpha, canary, rung, value_q.sum(dim=-1), flags,
+                paper_key, paper_val)
+
+    def _paper_terms(self, l8, l16, log_p, delta_chan, v_max, promoted, tail, rho, eta_q):
+        """The paper's own candidate terms ``[Hq]`` (telemetry): eq. 15 with eq. 8's channel
+        ``Delta_b``, capped at ``2 V_max`` (Lemma A.2) and by the Phase-2 tail mass, and
+        Cor. 4.2's ``sum_b rho_b eta_b``."""
+        cap = phase2_tail_logit(l8, l16, delta_chan, promoted, tail)
+        _, _, e_key = _key_bound(log_p, tail, delta_chan, delta_chan.amax(dim=-1), v_max,
+                                 self.selector.mass_inflation, cap)
+        return e_key, value_error_bound(rho, eta_q)
 
     def _rank_checks(self, l8, l16, delta_b, promoted, quantized, certified):
         """Ranking (eq. 17) and boundary (eq. 18) flags ``[Hq]`` from the backend (a Triton
@@ -336,7 +387,8 @@ class CertifiedAttention:
         return (ranking if lad.ranking_check else true,
                 boundary if lad.boundary_check else true)
 
-    def _select(self, log_p, quantized, n_q, delta_b, delta, v_max, group, certified, draw):
+    def _select(self, log_p, quantized, n_q, delta_b, delta, delta_chan, v_max, v_rad, group,
+                certified, draw):
         """FP16-key set ``[Hq, n]`` (exact tail block always in) and the rung-1 flag ``[Hq]``."""
         p = log_p.exp()
         hq = p.shape[0]
@@ -347,10 +399,12 @@ class CertifiedAttention:
         order = rank_blocks(p, quantized)
         k = sel.choose_k(p, quantized, order, n_q)
         promoted = sel.promoted(order, k, quantized, group)
-        log_alpha, _, e_key = _key_bound(log_p, quantized & ~promoted, delta_b, delta, v_max,
-                                         sel.mass_inflation)
-        need = self.ladder.needs_expansion(
-            tail_mass_bound(log_alpha, delta, sel.mass_inflation), sel.tau_cov, e_key)
+        if self.ladder.tail_mass == "paper":
+            tail_bound, e_key = self._paper_tail(log_p, quantized & ~promoted, delta_chan, v_max)
+        else:
+            tail_bound, e_key = self._tight_tail(log_p, quantized, promoted, delta_b, delta,
+                                                 v_rad)
+        need = self.ladder.needs_expansion(tail_bound, sel.tau_cov, e_key)
         k_new = torch.where(need, self.ladder.expanded_k(k, sel.k_max, n_q), k)
         expanded = k_new > k
         promoted = sel.promoted(order, k_new, quantized, group)  # all tensor ops, no host sync
@@ -359,13 +413,43 @@ class CertifiedAttention:
                                                    self.ladder.exploration)
         return promoted, expanded
 
-    def _value_promotion(self, log_p, eta, delta, quantized, group, certified):
+    def _paper_tail(self, log_p, tail, delta_chan, v_max):
+        """Rung 1's tail mass and candidate E_key as in the paper: eq. 14's ``e^{c Delta}
+        alpha_hat`` and eq. 15, with eq. 8's channel ``Delta_b`` (``[Hq]`` each)."""
+        c = self.selector.mass_inflation
+        delta = delta_chan.amax(dim=-1)
+        log_alpha, _, e_key = _key_bound(log_p, tail, delta_chan, delta, v_max, c)
+        return tail_mass_bound(log_alpha, delta, c), e_key
+
+    def _tight_tail(self, log_p, quantized, promoted, delta_b, delta, v_rad):
+        """Rung 1's tail mass and candidate E_key, tight (``[Hq]`` each).
+
+        Phase 2 changes only the promoted blocks' logits, each by at most its ``Delta_b``, so
+        with ``Delta_F`` the largest of them its tail mass is at most ``min(1, e^{Delta_F}
+        alpha_hat)`` and each tail block's mass at most ``min(1, e^{Delta_F} p_hat_b)``
+        (``Z_F' >= e^{-Delta_F} Z_F``); E_key is then the per-block TV bound with those masses
+        (:func:`~certkv.certify.bounds.block_tv_bound`) and the centred radius.
+        """
+        tail = quantized & ~promoted
+        delta_f = _on(promoted & quantized, delta_b).amax(dim=-1)
+        neg_inf = torch.full_like(log_p, float("-inf"))
+        log_alpha = torch.logsumexp(torch.where(tail, log_p, neg_inf), dim=-1)
+        rho_ub = torch.exp((delta_f.unsqueeze(-1) + log_p).clamp(max=0.0))
+        tv = block_tv_bound(_on(tail, rho_ub), _on(tail, delta_b))
+        _, _, e_key = _key_bound(log_p, tail, delta_b, delta, v_rad,
+                                 self.selector.mass_inflation, tv_cap=tv)
+        return tail_mass_bound(log_alpha, delta_f, 1.0), e_key
+
+    def _value_promotion(self, log_p, eta, delta, log_spread, value_spec, quantized, group,
+                         certified):
         """Blocks read with FP16 values, per kv head ``[Hkv, n]`` (union of its query heads)."""
         hkv = eta.shape[0]
         if not certified:
             return torch.zeros_like(eta, dtype=torch.bool)
         eta_q = eta.repeat_interleave(group, dim=0)
-        chosen = self.value_policy.select(log_p, eta_q, delta) & quantized & (eta_q > 0)
+        sigma_q = value_spec.repeat_interleave(group, dim=0)
+        chosen = self.value_policy.select(log_p, eta_q, delta, log_spread=log_spread,
+                                          sigma=sigma_q) & quantized & (eta_q > 0)
         return chosen.reshape(hkv, group, -1).any(dim=1)
 
     def _page_in(self, stage, lay, plan):
@@ -409,6 +493,18 @@ class CertifiedAttention:
         e_arith = e_arith.clone()
         e_arith[dev_heads] = self._dense_arith(spec, q, store)[dev_heads]
         return out, e_arith
+
+
+def _log_spread(scored) -> torch.Tensor:
+    """Phase-1 block log-spreads ``[Hkv, G, n]`` (a backend without them: ``log_mass``, i.e.
+    the spread bounded by the mass, which leaves the tight value contribution at the paper's)."""
+    return scored.log_mass if scored.log_spread is None else scored.log_spread
+
+
+def _spread(att) -> torch.Tensor:
+    """Phase-2 block spreads ``[Hkv, G, n]`` (a backend without them: ``rho``, an upper bound
+    since ``||p_b||_2 <= ||p_b||_1``)."""
+    return att.rho if att.spread is None else att.spread
 
 
 def _tier2_stage(store: TieredKVStore, kv_heads, blocks, which: str):

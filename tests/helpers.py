@@ -24,8 +24,34 @@ class WordTokenizer:
         return " ".join(inverse[i] for i in ids)
 
 
-def make_kv(hkv, n, d, *, seed=0, outlier_channels=0, heavy_tail=False, key_offset=0.0):
-    """Keys ``[Hkv, n, d]`` with optional outlier channels, values optionally heavy-tailed."""
+def make_kv(hkv, n, d, *, seed=0, outlier_channels=0, heavy_tail=False, key_offset=0.0,
+            value_offset=0.0, aligned_block=0, key_levels=0):
+    """Keys ``[Hkv, n, d]`` with optional outlier channels, values optionally heavy-tailed.
+
+    Adversarial options for the tight certificate: ``value_offset`` adds a large common offset
+    to every value (centred radius vs V_max); ``aligned_block=B`` makes every token of each
+    ``B``-token block carry its block's first value (identical value errors: the spectral
+    value bound's worst case) and, with ``key_levels=L``, only ``L`` distinct keys per block
+    (repeated key errors: the key spectral bound's worst case)."""
+    k, v = _base_kv(hkv, n, d, seed, outlier_channels, heavy_tail, key_offset)
+    if aligned_block:
+        v = _repeat_in_blocks(v, aligned_block, 1)
+        if key_levels:
+            k = _repeat_in_blocks(k, aligned_block, key_levels)
+    return k, v + value_offset
+
+
+def _repeat_in_blocks(x, block, levels):
+    """Each full ``block`` of tokens of ``x [Hkv, n, d]`` cycles through its first ``levels``."""
+    full = x.shape[1] // block * block
+    idx = torch.arange(full)
+    idx = idx - idx % block + (idx % block) % levels
+    out = x.clone()
+    out[:, :full] = x[:, idx]
+    return out
+
+
+def _base_kv(hkv, n, d, seed, outlier_channels, heavy_tail, key_offset):
     gen = torch.Generator().manual_seed(seed)
     k = torch.randn(hkv, n, d, generator=gen) + key_offset
     if outlier_channels:

@@ -222,7 +222,9 @@ def test_a_non_finite_bound_is_an_error_not_a_certificate():
 def test_e_arith_is_small_at_ordinary_magnitudes():
     """Its share of the bound is reported (reports/tightness.md); here, a sanity check only:
     at the paper's operating point on unit-scale data (outlier channels included) it is a small
-    part of the typical head's bound."""
+    part of the typical head's bound. (The tight E_key is half the paper's here while e_arith,
+    about 0.0039, is unchanged: logit rounding over every token, ``2 R tanh(eps/2)``, is most
+    of it; its median share is 0.12 of the tight bound, 0.10 of the paper-form one.)"""
     k, v = make_kv(4, 2048, 64, seed=11, outlier_channels=4)
     store = TieredKVStore(4, 64)
     store.append(k, v)
@@ -230,7 +232,9 @@ def test_e_arith_is_small_at_ordinary_magnitudes():
     for mode in ("certified", "naive"):
         out, cert = CertifiedAttention(mode=mode)(q, store)
         check_heads(out, cert, q, store)
-        assert float((cert.e_arith / cert.bound).median()) < 0.1
+        assert float((cert.e_arith / cert.bound).median()) < 0.15
+        paper = cert.paper_e_key + cert.paper_e_val + cert.e_arith
+        assert float((cert.e_arith / paper).median()) < 0.1
 
 
 def test_rounding_chain_grows_with_every_count():

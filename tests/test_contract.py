@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from helpers import check_heads, make_kv, make_query
 from hypothesis import HealthCheck, given, settings
@@ -65,6 +66,11 @@ def scenarios(draw):
         "scaling": draw(st.sampled_from([None, None, None, 1.0, 0.02])),
         "seed": draw(st.integers(0, 2**16)),
         "chunks": draw(st.integers(1, 3)),
+        "value_offset": draw(st.sampled_from([0.0, 0.0, 50.0, 1e3])),
+        "aligned": draw(st.booleans()),
+        "key_levels": draw(st.sampled_from([0, 1, 2])),
+        "contribution": draw(st.sampled_from(["tight", "paper"])),
+        "tail_mass": draw(st.sampled_from(["tight", "paper"])),
     }
 
 
@@ -76,20 +82,25 @@ def build(sc):
     )
     k, v = make_kv(sc["hkv"], sc["tokens"], sc["d"], seed=sc["seed"],
                    outlier_channels=min(sc["outliers"], sc["d"]), heavy_tail=sc["heavy_tail"],
-                   key_offset=sc["key_offset"])
+                   key_offset=sc["key_offset"], value_offset=sc.get("value_offset", 0.0),
+                   aligned_block=sc["block"] if sc.get("aligned") else 0,
+                   key_levels=sc.get("key_levels", 0))
     for chunk_k, chunk_v in zip(k.tensor_split(sc["chunks"], 1), v.tensor_split(sc["chunks"], 1),
                                 strict=True):
         if chunk_k.shape[1]:
             store.append(chunk_k, chunk_v)
     q = make_query(k, sc["group"], seed=sc["seed"], scale=sc["q_scale"], peaked=sc["peaked"])
     q = q.to(getattr(torch, sc.get("q_dtype", "float32")))
-    policy = (LocalThreshold(v_tol=sc["v_tol"]) if sc["value_policy"] == "local"
-              else GreedyBudget(e_val_budget=min(sc["v_tol"], 1e9)))
+    contribution = sc.get("contribution", "tight")
+    policy = (LocalThreshold(v_tol=sc["v_tol"], contribution=contribution)
+              if sc["value_policy"] == "local"
+              else GreedyBudget(e_val_budget=min(sc["v_tol"], 1e9), contribution=contribution))
     attn = CertifiedAttention(
         selector=AdaptiveTopK(tau_cov=sc["tau_cov"], k_min=sc["k_min"], k_max=sc["k_max"],
                               mass_inflation=sc["inflation"], kv_group_union=sc["union"]),
         value_policy=policy,
-        ladder=Ladder(expand=sc["expand"], r=sc["r"], exploration=sc["exploration"]),
+        ladder=Ladder(expand=sc["expand"], r=sc["r"], exploration=sc["exploration"],
+                      tail_mass=sc.get("tail_mass", "tight")),
         backend=TorchBackend(fp64_scalars=sc["fp64_scalars"]),
         mode=sc["mode"],
     )
@@ -104,6 +115,8 @@ def check_contract(store, q, attn, scaling=None):
     err, bound = check_heads(out, cert, q, store, scaling)
     assert (cert.candidate_e_key >= cert.e_key).all()
     fast = cert.rung < 3
+    if attn.mode != "dense":  # the tight terms never exceed the paper's forms
+        assert (cert.candidate_e_val <= cert.paper_e_val * (1 + 1e-6) + 1e-30).all()
     return bound[fast], err[fast]
 
 
@@ -149,3 +162,49 @@ def test_underflowing_tail_mass_still_certified():
     store, q, attn = build(sc)
     bound, _ = check_contract(store, q, attn)
     assert (bound > 1.0).all()  # the certificate honestly reports a large error
+
+
+ADVERSARIAL = {"hkv": 2, "group": 2, "d": 32, "block": 8, "tokens": 150, "value_group": 8,
+               "key_bits": 8, "value_bits": 4, "outliers": 1, "heavy_tail": False,
+               "key_offset": 0.0, "q_scale": 1.0, "peaked": False, "tau_cov": 0.9, "k_max": 4,
+               "k_min": 1, "inflation": 2.0, "union": False, "value_policy": "local",
+               "v_tol": math.inf, "expand": False, "r": 1, "exploration": 0.0,
+               "fp64_scalars": False, "mode": "certified", "seed": 7, "chunks": 1}
+
+
+@pytest.mark.parametrize(("name", "change"), [
+    ("value_offset", {"value_offset": 1e3}),  # centred radius << V_max
+    ("aligned_values", {"aligned": True}),  # spectral value bound at its worst (equality)
+    ("aligned_keys", {"aligned": True, "key_levels": 1, "key_bits": 4}),  # rank-one key errors
+    ("one_token", {"peaked": True, "q_scale": 1e3}),  # attention on a single token: spread = mass
+    ("one_token_naive", {"peaked": True, "q_scale": 30.0, "mode": "naive"}),
+    ("flat_int2", {"q_scale": 1e-3, "key_bits": 2, "mode": "naive"}),  # every token perturbed
+    ("paper_rules", {"contribution": "paper", "tail_mass": "paper", "v_tol": 0.01}),
+    ("tight_rules", {"contribution": "tight", "tail_mass": "tight", "v_tol": 0.01}),
+])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_contract_on_adversarial_cases_of_the_tight_bounds(name, change, backend):
+    """One case aimed at each new argument's worst case, on both backends."""
+    store, q, attn = build({**ADVERSARIAL, **change})
+    if backend == "triton":
+        pytest.importorskip("triton")
+        from certkv.kernels.triton_backend import TritonBackend
+
+        attn.backend = TritonBackend(split=4)
+    check_contract(store, q, attn)
+    _, cert = attn(q, store)
+    assert torch.isfinite(cert.paper_e_key).all() and torch.isfinite(cert.paper_e_val).all()
+    if name == "value_offset":
+        assert (store.value_radius() < 0.1 * store.value_norm_max()).all()
+
+
+def test_tight_policies_promote_a_subset_and_certify_no_more_than_the_paper():
+    """contribution=tight promotes a subset of what contribution=paper promotes, and on the same
+    step the tight candidate terms never exceed the paper's forms."""
+    sc = {**ADVERSARIAL, "v_tol": 0.002, "tokens": 160}
+    store, q, tight = build({**sc, "contribution": "tight"})
+    _, _, paper = build({**sc, "contribution": "paper"})
+    _, ct = tight(q, store)
+    _, cp = paper(q, store)
+    assert (ct.value_blocks <= cp.value_blocks).all()
+    assert (ct.candidate_e_key <= ct.paper_e_key * (1 + 1e-6) + 1e-30).all()

@@ -192,3 +192,25 @@ def test_summary_is_plain_numbers():
 def test_bad_ladder_config(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         Ladder(**kwargs)
+
+
+def test_tight_tail_mass_expands_no_more_than_the_papers():
+    """Rung 1 with tail_mass=tight (e^{Delta_F} alpha_hat, per-block TV) never needs a larger
+    K* than with the paper's e^{c Delta} alpha_hat; both certify."""
+    for seed in range(3):
+        store, k = store_with(n=512, seed=seed, key_bits=4)
+        q = make_query(k, 2, seed=seed, scale=1.0)
+        stars = {}
+        for rule in ("tight", "paper"):
+            attn = CertifiedAttention(selector=AdaptiveTopK(k_min=0, k_max=3),
+                                      value_policy=NoValuePromotion(),
+                                      ladder=Ladder(tail_mass=rule, e_key_tol=0.05))
+            _, cert = attn(q, store)
+            stars[rule] = cert.k_star
+            check_contract(store, q, attn)
+        assert (stars["tight"] <= stars["paper"]).all()
+
+
+def test_bad_tail_mass_gives_one_clear_sentence():
+    with pytest.raises(ConfigError, match="tail_mass='eq14' is unknown; use 'tight' or 'paper'"):
+        Ladder(tail_mass="eq14")

@@ -54,3 +54,42 @@ def test_infinite_tolerance_never_promotes():
     log_p = torch.tensor([[0.9, 0.1]]).log()
     eta = torch.tensor([[1e6, 1e6]])
     assert not LocalThreshold(math.inf).select(log_p, eta, torch.zeros(1)).any()
+
+
+def test_tight_contribution_uses_the_spread_and_never_exceeds_the_paper():
+    """min(p eta, sigma ||p||_2): a block whose mass spreads over its tokens is not promoted
+    under the tight rule though the paper's p_hat * eta promotes it; the tight set is a subset."""
+    log_p = torch.tensor([[0.5, 0.3, 0.2]]).log()
+    eta = torch.tensor([[0.2, 0.1, 0.5]])
+    sigma = torch.tensor([[0.4, 0.2, 0.5]])  # spectral norms (<= sqrt(B) eta)
+    log_spread = log_p - 0.5 * math.log(16)  # uniform over B = 16 tokens: ||p_b|| = p_b / 4
+    args = (log_p, eta, torch.zeros(1))
+    paper = LocalThreshold(0.05, contribution="paper").select(*args, log_spread, sigma)
+    tight = LocalThreshold(0.05).select(*args, log_spread=log_spread, sigma=sigma)
+    assert paper.tolist() == [[True, False, True]]
+    assert tight.tolist() == [[False, False, False]]  # 0.05, 0.015, 0.025 <= 0.05
+    assert torch.equal(LocalThreshold(0.05).select(*args), paper)  # no spreads: the paper's
+
+
+@given(seed=st.integers(0, 1000), tol=st.sampled_from([0.0, 0.01, 0.05]),
+       greedy=st.booleans())
+def test_tight_promoted_set_is_a_subset_of_the_papers(seed, tol, greedy):
+    gen = torch.Generator().manual_seed(seed)
+    log_p = torch.log_softmax(3 * torch.randn(4, 30, generator=gen), dim=-1)
+    log_spread = log_p - 0.5 * math.log(16) * torch.rand(4, 30, generator=gen)
+    eta = torch.rand(4, 30, generator=gen)
+    sigma = eta * (1 + 3 * torch.rand(4, 30, generator=gen))
+    delta = 0.1 * torch.rand(4, generator=gen)
+    make = GreedyBudget if greedy else LocalThreshold
+    tight = make(tol).select(log_p, eta, delta, log_spread=log_spread, sigma=sigma)
+    paper = make(tol, contribution="paper").select(log_p, eta, delta, log_spread=log_spread,
+                                                   sigma=sigma)
+    if not greedy:
+        assert not (tight & ~paper).any()
+    assert tight.sum() <= paper.sum()
+
+
+@pytest.mark.parametrize("make", [LocalThreshold, GreedyBudget])
+def test_bad_contribution_gives_one_clear_sentence(make):
+    with pytest.raises(ConfigError, match="contribution='exact' is unknown; use 'tight' or "):
+        make(0.05, contribution="exact")

@@ -23,13 +23,18 @@ included: < ``2^-126`` per operation). ``gamma_n = n u / (1 - n u)``.
    across chunks: ``m = c + d/c - 1``, 15 at d = 64, 23 at d = 128, :func:`dot_depth`).
    Rounding ``q`` to FP32 (FP64 queries), the scaling to FP32 and the product by it add three
    more roundings. With ``K_c = max_t |k_{t,c}|`` over every cached original (the store's
-   running channel maximum) and ``|k_hat_c| <= |k_c| + r_c`` (the codec's channel bound),
-   ``scaling * sum_c |q_c| |k'_c| <= S + Delta_b`` with ``S = scaling sum_c |q_c| K_c``. So
-   every computed logit is within ``eps = gamma_{m+3} (S + Delta) + (underflow)`` of
+   running channel maximum) and ``|k_hat_c| <= |k_c| + r_c`` (the codec's channel bound) or
+   ``sum_c |q_c| |k_hat_c - k_c| <= ||q|| ||k_hat - k||`` (Cauchy-Schwarz),
+   ``scaling * sum_c |q_c| |k'_c| <= S + Delta_b`` with ``S = scaling sum_c |q_c| K_c`` and
+   ``Delta_b`` the tightened per-block bound (:func:`~certkv.certify.bounds.tightened_deltas`).
+   So every computed logit is within ``eps = gamma_{m+3} (S + Delta) + (underflow)`` of
    ``scaling * q . k'`` for the key ``k'`` the path used. The computed ``Delta_b`` itself
-   (an FP32 sum of ``d`` non-negative terms) is at most ``gamma_{d+4}`` below the exact one,
-   which ``eps`` also absorbs. Hence ``|s_hat_t - s_t| <= Delta_b + eps`` on INT8 tail tokens
-   and ``<= eps`` on every other token (promoted blocks, the exact tail block).
+   (an FP32 sum of ``d`` non-negative terms, or the FP32 product ``scaling ||q|| key_err`` with
+   ``||q||`` a root of an FP32 sum of squares) is at most ``gamma_{d+8}`` below the exact one,
+   which ``eps`` also absorbs; so is the computed ``lambda_b = scaling ||q|| s^K_b``. Hence
+   ``|s_hat_t - s_t| <= Delta_b + eps`` on INT8 tail tokens and ``<= eps`` on every other token
+   (promoted blocks, the exact tail block), and ``||s_hat_b - s_b||_2 <= lambda_b (1 +
+   2 gamma_{d+8}) + sqrt(B) eps`` on an INT8 tail block.
 
 2. **Key term** (eq. 15 with rounded logits). Perturb first the tail ``T`` (by at most
    ``Delta_T + eps``), then the rest ``F`` (by at most ``eps``). TV is a metric, so
@@ -39,15 +44,23 @@ included: < ``2^-126`` per operation). ``gamma_n = n u / (1 - n u)``.
    ``e^{c (Delta + eps)} alpha_hat``), and by ``U_T / (Z_F + U_T)`` with ``U_T, Z_F`` off by
    ``e^{+-eps}``. The log-sum-exps that give ``log alpha_hat``, ``log U_T`` and ``log Z_F`` are
    themselves computed in FP32: each is within ``kappa`` of the exact log-sum-exp of the
-   computed logits (item 5). ``E_key+ = 2 V_max TV`` evaluated with all of this, and
-   ``e_arith`` carries ``E_key+ - E_key``.
+   computed logits (item 5). The per-block TV bound
+   (:func:`~certkv.certify.bounds.block_tv_bound`) bounds ``TV(p, m)`` for ``m`` the softmax
+   of the exact quantized logits (tail tokens moved by ``|x_t| <= Delta_b + eps``,
+   ``||x_b|| <= lambda_b (1 + 2 gamma)``), with ``m``'s block masses and spreads at most
+   ``e^{2 eps}`` times upper bounds of the computed ones (item 5); ``TV(m, p_hat) <=
+   tanh(eps/2)``. Both routes end in ``+ tanh(eps/2)``, so ``TV <= min(eq. 15 form, block
+   form) + tanh(eps/2)``. ``E_key+ = 2 R TV`` with ``R = min(V_max, max_t ||v_t - c||)``
+   (exact stored values), and ``e_arith`` carries ``E_key+ - E_key``.
 
 3. **Value term.** Phase 2 decodes INT4 values in registers, possibly with an FMA, so its
    reconstruction differs from the codec's own (on which ``eta_b`` was measured exactly) by at
    most the codec's ``decode_rounding`` (``13 u sqrt(g) ||v||``). The block masses ``rho_b``
-   are computed with relative error ``omega_rho`` (item 5) and ``E_val`` is an FP32 sum of
-   ``n`` products: the exact ``sum_b rho_b eta_b`` is at most
-   ``E_val / ((1 - gamma_{n+1})(1 - omega_rho))`` plus the underflow of tiny masses.
+   are computed with relative error ``omega_rho`` and the block spreads ``||p_b||_2`` with
+   ``omega_spread`` (item 5), and ``E_val = sum_b min(rho_b eta_b, s_b ||p_b||_2)`` is an
+   FP32 sum of ``n`` minima of products (``min(a (1 + r1), c (1 + r2)) <= (1 + max(r1, r2))
+   min(a, c)``): the exact sum is at most ``E_val / ((1 - gamma_{n+1})(1 - max(omega_rho,
+   omega_spread)))`` plus the underflow of tiny masses and spreads.
 
 4. **Weighted value sum, normalisation, merge of splits.** With ``Obar = sum_t p_hat_t v'_t``
    (exact softmax of the computed logits times the values the kernel used), every term of the
@@ -67,7 +80,12 @@ included: < ``2^-126`` per operation). ``gamma_n = n u / (1 - n u)``.
    (``omega_e``: one exponential), and input errors pass through with weight at most 1;
    chaining Phase 1's block log-mass, the log-softmax over blocks and the log-sum-exp over the
    tail gives ``kappa`` below (generous constants). Block masses ``rho_b = e^{m_b - top}
-   l_b / total`` have relative error at most ``omega_rho``.
+   l_b / total`` have relative error at most ``omega_rho``; block spreads ``e^{m_b - top}
+   sqrt(sum_t w_t^2) / total`` square each weight (twice its relative error), sum ``B``
+   squares and take a root: relative error at most ``omega_spread = (3 omega + gamma_{B+4} +
+   B 2^-120) / (1 - omega)`` (a square that flushes to zero loses ``< 2^-126`` of a sum that
+   is at least 1: the block's largest weight is ``e^0 = 1``), absolute ``2^-120`` where the
+   rescaling underflows.
 
 6. **Cast to the caller's dtype.** FP16 / BF16 rounding moves each component by at most
    ``u_t |x|`` (or half a subnormal spacing), so the output by ``u_t ||O_hat|| + sqrt(d) mu_t``.
@@ -88,7 +106,7 @@ from typing import NamedTuple
 
 import torch
 
-from certkv.certify.bounds import key_error_bound
+from certkv.certify.bounds import block_tv_bound, key_error_bound
 
 U32 = 2.0**-24  # unit roundoff of FP32
 EXP_ULPS = 8  # any exp used (Sleef, libm, CUDA expf / ex2.approx) is within 8 u, argument aside
@@ -236,7 +254,7 @@ def logit_rounding(spec_gamma: float, magnitude, delta, key_abs_sum, scaling: fl
     ``eps`` above the computed one. ``spec_gamma``: :meth:`Rounding.logit_gamma`; magnitude:
     ``S``; delta: the head's computed max ``Delta_b`` (0 on the dense path); key_abs_sum:
     ``sum_c K_c`` (times any prescaling factor), for underflow."""
-    g_delta = gamma(d + 4)  # Delta_b is always an FP32 sum
+    g_delta = gamma(d + 8)  # Delta_b: an FP32 sum, or scaling * ||q|| * key_err in FP32
     underflow = scaling * TINY * (d + key_abs_sum)
     return spec_gamma * (magnitude + delta) * (1 + 2 * g_delta) + 2 * g_delta * delta + underflow
 
@@ -270,9 +288,11 @@ class StepCoefficients(NamedTuple):
     count never recompiles it)."""
 
     kappa: float  # item 5 without the per-head magnitude part
-    val_rel: float  # E_val+ = E_val (1 + val_rel) + ...: block masses and the sum over blocks
-    val_abs: float  # ... + val_abs * eta_max: underflowed block masses
+    val_rel: float  # E_val+ = E_val (1 + val_rel) + ...: block masses, spreads, sum over blocks
+    val_abs: float  # ... + val_abs * (eta_max + sigma_max): underflowed masses and spreads
     acc: float  # item 4: ||O_hat - Obar|| <= acc * V'
+    rho_rel: float  # item 5: relative error of a computed block mass
+    spread_rel: float  # item 5: relative error of a computed block spread
 
 
 def step_coefficients(spec: ArithSpec, n_blocks: int, n_tokens: int) -> StepCoefficients:
@@ -283,11 +303,14 @@ def step_coefficients(spec: ArithSpec, n_blocks: int, n_tokens: int) -> StepCoef
     omega = spec.rounding.relative(n_blocks, n_tokens) + math.expm1(
         ARG_ROUNDING * U32 * NORMAL_EXP)  # block masses: unweighted
     omega_rho = (2 * omega + U32) / (1 - omega)
+    bsz = spec.block_size
+    omega_spread = (3 * omega + gamma(bsz + 4) + bsz * TINY) / (1 - omega)
     return StepCoefficients(
         kappa=2 * chained + 8 * U32 * (log_n + 1),
-        val_rel=1 / ((1 - gamma(n_blocks + 1)) * (1 - omega_rho)) - 1,
+        val_rel=1 / ((1 - gamma(n_blocks + 1)) * (1 - max(omega_rho, omega_spread))) - 1,
         val_abs=n_blocks * TINY,
-        acc=spec.rounding.accumulation(n_blocks, n_tokens))
+        acc=spec.rounding.accumulation(n_blocks, n_tokens),
+        rho_rel=omega_rho, spread_rel=omega_spread)
 
 
 def as_tensors(coef: StepCoefficients, device) -> StepCoefficients:
@@ -296,31 +319,71 @@ def as_tensors(coef: StepCoefficients, device) -> StepCoefficients:
     return StepCoefficients(*packed.unbind())
 
 
+class BlockTerms(NamedTuple):
+    """The step's per-block quantities the tight key bound used, as computed (``[Hq, n]``):
+    Phase-2 block masses ``rho`` and spreads ``spread``, tightened ``delta_b``, ``lam``
+    (``scaling ||q|| s^K_b``) and the INT8 tail mask ``tail``."""
+
+    rho: torch.Tensor
+    spread: torch.Tensor
+    delta_b: torch.Tensor
+    lam: torch.Tensor
+    tail: torch.Tensor
+
+
+def _block_tv_plus(coef: StepCoefficients, eps, g_delta: float, blocks: BlockTerms):
+    """Item 2's per-block bound ``[Hq]`` (FP64) on ``TV(p, m)``, ``m = softmax(s + x)`` with
+    ``x`` the exact logit errors of the quantized keys on the INT8 tail (0 elsewhere); the
+    caller adds ``tanh(eps/2) >= TV(m, p_hat)`` (every computed logit is within ``eps`` of
+    ``s + x``). ``m_t <= e^{2 eps} p_hat_t``, so ``m``'s block masses and spreads are at most
+    ``e^{2 eps}`` times upper bounds of ``p_hat``'s computed ones (item 5); ``|x_t| <=
+    Delta_b + eps`` and ``||x_b||_2 <= lambda_b (1 + 2 gamma)`` (item 1).
+    :func:`~certkv.certify.bounds.block_tv_bound` is monotone in each, so this is valid."""
+    rho, spread, delta_b, lam = (x.double() for x in blocks[:4])
+    tail = blocks.tail
+    grow = torch.exp(2 * eps).unsqueeze(-1)
+    rho_p = (rho * (1 + coef.rho_rel) + TINY) * grow
+    spread_p = (spread * (1 + coef.spread_rel) + TINY) * grow
+    zero = torch.zeros_like(rho)
+    d_p = torch.where(tail, delta_b + eps.unsqueeze(-1), zero)
+    lam_p = torch.where(tail, lam * (1 + 2 * g_delta), zero)
+    return block_tv_bound(torch.where(tail, rho_p, zero), d_p, lam_p,
+                          torch.where(tail, spread_p, zero))
+
+
 def quantized_arith(spec: ArithSpec, coef: StepCoefficients, *, q, key_abs_max, delta,
                     delta_tail, log_alpha, cap_logit, v_max, eta_max, e_key, e_val,
-                    out_norm) -> torch.Tensor:
+                    out_norm, v_rad=None, sigma_max=None, blocks: BlockTerms | None = None
+                    ) -> torch.Tensor:
     """``e_arith`` of the quantized path (rungs 0-2), FP32 ``[Hq]`` rounded up (items 1-6).
 
     Args (``[Hq]`` unless stated): coef: :func:`step_coefficients`; q ``[Hq, d]``;
     key_abs_max ``[Hkv, d]``; delta / delta_tail: the computed max ``Delta_b`` over quantized /
     INT8-tail blocks; log_alpha: computed ``log alpha_hat`` of the tail; cap_logit: computed
-    ``log U_T - log Z_F``; v_max; eta_max: the largest ``eta_b``; e_key, e_val: the paper's
-    terms as returned; out_norm: ``||O_hat||`` (the FP32 output before the cast).
+    ``log U_T - log Z_F``; v_max; eta_max: the largest ``eta_b``; e_key, e_val: the terms as
+    returned; out_norm: ``||O_hat||`` (the FP32 output before the cast); v_rad: the centred
+    radius ``R`` E_key used (None: ``V_max``); sigma_max: the largest value-error spectral
+    norm (None: 0); blocks: the per-block terms of the tight key bound (None: eq. 15 only).
     """
     d = spec.head_dim
+    v_rad = v_max if v_rad is None else v_rad
+    sigma_max = torch.zeros_like(v_max) if sigma_max is None else sigma_max
     inputs = torch.stack([delta, delta_tail, log_alpha, cap_logit, v_max, eta_max, e_key,
-                          e_val, out_norm]).double()  # one conversion to FP64
-    dlt, dlt_t, log_a, cap, v, eta, e_key, e_val, out_norm = inputs.unbind()
+                          e_val, out_norm, v_rad, sigma_max]).double()  # one conversion
+    dlt, dlt_t, log_a, cap, v, eta, e_key, e_val, out_norm, rad, sigma = inputs.unbind()
     magnitude, key_abs_sum = logit_magnitude(q, key_abs_max, spec.scaling)
     eps = logit_rounding(spec.rounding.logit_gamma(d), magnitude, dlt, key_abs_sum,
                          spec.scaling, d)
     kappa = coef.kappa + 8 * U32 * (magnitude + dlt)
-    e_key_plus = key_error_bound(
-        v, dlt + eps, dlt_t + eps, _widen(log_a, kappa), spec.mass_inflation,
+    tv = key_error_bound(
+        torch.ones_like(v), dlt + eps, dlt_t + eps, _widen(log_a, kappa), spec.mass_inflation,
         _widen(cap, 2 * eps + 2 * kappa),
-    ) + 2 * v * torch.tanh(eps / 2)
+    ) / 2
+    if blocks is not None:
+        tv = torch.minimum(tv, _block_tv_plus(coef, eps, gamma(d + 8), blocks))
+    e_key_plus = 2 * torch.minimum(rad, v) * (tv + torch.tanh(eps / 2))
     decode = spec.value_decode * U32 * (v + math.sqrt(d) * 2.0**-24)
-    e_val_plus = e_val * (1 + coef.val_rel) + coef.val_abs * eta + decode
+    e_val_plus = e_val * (1 + coef.val_rel) + coef.val_abs * (eta + sigma) + decode
     v_prime = v + eta + decode
     cast = cast_error(out_norm * (1 + gamma(d + 1)), d, spec.out_dtype)
     total = (e_key_plus + e_val_plus + coef.acc * v_prime + cast) * (1 + 4 * U32)

@@ -19,10 +19,13 @@ class Certificate:
 
     For every head ``||out - O_ref||_2 <= bound = e_key + e_val + e_arith``, ``O_ref`` being
     attention in exact arithmetic on the FP16 originals. On rungs 0-2 ``e_key`` and ``e_val``
-    are the paper's terms (eq. 15, Cor. 4.2) and ``e_arith`` what floating point adds
-    (:mod:`certkv.certify.arith`); on rungs 3-4 the output is dense attention on the FP16
-    originals, ``e_key = e_val = 0`` and ``e_arith`` bounds the dense path's own rounding.
-    ``candidate_*`` are the paper's terms before the ladder.
+    are the tight terms (eq. 15 and Cor. 4.2 sharpened: per-block TV with centred values, and
+    ``min(rho_b eta_b, s_b ||p_b||_2)`` per block, :mod:`certkv.certify.bounds`) and ``e_arith``
+    what floating point adds (:mod:`certkv.certify.arith`); on rungs 3-4 the output is dense
+    attention on the FP16 originals, ``e_key = e_val = 0`` and ``e_arith`` bounds the dense
+    path's own rounding. ``candidate_*`` are the terms before the ladder; ``paper_e_key`` and
+    ``paper_e_val`` the paper's own forms of the candidate terms (eq. 15 capped at ``2 V_max``,
+    Cor. 4.2), reported for comparison only (zeros where not computed).
     """
 
     candidate_e_key: torch.Tensor
@@ -41,6 +44,13 @@ class Certificate:
     value_promotions: int  # (kv head, block) pairs paged in with FP16 values this step
     num_blocks: int  # quantized blocks in the store
     mode: str = "certified"
+    paper_e_key: torch.Tensor | None = None  # eq. 15 as in the paper (telemetry)
+    paper_e_val: torch.Tensor | None = None  # Cor. 4.2 as in the paper (telemetry)
+
+    def __post_init__(self) -> None:
+        for name in ("paper_e_key", "paper_e_val"):
+            if getattr(self, name) is None:
+                setattr(self, name, torch.zeros_like(self.e_key))
 
     @property
     def bound(self) -> torch.Tensor:
@@ -93,7 +103,7 @@ class Certificate:
         out: dict[str, float | int | str] = {"mode": self.mode, "heads": self.num_heads,
                                              "num_blocks": self.num_blocks}
         for name in ("candidate_e_key", "candidate_e_val", "e_key", "e_val", "e_arith", "bound",
-                     "delta", "tail_mass"):
+                     "delta", "tail_mass", "paper_e_key", "paper_e_val"):
             values = getattr(self, name).double()
             out[f"{name}_mean"] = float(values.mean())
             out[f"{name}_max"] = float(values.max())

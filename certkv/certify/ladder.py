@@ -13,6 +13,8 @@ import torch
 
 from certkv.errors import ConfigError, require
 
+TAIL_MASS = ("tight", "paper")
+
 
 @dataclass
 class Ladder:
@@ -32,6 +34,10 @@ class Ladder:
         exploration: fraction of tail blocks promoted at random for canary spot checks.
         layer_dense_fraction: rung 4 once this fraction of heads needs rung 3.
         seed: seed of the exploration draw.
+        tail_mass: how rung 1 bounds the mass left on INT8 keys: ``tight`` (default:
+            ``min(1, e^{Delta_F} alpha_hat)``, the Phase-2 tail mass, ``Delta_F`` the largest
+            ``Delta_b`` of the promoted blocks, and the per-block TV bound for E_key) or
+            ``paper`` (eq. 14's ``e^{c Delta} alpha_hat`` and eq. 15, for reproduction).
     """
 
     expand: bool = True
@@ -46,8 +52,11 @@ class Ladder:
     exploration: float = 0.0
     layer_dense_fraction: float = 1.0
     seed: int = 0
+    tail_mass: str = "tight"
 
     def __post_init__(self) -> None:
+        require(self.tail_mass in TAIL_MASS, ConfigError,
+                f"ladder.tail_mass={self.tail_mass!r} is unknown; use 'tight' or 'paper'.")
         require(self.expand_factor >= 1.0, ConfigError,
                 f"expand_factor={self.expand_factor} must be >= 1, e.g. 2.")
         require(self.k_max is None or self.k_max >= 0, ConfigError,

@@ -2,8 +2,20 @@
 
 A policy sees, per query head, the Phase-1 block log-masses ``log_p_hat: [Hq, n]`` (normalised;
 logs so that masses that underflow FP32 keep their meaning), the stored value
-errors ``eta: [Hq, n]`` (0 for blocks whose values are exact) and the head's ``delta: [Hq]``
-(max score perturbation over quantized blocks), and returns a boolean promotion mask ``[Hq, n]``.
+errors ``eta: [Hq, n]`` (0 for blocks whose values are exact), the head's ``delta: [Hq]``
+(max score perturbation over quantized blocks) and, for the tight contribution, the Phase-1
+block log-spreads ``log_spread: [Hq, n]`` (``log ||p_hat_b||_2``) and the value-error spectral
+norms ``sigma: [Hq, n]``; it returns a boolean promotion mask ``[Hq, n]``.
+
+``contribution`` picks the per-block value error the policy weighs, the same one the
+certificate charges (:func:`~certkv.certify.bounds.value_block_terms`):
+
+* ``tight`` (default): ``min(p_b eta_b, sigma_b ||p_b||_2)``;
+* ``paper``: ``p_b eta_b`` (Corollary 4.2, the paper's exact rule, for reproduction).
+
+The tight contribution never exceeds the paper's, so a tight policy promotes a subset of the
+blocks the paper's rule promotes, and every block it leaves quantized still contributes at most
+``v_tol`` to the certified E_val.
 """
 
 from __future__ import annotations
@@ -14,41 +26,75 @@ import torch
 
 from certkv.errors import ConfigError, require
 
+CONTRIBUTIONS = ("tight", "paper")
+
+
+def _check_contribution(contribution: str) -> None:
+    require(contribution in CONTRIBUTIONS, ConfigError,
+            f"value_policy.contribution={contribution!r} is unknown; use 'tight' or 'paper'.")
+
+
+def contribution_of(mass: torch.Tensor, eta: torch.Tensor, contribution: str,
+                    spread: torch.Tensor | None, sigma: torch.Tensor | None) -> torch.Tensor:
+    """Per-block value error ``[Hq, n]`` for (an estimate or upper bound of) the block masses
+    ``mass`` and spreads ``spread``: ``mass * eta``, or with ``tight`` and spreads known
+    ``min(mass * eta, spread * sigma)``."""
+    paper = mass * eta
+    if contribution == "paper" or spread is None or sigma is None:
+        return paper
+    return torch.minimum(paper, spread * sigma)
+
 
 @dataclass
 class LocalThreshold:
-    """Default policy: promote block ``b`` if ``p_hat_b * eta_b > v_tol`` (Table 2, v_tol=0.05).
+    """Default policy: promote block ``b`` if its contribution exceeds ``v_tol`` (Table 2,
+    v_tol=0.05): ``p_hat_b * eta_b`` (``contribution=paper``) or
+    ``min(p_hat_b eta_b, sigma_b ||p_hat_b||_2)`` (``tight``).
 
     A local heuristic: it does not by itself bound the global E_val (paper 9.6).
     """
 
     v_tol: float = 0.05
+    contribution: str = "tight"
 
     def __post_init__(self) -> None:
         require(self.v_tol >= 0, ConfigError, f"v_tol={self.v_tol} must be >= 0, e.g. 0.05.")
+        _check_contribution(self.contribution)
 
-    def select(self, log_p_hat: torch.Tensor, eta: torch.Tensor, delta: torch.Tensor):
-        return log_p_hat.exp() * eta > self.v_tol
+    def select(self, log_p_hat: torch.Tensor, eta: torch.Tensor, delta: torch.Tensor,
+               log_spread: torch.Tensor | None = None, sigma: torch.Tensor | None = None):
+        spread = None if log_spread is None else log_spread.exp()
+        return contribution_of(log_p_hat.exp(), eta, self.contribution, spread,
+                               sigma) > self.v_tol
 
 
 @dataclass
 class GreedyBudget:
-    """Hard budget: promote by descending ``rho_ub_b * eta_b`` until E_val <= ``e_val_budget``.
+    """Hard budget: promote by descending contribution until E_val <= ``e_val_budget``.
 
     ``rho_ub_b = min(1, e^{2 Delta} p_hat_b)`` upper-bounds the Phase-2 block mass (Lemma A.1:
-    Phase-1 and Phase-2 logits differ by at most Delta per token), so the achieved
-    ``E_val = sum rho_b eta_b`` is at most the budget once the policy has run (Cor. 4.2).
+    Phase-1 and Phase-2 logits differ by at most Delta per token), and likewise every token's
+    weight, so ``||p_b||_2 <= min(rho_ub_b, e^{2 Delta} ||p_hat_b||_2)``. The contribution is
+    ``rho_ub_b eta_b`` (``paper``) or ``min(rho_ub_b eta_b, sigma_b spread_ub_b)`` (``tight``),
+    so the achieved E_val of the same form (Cor. 4.2, sharpened) is at most the budget once the
+    policy has run.
     """
 
     e_val_budget: float = 0.05
+    contribution: str = "tight"
 
     def __post_init__(self) -> None:
         require(self.e_val_budget >= 0, ConfigError,
                 f"e_val_budget={self.e_val_budget} must be >= 0, e.g. 0.05.")
+        _check_contribution(self.contribution)
 
-    def select(self, log_p_hat: torch.Tensor, eta: torch.Tensor, delta: torch.Tensor):
-        rho_ub = torch.exp((2.0 * delta.unsqueeze(-1) + log_p_hat).clamp(max=0.0))
-        contribution = rho_ub * eta
+    def select(self, log_p_hat: torch.Tensor, eta: torch.Tensor, delta: torch.Tensor,
+               log_spread: torch.Tensor | None = None, sigma: torch.Tensor | None = None):
+        inflate = 2.0 * delta.unsqueeze(-1)
+        rho_ub = torch.exp((inflate + log_p_hat).clamp(max=0.0))
+        spread_ub = None if log_spread is None else torch.minimum(
+            rho_ub, torch.exp((inflate + log_spread).clamp(max=0.0)))
+        contribution = contribution_of(rho_ub, eta, self.contribution, spread_ub, sigma)
         ranked, order = torch.sort(contribution, dim=-1, descending=True, stable=True)
         # suffix sums (what is left if blocks j.. stay INT4), summed from the small end so tiny
         # contributions are not lost to cancellation against the total
@@ -61,5 +107,6 @@ class GreedyBudget:
 class NoValuePromotion:
     """Never promote values (naive mode, or INT4 values only)."""
 
-    def select(self, log_p_hat: torch.Tensor, eta: torch.Tensor, delta: torch.Tensor):
+    def select(self, log_p_hat: torch.Tensor, eta: torch.Tensor, delta: torch.Tensor,
+               log_spread: torch.Tensor | None = None, sigma: torch.Tensor | None = None):
         return torch.zeros_like(log_p_hat, dtype=torch.bool)

@@ -140,7 +140,7 @@ def _reduce_kernel(mb_ptr, lb_ptr, sb_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, rho_p
         sb = tl.load(sb_ptr + h * s_h + b, mask=live, other=1.0)
         scale = tl.exp(mb - top)
         tl.store(rho_ptr + h * s_h + b, scale * lb / total, mask=live)
-        tl.store(sp_ptr + h * s_h + b, scale * tl.sqrt(sb) / total, mask=live)
+        tl.store(sp_ptr + h * s_h + b, scale * tl.sqrt_rn(sb) / total, mask=live)
         tl.store(lm_ptr + h * s_h + b, mb + tl.log(lb), mask=live)
 
 
