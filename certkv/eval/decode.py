@@ -211,7 +211,8 @@ class Session:
         return certificate_record(self.telemetry())
 
 
-_STEP_FIELDS = ("e_key", "e_val", "e_arith", "bound", "candidate_e_key", "candidate_e_val")
+_STEP_FIELDS = ("e_key", "e_val", "e_arith", "bound", "candidate_e_key", "candidate_e_val",
+                "paper_e_key", "paper_e_val")
 
 
 def certificate_record(caches: list[CacheTelemetry]) -> dict:

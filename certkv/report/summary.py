@@ -21,7 +21,8 @@ def certificate_summary(records: list[dict]) -> dict:
     head_steps = sum(r["head_steps"] for r in records if r["steps"]) or 1
     steps = sum(r["steps"] for r in records) or 1
     out = {"steps": sum(r["steps"] for r in records)}
-    for name in ("e_key", "e_val", "e_arith", "bound", "candidate_e_key", "candidate_e_val"):
+    for name in ("e_key", "e_val", "e_arith", "bound", "candidate_e_key", "candidate_e_val",
+                 "paper_e_key", "paper_e_val"):
         means = [v for r in records for v in r.get(f"{name}_step_mean", [])]
         maxes = [v for r in records for v in r.get(f"{name}_step_max", [])]
         q = _quantiles(means)

@@ -264,14 +264,17 @@ def certificate_table(run: RunData) -> Table | None:
             continue
         rows.append([v, _triple(cert["e_key"]), _triple(cert["e_val"]),
                      _triple(cert["e_arith"]), _triple(cert["candidate_e_key"]),
-                     _triple(cert["candidate_e_val"])])
+                     _triple(cert["candidate_e_val"]), _triple(cert["paper_e_key"]),
+                     _triple(cert["paper_e_val"])])
     if not rows:
         return None
     return Table(f"Certificates ({run.experiment}; Tables 11-12)",
-                 ["method", "E_key", "E_val", "E_arith", "candidate E_key", "candidate E_val"],
+                 ["method", "E_key", "E_val", "E_arith", "candidate E_key", "candidate E_val",
+                  "paper-form E_key", "paper-form E_val"],
                  rows, "median / p95 of the per-step mean over every layer and head, and the "
                  "max over every head-step. Returned: what the output carries (dense heads: "
-                 "E_arith alone); candidate: the paper's terms before the ladder.")
+                 "E_arith alone); candidate: the tight terms before the ladder; paper-form: "
+                 "the paper's eq. 15 and Cor. 4.2 for the same candidates (telemetry).")
 
 
 def runtime_table(run: RunData) -> Table:
