@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import check_heads
+from helpers import check_heads, make_kv
 from models import tiny_model
 from transformers import DynamicCache
 
@@ -158,3 +158,17 @@ def test_ladder_config_reaches_the_model():
     model.generate(prompt(80), max_new_tokens=3, do_sample=False, past_key_values=cache)
     cache.log.flush()
     assert all(s["k_star_mean"] <= 1.0 for s in cache.log.steps)
+
+
+def test_copy_for_gives_independent_stores_with_the_same_quantized_prefill():
+    states = [make_kv(2, 40, 16, seed=s) for s in range(2)]
+    template = TieredCache.from_states(states, CertifiedAttention())
+    copy = template.copy_for(CertifiedAttention(mode="naive"))
+    assert copy.attention.mode == "naive" and copy.log is not template.log
+    for a, b in zip(template.stores(), copy.stores(), strict=True):
+        assert a is not b and a.num_tokens == b.num_tokens == 40
+        assert torch.equal(a.key_blocks()["codes"], b.key_blocks()["codes"])
+        assert torch.equal(a.annotation("value_spec"), b.annotation("value_spec"))
+    k, v = make_kv(2, 1, 16, seed=9)
+    copy.layers[0].update(k[None], v[None])
+    assert copy.stores()[0].num_tokens == 41 and template.stores()[0].num_tokens == 40

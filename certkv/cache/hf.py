@@ -132,6 +132,23 @@ class TieredCache(Cache):
                       (layer.store for layer in self.layers)]
         return TieredCache.from_states(states, attention, quantizer, spec or self.spec)
 
+    def copy_for(self, attention: CertifiedAttention,
+                 spec: CacheSpec | None = None) -> TieredCache:
+        """A new cache for ``attention`` holding independent copies of this cache's stores
+        (:meth:`TieredKVStore.clone`: Tier-1 codes, annotations, Tier-2, tail), so one quantized
+        prefill serves every method with the same quantizer without quantizing it again. Fresh
+        scratch caches and certificate log."""
+        cache = TieredCache(len(self.layers), attention, self.quantizer, spec or self.spec)
+        require(cache.quantizer == self.quantizer, ConfigError,
+                f"copy_for needs a method with this cache's quantizer ({self.quantizer.label}); "
+                "build a cache from the prefill states for another one.")
+        for mine, theirs in zip(cache.layers, self.layers, strict=True):
+            if theirs.store is not None:
+                mine.store = theirs.store.clone()
+                mine.dtype, mine.device = theirs.dtype, theirs.device
+                mine.is_initialized = True
+        return cache
+
     @classmethod
     def from_states(cls, states: list, attention: CertifiedAttention,
                     quantizer: KVQuantizer | None = None,

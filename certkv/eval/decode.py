@@ -164,10 +164,13 @@ class Prefill:
         self.states = [(layer.keys, layer.values) if getattr(layer, "keys", None) is not None
                        else None for layer in layers]
         self.states += [None] * (lm.num_layers - len(self.states))
+        self._templates: dict[str, TieredCache] = {}  # quantized prefills, by quantizer
 
     def cache_for(self, method: Method, spec: CacheSpec | None = None):
         """A fresh cache holding the prefill for ``method``: the model's own cache for the dense
-        method, a :class:`TieredCache` of the FP16 originals for the others."""
+        method, a :class:`TieredCache` of the FP16 originals for the others (quantized once per
+        quantizer, keyed by its ``repr``, and copied for each method: :meth:`TieredCache.
+        copy_for`)."""
         if method.mode == "dense":
             cache = DynamicCache()
             with torch.inference_mode():
@@ -175,8 +178,11 @@ class Prefill:
                     if state is not None:
                         cache.update(state[0].clone(), state[1].clone(), i)
             return cache
-        return TieredCache.from_states(self.states, method.attention, method.quantizer,
-                                       spec or CacheSpec())
+        key = repr(method.quantizer)
+        if key not in self._templates:
+            self._templates[key] = TieredCache.from_states(self.states, method.attention,
+                                                           method.quantizer, spec or CacheSpec())
+        return self._templates[key].copy_for(method.attention, spec or CacheSpec())
 
     def session(self, method: Method, spec: CacheSpec | None = None) -> Session:
         return Session(self, method, spec or CacheSpec())
