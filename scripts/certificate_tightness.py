@@ -1,8 +1,9 @@
-"""Measure how tight the certificate is and what its arithmetic term adds.
+"""Measure how tight the certificate is, next to the paper's form, and what each term adds.
 
 For every head-step: the actual error ``||out - O_ref||_2`` against FP64 attention on the FP16
-originals, the returned bound ``e_key + e_val + e_arith``, and ``e_arith``'s share of it. Two
-sources:
+originals, the returned (tight) bound ``e_key + e_val + e_arith``, the paper-form bound
+``paper_e_key + paper_e_val + e_arith`` (eq. 15, Cor. 4.2, same step and arithmetic term), and
+the shares of ``e_key``, ``e_val`` and ``e_arith`` in the tight bound. Two sources:
 
 * the synthetic LLaMA-like layer of ``certkv demo`` (32 query heads, 8 kv heads, d=128) over
   seeds, contexts, key widths and modes;
@@ -36,7 +37,8 @@ MODES = ("certified", "naive")
 
 
 class Tally:
-    """Per-head records of one configuration: bound, actual error, e_arith, rung."""
+    """Per-head records of one configuration: bound, actual error, e_arith, rung, e_key,
+    e_val and the paper-form terms."""
 
     def __init__(self) -> None:
         self.rows: list[torch.Tensor] = []
@@ -44,13 +46,16 @@ class Tally:
     def add(self, out, cert, reference) -> None:
         err = (out.double() - reference).norm(dim=-1)
         self.rows.append(torch.stack([cert.bound.double(), err, cert.e_arith.double(),
-                                      cert.rung.double()], dim=-1).cpu())
+                                      cert.rung.double(), cert.e_key.double(),
+                                      cert.e_val.double(), cert.paper_e_key.double(),
+                                      cert.paper_e_val.double()], dim=-1).cpu())
 
     def summary(self) -> dict:
-        bound, err, e_arith, rung = torch.cat(self.rows).unbind(-1)
+        bound, err, e_arith, rung, e_key, e_val, p_key, p_val = torch.cat(self.rows).unbind(-1)
         fast = rung < 3
         ok = fast & (err > 1e-6)
         ratio = bound[ok] / err[ok]
+        paper_ratio = (p_key + p_val + e_arith)[ok] / err[ok]
         share = (e_arith / bound)[fast]
         dense_share = (e_arith / bound)[~fast]
 
@@ -60,7 +65,11 @@ class Tally:
         return {"fast_heads": int(fast.sum()), "dense_heads": int((~fast).sum()),
                 "violations": int((err > bound).sum()),
                 "ratio_p05": q(ratio, 0.05), "ratio_median": q(ratio, 0.5),
-                "ratio_p95": q(ratio, 0.95), "arith_share_median": q(share, 0.5),
+                "ratio_p95": q(ratio, 0.95), "paper_ratio_median": q(paper_ratio, 0.5),
+                "paper_ratio_p95": q(paper_ratio, 0.95),
+                "key_share_median": q((e_key / bound)[fast], 0.5),
+                "val_share_median": q((e_val / bound)[fast], 0.5),
+                "arith_share_median": q(share, 0.5),
                 "arith_share_p95": q(share, 0.95), "arith_max": float(e_arith[fast].max()),
                 "dense_arith_median": q(e_arith[~fast], 0.5),
                 "dense_arith_over_err_median": q((e_arith / err.clamp_min(1e-30))[~fast], 0.5)
@@ -108,7 +117,7 @@ def measure_smollm2(steps: int, context: int) -> list[dict]:
     ids = lm.tokenizer.encode(book_text("emma"), add_special_tokens=False)
     prompt = torch.tensor([ids[5000:5000 + context]])
     rows = []
-    for key_bits in (8, 4):
+    for key_bits in (8, 4, 2):
         quantizer = KVQuantizer(ChannelAffineKeyCodec(bits=key_bits), GroupAffineValueCodec())
         for mode in MODES:
             recorder = Recorder(CertifiedAttention(mode=mode))
@@ -132,10 +141,12 @@ def write(rows: list[dict], command: str, out_dir: Path) -> None:
         f"Commit: `{commit}`  ",
         f"Machine: {machine}",
         "",
-        "Bound = `e_key + e_val + e_arith` as returned; actual error = `||out - O_ref||_2` "
-        "against FP64 attention on the FP16 originals. Table 2 policy, INT4 values g=16, "
-        "FP32 queries, PyTorch reference backend. `bound/actual` over fast-path heads "
-        "(rungs 0-2) with actual error > 1e-6; `e_arith share` = e_arith / bound over fast-path "
+        "Bound = `e_key + e_val + e_arith` as returned (the tight certificate); paper form = "
+        "`paper_e_key + paper_e_val + e_arith` (eq. 15 capped at 2 V_max, Cor. 4.2, on the same "
+        "step); actual error = `||out - O_ref||_2` against FP64 attention on the FP16 "
+        "originals. Table 2 policy (value_policy.contribution=tight, ladder.tail_mass=tight), "
+        "INT4 values g=16, FP32 queries, PyTorch reference backend. Ratios over fast-path "
+        "heads (rungs 0-2) with actual error > 1e-6; shares = term / tight bound over fast-path "
         "heads; dense heads (rungs 3-4) report e_arith alone, shown as its median and its "
         "median ratio to their actual error.",
         "",
@@ -145,16 +156,19 @@ def write(rows: list[dict], command: str, out_dir: Path) -> None:
         "dense prefill of a window of *Emma*.",
         "",
         "| source | context | keys | mode | fast heads | dense heads | violations "
-        "| bound/actual p05 | median | p95 | e_arith share median | p95 | e_arith max (fast) "
+        "| bound/actual p05 | median | p95 | paper-form median | paper-form p95 "
+        "| e_key share | e_val share | e_arith share median | p95 | e_arith max (fast) "
         "| dense e_arith median | dense e_arith/actual |",
         "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-        "| ---: | ---: | ---: |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         lines.append(
             f"| {r['source']} | {r['context']} | INT{r['key_bits']} | {r['mode']} | "
             f"{r['fast_heads']} | {r['dense_heads']} | {r['violations']} | "
             f"{r['ratio_p05']:.2f} | {r['ratio_median']:.2f} | {r['ratio_p95']:.2f} | "
+            f"{r['paper_ratio_median']:.3g} | {r['paper_ratio_p95']:.3g} | "
+            f"{r['key_share_median']:.3f} | {r['val_share_median']:.3f} | "
             f"{r['arith_share_median']:.4f} | {r['arith_share_p95']:.4f} | "
             f"{r['arith_max']:.2e} | {r['dense_arith_median']:.2e} | "
             f"{r['dense_arith_over_err_median']:.0f} |")
