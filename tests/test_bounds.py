@@ -226,6 +226,10 @@ def test_spectral_norm_upper_bounds_the_operator_norm(seed, rows, cols, rank_one
     assert (upper <= exact * (1 + 1e-6) + 1e-150).all()
     assert (upper <= e.square().sum(dim=(-2, -1)).sqrt() * (1 + 1e-15)).all()
     assert spectral_norm_upper(torch.zeros(2, 0, 4, 4)).shape == (2, 0)
+    bad = e.clone()
+    bad[0, 1, 0, 0] = float("nan")  # non-finite data (a deferred check on GPUs): +inf
+    upper = spectral_norm_upper(bad)
+    assert torch.isinf(upper[0, 1]) and torch.isfinite(upper[1]).all()
 
 
 @given(seed=st.integers(0, 10_000), bsz=st.sampled_from([1, 4, 16]),

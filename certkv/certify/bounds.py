@@ -115,10 +115,13 @@ def spectral_norm_upper(err: torch.Tensor) -> torch.Tensor:
     frob2 = e.square().sum(dim=(-2, -1))
     if e.numel() == 0:
         return frob2.sqrt()
+    finite = torch.isfinite(e).all(dim=-1).all(dim=-1)  # non-finite data: +inf, not an error
+    e = torch.where(torch.isfinite(e), e, torch.zeros_like(e))
     rows, cols = e.shape[-2:]
     gram = e @ e.transpose(-1, -2) if rows <= cols else e.transpose(-1, -2) @ e
     top = torch.linalg.eigvalsh(gram)[..., -1].clamp_min(0.0)
-    return torch.minimum(torch.sqrt(top + 1e-12 * frob2), frob2.sqrt())
+    upper = torch.minimum(torch.sqrt(top + 1e-12 * frob2), frob2.sqrt())
+    return torch.where(finite, upper, torch.full_like(upper, float("inf")))
 
 
 def value_block_terms(rho: torch.Tensor, eta: torch.Tensor, spread: torch.Tensor | None = None,
