@@ -390,6 +390,72 @@ def _knob(ctx: typer.Context, knob: str, values: str | None, out: Path | None,
     _run_sweep(ctx, knob, axes, out)
 
 
+LM_EVAL = {"context_settings": {"allow_extra_args": True, "ignore_unknown_options": True,
+                                "help_option_names": []}}
+
+
+@app.command("lm-eval", **LM_EVAL)
+def lm_eval_command(ctx: typer.Context) -> None:
+    """lm-evaluation-harness with the `certkv` model: certkv lm-eval --model_args ... --tasks ...
+
+    Everything is passed to lm-eval's own CLI (`lm_eval run`) with `--model certkv` unless
+    another --model is given; certkv's offline tasks (certkv_ruler, certkv_ruler_<subtask>,
+    certkv_needle_choice, certkv_books) are generated for the model's tokenizer first
+    (--certkv_context, default 4096; --certkv_samples, default 5) and their folder is included.
+    """
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        _fail("certkv lm-eval needs lm-evaluation-harness; pip install 'certkv[lm-eval]'.")
+    from lm_eval.__main__ import cli_evaluate
+
+    import certkv.integrations.lm_eval  # noqa: F401 (registers the model)
+    from certkv.integrations.lm_eval_tasks import task_folder
+
+    args = list(ctx.args)
+    if args[:1] in (["ls"], ["validate"]) or "-h" in args or "--help" in args:
+        sys.argv = ["lm_eval", *args]
+        cli_evaluate()
+        return
+    model = _pop(args, "model") or "certkv"
+    context = int(_pop(args, "certkv_context") or 4096)
+    samples = int(_pop(args, "certkv_samples") or 5)
+    model_args = dict(a.split("=", 1) for a in (_pop(args, "model_args") or "").split(",")
+                      if "=" in a)
+    tasks = _pop(args, "tasks") or ""
+    if any(t.startswith("certkv_") for t in tasks.split(",")):
+        try:  # generated for certkv's model, or SmolLM2's tokenizer for another harness model
+            folder = task_folder(model_args.get("model", "smollm2_135m")
+                                 if model == "certkv" else "smollm2_135m", context, samples)
+        except CertKVError as exc:
+            _fail(str(exc))
+        args += ["--include_path", str(folder)]
+    name = (f"{Path(model_args.get('model', 'smollm2_135m')).name}_"
+            f"{model_args.get('mode', 'certified')}") if model == "certkv" else model
+    run_dir = Path(_pop(args, "output_path") or Path("runs") / "lm_eval" / name)
+    if model == "certkv":
+        model_args.setdefault("run_dir", str(run_dir))
+    sys.argv = ["lm_eval", "run", "--model", model, *args, "--tasks", tasks, "--output_path",
+                str(run_dir), "--model_args", ",".join(f"{k}={v}" for k, v in model_args.items())]
+    cli_evaluate()
+    Console().print(f"lm-eval results{' and certificates.json' if model == 'certkv' else ''}: "
+                    f"{run_dir}")
+
+
+def _pop(args: list[str], name: str, keep: bool = False) -> str | None:
+    """The value of ``--name VALUE`` or ``--name=VALUE`` (dashes or underscores), removed from
+    ``args`` unless ``keep``."""
+    names = {f"--{name}", f"--{name.replace('_', '-')}"}
+    for i, item in enumerate(args):
+        key, eq, value = item.partition("=")
+        if key in names:
+            found = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+            if not keep:
+                del args[i:i + (1 if eq else 2)]
+            return found
+    return None
+
+
 def main() -> None:
     app()
 

@@ -1,0 +1,1 @@
+"""Bridges to other tools (lm-evaluation-harness)."""

@@ -1,0 +1,235 @@
+"""The lm-evaluation-harness model ``certkv``: any lm-eval task through the certified decode path.
+
+Importing this module registers the model (``import certkv.integrations.lm_eval``; ``certkv
+lm-eval`` does it for you)::
+
+    lm_eval.simple_evaluate(model="certkv", model_args="model=smollm2_135m,mode=certified,"
+                            "quantizer.key_codec.bits=2,value_policy.v_tol=0.02", tasks=[...])
+
+Model arguments: ``model`` (a ``conf/model`` name, or a hub id / local directory), ``mode``
+(``dense``, ``naive``, ``certified``), ``experiment`` (a ``conf/experiment`` name whose
+components to use), ``max_length`` (tokens; default the model's), ``run_dir`` (where the
+certificate statistics go), and any dotted config field as a Hydra override
+(``value_policy.v_tol=0.02``).
+
+The protocol is ``certkv run``'s: the context is prefilled with dense attention (the model's own
+cache and SDPA) except its last token, and every later token is one decode step of the method
+under test, so the quantized cache, the certificate and the ladder really run:
+
+* ``generate_until``: greedy; the first generated token already comes from the method's step on
+  the context's last token; stops at end-of-sequence, a stop string or ``max_gen_toks``.
+* ``loglikelihood``: the continuation is teacher-forced token by token through the method.
+* ``loglikelihood_rolling``: lm-eval's rolling windows, each scored like ``loglikelihood``
+  (its context prefilled dense, its predicted tokens decoded by the method).
+
+Certificate statistics (rungs, E_key / E_val / E_arith, K*, value promotions, bytes) of every
+request are pooled: :meth:`CertKVLM.certificate_summary`, and ``certificates.json`` in
+``run_dir`` after every request type.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import lm_eval.models  # noqa: F401 (lm-eval's own models stay registered next to ours)
+import torch
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+from certkv.errors import ConfigError, require
+from certkv.files import write_atomic
+
+MODES = ("dense", "naive", "certified")
+
+
+def _model_overrides(model: str) -> list[str]:
+    """Hydra overrides that pick ``model``: a ``conf/model`` name, or a hub id / directory."""
+    from certkv.cli import config_groups
+
+    if model in config_groups()["model"]:
+        return [f"model={model}"]
+    return [f"model.path={model}", f"model.name={Path(model).name}", "model.package=null",
+            "model.gguf_file=null"]
+
+
+def _compose(model: str, mode: str, experiment: str | None, overrides: dict):
+    """The Hydra config of one method: the model, the experiment's components, overrides."""
+    from hydra import compose, initialize_config_dir
+
+    from certkv.cli import CONF_DIR
+
+    items = [f"+experiment={experiment}"] if experiment else []
+    items += _model_overrides(model)
+    items += [f"{key}={value}" for key, value in overrides.items()]
+    items.append(f"variants=[{{name: {mode}, mode: {mode}}}]")
+    with initialize_config_dir(str(CONF_DIR), version_base=None):
+        return compose("config", overrides=items)
+
+
+def model_spec(model: str):
+    """The :class:`~certkv.models.ModelSpec` that ``model=`` names."""
+    from hydra.utils import instantiate
+
+    return instantiate(_compose(model, "dense", None, {}).model)
+
+
+@register_model("certkv")
+class CertKVLM(TemplateLM):
+    """lm-eval model whose every scored or generated token is a decode step of a certkv method."""
+
+    def __init__(self, model: str = "smollm2_135m", mode: str = "certified",
+                 experiment: str | None = None, max_length: int | None = None,
+                 run_dir: str | None = None, batch_size: int | str = 1, device=None,
+                 **overrides) -> None:
+        super().__init__()
+        from hydra.utils import instantiate
+
+        from certkv.eval.runner import build_variants
+        from certkv.models.loading import load_model
+
+        require(mode in MODES, ConfigError,
+                f"mode={mode!r} is unknown; use one of {list(MODES)}, e.g. mode=certified.")
+        bad = [k for k in overrides if "." not in k]
+        require(not bad, ConfigError,
+                f"unknown model argument(s) {bad}; use model, mode, experiment, max_length, "
+                "run_dir, or a dotted config field such as value_policy.v_tol=0.02.")
+        cfg = _compose(str(model), mode, experiment, {k: str(v) for k, v in overrides.items()})
+        (self.method,) = build_variants(cfg)
+        self.spec = instantiate(cfg.cache)
+        self.lm = load_model(instantiate(cfg.model))
+        self.method.quantizer.validate(self.lm.head_dim)
+        self.tokenizer = self.lm.tokenizer
+        self._max_length = int(max_length) if max_length else self.lm.max_context
+        self.run_dir = Path(run_dir or Path("runs") / "lm_eval" / f"{cfg.model.name}_{mode}")
+        self.records: list[dict] = []
+
+    # ---------------------------------------------------------------- lm-eval's interface
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        bos = self.tokenizer.bos_token_id
+        return bos if bos is not None else self.eot_token_id
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    @property
+    def tokenizer_name(self) -> str:
+        return self.tokenizer.name_or_path.replace("/", "__")
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None,
+                   **kwargs) -> list[int]:
+        return self.tokenizer.encode(string, add_special_tokens=bool(add_special_tokens))
+
+    def tok_decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens)
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
+        out = [self._score(context, continuation) for _, context, continuation in requests]
+        self._save()
+        for (key, _, _), result in zip(requests, out, strict=True):
+            self.cache_hook.add_partial("loglikelihood", key, result)
+        return out
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        results = []
+        for (string,) in [r.args for r in requests]:
+            windows = get_rolling_token_windows(self.tok_encode(string), self.prefix_token_id,
+                                                self.max_length, 1)
+            total = sum(self._score(*make_disjoint_window(w))[0] for w in windows)
+            self.cache_hook.add_partial("loglikelihood_rolling", (string,), total)
+            results.append(total)
+        self._save()
+        return results
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        results = []
+        for context, gen_kwargs in [r.args for r in requests]:
+            text = self._generate(context, dict(gen_kwargs))
+            self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
+            results.append(text)
+        self._save()
+        return results
+
+    # ---------------------------------------------------------------- the decode path
+    def _decoder(self, context: list[int]):
+        """A decoder holding the dense prefill of ``context[:-1]`` for the method."""
+        from certkv.eval.decode import Prefill
+
+        session = Prefill(self.lm, context[:-1]).session(self.method, self.spec)
+        return session, session.decoder()
+
+    @torch.inference_mode()
+    def _score(self, context: list[int], continuation: list[int]) -> tuple[float, bool]:
+        """``(sum log p(continuation | context), greedy?)``: the context prefilled (left-
+        truncated to ``max_length``), then one method step per scored token."""
+        require(0 < len(continuation) <= self.max_length, ConfigError,
+                f"a continuation of {len(continuation)} tokens cannot be scored within "
+                f"max_length={self.max_length}; raise max_length.")
+        whole = (context + continuation)[-(self.max_length + 1):]
+        context = whole[:len(whole) - len(continuation)]
+        session, decoder = self._decoder(context)
+        logits, total, greedy = decoder.step(context[-1]), 0.0, True
+        for i, token in enumerate(continuation):
+            logp = torch.log_softmax(logits.double(), dim=-1)
+            total += float(logp[token])
+            greedy = greedy and int(logp.argmax()) == token
+            if i + 1 < len(continuation):
+                logits = decoder.step(token)
+        self._record(session, decoder)
+        return total, greedy
+
+    @torch.inference_mode()
+    def _generate(self, context: str, gen_kwargs: dict) -> str:
+        until = gen_kwargs.pop("until", None) or []
+        until = [until] if isinstance(until, str) else list(until)
+        max_new = int(gen_kwargs.pop("max_gen_toks", 256))
+        require(not gen_kwargs.get("do_sample", False), ConfigError,
+                "certkv decodes greedily; drop do_sample=true from the task's generation_kwargs.")
+        ids = self.tok_encode(context) or [self.prefix_token_id]
+        ids = ids[-max(1, self.max_length - max_new):]
+        session, decoder = self._decoder(ids)
+        from certkv.eval.decode import end_of_sequence_ids
+
+        stop = end_of_sequence_ids(self.lm)
+        tokens, logits = [], decoder.step(ids[-1])
+        for _ in range(max_new):
+            token = int(logits.argmax())
+            if token in stop:
+                break
+            tokens.append(token)
+            text = self.tok_decode(tokens)
+            if any(u in text for u in until):
+                break
+            logits = decoder.step(token)
+        self._record(session, decoder)
+        text = self.tok_decode(tokens)
+        cut = min((text.index(u) for u in until if u in text), default=len(text))
+        return text[:cut]
+
+    # ---------------------------------------------------------------- certificates
+    def _record(self, session, decoder) -> None:
+        decoder.close()
+        if self.method.mode != "dense":
+            self.records.append(session.certificate_record())
+
+    def certificate_summary(self) -> dict:
+        """Pooled certificate statistics of every request so far (``certkv report``'s
+        Tables 11-12 and 15 numbers; empty for the dense method)."""
+        from certkv.report.summary import certificate_summary
+
+        return certificate_summary(self.records) if self.records else {}
+
+    def _save(self) -> None:
+        from certkv.provenance import environment
+
+        write_atomic(self.run_dir / "certificates.json",
+                     json.dumps({"mode": self.method.mode, "requests": len(self.records),
+                                 **environment(), **self.certificate_summary()}, indent=2)
+                     + "\n")

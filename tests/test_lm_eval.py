@@ -1,0 +1,103 @@
+"""The lm-eval model `certkv` and certkv's offline lm-eval tasks, end to end on the tiny model
+(no network): a generate task, a loglikelihood task and a rolling-loglikelihood task through
+the certified decode path, and the dense method against lm-eval's own `hf` model."""
+
+from __future__ import annotations
+
+import json
+
+import lm_eval
+import pytest
+from lm_eval.tasks import TaskManager
+from typer.testing import CliRunner
+
+from certkv.errors import ConfigError
+from certkv.integrations.lm_eval import CertKVLM
+from certkv.integrations.lm_eval_tasks import TASKS, write_tasks
+from certkv.models.loading import load_tokenizer
+
+TINY = "model=tiny_random"
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_datasets"))
+
+
+@pytest.fixture(scope="module")
+def tasks(tmp_path_factory):
+    return write_tasks(tmp_path_factory.mktemp("tasks"), load_tokenizer(), context=1024,
+                       samples=2, windows=2, book_tokens=48)
+
+
+def evaluate(tasks, names, model_args, limit=2):
+    return lm_eval.simple_evaluate(model="certkv", model_args=model_args, tasks=names,
+                                   task_manager=TaskManager(include_path=str(tasks)),
+                                   limit=limit, log_samples=False, bootstrap_iters=0)
+
+
+def test_the_task_folder_holds_every_task(tasks):
+    written = {p.stem for p in tasks.glob("*.yaml")}
+    assert set(TASKS) | {"certkv_ruler"} == written
+    rows = [json.loads(line) for line in (tasks / "certkv_ruler_vt.jsonl").read_text()
+            .splitlines()]
+    assert len(rows) == 2 and all(r["answers"] for r in rows)
+
+
+def test_certified_generate_loglikelihood_and_rolling_tasks(tasks, tmp_path):
+    run_dir = tmp_path / "run"
+    results = evaluate(tasks, ["certkv_ruler_niah_single", "certkv_needle_choice",
+                               "certkv_books"], f"{TINY},mode=certified,run_dir={run_dir},"
+                       "value_policy.v_tol=0.02")["results"]
+    assert 0.0 <= results["certkv_ruler_niah_single"]["score,none"] <= 1.0
+    assert 0.0 <= results["certkv_needle_choice"]["acc,none"] <= 1.0
+    assert results["certkv_books"]["word_perplexity,none"] > 1.0
+    certs = json.loads((run_dir / "certificates.json").read_text())
+    # 2 generations, 2 x 4 choices, 2 rolling windows: one certificate record per request
+    assert certs["mode"] == "certified" and certs["requests"] == 12 and certs["steps"] > 0
+    assert sum(certs["rung_rates"]) == pytest.approx(1.0)
+
+
+def test_dense_method_scores_what_lm_evals_hf_model_scores(tasks, tmp_path):
+    """The harness is the judge: certkv's dense path (prefill, then one step per token) gives
+    lm-eval's `hf` model's log-likelihoods (one forward pass) within rounding."""
+    model = CertKVLM(model="tiny_random", mode="dense", run_dir=str(tmp_path / "run"))
+    saved = tmp_path / "tiny"
+    model.lm.model.save_pretrained(saved)
+    model.tokenizer.save_pretrained(saved)
+    manager = TaskManager(include_path=str(tasks))
+    names = ["certkv_needle_choice", "certkv_books"]
+    ours = lm_eval.simple_evaluate(model=model, tasks=names, task_manager=manager, limit=2,
+                                   bootstrap_iters=0)["results"]
+    hf = lm_eval.simple_evaluate(model="hf",
+                                 model_args=f"pretrained={saved},dtype=float32,device=cpu",
+                                 tasks=names, task_manager=manager, limit=2,
+                                 bootstrap_iters=0)["results"]
+    assert ours["certkv_needle_choice"]["acc,none"] == hf["certkv_needle_choice"]["acc,none"]
+    assert ours["certkv_books"]["word_perplexity,none"] == pytest.approx(
+        hf["certkv_books"]["word_perplexity,none"], rel=1e-4)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"mode": "fast"}, "mode='fast' is unknown"),
+    ({"temperature": 0.5}, "unknown model argument"),
+])
+def test_bad_model_arguments_are_one_sentence(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        CertKVLM(model="tiny_random", **kwargs)
+
+
+def test_lm_eval_command_registers_the_model_and_writes_the_run_dir(tmp_path, monkeypatch):
+    from certkv.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CERTKV_DATA", str(tmp_path / "data"))
+    result = CliRunner().invoke(app, ["lm-eval", "--model_args", f"{TINY},mode=naive",
+                                      "--tasks", "certkv_needle_choice", "--limit", "1",
+                                      "--certkv_context", "1024", "--certkv_samples", "2"])
+    assert result.exit_code == 0, result.output
+    run_dir = tmp_path / "runs" / "lm_eval" / "tiny_random_naive"
+    assert json.loads((run_dir / "certificates.json").read_text())["requests"] == 4
+    assert list(run_dir.rglob("results_*.json"))
