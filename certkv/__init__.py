@@ -41,3 +41,19 @@ __all__ = [
     "NoValuePromotion",
     "TieredKVStore",
 ]
+
+
+def _register_with_lm_eval() -> None:
+    """``lm_eval.simple_evaluate(model="certkv", ...)`` after ``import certkv``: a lazy entry
+    in lm-eval's registry (the model module loads when lm-eval asks for it), next to
+    lm-eval's own models. Nothing happens without lm-eval installed."""
+    try:
+        import lm_eval.models  # noqa: F401 (lm-eval's own models, registered lazily)
+        from lm_eval.api.registry import model_registry
+    except ImportError:
+        return
+    if "certkv" not in model_registry:
+        model_registry.register("certkv", target="certkv.integrations.lm_eval:CertKVLM")
+
+
+_register_with_lm_eval()

@@ -435,9 +435,16 @@ def lm_eval_command(ctx: typer.Context) -> None:
     run_dir = Path(_pop(args, "output_path") or Path("runs") / "lm_eval" / name)
     if model == "certkv":
         model_args.setdefault("run_dir", str(run_dir))
+    wandb_args = _pop(args, "wandb_args", keep=True)
     sys.argv = ["lm_eval", "run", "--model", model, *args, "--tasks", tasks, "--output_path",
                 str(run_dir), "--model_args", ",".join(f"{k}={v}" for k, v in model_args.items())]
     cli_evaluate()
+    if model == "certkv" and wandb_args is not None:  # lm-eval logs its results; we add ours
+        from certkv.report.wandb_logger import WandbLogger
+
+        fields = dict(a.split("=", 1) for a in wandb_args.split(",") if "=" in a)
+        WandbLogger(project=fields.get("project", "certkv"), entity=fields.get("entity"),
+                    mode=fields.get("mode", "offline")).log_lm_eval(run_dir, f"{name}-certkv")
     Console().print(f"lm-eval results{' and certificates.json' if model == 'certkv' else ''}: "
                     f"{run_dir}")
 

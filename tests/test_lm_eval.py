@@ -101,3 +101,35 @@ def test_lm_eval_command_registers_the_model_and_writes_the_run_dir(tmp_path, mo
     run_dir = tmp_path / "runs" / "lm_eval" / "tiny_random_naive"
     assert json.loads((run_dir / "certificates.json").read_text())["requests"] == 4
     assert list(run_dir.rglob("results_*.json"))
+
+
+def test_import_certkv_registers_the_model_next_to_lm_evals_own():
+    import subprocess
+    import sys
+
+    code = ("import certkv; from lm_eval.api.registry import get_model; "
+            "print(get_model('certkv').__name__, get_model('hf').__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.split() == ["CertKVLM", "HFLM"]
+
+
+def test_certificates_go_to_wandb_when_asked(tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb")
+    from certkv.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CERTKV_DATA", str(tmp_path / "data"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    summaries = []
+    finish = wandb.sdk.wandb_run.Run.finish
+    monkeypatch.setattr(wandb.sdk.wandb_run.Run, "finish",
+                        lambda self, *a, **k: (summaries.append(dict(self.summary)),
+                                               finish(self, *a, **k))[1])
+    result = CliRunner().invoke(app, ["lm-eval", "--model_args", f"{TINY},mode=certified",
+                                      "--tasks", "certkv_needle_choice", "--limit", "1",
+                                      "--certkv_context", "1024", "--certkv_samples", "2",
+                                      "--wandb_args", "project=certkv-test,mode=offline"])
+    assert result.exit_code == 0, result.output
+    ours = next(s for s in summaries if "certificate/requests" in s)
+    assert ours["certificate/requests"] == 4 and "lm_eval/certkv_needle_choice/acc,none" in ours

@@ -68,6 +68,26 @@ class WandbLogger:
         finally:
             run.finish()
 
+    def log_lm_eval(self, run_dir: Path, name: str) -> None:
+        """An lm-eval run's certificate statistics (``certificates.json``) and lm-eval's
+        results (``results_*.json``) as one W&B run in the group ``lm_eval``."""
+        wandb = _wandb()
+        certificates = json.loads((run_dir / "certificates.json").read_text())
+        results = [json.loads(p.read_text())["results"]
+                   for p in sorted(run_dir.rglob("results_*.json"))[-1:]]
+        run = wandb.init(project=self.project, entity=self.entity, mode=self.mode,
+                         dir=str(run_dir), group=self.group or "lm_eval", name=name,
+                         job_type="lm_eval", tags=list(self.tags))
+        try:
+            for task, metrics in (results[0] if results else {}).items():
+                for metric, value in metrics.items():
+                    if isinstance(value, int | float):
+                        run.summary[f"lm_eval/{task}/{metric}"] = value
+            for key, value in _flatten(certificates).items():
+                run.summary[f"certificate/{key}"] = value
+        finally:
+            run.finish()
+
     @staticmethod
     def _certificates(run, data) -> None:
         """Per-step certificate summaries of every method, one step axis per method."""
@@ -118,6 +138,20 @@ class WandbLogger:
                     run.summary[f"{base}/delta"] = q["delta"].estimate
                     run.summary[f"{base}/delta_low"] = q["delta"].low
                     run.summary[f"{base}/delta_high"] = q["delta"].high
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    """``{"e_key": {"median": 1}}`` -> ``{"e_key/median": 1}`` (numbers only)."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}/"))
+        elif isinstance(value, list):
+            out.update({f"{prefix}{key}/{i}": v for i, v in enumerate(value)
+                        if isinstance(v, int | float)})
+        elif isinstance(value, int | float):
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def _wandb():
