@@ -1,4 +1,4 @@
-"""The ``certkv`` command line (typer): run, report, info, bench, demo.
+"""The ``certkv`` command line (typer): run, report, info, bench, sweep, lm-eval, demo.
 
 ``certkv run`` hands its arguments to Hydra, so every Hydra feature works as usual:
 ``key=value`` and ``+experiment=NAME`` overrides, ``-m`` multirun sweeps (output dirs,
@@ -357,7 +357,7 @@ def sweep_scratch(ctx: typer.Context,
 @sweep_app.command("custom", **SWEEP)
 def sweep_custom(ctx: typer.Context,
                  out: Annotated[Path | None, typer.Option(help=OUT_HELP)] = None) -> None:
-    """Any config fields: certkv sweep custom KEY=V1,V2 [KEY=...] [overrides]."""
+    """Any config fields: certkv sweep custom KEY=V1,V2 (more axes and overrides may follow)."""
     from certkv.sweep import parse_axis
 
     axes, rest = {}, []

@@ -46,6 +46,17 @@ def test_the_task_folder_holds_every_task(tasks):
     assert len(rows) == 2 and all(r["answers"] for r in rows)
 
 
+def test_ten_needle_niah_rows_and_scoring(tasks):
+    from certkv.integrations.lm_eval_tasks import process_niah
+
+    rows = [json.loads(line) for line in (tasks / "certkv_niah.jsonl").read_text()
+            .splitlines()]
+    assert len(rows) == 20 and [r["needle"] for r in rows[:10]] == list(range(10))
+    assert all(r["answer"] in r["input"] for r in rows)
+    assert process_niah(rows[0], [f" It is {rows[0]['answer'].upper()}."]) == {"acc": 1.0}
+    assert process_niah(rows[0], [" no idea"]) == {"acc": 0.0}
+
+
 def test_certified_generate_loglikelihood_and_rolling_tasks(tasks, tmp_path):
     run_dir = tmp_path / "run"
     results = evaluate(tasks, ["certkv_ruler_niah_single", "certkv_needle_choice",

@@ -6,6 +6,8 @@
 * ``certkv_ruler_<subtask>`` (``generate_until``), grouped as ``certkv_ruler``: RULER's seven
   default subtasks from :mod:`certkv.eval.ruler`, scored by RULER's own rule (the fraction of
   required references in the answer, case-insensitive);
+* ``certkv_niah`` (``generate_until``): the paper's ten-needle NIAH, one row per needle's
+  question after its trial's document; accuracy = the fraction of needles retrieved;
 * ``certkv_needle_choice`` (``multiple_choice``, i.e. ``loglikelihood``): RULER's single-needle
   prompt, the right value among three values of other samples;
 * ``certkv_books`` (``loglikelihood_rolling``): non-overlapping windows of the offline books,
@@ -25,10 +27,11 @@ from certkv.files import data_dir, write_atomic
 
 SUBTASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe",
             "fwe")
-TASKS = (*[f"certkv_ruler_{s}" for s in SUBTASKS], "certkv_needle_choice", "certkv_books")
+TASKS = (*[f"certkv_ruler_{s}" for s in SUBTASKS], "certkv_niah", "certkv_needle_choice",
+         "certkv_books")
 
 _UTILS = '''"""Scoring of certkv's lm-eval tasks (written by certkv.integrations.lm_eval_tasks)."""
-from certkv.integrations.lm_eval_tasks import process_ruler  # noqa: F401
+from certkv.integrations.lm_eval_tasks import process_niah, process_ruler  # noqa: F401
 '''
 
 
@@ -38,6 +41,25 @@ def process_ruler(doc: dict, results: list[str]) -> dict:
 
     sample = RulerSample(doc["subtask"], 0, 0, "", tuple(doc["answers"]), 0, doc["metric"], 0)
     return {"score": score(sample, results[0])}
+
+
+def process_niah(doc: dict, results: list[str]) -> dict:
+    """lm-eval ``process_results`` of the ten-needle NIAH: the needle's value found or not."""
+    from certkv.eval.niah import score
+
+    return {"acc": score(doc["answer"], results[0])}
+
+
+def _niah_rows(tokenizer, context: int, trials: int, book: str) -> list[dict]:
+    """The paper's ten-needle NIAH: one document per trial, one row per needle's question."""
+    from certkv.eval.corpora import book_text
+    from certkv.eval.niah import make_multi_needle_trials
+
+    rows = []
+    for t in make_multi_needle_trials(tokenizer, book_text(book), context, trials):
+        rows += [{"trial": t.index, "needle": j, "input": t.document + q, "answer": a}
+                 for j, (q, a) in enumerate(zip(t.questions, t.answers, strict=True))]
+    return rows
 
 
 def _yaml(fields: dict) -> str:
@@ -128,6 +150,14 @@ def write_tasks(folder: str | Path, tokenizer, context: int = 4096, samples: int
         "group": "certkv_ruler", "task": [f"certkv_ruler_{s}" for s in SUBTASKS],
         "aggregate_metric_list": [{"metric": "score", "aggregation": "mean",
                                    "weight_by_size": False}]}))
+    write_atomic(folder / "certkv_niah.yaml", _yaml({
+        "task": "certkv_niah", **_data(folder, "certkv_niah",
+                                       _niah_rows(tokenizer, context, samples, book)),
+        "output_type": "generate_until", "doc_to_text": "{{input}}",
+        "doc_to_target": "{{answer}}",
+        "generation_kwargs": {"until": [], "max_gen_toks": 16, "do_sample": False},
+        "process_results": "!function certkv_lm_eval_utils.process_niah",
+        "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}]}))
     write_atomic(folder / "certkv_needle_choice.yaml", _yaml({
         "task": "certkv_needle_choice",
         **_data(folder, "certkv_needle_choice", _choice_rows(ruler["niah_single"])),
@@ -150,6 +180,6 @@ def task_folder(model: str, context: int = 4096, samples: int = 5) -> Path:
 
     spec = model_spec(model)
     folder = data_dir() / "lm_eval_tasks" / f"{spec.name}_{context}_{samples}"
-    if not (folder / "certkv_books.yaml").exists():
+    if not all((folder / f"{name}.yaml").exists() for name in (*TASKS, "certkv_ruler")):
         write_tasks(folder, load_tokenizer(spec), context, samples)
     return folder
