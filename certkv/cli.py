@@ -67,15 +67,20 @@ def validate_overrides(overrides: list[str]) -> str | None:
     return None
 
 
+def _with_experiment(args: list[str]) -> list[str]:
+    """``args`` with ``+experiment=smoke`` in front unless they name an experiment."""
+    if any(a.lstrip("+").startswith("experiment=") for a in args):
+        return list(args)
+    return [f"+experiment={DEFAULT_EXPERIMENT}", *args]
+
+
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def run(ctx: typer.Context) -> None:
     """Run an experiment: certkv run +experiment=NAME group=option key=value (-m, --cfg job).
 
     Without +experiment the `smoke` experiment runs (SmolLM2 on CPU, a few minutes).
     """
-    args = list(ctx.args)
-    if not any(a.lstrip("+").startswith("experiment=") for a in args):
-        args.insert(0, f"+experiment={DEFAULT_EXPERIMENT}")
+    args = _with_experiment(ctx.args)
     overrides = [a for a in args if "=" in a and not a.startswith("-")]
     problem = validate_overrides(overrides)
     if problem:
@@ -273,9 +278,7 @@ def _run_sweep(ctx: typer.Context, knob: str, axes: dict[str, list[str]],
 
     from certkv.sweep import multirun_args, sweep_name
 
-    overrides = list(ctx.args)
-    if not any(a.lstrip("+").startswith("experiment=") for a in overrides):
-        overrides.insert(0, f"+experiment={DEFAULT_EXPERIMENT}")
+    overrides = _with_experiment(ctx.args)
     for item in overrides:
         if item.startswith("hydra/launcher=") and item.split("=", 1)[1] not in _launchers():
             _fail(f"unknown launcher {item.split('=', 1)[1]!r}; use one of {_launchers()} "

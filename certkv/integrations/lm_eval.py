@@ -104,6 +104,8 @@ class CertKVLM(TemplateLM):
         self._max_length = int(max_length) if max_length else self.lm.max_context
         self.run_dir = Path(run_dir or Path("runs") / "lm_eval" / f"{cfg.model.name}_{mode}")
         self.records: list[dict] = []
+        self._prefill = None  # the last context's dense prefill (a multiple-choice doc's
+        # requests share one context: prefilled once, each choice decodes its own copy)
 
     # ---------------------------------------------------------------- lm-eval's interface
     @property
@@ -162,7 +164,10 @@ class CertKVLM(TemplateLM):
         """A decoder holding the dense prefill of ``context[:-1]`` for the method."""
         from certkv.eval.decode import Prefill
 
-        session = Prefill(self.lm, context[:-1]).session(self.method, self.spec)
+        prefix = context[:-1]
+        if self._prefill is None or self._prefill[0] != prefix:
+            self._prefill = (prefix, Prefill(self.lm, prefix))
+        session = self._prefill[1].session(self.method, self.spec)
         return session, session.decoder()
 
     @torch.inference_mode()

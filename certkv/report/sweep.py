@@ -8,7 +8,6 @@ Built from the point directories alone (finished, partial or failed), like ``cer
 from __future__ import annotations
 
 import json
-import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from certkv.errors import CertKVError, require
 from certkv.eval.results import RunDir
 from certkv.files import write_atomic
 from certkv.report.summary import certificate_summary
-from certkv.report.tables import RunData, Table, _fmt, _interval, quality_delta
+from certkv.report.tables import RunData, Table, _fmt, _interval, median_step_ms, quality_delta
 
 
 @dataclass
@@ -76,25 +75,19 @@ def _overrides(path: Path) -> dict[str, str]:
     return dict(item.lstrip("+").split("=", 1) for item in items or [] if "=" in item)
 
 
-def _ms(run: RunData, variant: str) -> float:
-    mine = [r["ms_per_step"] for r in run.samples if r["variant"] == variant
-            and r.get("decode_steps")]
-    return statistics.median(mine) if mine else float("nan")
-
-
 def point_rows(point: Point) -> list[dict]:
     """Per non-dense method of one point: the numbers the table and the figure show."""
     if point.run is None:
         return [{"point": point.label, "method": "-", "error": point.error}]
     run, rows = point.run, []
-    dense_ms = _ms(run, run.reference) if run.reference else float("nan")
+    dense_ms = median_step_ms(run, run.reference) if run.reference else float("nan")
     for variant in run.variants:
         if variant == run.reference:
             continue
         cert = certificate_summary(run.certificate_records(variant))
         rates = cert["rung_rates"]
         quality = {t: quality_delta(run, t, variant) for t in run.tasks}
-        ms = _ms(run, variant)
+        ms = median_step_ms(run, variant)
         rows.append({"point": point.label, "method": variant, "error": None,
                      "quality": {t: q for t, q in quality.items() if q is not None},
                      "fallback": rates[3] + rates[4], "rung2": rates[2],

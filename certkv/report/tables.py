@@ -277,13 +277,19 @@ def certificate_table(run: RunData) -> Table | None:
                  "the paper's eq. 15 and Cor. 4.2 for the same candidates (telemetry).")
 
 
+def median_step_ms(run: RunData, variant: str) -> float:
+    """Median decode-step time of ``variant`` over the samples that decoded (NaN if none)."""
+    ms = [r["ms_per_step"] for r in run.samples if r["variant"] == variant
+          and r.get("decode_steps")]
+    return statistics.median(ms) if ms else float("nan")
+
+
 def runtime_table(run: RunData) -> Table:
     """Table 15 and the latency column of Table 4: rungs, checks, cache traffic, speed."""
     rows = []
     base = None
     for v in run.variants:
-        mine = [r for r in run.samples if r["variant"] == v and r.get("decode_steps")]
-        ms = statistics.median(r["ms_per_step"] for r in mine) if mine else float("nan")
+        ms = median_step_ms(run, v)
         base = ms if v == run.reference else base
         cert = certificate_summary(run.certificate_records(v))
         if cert.get("steps"):
