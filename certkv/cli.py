@@ -16,7 +16,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from certkv.errors import CertKVError
+from certkv.errors import CertKVError, ConfigError
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 DEFAULT_EXPERIMENT = "smoke"
@@ -51,19 +51,30 @@ def _first_choices(overrides: list[str]) -> list[str]:
     return out
 
 
-def validate_overrides(overrides: list[str]) -> str | None:
-    """Compose the config once; on failure return Hydra's message plus the valid options."""
+def compose_config(overrides: list[str]):
+    """The config ``certkv run OVERRIDES`` composes from ``conf/`` (one job: no sweep values).
+
+    Bad overrides raise :class:`ConfigError` with Hydra's message and the valid options.
+    """
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
     try:
         with initialize_config_dir(str(CONF_DIR), version_base=None):
-            compose("config", overrides=_first_choices(overrides))
+            return compose("config", overrides=overrides)
     except (HydraException, OmegaConfBaseException, ValueError) as exc:
         groups = "; ".join(f"{g}: {', '.join(o)}" for g, o in config_groups().items())
-        return (f"{str(exc).strip()}\nValid config groups and options: {groups}. "
-                "Print the composed config with `certkv run --cfg job`.")
+        raise ConfigError(f"{str(exc).strip()}\nValid config groups and options: {groups}. "
+                          "Print the composed config with `certkv run --cfg job`.") from exc
+
+
+def validate_overrides(overrides: list[str]) -> str | None:
+    """Compose the config (a sweep's first point); on failure the message, else None."""
+    try:
+        compose_config(_first_choices(overrides))
+    except ConfigError as exc:
+        return str(exc)
     return None
 
 
@@ -274,8 +285,6 @@ def _launchers() -> list[str]:
 def _run_sweep(ctx: typer.Context, knob: str, axes: dict[str, list[str]],
                out: Path | None) -> None:
     """Validate, run the multirun, aggregate. Every problem is one sentence naming the fix."""
-    from hydra import compose, initialize_config_dir
-
     from certkv.sweep import multirun_args, sweep_name
 
     overrides = _with_experiment(ctx.args)
@@ -289,11 +298,10 @@ def _run_sweep(ctx: typer.Context, knob: str, axes: dict[str, list[str]],
     except CertKVError as exc:
         _fail(str(exc))
     task = [a for a in args if "=" in a and not a.startswith(("-", "hydra.", "hydra/"))]
-    problem = validate_overrides(task)
-    if problem:
-        _fail(problem)
-    with initialize_config_dir(str(CONF_DIR), version_base=None):
-        cfg = compose("config", overrides=_first_choices(task))
+    try:
+        cfg = compose_config(_first_choices(task))
+    except ConfigError as exc:
+        _fail(str(exc))
     from certkv.hydra_app import main as hydra_main
 
     sys.argv = ["certkv sweep", *args]
@@ -322,28 +330,20 @@ def _log_sweep(cfg, report) -> None:
         logger.log_sweep(report)
 
 
-@sweep_app.command("kmax", **SWEEP)
-def sweep_kmax(ctx: typer.Context,
-               values: Annotated[str | None, typer.Option(help=VALUES_HELP)] = None,
-               out: Annotated[Path | None, typer.Option(help=OUT_HELP)] = None) -> None:
-    """Selector K_max (paper Table 9: 64,128,256,512)."""
-    _knob(ctx, "kmax", values, out)
-
-
-@sweep_app.command("vtol", **SWEEP)
-def sweep_vtol(ctx: typer.Context,
-               values: Annotated[str | None, typer.Option(help=VALUES_HELP)] = None,
-               out: Annotated[Path | None, typer.Option(help=OUT_HELP)] = None) -> None:
-    """Value tolerance v_tol (paper 9.4.1; default grid 0.01,0.02,0.05,0.1,0.2)."""
-    _knob(ctx, "vtol", values, out)
-
-
-@sweep_app.command("group", **SWEEP)
-def sweep_group(ctx: typer.Context,
+def _grid_sweep(knob: str, doc: str):
+    """A ``certkv sweep KNOB [--values ...] [--out ...]`` command for a one-grid knob."""
+    def command(ctx: typer.Context,
                 values: Annotated[str | None, typer.Option(help=VALUES_HELP)] = None,
                 out: Annotated[Path | None, typer.Option(help=OUT_HELP)] = None) -> None:
-    """INT4 value group size g with the Tier-1 bytes it costs (grid 8,16,32)."""
-    _knob(ctx, "group", values, out)
+        _knob(ctx, knob, values, out)
+
+    command.__doc__ = doc
+    sweep_app.command(knob, **SWEEP)(command)
+
+
+_grid_sweep("kmax", "Selector K_max (paper Table 9: 64,128,256,512).")
+_grid_sweep("vtol", "Value tolerance v_tol (paper 9.4.1; default grid 0.01,0.02,0.05,0.1,0.2).")
+_grid_sweep("group", "INT4 value group size g with the Tier-1 bytes it costs (grid 8,16,32).")
 
 
 @sweep_app.command("scratch", **SWEEP)

@@ -56,16 +56,13 @@ def _model_overrides(model: str) -> list[str]:
 
 def _compose(model: str, mode: str, experiment: str | None, overrides: dict):
     """The Hydra config of one method: the model, the experiment's components, overrides."""
-    from hydra import compose, initialize_config_dir
-
-    from certkv.cli import CONF_DIR
+    from certkv.cli import compose_config
 
     items = [f"+experiment={experiment}"] if experiment else []
     items += _model_overrides(model)
     items += [f"{key}={value}" for key, value in overrides.items()]
     items.append(f"variants=[{{name: {mode}, mode: {mode}}}]")
-    with initialize_config_dir(str(CONF_DIR), version_base=None):
-        return compose("config", overrides=items)
+    return compose_config(items)
 
 
 def model_spec(model: str):

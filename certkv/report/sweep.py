@@ -17,7 +17,14 @@ from certkv.errors import CertKVError, require
 from certkv.eval.results import RunDir
 from certkv.files import write_atomic
 from certkv.report.summary import certificate_summary
-from certkv.report.tables import RunData, Table, _fmt, _interval, median_step_ms, quality_delta
+from certkv.report.tables import (
+    RunData,
+    Table,
+    fmt,
+    fmt_interval,
+    median_step_ms,
+    quality_delta,
+)
 
 
 @dataclass
@@ -110,13 +117,13 @@ def sweep_table(name: str, rows: list[dict]) -> Table:
         if r["error"] is not None:
             body.append([r["point"], "failed", r["error"], *[""] * (len(head) - 3)])
             continue
-        cells = [_interval(r["quality"][t]["delta"]) if t in r["quality"] else "-"
+        cells = [fmt_interval(r["quality"][t]["delta"]) if t in r["quality"] else "-"
                  for t in tasks]
         body.append([r["point"], r["method"], *cells, f"{100 * r['fallback']:.2f}",
                      f"{100 * r['rung2']:.1f}", f"{r['k_star']:.1f}",
                      f"{r['value_promotions']:.1f}", f"{r['tier1']:.3f}",
-                     f"{100 * r['hit']:.0f}", f"{r['h2d_mib']:.2f}", _fmt(r["ms"], 1),
-                     _fmt(r["x_dense"], 2)])
+                     f"{100 * r['hit']:.0f}", f"{r['h2d_mib']:.2f}", fmt(r["ms"], 1),
+                     fmt(r["x_dense"], 2)])
     return Table(f"Sweep {name}", head, body,
                  "delta = method - dense on the same prompts of the point (CI as in `certkv "
                  "report`); fallback = rungs 3-4 per head-step; ms/step: median decode step.")

@@ -98,11 +98,12 @@ class RunData:
         return [c for c in self.certificates if c["variant"] == variant]
 
 
-def _fmt(x: float, digits: int = 3) -> str:
+def fmt(x: float, digits: int = 3) -> str:
+    """``x`` to ``digits`` decimals; ``-`` for a missing or NaN value."""
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
 
-def _interval(iv: stats.Interval, digits: int = 3) -> str:
+def fmt_interval(iv: stats.Interval, digits: int = 3) -> str:
     """``+0.012 [-0.004, +0.020]``; an interval one sample cannot give (a t-interval over one
     window is infinite) says so instead of printing ``[-inf, +inf]``."""
     if not (math.isfinite(iv.low) and math.isfinite(iv.high)):
@@ -156,7 +157,7 @@ def quality_table(runs: list[RunData]) -> Table:
                     continue
                 test = q["mcnemar"]
                 rows.append([run.experiment, task, str(run.context(task)), variant, q["metric"],
-                             _fmt(q["dense"]), _fmt(q["method"]), _interval(q["delta"]),
+                             fmt(q["dense"]), fmt(q["method"]), fmt_interval(q["delta"]),
                              str(q["n"]),
                              "-" if test is None else f"{test.critical}/{test.reverse}",
                              "-" if test is None else f"{test.p_value:.3g}"])
@@ -178,10 +179,10 @@ def perplexity_table(run: RunData) -> Table | None:
         return None
     rows = []
     for i, d in sorted(ref.items()):
-        cells = [str(i), str(d.get("document", "")), _fmt(d["ppl"])]
+        cells = [str(i), str(d.get("document", "")), fmt(d["ppl"])]
         for v in methods:
             m = run.records("perplexity", v).get(i)
-            cells.append("-" if m is None else f"{_fmt(m['ppl'])} ({m['ppl'] - d['ppl']:+.3f})")
+            cells.append("-" if m is None else f"{fmt(m['ppl'])} ({m['ppl'] - d['ppl']:+.3f})")
         rows.append(cells)
     return Table(f"Perplexity per window ({run.experiment}; Table 5)",
                  ["window", "document", "dense", *methods], rows,
@@ -209,13 +210,13 @@ def ruler_table(run: RunData) -> Table | None:
                 continue
             acc = statistics.fmean(p[1]["score"] for p in pairs)
             if v == run.reference:
-                cells.append(_fmt(acc))
+                cells.append(fmt(acc))
                 continue
             delta = stats.clustered_bootstrap_delta(
                 [p[0]["score"] for p in pairs], [p[1]["score"] for p in pairs],
                 [p[0]["slice"] for p in pairs],
                 seed=stats.seed_for(run.experiment, "ruler", subtask, v))
-            cells.append(f"{_fmt(acc)} ({_interval(delta, 2)})")
+            cells.append(f"{fmt(acc)} ({fmt_interval(delta, 2)})")
         rows.append(cells)
     return Table(f"RULER accuracy per subtask ({run.experiment}, context "
                  f"{run.context('ruler')}; Tables 6-8)", ["subtask", run.reference, *methods],
@@ -238,10 +239,10 @@ def niah_table(run: RunData) -> Table | None:
         test = stats.mcnemar([bool(d["pass"]) for d, _ in pairs],
                              [bool(m["pass"]) for _, m in pairs])
         rows.append([v, str(len(pairs)),
-                     _fmt(statistics.fmean(d["accuracy"] for d, _ in pairs)),
-                     _fmt(statistics.fmean(m["accuracy"] for _, m in pairs)),
-                     _fmt(statistics.fmean(float(d["pass"]) for d, _ in pairs)),
-                     _fmt(statistics.fmean(float(m["pass"]) for _, m in pairs)),
+                     fmt(statistics.fmean(d["accuracy"] for d, _ in pairs)),
+                     fmt(statistics.fmean(m["accuracy"] for _, m in pairs)),
+                     fmt(statistics.fmean(float(d["pass"]) for d, _ in pairs)),
+                     fmt(statistics.fmean(float(m["pass"]) for _, m in pairs)),
                      str(test.both_pass), str(test.critical), str(test.reverse),
                      str(test.both_fail), f"{test.p_value:.3g}"])
     return Table(f"NIAH ({run.experiment}, context {run.context('niah')}; Table 10)",
@@ -304,7 +305,7 @@ def runtime_table(run: RunData) -> Table:
         else:
             cells = ["-"] * 6 + ["1.000"]
         ratio = ms / base if base else float("nan")
-        rows.append([v, *cells, _fmt(ms, 1), _fmt(ratio, 2)])
+        rows.append([v, *cells, fmt(ms, 1), fmt(ratio, 2)])
     return Table(f"Ladder, cache and speed ({run.experiment}; Tables 4, 15)",
                  ["method", "rungs % 0/1/2/3/4", "check fails % rank/bound/canary", "K* mean",
                   "value promotions/step", "scratch hit %", "H2D MiB/step", "Tier-1/dense",
