@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from certkv.cli import app
 from certkv.eval import stats
+from certkv.eval.results import RunDir
 from certkv.report.document import build_report, write_report
 from certkv.report.tables import RunData, quality_delta
 
@@ -91,6 +92,20 @@ def test_ruler_tables_from_a_run_directory(tmp_path):
 def test_partial_runs_render_on_the_finished_pairs(tmp_path):
     run = RunData.load(ruler_run(tmp_path, drop_last=True))
     assert quality_delta(run, "ruler", "certified")["n"] == 3
+
+
+def test_a_run_resumed_on_other_code_says_which_records_each_commit_made(tmp_path):
+    root = ruler_run(tmp_path, drop_last=True)
+    run = RunDir(root)
+    run.start_session({"commit": "abc", "threads": 2})  # the same environment: one session
+    assert [s["commit"] for s in run.read_meta()["sessions"]] == ["abc"]
+    run.start_session({"commit": "def", "threads": 2})  # resumed after a commit
+    meta = run.read_meta()
+    assert meta["commit"] == "def"
+    assert [(s["commit"], s["from_record"]) for s in meta["sessions"]] == [("abc", 0),
+                                                                           ("def", 7)]
+    (line,) = build_report([root]).provenance()
+    assert "records 0+: commit `abc`" in line and "; then records 7+: commit `def`" in line
 
 
 def test_niah_and_perplexity_tables(tmp_path):

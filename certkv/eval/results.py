@@ -90,6 +90,19 @@ class RunDir:
         path = self.root / self.META
         return json.loads(path.read_text()) if path.exists() else {}
 
+    def start_session(self, env: dict) -> None:
+        """Provenance of this (possibly resumed) session: ``env`` (commit, machine, threads,
+        versions) becomes run.json's top level, and a session whose environment differs from
+        the last one's is appended to ``sessions`` with the record it started at, so a run
+        resumed on other code or another machine says which part each made."""
+        earlier = self.read_meta()
+        sessions = earlier.get("sessions") or (
+            [{**{k: earlier[k] for k in env if k in earlier}, "from_record": 0}]
+            if "commit" in earlier else [])
+        if not sessions or {k: v for k, v in sessions[-1].items() if k != "from_record"} != env:
+            sessions.append({**env, "from_record": len(self.samples)})
+        self.write_meta({**env, "sessions": sessions})
+
     def write_meta(self, meta: dict) -> None:
         """Provenance of the run (command, commit, machine, threads, versions, wall time),
         merged into what earlier (resumed) sessions recorded."""

@@ -93,8 +93,8 @@ def run_experiment(cfg: DictConfig, out_dir: str, progress: bool = True) -> dict
     run.write_config(OmegaConf.to_yaml(cfg, resolve=True))
     planned = len(plan) * len(variants)
     run.write_meta({"experiment": cfg.experiment, "model": cfg.model.name,
-                    "command": " ".join(sys.argv), "seed": cfg.seed, "planned": planned,
-                    **environment()})
+                    "command": " ".join(sys.argv), "seed": cfg.seed, "planned": planned})
+    run.start_session(environment())
     earlier = run.read_meta().get("wall_s", 0.0)  # wall time of earlier (resumed) sessions
 
     def progress_meta() -> None:  # after every record: an interrupted session still counts

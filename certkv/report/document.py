@@ -33,12 +33,24 @@ class Report:
             done = f"{m.get('records', len(run.samples))}/{m.get('planned', '?')} records"
             wall = f", wall time {m['wall_s'] / 60:.1f} min" if "wall_s" in m else ""
             lines.append(
-                f"`{run.experiment}` ({run.model}): `{m.get('command', '?')}`; commit "
-                f"`{m.get('commit', '?')}`; {m.get('device', '?')}, {m.get('threads', '?')} "
-                f"threads; torch {m.get('torch', '?')}, transformers "
-                f"{m.get('transformers', '?')}; seed {m.get('seed', '?')}; {done}{wall}; "
+                f"`{run.experiment}` ({run.model}): `{m.get('command', '?')}`; "
+                f"{_environment(m)}; seed {m.get('seed', '?')}; {done}{wall}; "
                 f"run directory `{run.root}`")
         return lines
+
+
+def _environment(meta: dict) -> str:
+    """Commit, machine, threads and versions; a run resumed in another environment lists each
+    session's with the record it started at."""
+    sessions = meta.get("sessions") or [meta]
+
+    def one(m: dict) -> str:
+        return (f"commit `{m.get('commit', '?')}`; {m.get('device', '?')}, "
+                f"{m.get('threads', '?')} threads; torch {m.get('torch', '?')}, transformers "
+                f"{m.get('transformers', '?')}")
+    if len(sessions) == 1:
+        return one(sessions[0])
+    return "; then ".join(f"records {s['from_record']}+: {one(s)}" for s in sessions)
 
 
 def build_report(paths: list[str | Path]) -> Report:
