@@ -69,13 +69,12 @@ def compose_config(overrides: list[str]):
                           "Print the composed config with `certkv run --cfg job`.") from exc
 
 
-def validate_overrides(overrides: list[str]) -> str | None:
-    """Compose the config (a sweep's first point); on failure the message, else None."""
+def _composed_or_fail(overrides: list[str]):
+    """The config of ``overrides`` (a sweep: its first point); bad ones exit with the message."""
     try:
-        compose_config(_first_choices(overrides))
+        return compose_config(_first_choices(overrides))
     except ConfigError as exc:
-        return str(exc)
-    return None
+        _fail(str(exc))
 
 
 def _with_experiment(args: list[str]) -> list[str]:
@@ -93,9 +92,7 @@ def run(ctx: typer.Context) -> None:
     """
     args = _with_experiment(ctx.args)
     overrides = [a for a in args if "=" in a and not a.startswith("-")]
-    problem = validate_overrides(overrides)
-    if problem:
-        _fail(problem)
+    _composed_or_fail(overrides)
     from certkv.hydra_app import main as hydra_main
 
     sys.argv = ["certkv run", *args]
@@ -298,10 +295,7 @@ def _run_sweep(ctx: typer.Context, knob: str, axes: dict[str, list[str]],
     except CertKVError as exc:
         _fail(str(exc))
     task = [a for a in args if "=" in a and not a.startswith(("-", "hydra.", "hydra/"))]
-    try:
-        cfg = compose_config(_first_choices(task))
-    except ConfigError as exc:
-        _fail(str(exc))
+    cfg = _composed_or_fail(task)
     from certkv.hydra_app import main as hydra_main
 
     sys.argv = ["certkv sweep", *args]
@@ -330,7 +324,7 @@ def _log_sweep(cfg, report) -> None:
         logger.log_sweep(report)
 
 
-def _grid_sweep(knob: str, doc: str):
+def _grid_sweep(knob: str, doc: str) -> None:
     """A ``certkv sweep KNOB [--values ...] [--out ...]`` command for a one-grid knob."""
     def command(ctx: typer.Context,
                 values: Annotated[str | None, typer.Option(help=VALUES_HELP)] = None,
