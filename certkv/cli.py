@@ -16,10 +16,14 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from certkv.config import (
+    CONF_DIR,
+    compose_config,
+    config_groups,
+    first_choices,
+    with_experiment,
+)
 from certkv.errors import CertKVError, ConfigError
-
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-DEFAULT_EXPERIMENT = "smoke"
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Runtime-certified quantized KV-cache attention: experiments and tools.")
@@ -32,56 +36,12 @@ def _fail(message: str) -> None:
     raise typer.Exit(2)
 
 
-def config_groups() -> dict[str, list[str]]:
-    """Config group -> option names, read from ``conf/``."""
-    return {d.name: sorted(p.stem for p in d.glob("*.yaml"))
-            for d in sorted(CONF_DIR.iterdir()) if d.is_dir() and d.name != "hydra"}
-
-
-def _first_choices(overrides: list[str]) -> list[str]:
-    """For validation of a sweep: ``k=a,b`` -> ``k=a`` (sweep functions are left out)."""
-    out = []
-    for item in overrides:
-        key, _, value = item.partition("=")
-        if "(" in value and value.rstrip().endswith(")"):
-            continue
-        if "," in value and not value.lstrip().startswith(("[", "{", "'", '"')):
-            value = value.split(",")[0]
-        out.append(f"{key}={value}")
-    return out
-
-
-def compose_config(overrides: list[str]):
-    """The config ``certkv run OVERRIDES`` composes from ``conf/`` (one job: no sweep values).
-
-    Bad overrides raise :class:`ConfigError` with Hydra's message and the valid options.
-    """
-    from hydra import compose, initialize_config_dir
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    try:
-        with initialize_config_dir(str(CONF_DIR), version_base=None):
-            return compose("config", overrides=overrides)
-    except (HydraException, OmegaConfBaseException, ValueError) as exc:
-        groups = "; ".join(f"{g}: {', '.join(o)}" for g, o in config_groups().items())
-        raise ConfigError(f"{str(exc).strip()}\nValid config groups and options: {groups}. "
-                          "Print the composed config with `certkv run --cfg job`.") from exc
-
-
 def _composed_or_fail(overrides: list[str]):
     """The config of ``overrides`` (a sweep: its first point); bad ones exit with the message."""
     try:
-        return compose_config(_first_choices(overrides))
+        return compose_config(first_choices(overrides))
     except ConfigError as exc:
         _fail(str(exc))
-
-
-def _with_experiment(args: list[str]) -> list[str]:
-    """``args`` with ``+experiment=smoke`` in front unless they name an experiment."""
-    if any(a.lstrip("+").startswith("experiment=") for a in args):
-        return list(args)
-    return [f"+experiment={DEFAULT_EXPERIMENT}", *args]
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -90,7 +50,7 @@ def run(ctx: typer.Context) -> None:
 
     Without +experiment the `smoke` experiment runs (SmolLM2 on CPU, a few minutes).
     """
-    args = _with_experiment(ctx.args)
+    args = with_experiment(ctx.args)
     overrides = [a for a in args if "=" in a and not a.startswith("-")]
     _composed_or_fail(overrides)
     from certkv.hydra_app import main as hydra_main
@@ -284,7 +244,7 @@ def _run_sweep(ctx: typer.Context, knob: str, axes: dict[str, list[str]],
     """Validate, run the multirun, aggregate. Every problem is one sentence naming the fix."""
     from certkv.sweep import multirun_args, sweep_name
 
-    overrides = _with_experiment(ctx.args)
+    overrides = with_experiment(ctx.args)
     for item in overrides:
         if item.startswith("hydra/launcher=") and item.split("=", 1)[1] not in _launchers():
             _fail(f"unknown launcher {item.split('=', 1)[1]!r}; use one of {_launchers()} "

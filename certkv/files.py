@@ -26,3 +26,22 @@ def write_atomic(path: Path, text: str) -> None:
         Path(tmp).unlink(missing_ok=True)
         raise
 
+
+
+def writable_dir(path: str | Path, fix: str) -> Path:
+    """``path`` as a directory this process can write (created if missing), else a
+    :class:`~certkv.errors.CertKVError` whose one sentence names ``fix`` (e.g. ``"--out DIR"``).
+    Checked before any work starts, so nothing computed is lost to a read-only target."""
+    from certkv.errors import CertKVError
+
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".certkv-write-test-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise CertKVError(f"cannot write to {path} ({reason.lower()}); choose a writable "
+                          f"directory with {fix}.") from None
+    return path

@@ -15,7 +15,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
-from certkv.cli import CONF_DIR
+from certkv.config import CONF_DIR
 from certkv.errors import CertKVError
 
 MAX_DIRNAME = 120

@@ -101,7 +101,7 @@ def test_sweep_command_errors(args, message):
 def test_slurm_gpu_launcher_config_composes():
     from hydra import compose, initialize_config_dir
 
-    from certkv.cli import CONF_DIR
+    from certkv.config import CONF_DIR
 
     with initialize_config_dir(str(CONF_DIR), version_base=None):
         cfg = compose("config", overrides=["hydra/launcher=slurm_gpu"],

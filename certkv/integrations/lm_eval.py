@@ -46,7 +46,7 @@ MODES = ("dense", "naive", "certified")
 
 def _model_overrides(model: str) -> list[str]:
     """Hydra overrides that pick ``model``: a ``conf/model`` name, or a hub id / directory."""
-    from certkv.cli import config_groups
+    from certkv.config import config_groups
 
     if model in config_groups()["model"]:
         return [f"model={model}"]
@@ -56,7 +56,7 @@ def _model_overrides(model: str) -> list[str]:
 
 def _compose(model: str, mode: str, experiment: str | None, overrides: dict):
     """The Hydra config of one method: the model, the experiment's components, overrides."""
-    from certkv.cli import compose_config
+    from certkv.config import compose_config
 
     items = [f"+experiment={experiment}"] if experiment else []
     items += _model_overrides(model)
