@@ -6,12 +6,63 @@ integrations (:mod:`certkv.integrations.lm_eval`) import this module; nothing im
 
 from __future__ import annotations
 
+import hashlib
+import re
 from pathlib import Path
 
 from certkv.errors import ConfigError
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 DEFAULT_EXPERIMENT = "smoke"
+MAX_DIRNAME = 120
+# Overrides that never change a result, so they do not name the run directory: the experiment
+# and output root (already in the path) and the logger (W&B logs the same run, no recompute).
+NOT_IN_DIRNAME = ("experiment", "out_dir", "logger")
+_UNSAFE = re.compile(r'[/\\:*?"<>|\x00-\x1f]')
+
+
+def override_key(item: str) -> str:
+    """``+model.path=x`` -> ``model.path``."""
+    return item.partition("=")[0].lstrip("+~")
+
+
+def names_run_dir(item: str) -> bool:
+    """Whether the override ``item`` takes part in the run directory's name."""
+    key = override_key(item)
+    return not any(key == k or key.startswith(f"{k}.") or key.startswith(f"{k}/")
+                   for k in NOT_IN_DIRNAME) and not key.startswith(("hydra.", "hydra/"))
+
+
+def run_dirname(overrides) -> str:
+    """The directory name of a run (or a sweep point) from its overrides: the ones that can
+    change results, sorted and joined by ``,`` (Hydra's ``override_dirname`` form),
+    with path separators and other characters a file system rejects replaced by ``_`` (and a
+    hash of the original appended, so two values never share a directory); a name too long for
+    a file system (e.g. a ``variants=[...]`` list) keeps its start and a hash of the whole."""
+    name = ",".join(sorted(str(o) for o in overrides if names_run_dir(str(o))))
+    safe = _UNSAFE.sub("_", name)
+    digest = hashlib.md5(name.encode()).hexdigest()[:10]
+    if safe != name:
+        safe = f"{safe[:MAX_DIRNAME - 11]}-{digest}"
+    elif len(safe) > MAX_DIRNAME:
+        safe = f"{safe[:MAX_DIRNAME - 11].rstrip(',')}-{digest}"
+    return safe
+
+
+def path_name(path: str | None, default: str) -> str:
+    """A model's short name: ``default``, or the last part of ``path`` when one is given
+    (``model.path=/models/Llama-3.1-8B`` on a config of another model)."""
+    if not path:
+        return default
+    return Path(str(path).rstrip("/")).name or default
+
+
+def register_resolvers() -> None:
+    """OmegaConf resolvers ``conf/`` uses (``${run_dirname:...}``, ``${path_name:...}``)."""
+    from omegaconf import OmegaConf
+
+    OmegaConf.register_new_resolver("run_dirname", run_dirname, replace=True)
+    OmegaConf.register_new_resolver("path_name", path_name, replace=True)
 
 
 def config_groups() -> dict[str, list[str]]:
@@ -49,6 +100,7 @@ def compose_config(overrides: list[str]):
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    register_resolvers()
     try:
         with initialize_config_dir(str(CONF_DIR), version_base=None):
             return compose("config", overrides=overrides)
@@ -56,3 +108,94 @@ def compose_config(overrides: list[str]):
         groups = "; ".join(f"{g}: {', '.join(o)}" for g, o in config_groups().items())
         raise ConfigError(f"{str(exc).strip()}\nValid config groups and options: {groups}. "
                           "Print the composed config with `certkv run --cfg job`.") from exc
+
+
+def check_types(node, path: str) -> None:
+    """Check every field of a config node with a ``_target_`` (and its nested nodes) against
+    the annotations of the class or function it builds, before anything is built: a value of
+    the wrong kind (``selector.tau_cov=abc``) is a :class:`ConfigError` naming the field, what
+    it must be and an example, not a ``TypeError`` from deep inside a constructor.
+
+    ``node``: a ``DictConfig`` or dict; ``path``: its dotted name (``selector``).
+    """
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(node, DictConfig):
+        node = OmegaConf.to_container(node, resolve=True)
+    if not isinstance(node, dict) or "_target_" not in node:
+        return
+    hints, defaults = _signature(node["_target_"])
+    for key, value in node.items():
+        if key.startswith("_"):
+            continue
+        if isinstance(value, dict) and "_target_" in value:
+            check_types(value, f"{path}.{key}")
+            continue
+        hint = hints.get(key)
+        if hint is not None and not _matches(value, hint):
+            example = defaults.get(key)
+            shown = f"; e.g. {path}.{key}={example}" if example is not None else ""
+            raise ConfigError(f"{path}.{key}={value!r} must be {_describe(hint)}{shown}.")
+
+
+def _signature(target: str) -> tuple[dict, dict]:
+    """``(annotations, defaults)`` of the class or function ``target`` names."""
+    import dataclasses
+    import inspect
+    import typing
+
+    from hydra.utils import get_object
+
+    try:
+        obj = get_object(target)
+    except Exception:  # an unknown target fails later with Hydra's own message
+        return {}, {}
+    fn = obj.__init__ if inspect.isclass(obj) and not dataclasses.is_dataclass(obj) else obj
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception:  # annotations that do not resolve: nothing to check against
+        return {}, {}
+    try:
+        params = inspect.signature(obj).parameters.values()
+    except (TypeError, ValueError):
+        params = []
+    defaults = {p.name: p.default for p in params
+                if p.default is not inspect.Parameter.empty and p.default is not None}
+    return hints, defaults
+
+
+def _matches(value, hint) -> bool:
+    """Whether a plain config value fits a type annotation (ints are floats; bools are not
+    numbers; unknown annotation kinds are accepted)."""
+    import types
+    import typing
+
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint in (bool, str):
+        return isinstance(value, hint)
+    if hint is dict or origin is dict:
+        return isinstance(value, dict)
+    if hint in (list, tuple) or origin in (list, tuple):
+        return isinstance(value, list | tuple)
+    return True
+
+
+def _describe(hint) -> str:
+    """``float | None`` -> ``a number or null``."""
+    import types
+    import typing
+
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(dict.fromkeys(_describe(h) for h in typing.get_args(hint)))
+    names = {float: "a number", int: "an integer", bool: "true or false", str: "a string",
+             type(None): "null", dict: "a mapping", list: "a list", tuple: "a list"}
+    return names.get(hint, names.get(typing.get_origin(hint), getattr(hint, "__name__",
+                                                                     str(hint))))

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import hashlib
+import os
+import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -15,22 +16,10 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
-from certkv.config import CONF_DIR
+from certkv.config import CONF_DIR, register_resolvers
 from certkv.errors import CertKVError
 
-MAX_DIRNAME = 120
-
-
-def short_dirname(overrides: str) -> str:
-    """A run directory name from the overrides: as Hydra writes it, or, when that would be too
-    long for a file system (e.g. a ``variants=[...]`` list), its start and a hash of the whole."""
-    if len(overrides) <= MAX_DIRNAME:
-        return overrides
-    digest = hashlib.md5(overrides.encode()).hexdigest()[:10]
-    return f"{overrides[:MAX_DIRNAME - 11].rstrip(',')}-{digest}"
-
-
-OmegaConf.register_new_resolver("dirname", short_dirname, replace=True)
+register_resolvers()
 
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
@@ -44,34 +33,68 @@ def main(cfg: DictConfig) -> None:
     if multirun and RunDir.finished(out_dir, OmegaConf.to_yaml(cfg, resolve=True)):
         console.print(f"[bold]skipped:[/] {out_dir} finished earlier.", highlight=False)
         return
-    Path(out_dir, RunDir.FAILED).unlink(missing_ok=True)  # a fresh attempt
     try:
-        summary = run_experiment(cfg, out_dir)
-    except (CertKVError, InstantiationException) as exc:
-        cause = exc if isinstance(exc, CertKVError) else exc.__cause__
-        if not isinstance(cause, CertKVError):
-            raise
+        Path(out_dir, RunDir.FAILED).unlink(missing_ok=True)  # a fresh attempt
+        summary = run_experiment(cfg, out_dir, command=point_command(out_dir, multirun),
+                                 invoked_by=os.environ.get(INVOCATION))
+        from certkv.report.document import build_report, write_report
+
+        report = build_report([out_dir])
+        write_report(report, out_dir)  # README.md, figures/, report.json in the run directory
+    except (CertKVError, InstantiationException, OSError) as exc:
+        message = _user_error(exc, out_dir)
         if multirun:  # one failed point of a sweep: record it and let Hydra go on
-            RunDir.record_failure(out_dir, str(cause))
-            console.print(f"[bold red]point failed:[/] {out_dir}: {cause}", highlight=False)
+            RunDir.record_failure(out_dir, message)
+            console.print(f"[bold red]point failed:[/] {out_dir}: {message}", highlight=False)
             return
         _discard_if_empty(Path(out_dir), Path(cfg.out_dir))
-        console.print(f"[bold red]error:[/] {cause}", highlight=False)
+        console.print(f"[bold red]error:[/] {message}", highlight=False)
         sys.exit(2)
-    from certkv.report.document import build_report, write_report
-
-    report = build_report([out_dir])
-    write_report(report, out_dir)  # README.md, figures/, report.json in the run directory
     instantiate(cfg.logger).log(report, summary, out_dir)
+
+
+INVOCATION = "CERTKV_INVOCATION"  # the command the user typed (set by the CLI for sweeps)
+
+
+def _user_error(exc: Exception, out_dir: str) -> str:
+    """The one sentence a failed job reports; anything else is a bug and propagates."""
+    if isinstance(exc, OSError):
+        if not isinstance(exc, PermissionError | FileNotFoundError) and exc.errno is None:
+            raise exc
+        reason = (exc.strerror or type(exc).__name__).lower()
+        return (f"cannot write the run directory {out_dir} ({reason}); choose a writable "
+                "out_dir=DIR.")
+    cause = exc if isinstance(exc, CertKVError) else exc.__cause__
+    if not isinstance(cause, CertKVError):
+        raise exc
+    return str(cause)
+
+
+def point_command(out_dir: str, multirun: bool) -> str:
+    """A command a user can paste to rerun (resume) this job into the same directory: the
+    job's own overrides (a sweep point's values, not the sweep's lists) and, for a sweep
+    point, its directory."""
+    overrides = list(HydraConfig.get().overrides.task)
+    if multirun:
+        where = Path(out_dir)
+        if where.is_absolute() and Path.cwd() in where.parents:
+            where = where.relative_to(Path.cwd())
+        overrides.append(f'hydra.run.dir="{where}"')  # quoted: a point's name holds = and ,
+    else:
+        overrides += [o for o in HydraConfig.get().overrides.hydra
+                      if o.startswith("hydra.run.dir=")]
+    return shlex.join(["certkv", "run", *overrides])
 
 
 def _discard_if_empty(run_dir: Path, root: Path) -> None:
     """A run that failed before recording any result leaves no look-alike directory behind
     (Hydra creates it before the job starts); empty parents up to ``root`` go too."""
+    run_dir, root = run_dir.resolve(), root.resolve()
     if (run_dir / "samples.jsonl").exists():
         return  # a resumed run keeps what it recorded
     shutil.rmtree(run_dir, ignore_errors=True)
     parent = run_dir.parent
-    while parent != root and root in parent.parents and not any(parent.iterdir()):
+    while parent != root and root in parent.parents and parent.is_dir() \
+            and not any(parent.iterdir()):
         parent.rmdir()
         parent = parent.parent

@@ -11,7 +11,9 @@ the others go on.
 
 from __future__ import annotations
 
+import itertools
 import re
+import shlex
 from dataclasses import dataclass
 
 from certkv.errors import ConfigError, require
@@ -94,3 +96,27 @@ def sweep_name(knob: str, axes: dict[str, list[str]]) -> str:
     if knob != "custom":
         return knob
     return "+".join(key.split(".")[-1] for key in axes)
+
+
+def sweep_points(axes: dict[str, list[str]], overrides: list[str]) -> list[list[str]]:
+    """Every point of a sweep as the overrides its job gets: the command's own (not Hydra's)
+    and one value per axis, in grid order (the product of the axes)."""
+    own = [o for o in overrides if not o.lstrip("+").startswith(("hydra.", "hydra/"))
+           and o != "-m"]
+    grids = [[f"{key}={value}" for value in values] for key, values in axes.items()]
+    return [[*own, *combo] for combo in itertools.product(*grids)]
+
+
+def invocation(knob: str, axes: dict[str, list[str]], overrides: list[str],
+               out: str | None) -> str:
+    """The ``certkv sweep`` command as a user would type it again (recorded by every point)."""
+    args = ["certkv", "sweep", knob]
+    if knob == "custom":
+        args += [f"{key}={','.join(values)}" for key, values in axes.items()]
+    else:
+        keys = list(axes)
+        args += ["--values", ",".join(axes[keys[0]])]
+        if "cache.scratch_value_blocks" in axes:
+            args += ["--value-blocks", ",".join(axes["cache.scratch_value_blocks"])]
+    args += overrides + (["--out", out] if out else [])
+    return shlex.join(args)

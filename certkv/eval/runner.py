@@ -8,11 +8,14 @@ recorded.
 
 from __future__ import annotations
 
+import shlex
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from rich.progress import (
@@ -26,20 +29,60 @@ from rich.progress import (
 
 from certkv.attention import MODES, CertifiedAttention
 from certkv.cache.hf import CacheSpec
-from certkv.errors import ConfigError, require
+from certkv.config import check_types
+from certkv.errors import CertKVError, ConfigError, require
 from certkv.eval.decode import Method, Prefill
 from certkv.eval.results import RunDir
-from certkv.models.loading import load_model
+from certkv.models.loading import ModelSpec, check_source, load_model
 from certkv.provenance import environment
 
 COMPONENTS = ("quantizer", "selector", "value_policy", "ladder")
 Variant = Method  # a run's variants are protocol methods built from the config
 
 
+def build(node, path: str):
+    """``instantiate(node)`` after checking its fields' types (:func:`check_types`); a
+    component's own :class:`CertKVError` comes out as itself (Hydra wraps it), any other
+    construction failure as one :class:`ConfigError` sentence naming ``path``."""
+    check_types(node, path)
+    try:
+        return instantiate(node)
+    except InstantiationException as exc:
+        cause = exc.__cause__
+        if isinstance(cause, CertKVError):
+            raise cause from None
+        raise ConfigError(f"the {path} config could not be built ({type(cause or exc).__name__}: "
+                          f"{cause or exc}); check its fields with `certkv run --cfg job`."
+                          ) from None
+
+
+@dataclass
+class Experiment:
+    """Everything a run builds from its config before a model is loaded or a file written."""
+
+    variants: list[Method]
+    cache: CacheSpec
+    tasks: list
+    model: ModelSpec
+
+
+def validate(cfg: DictConfig) -> Experiment:
+    """Build and check every component of ``cfg`` (types, values, a model path that exists)
+    without loading the model: a bad config fails here with one sentence, before any run
+    directory exists."""
+    variants = build_variants(cfg)
+    cache = build(cfg.cache, "cache")
+    tasks = [build(node, f"task.{name}") for name, node in cfg.task.items()]
+    check_types(cfg.logger, "logger")
+    model = build(cfg.model, "model")
+    check_source(model)
+    return Experiment(variants, cache, tasks, model)
+
+
 def build_variants(cfg: DictConfig) -> list[Method]:
     """Instantiate ``cfg.variants``: each entry overrides fields of the component groups."""
     variants, names = [], set()
-    backend = instantiate(cfg.backend)
+    backend = build(cfg.backend, "backend")
     for entry in cfg.variants:
         name, mode = entry.get("name"), entry.get("mode", "certified")
         require(name is not None and name not in names, ConfigError,
@@ -50,7 +93,7 @@ def build_variants(cfg: DictConfig) -> list[Method]:
         require(not unknown, ConfigError,
                 f"variant {name!r} has unknown keys {sorted(unknown)}; it may set name, mode and "
                 f"{', '.join(COMPONENTS)}.")
-        parts = {c: instantiate(_override(cfg[c], entry.get(c, {}))) for c in COMPONENTS}
+        parts = {c: build(_override(cfg[c], entry.get(c, {})), c) for c in COMPONENTS}
         attention = CertifiedAttention(parts["selector"], parts["value_policy"], parts["ladder"],
                                        backend, mode, compile=cfg.get("compile"))
         variants.append(Method(name, mode, attention, parts["quantizer"]))
@@ -74,26 +117,31 @@ def _override(base, change):
     return merged
 
 
-def run_experiment(cfg: DictConfig, out_dir: str, progress: bool = True) -> dict:
-    """Run every task sample x variant not yet recorded in ``out_dir``; returns the summary."""
+def run_experiment(cfg: DictConfig, out_dir: str, progress: bool = True,
+                   command: str | None = None, invoked_by: str | None = None) -> dict:
+    """Run every task sample x variant not yet recorded in ``out_dir``; returns the summary.
+
+    ``command``: what run.json records as the command that reruns (resumes) this run (default:
+    this process's arguments); ``invoked_by``: the command that launched it, when another (a
+    sweep)."""
     from certkv.report.summary import summarize
 
     started = time.time()
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg.threads))
     torch.manual_seed(cfg.seed)
-    variants = build_variants(cfg)  # everything is validated before the run directory exists
-    spec: CacheSpec = instantiate(cfg.cache)
-    tasks = [instantiate(node) for node in cfg.task.values()]
-    lm = load_model(instantiate(cfg.model))
+    built = validate(cfg)  # everything is checked before the run directory exists
+    variants, spec, tasks = built.variants, built.cache, built.tasks
+    lm = load_model(built.model)
     for variant in variants:  # before anything is recorded: a sweep point fails whole
         variant.quantizer.validate(lm.head_dim)
     plan = [(task, s) for task in tasks for s in task.samples(lm.tokenizer, lm.max_context)]
     run = RunDir(out_dir)
     run.write_config(OmegaConf.to_yaml(cfg, resolve=True))
     planned = len(plan) * len(variants)
-    run.write_meta({"experiment": cfg.experiment, "model": cfg.model.name,
-                    "command": " ".join(sys.argv), "seed": cfg.seed, "planned": planned})
+    meta = {"experiment": cfg.experiment, "model": cfg.model.name,
+            "command": command or shlex.join(sys.argv), "seed": cfg.seed, "planned": planned}
+    run.write_meta({**meta, **({"invoked_by": invoked_by} if invoked_by else {})})
     run.start_session(environment())
     earlier = run.read_meta().get("wall_s", 0.0)  # wall time of earlier (resumed) sessions
 

@@ -50,8 +50,7 @@ def _model_overrides(model: str) -> list[str]:
 
     if model in config_groups()["model"]:
         return [f"model={model}"]
-    return [f"model.path={model}", f"model.name={Path(model).name}", "model.package=null",
-            "model.gguf_file=null"]
+    return [f"model.path={model}"]  # any model config takes a path (named after it)
 
 
 def _compose(model: str, mode: str, experiment: str | None, overrides: dict):

@@ -15,6 +15,7 @@ in the last bits, enough to flip 2-bit key codes (a fresh clone's first run meas
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import shutil
@@ -66,6 +67,17 @@ class ModelSpec:
     seed: int = 0
     device_map: str | None = None
     extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        """A ``path`` given to a packaged or random model's config replaces its source
+        (``model.path=DIR_OR_HUB_ID`` works from any model config); the package's GGUF file
+        stays only if the path holds it."""
+        if self.path is None or (self.package is None and self.random_config is None):
+            return
+        if self.package and self.gguf_file and \
+                not (Path(str(self.path)).expanduser() / self.gguf_file).is_file():
+            self.gguf_file = None
+        self.package, self.random_config, self.tokenizer = None, None, None
 
 
 @dataclass
@@ -124,24 +136,40 @@ def _source(spec: ModelSpec) -> tuple[str, dict]:
         require(spec.path is not None, ConfigError,
                 "model.path is not set; give a hub id or a local directory, e.g. "
                 "model.path=HuggingFaceTB/SmolLM2-135M.")
-        path = spec.path
+        path = str(spec.path)
         local = Path(path).expanduser()
         if local.exists():
             path = str(local)
-        elif path.startswith((".", "/", "~")):
+        elif path.startswith((".", "/", "~")) or path.count("/") > 1:
             raise CertKVError(f"model.path={spec.path!r} does not exist; point it at a model "
-                              "directory or use a hub id.")
+                              "directory or use a hub id such as HuggingFaceTB/SmolLM2-135M.")
     kwargs = {"gguf_file": spec.gguf_file} if spec.gguf_file else {}
     return path, kwargs
+
+
+def check_source(spec: ModelSpec) -> None:
+    """Raise :class:`CertKVError` (one sentence) if ``spec`` names a local path that does not
+    exist or a model package that is not installed; loads nothing."""
+    if spec.random_config is None:
+        _source(spec)
 
 
 def _resolved_source(spec: ModelSpec) -> tuple[str, dict, Path | None]:
     """Like :func:`_source`, but prefer the converted copy of a GGUF model when it exists."""
     path, kwargs = _source(spec)
-    cached = data_dir() / "models" / spec.name if kwargs else None
+    cached = data_dir() / "models" / _cache_name(spec, path) if kwargs else None
     if cached is not None and (cached / "config.json").exists():
         return str(cached), {}, None
     return path, kwargs, cached
+
+
+def _cache_name(spec: ModelSpec, path: str) -> str:
+    """Where a converted GGUF model is kept: the packaged default under its name, any other
+    GGUF under its name and a hash of its source (two GGUF files never share a conversion)."""
+    if spec.package:
+        return spec.name
+    source = f"{Path(path).resolve() if Path(path).exists() else path}/{spec.gguf_file}"
+    return f"{spec.name}-{hashlib.md5(source.encode()).hexdigest()[:8]}"
 
 
 def _load_tokenizer(spec: ModelSpec):
