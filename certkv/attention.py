@@ -19,6 +19,7 @@ import warnings
 from dataclasses import dataclass, field
 from functools import partial
 
+import numpy as np
 import torch
 
 from certkv.cache.scratch import ScratchCache
@@ -113,12 +114,7 @@ class CertifiedAttention:
         ``scratch`` (optional) serves promoted FP16 blocks from device memory before Tier-2.
         """
         self._check(q, store)
-        scaling = store.head_dim**-0.5 if scaling is None else scaling
-        require(isinstance(scaling, numbers.Real) and not isinstance(scaling, bool)
-                and math.isfinite(scaling) and scaling > 0,
-                ConfigError, f"scaling={scaling!r} must be a finite positive number (the "
-                "softmax scale, usually head_dim**-0.5); pass the model's scaling or None.")
-        scaling = float(scaling)
+        scaling = _scaling(store.head_dim, scaling)
         q_dev = q.to(store.device)
         if self.mode == "dense":  # the baseline: no host reads on accelerators, as plain SDPA
             if store.device.type == "cpu":
@@ -493,6 +489,34 @@ class CertifiedAttention:
         e_arith = e_arith.clone()
         e_arith[dev_heads] = self._dense_arith(spec, q, store)[dev_heads]
         return out, e_arith
+
+
+def max_scaling(head_dim: int) -> float:
+    """The largest softmax scale certkv honours: every logit it computes, ``scaling q.k`` with
+    ``q`` prescaled to ``|q|_inf <= 1`` on the dense path and FP16 keys (``|k| <= 65504``), stays
+    finite in FP32 (``scaling * head_dim * 65504 < 2^128``); beyond it the dense path itself would
+    overflow (4.1e31 at d=128; models use ``head_dim**-0.5``)."""
+    return float(torch.finfo(torch.float32).max) / (head_dim * 65504.0) / 2
+
+
+def _scaling(head_dim: int, scaling) -> float:
+    """The caller's softmax scale as a float (``None``: ``head_dim**-0.5``); a 0-d tensor or
+    array is read as its value; anything else that is not a finite positive number up to
+    :func:`max_scaling` is a :class:`ConfigError` naming the fix."""
+    if scaling is None:
+        return head_dim**-0.5
+    if isinstance(scaling, torch.Tensor | np.ndarray) and scaling.ndim == 0 \
+            and scaling.dtype != bool and not isinstance(scaling, torch.BoolTensor):
+        scaling = scaling.item()
+    fix = "pass the model's softmax scale (usually head_dim**-0.5) as a float, or None"
+    require(isinstance(scaling, numbers.Real) and not isinstance(scaling, bool)
+            and math.isfinite(scaling) and scaling > 0,
+            ConfigError, f"scaling={scaling!r} must be a finite positive number; {fix}.")
+    limit = max_scaling(head_dim)
+    require(scaling <= limit, ConfigError,
+            f"scaling={scaling:.3g} exceeds {limit:.3g}, the largest scale whose logits FP32 "
+            f"can hold at head_dim {head_dim}; {fix}.")
+    return float(scaling)
 
 
 def _log_spread(scored) -> torch.Tensor:

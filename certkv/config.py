@@ -33,19 +33,22 @@ def names_run_dir(item: str) -> bool:
                    for k in NOT_IN_DIRNAME) and not key.startswith(("hydra.", "hydra/"))
 
 
-def run_dirname(overrides) -> str:
+def run_dirname(overrides, sep: str = ",") -> str:
     """The directory name of a run (or a sweep point) from its overrides: the ones that can
-    change results, sorted and joined by ``,`` (Hydra's ``override_dirname`` form),
+    change results, sorted and joined by ``sep`` (``,``: Hydra's ``override_dirname`` form),
     with path separators and other characters a file system rejects replaced by ``_`` (and a
     hash of the original appended, so two values never share a directory); a name too long for
-    a file system (e.g. a ``variants=[...]`` list) keeps its start and a hash of the whole."""
-    name = ",".join(sorted(str(o) for o in overrides if names_run_dir(str(o))))
-    safe = _UNSAFE.sub("_", name)
+    a file system (e.g. a ``variants=[...]`` list) keeps its start and a hash of the whole.
+    Another ``sep`` (lm-eval's ``+``: its model arguments are split at commas) makes ``,`` in a
+    value unsafe too."""
+    name = sep.join(sorted(str(o) for o in overrides if names_run_dir(str(o))))
+    unsafe = _UNSAFE if sep == "," else re.compile(f"{_UNSAFE.pattern[:-1]},]")
+    safe = unsafe.sub("_", name)
     digest = hashlib.md5(name.encode()).hexdigest()[:10]
     if safe != name:
         safe = f"{safe[:MAX_DIRNAME - 11]}-{digest}"
     elif len(safe) > MAX_DIRNAME:
-        safe = f"{safe[:MAX_DIRNAME - 11].rstrip(',')}-{digest}"
+        safe = f"{safe[:MAX_DIRNAME - 11].rstrip(sep)}-{digest}"
     return safe
 
 

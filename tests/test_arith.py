@@ -146,13 +146,41 @@ def test_scaling_must_be_finite_and_positive(scaling, mode):
         CertifiedAttention(mode=mode)(make_query(k, 2), store, scaling)
 
 
-def test_scaling_accepts_any_real_number():
+def test_scaling_accepts_any_real_number_and_0d_tensors():
     k, v = make_kv(1, 40, 16)
     store = TieredKVStore(1, 16)
     store.append(k, v)
     q = make_query(k, 2)
-    out, _ = CertifiedAttention()(q, store, np.float32(0.25))
-    assert torch.equal(out, CertifiedAttention()(q, store, 0.25)[0])
+    out, _ = CertifiedAttention()(q, store, 0.25)
+    for scaling in (np.float32(0.25), torch.tensor(0.25), torch.tensor(0.25, dtype=torch.float64),
+                    np.array(0.25)):
+        assert torch.equal(CertifiedAttention()(q, store, scaling)[0], out)
+    with pytest.raises(ConfigError, match="finite positive number"):
+        CertifiedAttention()(q, store, torch.tensor([0.25, 0.5]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_a_scaling_at_the_largest_honoured_value_keeps_the_contract(backend, dtype):
+    """An auditor's finding: a finite scaling beyond FP32's range (1e38 and up) made every mode
+    return NaN with a finite bound. Scales up to ``max_scaling(d)`` are honoured (FP16-extreme
+    keys, huge queries, every mode); larger ones are refused with one sentence."""
+    from certkv.attention import max_scaling
+
+    d = 16
+    k, v = make_kv(2, 40, d, seed=1)
+    k[:, :, 0] = 65504 * torch.sign(torch.randn(2, 40, generator=torch.Generator().manual_seed(1)))
+    store = TieredKVStore(2, d, block_size=8, value_group=8)
+    store.append(k, v)
+    q = make_query(k, 2).to(dtype)
+    q[:, 0] = 1e4 if dtype == torch.float16 else 1e30
+    limit = max_scaling(d)
+    for mode in ("dense", "naive", "certified"):
+        for scaling in (limit, 1e30):
+            out, cert = attention(backend, mode=mode)(q, store, scaling)
+            check_heads(out, cert, q, store, scaling)
+        with pytest.raises(ConfigError, match="exceeds .* the largest scale"):
+            attention(backend, mode=mode)(q, store, 1e39)
 
 
 def test_bf16_queries_beyond_the_fp16_range_stay_finite_on_every_dense_path():

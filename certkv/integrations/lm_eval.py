@@ -23,13 +23,16 @@ under test, so the quantized cache, the certificate and the ladder really run:
   (its context prefilled dense, its predicted tokens decoded by the method).
 
 Certificate statistics (rungs, E_key / E_val / E_arith, K*, value promotions, bytes) of every
-request are pooled: :meth:`CertKVLM.certificate_summary`, and ``certificates.json`` in
-``run_dir`` after every request type.
+request are pooled: :meth:`CertKVLM.certificate_summary`, and ``certificates_<time>.json`` in
+``run_dir`` after every request type (one file per evaluation, next to lm-eval's
+``results_<time>.json``; ``run_dir`` defaults to ``runs/lm_eval/<model>_<mode>[+<overrides>]``,
+one directory per configuration).
 """
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import lm_eval.models  # noqa: F401 (lm-eval's own models stay registered next to ours)
@@ -64,11 +67,73 @@ def _compose(model: str, mode: str, experiment: str | None, overrides: dict):
     return compose_config(items)
 
 
+ARGS = ("model", "mode", "experiment", "max_length", "run_dir", "batch_size", "device")
+
+
+def method_config(model: str = "smollm2_135m", mode: str = "certified",
+                  experiment: str | None = None, overrides: dict | None = None):
+    """``(config, built components)`` of one certkv method, composed and every component
+    built and checked (no model is loaded): bad model arguments fail here with one sentence."""
+    from certkv.eval.runner import validate
+
+    overrides = {k: str(v) for k, v in (overrides or {}).items()}
+    require(mode in MODES, ConfigError,
+            f"mode={mode!r} is unknown; use one of {list(MODES)}, e.g. mode=certified.")
+    bad = [k for k in overrides if "." not in k]
+    require(not bad, ConfigError,
+            f"unknown model argument(s) {bad}; use {', '.join(ARGS[:5])}, or a dotted config "
+            "field such as value_policy.v_tol=0.02.")
+    cfg = _compose(str(model), mode, experiment, overrides)
+    return cfg, validate(cfg)
+
+
+def run_name(model_name: str, mode: str, args: dict) -> str:
+    """The results directory name of one configuration: ``<model>_<mode>`` and every other
+    model argument that can change a result (``smollm2_135m_naive+quantizer.key_codec.bits=2``;
+    ``+``, not ``,``: lm-eval splits model arguments at commas), so two configurations never
+    share (or replace) a directory."""
+    from certkv.config import run_dirname
+
+    experiment = args.get("experiment")
+    rest = [f"{k}={v}" for k, v in sorted(args.items())
+            if k not in ("model", "mode", "run_dir", "experiment", "batch_size", "device")]
+    suffix = run_dirname(rest, sep="+")
+    return (f"{model_name}_{mode}" + (f"_{experiment}" if experiment else "")
+            + (f"+{suffix}" if suffix else ""))
+
+
+def task_manager(model: str = "smollm2_135m", context: int = 4096, samples: int = 5, **kwargs):
+    """An lm-eval ``TaskManager`` that knows certkv's offline tasks (``certkv_ruler``,
+    ``certkv_ruler_<subtask>``, ``certkv_niah``, ``certkv_needle_choice``, ``certkv_books``),
+    generated for ``model``'s tokenizer at ``context`` tokens (once, under ``$CERTKV_DATA``)::
+
+        lm_eval.simple_evaluate(model="certkv", model_args="model=smollm2_135m,mode=certified",
+                                tasks=["certkv_needle_choice"], limit=2,
+                                task_manager=task_manager(context=1024))
+
+    ``kwargs`` go to ``TaskManager`` (e.g. ``verbosity``)."""
+    from lm_eval.tasks import TaskManager
+
+    from certkv.integrations.lm_eval_tasks import task_folder
+
+    folder = task_folder(model, context, samples, fix="task_manager(context=...)")
+    return TaskManager(include_path=str(folder), **kwargs)
+
+
 def model_spec(model: str):
     """The :class:`~certkv.models.ModelSpec` that ``model=`` names."""
     from hydra.utils import instantiate
 
     return instantiate(_compose(model, "dense", None, {}).model)
+
+
+def _progress(items, description: str, disable: bool = False):
+    """``items`` with a rich progress bar on stderr (requests done, elapsed, remaining)."""
+    from rich.console import Console
+    from rich.progress import track
+
+    return track(items, description=description, disable=disable,
+                 console=Console(stderr=True))
 
 
 @register_model("certkv")
@@ -80,25 +145,18 @@ class CertKVLM(TemplateLM):
                  run_dir: str | None = None, batch_size: int | str = 1, device=None,
                  **overrides) -> None:
         super().__init__()
-        from hydra.utils import instantiate
-
-        from certkv.eval.runner import build_variants
         from certkv.models.loading import load_model
 
-        require(mode in MODES, ConfigError,
-                f"mode={mode!r} is unknown; use one of {list(MODES)}, e.g. mode=certified.")
-        bad = [k for k in overrides if "." not in k]
-        require(not bad, ConfigError,
-                f"unknown model argument(s) {bad}; use model, mode, experiment, max_length, "
-                "run_dir, or a dotted config field such as value_policy.v_tol=0.02.")
-        cfg = _compose(str(model), mode, experiment, {k: str(v) for k, v in overrides.items()})
-        (self.method,) = build_variants(cfg)
-        self.spec = instantiate(cfg.cache)
-        self.lm = load_model(instantiate(cfg.model))
+        cfg, built = method_config(str(model), mode, experiment, overrides)
+        (self.method,), self.spec = built.variants, built.cache
+        self.lm = load_model(built.model)
         self.method.quantizer.validate(self.lm.head_dim)
         self.tokenizer = self.lm.tokenizer
         self._max_length = int(max_length) if max_length else self.lm.max_context
-        self.run_dir = Path(run_dir or Path("runs") / "lm_eval" / f"{cfg.model.name}_{mode}")
+        args = {"experiment": experiment, "max_length": max_length, **overrides}
+        self.run_dir = Path(run_dir or Path("runs") / "lm_eval" / run_name(
+            cfg.model.name, mode, {k: v for k, v in args.items() if v is not None}))
+        self.started = time.strftime("%Y-%m-%dT%H-%M-%S")  # names this evaluation's file
         self.records: list[dict] = []
         self._prefill = None  # the last context's dense prefill (a multiple-choice doc's
         # requests share one context: prefilled once, each choice decodes its own copy)
@@ -129,7 +187,8 @@ class CertKVLM(TemplateLM):
         return self.tokenizer.decode(tokens)
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
-        out = [self._score(context, continuation) for _, context, continuation in requests]
+        out = [self._score(context, continuation) for _, context, continuation
+               in _progress(requests, "certkv loglikelihood", disable_tqdm)]
         self._save()
         for (key, _, _), result in zip(requests, out, strict=True):
             self.cache_hook.add_partial("loglikelihood", key, result)
@@ -137,7 +196,8 @@ class CertKVLM(TemplateLM):
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         results = []
-        for (string,) in [r.args for r in requests]:
+        for (string,) in _progress([r.args for r in requests], "certkv rolling loglikelihood",
+                                   disable_tqdm):
             windows = get_rolling_token_windows(self.tok_encode(string), self.prefix_token_id,
                                                 self.max_length, 1)
             total = sum(self._score(*make_disjoint_window(w))[0] for w in windows)
@@ -148,7 +208,8 @@ class CertKVLM(TemplateLM):
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         results = []
-        for context, gen_kwargs in [r.args for r in requests]:
+        for context, gen_kwargs in _progress([r.args for r in requests], "certkv generate_until",
+                                             disable_tqdm):
             text = self._generate(context, dict(gen_kwargs))
             self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
             results.append(text)
@@ -230,7 +291,7 @@ class CertKVLM(TemplateLM):
     def _save(self) -> None:
         from certkv.provenance import environment
 
-        write_atomic(self.run_dir / "certificates.json",
+        write_atomic(self.run_dir / f"certificates_{self.started}.json",
                      json.dumps({"mode": self.method.mode, "requests": len(self.records),
                                  **environment(), **self.certificate_summary()}, indent=2)
                      + "\n")

@@ -19,10 +19,12 @@ tokens; everything is deterministic per (context, sample), and no network is nee
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from pathlib import Path
 
+from certkv.errors import CertKVError, ConfigError, require
 from certkv.files import data_dir, write_atomic
 
 SUBTASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe",
@@ -122,21 +124,71 @@ def _book_rows(tokenizer, context: int, windows: int) -> list[dict]:
     return rows
 
 
+class _Fit:
+    """Builds each task's rows at the requested context and collects the tasks that do not fit
+    with the smallest context each needs (searched to within 64 tokens), so one error names
+    them all and the smallest context that works for every task."""
+
+    def __init__(self, context: int, fix: str) -> None:
+        self.context, self.fix, self.misfits = context, fix, {}
+
+    def rows(self, task: str, make) -> list[dict]:
+        """``make(context)``, or ``[]`` with ``task`` recorded as a misfit."""
+        try:
+            return make(self.context)
+        except CertKVError:
+            self.misfits[task] = _smallest_context(task, make, self.context)
+            return []
+
+    def check(self) -> None:
+        """One :class:`ConfigError` naming every misfit, in the caller's syntax ``fix``."""
+        if self.misfits:
+            need = max(self.misfits.values())
+            tasks = ", ".join(f"{t} (needs {n})" for t, n in self.misfits.items())
+            verb = "does" if len(self.misfits) == 1 else "do"
+            raise ConfigError(f"{tasks} {verb} not fit in {self.context} tokens (question, payload "
+                              f"and answer); use {self.fix.replace('...', str(need))} or more.")
+
+
+def _smallest_context(task: str, make, context: int) -> int:
+    """The smallest context (to within 64 tokens) at which ``make`` succeeds."""
+    def fits(n: int) -> bool:
+        try:
+            make(n)
+            return True
+        except CertKVError:
+            return False
+    low, high = context, max(2 * context, 1024)
+    while not fits(high):
+        require(high < 1 << 17, ConfigError,
+                f"the task {task} cannot be built at any context up to {high} tokens.")
+        low, high = high, 2 * high
+    while high - low > 64:
+        mid = (low + high) // 2
+        low, high = (low, mid) if fits(mid) else (mid, high)
+    return high
+
+
 def write_tasks(folder: str | Path, tokenizer, context: int = 4096, samples: int = 5,
-                windows: int = 3, book: str = "emma", book_tokens: int | None = None) -> Path:
+                windows: int = 3, book: str = "emma", book_tokens: int | None = None,
+                fix: str = "context=...") -> Path:
     """Write the task folder (JSONL data, YAML configs, the scoring module); returns it.
-    ``context``: RULER prompt length in tokens (at least 1024: CWE's payload alone takes about
-    700); ``book_tokens``: the perplexity windows' length (default ``context``)."""
+    ``context``: RULER prompt length in tokens (about 1024 at least: CWE's payload alone takes
+    about 700; a task that does not fit names the smallest context that works, as ``fix``
+    writes it); ``book_tokens``: the perplexity windows' length (default ``context``)."""
     from certkv.eval.corpora import book_text
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     write_atomic(folder / "certkv_lm_eval_utils.py", _UTILS)
     haystack = book_text(book)
-    ruler = {}
-    for subtask in SUBTASKS:
-        rows = _ruler_rows(tokenizer, subtask, context, samples, haystack)
-        ruler[subtask] = rows
+    fit = _Fit(context, fix)
+    ruler = {s: fit.rows(f"certkv_ruler_{s}",
+                         lambda n, s=s: _ruler_rows(tokenizer, s, n, samples, haystack))
+             for s in SUBTASKS}
+    niah = fit.rows("certkv_niah", lambda n: _niah_rows(tokenizer, n, samples, book))
+    fit.check()
+    for subtask, rows in ruler.items():
         name = f"certkv_ruler_{subtask}"
         write_atomic(folder / f"{name}.yaml", _yaml({
             "task": name, **_data(folder, name, rows), "output_type": "generate_until",
@@ -151,8 +203,7 @@ def write_tasks(folder: str | Path, tokenizer, context: int = 4096, samples: int
         "aggregate_metric_list": [{"metric": "score", "aggregation": "mean",
                                    "weight_by_size": False}]}))
     write_atomic(folder / "certkv_niah.yaml", _yaml({
-        "task": "certkv_niah", **_data(folder, "certkv_niah",
-                                       _niah_rows(tokenizer, context, samples, book)),
+        "task": "certkv_niah", **_data(folder, "certkv_niah", niah),
         "output_type": "generate_until", "doc_to_text": "{{input}}",
         "doc_to_target": "{{answer}}",
         "generation_kwargs": {"until": [], "max_gen_toks": 16, "do_sample": False},
@@ -173,13 +224,20 @@ def write_tasks(folder: str | Path, tokenizer, context: int = 4096, samples: int
     return folder
 
 
-def task_folder(model: str, context: int = 4096, samples: int = 5) -> Path:
-    """The task folder for ``model``'s tokenizer (written once under ``$CERTKV_DATA``)."""
+def task_folder(model: str, context: int = 4096, samples: int = 5,
+                fix: str = "--certkv_context ...") -> Path:
+    """The task folder for ``model``'s tokenizer (written once under ``$CERTKV_DATA``); ``fix``
+    is how the caller sets the context (named when a task does not fit)."""
     from certkv.integrations.lm_eval import model_spec
     from certkv.models.loading import load_tokenizer
 
+    require(isinstance(context, int) and context > 0 and isinstance(samples, int)
+            and samples > 0, ConfigError,
+            f"context={context!r} and samples={samples!r} must be positive integers, e.g. "
+            f"{fix.replace('...', '4096')}.")
     spec = model_spec(model)
-    folder = data_dir() / "lm_eval_tasks" / f"{spec.name}_{context}_{samples}"
+    source = f"-{hashlib.md5(str(spec.path).encode()).hexdigest()[:8]}" if spec.path else ""
+    folder = data_dir() / "lm_eval_tasks" / f"{spec.name}{source}_{context}_{samples}"
     if not all((folder / f"{name}.yaml").exists() for name in (*TASKS, "certkv_ruler")):
-        write_tasks(folder, load_tokenizer(spec), context, samples)
+        write_tasks(folder, load_tokenizer(spec), context, samples, fix=fix)
     return folder

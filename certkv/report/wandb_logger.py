@@ -3,7 +3,8 @@ config, per-step certificate summaries as metrics, per-sample results as a table
 tables and figures, and the headline quality numbers in the run summary.
 
 ``mode="offline"`` (the default) needs no account and no network: the run is written under the
-run directory (``wandb/offline-run-*``) and uploaded later with ``wandb sync``; ``online`` uses
+run directory (``<run dir>/wandb/offline-run-<time>-<id>``, printed when it closes) and uploaded
+later with ``wandb sync <that path>``; ``online`` uses
 the user's key; ``disabled`` logs nothing. One W&B run per Hydra job, grouped by experiment (a
 multirun sweep's jobs share the group).
 """
@@ -51,7 +52,7 @@ class WandbLogger:
             self._report(run, wandb, report, Path(run_dir))
             self._summary(run, run_data)
         finally:
-            run.finish()
+            self._finish(run)
 
     def log_sweep(self, report) -> None:
         """A sweep's aggregate (:class:`certkv.report.sweep.SweepReport`) as one more W&B run
@@ -66,13 +67,16 @@ class WandbLogger:
             if report.figure is not None:
                 run.log({f"sweep/{report.name}_figure": wandb.Image(str(report.figure))})
         finally:
-            run.finish()
+            self._finish(run)
 
     def log_lm_eval(self, run_dir: Path, name: str) -> None:
-        """An lm-eval run's certificate statistics (``certificates.json``) and lm-eval's
+        """An lm-eval run's certificate statistics (``certificates_<time>.json``) and lm-eval's
         results (``results_*.json``) as one W&B run in the group ``lm_eval``."""
         wandb = _wandb()
-        certificates = json.loads((run_dir / "certificates.json").read_text())
+        found = sorted(run_dir.glob("certificates_*.json"))
+        require(bool(found), ConfigError, f"{run_dir} holds no certificates_*.json; run "
+                "`certkv lm-eval --model certkv ...` first.")
+        certificates = json.loads(found[-1].read_text())  # this evaluation's (the newest)
         results = [json.loads(p.read_text())["results"]
                    for p in sorted(run_dir.rglob("results_*.json"))[-1:]]
         run = wandb.init(project=self.project, entity=self.entity, mode=self.mode,
@@ -86,7 +90,17 @@ class WandbLogger:
             for key, value in _flatten(certificates).items():
                 run.summary[f"certificate/{key}"] = value
         finally:
-            run.finish()
+            self._finish(run)
+
+    def _finish(self, run) -> None:
+        """Close the W&B run; an offline run says where it was written and how to upload it."""
+        where = Path(run.settings.sync_dir) if self.mode == "offline" else None
+        run.finish()
+        if where is not None:
+            from rich.console import Console
+
+            Console(stderr=True, soft_wrap=True).print(
+                f"W&B offline run: {where} (upload: wandb sync {where})", highlight=False)
 
     @staticmethod
     def _certificates(run, data) -> None:
