@@ -57,6 +57,52 @@ MODES = ("certified", "naive", "dense")
 _NONFINITE_Q = "q holds NaN or Inf; check the model's activations before attention."
 
 
+TOL_LEVELS = 3  # bound-tolerance escalation: 1 widest key set, 2 + FP16 values, 3 dense
+
+
+@dataclass
+class _Pass:
+    """What one pass of a quantized step computed, per query head (``[Hq]`` unless noted)."""
+
+    out: torch.Tensor  # [Hq, d] FP32, before the fallback
+    spec: ArithSpec
+    flags: torch.Tensor  # [Hq + 2]: heads needing dense attention, non-finite q, K/V
+    e_key: torch.Tensor
+    e_val: torch.Tensor
+    e_arith: torch.Tensor
+    delta: torch.Tensor
+    log_alpha: torch.Tensor
+    k_star: torch.Tensor
+    rung: torch.Tensor
+    ranking: torch.Tensor
+    boundary: torch.Tensor
+    canary: torch.Tensor
+    value_blocks: torch.Tensor
+    value_promotions: int
+    num_blocks: int
+    paper_key: torch.Tensor
+    paper_val: torch.Tensor
+
+    @property
+    def bound(self) -> torch.Tensor:
+        """The bound a head would return on the quantized path."""
+        return self.e_key + self.e_val + self.e_arith
+
+    def certificate(self, e_arith: torch.Tensor, mode: str, boost) -> Certificate:
+        """The step's certificate once the fallback chose ``e_arith`` (dense heads' own)."""
+        fast = self.rung < 3
+        zero = torch.zeros_like(self.e_key)
+        return Certificate(
+            candidate_e_key=self.e_key, candidate_e_val=self.e_val,
+            e_key=torch.where(fast, self.e_key, zero), e_val=torch.where(fast, self.e_val, zero),
+            e_arith=e_arith, delta=self.delta, tail_mass=self.log_alpha.exp(),
+            k_star=self.k_star, rung=self.rung, ranking_ok=self.ranking,
+            boundary_ok=self.boundary, canary_ok=self.canary, value_blocks=self.value_blocks,
+            value_promotions=self.value_promotions, num_blocks=self.num_blocks, mode=mode,
+            paper_e_key=self.paper_key, paper_e_val=self.paper_val,
+            tol_level=boost if boost is not None else torch.zeros_like(self.rung))
+
+
 def _key_bound(log_p, tail, delta_b, delta, v_max, exponent, cap_logit=None, tv_cap=None):
     """``(log alpha_hat, Delta_T, E_key)``, each ``[Hq]``, for INT8 tail blocks ``tail: [Hq, n]``
     (eq. 15); ``cap_logit`` gives an extra valid bound on the true tail mass (after Phase 2),
@@ -184,17 +230,49 @@ class CertifiedAttention:
 
     # -------------------------------------------------------- quantized modes
     def _quantized_step(self, q, store, scaling, stage):
+        """Naive and certified steps. With ``ladder.bound_tol`` / ``bound_rtol`` set, a head
+        whose returned bound exceeds its tolerance escalates: the pass is redone with that head's
+        key set at the ladder's cap, then also with FP16 values for its promoted blocks, then the
+        head goes dense (:attr:`Certificate.tol_level` says how far each head went)."""
         timer = self.timer or NULL_TIMER
         with timer.phase("layout"):
             lay = StepLayout(store)
-        hq, hkv = q.shape[0], store.num_kv_heads
-        group = hq // hkv
-        qg = q.float().reshape(hkv, group, -1)
-        certified = self.mode == "certified"
+        hkv = store.num_kv_heads
+        qg = q.float().reshape(hkv, q.shape[0] // hkv, -1)
 
         # Phase 1: INT8 logits, block log-masses, Delta_b (eq. 8).
         with timer.phase("phase1"):
             scored = self.backend.phase1(qg, lay, scaling)
+        boost, tolerant = None, self.mode == "certified" and self.ladder.bound_tolerance
+        for _ in range(TOL_LEVELS):
+            step = self._pass(q, qg, store, lay, scored, scaling, stage, boost, timer)
+            over = self.ladder.over_tolerance(step.bound, step.out.norm(dim=-1)) \
+                if tolerant else None
+            dense_heads, over_heads = self._host_flags(step.flags, over)
+            if over_heads.numel() == 0:
+                break
+            boost = (torch.zeros(q.shape[0], dtype=torch.long, device=q.device)
+                     if boost is None else boost)
+            boost = torch.where(over, torch.clamp(boost + 1, max=TOL_LEVELS), boost)
+        if tolerant and over_heads.numel():  # still over after the widest pass: dense
+            over_dev = over_heads.to(q.device, non_blocking=True)
+            boost[over_dev] = TOL_LEVELS
+            step.rung = step.rung.clone()
+            step.rung[over_dev] = torch.maximum(step.rung[over_dev],
+                                                torch.full_like(step.rung[over_dev], 3))
+            dense_heads = torch.unique(torch.cat([dense_heads, over_heads]))
+        with timer.phase("fallback"):
+            out, e_arith = self._fallback(q, store, step.out, dense_heads, scaling, step.spec,
+                                          step.e_arith)
+        return out, step.certificate(e_arith, self.mode, boost)
+
+    def _pass(self, q, qg, store, lay, scored, scaling, stage, boost, timer) -> _Pass:
+        """Selection, page-in, Phase 2, checks and the certificate of one pass over the
+        Phase-1 scores (``boost [Hq]``: the bound-tolerance escalation level per head, or
+        None); the fallback is left to the caller."""
+        hq, hkv = q.shape[0], store.num_kv_heads
+        group = hq // hkv
+        certified = self.mode == "certified"
 
         # Selection (paper 3.3), rung 1, value promotion (rung 2): device tensors only.
         with timer.phase("select"):
@@ -203,7 +281,7 @@ class CertifiedAttention:
             sel = self._segment("_select_step", q.device)(
                 qg, scored.log_mass, scored.delta_b, _log_spread(scored), lay.quantized,
                 lay.eta, lay.value_spec, lay.key_err, lay.v_max, lay.v_radius, draw,
-                lay.num_quantized, scaling)
+                lay.num_quantized, scaling, boost)
             (log_p, delta_b, delta, delta_chan, v_max, v_rad, q_norm, promoted, expanded,
              value_kv, plan) = sel
 
@@ -220,7 +298,7 @@ class CertifiedAttention:
             ranking, boundary = self._rank_checks(l8, l16, delta_b, promoted, lay.quantized,
                                                   certified)
 
-        # Certificate (eq. 15, Cor. 4.2), canary, rungs 3-4, then the step's second host read.
+        # Certificate (eq. 15, Cor. 4.2), canary and rungs 3-4 (flags read by the caller).
         with timer.phase("certificate"):
             spec = self._arith_spec(q, store, scaling, lay)
             segment = self._segment("_certify_step", q.device)
@@ -235,22 +313,11 @@ class CertifiedAttention:
                 spec, coef, store.key_abs_max(), store.value_error_max())
             (e_key, e_val, e_arith, log_alpha, canary, rung, value_blocks, flags, paper_key,
              paper_val) = bounds
-            dense_heads = self._host_flags(flags)
-        with timer.phase("fallback"):
-            out, e_arith = self._fallback(q, store, att.out.reshape(hq, -1), dense_heads,
-                                          scaling, spec, e_arith)
-        fast = rung < 3
-        cert = Certificate(
-            candidate_e_key=e_key, candidate_e_val=e_val,
-            e_key=torch.where(fast, e_key, torch.zeros_like(e_key)),
-            e_val=torch.where(fast, e_val, torch.zeros_like(e_val)), e_arith=e_arith,
-            delta=delta, tail_mass=log_alpha.exp(),
-            k_star=(promoted & lay.quantized).sum(dim=-1), rung=rung, ranking_ok=ranking,
-            boundary_ok=boundary, canary_ok=canary, value_blocks=value_blocks,
-            value_promotions=0 if values is None else values.blocks.numel(),
-            num_blocks=lay.num_quantized, mode=self.mode, paper_e_key=paper_key,
-            paper_e_val=paper_val)
-        return out, cert
+        return _Pass(att.out.reshape(hq, -1), spec, flags, e_key, e_val, e_arith, delta,
+                     log_alpha, (promoted & lay.quantized).sum(dim=-1), rung, ranking,
+                     boundary, canary, value_blocks,
+                     0 if values is None else values.blocks.numel(), lay.num_quantized,
+                     paper_key, paper_val)
 
     def _segment(self, name: str, device: torch.device):
         """The pure tensor segment ``name``, compiled (fused kernels, one graph, dynamic
@@ -268,7 +335,7 @@ class CertifiedAttention:
         return self._compiled[name, backend]
 
     def _select_step(self, qg, l8_kv, delta_kv, log_spread_kv, quantized, eta, value_spec,
-                     key_err, v_max_kv, v_rad_kv, draw, n_q, scaling):
+                     key_err, v_max_kv, v_rad_kv, draw, n_q, scaling, boost=None):
         """Selection segment (pure tensor code, no host reads; compiled on GPU).
 
         Args:
@@ -278,7 +345,8 @@ class CertifiedAttention:
             quantized: ``[n]``; eta, value_spec, key_err: ``[Hkv, n]``; v_max_kv, v_rad_kv:
                 ``[Hkv]``.
             draw: uniform ``[Hq, n]`` for exploration, or None; n_q: quantized block count;
-            scaling: the softmax scale.
+            scaling: the softmax scale; boost: ``[Hq]`` bound-tolerance escalation level (1:
+            key set at the ladder's cap, 2: also FP16 values of the promoted blocks) or None.
         Returns:
             ``log_p, delta_b [Hq, n]`` (``delta_b`` tightened, :func:`tightened_deltas`),
             ``delta [Hq]``, the channel-form ``delta_chan [Hq, n]``, ``v_max, v_rad [Hq]``,
@@ -297,11 +365,14 @@ class CertifiedAttention:
         v_rad = torch.minimum(v_rad_kv.repeat_interleave(group), v_max)
         certified = self.mode == "certified"
         promoted, expanded = self._select(log_p, quantized, n_q, delta_b, delta, delta_chan,
-                                          v_max, v_rad, group, certified, draw)
+                                          v_max, v_rad, group, certified, draw, boost)
         log_spread = log_spread_kv.reshape(hq, n) - torch.logsumexp(l8_kv.reshape(hq, n), -1,
                                                                      keepdim=True)
         value_kv = self._value_promotion(log_p, eta, delta, log_spread, value_spec, quantized,
                                          group, certified)
+        if boost is not None:  # level 2: FP16 values for the boosted heads' promoted blocks
+            extra = promoted & quantized & (boost >= 2).unsqueeze(-1)
+            value_kv = value_kv | (extra.reshape(hkv, group, n).any(dim=1) & (eta > 0))
         need_keys = promoted.reshape(hkv, group, n).any(dim=1) & quantized
         return (log_p, delta_b, delta, delta_chan, v_max, v_rad, q_norm, promoted, expanded,
                 value_kv, torch.stack([need_keys, value_kv]))
@@ -384,7 +455,7 @@ class CertifiedAttention:
                 boundary if lad.boundary_check else true)
 
     def _select(self, log_p, quantized, n_q, delta_b, delta, delta_chan, v_max, v_rad, group,
-                certified, draw):
+                certified, draw, boost=None):
         """FP16-key set ``[Hq, n]`` (exact tail block always in) and the rung-1 flag ``[Hq]``."""
         p = log_p.exp()
         hq = p.shape[0]
@@ -402,6 +473,9 @@ class CertifiedAttention:
                                                  v_rad)
         need = self.ladder.needs_expansion(tail_bound, sel.tau_cov, e_key)
         k_new = torch.where(need, self.ladder.expanded_k(k, sel.k_max, n_q), k)
+        if boost is not None:  # bound-tolerance escalation: the widest key set the ladder allows
+            cap = torch.full_like(k, self.ladder.key_cap(sel.k_max, n_q))
+            k_new = torch.where(boost >= 1, torch.maximum(k_new, cap), k_new)
         expanded = k_new > k
         promoted = sel.promoted(order, k_new, quantized, group)  # all tensor ops, no host sync
         if draw is not None:
@@ -468,13 +542,18 @@ class CertifiedAttention:
                                        blk_idx.to(dev, non_blocking=True), data, rows))
         return staged[0], staged[1]
 
-    def _host_flags(self, flags):
+    def _host_flags(self, flags, over=None):
         """The step's second host read: which heads need dense attention (Tier-2 is on the host),
-        with the deferred finiteness checks of ``q`` and of the appended K/V (``[Hq + 2]``)."""
-        flags = to_host(flags)
-        require(not bool(flags[-2]), NonFiniteError, _NONFINITE_Q)
-        require(not bool(flags[-1]), NonFiniteError, NONFINITE_KV)
-        return flags[:-2].nonzero(as_tuple=True)[0]
+        with the deferred finiteness checks of ``q`` and of the appended K/V (``flags [Hq + 2]``)
+        and, when a bound tolerance is set, which heads exceed it (``over [Hq]``). Returns the
+        host indices of both sets of heads."""
+        hq = flags.shape[0] - 2
+        flags = to_host(flags if over is None else torch.cat([flags, over]))
+        require(not bool(flags[hq]), NonFiniteError, _NONFINITE_Q)
+        require(not bool(flags[hq + 1]), NonFiniteError, NONFINITE_KV)
+        dense = flags[:hq]
+        over = flags[hq + 2:] & ~dense if over is not None else torch.zeros_like(dense)
+        return dense.nonzero(as_tuple=True)[0], over.nonzero(as_tuple=True)[0]
 
     def _fallback(self, q, store, out, heads, scaling, spec, e_arith):
         """The FP32 output cast to ``q``'s dtype, with rungs 3-4 (dense attention on the FP16

@@ -179,7 +179,7 @@ def test_a_scaling_at_the_largest_honoured_value_keeps_the_contract(backend, dty
         for scaling in (limit, 1e30):
             out, cert = attention(backend, mode=mode)(q, store, scaling)
             check_heads(out, cert, q, store, scaling)
-        with pytest.raises(ConfigError, match="exceeds .* the largest scale"):
+        with pytest.raises(ConfigError, match=r"exceeds .* the largest scale"):
             attention(backend, mode=mode)(q, store, 1e39)
 
 

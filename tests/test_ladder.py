@@ -214,3 +214,86 @@ def test_tight_tail_mass_expands_no_more_than_the_papers():
 def test_bad_tail_mass_gives_one_clear_sentence():
     with pytest.raises(ConfigError, match="tail_mass='eq14' is unknown; use 'tight' or 'paper'"):
         Ladder(tail_mass="eq14")
+
+
+def two_bit_layer():
+    """`certkv demo`'s synthetic layer at 2-bit keys, small: bounds up to 0.3 where the actual
+    error is about 0.01 (the demo at full size returned bounds of 27-28)."""
+    from certkv.demo import DemoLayer
+
+    layer = DemoLayer.make(context=512, kv_heads=2, group=4, head_dim=64, seed=0)
+    return layer.store(key_bits=2), layer.q
+
+
+def check_tolerance(out, cert, q, store, ladder, scaling=None):
+    """The bound-tolerance guarantee on top of the contract: every head within its tolerance
+    or dense, and the certificate says which heads escalated and how far."""
+    check_heads(out, cert, q, store, scaling)
+    tol = (ladder.bound_tol or 0.0) + (ladder.bound_rtol or 0.0) * out.double().norm(dim=-1)
+    fast = cert.rung < 3
+    assert (cert.bound.double()[fast] <= tol[fast]).all()
+    assert (cert.rung[cert.tol_level == 3] >= 3).all()
+    assert ((cert.tol_level >= 1) <= (cert.rung >= 1)).all()  # an escalated head left rung 0
+
+
+TRITON = pytest.param("triton", marks=pytest.mark.filterwarnings("ignore"))
+
+
+@pytest.mark.parametrize("backend", ["torch", TRITON])
+def test_bound_tol_every_head_within_tolerance_or_dense(backend):
+    store, q = two_bit_layer()
+    base_out, base = CertifiedAttention(backend=backend)(q, store)
+    assert base.bound[base.rung < 3].max() > 0.2  # without a tolerance: bounds too large
+    ladders = (Ladder(bound_tol=0.1), Ladder(bound_tol=0.02), Ladder(bound_rtol=0.01),
+               Ladder(bound_tol=0.005, bound_rtol=0.005))
+    for ladder in ladders if backend == "torch" else ladders[1:2]:  # the interpreter is slow
+        out, cert = CertifiedAttention(ladder=ladder, backend=backend)(q, store)
+        check_tolerance(out, cert, q, store, ladder)
+        assert (cert.tol_level > 0).any()
+        # a kv group none of whose heads escalated returns what it did without the tolerance
+        calm = (cert.tol_level.reshape(2, -1) == 0).all(dim=1).repeat_interleave(4)
+        assert torch.equal(out[calm], base_out[calm])
+        assert cert.summary()["tol_escalated"] == int((cert.tol_level > 0).sum())
+
+
+def test_bound_tol_escalates_keys_then_values_then_dense():
+    store, q = two_bit_layer()
+    widest = CertifiedAttention(ladder=Ladder(bound_tol=1e-9))(q, store)[1]
+    assert (widest.tol_level == 3).all() and (widest.rung >= 3).all()  # nothing meets 1e-9
+    assert widest.summary()["tol_dense"] == q.shape[0]
+    _, cert = CertifiedAttention(ladder=Ladder(bound_tol=0.02))(q, store)
+    keys = cert.tol_level == 1
+    values = cert.tol_level == 2
+    assert keys.any() and values.any()
+    assert (cert.k_star[keys | values] >= 2 * AdaptiveTopK().k_max).all() or \
+        (cert.k_star[keys | values] == store.num_blocks).all()  # the ladder's cap
+    assert (cert.value_blocks[values & (cert.rung < 3)] > 0).all()
+
+
+def test_bound_tol_is_off_by_default_and_checked():
+    assert not Ladder().bound_tolerance
+    with pytest.raises(ConfigError, match="bound_tol=-1"):
+        Ladder(bound_tol=-1)
+    with pytest.raises(ConfigError, match="bound_rtol=inf"):
+        Ladder(bound_rtol=math.inf)
+
+
+def test_bound_tol_holds_on_adversarial_layers():
+    """The contract property test's adversarial layers (outlier channels, 2-bit keys, huge
+    query norms, 16-bit queries, degenerate policies) with a tolerance drawn per example."""
+    import dataclasses
+
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+    from test_contract import build, scenarios
+
+    @settings(max_examples=80, suppress_health_check=[HealthCheck.too_slow])
+    @given(scenarios(), st.sampled_from([(0.0, None), (1e-3, None), (0.05, None), (1.0, None),
+                                         (None, 0.01), (None, 0.2), (0.01, 0.05)]))
+    def check(sc, tolerance):
+        store, q, attn = build({**sc, "mode": "certified"})
+        attn.ladder = dataclasses.replace(attn.ladder, bound_tol=tolerance[0],
+                                          bound_rtol=tolerance[1])
+        out, cert = attn(q, store, sc["scaling"])
+        check_tolerance(out, cert, q, store, attn.ladder, sc["scaling"])
+    check()

@@ -46,11 +46,16 @@ class Certificate:
     mode: str = "certified"
     paper_e_key: torch.Tensor | None = None  # eq. 15 as in the paper (telemetry)
     paper_e_val: torch.Tensor | None = None  # Cor. 4.2 as in the paper (telemetry)
+    # why a head escalated past its policy: the ladder's bound tolerance (0 not escalated,
+    # 1 widest key set, 2 also FP16 values, 3 dense: its bound stayed above the tolerance)
+    tol_level: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         for name in ("paper_e_key", "paper_e_val"):
             if getattr(self, name) is None:
                 setattr(self, name, torch.zeros_like(self.e_key))
+        if self.tol_level is None:
+            self.tol_level = torch.zeros_like(self.rung)
 
     @property
     def bound(self) -> torch.Tensor:
@@ -114,6 +119,8 @@ class Certificate:
         out["boundary_fail"] = int((~self.boundary_ok).sum())
         out["canary_fail"] = int((~self.canary_ok).sum())
         out["value_promotions"] = self.value_promotions
+        out["tol_escalated"] = int((self.tol_level > 0).sum())
+        out["tol_dense"] = int((self.tol_level >= 3).sum())
         return out
 
 

@@ -2,11 +2,13 @@
 
 Rung 1 expands K*; rung 2 is value promotion (the value policy); rung 3 replaces a head that
 fails the ranking or boundary check with dense attention on its FP16 originals; rung 4 replaces the
-whole layer (score canary violated, non-finite output, or too many heads on rung 3).
+whole layer (score canary violated, non-finite output, or too many heads on rung 3). With a bound
+tolerance (``bound_tol`` / ``bound_rtol``) a head whose bound exceeds it climbs the same ladder.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +36,10 @@ class Ladder:
         exploration: fraction of tail blocks promoted at random for canary spot checks.
         layer_dense_fraction: rung 4 once this fraction of heads needs rung 3.
         seed: seed of the exploration draw.
+        bound_tol, bound_rtol: a guarantee the user sets (both ``None`` by default, the paper's
+            behaviour): a head whose returned bound exceeds ``bound_tol + bound_rtol *
+            ||out_h||`` escalates (the widest key set, then FP16 values for its promoted
+            blocks, then dense attention), so every head is within it or dense.
         tail_mass: how rung 1 bounds the mass left on INT8 keys: ``tight`` (default:
             ``min(1, e^{Delta_F} alpha_hat)``, the Phase-2 tail mass, ``Delta_F`` the largest
             ``Delta_b`` of the promoted blocks, and the per-block TV bound for E_key) or
@@ -53,6 +59,8 @@ class Ladder:
     layer_dense_fraction: float = 1.0
     seed: int = 0
     tail_mass: str = "tight"
+    bound_tol: float | None = None
+    bound_rtol: float | None = None
 
     def __post_init__(self) -> None:
         require(self.tail_mass in TAIL_MASS, ConfigError,
@@ -67,6 +75,11 @@ class Ladder:
         require(0.0 < self.layer_dense_fraction <= 1.0, ConfigError,
                 f"layer_dense_fraction={self.layer_dense_fraction} must lie in (0, 1].")
         require(self.eps_guard >= 0, ConfigError, f"eps_guard={self.eps_guard} must be >= 0.")
+        for name in ("bound_tol", "bound_rtol"):
+            value = getattr(self, name)
+            require(value is None or (math.isfinite(value) and value >= 0), ConfigError,
+                    f"ladder.{name}={value} must be a finite number >= 0 or null (off), e.g. "
+                    f"ladder.{name}=0.05.")
         self._generators: dict[str, torch.Generator] = {}
 
     def exploration_draw(self, shape: tuple[int, ...], device: torch.device | str):
@@ -78,6 +91,21 @@ class Ladder:
         if key not in self._generators:
             self._generators[key] = torch.Generator(device=key).manual_seed(self.seed)
         return torch.rand(shape, generator=self._generators[key], device=key)
+
+    @property
+    def bound_tolerance(self) -> bool:
+        """Whether a bound tolerance is set (``bound_tol`` or ``bound_rtol``)."""
+        return self.bound_tol is not None or self.bound_rtol is not None
+
+    def over_tolerance(self, bound: torch.Tensor, out_norm: torch.Tensor) -> torch.Tensor:
+        """Heads ``[Hq]`` whose ``bound`` exceeds ``bound_tol + bound_rtol * out_norm`` (a
+        non-finite bound exceeds every tolerance)."""
+        tol = (self.bound_tol or 0.0) + (self.bound_rtol or 0.0) * out_norm.double()
+        return ~(bound.double() <= tol)
+
+    def key_cap(self, selector_k_max: int, n_quantized: int) -> int:
+        """The most blocks rung 1 may read with FP16 keys: ``k_max`` or ``2 K_max``."""
+        return min(2 * selector_k_max if self.k_max is None else self.k_max, n_quantized)
 
     def needs_expansion(
         self, tail_bound: torch.Tensor, tau_cov: float, e_key: torch.Tensor
@@ -91,7 +119,7 @@ class Ladder:
 
     def expanded_k(self, k: torch.Tensor, selector_k_max: int, n_quantized: int) -> torch.Tensor:
         """Rung 1: ``K* -> min(max(ceil(factor K*), K* + 1), cap, n_quantized)``."""
-        cap = min(2 * selector_k_max if self.k_max is None else self.k_max, n_quantized)
+        cap = self.key_cap(selector_k_max, n_quantized)
         grown = torch.maximum(torch.ceil(k * self.expand_factor).long(), k + 1).clamp(max=cap)
         return torch.maximum(grown, k)
 
