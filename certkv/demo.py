@@ -14,12 +14,13 @@ from dataclasses import dataclass
 
 import torch
 from rich.console import Console
-from rich.table import Table
 
 from certkv import ChannelAffineKeyCodec, TieredKVStore
 from certkv.attention import CertifiedAttention
 from certkv.certify.certificate import RUNG_NAMES, Certificate
 from certkv.kernels.reference import exact_attention
+from certkv.report.document import _console, print_tables
+from certkv.report.tables import Table, fmt_sci
 
 
 @dataclass
@@ -68,20 +69,25 @@ def timed_step(attn, q, store, repeats: int = 3):
 
 
 def _quantiles(x: torch.Tensor) -> str:
+    """Median and max over the heads: ``8.9e-4/2.2e-2``."""
     x = x.double()
-    return f"{float(x.median()):.1e}/{float(x.max()):.1e}"
+    return f"{fmt_sci(float(x.median()))}/{fmt_sci(float(x.max()))}"
 
 
 def run_demo(context: int = 2048, kv_heads: int = 8, group: int = 4, head_dim: int = 128,
              seed: int = 0, console: Console | None = None, value_group: int = 16) -> list[dict]:
-    """Print the comparison table and the certified step's per-head certificate; return rows."""
-    console = console or Console(width=None if Console().is_terminal else 132)
+    """Print the comparison table and the certified step's per-head certificate (fitted to the
+    console's width: 100 columns when piped); return rows."""
+    console = console or _console()
     layer = DemoLayer.make(context, kv_heads, group, head_dim, seed)
-    table = Table(title=f"One decode step: {kv_heads * group} query heads, {kv_heads} kv heads, "
-                        f"d={head_dim}, {context} cached tokens (error vs FP64 reference)")
-    for col in ("keys", "mode", "max err", "E_key med/max", "E_val med/max", "E_arith med/max",
-                "bound", "rungs 0/1/2/3/4", "K* mean", "Tier-1/dense", "ms"):
-        table.add_column(col, justify="right")
+    table = Table(f"One decode step: {kv_heads * group} query heads ({kv_heads} kv), "
+                  f"d={head_dim}, {context} cached tokens",
+                  ["keys", "mode", "max err", "E_key med/max", "E_val med/max",
+                   "E_arith med/max", "bound", "rungs 0/1/2/3/4", "K*", "T1", "ms"], [],
+                  "max err: largest error of any head against FP64 attention; bound: whether "
+                  "every head's error is within its certificate; rungs: heads on each rung.",
+                  {"med/max": "median and max over the query heads",
+                   "K*": "mean FP16-key blocks", "T1": "Tier-1 bytes / dense bytes"}, keys=2)
     rows, shown = [], None
     for key_bits in (8, 2):
         store = layer.store(key_bits, value_group=value_group)
@@ -92,34 +98,33 @@ def run_demo(context: int = 2048, kv_heads: int = 8, group: int = 4, head_dim: i
             holds = bool((err <= cert.bound.double()).all())  # every head, dense ones too
             rungs = "/".join(str(int((cert.rung == r).sum())) for r in RUNG_NAMES)
             ratio = store.tier1_bytes() / store.dense_bytes() if mode != "dense" else 1.0
-            table.add_row(f"INT{key_bits}", mode, f"{float(err.max()):.2e}",
-                          _quantiles(cert.e_key), _quantiles(cert.e_val),
-                          _quantiles(cert.e_arith), "holds" if holds else "VIOLATED", rungs,
-                          f"{float(cert.k_star.double().mean()):.1f}",
-                          f"{ratio:.3f}", f"{ms:.1f}")
+            table.rows.append([f"INT{key_bits}", mode, fmt_sci(float(err.max())),
+                               _quantiles(cert.e_key), _quantiles(cert.e_val),
+                               _quantiles(cert.e_arith), "holds" if holds else "VIOLATED",
+                               rungs, f"{float(cert.k_star.double().mean()):.1f}",
+                               f"{ratio:.3f}", f"{ms:.1f}"])
             rows.append({"key_bits": key_bits, "mode": mode, "max_err": float(err.max()),
                          "bound_holds": holds, "ms": ms, **cert.summary()})
             if key_bits == 8 and mode == "certified":
                 shown = (cert, err)
-    console.print(table)
-    if shown is not None:
-        console.print(certificate_table(*shown, max_heads=8))
+    tables = [table] if shown is None else [table, certificate_table(*shown, max_heads=8)]
+    print_tables(tables, console)
     return rows
 
 
 def certificate_table(cert: Certificate, err: torch.Tensor, max_heads: int = 8) -> Table:
     """Per-head certificate of one step (INT8 keys, INT4 values, Table 2 policy)."""
     shown = min(max_heads, cert.num_heads)
-    table = Table(title=f"Certificate of the certified INT8/INT4 step (first {shown} of "
-                        f"{cert.num_heads} query heads)")
-    for col in ("head", "rung", "K*", "tail mass", "Delta", "E_key", "E_val", "E_arith",
-                "actual err", "ranking", "boundary"):
-        table.add_column(col, justify="right")
-    for h in range(shown):
-        table.add_row(str(h), RUNG_NAMES[int(cert.rung[h])], str(int(cert.k_star[h])),
-                      f"{float(cert.tail_mass[h]):.1e}", f"{float(cert.delta[h]):.3f}",
-                      f"{float(cert.e_key[h]):.2e}", f"{float(cert.e_val[h]):.2e}",
-                      f"{float(cert.e_arith[h]):.2e}", f"{float(err[h]):.2e}",
-                      "ok" if cert.ranking_ok[h] else "FAIL",
-                      "ok" if cert.boundary_ok[h] else "FAIL")
-    return table
+    rows = [[str(h), RUNG_NAMES[int(cert.rung[h])], str(int(cert.k_star[h])),
+             fmt_sci(float(cert.tail_mass[h])), f"{float(cert.delta[h]):.3f}",
+             fmt_sci(float(cert.e_key[h])), fmt_sci(float(cert.e_val[h])),
+             fmt_sci(float(cert.e_arith[h])), fmt_sci(float(err[h])),
+             "ok" if cert.ranking_ok[h] else "FAIL", "ok" if cert.boundary_ok[h] else "FAIL"]
+            for h in range(shown)]
+    return Table(f"Certificate of the certified INT8/INT4 step (first {shown} of "
+                 f"{cert.num_heads} query heads)",
+                 ["head", "rung", "K*", "tail mass", "Delta", "E_key", "E_val", "E_arith",
+                  "actual err", "ranking", "boundary"], rows,
+                 "actual err: the head's error against FP64 attention, within E_key + E_val + "
+                 "E_arith; ranking, boundary: the ladder's checks.",
+                 {"K*": "FP16-key blocks"})

@@ -133,7 +133,7 @@ def test_niah_and_perplexity_tables(tmp_path):
     assert (tmp_path / "out" / "figures" / "mixed_rungs.png").exists()
     tables = json.loads((tmp_path / "out" / "report.json").read_text())["tables"]
     runtime = next(t for t in tables if t["title"].startswith("Ladder"))
-    assert runtime["rows"][1][1] == "50.0/10.0/30.0/10.0/0.0" and runtime["rows"][1][-1] == "2.50"
+    assert runtime["rows"][1][1] == "50/10/30/10/0" and runtime["rows"][1][-1] == "2.50"
 
 
 def test_one_perplexity_window_says_it_has_no_interval(tmp_path):

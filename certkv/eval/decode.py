@@ -240,7 +240,8 @@ def certificate_record(caches: list[CacheTelemetry]) -> dict:
         record[f"{name}_step_max"] = [s[f"{name}_max"] for s in steps]
     for rung in range(5):
         record[f"rung{rung}"] = sum(s[f"rung{rung}"] for s in steps)
-    for name in ("ranking_fail", "boundary_fail", "canary_fail", "value_promotions"):
-        record[name] = sum(s[name] for s in steps)
+    for name in ("ranking_fail", "boundary_fail", "canary_fail", "value_promotions",
+                 "tol_escalated", "tol_dense"):
+        record[name] = sum(s.get(name, 0) for s in steps)
     record["k_star_mean"] = statistics.fmean(s["k_star_mean"] for s in steps) if steps else 0.0
     return record

@@ -31,6 +31,8 @@ def certificate_summary(records: list[dict]) -> dict:
     out["rung_rates"] = [sum(r[f"rung{k}"] for r in records) / head_steps for k in range(5)]
     for name in ("ranking_fail", "boundary_fail", "canary_fail"):
         out[f"{name}_rate"] = sum(r[name] for r in records) / head_steps
+    for name in ("tol_escalated", "tol_dense"):  # ladder.bound_tol (absent in older runs)
+        out[f"{name}_rate"] = sum(r.get(name, 0) for r in records) / head_steps
     out["value_promotions_per_step"] = sum(r["value_promotions"] for r in records) / steps
     out["k_star_mean"] = statistics.fmean(r["k_star_mean"] for r in records) if records else 0.0
     out["tier1_over_dense"] = statistics.fmean(r["tier1_over_dense"] for r in records) \

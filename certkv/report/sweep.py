@@ -7,6 +7,7 @@ Built from the point directories alone (finished, partial or failed), like ``cer
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,13 +30,15 @@ from certkv.report.tables import (
 
 @dataclass
 class Point:
-    """One point of a sweep: its label (``k_max=64``), directory, and data or failure."""
+    """One point of a sweep: its label (the swept values, ``k_max=64``), all its overrides,
+    its directory, and its data or failure (``error``; a point with neither ran no job)."""
 
     label: str
     root: Path
     run: RunData | None
     error: str | None
     order: tuple = ()
+    overrides: tuple[str, ...] = ()
 
 
 def _lookup(config: dict, key: str):
@@ -53,33 +56,61 @@ def _order(value) -> tuple:
         return (1, 0.0, str(value))
 
 
-def load_points(root: Path, keys: list[str]) -> list[Point]:
-    """The point directories under a sweep directory, ordered by the swept values."""
+def _normal(items) -> frozenset:
+    """Overrides as a set of ``(key, value)`` that ignores how a value was written
+    (``0.10`` = ``0.1``) and the overrides that do not name a run directory (logger ...)."""
+    from certkv.config import names_run_dir, override_key
+
+    out = set()
+    for item in items:
+        if "=" in item and names_run_dir(item):
+            value = item.partition("=")[2]
+            with contextlib.suppress(yaml.YAMLError):
+                value = yaml.safe_load(value)
+            out.add((override_key(item), json.dumps(value, sort_keys=True, default=str)))
+    return frozenset(out)
+
+
+def load_points(root: Path, keys: list[str], wanted: list[list[str]]) -> list[Point]:
+    """The points ``wanted`` (each a list of overrides: the sweep command's own and one value
+    per swept key) under a sweep directory, ordered by the swept values. Directories of other
+    grids or other overrides under ``root`` are left out; a wanted point without a directory is
+    reported as not run."""
     require(root.is_dir(), CertKVError,
             f"no sweep directory {root}; run `certkv sweep ...` first or pass the directory "
             "it printed.")
+    found = {_normal(_overrides_file(p)): p for p in sorted(root.iterdir()) if p.is_dir()}
     points = []
-    for path in sorted(p for p in root.iterdir() if p.is_dir()):
-        error = RunDir.failure(path)
-        has_run = (path / RunDir.SAMPLES).exists()
-        if not has_run and error is None:
-            continue
-        config = yaml.safe_load((path / RunDir.CONFIG).read_text()) \
-            if (path / RunDir.CONFIG).exists() else {}
-        overrides = _overrides(path)
-        values = [_lookup(config, k) if config else overrides.get(k) for k in keys]
+    for items in wanted:
+        given = dict(i.lstrip("+").split("=", 1) for i in items if "=" in i)
+        values = [given.get(k) for k in keys]
         label = ",".join(f"{k.split('.')[-1]}={v}" for k, v in zip(keys, values, strict=True))
-        points.append(Point(label, path, RunData.load(path) if has_run and not error else None,
-                            error,
-                            tuple(_order(v) for v in values)))
+        path = found.get(_normal(items))
+        run = error = None
+        if path is None:
+            error, path = "not run (no point directory; see the launcher's log)", root
+        elif (error := RunDir.failure(path)) is None:
+            if not (path / RunDir.SAMPLES).exists():
+                error = "no record yet (the job was killed before its first sample)"
+            else:
+                run = RunData.load(path)
+        points.append(Point(label, path, run, error, tuple(_order(v) for v in values),
+                            tuple(items)))
     return sorted(points, key=lambda p: p.order)
 
 
-def _overrides(path: Path) -> dict[str, str]:
-    """A failed point has no resolved config: its values come from Hydra's overrides file."""
+def _overrides_file(path: Path) -> list[str]:
+    """The overrides Hydra recorded for a point directory (``.hydra/overrides.yaml``)."""
     file = path / ".hydra" / "overrides.yaml"
-    items = yaml.safe_load(file.read_text()) if file.exists() else []
-    return dict(item.lstrip("+").split("=", 1) for item in items or [] if "=" in item)
+    return list(yaml.safe_load(file.read_text()) or []) if file.exists() else []
+
+
+def common_overrides(points: list[Point], keys: list[str]) -> list[str]:
+    """The overrides every point shares apart from the swept keys (``seed=1``)."""
+    from certkv.config import override_key
+
+    shared = [o for o in points[0].overrides if override_key(o) not in keys] if points else []
+    return [o for o in shared if all(o in p.overrides for p in points)]
 
 
 def point_rows(point: Point) -> list[dict]:
@@ -108,10 +139,11 @@ def point_rows(point: Point) -> list[dict]:
 
 
 def sweep_table(name: str, rows: list[dict]) -> Table:
+    """One row per point and method (a failed point: one row with its error); the point and
+    the method are the key columns a narrow console repeats."""
     tasks = list(dict.fromkeys(t for r in rows for t in r.get("quality", {})))
     head = ["point", "method", *[f"{t} delta [95% CI]" for t in tasks], "fallback %",
-            "rung 2 %", "K* mean", "value promotions/step", "Tier-1/dense", "scratch hit %",
-            "H2D MiB/step", "ms/step", "x dense"]
+            "rung 2 %", "K*", "VP", "T1", "hit %", "H2D MiB", "ms/step", "x dense"]
     body = []
     for r in rows:
         if r["error"] is not None:
@@ -126,49 +158,20 @@ def sweep_table(name: str, rows: list[dict]) -> Table:
                      fmt(r["x_dense"], 2)])
     return Table(f"Sweep {name}", head, body,
                  "delta = method - dense on the same prompts of the point (CI as in `certkv "
-                 "report`); fallback = rungs 3-4 per head-step; ms/step: median decode step.")
+                 "report`); fallback = rungs 3-4 per head-step; ms/step: median decode step.",
+                 {"K*": "mean FP16-key blocks", "VP": "value promotions per step",
+                  "T1": "Tier-1 bytes / dense bytes", "hit": "scratch hit rate",
+                  "H2D": "host-to-device MiB per step"}, keys=2)
 
 
 def sweep_figure(name: str, rows: list[dict], path: Path) -> bool:
-    """Quality delta (with CIs), fallback rate, K*, value promotions, Tier-1 bytes and step
-    time against the swept point, one line per method."""
-    done = [r for r in rows if r["error"] is None]
-    if not done:
-        return False
-    from certkv.report.plots import _pyplot, _save
+    """Quality deltas (with CIs; perplexity and accuracy on panels of their own), fallback
+    rate, K*, value promotions, Tier-1 bytes and step time against the swept point, one line
+    per method (:func:`certkv.report.plots.sweep_panels`); False when no point finished."""
+    from certkv.report.plots import _save, sweep_panels
 
-    plt = _pyplot()
-    labels = list(dict.fromkeys(r["point"] for r in rows))
-    panels = [("quality delta to dense", None), ("fallback %", "fallback"),
-              ("K* mean", "k_star"), ("value promotions/step", "value_promotions"),
-              ("Tier-1 / dense bytes", "tier1"), ("ms/step", "ms")]
-    fig, axes = plt.subplots(2, 3, figsize=(13, 6.5))
-    for ax, (title, field) in zip(axes.flat, panels, strict=True):
-        for method in dict.fromkeys(r["method"] for r in done):
-            mine = [r for r in done if r["method"] == method]
-            xs = [labels.index(r["point"]) for r in mine]
-            if field is None:
-                for task in dict.fromkeys(t for r in mine for t in r["quality"]):
-                    sel = [(x, r["quality"][task]["delta"]) for x, r in zip(xs, mine,
-                                                                             strict=True)
-                           if task in r["quality"]]
-                    est = [d.estimate for _, d in sel]
-                    err = [[max(d.estimate - d.low, 0) if d.low == d.low and abs(d.low) < 1e9
-                            else 0 for _, d in sel],
-                           [max(d.high - d.estimate, 0) if abs(d.high) < 1e9 else 0
-                            for _, d in sel]]
-                    ax.errorbar([x for x, _ in sel], est, yerr=err, marker="o", capsize=3,
-                                label=f"{method} {task}")
-                ax.axhline(0, color="grey", lw=0.8)
-            else:
-                scale = 100 if field == "fallback" else 1
-                ax.plot(xs, [scale * r[field] for r in mine], marker="o", label=method)
-        ax.set_title(title, fontsize=10)
-        ax.set_xticks(range(len(labels)), labels, rotation=30, fontsize=7)
-        ax.legend(fontsize=6)
-    fig.suptitle(f"Sweep {name}")
-    fig.tight_layout()
-    return _save(fig, path)
+    fig = sweep_panels(name, rows)
+    return fig is not None and _save(fig, path)
 
 
 @dataclass
@@ -179,14 +182,15 @@ class SweepReport:
     figure: Path | None
     points: int
     failed: int
+    common: list[str]  # overrides every point shares (besides the swept keys)
 
 
-def build_sweep_report(name: str, root: Path, keys: list[str], out: Path) -> SweepReport:
-    """Aggregate the points under ``root`` and write ``README.md``, the figure and
-    ``sweep.json`` under ``out``."""
-    points = load_points(root, keys)
-    require(bool(points), CertKVError,
-            f"{root} holds no finished, partial or failed point yet; run the sweep first.")
+def build_sweep_report(name: str, root: Path, keys: list[str], out: Path,
+                       wanted: list[list[str]]) -> SweepReport:
+    """Aggregate exactly the points ``wanted`` (each its list of overrides) under ``root`` and
+    write ``README.md``, the figure and ``sweep.json`` under ``out``."""
+    points = load_points(root, keys, wanted)
+    require(bool(points), CertKVError, "the sweep has no points; give it at least one value.")
     rows = [row for p in points for row in point_rows(p)]
     table = sweep_table(name, rows)
     figure = out / "figures" / f"sweep_{name}.png"
@@ -196,7 +200,7 @@ def build_sweep_report(name: str, root: Path, keys: list[str], out: Path) -> Swe
     except ImportError:
         drawn = False
     report = SweepReport(name, root, table, figure if drawn else None, len(points),
-                         sum(p.run is None for p in points))
+                         sum(p.run is None for p in points), common_overrides(points, keys))
     _write(report, points, out)
     return report
 
@@ -204,18 +208,21 @@ def build_sweep_report(name: str, root: Path, keys: list[str], out: Path) -> Swe
 def _write(report: SweepReport, points: list[Point], out: Path) -> None:
     from certkv.report.document import markdown_table
 
-    provenance = []
+    provenance, listed = [], []
     for p in points:
         m = p.run.meta if p.run else {}
-        state = "failed" if p.run is None else \
+        state = f"failed: {p.error}" if p.run is None else \
             f"{m.get('records', len(p.run.samples))}/{m.get('planned', '?')} records"
-        provenance.append(f"* `{p.label}`: {state}; commit `{m.get('commit', '?')}`; "
-                          f"{m.get('device', '?')}; `{p.root}`")
-    lines = [f"# Sweep {report.name}", "", f"Points under `{report.root}`:", "", *provenance,
-             "", *markdown_table(report.table)]
+        provenance.append(f"* `{p.label}` (`{' '.join(p.overrides)}`): {state}; commit "
+                          f"`{m.get('commit', '?')}`; {m.get('device', '?')}; `{p.root}`")
+        listed.append({"label": p.label, "overrides": list(p.overrides), "dir": str(p.root),
+                       "error": p.error, "command": m.get("command")})
+    shared = " ".join(report.common) or "none"
+    lines = [f"# Sweep {report.name}", "", f"Every point also sets: `{shared}`. Points under "
+             f"`{report.root}`:", "", *provenance, "", *markdown_table(report.table)]
     if report.figure is not None:
         lines.append(f"![sweep_{report.name}]({report.figure.relative_to(out).as_posix()})")
     write_atomic(out / "README.md", "\n".join(lines) + "\n")
-    write_atomic(out / "sweep.json", json.dumps({"name": report.name, "root": str(report.root),
-                                                 "table": asdict(report.table)}, indent=2)
-                 + "\n")
+    write_atomic(out / "sweep.json", json.dumps(
+        {"name": report.name, "root": str(report.root), "common_overrides": report.common,
+         "points": listed, "table": asdict(report.table)}, indent=2) + "\n")

@@ -26,12 +26,21 @@ from certkv.report.summary import certificate_summary
 
 @dataclass
 class Table:
-    """A titled table of strings; ``note`` says how to read it."""
+    """A titled table of strings; ``note`` says how to read it, ``legend`` spells out the
+    abbreviated column names, and the first ``keys`` columns name a row (a console too narrow
+    for the whole table repeats them in each part it splits the table into)."""
 
     title: str
     head: list[str]
     rows: list[list[str]]
     note: str = ""
+    legend: dict[str, str] = field(default_factory=dict)
+    keys: int = 1
+
+    def caption(self) -> str:
+        """The legend (``K*: mean FP16-key blocks; ...``) followed by the note."""
+        legend = "; ".join(f"{short}: {long}" for short, long in self.legend.items())
+        return " ".join(x for x in (f"{legend}." if legend else "", self.note) if x)
 
 
 @dataclass
@@ -100,7 +109,34 @@ class RunData:
 
 def fmt(x: float, digits: int = 3) -> str:
     """``x`` to ``digits`` decimals; ``-`` for a missing or NaN value."""
-    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+    return "-" if _missing(x) else f"{x:.{digits}f}"
+
+
+def _missing(x) -> bool:
+    return x is None or (isinstance(x, float) and math.isnan(x))
+
+
+def fmt_sci(x: float, sig: int = 2) -> str:
+    """Short scientific notation with ``sig`` significant digits: ``3.1e-4``, ``1.2e0``,
+    ``0`` for zero, ``-`` for a missing or NaN value."""
+    if _missing(x):
+        return "-"
+    if x == 0 or not math.isfinite(x):
+        return f"{x:g}"
+    mantissa, exponent = f"{x:.{sig - 1}e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def fmt_sig(x: float, sig: int = 3) -> str:
+    """About ``sig`` significant digits, short: ``0.24``, ``12.5``, ``282``, ``1234``; below
+    1e-3 in short scientific notation (``4.1e-5``); ``-`` for a missing or NaN value."""
+    if _missing(x):
+        return "-"
+    if x != 0 and abs(x) < 1e-3:
+        return fmt_sci(x, sig)
+    if abs(x) >= 10 ** (sig - 1):
+        return f"{x:.0f}"
+    return f"{x:.{sig}g}"
 
 
 def fmt_interval(iv: stats.Interval, digits: int = 3) -> str:
@@ -147,7 +183,9 @@ def quality_delta(run: RunData, task: str, variant: str) -> dict | None:
 
 
 def quality_table(runs: list[RunData]) -> Table:
-    """Tables 3, 4 and 14: every method against dense, per run and task."""
+    """Tables 3, 4 and 14: every method against dense, per run and task (one run: its name in
+    the title instead of a column)."""
+    several = len(runs) > 1
     rows = []
     for run in runs:
         for task in run.tasks:
@@ -156,19 +194,24 @@ def quality_table(runs: list[RunData]) -> Table:
                 if q is None:
                     continue
                 test = q["mcnemar"]
-                rows.append([run.experiment, task, str(run.context(task)), variant, q["metric"],
-                             fmt(q["dense"]), fmt(q["method"]), fmt_interval(q["delta"]),
-                             str(q["n"]),
+                rows.append([*([run.experiment] if several else []), task,
+                             str(run.context(task)), variant, fmt(q["dense"]), fmt(q["method"]),
+                             fmt_interval(q["delta"]), str(q["n"]),
                              "-" if test is None else f"{test.critical}/{test.reverse}",
-                             "-" if test is None else f"{test.p_value:.3g}"])
-    return Table("Quality against dense (paired; Tables 3, 4, 14)",
-                 ["run", "task", "context", "method", "metric", "dense", "method value",
-                  "delta [95% CI]", "n", "critical/reverse", "McNemar p"], rows,
-                 "delta = method - dense on the same prompts. CI: perplexity t-interval over "
+                             "-" if test is None else fmt_sig(test.p_value, 2)])
+    where = "" if several else f"{runs[0].experiment}; " if runs else ""
+    return Table(f"Quality against dense ({where}paired; Tables 3, 4, 14)",
+                 [*(["run"] if several else []), "task", "ctx", "method", "dense", "value",
+                  "delta [95% CI]", "n", "crit/rev", "p"], rows,
+                 "delta = value - dense on the same prompts. CI: perplexity t-interval over "
                  "windows; NIAH bootstrap over trials; RULER bootstrap over whole slices "
                  "(10,000 resamples, seed 20260425 + offsets). critical = dense passes and the "
                  "method fails (NIAH: all ten needles; RULER: a subtask trial fully right); "
-                 "reverse = the converse; exact McNemar test on them.")
+                 "reverse = the converse; exact McNemar test on them.",
+                 {"ctx": "context tokens", "dense, value": "perplexity (task perplexity) or "
+                  "accuracy (niah, ruler) of dense and of the method", "n": "paired samples",
+                  "crit/rev": "critical/reverse discordant pairs", "p": "McNemar p-value"},
+                 keys=4 if several else 3)
 
 
 def perplexity_table(run: RunData) -> Table | None:
@@ -187,7 +230,7 @@ def perplexity_table(run: RunData) -> Table | None:
     return Table(f"Perplexity per window ({run.experiment}; Table 5)",
                  ["window", "document", "dense", *methods], rows,
                  "Each window: the first half prefilled densely, the second half teacher-forced "
-                 "through the method; in brackets the delta to dense.")
+                 "through the method; in brackets the delta to dense.", keys=3)
 
 
 def ruler_table(run: RunData) -> Table | None:
@@ -222,7 +265,7 @@ def ruler_table(run: RunData) -> Table | None:
                  f"{run.context('ruler')}; Tables 6-8)", ["subtask", run.reference, *methods],
                  rows, "Score: the fraction of required references in the answer (RULER's "
                  "string_match_all). Methods: accuracy (delta to dense [95% CI], bootstrap over "
-                 "slices).")
+                 "slices).", keys=2)
 
 
 def niah_table(run: RunData) -> Table | None:
@@ -244,16 +287,18 @@ def niah_table(run: RunData) -> Table | None:
                      fmt(statistics.fmean(float(d["pass"]) for d, _ in pairs)),
                      fmt(statistics.fmean(float(m["pass"]) for _, m in pairs)),
                      str(test.both_pass), str(test.critical), str(test.reverse),
-                     str(test.both_fail), f"{test.p_value:.3g}"])
+                     str(test.both_fail), fmt_sig(test.p_value, 2)])
     return Table(f"NIAH ({run.experiment}, context {run.context('niah')}; Table 10)",
                  ["method", "trials", "dense acc", "method acc", "dense pass", "method pass",
-                  "both pass", "dense only", "method only", "both fail", "McNemar p"], rows,
+                  "both pass", "dense only", "method only", "both fail", "p"], rows,
                  "acc: fraction of needles retrieved; pass: all needles of a trial retrieved. "
-                 "dense only = critical failures; method only = reverse discordant pairs.")
+                 "dense only = critical failures; method only = reverse discordant pairs.",
+                 {"p": "McNemar p-value"})
 
 
-def _triple(q: dict, digits: int = 2) -> str:
-    return "/".join(f"{q[k]:.{digits}e}" for k in ("median", "p95", "max"))
+def _triple(q: dict) -> str:
+    """``median/p95/max`` in short scientific notation: ``4.9e-3/6.8e-3/1.2e-1``."""
+    return "/".join(fmt_sci(q[k]) for k in ("median", "p95", "max"))
 
 
 def certificate_table(run: RunData) -> Table | None:
@@ -270,12 +315,14 @@ def certificate_table(run: RunData) -> Table | None:
     if not rows:
         return None
     return Table(f"Certificates ({run.experiment}; Tables 11-12)",
-                 ["method", "E_key", "E_val", "E_arith", "candidate E_key", "candidate E_val",
-                  "paper-form E_key", "paper-form E_val"],
-                 rows, "median / p95 of the per-step mean over every layer and head, and the "
-                 "max over every head-step. Returned: what the output carries (dense heads: "
-                 "E_arith alone); candidate: the tight terms before the ladder; paper-form: "
-                 "the paper's eq. 15 and Cor. 4.2 for the same candidates (telemetry).")
+                 ["method", "E_key", "E_val", "E_arith", "cand. E_key", "cand. E_val",
+                  "paper E_key", "paper E_val"],
+                 rows, "Each cell: median/p95 of the per-step mean over every layer and head, "
+                 "and the max over every head-step. Returned: what the output carries (dense "
+                 "heads: E_arith alone).",
+                 {"cand.": "candidate, the tight terms before the ladder",
+                  "paper": "the paper's eq. 15 and Cor. 4.2 for the same candidates "
+                  "(telemetry)"})
 
 
 def median_step_ms(run: RunData, variant: str) -> float:
@@ -283,6 +330,17 @@ def median_step_ms(run: RunData, variant: str) -> float:
     ms = [r["ms_per_step"] for r in run.samples if r["variant"] == variant
           and r.get("decode_steps")]
     return statistics.median(ms) if ms else float("nan")
+
+
+def _pct(x: float, digits: int) -> str:
+    """``x`` as a percentage to ``digits`` decimals without trailing zeros (``12.5``, ``0``)."""
+    text = f"{100 * x:.{digits}f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+def _rates(values, digits: int) -> str:
+    """Percentages joined by ``/``: ``0.1/12.5/87.2/0.2/0``."""
+    return "/".join(_pct(x, digits) for x in values)
 
 
 def runtime_table(run: RunData) -> Table:
@@ -294,11 +352,9 @@ def runtime_table(run: RunData) -> Table:
         base = ms if v == run.reference else base
         cert = certificate_summary(run.certificate_records(v))
         if cert.get("steps"):
-            rungs = "/".join(f"{100 * r:.1f}" for r in cert["rung_rates"])
-            checks = "/".join(f"{100 * cert[f'{n}_fail_rate']:.2f}"
-                              for n in ("ranking", "boundary", "canary"))
-            cells = [rungs, checks, f"{cert['k_star_mean']:.1f}",
-                     f"{cert['value_promotions_per_step']:.1f}",
+            checks = [cert[f"{n}_fail_rate"] for n in ("ranking", "boundary", "canary")]
+            cells = [_rates(cert["rung_rates"], 1), _rates(checks, 2),
+                     f"{cert['k_star_mean']:.1f}", f"{cert['value_promotions_per_step']:.1f}",
                      f"{100 * cert['scratch_hit_rate']:.0f}",
                      f"{cert['h2d_bytes_per_step'] / 2**20:.2f}",
                      f"{cert['tier1_over_dense']:.3f}"]
@@ -307,8 +363,11 @@ def runtime_table(run: RunData) -> Table:
         ratio = ms / base if base else float("nan")
         rows.append([v, *cells, fmt(ms, 1), fmt(ratio, 2)])
     return Table(f"Ladder, cache and speed ({run.experiment}; Tables 4, 15)",
-                 ["method", "rungs % 0/1/2/3/4", "check fails % rank/bound/canary", "K* mean",
-                  "value promotions/step", "scratch hit %", "H2D MiB/step", "Tier-1/dense",
-                  "ms/step", "x dense"], rows,
+                 ["method", "rungs % 0/1/2/3/4", "fails % rank/bnd/can", "K*", "VP", "hit %",
+                  "H2D MiB", "T1", "ms/step", "x dense"], rows,
                  "Rates per head-step over every layer; dense runs the model's own cache and "
-                 "SDPA (no ladder). ms/step: median decode step of the whole model.")
+                 "SDPA (no ladder). ms/step: median decode step of the whole model.",
+                 {"rungs": "head-steps on rungs 0-4", "fails": "ranking/boundary/canary "
+                  "check failures", "K*": "mean FP16-key blocks", "VP": "value promotions per "
+                  "step", "hit": "scratch hit rate", "H2D": "host-to-device MiB per step",
+                  "T1": "Tier-1 bytes / dense bytes"})
