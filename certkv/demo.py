@@ -8,6 +8,7 @@ attention on the FP16 originals.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -15,9 +16,10 @@ from dataclasses import dataclass
 import torch
 from rich.console import Console
 
-from certkv import ChannelAffineKeyCodec, TieredKVStore
+from certkv import ChannelAffineKeyCodec, Ladder, TieredKVStore
 from certkv.attention import CertifiedAttention
 from certkv.certify.certificate import RUNG_NAMES, Certificate
+from certkv.errors import ConfigError, require
 from certkv.kernels.reference import exact_attention
 from certkv.report.document import _console, print_tables
 from certkv.report.tables import Table, fmt_sci
@@ -74,33 +76,60 @@ def _quantiles(x: torch.Tensor) -> str:
     return f"{fmt_sci(float(x.median()))}/{fmt_sci(float(x.max()))}"
 
 
+def check_dims(head_dim: int, value_group: int) -> None:
+    """The demo's head dimension must hold its codes: 2-bit keys pack 4 per byte and INT4
+    values are grouped by ``value_group``; a :class:`ConfigError` suggests the nearest sizes
+    that work with the other argument, in the command's flag syntax."""
+    step = math.lcm(4, value_group)
+    up = step * -(-head_dim // step)
+    groups = [g for g in (16, 8, 4, 2, 1) if head_dim % g == 0 and head_dim % 4 == 0]
+    other = f" or --value-group {groups[0]}" if groups else ""
+    require(head_dim % step == 0, ConfigError,
+            f"--head-dim {head_dim} must be a multiple of {step} (4 two-bit key codes per byte, "
+            f"INT4 value groups of --value-group {value_group}); use --head-dim {up}{other}.")
+
+
 def run_demo(context: int = 2048, kv_heads: int = 8, group: int = 4, head_dim: int = 128,
-             seed: int = 0, console: Console | None = None, value_group: int = 16) -> list[dict]:
+             seed: int = 0, console: Console | None = None, value_group: int = 16,
+             bound_tol: float | None = None) -> list[dict]:
     """Print the comparison table and the certified step's per-head certificate (fitted to the
-    console's width: 100 columns when piped); return rows."""
+    console's width: 100 columns when piped); return rows. ``bound_tol`` adds a certified row
+    with that guarantee (``Ladder(bound_tol=...)``: every head within it or dense)."""
+    check_dims(head_dim, value_group)
     console = console or _console()
+    methods = [("dense", CertifiedAttention(mode="dense")),
+               ("naive", CertifiedAttention(mode="naive")),
+               ("certified", CertifiedAttention())]
+    if bound_tol is not None:
+        methods.append((f"tol {bound_tol:g}",
+                        CertifiedAttention(ladder=Ladder(bound_tol=bound_tol))))
     layer = DemoLayer.make(context, kv_heads, group, head_dim, seed)
     table = Table(f"One decode step: {kv_heads * group} query heads ({kv_heads} kv), "
                   f"d={head_dim}, {context} cached tokens",
                   ["keys", "mode", "max err", "E_key med/max", "E_val med/max",
-                   "E_arith med/max", "bound", "rungs 0/1/2/3/4", "K*", "T1", "ms"], [],
-                  "max err: largest error of any head against FP64 attention; bound: whether "
-                  "every head's error is within its certificate; rungs: heads on each rung.",
+                   "E_arith med/max", "max bound", "rungs 0/1/2/3/4", "K*", "T1", "ms"], [],
+                  "max err: largest error of any head against FP64 attention; max bound: the "
+                  "largest returned bound, ok if every head's error is within its own; rungs: "
+                  "heads on each rung; "
+                  "tol X: certified with ladder.bound_tol=X (every head's bound <= X, or the "
+                  "head is dense).",
                   {"med/max": "median and max over the query heads",
                    "K*": "mean FP16-key blocks", "T1": "Tier-1 bytes / dense bytes"}, keys=2)
     rows, shown = [], None
     for key_bits in (8, 2):
         store = layer.store(key_bits, value_group=value_group)
         ref = layer.reference(store)
-        for mode in ("dense", "naive", "certified"):
-            out, cert, ms = timed_step(CertifiedAttention(mode=mode), layer.q, store)
+        for mode, attention in methods:
+            out, cert, ms = timed_step(attention, layer.q, store)
             err = (out.double() - ref).norm(dim=-1)
             holds = bool((err <= cert.bound.double()).all())  # every head, dense ones too
             rungs = "/".join(str(int((cert.rung == r).sum())) for r in RUNG_NAMES)
             ratio = store.tier1_bytes() / store.dense_bytes() if mode != "dense" else 1.0
             table.rows.append([f"INT{key_bits}", mode, fmt_sci(float(err.max())),
                                _quantiles(cert.e_key), _quantiles(cert.e_val),
-                               _quantiles(cert.e_arith), "holds" if holds else "VIOLATED",
+                               _quantiles(cert.e_arith),
+                               f"{fmt_sci(float(cert.bound.max()))} "
+                               f"{'ok' if holds else 'VIOLATED'}",
                                rungs, f"{float(cert.k_star.double().mean()):.1f}",
                                f"{ratio:.3f}", f"{ms:.1f}"])
             rows.append({"key_bits": key_bits, "mode": mode, "max_err": float(err.max()),
