@@ -119,8 +119,16 @@ def test_full_records_and_scratch_statistics():
 
 def test_batch_above_one_fails_with_one_sentence():
     _, model = tiny_model()
-    with pytest.raises(CertKVError, match="batch size 2 is not supported"):
+    with pytest.raises(CertKVError, match="2 sequences at once are not supported"):
         model(prompt().repeat(2, 1), past_key_values=TieredCache(2, CertifiedAttention()))
+
+
+def test_beam_search_names_beams():
+    """generate(num_beams=2) on one prompt decodes a batch of 2 beams: the sentence says so."""
+    _, model = tiny_model()
+    with pytest.raises(CertKVError, match=r"num_beams=2 .*num_beams=1"):
+        model.generate(prompt(), max_new_tokens=3, num_beams=2, do_sample=False,
+                       past_key_values=TieredCache(2, CertifiedAttention()))
 
 
 def test_without_a_tiered_cache_the_model_runs_its_own_sdpa():

@@ -22,8 +22,10 @@ from certkv.certify.certificate import CertificateLog
 from certkv.errors import CertKVError, ConfigError, require
 from certkv.quant.kv import KVQuantizer
 
-_BATCH = ("batch size {n} is not supported: certkv follows the paper's batch size 1, so run "
-          "one sample at a time.")
+_BATCH = ("{n} sequences at once are not supported (a batch of {n} prompts, or generate() with "
+          "num_beams={n} or num_return_sequences={n}, which decode a batch): certkv follows the "
+          "paper's batch size 1, so decode one sequence at a time with greedy or sampled "
+          "generation (num_beams=1).")
 
 
 @dataclass

@@ -144,6 +144,12 @@ def run_experiment(cfg: DictConfig, out_dir: str, progress: bool = True,
     run.write_meta({**meta, **({"invoked_by": invoked_by} if invoked_by else {})})
     run.start_session(environment())
     earlier = run.read_meta().get("wall_s", 0.0)  # wall time of earlier (resumed) sessions
+    done = sum(run.done(t.name, s.index, v.name) for t, s in plan for v in variants)
+    if done:
+        from rich.console import Console
+
+        Console(stderr=True).print(f"resuming {out_dir}: {done} of {planned} records done",
+                                   highlight=False, soft_wrap=True)
 
     def progress_meta() -> None:  # after every record: an interrupted session still counts
         run.write_meta({"wall_s": earlier + time.time() - started, "records": len(run.samples)})
