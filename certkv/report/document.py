@@ -11,6 +11,7 @@ import functools
 import itertools
 import json
 import os
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -31,6 +32,10 @@ class Report:
     runs: list[RunData]
     tables: list[Table]
 
+    def run_dirs(self) -> list[str]:
+        """The run directories, absolute and sorted (what identifies a report's content)."""
+        return sorted(str(Path(r.root).resolve()) for r in self.runs)
+
     def provenance(self) -> list[str]:
         """One line per run: what ran, where, with which code, how long."""
         lines = []
@@ -39,7 +44,7 @@ class Report:
             done = f"{m.get('records', len(run.samples))}/{m.get('planned', '?')} records"
             wall = f", wall time {m['wall_s'] / 60:.1f} min" if "wall_s" in m else ""
             lines.append(
-                f"`{run.experiment}` ({run.model}): `{m.get('command', '?')}`; "
+                f"`{run.label}` ({run.model}): `{m.get('command', '?')}`; "
                 f"{_environment(m)}; seed {m.get('seed', '?')}; {done}{wall}; "
                 f"run directory `{run.root}`")
         return lines
@@ -59,15 +64,21 @@ def _environment(meta: dict) -> str:
     return "; then ".join(f"records {s['from_record']}+: {one(s)}" for s in sessions)
 
 
+def slug(text: str) -> str:
+    """``tiny [seed=1] #2`` -> ``tiny_seed=1_2``: a label as a file or directory name."""
+    return "_".join("".join(c if c.isalnum() or c in "=.-+" else " " for c in text).split())
+
+
 def build_report(paths: list[str | Path]) -> Report:
     """The tables of the run directories ``paths`` (Tables 3-5, 6-8, 10-12, 15 as they apply)."""
     runs = [RunData.load(p) for p in paths]
+    tables.label_runs(runs)
     found: list[Table | None] = [tables.quality_table(runs)]
     for run in runs:
         found += [tables.perplexity_table(run) if "perplexity" in run.tasks else None,
                   tables.ruler_table(run), tables.niah_table(run),
                   tables.certificate_table(run), tables.runtime_table(run)]
-    title = ", ".join(dict.fromkeys(f"{r.experiment}: {r.model}" for r in runs))
+    title = ", ".join(dict.fromkeys(f"{r.label}: {r.model}" for r in runs))
     return Report(title, runs, [t for t in found if t is not None and t.rows])
 
 
@@ -92,7 +103,7 @@ def write_report(report: Report, out_dir: str | Path) -> Path:
     try:
         for run in report.runs:
             for name, draw in plots.FIGURES.items():
-                path = out / "figures" / f"{run.experiment}_{name}.png"
+                path = out / "figures" / f"{slug(run.label)}_{name}.png"
                 path.parent.mkdir(parents=True, exist_ok=True)
                 if draw(run, path):
                     figures.append(path.relative_to(out))
@@ -101,9 +112,33 @@ def write_report(report: Report, out_dir: str | Path) -> Path:
     lines += [f"![{f.stem}]({f.as_posix()})" for f in figures]
     write_atomic(out / "README.md", "\n".join(lines) + "\n")
     write_atomic(out / "report.json", json.dumps(
-        {"title": report.title, "provenance": report.provenance(),
+        {"title": report.title, "runs": report.run_dirs(), "provenance": report.provenance(),
          "tables": [asdict(t) for t in report.tables]}, indent=2) + "\n")
     return out / "README.md"
+
+
+def holds_other_report(out_dir: str | Path, report: Report) -> bool:
+    """Whether ``out_dir`` already holds a report of other run directories (re-rendering the
+    same runs' report refreshes it; anything else would be lost by writing there)."""
+    out = Path(out_dir)
+    if not (out / "README.md").exists() and not (out / "report.json").exists():
+        return False
+    try:
+        earlier = json.loads((out / "report.json").read_text())
+    except (OSError, ValueError):
+        return True
+    runs = earlier.get("runs") or re.findall(r"run directory `([^`]*)`",
+                                             " ".join(earlier.get("provenance", [])))
+    return sorted(str(Path(r).resolve()) for r in runs) != report.run_dirs()
+
+
+def free_dir(path: Path) -> Path:
+    """``path``, or ``path-2``, ``path-3`` ... whichever does not exist yet."""
+    candidate, n = path, 1
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{path.name}-{n}")
+    return candidate
 
 
 PIPED_WIDTH = 100  # the console's width when stdout is not a terminal (a pipe, a file)
@@ -114,7 +149,7 @@ GAP = 2  # columns between two cells: one divider and one (collapsed) padding
 def print_report(report: Report, console: Console | None = None) -> None:
     """The tables on the console, each fitted to its width (see :func:`print_tables`)."""
     console = console or _console()
-    console.print(f"[bold]{report.title}[/]")
+    console.print(Text(report.title, style="bold"))
     print_tables(report.tables, console)
 
 

@@ -140,7 +140,7 @@ def ruler_subtasks_figure(run: RunData):
     ax.set_xticks(range(len(subtasks)), subtasks, rotation=25, ha="right")
     ax.set_ylim(0, 1.05)
     ax.set_ylabel("accuracy (95% CI)")
-    ax.set_title(f"RULER, {run.experiment}")
+    ax.set_title(f"RULER, {run.label}")
     legend_right(fig)
     return fig
 
@@ -167,7 +167,7 @@ def perplexity_deltas_figure(run: RunData):
     ax.set_ylim(-0.6, len(series) - 0.4)
     ax.invert_yaxis()
     ax.set_xlabel("perplexity - dense perplexity, per window (mean, 95% t-CI)")
-    ax.set_title(f"Perplexity, {run.experiment}")
+    ax.set_title(f"Perplexity, {run.label}")
     return fig
 
 
@@ -190,7 +190,7 @@ def niah_depths_figure(run: RunData):
     ax.set_ylim(-0.05, 1.05)
     ax.set_xlabel("needle depth")
     ax.set_ylabel("fraction retrieved")
-    ax.set_title(f"NIAH, {run.experiment}")
+    ax.set_title(f"NIAH, {run.label}")
     legend_right(fig)
     return fig
 
@@ -235,7 +235,7 @@ def certificate_distributions_figure(run: RunData):
     handles = [Line2D([], [], color=style(run.variants.index(v))["color"],
                       linestyle=style(run.variants.index(v))["linestyle"]) for v in certified]
     legend_right(fig, handles, certified)
-    fig.suptitle(f"Certificates, {run.experiment}")
+    fig.suptitle(f"Certificates, {run.label}")
     return fig
 
 
@@ -255,7 +255,7 @@ def rung_rates_figure(run: RunData):
     ax.set_xlim(0, 100)
     ax.invert_yaxis()
     ax.set_xlabel("% of head-steps")
-    ax.set_title(f"Rungs, {run.experiment}")
+    ax.set_title(f"Rungs, {run.label}")
     legend_right(fig)
     return fig
 

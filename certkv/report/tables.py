@@ -54,6 +54,7 @@ class RunData:
     certificates: list[dict]
     variants: list[str] = field(default_factory=list)
     modes: dict[str, str] = field(default_factory=dict)
+    name: str = ""  # set by label_runs when two runs of a report share an experiment
 
     @classmethod
     def load(cls, path: str | Path) -> RunData:
@@ -76,6 +77,12 @@ class RunData:
     @property
     def experiment(self) -> str:
         return self.meta.get("experiment") or self.config.get("experiment") or self.root.name
+
+    @property
+    def label(self) -> str:
+        """How tables and figures name the run: its experiment, made unique among the runs of
+        one report by :func:`label_runs` (the overrides that name its directory)."""
+        return self.name or self.experiment
 
     @property
     def model(self) -> str:
@@ -105,6 +112,31 @@ class RunData:
 
     def certificate_records(self, variant: str) -> list[dict]:
         return [c for c in self.certificates if c["variant"] == variant]
+
+
+def label_runs(runs: list[RunData]) -> None:
+    """Give runs that share an experiment distinct labels: ``tiny [seed=1]``, from the overrides
+    that name the run directories and differ between those runs (``default`` for none), then
+    ``#2``, ``#3`` if still equal."""
+    groups: dict[str, list[RunData]] = {}
+    for run in runs:
+        groups.setdefault(run.experiment, []).append(run)
+    for experiment, group in groups.items():
+        if len(group) < 2:
+            continue
+        items = [set(_dir_overrides(r)) for r in group]
+        common = set.intersection(*items)
+        seen: dict[str, int] = {}
+        for run, mine in zip(group, items, strict=True):
+            label = f"{experiment} [{','.join(sorted(mine - common)) or 'default'}]"
+            seen[label] = seen.get(label, 0) + 1
+            run.name = label if seen[label] == 1 else f"{label} #{seen[label]}"
+
+
+def _dir_overrides(run: RunData) -> list[str]:
+    """The overrides a run directory is named after (``a=1,b=2`` -> ``["a=1", "b=2"]``)."""
+    name = run.root.name
+    return [] if name in ("", run.experiment) else [i for i in name.split(",") if i]
 
 
 def fmt(x: float, digits: int = 3) -> str:
@@ -194,12 +226,12 @@ def quality_table(runs: list[RunData]) -> Table:
                 if q is None:
                     continue
                 test = q["mcnemar"]
-                rows.append([*([run.experiment] if several else []), task,
+                rows.append([*([run.label] if several else []), task,
                              str(run.context(task)), variant, fmt(q["dense"]), fmt(q["method"]),
                              fmt_interval(q["delta"]), str(q["n"]),
                              "-" if test is None else f"{test.critical}/{test.reverse}",
                              "-" if test is None else fmt_sig(test.p_value, 2)])
-    where = "" if several else f"{runs[0].experiment}; " if runs else ""
+    where = "" if several else f"{runs[0].label}; " if runs else ""
     return Table(f"Quality against dense ({where}paired; Tables 3, 4, 14)",
                  [*(["run"] if several else []), "task", "ctx", "method", "dense", "value",
                   "delta [95% CI]", "n", "crit/rev", "p"], rows,
@@ -227,7 +259,7 @@ def perplexity_table(run: RunData) -> Table | None:
             m = run.records("perplexity", v).get(i)
             cells.append("-" if m is None else f"{fmt(m['ppl'])} ({m['ppl'] - d['ppl']:+.3f})")
         rows.append(cells)
-    return Table(f"Perplexity per window ({run.experiment}; Table 5)",
+    return Table(f"Perplexity per window ({run.label}; Table 5)",
                  ["window", "document", "dense", *methods], rows,
                  "Each window: the first half prefilled densely, the second half teacher-forced "
                  "through the method; in brackets the delta to dense.", keys=3)
@@ -261,7 +293,7 @@ def ruler_table(run: RunData) -> Table | None:
                 seed=stats.seed_for(run.experiment, "ruler", subtask, v))
             cells.append(f"{fmt(acc)} ({fmt_interval(delta, 2)})")
         rows.append(cells)
-    return Table(f"RULER accuracy per subtask ({run.experiment}, context "
+    return Table(f"RULER accuracy per subtask ({run.label}, context "
                  f"{run.context('ruler')}; Tables 6-8)", ["subtask", run.reference, *methods],
                  rows, "Score: the fraction of required references in the answer (RULER's "
                  "string_match_all). Methods: accuracy (delta to dense [95% CI], bootstrap over "
@@ -288,7 +320,7 @@ def niah_table(run: RunData) -> Table | None:
                      fmt(statistics.fmean(float(m["pass"]) for _, m in pairs)),
                      str(test.both_pass), str(test.critical), str(test.reverse),
                      str(test.both_fail), fmt_sig(test.p_value, 2)])
-    return Table(f"NIAH ({run.experiment}, context {run.context('niah')}; Table 10)",
+    return Table(f"NIAH ({run.label}, context {run.context('niah')}; Table 10)",
                  ["method", "trials", "dense acc", "method acc", "dense pass", "method pass",
                   "both pass", "dense only", "method only", "both fail", "p"], rows,
                  "acc: fraction of needles retrieved; pass: all needles of a trial retrieved. "
@@ -314,7 +346,7 @@ def certificate_table(run: RunData) -> Table | None:
                      _triple(cert["paper_e_val"])])
     if not rows:
         return None
-    return Table(f"Certificates ({run.experiment}; Tables 11-12)",
+    return Table(f"Certificates ({run.label}; Tables 11-12)",
                  ["method", "E_key", "E_val", "E_arith", "cand. E_key", "cand. E_val",
                   "paper E_key", "paper E_val"],
                  rows, "Each cell: median/p95 of the per-step mean over every layer and head, "
@@ -362,7 +394,7 @@ def runtime_table(run: RunData) -> Table:
             cells = ["-"] * 6 + ["1.000"]
         ratio = ms / base if base else float("nan")
         rows.append([v, *cells, fmt(ms, 1), fmt(ratio, 2)])
-    return Table(f"Ladder, cache and speed ({run.experiment}; Tables 4, 15)",
+    return Table(f"Ladder, cache and speed ({run.label}; Tables 4, 15)",
                  ["method", "rungs % 0/1/2/3/4", "fails % rank/bnd/can", "K*", "VP", "hit %",
                   "H2D MiB", "T1", "ms/step", "x dense"], rows,
                  "Rates per head-step over every layer; dense runs the model's own cache and "
