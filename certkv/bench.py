@@ -8,17 +8,22 @@
   a model config at several contexts, dense vs certified, with the phase breakdown of the
   paper's Table 16 (attention phases summed over layers; the rest is non-attention work).
 
-Timing: warm-up, then the median of ``repeats`` runs (CUDA-synchronised on GPU). Results go to
-``reports/bench/`` as markdown + JSON + a plot, with the device, versions and command.
+Timing: warm-up, then ``repeats`` timed runs (CUDA-synchronised on GPU), reported as min /
+median / max; a case whose runs disagree by more than 20% of the median is flagged (the machine
+was busy). Each invocation writes markdown + JSON + a plot, with the device, versions and
+command, to a new ``runs/bench/<name>-<YYYYmmdd-HHMMSS>/`` (or to ``--out DIR``).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import platform
 import statistics
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,13 +32,24 @@ import torch
 from certkv.attention import CertifiedAttention
 from certkv.cache.scratch import ScratchCache
 from certkv.cache.store import TieredKVStore
-from certkv.files import write_atomic
+from certkv.errors import CertKVError
+from certkv.files import writable_dir, write_atomic
 from certkv.kernels.reference import dense_attention
 from certkv.provenance import source_commit
 from certkv.timing import PhaseTimer, _sync
 
 # Peak DRAM bandwidth (GB/s) of GPUs this project is measured on; None elsewhere.
 PEAK_GBPS = {"H100 80GB HBM3": 3350.0, "H100 PCIe": 2000.0, "H200": 4800.0}
+RUNS_DIR = Path("runs/bench")  # default parent of each invocation's directory (cwd-relative)
+SPREAD_LIMIT = 0.2  # (max - min) / median above this: the timings are not trustworthy
+PHASE_RUNS = 3  # synchronised runs behind each phase breakdown
+METHOD_COLORS = {"dense": "C0", "naive": "C1", "certified": "C2"}  # one colour per method
+
+Update = Callable[..., None]  # update(description, advance=0): progress report
+
+
+def _quiet(text: str, advance: int = 0) -> None:
+    """The default progress report: nothing."""
 
 
 def device_info() -> dict:
@@ -50,8 +66,8 @@ def device_info() -> dict:
             "commit": source_commit()}
 
 
-def timed(fn, repeats: int, warmup: int = 2) -> float:
-    """Median milliseconds of ``fn()`` after ``warmup`` calls."""
+def timings(fn, repeats: int, warmup: int = 2) -> list[float]:
+    """Milliseconds of each of ``repeats`` calls of ``fn()``, after ``warmup`` untimed calls."""
     for _ in range(warmup):
         fn()
     times = []
@@ -61,7 +77,88 @@ def timed(fn, repeats: int, warmup: int = 2) -> float:
         fn()
         _sync()
         times.append(1e3 * (time.perf_counter() - start))
-    return statistics.median(times)
+    return times
+
+
+def timed(fn, repeats: int, warmup: int = 2) -> float:
+    """Median milliseconds of ``fn()`` after ``warmup`` calls."""
+    return statistics.median(timings(fn, repeats, warmup))
+
+
+def stats(times: list[float]) -> dict:
+    """``{"min", "median", "max", "runs"}`` of a list of milliseconds (``runs``: the list)."""
+    return {"min": min(times), "median": statistics.median(times), "max": max(times),
+            "runs": list(times)}
+
+
+def spread(s: dict) -> float:
+    """How far a timing's runs disagree: (max - min) / median."""
+    return (s["max"] - s["min"]) / s["median"] if s["median"] > 0 else 0.0
+
+
+def spread_warning(label: str, by_method: dict[str, dict],
+                   limit: float = SPREAD_LIMIT) -> str | None:
+    """One warning sentence when any method's runs of case ``label`` spread more than ``limit``
+    of their median (naming the worst method), else None."""
+    worst = max(by_method, key=lambda m: spread(by_method[m]))  # ties: the first method
+    s = by_method[worst]
+    if spread(s) <= limit:
+        return None
+    return (f"timings of {label} spread more than {limit:.0%} ({worst}: min {short(s['min'])} / "
+            f"median {short(s['median'])} / max {short(s['max'])} ms): the machine was busy; "
+            "rerun with more --repeats.")
+
+
+def spread_warnings(records: list[dict]) -> list[str]:
+    """The spread warnings of every record (``short_label`` and ``ms_stats`` per method)."""
+    found = (spread_warning(r["short_label"], r["ms_stats"]) for r in records)
+    return [w for w in found if w]
+
+
+def phase_stats(run: Callable[[], object], attention: CertifiedAttention,
+                runs: int = PHASE_RUNS) -> dict[str, dict]:
+    """Per-phase :func:`stats` over ``runs`` calls of ``run()``, each timed by a fresh
+    :class:`PhaseTimer` on ``attention`` (a phase absent from a run counts 0 ms there)."""
+    per_run = []
+    for _ in range(runs):
+        timer = attention.timer = PhaseTimer()
+        run()
+        per_run.append(dict(timer.ms))
+    names = dict.fromkeys(name for ms in per_run for name in ms)
+    return {name: stats([ms.get(name, 0.0) for ms in per_run]) for name in names}
+
+
+def medians(by_name: dict[str, dict]) -> dict[str, float]:
+    """``{name: median}`` of a dict of :func:`stats`."""
+    return {name: s["median"] for name, s in by_name.items()}
+
+
+@contextmanager
+def progress(total: int, description: str) -> Iterator[Update]:
+    """A rich progress bar on stderr over ``total`` steps; yields ``update(text, advance=0)``,
+    which sets the bar's description and advances it."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())
+    console = Console(stderr=True)  # no bar (nor its blank line) in a log file
+    with Progress(*columns, console=console, transient=True,
+                  disable=not console.is_terminal) as bar:
+        task = bar.add_task(description, total=total)
+        yield lambda text, advance=0: bar.update(task, description=text, advance=advance)
+
+
+def short(x: float) -> str:
+    """About 3 significant digits, no exponent above 1: 1,876 / 301 / 12.3 / 0.498 / 0.0123."""
+    if x == 0:
+        return "0"
+    return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}"
+
+
+def tokens(n: int) -> str:
+    """A context length as people write it: 512, 4K, 128K."""
+    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
 
 
 @dataclass
@@ -79,6 +176,11 @@ class AttentionCase:
         return (f"N={self.context} d={self.head_dim} GQA {self.group}:1 "
                 f"({self.kv_heads * self.group}q/{self.kv_heads}kv)")
 
+    @property
+    def short_label(self) -> str:
+        """For tables: ``N=4K d=128 4:1`` (context, head dim, query heads per kv head)."""
+        return f"N={tokens(self.context)} d={self.head_dim} {self.group}:1"
+
     def build(self, device: torch.device):
         gen = torch.Generator().manual_seed(self.seed)
         shape = (self.kv_heads, self.context, self.head_dim)
@@ -93,12 +195,13 @@ class AttentionCase:
 
 
 def bench_attention_case(case: AttentionCase, device: torch.device, repeats: int,
-                         compile: bool | str | None = None) -> dict:
+                         compile: bool | str | None = None, update: Update = _quiet) -> dict:
     """Time dense / naive / certified for one case; returns a JSON-able record (``compile``:
     as :class:`CertifiedAttention`; the first timed warm-up calls absorb compilation).
 
+    ``ms`` holds each method's median step time, ``ms_stats`` its min / median / max and runs.
     Whole-step times are taken without the phase timer (its per-phase synchronisation would
-    inflate them); the phase breakdown comes from separate timed runs.
+    inflate them); the phase breakdown (``phases_ms``: medians) comes from separate runs.
     """
     store, q, k16, v16 = case.build(device)
     scaling = case.head_dim ** -0.5
@@ -106,27 +209,39 @@ def bench_attention_case(case: AttentionCase, device: torch.device, repeats: int
     # (FP16 on GPU; FP32 on CPU, which has no fast FP16 math), converted once, outside timing
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     qd, kd, vd = q.to(dtype), k16.to(dtype), v16.to(dtype)
-    dense_ms = timed(lambda: dense_attention(qd, kd, vd, scaling), repeats)
     naive = CertifiedAttention(mode="naive", compile=compile)
-    naive_ms = timed(lambda: naive(q, store), repeats)
     certified = CertifiedAttention(compile=compile)
     scratch = ScratchCache()
-    cert_ms = timed(lambda: certified(q, store, scratch=scratch), repeats)
-    timer = certified.timer = PhaseTimer()
-    runs = 3
-    for _ in range(runs):
-        _, cert = certified(q, store, scratch=scratch)
-    phases = {k: v / runs for k, v in timer.ms.items()}
-    times = {"dense": dense_ms, "naive": naive_ms, "certified": cert_ms}
+    steps = {"dense": lambda: dense_attention(qd, kd, vd, scaling),
+             "naive": lambda: naive(q, store),
+             "certified": lambda: certified(q, store, scratch=scratch)}
+    ms_stats = {}
+    for method, step in steps.items():
+        update(f"{case.short_label}: {method}")
+        ms_stats[method] = stats(timings(step, repeats))
+        update(f"{case.short_label}: {method}", advance=1)
+    phase_ms = phase_stats(steps["certified"], certified)
+    _, cert = steps["certified"]()
+    return _attention_record(case, store, cert, ms_stats, phase_ms, str(dtype))
+
+
+def _attention_record(case: AttentionCase, store: TieredKVStore, cert, ms_stats: dict,
+                      phase_ms: dict, dense_dtype: str) -> dict:
+    """The JSON record of one case: times, ratios, GB/s, phases, memory per tier."""
+    times = medians(ms_stats)
+    phases = medians(phase_ms)
+    dense_ms = times["dense"]
     traffic = _bytes_read(store, cert, case)
     step = sum(phases.values()) or 1.0
-    return {"case": case.__dict__, "label": case.label, "ms": times, "dense_dtype": str(dtype),
+    p2 = phases.get("phase2", 0.0)
+    return {"case": case.__dict__, "label": case.label, "short_label": case.short_label,
+            "ms": times, "ms_stats": ms_stats, "dense_dtype": dense_dtype,
             "ratio_vs_dense": {m: t / dense_ms for m, t in times.items()},
             "gbps": {m: traffic[m] / times[m] / 1e6 for m in times},
-            "phases_ms": phases, "k_star_mean": float(cert.k_star.float().mean()),
-            "phase2": {"ms": phases.get("phase2", 0.0),
-                       "ratio_vs_dense": phases.get("phase2", 0.0) / dense_ms,
-                       "gbps": traffic["phase2"] / max(phases.get("phase2", 0.0), 1e-9) / 1e6},
+            "phases_ms": phases, "phases_ms_stats": phase_ms,
+            "k_star_mean": float(cert.k_star.float().mean()),
+            "phase2": {"ms": p2, "ratio_vs_dense": p2 / dense_ms,
+                       "gbps": traffic["phase2"] / max(p2, 1e-9) / 1e6},
             "checks_share": phases.get("checks", 0.0) / step,
             "memory_bytes": {"dense": store.dense_bytes(), "tier1": store.tier1_bytes(),
                              "tier2": store.tier2_bytes(), "annotations":
@@ -154,106 +269,336 @@ def default_cases(device: torch.device) -> list[AttentionCase]:
     return [AttentionCase(n, d, hkv, g) for n in contexts for d, hkv, g in shapes]
 
 
+def fresh_dir(base: Path, name: str) -> Path:
+    """Create and return ``base/name`` (``name-2``, ``name-3``, ... when taken): always a new
+    directory, so an invocation never replaces an earlier one's files."""
+    for n in itertools.count(1):
+        path = base / (name if n == 1 else f"{name}-{n}")
+        try:
+            path.mkdir(parents=True)
+        except FileExistsError:
+            continue
+        return path
+    raise AssertionError("unreachable")
+
+
 @dataclass
 class BenchReport:
-    """Writes ``<out>/<name>.json``, ``.md`` and ``.png``."""
+    """Writes ``<name>.json``, ``.md`` and ``.png`` into a new directory per invocation,
+    ``runs/bench/<name>-<YYYYmmdd-HHMMSS>[-n]/``, or into ``out_dir`` when given (``--out``),
+    where it refuses to replace files of the same name unless ``force`` (``--force``)."""
 
     name: str
     command: str
-    out_dir: Path = Path("reports/bench")
+    out_dir: Path | None = None
+    force: bool = False
     info: dict = field(default_factory=device_info)
+    started: str = field(default_factory=lambda: time.strftime("%Y%m%d-%H%M%S"))
+
+    def files(self, folder: Path) -> list[Path]:
+        return [folder / f"{self.name}{ext}" for ext in (".md", ".json", ".png")]
+
+    def check(self) -> None:
+        """Before any timing: raise :class:`CertKVError` (one sentence) when the target
+        directory is not writable, or when ``--out`` holds this bench's files and no
+        ``--force`` allows replacing them."""
+        writable_dir(self.out_dir or RUNS_DIR, "--out DIR")
+        if self.out_dir is None or self.force:
+            return
+        taken = [p.name for p in self.files(self.out_dir) if p.exists()]
+        if taken:
+            raise CertKVError(f"{self.out_dir} already holds {', '.join(taken)}; pass --force "
+                              "to replace them, or leave out --out to write a new directory "
+                              f"under {RUNS_DIR}/.")
 
     def write(self, records: list[dict], table: list[str], plot) -> Path:
-        self.out_dir.mkdir(parents=True, exist_ok=True)
+        """Write the JSON, the plot and the markdown (header + ``table`` lines); returns the
+        markdown's path."""
+        folder = self.out_dir or fresh_dir(RUNS_DIR, f"{self.name}-{self.started}")
+        folder.mkdir(parents=True, exist_ok=True)
         payload = {"command": self.command, **self.info, "records": records}
-        write_atomic(self.out_dir / f"{self.name}.json", json.dumps(payload, indent=2) + "\n")
+        write_atomic(folder / f"{self.name}.json", json.dumps(payload, indent=2) + "\n")
         head = [f"# certkv bench {self.name}", "", f"Command: `{self.command}`  ",
                 f"Commit: `{self.info['commit']}`  ",
                 f"Device: {self.info['device']} (peak {self.info['peak_gbps'] or 'n/a'} GB/s); "
                 f"torch {self.info['torch']}, transformers {self.info['transformers']}", "",
                 f"![{self.name}]({self.name}.png)", ""]
         try:
-            plot(self.out_dir / f"{self.name}.png")
+            plot(folder / f"{self.name}.png")
         except ImportError:  # matplotlib is absent on some lent GPU machines: keep the numbers
             head[-2] = "(plot skipped: matplotlib is not installed)"
-        write_atomic(self.out_dir / f"{self.name}.md", "\n".join(head + table) + "\n")
-        return self.out_dir / f"{self.name}.md"
+        write_atomic(folder / f"{self.name}.md", "\n".join(head + table) + "\n")
+        return folder / f"{self.name}.md"
+
+
+@dataclass
+class ResultTable:
+    """Formatted cells rendered as markdown (the report) or a rich table (the console).
+    ``columns``: (header, meaning) pairs; the meanings of abbreviated headers make the legend
+    line under the table. ``keys`` leading columns name a row (repeated when a table is split
+    to fit the console); a rule follows every ``group`` rows (0: no rules)."""
+
+    title: str
+    columns: list[tuple[str, str]]
+    rows: list[list[str]] = field(default_factory=list)
+    keys: int = 1
+    group: int = 0
+
+    def legend(self) -> str:
+        return "; ".join(f"{h}: {m}" for h, m in self.columns if m)
+
+    def markdown(self) -> list[str]:
+        head = [h for h, _ in self.columns]
+        lines = [f"**{self.title}**", "", "| " + " | ".join(head) + " |",
+                 "|" + " --- |" * len(head), *("| " + " | ".join(row) + " |" for row in self.rows)]
+        return [*lines, "", self.legend()] if self.legend() else lines
+
+    def widths(self) -> list[int]:
+        """Each column's widest cell or header, in characters."""
+        return [max(len(c) for c in (h, *(row[i] for row in self.rows)))
+                for i, (h, _) in enumerate(self.columns)]
+
+    def split(self, width: int) -> list[ResultTable]:
+        """This table as one or more tables of consecutive columns, each fitting ``width``
+        characters (padding and rules included), key columns repeated in each."""
+        sizes = [w + 3 for w in self.widths()]  # one space each side, one rule
+        base = sum(sizes[: self.keys]) + 1
+        groups: list[list[int]] = [[]]
+        for i in range(self.keys, len(self.columns)):
+            if groups[-1] and base + sum(sizes[j] for j in groups[-1]) + sizes[i] > width:
+                groups.append([])
+            groups[-1].append(i)
+        if len(groups) == 1:
+            return [self]
+        keys = list(range(self.keys))
+        return [ResultTable(f"{self.title} ({n}/{len(groups)})",
+                            [self.columns[i] for i in keys + g],
+                            [[row[i] for i in keys + g] for row in self.rows], self.keys,
+                            self.group) for n, g in enumerate(groups, 1)]
+
+    def rich(self):
+        """The title, a rich Table and its legend line. Number columns get exactly their widest
+        cell's width, so they are never broken; only key columns wrap (at spaces) if they must."""
+        from rich import box
+        from rich.console import Group
+        from rich.table import Table
+        from rich.text import Text
+
+        table = Table(box=box.SIMPLE_HEAD)
+        for i, ((header, _), width) in enumerate(zip(self.columns, self.widths(), strict=True)):
+            if i < self.keys:
+                table.add_column(header)
+            else:
+                table.add_column(header, justify="right", width=width)
+        for n, row in enumerate(self.rows, 1):
+            table.add_row(*row, end_section=bool(self.group) and n % self.group == 0
+                          and n < len(self.rows))
+        legend = [Text(self.legend(), style="dim")] if self.legend() else []
+        return Group(Text(self.title, style="bold"), table, *legend, Text(""))
+
+
+def markdown(tables: list[ResultTable], notes: list[str]) -> list[str]:
+    """The report's body: each table with its legend, then the notes (warnings first)."""
+    lines: list[str] = []
+    for table in tables:
+        lines += [*table.markdown(), ""]
+    for note in notes:
+        lines += [f"**Warning:** {note}" if note.startswith("timings of") else note, ""]
+    return lines[:-1] if notes else lines
+
+
+def show(tables: list[ResultTable], notes: list[str], report: Path, console=None) -> None:
+    """Print the tables (split to fit the console's width), the notes (spread warnings on
+    stderr) and where the results went."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    console = console or Console()
+    for table in tables:
+        for part in table.split(console.width):
+            console.print(part.rich())
+    errors = Console(stderr=True)
+    for note in notes:
+        if note.startswith("timings of"):
+            errors.print(f"[bold yellow]warning:[/] {escape(note)}", highlight=False)
+        else:
+            console.print(escape(note), highlight=False)
+    files = ", ".join(p.name for p in sorted(report.parent.glob(report.stem + ".*")))
+    console.print(f"results: {escape(str(report.parent))}/ ({files})", highlight=False)
+
+
+PHASES = (("lay", "layout", "layout"), ("ph1", "phase1", "phase 1 (INT8 scores)"),
+          ("sel", "select", "selection"), ("page", "page_in", "page-in"),
+          ("ph2", "phase2", "phase 2 (attend)"), ("cert", "certificate", "certificate"),
+          ("chk", "checks", "checks"), ("fb", "fallback", "fallback"))
+
+
+def step_table(records: list[dict], what: str, key: tuple[str, str]) -> ResultTable:
+    """Min / median / max step time per case and method, the ratio to dense and (attention)
+    achieved GB/s."""
+    runs = len(records[0]["ms_stats"]["dense"]["runs"]) if records else 0
+    columns = [key, ("method", ""), ("min", ""), ("med", "median"), ("max", ""),
+               ("×dense", "median / dense median")]
+    gbps = bool(records) and "gbps" in records[0]
+    if gbps:
+        columns.append(("GB/s", "bytes the method must read / median time"))
+    table = ResultTable(f"{what}: step time, ms ({runs} timed runs after 2 warm-up calls)",
+                        columns, group=len(records[0]["ms_stats"]) if records else 1)
+    for r in records:
+        for method, s in r["ms_stats"].items():
+            row = [r["short_label"], method, short(s["min"]), short(s["median"]),
+                   short(s["max"]), short(s["median"] / r["ms"]["dense"])]
+            table.rows.append(row + ([short(r["gbps"][method])] if gbps else []))
+    return table
+
+
+CASE = ("case", "N context, d head dim, G:1 query heads per kv head")
+
+
+def attention_tables(records: list[dict], peak_gbps: float | None = None) -> list[ResultTable]:
+    """The console's and the report's tables: step times, certified phases, per-case
+    certified figures, and (GPU with a known peak) the targets."""
+    phases = ResultTable(f"Certified step by phase, ms (median of {PHASE_RUNS} synchronised runs)",
+                         [CASE, *((h, m) for h, _, m in PHASES)])
+    for r in records:
+        phases.rows.append([r["short_label"],
+                            *(short(r["phases_ms"].get(p, 0.0)) for _, p, _ in PHASES)])
+    summary = ResultTable("Certified step per case", [
+        CASE, ("ph2/d", "phase 2 / dense step"), ("ph2 GB/s", "phase 2 bytes / phase 2 time"),
+        *([("% peak", "phase 2 GB/s / the device's peak")] if peak_gbps else []),
+        ("chk %", "checks' share of the step"), ("K*", "mean FP16-key blocks per head"),
+        ("T1/d", "Tier-1 bytes / dense FP16 bytes")])
+    for r in records:
+        p2, mem = r["phase2"], r["memory_bytes"]
+        summary.rows.append([r["short_label"], short(p2["ratio_vs_dense"]), short(p2["gbps"]),
+                             *([f"{100 * p2['gbps'] / peak_gbps:.0f}"] if peak_gbps else []),
+                             short(100 * r["checks_share"]), short(r["k_star_mean"]),
+                             short(mem["tier1"] / mem["dense"])])
+    tables = [step_table(records, "One layer", CASE), phases, summary]
+    target = target_table(records, peak_gbps)
+    return tables + ([target] if target and target.rows else [])
+
+
+def attention_notes(records: list[dict], peak_gbps: float | None = None) -> list[str]:
+    """Spread warnings, then the targets' sentence where they cannot be evaluated."""
+    return spread_warnings(records) + (target_lines(records, None) if peak_gbps is None else [])
 
 
 def attention_table(records: list[dict], peak_gbps: float | None = None) -> list[str]:
-    """Markdown rows per case, then the issue's targets checked where they apply (GPU)."""
-    lines = ["| case | dense ms | naive ms | certified ms | cert / dense | phase 2 / dense | "
-             "phase 2 GB/s | checks % of step | K* mean | dense GB/s | certified GB/s | "
-             "phases ms (layout/phase1/select/page_in/phase2/certificate/checks/fallback) | "
-             "Tier-1 / dense |",
-             "|" + " --- |" * 13]
-    order = ("layout", "phase1", "select", "page_in", "phase2", "certificate", "checks",
-             "fallback")
+    """The report's markdown body for ``bench attention``."""
+    return markdown(attention_tables(records, peak_gbps), attention_notes(records, peak_gbps))
+
+
+def target_table(records: list[dict], peak_gbps: float | None) -> ResultTable | None:
+    """The #4 targets (GPU, N >= 32K): Phase 2 <= 0.75x dense at >= 60% of peak bandwidth;
+    whole step at 64K <= 1.5x dense with the checks <= 5% of it. None without a known peak."""
+    if peak_gbps is None:
+        return None
+    table = ResultTable("GPU targets", [("target", ""), ("case", ""), ("measured", ""),
+                                        ("met", "")], keys=2)
+
+    def add(target: str, r: dict, measured: str, met: bool) -> None:
+        table.rows.append([target, r.get("short_label", r["label"]), measured,
+                           "yes" if met else "no"])
+
     for r in records:
-        phases = "/".join(f"{r['phases_ms'].get(p, 0):.2f}" for p in order)
-        mem = r["memory_bytes"]
-        p2 = r["phase2"]
-        p2_gbps = f"{p2['gbps']:.1f}" + (f" ({100 * p2['gbps'] / peak_gbps:.0f}% of peak)"
-                                         if peak_gbps else "")
-        lines.append(f"| {r['label']} | {r['ms']['dense']:.3f} | {r['ms']['naive']:.3f} | "
-                     f"{r['ms']['certified']:.3f} | {r['ratio_vs_dense']['certified']:.2f} | "
-                     f"{p2['ratio_vs_dense']:.2f} | {p2_gbps} | "
-                     f"{100 * r['checks_share']:.1f} | {r['k_star_mean']:.1f} | "
-                     f"{r['gbps']['dense']:.1f} | {r['gbps']['certified']:.1f} | {phases} | "
-                     f"{mem['tier1'] / mem['dense']:.3f} |")
-    return [*lines, "", *target_lines(records, peak_gbps)]
+        n, p2 = r["case"]["context"], r.get("phase2")
+        if n >= 32768:
+            share = p2["gbps"] / peak_gbps
+            add("phase 2 <= 0.75x dense", r, f"{p2['ratio_vs_dense']:.2f}x",
+                p2["ratio_vs_dense"] <= 0.75)
+            add("phase 2 >= 60% of peak", r, f"{100 * share:.0f}%", share >= 0.6)
+        if n == 65536:
+            ratio = r["ratio_vs_dense"]["certified"]
+            add("step <= 1.5x dense", r, f"{ratio:.2f}x", ratio <= 1.5)
+            add("checks <= 5% of step", r, f"{100 * r['checks_share']:.1f}%",
+                r["checks_share"] <= 0.05)
+    return table
 
 
 def target_lines(records: list[dict], peak_gbps: float | None) -> list[str]:
-    """The #4 targets (GPU, N >= 32K): Phase 2 <= 0.75x dense at >= 60% of peak bandwidth;
-    whole step at 64K <= 1.5x dense with the checks <= 5% of it."""
-    if peak_gbps is None:
+    """The targets as markdown table lines, or one sentence when there is no known peak."""
+    table = target_table(records, peak_gbps)
+    if table is None:
         return ["Targets (Phase 2 <= 0.75x dense at >= 60% of peak; whole step at 64K <= 1.5x "
                 "dense, checks <= 5% of it) apply to the GPU kernels; this device has no known "
                 "peak bandwidth, so they are not evaluated here."]
-    lines = ["| target | case | measured | met |", "| --- | --- | --- | --- |"]
-    for r in records:
-        n = r["case"]["context"]
-        if n >= 32768:
-            p2 = r["phase2"]
-            share = p2["gbps"] / peak_gbps
-            lines.append(f"| phase 2 <= 0.75x dense | {r['label']} | {p2['ratio_vs_dense']:.2f}x "
-                         f"| {'yes' if p2['ratio_vs_dense'] <= 0.75 else 'no'} |")
-            lines.append(f"| phase 2 >= 60% of peak | {r['label']} | {100 * share:.0f}% | "
-                         f"{'yes' if share >= 0.6 else 'no'} |")
-        if n == 65536:
-            ratio = r["ratio_vs_dense"]["certified"]
-            lines.append(f"| step <= 1.5x dense | {r['label']} | {ratio:.2f}x | "
-                         f"{'yes' if ratio <= 1.5 else 'no'} |")
-            lines.append(f"| checks <= 5% of step | {r['label']} | "
-                         f"{100 * r['checks_share']:.1f}% | "
-                         f"{'yes' if r['checks_share'] <= 0.05 else 'no'} |")
-    return lines
+    return table.markdown()[2:]
 
 
-def plot_attention(records: list[dict], path: Path) -> None:
+SHAPE_STYLES = (("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"))  # (line style, marker)
+
+
+def _figure(figsize: tuple[float, float]):
+    """A headless matplotlib figure and axes (raises ImportError without matplotlib)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    labels = sorted({(r["case"]["head_dim"], r["case"]["group"]) for r in records})
-    colors = {"dense": "C0", "naive": "C1", "certified": "C2"}
-    for (d, g), style in zip(labels, ("-", "--", ":", "-."), strict=False):
+    return plt, *plt.subplots(figsize=figsize)
+
+
+def _series(ax, contexts: list[int], runs: list[dict], method: str, style: str,
+            marker: str) -> None:
+    """One method's median line, with min-max error bars in the same colour."""
+    med = [s["median"] for s in runs]
+    low = [m - s["min"] for m, s in zip(med, runs, strict=True)]
+    high = [s["max"] - m for m, s in zip(med, runs, strict=True)]
+    ax.errorbar(contexts, med, yerr=[low, high], linestyle=style, marker=marker, capsize=3,
+                color=METHOD_COLORS[method])
+
+
+def _context_axis(ax, contexts: list[int]) -> None:
+    """Log-2 context axis with one labelled tick per measured context (512, 4K, ...)."""
+    from matplotlib.ticker import NullLocator
+
+    ticks = sorted(set(contexts))
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ticks, [tokens(n) for n in ticks])
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xlabel("context (tokens)")
+    ax.grid(alpha=0.3)
+
+
+def _legends(ax, methods: list[str], shapes: list[tuple[str, str, str]]) -> None:
+    """Outside the axes: colours = methods (bars: min-max of the runs), and when there are
+    several shapes, line style + marker = shape; every series is told apart."""
+    from matplotlib.lines import Line2D
+
+    handles = [Line2D([], [], color=METHOD_COLORS[m], lw=2, label=m) for m in methods]
+    first = ax.legend(handles=handles, title="method\n(bars: min-max)", fontsize=8,
+                      title_fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    if len(shapes) > 1:
+        ax.add_artist(first)
+        handles = [Line2D([], [], color="0.3", linestyle=st, marker=mk, label=label)
+                   for label, st, mk in shapes]
+        ax.legend(handles=handles, title="shape", fontsize=8, title_fontsize=8,
+                  handlelength=3.5, loc="lower left", bbox_to_anchor=(1.02, 0.0))
+
+
+def plot_attention(records: list[dict], path: Path) -> None:
+    """Median step time (min-max bars) against context: colour = method, line style and marker
+    = shape (head dim, GQA ratio)."""
+    from matplotlib.ticker import LogFormatter
+
+    plt, fig, ax = _figure((8, 4.2))
+    shapes = sorted({(r["case"]["head_dim"], r["case"]["group"]) for r in records})
+    methods = list(records[0]["ms_stats"]) if records else []
+    legend = []
+    for (d, g), (style, marker) in zip(shapes, itertools.cycle(SHAPE_STYLES)):
         rows = [r for r in records if (r["case"]["head_dim"], r["case"]["group"]) == (d, g)]
         ctx = [r["case"]["context"] for r in rows]
-        for method, color in colors.items():
-            ax.plot(ctx, [r["ms"][method] for r in rows], style, color=color, marker="o",
-                    label=f"{method} d={d} {g}:1")
-    ax.set_xscale("log", base=2)
+        for method in methods:
+            _series(ax, ctx, [r["ms_stats"][method] for r in rows], method, style, marker)
+        legend.append((f"d={d} GQA {g}:1", style, marker))
     ax.set_yscale("log")
-    ax.set_xlabel("context (tokens)")
+    ax.yaxis.set_major_formatter(LogFormatter())  # 50, 200 rather than 5x10^1, 2x10^2
+    ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False))
     ax.set_ylabel("ms per decode step (one layer)")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    _context_axis(ax, [r["case"]["context"] for r in records])
+    _legends(ax, methods, legend)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 
@@ -270,12 +615,15 @@ MODEL_CONFIGS = {
 
 
 def bench_decode(model: str, contexts: list[int], device: torch.device, repeats: int,
-                 dtype: torch.dtype, compile: bool | str | None = None) -> list[dict]:
+                 dtype: torch.dtype, compile: bool | str | None = None,
+                 update: Update = _quiet) -> list[dict]:
     """Whole-model decode step, dense vs certified, for a random-weight model config. Dense is
-    the model's own cache and SDPA in its dtype (what a user would run instead)."""
+    the model's own cache and SDPA in its dtype (what a user would run instead). ``update``
+    hears each stage (model init, prefill, each method) and advances once per method."""
+    update(f"{model}: building the model (random weights)")
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from certkv.eval.decode import Method, Prefill
+    from certkv.eval.decode import Prefill
     from certkv.models.hook import enable
     from certkv.models.loading import LoadedModel, ModelSpec
 
@@ -288,56 +636,75 @@ def bench_decode(model: str, contexts: list[int], device: torch.device, repeats:
     lm = LoadedModel(net, None, ModelSpec(name=model))
     records = []
     for context in contexts:
+        update(f"N={tokens(context)}: dense prefill")
         ids = torch.randint(0, config.vocab_size, (context,)).tolist()
+        row = {"model": model, "context": context, "label": f"{model} N={context}",
+               "short_label": f"N={tokens(context)}", "ms": {}, "ms_stats": {},
+               "phases_ms": {}, "phases_ms_stats": {}}
         shared = Prefill(lm, ids[:-1])
-        row = {"model": model, "context": context, "ms": {}, "phases_ms": {}}
         for mode in ("dense", "certified"):
-            method = Method.build(mode, mode, compile=compile)
-            attention = method.attention
-            decoder = shared.session(method).decoder()
-            token = ids[-1]
-            row["ms"][mode] = timed(lambda d=decoder, t=token: d.step(t), repeats)
-            timer = attention.timer = PhaseTimer()  # breakdown from a separate, synced step
-            decoder.step(token)
-            row["phases_ms"][mode] = dict(timer.ms)
-        row["ratio"] = row["ms"]["certified"] / row["ms"]["dense"]
-        attention = sum(row["phases_ms"]["certified"].values())
-        row["phases_ms"]["certified"]["non_attention"] = max(row["ms"]["certified"] - attention,
-                                                             0.0)
-        records.append(row)
+            update(f"N={tokens(context)}: {mode}")
+            _time_decode_mode(row, shared, mode, ids[-1], repeats, compile)
+            update(f"N={tokens(context)}: {mode}", advance=1)
+        records.append(_decode_ratios(row))
     return records
 
 
-def decode_table(records: list[dict]) -> list[str]:
-    order = ("non_attention", "layout", "phase1", "select", "page_in", "phase2", "certificate",
-             "checks", "fallback")
-    lines = ["| model | context | dense ms | certified ms | certified / dense | " +
-             " | ".join(f"{p} %" for p in order) + " |", "|" + " --- |" * (5 + len(order))]
+def _time_decode_mode(row: dict, shared, mode: str, token: int, repeats: int,
+                      compile: bool | str | None) -> None:
+    """Fill ``row``'s step times and phase breakdown (separate synchronised steps) of ``mode``."""
+    from certkv.eval.decode import Method
+
+    method = Method.build(mode, mode, compile=compile)
+    decoder = shared.session(method).decoder()
+    row["ms_stats"][mode] = stats(timings(lambda: decoder.step(token), repeats))
+    row["ms"][mode] = row["ms_stats"][mode]["median"]
+    row["phases_ms_stats"][mode] = phase_stats(lambda: decoder.step(token), method.attention)
+    row["phases_ms"][mode] = medians(row["phases_ms_stats"][mode])
+
+
+def _decode_ratios(row: dict) -> dict:
+    """Add certified / dense and the certified step's non-attention remainder to ``row``."""
+    row["ratio"] = row["ms"]["certified"] / row["ms"]["dense"]
+    attention = sum(row["phases_ms"]["certified"].values())
+    row["phases_ms"]["certified"]["non_attention"] = max(row["ms"]["certified"] - attention,
+                                                         0.0)
+    return row
+
+
+def decode_tables(records: list[dict]) -> list[ResultTable]:
+    """Step times per context and method, and the certified step's phase shares (Table 16)."""
+    model = records[0]["model"] if records else ""
+    key = ("N", "context tokens")
+    shares = ResultTable(f"{model}: certified step by phase, % of the step (Table 16; median "
+                         f"of {PHASE_RUNS} synchronised runs)",
+                         [key, ("other", "non-attention work"), *((h, m) for h, _, m in PHASES)])
     for r in records:
         phases = r["phases_ms"]["certified"]
         total = sum(phases.values()) or 1.0
-        shares = " | ".join(f"{100 * phases.get(p, 0) / total:.1f}" for p in order)
-        lines.append(f"| {r['model']} | {r['context']} | {r['ms']['dense']:.1f} | "
-                     f"{r['ms']['certified']:.1f} | {r['ratio']:.2f} | {shares} |")
-    return lines
+        shares.rows.append([r["short_label"], *(short(100 * phases.get(p, 0.0) / total)
+                                                for p in ("non_attention",
+                                                          *(p for _, p, _ in PHASES)))])
+    return [step_table(records, f"{model} whole model", key), shares]
+
+
+def decode_table(records: list[dict]) -> list[str]:
+    """The report's markdown body for ``bench decode``."""
+    return markdown(decode_tables(records), spread_warnings(records))
 
 
 def plot_decode(records: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    """Median whole-model step time (min-max bars) against context, one colour per method (the
+    same colours as the attention plot)."""
+    plt, fig, ax = _figure((7, 3.8))
     ctx = [r["context"] for r in records]
-    for mode in ("dense", "certified"):
-        ax.plot(ctx, [r["ms"][mode] for r in records], marker="o", label=mode)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("context (tokens)")
+    methods = list(records[0]["ms_stats"]) if records else []
+    for method in methods:
+        _series(ax, ctx, [r["ms_stats"][method] for r in records], method, "-", "o")
     ax.set_ylabel("ms per decode step (whole model)")
+    ax.set_ylim(bottom=0)
     ax.set_title(records[0]["model"] if records else "")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    _context_axis(ax, ctx)
+    _legends(ax, methods, [])
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)

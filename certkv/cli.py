@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import sys
 from pathlib import Path
@@ -23,7 +24,8 @@ from certkv.config import (
     first_choices,
     with_experiment,
 )
-from certkv.errors import CertKVError, ConfigError
+from certkv.errors import CertKVError
+from certkv.files import writable_dir
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Runtime-certified quantized KV-cache attention: experiments and tools.")
@@ -36,12 +38,21 @@ def _fail(message: str) -> None:
     raise typer.Exit(2)
 
 
-def _composed_or_fail(overrides: list[str]):
-    """The config of ``overrides`` (a sweep: its first point); bad ones exit with the message."""
+def _validated_or_fail(overrides: list[str], writes: bool = True):
+    """The config of ``overrides`` (a sweep: its first point), composed and every component
+    built and checked (:func:`certkv.eval.runner.validate`) and, when the command ``writes``,
+    its ``out_dir`` writable; anything wrong exits with one sentence before a directory exists.
+    """
     try:
-        return compose_config(first_choices(overrides))
-    except ConfigError as exc:
+        cfg = compose_config(first_choices(overrides))
+        from certkv.eval.runner import validate
+
+        validate(cfg)
+        if writes:
+            writable_dir(cfg.out_dir, "out_dir=DIR")
+    except CertKVError as exc:
         _fail(str(exc))
+    return cfg
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -52,7 +63,8 @@ def run(ctx: typer.Context) -> None:
     """
     args = with_experiment(ctx.args)
     overrides = [a for a in args if "=" in a and not a.startswith("-")]
-    _composed_or_fail(overrides)
+    _validated_or_fail(overrides, writes=not any(a.startswith(("--cfg", "-c", "--help", "-h",
+                                                                "--info", "-i")) for a in args))
     from certkv.hydra_app import main as hydra_main
 
     sys.argv = ["certkv run", *args]
@@ -63,11 +75,24 @@ def run(ctx: typer.Context) -> None:
 def report(
     run_dirs: Annotated[list[Path], typer.Argument(help="run directories (finished or partial)")],
     out: Annotated[Path | None, typer.Option(
-        help="where README.md, figures/ and report.json go (default: runs/reports/<runs>; "
-             "reports/<name> for a committed report)")] = None,
+        help="where README.md, figures/ and report.json go (default: a new directory under "
+             "runs/reports/; reports/<name> for a committed report)")] = None,
+    force: Annotated[bool, typer.Option(
+        help="replace a report of other runs that --out already holds")] = False,
 ) -> None:
-    """Render the paper's tables and figures from run directories alone."""
-    from certkv.report.document import build_report, print_report, write_report
+    """Render the paper's tables and figures from run directories alone.
+
+    Re-rendering into a directory that holds the report of the same runs refreshes it; a
+    report of other runs is never replaced unless --force is given.
+    """
+    from certkv.report.document import (
+        build_report,
+        free_dir,
+        holds_other_report,
+        print_report,
+        slug,
+        write_report,
+    )
 
     missing = [str(p) for p in run_dirs if not p.is_dir()]
     if missing:
@@ -77,9 +102,19 @@ def report(
         built = build_report(run_dirs)
     except CertKVError as exc:
         _fail(str(exc))
-    print_report(built)
-    target = out or Path("runs/reports") / "+".join(dict.fromkeys(r.experiment
+    target = out or Path("runs/reports") / "+".join(dict.fromkeys(slug(r.label)
                                                                   for r in built.runs))
+    if holds_other_report(target, built):
+        if out is not None and not force:
+            _fail(f"{out} already holds a report of other runs; pass --force to replace it or "
+                  "choose another --out.")
+        if out is None:
+            target = free_dir(target)
+    try:
+        writable_dir(target, "--out DIR")
+    except CertKVError as exc:
+        _fail(str(exc))
+    print_report(built)
     Console().print(f"report: {write_report(built, target)}")
 
 
@@ -109,8 +144,10 @@ def info() -> None:
     console.print("versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
 
 
-bench_app = typer.Typer(no_args_is_help=True, help="Decode-step benchmarks (results in "
-                                                  "runs/bench/; --out to choose).")
+bench_app = typer.Typer(no_args_is_help=True, help=(
+    "Decode-step benchmarks. Each invocation writes markdown, JSON and a plot to a new "
+    "runs/bench/<name>-<YYYYmmdd-HHMMSS>/; --out DIR writes into DIR instead and keeps files "
+    "already there unless --force."))
 app.add_typer(bench_app, name="bench")
 
 
@@ -141,10 +178,18 @@ def _command() -> str:
 def bench_attention(
     context: Annotated[list[int] | None, typer.Option(
         help="context lengths (default: 4K-128K on GPU, 1K and 4K on CPU)")] = None,
-    repeats: int = 20, device: str = "auto", out: Path = Path("runs/bench"),
+    repeats: int = 20, device: str = "auto",
+    out: Annotated[Path | None, typer.Option(
+        help="write into this directory (e.g. reports/bench) instead of a new "
+             "runs/bench/attention_<device>-<time>/")] = None,
+    force: Annotated[bool, typer.Option(
+        "--force", help="with --out: replace attention_<device>.md/.json/.png already there")]
+    = False,
     compile: Annotated[str, typer.Option(help=COMPILE_HELP)] = "auto",
 ) -> None:
-    """One decode step of one layer: dense FP16 SDPA vs naive vs certified (phases, GB/s)."""
+    """One decode step of one layer: dense FP16 SDPA vs naive vs certified (phases, GB/s).
+
+    Prints min / median / max step times (and warns when they spread more than 20%)."""
     from certkv import bench
 
     if context and min(context) < 1:
@@ -157,15 +202,19 @@ def bench_attention(
     if context:
         shapes = sorted({(c.head_dim, c.kv_heads, c.group) for c in cases})
         cases = [bench.AttentionCase(n, d, h, g) for n in context for d, h, g in shapes]
-    records = []
-    from rich.progress import track
-
-    for case in track(cases, description="bench attention"):
-        records.append(bench.bench_attention_case(case, dev, repeats, _compile(compile)))
-    report = bench.BenchReport(f"attention_{dev.type}", _command(), out)
-    path = report.write(records, bench.attention_table(records, report.info["peak_gbps"]),
+    report = bench.BenchReport(f"attention_{dev.type}", _command(), out, force)
+    try:
+        report.check()
+    except CertKVError as exc:
+        _fail(str(exc))
+    with bench.progress(3 * len(cases), "bench attention") as update:
+        records = [bench.bench_attention_case(case, dev, repeats, _compile(compile), update)
+                   for case in cases]
+    peak = report.info["peak_gbps"]
+    tables, notes = bench.attention_tables(records, peak), bench.attention_notes(records, peak)
+    path = report.write(records, bench.markdown(tables, notes),
                         lambda p: bench.plot_attention(records, p))
-    Console().print(path.read_text())
+    bench.show(tables, notes, path)
 
 
 @bench_app.command("decode")
@@ -177,10 +226,17 @@ def bench_decode(
     repeats: int = 5, device: str = "auto",
     dtype: Annotated[str, typer.Option(help="model dtype: auto (float16 on CUDA, float32 on "
                                        "CPU), float32, float16, bfloat16")] = "auto",
-    out: Path = Path("runs/bench"),
+    out: Annotated[Path | None, typer.Option(
+        help="write into this directory (e.g. reports/bench) instead of a new "
+             "runs/bench/decode_<model>_<device>-<time>/")] = None,
+    force: Annotated[bool, typer.Option(
+        "--force", help="with --out: replace decode_<model>_<device>.md/.json/.png already "
+                        "there")] = False,
     compile: Annotated[str, typer.Option(help=COMPILE_HELP)] = "auto",
 ) -> None:
-    """Whole-model decode step (random weights), dense vs certified, Table 16 phase shares."""
+    """Whole-model decode step (random weights), dense vs certified, Table 16 phase shares.
+
+    Prints min / median / max step times (and warns when they spread more than 20%)."""
     import torch
 
     from certkv import bench
@@ -199,25 +255,38 @@ def bench_decode(
                    "bfloat16": torch.bfloat16}.get(dtype)
     if torch_dtype is None:
         _fail(f"--dtype {dtype!r} is unknown; use auto, float32, float16 or bfloat16.")
-    records = bench.bench_decode(model, contexts, dev, repeats, torch_dtype, _compile(compile))
-    report = bench.BenchReport(f"decode_{model}_{dev.type}", _command(), out)
-    path = report.write(records, bench.decode_table(records),
+    report = bench.BenchReport(f"decode_{model}_{dev.type}", _command(), out, force)
+    try:
+        report.check()
+    except CertKVError as exc:
+        _fail(str(exc))
+    with bench.progress(2 * len(contexts), "bench decode") as update:
+        records = bench.bench_decode(model, contexts, dev, repeats, torch_dtype,
+                                     _compile(compile), update)
+    tables, notes = bench.decode_tables(records), bench.spread_warnings(records)
+    path = report.write(records, bench.markdown(tables, notes),
                         lambda p: bench.plot_decode(records, p))
-    Console().print(path.read_text())
+    bench.show(tables, notes, path)
 
 
 @app.command()
 def demo(context: int = 2048, kv_heads: int = 8, group: int = 4, head_dim: int = 128,
          value_group: Annotated[int, typer.Option(help="INT4 value group g (divides head_dim)")]
-         = 16, seed: int = 0) -> None:
+         = 16, seed: int = 0,
+         bound_tol: Annotated[float | None, typer.Option(
+             help="also run certified with ladder.bound_tol (every head's bound <= it, or the "
+                  "head is dense)")] = None) -> None:
     """One certified decode step on synthetic data: dense vs naive vs certified."""
     from certkv.demo import run_demo
 
     if min(context, kv_heads, group, head_dim, value_group) < 1:
         _fail("--context, --kv-heads, --group, --head-dim and --value-group must be positive "
               "integers, e.g. --context 2048 --head-dim 128.")
+    if bound_tol is not None and not bound_tol >= 0:
+        _fail(f"--bound-tol {bound_tol} must be a number >= 0, e.g. --bound-tol 0.05.")
     try:
-        run_demo(context, kv_heads, group, head_dim, seed, value_group=value_group)
+        run_demo(context, kv_heads, group, head_dim, seed, value_group=value_group,
+                 bound_tol=bound_tol)
     except CertKVError as exc:
         _fail(str(exc))
 
@@ -241,8 +310,10 @@ def _launchers() -> list[str]:
 
 def _run_sweep(ctx: typer.Context, knob: str, axes: dict[str, list[str]],
                out: Path | None) -> None:
-    """Validate, run the multirun, aggregate. Every problem is one sentence naming the fix."""
-    from certkv.sweep import multirun_args, sweep_name
+    """Validate, run the multirun, aggregate exactly its points. Every problem is one sentence
+    naming the fix."""
+    from certkv.hydra_app import INVOCATION
+    from certkv.sweep import invocation, multirun_args, sweep_name, sweep_points
 
     overrides = with_experiment(ctx.args)
     for item in overrides:
@@ -255,22 +326,32 @@ def _run_sweep(ctx: typer.Context, knob: str, axes: dict[str, list[str]],
     except CertKVError as exc:
         _fail(str(exc))
     task = [a for a in args if "=" in a and not a.startswith(("-", "hydra.", "hydra/"))]
-    cfg = _composed_or_fail(task)
-    from certkv.hydra_app import main as hydra_main
-
-    sys.argv = ["certkv sweep", *args]
-    hydra_main()
-    from certkv.report.sweep import build_sweep_report
-
+    cfg = _validated_or_fail(task)
     root = Path(cfg.out_dir) / "sweeps" / name / cfg.experiment
     try:
-        report = build_sweep_report(name, root, list(axes), out or root)
+        writable_dir(out or root, "--out DIR" if out else "out_dir=DIR")
+    except CertKVError as exc:
+        _fail(str(exc))
+    from certkv.hydra_app import main as hydra_main
+
+    os.environ[INVOCATION] = invocation(knob, axes, ctx.args, str(out) if out else None)
+    sys.argv = ["certkv sweep", *args]
+    try:
+        hydra_main()
+    finally:
+        os.environ.pop(INVOCATION, None)
+    from certkv.report.sweep import build_sweep_report
+
+    try:
+        report = build_sweep_report(name, root, list(axes), out or root,
+                                    sweep_points(axes, overrides))
     except CertKVError as exc:
         _fail(str(exc))
     from certkv.report.document import print_tables
 
     print_tables([report.table])
-    Console().print(f"sweep: {report.points} points ({report.failed} failed); aggregate: "
+    Console().print(f"sweep: {report.points} points ({report.failed} failed); every point also "
+                    f"sets: {' '.join(report.common) or 'nothing else'}; aggregate: "
                     f"{(out or root) / 'README.md'}")
     _log_sweep(cfg, report)
 
@@ -357,8 +438,10 @@ def lm_eval_command(ctx: typer.Context) -> None:
 
     Everything is passed to lm-eval's own CLI (`lm_eval run`) with `--model certkv` unless
     another --model is given; certkv's offline tasks (certkv_ruler, certkv_ruler_<subtask>,
-    certkv_needle_choice, certkv_books) are generated for the model's tokenizer first
-    (--certkv_context, default 4096; --certkv_samples, default 5) and their folder is included.
+    certkv_niah, certkv_needle_choice, certkv_books) are generated for the model's tokenizer
+    first (--certkv_context, default 4096; --certkv_samples, default 5) and their folder is
+    included (`certkv lm-eval ls tasks` lists them too). Results go to
+    runs/lm_eval/<model>_<mode>[+<overrides>]/ unless --output_path says otherwise.
     """
     try:
         import lm_eval  # noqa: F401
@@ -366,30 +449,49 @@ def lm_eval_command(ctx: typer.Context) -> None:
         _fail("certkv lm-eval needs lm-evaluation-harness; pip install 'certkv[lm-eval]'.")
     from lm_eval.__main__ import cli_evaluate
 
-    import certkv.integrations.lm_eval  # noqa: F401 (registers the model)
+    from certkv.integrations import lm_eval as ours
     from certkv.integrations.lm_eval_tasks import task_folder
 
     args = list(ctx.args)
-    if args[:1] in (["ls"], ["validate"]) or "-h" in args or "--help" in args:
+    context, samples = _int_option(args, "certkv_context", 4096), \
+        _int_option(args, "certkv_samples", 5)
+    if "-h" in args or "--help" in args or args[:1] == ["validate"] or (
+            args[:1] == ["ls"] and "--include_path" in args):
         sys.argv = ["lm_eval", *args]
         cli_evaluate()
         return
     model = _pop(args, "model") or "certkv"
-    context = int(_pop(args, "certkv_context") or 4096)
-    samples = int(_pop(args, "certkv_samples") or 5)
     model_args = dict(a.split("=", 1) for a in (_pop(args, "model_args") or "").split(",")
                       if "=" in a)
-    tasks = _pop(args, "tasks") or ""
-    if any(t.startswith("certkv_") for t in tasks.split(",")):
-        try:  # generated for certkv's model, or SmolLM2's tokenizer for another harness model
-            folder = task_folder(model_args.get("model", "smollm2_135m")
-                                 if model == "certkv" else "smollm2_135m", context, samples)
+    tokenizer_of = model_args.get("model", "smollm2_135m") if model == "certkv" \
+        else "smollm2_135m"  # another harness model gets SmolLM2's tokenizer's tasks
+    name = model
+    if model == "certkv" and args[:1] != ["ls"]:  # bad arguments: one sentence, at once
+        try:
+            cfg, _ = ours.method_config(
+                model_args.get("model", "smollm2_135m"), model_args.get("mode", "certified"),
+                model_args.get("experiment"),
+                {k: v for k, v in model_args.items() if k not in ours.ARGS})
+        except CertKVError as exc:
+            _fail(str(exc))
+        name = ours.run_name(cfg.model.name, model_args.get("mode", "certified"),
+                             {k: v for k, v in model_args.items() if k != "run_dir"})
+    tasks = "" if args[:1] == ["ls"] else (_pop(args, "tasks") or "")
+    if args[:1] == ["ls"] or any(t.startswith("certkv_") for t in tasks.split(",")):
+        try:
+            folder = task_folder(tokenizer_of, context, samples)
         except CertKVError as exc:
             _fail(str(exc))
         args += ["--include_path", str(folder)]
-    name = (f"{Path(model_args.get('model', 'smollm2_135m')).name}_"
-            f"{model_args.get('mode', 'certified')}") if model == "certkv" else model
+    if args[:1] == ["ls"]:
+        sys.argv = ["lm_eval", *args]
+        cli_evaluate()
+        return
     run_dir = Path(_pop(args, "output_path") or Path("runs") / "lm_eval" / name)
+    try:
+        writable_dir(run_dir, "--output_path DIR")
+    except CertKVError as exc:
+        _fail(str(exc))
     if model == "certkv":
         model_args.setdefault("run_dir", str(run_dir))
     wandb_args = _pop(args, "wandb_args", keep=True)
@@ -402,8 +504,19 @@ def lm_eval_command(ctx: typer.Context) -> None:
         fields = dict(a.split("=", 1) for a in wandb_args.split(",") if "=" in a)
         WandbLogger(project=fields.get("project", "certkv"), entity=fields.get("entity"),
                     mode=fields.get("mode", "offline")).log_lm_eval(run_dir, f"{name}-certkv")
-    Console().print(f"lm-eval results{' and certificates.json' if model == 'certkv' else ''}: "
+    Console().print(f"lm-eval results{' and certificates' if model == 'certkv' else ''}: "
                     f"{run_dir}")
+
+
+def _int_option(args: list[str], name: str, default: int) -> int:
+    """``--name N`` removed from ``args``; a value that is not a positive integer exits with
+    one sentence."""
+    text = _pop(args, name)
+    if text is None:
+        return default
+    if not text.strip().isdigit() or int(text) < 1:
+        _fail(f"--{name} {text!r} must be a positive integer, e.g. --{name} {default}.")
+    return int(text)
 
 
 def _pop(args: list[str], name: str, keep: bool = False) -> str | None:

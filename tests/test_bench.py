@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import json
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
 
+import pytest
 import torch
 from typer.testing import CliRunner
 
@@ -11,36 +16,218 @@ from certkv import bench
 from certkv.cli import app
 
 runner = CliRunner()
+ATTENTION = ["bench", "attention", "--context", "64", "--repeats", "2", "--device", "cpu"]
+
+
+def assert_ordered(by_name: dict[str, dict], runs: int | None = None) -> None:
+    """Every timing is min <= median <= max over its runs (``runs`` of them when given)."""
+    for name, s in by_name.items():
+        assert s["min"] <= s["median"] <= s["max"], name
+        assert (s["min"], s["max"]) == (min(s["runs"]), max(s["runs"])), name
+        assert runs is None or len(s["runs"]) == runs, name
 
 
 def test_attention_case_record():
     record = bench.bench_attention_case(bench.AttentionCase(256, 32, 2, 2), torch.device("cpu"),
-                                        repeats=2)
-    assert set(record["ms"]) == {"dense", "naive", "certified"}
-    assert all(v > 0 for v in record["ms"].values())
+                                        repeats=3)
+    assert set(record["ms_stats"]) == {"dense", "naive", "certified"}
+    assert_ordered(record["ms_stats"], runs=3)
+    assert record["ms"] == {m: s["median"] for m, s in record["ms_stats"].items()}
+    assert record["ratio_vs_dense"]["dense"] == 1.0
     assert {"phase1", "phase2", "checks", "page_in"} <= set(record["phases_ms"])
+    assert_ordered(record["phases_ms_stats"], runs=bench.PHASE_RUNS)
+    assert record["phases_ms"] == {p: s["median"] for p, s in record["phases_ms_stats"].items()}
     assert record["memory_bytes"]["tier1"] / record["memory_bytes"]["dense"] == 144 / 128 * 0.5
 
 
-def test_bench_attention_command_writes_report(tmp_path):
-    result = runner.invoke(app, ["bench", "attention", "--context", "128", "--repeats", "1",
-                                 "--device", "cpu", "--out", str(tmp_path),
-                                 "--compile", "aot_eager"])
+def test_timed_keeps_warmup_then_repeats():
+    calls = []
+    times = bench.timings(lambda: calls.append(1), repeats=3, warmup=2)
+    assert len(calls) == 5 and len(times) == 3
+    assert bench.timed(lambda: None, repeats=1) == pytest.approx(0.0, abs=50.0)
+
+
+def test_spread_warning_exactly_above_20_percent():
+    def case(runs):
+        return {"dense": bench.stats([100.0, 100.0, 100.0]), "certified": bench.stats(runs)}
+
+    assert bench.spread_warning("N=4K", case([100.0, 110.0, 120.0])) is None  # exactly 20%
+    assert bench.spread_warning("N=4K", case([100.0, 100.0, 100.0])) is None
+    warning = bench.spread_warning("N=4K", case([1876.0, 301.0, 301.0]))
+    assert warning == ("timings of N=4K spread more than 20% (certified: min 301 / median 301 / "
+                       "max 1,876 ms): the machine was busy; rerun with more --repeats.")
+    records = [{"short_label": "N=1K", "ms_stats": case([100.0, 100.0, 100.0])},
+               {"short_label": "N=4K", "ms_stats": case([100.0, 100.0, 121.0])}]
+    assert [w.split(" spread")[0] for w in bench.spread_warnings(records)] == ["timings of N=4K"]
+    text = "\n".join(bench.markdown([], bench.spread_warnings(records)))
+    assert text.startswith("**Warning:** timings of N=4K spread more than 20%")
+
+
+def test_short_numbers_keep_three_significant_digits():
+    assert [bench.short(x) for x in (1876.3, 301.2, 12.34, 0.4981, 0.012345, 0.0)] == [
+        "1,876", "301", "12.3", "0.498", "0.0123", "0"]
+    assert [bench.tokens(n) for n in (256, 1000, 4096, 131072)] == ["256", "1000", "4K", "128K"]
+
+
+def test_wide_tables_split_to_fit_and_never_break_numbers():
+    cols = [("case", "what")] + [(f"c{i}", "") for i in range(12)]
+    table = bench.ResultTable("wide", cols, [["N=128K d=128 4:1"] + ["1,876.5"] * 12])
+    parts = table.split(100)
+    assert len(parts) == 2 and all(p.columns[0] == ("case", "what") for p in parts)
+    assert [c for p in parts for c in p.columns[1:]] == cols[1:]
+    console = _console(100)
+    for part in parts:
+        console.print(part.rich())
+    lines = console.export_text().splitlines()
+    assert max(map(len, lines)) <= 100
+    assert sum(line.count("1,876.5") for line in lines) == 12
+
+
+def _console(width: int):
+    from rich.console import Console
+
+    return Console(width=width, record=True, file=io.StringIO())
+
+
+def _recording_progress(calls: list):
+    """A stand-in for :func:`bench.progress` that records the total and every update."""
+    @contextmanager
+    def progress(total, description):
+        calls.append(("total", total))
+        yield lambda text, advance=0: calls.append((text, advance))
+    return progress
+
+
+def test_bench_attention_command_writes_report(tmp_path, monkeypatch):
+    calls: list = []
+    monkeypatch.setattr(bench, "progress", _recording_progress(calls))
+    result = runner.invoke(app, [*ATTENTION, "--out", str(tmp_path), "--compile", "aot_eager"],
+                           env={"COLUMNS": "100"})
     assert result.exit_code == 0, result.output
     data = json.loads((tmp_path / "attention_cpu.json").read_text())
     assert data["command"].startswith("certkv") and len(data["records"]) == 2
+    for record in data["records"]:
+        assert_ordered(record["ms_stats"], runs=2)
+    assert calls[0] == ("total", 6)
+    assert sum(advance for _, advance in calls[1:]) == 6  # 2 cases x 3 methods
+    assert "N=64 d=128 4:1: certified" in {text for text, _ in calls[1:]}
     assert (tmp_path / "attention_cpu.png").stat().st_size > 0
-    assert "certified ms" in (tmp_path / "attention_cpu.md").read_text()
+    md = (tmp_path / "attention_cpu.md").read_text()
+    assert "| case | method | min | med | max | ×dense | GB/s |" in md
+    assert "| N=64 d=128 4:1 | certified |" in md
+    # the console: rich tables within 100 columns, with the JSON's medians, and where they went
+    lines = result.output.splitlines()
+    assert max(map(len, lines)) <= 100
+    assert "|" not in result.output  # tables, not raw markdown
+    for record in data["records"]:
+        for s in record["ms_stats"].values():
+            assert bench.short(s["median"]) in result.output
+    assert f"results: {tmp_path}/" in result.output.replace("\n", "")
 
 
-def test_bench_decode_command_writes_report(tmp_path):
-    result = runner.invoke(app, ["bench", "decode", "--context", "64", "--repeats", "1",
+def test_bench_decode_command_writes_report(tmp_path, monkeypatch):
+    calls: list = []
+    monkeypatch.setattr(bench, "progress", _recording_progress(calls))
+    result = runner.invoke(app, ["bench", "decode", "--context", "64", "--repeats", "2",
                                  "--device", "cpu", "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
     data = json.loads((tmp_path / "decode_smollm2_135m_cpu.json").read_text())
     row = data["records"][0]
-    assert row["context"] == 64 and row["ratio"] > 0
+    assert row["context"] == 64
+    assert_ordered(row["ms_stats"], runs=2)
+    assert row["ratio"] == row["ms_stats"]["certified"]["median"] / row["ms"]["dense"]
     assert "non_attention" in row["phases_ms"]["certified"]
+    assert_ordered(row["phases_ms_stats"]["certified"], runs=bench.PHASE_RUNS)
+    texts = [text for text, _ in calls[1:]]
+    assert calls[0] == ("total", 2) and sum(advance for _, advance in calls[1:]) == 2
+    assert texts[0].startswith("smollm2_135m: building the model")
+    assert "N=64: dense prefill" in texts and "N=64: certified" in texts
+    assert "| N | method | min | med | max | ×dense |" in (
+        tmp_path / "decode_smollm2_135m_cpu.md").read_text()
+
+
+def test_each_invocation_writes_its_own_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    first = runner.invoke(app, ATTENTION)
+    assert first.exit_code == 0, first.output
+    (run1,) = (tmp_path / "runs/bench").iterdir()
+    before = {p.name: p.read_bytes() for p in run1.iterdir()}
+    assert set(before) == {"attention_cpu.md", "attention_cpu.json", "attention_cpu.png"}
+    assert f"results: runs/bench/{run1.name}/" in first.output.replace("\n", "")
+    second = runner.invoke(app, ATTENTION)
+    assert second.exit_code == 0, second.output
+    runs = sorted((tmp_path / "runs/bench").iterdir())
+    assert len(runs) == 2 and all(p.name.startswith("attention_cpu-") for p in runs)
+    assert {p.name: p.read_bytes() for p in run1.iterdir()} == before
+
+
+def test_fresh_dir_never_reuses_a_directory(tmp_path):
+    made = [bench.fresh_dir(tmp_path, "attention_cpu-20250101-120000") for _ in range(3)]
+    assert [p.name for p in made] == ["attention_cpu-20250101-120000",
+                                      "attention_cpu-20250101-120000-2",
+                                      "attention_cpu-20250101-120000-3"]
+
+
+def test_out_with_existing_files_needs_force(tmp_path):
+    old = tmp_path / "attention_cpu.md"
+    old.write_text("an earlier report\n")
+    refused = runner.invoke(app, [*ATTENTION, "--out", str(tmp_path)], env={"COLUMNS": "300"})
+    assert refused.exit_code == 2
+    assert "already holds attention_cpu.md; pass --force" in refused.output
+    assert old.read_text() == "an earlier report\n" and len(list(tmp_path.iterdir())) == 1
+    forced = runner.invoke(app, [*ATTENTION, "--out", str(tmp_path), "--force"])
+    assert forced.exit_code == 0, forced.output
+    assert old.read_text().startswith("# certkv bench attention_cpu")
+
+
+@pytest.mark.parametrize("command", ["attention", "decode"])
+def test_read_only_out_fails_in_one_line(tmp_path, monkeypatch, command):
+    target = tmp_path / "ro"
+    target.mkdir()
+    target.chmod(0o555)
+    real = tempfile.mkstemp
+
+    def mkstemp(*args, dir=None, **kwargs):  # root ignores the mode: refuse as a read-only fs
+        if dir is not None and Path(dir) == target:
+            raise PermissionError(13, "Permission denied")
+        return real(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+    result = runner.invoke(app, ["bench", command, "--context", "64", "--repeats", "1",
+                                 "--device", "cpu", "--out", str(target)],
+                           env={"COLUMNS": "300"})
+    assert result.exit_code == 2
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "--out" in lines[0] and "permission denied" in lines[0]
+    assert list(target.iterdir()) == []
+
+
+def test_plots_tell_every_series_apart(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    def record(context, d, g):
+        runs = {m: bench.stats([1.0 * context * i / 1000 for i in (1, 2, 3)])
+                for m in ("dense", "naive", "certified")}
+        return {"case": {"context": context, "head_dim": d, "group": g}, "ms_stats": runs}
+
+    kept, close = [], plt.close
+    monkeypatch.setattr(plt, "close", kept.append)  # keep the figures to inspect them
+    records = [record(n, d, g) for n in (1024, 4096) for d, g in ((128, 4), (64, 3))]
+    bench.plot_attention(records, tmp_path / "a.png")
+    bench.plot_decode([{**r, "model": "m", "context": r["case"]["context"]}
+                       for r in records[::2]], tmp_path / "d.png")
+    attention, decode = (fig.axes[0] for fig in kept)
+    styles = [(c.lines[0].get_color(), c.lines[0].get_linestyle(), c.lines[0].get_marker())
+              for c in attention.containers]
+    assert len(styles) == 6 and len(set(styles)) == 6
+    assert {color for color, _, _ in styles} == set(bench.METHOD_COLORS.values())
+    legends = [a for a in attention.get_children() if type(a).__name__ == "Legend"]
+    labels = sorted(t.get_text() for leg in legends for t in leg.get_texts())
+    assert labels == sorted(["dense", "naive", "certified", "d=64 GQA 3:1", "d=128 GQA 4:1"])
+    decode_colors = [c.lines[0].get_color() for c in decode.containers]
+    assert decode_colors == [bench.METHOD_COLORS[m] for m in ("dense", "naive", "certified")]
+    for fig in kept:
+        close(fig)
 
 
 def test_bench_rejects_unknown_model(tmp_path):

@@ -73,7 +73,7 @@ def validate(cfg: DictConfig) -> Experiment:
     variants = build_variants(cfg)
     cache = build(cfg.cache, "cache")
     tasks = [build(node, f"task.{name}") for name, node in cfg.task.items()]
-    check_types(cfg.logger, "logger")
+    build(cfg.logger, "logger")  # a bad logger must not wait for the end of the run
     model = build(cfg.model, "model")
     check_source(model)
     return Experiment(variants, cache, tasks, model)

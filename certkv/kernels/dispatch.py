@@ -20,6 +20,9 @@ def get_backend(backend: str | object = "auto", **kwargs):
     """Return a backend object for a name (``auto``, ``torch``, ``triton``) or pass an
     instance through."""
     if not isinstance(backend, str):
+        if not all(hasattr(backend, m) for m in ("phase1", "phase2", "dense")):
+            raise ConfigError(f"backend={backend!r} is not a backend; use 'auto', 'torch' or "
+                              "'triton' (or a backend object).")
         return backend
     if backend == "auto":
         import torch
