@@ -2,7 +2,7 @@
 # Everything issue #4 measures on a GPU, in one go: the `gpu` tests (full-size kernels, the
 # contract on CUDA, host syncs), then the attention and whole-model benches. Results land in
 # $OUTDIR (default reports/bench/; markdown + JSON + plot, with the device and versions; on the
-# lent machine pass OUTDIR=$OUT/bench so they come back). Uses the python on
+# lent machine pass OUTDIR=$OUT/bench so they come back; --force: they replace the committed ones). Uses the python on
 # PATH (or $PYTHON); the lent GPU machines are offline, so it installs nothing: it needs torch,
 # triton, transformers, typer, rich, pytest and hypothesis.
 #   bash scripts/gpu_checks.sh            # tests + benches
@@ -16,13 +16,13 @@ mkdir -p "$OUTDIR"
 "$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'" || exit 2
 "$PY" -m pytest -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUTDIR/gpu_tests.txt"
 if [[ "${1:-}" == "--quick" ]]; then
-  "$PY" -m certkv.cli bench attention --context 65536 --repeats 50 --out "$OUTDIR"
+  "$PY" -m certkv.cli bench attention --context 65536 --repeats 50 --out "$OUTDIR" --force
   exit
 fi
 "$PY" -m certkv.cli bench attention --context 32768 --context 65536 --context 131072 \
-  --repeats 50 --out "$OUTDIR"
+  --repeats 50 --out "$OUTDIR" --force
 "$PY" -m certkv.cli bench decode --model llama31_8b --context 8192 --context 32768 \
-  --context 65536 --repeats 10 --out "$OUTDIR"
+  --context 65536 --repeats 10 --out "$OUTDIR" --force
 # A/B: the same 64K attention step with the selection/certificate segments left eager
 "$PY" -m certkv.cli bench attention --context 65536 --repeats 50 --compile off \
-  --out "$OUTDIR/eager_segments"
+  --out "$OUTDIR/eager_segments" --force
