@@ -36,6 +36,7 @@ from certkv.errors import CertKVError
 from certkv.files import writable_dir, write_atomic
 from certkv.kernels.reference import dense_attention
 from certkv.provenance import source_commit
+from certkv.report.layout import Table, make_console, markdown_table, print_tables
 from certkv.timing import PhaseTimer, _sync
 
 # Peak DRAM bandwidth (GB/s) of GPUs this project is measured on; None elsewhere.
@@ -331,92 +332,31 @@ class BenchReport:
         return folder / f"{self.name}.md"
 
 
-@dataclass
-class ResultTable:
-    """Formatted cells rendered as markdown (the report) or a rich table (the console).
-    ``columns``: (header, meaning) pairs; the meanings of abbreviated headers make the legend
-    line under the table. ``keys`` leading columns name a row (repeated when a table is split
-    to fit the console); a rule follows every ``group`` rows (0: no rules)."""
-
-    title: str
-    columns: list[tuple[str, str]]
-    rows: list[list[str]] = field(default_factory=list)
-    keys: int = 1
-    group: int = 0
-
-    def legend(self) -> str:
-        return "; ".join(f"{h}: {m}" for h, m in self.columns if m)
-
-    def markdown(self) -> list[str]:
-        head = [h for h, _ in self.columns]
-        lines = [f"**{self.title}**", "", "| " + " | ".join(head) + " |",
-                 "|" + " --- |" * len(head), *("| " + " | ".join(row) + " |" for row in self.rows)]
-        return [*lines, "", self.legend()] if self.legend() else lines
-
-    def widths(self) -> list[int]:
-        """Each column's widest cell or header, in characters."""
-        return [max(len(c) for c in (h, *(row[i] for row in self.rows)))
-                for i, (h, _) in enumerate(self.columns)]
-
-    def split(self, width: int) -> list[ResultTable]:
-        """This table as one or more tables of consecutive columns, each fitting ``width``
-        characters (padding and rules included), key columns repeated in each."""
-        sizes = [w + 3 for w in self.widths()]  # one space each side, one rule
-        base = sum(sizes[: self.keys]) + 1
-        groups: list[list[int]] = [[]]
-        for i in range(self.keys, len(self.columns)):
-            if groups[-1] and base + sum(sizes[j] for j in groups[-1]) + sizes[i] > width:
-                groups.append([])
-            groups[-1].append(i)
-        if len(groups) == 1:
-            return [self]
-        keys = list(range(self.keys))
-        return [ResultTable(f"{self.title} ({n}/{len(groups)})",
-                            [self.columns[i] for i in keys + g],
-                            [[row[i] for i in keys + g] for row in self.rows], self.keys,
-                            self.group) for n, g in enumerate(groups, 1)]
-
-    def rich(self):
-        """The title, a rich Table and its legend line. Number columns get exactly their widest
-        cell's width, so they are never broken; only key columns wrap (at spaces) if they must."""
-        from rich import box
-        from rich.console import Group
-        from rich.table import Table
-        from rich.text import Text
-
-        table = Table(box=box.SIMPLE_HEAD)
-        for i, ((header, _), width) in enumerate(zip(self.columns, self.widths(), strict=True)):
-            if i < self.keys:
-                table.add_column(header)
-            else:
-                table.add_column(header, justify="right", width=width)
-        for n, row in enumerate(self.rows, 1):
-            table.add_row(*row, end_section=bool(self.group) and n % self.group == 0
-                          and n < len(self.rows))
-        legend = [Text(self.legend(), style="dim")] if self.legend() else []
-        return Group(Text(self.title, style="bold"), table, *legend, Text(""))
+def result_table(title: str, columns: list[tuple[str, str]], keys: int = 1) -> Table:
+    """An empty :class:`~certkv.report.layout.Table` from ``(header, meaning)`` pairs: the
+    meanings of abbreviated headers become its legend; ``keys`` leading columns name a row."""
+    return Table(title, [h for h, _ in columns], [], legend={h: m for h, m in columns if m},
+                 keys=keys)
 
 
-def markdown(tables: list[ResultTable], notes: list[str]) -> list[str]:
+def markdown(tables: list[Table], notes: list[str]) -> list[str]:
     """The report's body: each table with its legend, then the notes (warnings first)."""
     lines: list[str] = []
     for table in tables:
-        lines += [*table.markdown(), ""]
+        lines += markdown_table(table)
     for note in notes:
         lines += [f"**Warning:** {note}" if note.startswith("timings of") else note, ""]
     return lines[:-1] if notes else lines
 
 
-def show(tables: list[ResultTable], notes: list[str], report: Path, console=None) -> None:
+def show(tables: list[Table], notes: list[str], report: Path, console=None) -> None:
     """Print the tables (split to fit the console's width), the notes (spread warnings on
     stderr) and where the results went."""
     from rich.console import Console
     from rich.markup import escape
 
-    console = console or Console()
-    for table in tables:
-        for part in table.split(console.width):
-            console.print(part.rich())
+    console = console or make_console()
+    print_tables(tables, console)
     errors = Console(stderr=True)
     for note in notes:
         if note.startswith("timings of"):
@@ -433,7 +373,7 @@ PHASES = (("lay", "layout", "layout"), ("ph1", "phase1", "phase 1 (INT8 scores)"
           ("chk", "checks", "checks"), ("fb", "fallback", "fallback"))
 
 
-def step_table(records: list[dict], what: str, key: tuple[str, str]) -> ResultTable:
+def step_table(records: list[dict], what: str, key: tuple[str, str]) -> Table:
     """Min / median / max step time per case and method, the ratio to dense and (attention)
     achieved GB/s."""
     runs = len(records[0]["ms_stats"]["dense"]["runs"]) if records else 0
@@ -442,8 +382,8 @@ def step_table(records: list[dict], what: str, key: tuple[str, str]) -> ResultTa
     gbps = bool(records) and "gbps" in records[0]
     if gbps:
         columns.append(("GB/s", "bytes the method must read / median time"))
-    table = ResultTable(f"{what}: step time, ms ({runs} timed runs after 2 warm-up calls)",
-                        columns, group=len(records[0]["ms_stats"]) if records else 1)
+    table = result_table(f"{what}: step time, ms ({runs} timed runs after 2 warm-up calls)",
+                         columns, keys=2)
     for r in records:
         for method, s in r["ms_stats"].items():
             row = [r["short_label"], method, short(s["min"]), short(s["median"]),
@@ -455,15 +395,15 @@ def step_table(records: list[dict], what: str, key: tuple[str, str]) -> ResultTa
 CASE = ("case", "N context, d head dim, G:1 query heads per kv head")
 
 
-def attention_tables(records: list[dict], peak_gbps: float | None = None) -> list[ResultTable]:
+def attention_tables(records: list[dict], peak_gbps: float | None = None) -> list[Table]:
     """The console's and the report's tables: step times, certified phases, per-case
     certified figures, and (GPU with a known peak) the targets."""
-    phases = ResultTable(f"Certified step by phase, ms (median of {PHASE_RUNS} synchronised runs)",
+    phases = result_table(f"Certified step by phase, ms (median of {PHASE_RUNS} synchronised runs)",
                          [CASE, *((h, m) for h, _, m in PHASES)])
     for r in records:
         phases.rows.append([r["short_label"],
                             *(short(r["phases_ms"].get(p, 0.0)) for _, p, _ in PHASES)])
-    summary = ResultTable("Certified step per case", [
+    summary = result_table("Certified step per case", [
         CASE, ("ph2/d", "phase 2 / dense step"), ("ph2 GB/s", "phase 2 bytes / phase 2 time"),
         *([("% peak", "phase 2 GB/s / the device's peak")] if peak_gbps else []),
         ("chk %", "checks' share of the step"), ("K*", "mean FP16-key blocks per head"),
@@ -489,12 +429,12 @@ def attention_table(records: list[dict], peak_gbps: float | None = None) -> list
     return markdown(attention_tables(records, peak_gbps), attention_notes(records, peak_gbps))
 
 
-def target_table(records: list[dict], peak_gbps: float | None) -> ResultTable | None:
+def target_table(records: list[dict], peak_gbps: float | None) -> Table | None:
     """The #4 targets (GPU, N >= 32K): Phase 2 <= 0.75x dense at >= 60% of peak bandwidth;
     whole step at 64K <= 1.5x dense with the checks <= 5% of it. None without a known peak."""
     if peak_gbps is None:
         return None
-    table = ResultTable("GPU targets", [("target", ""), ("case", ""), ("measured", ""),
+    table = result_table("GPU targets", [("target", ""), ("case", ""), ("measured", ""),
                                         ("met", "")], keys=2)
 
     def add(target: str, r: dict, measured: str, met: bool) -> None:
@@ -523,7 +463,7 @@ def target_lines(records: list[dict], peak_gbps: float | None) -> list[str]:
         return ["Targets (Phase 2 <= 0.75x dense at >= 60% of peak; whole step at 64K <= 1.5x "
                 "dense, checks <= 5% of it) apply to the GPU kernels; this device has no known "
                 "peak bandwidth, so they are not evaluated here."]
-    return table.markdown()[2:]
+    return markdown_table(table)[2:]
 
 
 SHAPE_STYLES = (("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"))  # (line style, marker)
@@ -672,11 +612,11 @@ def _decode_ratios(row: dict) -> dict:
     return row
 
 
-def decode_tables(records: list[dict]) -> list[ResultTable]:
+def decode_tables(records: list[dict]) -> list[Table]:
     """Step times per context and method, and the certified step's phase shares (Table 16)."""
     model = records[0]["model"] if records else ""
     key = ("N", "context tokens")
-    shares = ResultTable(f"{model}: certified step by phase, % of the step (Table 16; median "
+    shares = result_table(f"{model}: certified step by phase, % of the step (Table 16; median "
                          f"of {PHASE_RUNS} synchronised runs)",
                          [key, ("other", "non-attention work"), *((h, m) for h, _, m in PHASES)])
     for r in records:

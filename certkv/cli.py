@@ -347,7 +347,7 @@ def _run_sweep(ctx: typer.Context, knob: str, axes: dict[str, list[str]],
                                     sweep_points(axes, overrides))
     except CertKVError as exc:
         _fail(str(exc))
-    from certkv.report.document import print_tables
+    from certkv.report.layout import print_tables
 
     print_tables([report.table])
     Console().print(f"sweep: {report.points} points ({report.failed} failed); every point also "

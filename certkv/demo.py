@@ -21,7 +21,7 @@ from certkv.attention import CertifiedAttention
 from certkv.certify.certificate import RUNG_NAMES, Certificate
 from certkv.errors import ConfigError, require
 from certkv.kernels.reference import exact_attention
-from certkv.report.document import _console, print_tables
+from certkv.report.layout import make_console, print_tables
 from certkv.report.tables import Table, fmt_sci
 
 
@@ -96,7 +96,7 @@ def run_demo(context: int = 2048, kv_heads: int = 8, group: int = 4, head_dim: i
     console's width: 100 columns when piped); return rows. ``bound_tol`` adds a certified row
     with that guarantee (``Ladder(bound_tol=...)``: every head within it or dense)."""
     check_dims(head_dim, value_group)
-    console = console or _console()
+    console = console or make_console()
     methods = [("dense", CertifiedAttention(mode="dense")),
                ("naive", CertifiedAttention(mode="naive")),
                ("certified", CertifiedAttention())]

@@ -70,17 +70,23 @@ def test_short_numbers_keep_three_significant_digits():
 
 
 def test_wide_tables_split_to_fit_and_never_break_numbers():
+    """bench's tables go through the report's layout (certkv.report.layout): split into parts
+    that repeat the key column, numbers whole, the legend from the column meanings."""
+    from certkv.report.layout import fit_columns, print_tables
+
     cols = [("case", "what")] + [(f"c{i}", "") for i in range(12)]
-    table = bench.ResultTable("wide", cols, [["N=128K d=128 4:1"] + ["1,876.5"] * 12])
-    parts = table.split(100)
-    assert len(parts) == 2 and all(p.columns[0] == ("case", "what") for p in parts)
-    assert [c for p in parts for c in p.columns[1:]] == cols[1:]
+    table = bench.result_table("wide", cols)
+    table.rows.append(["N=128K d=128 4:1"] + ["1,876.5"] * 12)
+    parts = fit_columns(table, 100)
+    assert len(parts) == 2 and all(columns[0] == 0 for columns, _ in parts)
+    assert sorted(c for columns, _ in parts for c in columns[1:]) == list(range(1, 13))
     console = _console(100)
-    for part in parts:
-        console.print(part.rich())
-    lines = console.export_text().splitlines()
+    print_tables([table], console)
+    text = console.export_text()
+    lines = text.splitlines()
     assert max(map(len, lines)) <= 100
     assert sum(line.count("1,876.5") for line in lines) == 12
+    assert "case: what" in text
 
 
 def _console(width: int):
@@ -101,7 +107,7 @@ def _recording_progress(calls: list):
 def test_bench_attention_command_writes_report(tmp_path, monkeypatch):
     calls: list = []
     monkeypatch.setattr(bench, "progress", _recording_progress(calls))
-    result = runner.invoke(app, [*ATTENTION, "--out", str(tmp_path), "--compile", "aot_eager"],
+    result = runner.invoke(app, [*ATTENTION, "--out", str(tmp_path), "--compile", "off"],
                            env={"COLUMNS": "100"})
     assert result.exit_code == 0, result.output
     data = json.loads((tmp_path / "attention_cpu.json").read_text())

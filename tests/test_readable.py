@@ -17,17 +17,11 @@ from typer.testing import CliRunner
 import certkv.demo as demo
 from certkv.cli import app
 from certkv.report import plots
-from certkv.report.document import (
-    WHOLE,
-    _console,
-    build_report,
-    fit_columns,
-    print_report,
-    print_tables,
-    write_report,
-)
+from certkv.report.document import build_report, print_report, write_report
+from certkv.report.layout import WHOLE, Table, fit_columns, print_tables
+from certkv.report.layout import make_console as _console
 from certkv.report.sweep import Point, point_rows, sweep_table
-from certkv.report.tables import RunData, Table, fmt_sci
+from certkv.report.tables import RunData, fmt_sci
 
 runner = CliRunner()
 WIDTH = 100

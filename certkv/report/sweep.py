@@ -206,7 +206,7 @@ def build_sweep_report(name: str, root: Path, keys: list[str], out: Path,
 
 
 def _write(report: SweepReport, points: list[Point], out: Path) -> None:
-    from certkv.report.document import markdown_table
+    from certkv.report.layout import markdown_table
 
     provenance, listed = [], []
     for p in points:

@@ -21,26 +21,8 @@ import yaml
 from certkv.errors import CertKVError, require
 from certkv.eval import stats
 from certkv.eval.results import RunDir, read_jsonl
+from certkv.report.layout import Table
 from certkv.report.summary import certificate_summary
-
-
-@dataclass
-class Table:
-    """A titled table of strings; ``note`` says how to read it, ``legend`` spells out the
-    abbreviated column names, and the first ``keys`` columns name a row (a console too narrow
-    for the whole table repeats them in each part it splits the table into)."""
-
-    title: str
-    head: list[str]
-    rows: list[list[str]]
-    note: str = ""
-    legend: dict[str, str] = field(default_factory=dict)
-    keys: int = 1
-
-    def caption(self) -> str:
-        """The legend (``K*: mean FP16-key blocks; ...``) followed by the note."""
-        legend = "; ".join(f"{short}: {long}" for short, long in self.legend.items())
-        return " ".join(x for x in (f"{legend}." if legend else "", self.note) if x)
 
 
 @dataclass
