@@ -63,8 +63,11 @@ def run(ctx: typer.Context) -> None:
     """
     args = with_experiment(ctx.args)
     overrides = [a for a in args if "=" in a and not a.startswith("-")]
-    _validated_or_fail(overrides, writes=not any(a.startswith(("--cfg", "-c", "--help", "-h",
-                                                                "--info", "-i")) for a in args))
+    shows = [a for a in args if a in ("--cfg", "-c", "--info", "-i", "--help", "-h")]
+    if shows and any(a in ("-m", "--multirun") for a in args):
+        _fail(f"{shows[0]} shows one job and -m runs a sweep; drop -m to see the first point's "
+              "config, or preview a sweep with `certkv sweep ... --cfg job`.")
+    _validated_or_fail(overrides, writes=not shows)
     from certkv.hydra_app import main as hydra_main
 
     sys.argv = ["certkv run", *args]
@@ -315,6 +318,7 @@ def _run_sweep(ctx: typer.Context, knob: str, axes: dict[str, list[str]],
     from certkv.hydra_app import INVOCATION
     from certkv.sweep import invocation, multirun_args, sweep_name, sweep_points
 
+    preview = _pop(ctx.args, "cfg") is not None  # --cfg job: show the points, run nothing
     overrides = with_experiment(ctx.args)
     for item in overrides:
         if item.startswith("hydra/launcher=") and item.split("=", 1)[1] not in _launchers():
@@ -326,8 +330,18 @@ def _run_sweep(ctx: typer.Context, knob: str, axes: dict[str, list[str]],
     except CertKVError as exc:
         _fail(str(exc))
     task = [a for a in args if "=" in a and not a.startswith(("-", "hydra.", "hydra/"))]
-    cfg = _validated_or_fail(task)
+    cfg = _validated_or_fail(task, writes=not preview)
     root = Path(cfg.out_dir) / "sweeps" / name / cfg.experiment
+    if preview:
+        from omegaconf import OmegaConf
+
+        points = sweep_points(axes, overrides)
+        Console().print(OmegaConf.to_yaml(cfg), highlight=False, soft_wrap=True)
+        Console().print(f"# the config of the first of {len(points)} points (under {root}):",
+                        highlight=False, soft_wrap=True)
+        for point in points:
+            Console().print("#  " + " ".join(point), highlight=False, soft_wrap=True)
+        return
     try:
         writable_dir(out or root, "--out DIR" if out else "out_dir=DIR")
     except CertKVError as exc:
