@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import stat
 from pathlib import Path
@@ -300,3 +301,20 @@ def test_scaling_and_sizes_of_the_python_api_are_one_sentence():
     store.append(torch.randn(1, 20, 16), torch.randn(1, 20, 16))
     with pytest.raises(CertKVError, match="scaling=1e\\+39 exceeds"):
         CertifiedAttention()(torch.randn(2, 16), store, 1e39)
+
+
+def test_nothing_imports_the_cli():
+    """Config composition lives in certkv.config; the CLI sits on top and nothing imports it."""
+    import subprocess
+    import sys
+
+    code = ("import sys, certkv.hydra_app, certkv.integrations.lm_eval, certkv.config, "
+            "certkv.eval.runner, certkv.report.sweep; print('certkv.cli' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out[-1] == "False"
+    package = Path(__file__).resolve().parent.parent / "certkv"
+    importers = [p.name for p in package.rglob("*.py") if p.name != "cli.py"
+                 and re.search(r"^\s*(from certkv\.cli |from certkv import cli|import certkv\.cli)",
+                               p.read_text(), flags=re.M)]
+    assert importers == []
