@@ -1,9 +1,13 @@
 import os
+import shutil
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import settings
+from hypothesis.configuration import set_hypothesis_home_dir
 
 sys.path.insert(0, os.path.dirname(__file__))
 # Tests never reach a model hub: everything runs from local files.
@@ -13,8 +17,71 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-settings.register_profile("ci", deadline=None, print_blob=True)
+# No example database: nothing of hypothesis lands in the checkout (failures print their blob).
+settings.register_profile("ci", deadline=None, print_blob=True, database=None)
 settings.load_profile("ci")
+
+# Where W&B puts a run without an explicit dir (its root dir is fixed at the first wandb.init
+# of the process: the checkout, before this) and its caches and settings.
+WANDB_DIRS = ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR",
+              "WANDB_ARTIFACT_DIR")
+
+
+HYPOTHESIS_HOME = pytest.StashKey[Path]()
+
+
+def pytest_configure(config):
+    """Hypothesis's storage (``.hypothesis/``: its plugin caches constants while collecting) in
+    a temporary folder of this session instead of the working directory."""
+    config.stash[HYPOTHESIS_HOME] = Path(tempfile.mkdtemp(prefix="certkv-tests-hypothesis-"))
+    set_hypothesis_home_dir(config.stash[HYPOTHESIS_HOME])
+
+
+def pytest_unconfigure(config):
+    if HYPOTHESIS_HOME in config.stash:
+        set_hypothesis_home_dir(None)
+        shutil.rmtree(config.stash[HYPOTHESIS_HOME], ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def hypothesis_home(pytestconfig) -> Path:
+    return pytestconfig.stash[HYPOTHESIS_HOME]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def output_outside_the_checkout(tmp_path_factory):
+    """Test output stays out of the checkout and the home directory: W&B runs (those opened
+    without ``dir``), caches and settings go under pytest's temporary directory."""
+    root = tmp_path_factory.mktemp("test-output")
+    with pytest.MonkeyPatch.context() as mp:
+        for name in WANDB_DIRS:
+            path = root / name.lower()
+            path.mkdir()
+            mp.setenv(name, str(path))
+        yield root
+
+
+@pytest.fixture(scope="session")
+def books():
+    """The folder of the offline books in the default cache (``$CERTKV_DATA`` or
+    ``~/.cache/certkv``), fetched on the first run (:func:`helpers.fetch_books`): request it
+    in every test that reads them, directly or through a task; it skips where they cannot be
+    had."""
+    from helpers import fetch_books
+
+    return fetch_books()
+
+
+@pytest.fixture
+def data_dir_with_books(books, tmp_path, monkeypatch):
+    """A fresh ``$CERTKV_DATA`` under ``tmp_path`` holding the cached books (no second
+    download) and nothing else."""
+    target = tmp_path / "data"
+    (target / "books").mkdir(parents=True)
+    for book in books.glob("*.txt"):
+        (target / "books" / book.name).symlink_to(book)
+    monkeypatch.setenv("CERTKV_DATA", str(target))
+    return target
 
 
 def pytest_collection_modifyitems(config, items):

@@ -2,10 +2,31 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
 
 from certkv import TieredKVStore
 from certkv.kernels.reference import dense_attention, exact_attention
+
+
+def fetch_books(names=None, cache_dir=None) -> Path:
+    """The folder holding the offline books ``names`` (default: all of
+    :mod:`certkv.eval.corpora`) under ``cache_dir`` (default ``$CERTKV_DATA`` or
+    ``~/.cache/certkv``). The first run fetches them with ``apt-get download``; where they are
+    not cached and no package source is reachable, the calling test skips with the reason."""
+    from certkv.errors import CertKVError
+    from certkv.eval.corpora import available_books, book_text, default_cache_dir
+
+    try:
+        for name in names or available_books():
+            book_text(name, cache_dir=cache_dir)
+    except CertKVError as exc:
+        if "apt-get" not in str(exc) and "dpkg-deb" not in str(exc):
+            raise  # a broken package or cache is a failure, not a missing package source
+        pytest.skip(f"the offline books are not cached and apt-get download failed: {exc}")
+    return Path(cache_dir if cache_dir is not None else default_cache_dir()) / "books"
 
 
 class WordTokenizer:

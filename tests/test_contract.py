@@ -28,6 +28,7 @@ from certkv import (
     TieredKVStore,
 )
 from certkv.kernels.reference import TorchBackend
+from certkv.kernels.triton_backend import TritonBackend
 
 
 @st.composite
@@ -60,7 +61,7 @@ def scenarios(draw):
         "r": draw(st.integers(1, 3)),
         "exploration": draw(st.sampled_from([0.0, 0.3])),
         "fp64_scalars": draw(st.booleans()),
-        "mode": draw(st.sampled_from(["certified", "certified", "naive"])),
+        "mode": draw(st.sampled_from(["certified", "certified", "naive", "dense"])),
         "q_dtype": draw(st.sampled_from(["float32", "float32", "float16", "bfloat16",
                                          "float64"])),
         "scaling": draw(st.sampled_from([None, None, None, 1.0, 0.02])),
@@ -115,7 +116,10 @@ def check_contract(store, q, attn, scaling=None):
     err, bound = check_heads(out, cert, q, store, scaling)
     assert (cert.candidate_e_key >= cert.e_key).all()
     fast = cert.rung < 3
-    if attn.mode != "dense":  # the tight terms never exceed the paper's forms
+    if attn.mode == "dense":  # every head is the dense path, bounded by its e_arith alone
+        assert (cert.rung == 4).all() and not fast.any()
+        assert (cert.e_key == 0).all() and (cert.e_val == 0).all()
+    else:  # the tight terms never exceed the paper's forms
         assert (cert.candidate_e_val <= cert.paper_e_val * (1 + 1e-6) + 1e-30).all()
     return bound[fast], err[fast]
 
@@ -186,16 +190,27 @@ ADVERSARIAL = {"hkv": 2, "group": 2, "d": 32, "block": 8, "tokens": 150, "value_
 def test_contract_on_adversarial_cases_of_the_tight_bounds(name, change, backend):
     """One case aimed at each new argument's worst case, on both backends."""
     store, q, attn = build({**ADVERSARIAL, **change})
-    if backend == "triton":
-        pytest.importorskip("triton")
-        from certkv.kernels.triton_backend import TritonBackend
-
+    if backend == "triton":  # a declared dev dependency: missing triton fails, never skips
         attn.backend = TritonBackend(split=4)
     check_contract(store, q, attn)
     _, cert = attn(q, store)
     assert torch.isfinite(cert.paper_e_key).all() and torch.isfinite(cert.paper_e_val).all()
     if name == "value_offset":
         assert (store.value_radius() < 0.1 * store.value_norm_max()).all()
+
+
+@pytest.mark.parametrize("q_dtype", ["float16", "bfloat16", "float32", "float64"])
+@pytest.mark.parametrize(("change", "scaling"), [
+    ({}, None),
+    ({"q_scale": 1e3, "peaked": True, "outliers": 4}, None),  # one token takes all the mass
+    ({"q_scale": 1e-3, "heavy_tail": True, "value_offset": 1e3}, None),  # flat, huge values
+    ({"q_scale": 30.0, "key_offset": 3.0}, 1.0),  # logits far beyond head_dim**-0.5 scaling
+])
+def test_dense_mode_contract_for_every_query_dtype(q_dtype, change, scaling):
+    """mode=dense on the CPU (FP32 / FP64 prescaled attention, output in the query's dtype):
+    every head within its e_arith of FP64 attention, with no other allowance."""
+    store, q, attn = build({**ADVERSARIAL, **change, "mode": "dense", "q_dtype": q_dtype})
+    check_contract(store, q, attn, scaling)
 
 
 def test_tight_policies_promote_a_subset_and_certify_no_more_than_the_paper():

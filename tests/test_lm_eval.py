@@ -5,9 +5,12 @@ the certified decode path, and the dense method against lm-eval's own `hf` model
 from __future__ import annotations
 
 import json
+import math
+import re
 
 import lm_eval
 import pytest
+import wandb
 from lm_eval.tasks import TaskManager
 from typer.testing import CliRunner
 
@@ -27,15 +30,22 @@ def offline(monkeypatch, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def tasks(tmp_path_factory):
+def tasks(tmp_path_factory, books):
     return write_tasks(tmp_path_factory.mktemp("tasks"), load_tokenizer(), context=1024,
                        samples=2, windows=2, book_tokens=48)
 
 
-def evaluate(tasks, names, model_args, limit=2):
+def evaluate(tasks, names, model_args, limit=2, log_samples=False):
     return lm_eval.simple_evaluate(model="certkv", model_args=model_args, tasks=names,
                                    task_manager=TaskManager(include_path=str(tasks)),
-                                   limit=limit, log_samples=False, bootstrap_iters=0)
+                                   limit=limit, log_samples=log_samples, bootstrap_iters=0)
+
+
+def certificates(run_dir):
+    """The evaluation's certificate statistics: its one ``certificates_<time>.json``."""
+    found = list(run_dir.glob("certificates_*.json"))
+    assert len(found) == 1, found
+    return json.loads(found[0].read_text())
 
 
 def test_the_task_folder_holds_every_task(tasks):
@@ -58,14 +68,33 @@ def test_ten_needle_niah_rows_and_scoring(tasks):
 
 
 def test_certified_generate_loglikelihood_and_rolling_tasks(tasks, tmp_path):
+    """Each score is what the task's rule gives on the model's own outputs, recomputed here
+    from the logged samples: RULER's string match on the generations, the arg-max choice
+    against the gold one, word perplexity from the rolling log-likelihoods."""
     run_dir = tmp_path / "run"
-    results = evaluate(tasks, ["certkv_ruler_niah_single", "certkv_needle_choice",
-                               "certkv_books"], f"{TINY},mode=certified,run_dir={run_dir},"
-                       "value_policy.v_tol=0.02")["results"]
-    assert 0.0 <= results["certkv_ruler_niah_single"]["score,none"] <= 1.0
-    assert 0.0 <= results["certkv_needle_choice"]["acc,none"] <= 1.0
-    assert results["certkv_books"]["word_perplexity,none"] > 1.0
-    certs = json.loads((run_dir / "certificates.json").read_text())
+    out = evaluate(tasks, ["certkv_ruler_niah_single", "certkv_needle_choice", "certkv_books"],
+                   f"{TINY},mode=certified,run_dir={run_dir},value_policy.v_tol=0.02",
+                   log_samples=True)
+    results, samples = out["results"], out["samples"]
+    ruler = samples["certkv_ruler_niah_single"]
+    found = [[a.lower() in s["filtered_resps"][0].lower() for a in s["doc"]["answers"]]
+             for s in ruler]
+    assert len(ruler) == 2 and all(s["doc"]["metric"] == "all" for s in ruler)
+    assert results["certkv_ruler_niah_single"]["score,none"] == pytest.approx(
+        sum(sum(f) / len(f) for f in found) / 2, abs=1e-12)
+    choice = samples["certkv_needle_choice"]
+    picks = [max(range(4), key=lambda i, s=s: s["filtered_resps"][i][0]) for s in choice]
+    assert len(choice) == 2 and all(math.isfinite(r[0]) for s in choice
+                                    for r in s["filtered_resps"])
+    assert results["certkv_needle_choice"]["acc,none"] == pytest.approx(
+        sum(p == s["doc"]["gold"] for p, s in zip(picks, choice, strict=True)) / 2, abs=1e-12)
+    books = samples["certkv_books"]
+    loglik = sum(s["filtered_resps"][0] for s in books)
+    words = sum(len(re.split(r"\s+", s["doc"]["text"])) for s in books)
+    assert len(books) == 2 and loglik < 0
+    assert results["certkv_books"]["word_perplexity,none"] == pytest.approx(
+        math.exp(-loglik / words), rel=1e-9)
+    certs = certificates(run_dir)
     # 2 generations, 2 x 4 choices, 2 rolling windows: one certificate record per request
     assert certs["mode"] == "certified" and certs["requests"] == 12 and certs["steps"] > 0
     assert sum(certs["rung_rates"]) == pytest.approx(1.0)
@@ -100,17 +129,17 @@ def test_bad_model_arguments_are_one_sentence(kwargs, message):
         CertKVLM(model="tiny_random", **kwargs)
 
 
-def test_lm_eval_command_registers_the_model_and_writes_the_run_dir(tmp_path, monkeypatch):
+def test_lm_eval_command_registers_the_model_and_writes_the_run_dir(tmp_path, monkeypatch,
+                                                                    data_dir_with_books):
     from certkv.cli import app
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("CERTKV_DATA", str(tmp_path / "data"))
     result = CliRunner().invoke(app, ["lm-eval", "--model_args", f"{TINY},mode=naive",
                                       "--tasks", "certkv_needle_choice", "--limit", "1",
                                       "--certkv_context", "1024", "--certkv_samples", "2"])
     assert result.exit_code == 0, result.output
     run_dir = tmp_path / "runs" / "lm_eval" / "tiny_random_naive"
-    assert json.loads((run_dir / "certificates.json").read_text())["requests"] == 4
+    assert certificates(run_dir)["requests"] == 4
     assert list(run_dir.rglob("results_*.json"))
 
 
@@ -125,12 +154,10 @@ def test_import_certkv_registers_the_model_next_to_lm_evals_own():
     assert out.split() == ["CertKVLM", "HFLM"]
 
 
-def test_certificates_go_to_wandb_when_asked(tmp_path, monkeypatch):
-    wandb = pytest.importorskip("wandb")
+def test_certificates_go_to_wandb_when_asked(tmp_path, monkeypatch, data_dir_with_books):
     from certkv.cli import app
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("CERTKV_DATA", str(tmp_path / "data"))
     monkeypatch.setenv("WANDB_SILENT", "true")
     summaries = []
     finish = wandb.sdk.wandb_run.Run.finish

@@ -51,9 +51,10 @@ def test_context_longer_than_the_model_names_the_fix():
 
 def test_device_map_is_handed_to_accelerate_and_the_model_stays_where_it_put_it(monkeypatch):
     """A model larger than one GPU (conf/model/llama31_70b.yaml) loads with device_map=auto;
-    load_model then does not move it to one device."""
+    load_model then does not move it to one device, but still switches what accelerate placed
+    to the certkv attention and to eval mode."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from certkv.models import loading
 
@@ -61,13 +62,19 @@ def test_device_map_is_handed_to_accelerate_and_the_model_stays_where_it_put_it(
     tiny = load_model({"name": "tiny", "random_config": {"hidden_size": 32,
                        "intermediate_size": 64, "num_hidden_layers": 1,
                        "num_attention_heads": 2, "num_key_value_heads": 1}, "device": "cpu"})
+    config = AutoConfig.for_model("llama", **SMALL, vocab_size=len(tiny.tokenizer))
+    placed = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").train()
+    assert placed.training and placed.config._attn_implementation == "sdpa"
 
     def fake(path, **kwargs):
         seen.update(kwargs)
-        return tiny.model
+        return placed
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", fake)
     monkeypatch.setattr(loading.AutoTokenizer, "from_pretrained", lambda *a, **k: tiny.tokenizer)
     monkeypatch.setattr(torch.nn.Module, "to", lambda *a, **k: pytest.fail("moved"))
     lm = load_model({"name": "big", "path": "some/hub-id", "device_map": "auto"})
-    assert seen["device_map"] == "auto" and lm.model is tiny.model
+    assert seen["device_map"] == "auto" and seen["dtype"] == torch.float32
+    assert lm.model is placed and lm.spec.device_map == "auto"
+    assert lm.model.config._attn_implementation == "certkv" and not lm.model.training
+    assert lm.num_layers == 1 and lm.tokenizer is tiny.tokenizer

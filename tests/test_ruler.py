@@ -256,7 +256,7 @@ def test_errors():
 
 
 @pytest.mark.slow
-def test_paper_subtasks_with_smollm2_tokenizer():
+def test_paper_subtasks_with_smollm2_tokenizer(books):
     from certkv.eval.corpora import book_text, encode
     from certkv.models import load_model
 

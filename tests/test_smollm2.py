@@ -26,7 +26,7 @@ def lm():
 
 
 @pytest.fixture(scope="module")
-def book_prompt(lm):
+def book_prompt(lm, books):
     ids = lm.tokenizer.encode(book_text("emma"), add_special_tokens=False)
     return torch.tensor([ids[5000:5600]])
 
