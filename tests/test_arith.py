@@ -35,7 +35,6 @@ EVERYTHING_PROMOTED = {"selector": AdaptiveTopK(tau_cov=1.0, k_min=0, k_max=1 <<
 def attention(backend, split=2, **kwargs):
     """CertifiedAttention on ``backend`` (Triton: ``split`` blocks per program)."""
     if backend == "triton":
-        pytest.importorskip("triton")
         from certkv.kernels.triton_backend import TritonBackend
 
         kwargs["backend"] = TritonBackend(split=split)

@@ -11,6 +11,8 @@ import certkv.eval.runner as runner_module
 from certkv.cli import app
 from certkv.report.markdown import summary_markdown
 
+# runs read the offline books (the tiny experiment's NIAH): skip with a reason without them
+pytestmark = pytest.mark.usefixtures("books")
 runner = CliRunner()
 TINY = ["+experiment=tiny", "task.perplexity.decode_tokens=3", "task.niah.trials=1",
         "task.niah.max_new_tokens=2"]

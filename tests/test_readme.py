@@ -151,8 +151,9 @@ def test_readme_info_and_demo_lines_run(monkeypatch):
             assert "VIOLATED" not in result.output and "ok" in result.output
 
 
-def test_readme_task_manager_snippet_runs(data_dir_with_books, monkeypatch):
+def test_readme_task_manager_snippet_runs(data_dir_with_books, tmp_path, monkeypatch):
     """The lm-eval Python example, on the tiny model (SmolLM2 would take minutes)."""
+    monkeypatch.chdir(tmp_path)  # the model's certificates go to ./runs/lm_eval/
     monkeypatch.setenv("HF_DATASETS_CACHE", str(data_dir_with_books / "hf_datasets"))
     python = [b for b in re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
               if "task_manager(" in b]

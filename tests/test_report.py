@@ -161,7 +161,8 @@ def test_report_command(tmp_path):
 def test_wandb_logger_offline(tmp_path, monkeypatch):
     """A real offline W&B run (no account, no network): config, per-step certificates, the
     samples table, the report's tables and figures, the quality summary."""
-    wandb = pytest.importorskip("wandb")
+    import wandb
+
     from certkv.report.wandb_logger import WandbLogger
 
     monkeypatch.setenv("WANDB_SILENT", "true")

@@ -12,6 +12,8 @@ from certkv.cli import app
 from certkv.errors import ConfigError
 from certkv.sweep import KNOBS, knob_axes, multirun_args, parse_axis
 
+# runs read the offline books (the tiny experiment's NIAH): skip with a reason without them
+pytestmark = pytest.mark.usefixtures("books")
 runner = CliRunner()
 TINY = ["+experiment=tiny", "task.perplexity.decode_tokens=3", "task.niah.trials=1",
         "task.niah.max_new_tokens=2"]
@@ -111,7 +113,7 @@ def test_slurm_gpu_launcher_config_composes():
 
 
 def test_the_aggregate_goes_to_wandb_offline(tmp_path, monkeypatch):
-    wandb = pytest.importorskip("wandb")
+    import wandb
     monkeypatch.setenv("WANDB_SILENT", "true")
     logged = []
     original = wandb.sdk.wandb_run.Run.log

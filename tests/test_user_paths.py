@@ -20,6 +20,8 @@ from certkv.errors import CertKVError, ConfigError
 from certkv.eval.runner import validate
 from certkv.models.loading import ModelSpec
 
+# runs read the offline books (the tiny experiment's NIAH): skip with a reason without them
+pytestmark = pytest.mark.usefixtures("books")
 runner = CliRunner()
 TINY = ["+experiment=tiny", "task.perplexity.decode_tokens=3", "task.niah.trials=1",
         "task.niah.max_new_tokens=2"]
