@@ -84,6 +84,45 @@ def data_dir_with_books(books, tmp_path, monkeypatch):
     return target
 
 
+@pytest.fixture(scope="session")
+def lm_eval_data(books, tmp_path_factory):
+    """A ``$CERTKV_DATA`` with the books and certkv's lm-eval tasks for the tiny model at 1024
+    tokens and 2 samples, generated once for every test that runs them."""
+    from certkv.integrations.lm_eval_tasks import task_folder
+
+    target = tmp_path_factory.mktemp("lm-eval-data")
+    (target / "books").mkdir()
+    for book in books.glob("*.txt"):
+        (target / "books" / book.name).symlink_to(book)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CERTKV_DATA", str(target))
+        task_folder("tiny_random", 1024, 2)
+    return target
+
+
+@pytest.fixture
+def data_dir_with_tasks(lm_eval_data, monkeypatch):
+    """``$CERTKV_DATA`` set to :func:`lm_eval_data` (tasks for the tiny model at 1024 x 2)."""
+    monkeypatch.setenv("CERTKV_DATA", str(lm_eval_data))
+    return lm_eval_data
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny random LLaMA saved as a Hugging Face model directory (weights + tokenizer),
+    standing in for a user's local model (``model.path=DIR``)."""
+    from certkv.config import compose_config
+    from certkv.models import load_model
+    from certkv.models.loading import ModelSpec
+
+    spec = compose_config(["model=tiny_random"]).model
+    lm = load_model(ModelSpec(**{k: v for k, v in dict(spec).items() if k != "_target_"}))
+    folder = tmp_path_factory.mktemp("models") / "My-Tiny-LLaMA"
+    lm.model.save_pretrained(folder)
+    lm.tokenizer.save_pretrained(folder)
+    return folder
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from pathlib import Path
 
 import lm_eval
 import pytest
@@ -129,20 +130,6 @@ def test_bad_model_arguments_are_one_sentence(kwargs, message):
         CertKVLM(model="tiny_random", **kwargs)
 
 
-def test_lm_eval_command_registers_the_model_and_writes_the_run_dir(tmp_path, monkeypatch,
-                                                                    data_dir_with_books):
-    from certkv.cli import app
-
-    monkeypatch.chdir(tmp_path)
-    result = CliRunner().invoke(app, ["lm-eval", "--model_args", f"{TINY},mode=naive",
-                                      "--tasks", "certkv_needle_choice", "--limit", "1",
-                                      "--certkv_context", "1024", "--certkv_samples", "2"])
-    assert result.exit_code == 0, result.output
-    run_dir = tmp_path / "runs" / "lm_eval" / "tiny_random_naive"
-    assert certificates(run_dir)["requests"] == 4
-    assert list(run_dir.rglob("results_*.json"))
-
-
 def test_import_certkv_registers_the_model_next_to_lm_evals_own():
     import subprocess
     import sys
@@ -154,7 +141,10 @@ def test_import_certkv_registers_the_model_next_to_lm_evals_own():
     assert out.split() == ["CertKVLM", "HFLM"]
 
 
-def test_certificates_go_to_wandb_when_asked(tmp_path, monkeypatch, data_dir_with_books):
+def test_lm_eval_command_writes_its_run_dir_and_logs_certificates_to_wandb(
+        tmp_path, monkeypatch, data_dir_with_tasks):
+    """`certkv lm-eval` registers the model, writes lm-eval's results and the certificates to
+    the configuration's run directory, and logs both to W&B when asked."""
     from certkv.cli import app
 
     monkeypatch.chdir(tmp_path)
@@ -169,5 +159,56 @@ def test_certificates_go_to_wandb_when_asked(tmp_path, monkeypatch, data_dir_wit
                                       "--certkv_context", "1024", "--certkv_samples", "2",
                                       "--wandb_args", "project=certkv-test,mode=offline"])
     assert result.exit_code == 0, result.output
+    run_dir = tmp_path / "runs" / "lm_eval" / "tiny_random_certified"
+    assert certificates(run_dir)["requests"] == 4
+    assert list(run_dir.rglob("results_*.json"))
     ours = next(s for s in summaries if "certificate/requests" in s)
     assert ours["certificate/requests"] == 4 and "lm_eval/certkv_needle_choice/acc,none" in ours
+
+
+def test_every_configuration_has_its_own_results_directory():
+    """A 2-bit naive run and an 8-bit one used to share runs/lm_eval/<model>_<mode>/ (and one's
+    certificates replaced the other's): every model argument that can change a result now
+    names the directory, joined with `+` (lm-eval splits model arguments at commas)."""
+    from certkv.integrations.lm_eval import run_name
+
+    plain = run_name("smollm2_135m", "naive", {})
+    two_bit = run_name("smollm2_135m", "naive", {"quantizer.key_codec.bits": 2})
+    assert plain == "smollm2_135m_naive"
+    assert two_bit == "smollm2_135m_naive+quantizer.key_codec.bits=2"
+    both = run_name("m", "certified", {"experiment": "ruler_4k", "max_length": 2048,
+                                       "value_policy.v_tol": 0.02, "batch_size": 1})
+    assert both == "m_certified_ruler_4k+max_length=2048+value_policy.v_tol=0.02"
+    assert "," not in run_name("m", "naive", {"variants": "[a,b]"})
+
+
+def test_ls_tasks_lists_certkvs_tasks(data_dir_with_tasks, monkeypatch):
+    """`certkv lm-eval ls tasks` hands lm-eval's own `ls` the folder of certkv's tasks
+    (`--include_path`, which lm-eval's ls lists next to its own; indexing all of lm-eval's
+    tasks takes half a minute, so lm-eval's listing itself is not run here)."""
+    import sys
+
+    import lm_eval.__main__
+
+    from certkv.cli import app
+
+    seen = []
+    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", lambda: seen.append(list(sys.argv)))
+    result = CliRunner().invoke(app, ["lm-eval", "ls", "tasks", "--model_args",
+                                      "model=tiny_random", "--certkv_context", "1024",
+                                      "--certkv_samples", "2"])
+    assert result.exit_code == 0, result.output
+    (argv,) = seen
+    assert argv[:3] == ["lm_eval", "ls", "tasks"]
+    folder = Path(argv[argv.index("--include_path") + 1])
+    assert {p.stem for p in folder.glob("certkv_*.yaml")} >= set(TASKS)
+
+
+def test_a_context_too_short_names_the_task_and_the_smallest_context(data_dir_with_tasks):
+    from certkv.integrations.lm_eval import task_manager
+    from certkv.integrations.lm_eval_tasks import task_folder
+
+    with pytest.raises(ConfigError, match=r"certkv_ruler_cwe \(needs (\d+)\).*--certkv_context"):
+        task_folder("tiny_random", 512, 1)
+    with pytest.raises(ConfigError, match=r"use task_manager\(context=\d+\) or more"):
+        task_manager("tiny_random", context=512, samples=1)

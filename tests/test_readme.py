@@ -43,27 +43,12 @@ def test_the_readme_documents_every_command():
     assert len(COMMANDS) >= 40
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """A saved tiny LLaMA standing in for the README's local model directories."""
-    from certkv.config import compose_config
-    from certkv.models import load_model
-    from certkv.models.loading import ModelSpec
-
-    spec = compose_config(["model=tiny_random"]).model
-    lm = load_model(ModelSpec(**{k: v for k, v in dict(spec).items() if k != "_target_"}))
-    folder = tmp_path_factory.mktemp("models") / "Llama-3.1-8B"
-    lm.model.save_pretrained(folder)
-    lm.tokenizer.save_pretrained(folder)
-    return folder
-
-
-def local_paths(args: list[str], model_dir: Path) -> list[str]:
+def local_paths(args: list[str], tiny_model_dir: Path) -> list[str]:
     """The README's placeholder model directories point at the tiny model."""
     out = []
     for a in args:
-        a = re.sub(r"model\.path=/\S+", f"model.path={model_dir}", a)
-        out.append(re.sub(r"model=/path/to/hf_model_dir", f"model={model_dir}", a))
+        a = re.sub(r"model\.path=/\S+", f"model.path={tiny_model_dir}", a)
+        out.append(re.sub(r"model=/path/to/hf_model_dir", f"model={tiny_model_dir}", a))
     return out
 
 
@@ -77,9 +62,9 @@ def first_point(args: list[str]) -> list[str]:
 
 @pytest.mark.parametrize("args", [c for c in COMMANDS if c[0] == "run"],
                          ids=lambda c: " ".join(c)[:60])
-def test_readme_run_lines_compose_and_validate(args, model_dir, tmp_path, monkeypatch):
+def test_readme_run_lines_compose_and_validate(args, tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    args = local_paths(first_point(args) if "-m" in args else args, model_dir)
+    args = local_paths(first_point(args) if "-m" in args else args, tiny_model_dir)
     if "--cfg" not in args:
         args = [*args, "--cfg", "job"]
     result = runner.invoke(app, args)
@@ -101,13 +86,13 @@ def test_readme_sweep_lines_preview_their_points(args, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("args", [c for c in COMMANDS if c[0] == "lm-eval"],
                          ids=lambda c: " ".join(c)[:60])
-def test_readme_lm_eval_lines_build_their_model_arguments(args, model_dir):
+def test_readme_lm_eval_lines_build_their_model_arguments(args, tiny_model_dir):
     """lm-eval lines with the certkv model: their model arguments compose and validate
     (the evaluation itself is tested in test_lm_eval.py); every line's options parse."""
     from certkv.cli import _pop
     from certkv.integrations import lm_eval as ours
 
-    args = local_paths(list(args[1:]), model_dir)
+    args = local_paths(list(args[1:]), tiny_model_dir)
     if args[:1] == ["ls"]:
         return  # run fully in test_lm_eval_cli_lists_certkv_tasks
     model = _pop(args, "model") or "certkv"
@@ -151,10 +136,10 @@ def test_readme_info_and_demo_lines_run(monkeypatch):
             assert "VIOLATED" not in result.output and "ok" in result.output
 
 
-def test_readme_task_manager_snippet_runs(data_dir_with_books, tmp_path, monkeypatch):
+def test_readme_task_manager_snippet_runs(data_dir_with_tasks, tmp_path, monkeypatch):
     """The lm-eval Python example, on the tiny model (SmolLM2 would take minutes)."""
     monkeypatch.chdir(tmp_path)  # the model's certificates go to ./runs/lm_eval/
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(data_dir_with_books / "hf_datasets"))
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_datasets"))
     python = [b for b in re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
               if "task_manager(" in b]
     assert len(python) == 1
