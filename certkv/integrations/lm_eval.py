@@ -111,7 +111,8 @@ def task_manager(model: str = "smollm2_135m", context: int = 4096, samples: int 
                                 tasks=["certkv_needle_choice"], limit=2,
                                 task_manager=task_manager(context=1024))
 
-    ``kwargs`` go to ``TaskManager`` (e.g. ``verbosity``)."""
+    ``kwargs`` go to ``TaskManager`` (e.g. ``verbosity``; ``include_defaults=False`` leaves
+    out lm-eval's own tasks, whose index takes seconds to build)."""
     from lm_eval.tasks import TaskManager
 
     from certkv.integrations.lm_eval_tasks import task_folder
