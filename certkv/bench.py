@@ -106,8 +106,8 @@ def spread_warning(label: str, by_method: dict[str, dict],
     if spread(s) <= limit:
         return None
     return (f"timings of {label} spread more than {limit:.0%} ({worst}: min {short(s['min'])} / "
-            f"median {short(s['median'])} / max {short(s['max'])} ms): the machine was busy; "
-            "rerun with more --repeats.")
+            f"median {short(s['median'])} / max {short(s['max'])} ms): something else used the "
+            "machine or its clocks changed; rerun with more --repeats.")
 
 
 def spread_warnings(records: list[dict]) -> list[str]:

@@ -55,7 +55,8 @@ def test_spread_warning_exactly_above_20_percent():
     assert bench.spread_warning("N=4K", case([100.0, 100.0, 100.0])) is None
     warning = bench.spread_warning("N=4K", case([1876.0, 301.0, 301.0]))
     assert warning == ("timings of N=4K spread more than 20% (certified: min 301 / median 301 / "
-                       "max 1,876 ms): the machine was busy; rerun with more --repeats.")
+                       "max 1,876 ms): something else used the machine or its clocks changed; "
+                       "rerun with more --repeats.")
     records = [{"short_label": "N=1K", "ms_stats": case([100.0, 100.0, 100.0])},
                {"short_label": "N=4K", "ms_stats": case([100.0, 100.0, 121.0])}]
     assert [w.split(" spread")[0] for w in bench.spread_warnings(records)] == ["timings of N=4K"]
