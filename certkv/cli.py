@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import platform
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
@@ -31,6 +32,15 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Runtime-certified quantized KV-cache attention: experiments and tools.")
 
 
+@contextmanager
+def _user_errors():
+    """A :class:`CertKVError` raised inside exits with its one sentence (:func:`_fail`)."""
+    try:
+        yield
+    except CertKVError as exc:
+        _fail(str(exc))
+
+
 def _fail(message: str) -> None:
     from rich.markup import escape
 
@@ -43,15 +53,13 @@ def _validated_or_fail(overrides: list[str], writes: bool = True):
     built and checked (:func:`certkv.eval.runner.validate`) and, when the command ``writes``,
     its ``out_dir`` writable; anything wrong exits with one sentence before a directory exists.
     """
-    try:
-        cfg = compose_config(first_choices(overrides))
-        from certkv.eval.runner import validate
+    from certkv.eval.runner import validate
 
+    with _user_errors():
+        cfg = compose_config(first_choices(overrides))
         validate(cfg)
         if writes:
             writable_dir(cfg.out_dir, "out_dir=DIR")
-    except CertKVError as exc:
-        _fail(str(exc))
     return cfg
 
 
@@ -101,10 +109,8 @@ def report(
     if missing:
         _fail(f"no such run directory: {', '.join(missing)}; pass directories that "
               "`certkv run` wrote (see its last line).")
-    try:
+    with _user_errors():
         built = build_report(run_dirs)
-    except CertKVError as exc:
-        _fail(str(exc))
     target = out or Path("runs/reports") / "+".join(dict.fromkeys(slug(r.label)
                                                                   for r in built.runs))
     if holds_other_report(target, built):
@@ -113,10 +119,8 @@ def report(
                   "choose another --out.")
         if out is None:
             target = free_dir(target)
-    try:
+    with _user_errors():
         writable_dir(target, "--out DIR")
-    except CertKVError as exc:
-        _fail(str(exc))
     print_report(built)
     Console().print(f"report: {write_report(built, target)}")
 
@@ -206,10 +210,8 @@ def bench_attention(
         shapes = sorted({(c.head_dim, c.kv_heads, c.group) for c in cases})
         cases = [bench.AttentionCase(n, d, h, g) for n in context for d, h, g in shapes]
     report = bench.BenchReport(f"attention_{dev.type}", _command(), out, force)
-    try:
+    with _user_errors():
         report.check()
-    except CertKVError as exc:
-        _fail(str(exc))
     with bench.progress(3 * len(cases), "bench attention") as update:
         records = [bench.bench_attention_case(case, dev, repeats, _compile(compile), update)
                    for case in cases]
@@ -259,10 +261,8 @@ def bench_decode(
     if torch_dtype is None:
         _fail(f"--dtype {dtype!r} is unknown; use auto, float32, float16 or bfloat16.")
     report = bench.BenchReport(f"decode_{model}_{dev.type}", _command(), out, force)
-    try:
+    with _user_errors():
         report.check()
-    except CertKVError as exc:
-        _fail(str(exc))
     with bench.progress(2 * len(contexts), "bench decode") as update:
         records = bench.bench_decode(model, contexts, dev, repeats, torch_dtype,
                                      _compile(compile), update)
@@ -287,11 +287,9 @@ def demo(context: int = 2048, kv_heads: int = 8, group: int = 4, head_dim: int =
               "integers, e.g. --context 2048 --head-dim 128.")
     if bound_tol is not None and not bound_tol >= 0:
         _fail(f"--bound-tol {bound_tol} must be a number >= 0, e.g. --bound-tol 0.05.")
-    try:
+    with _user_errors():
         run_demo(context, kv_heads, group, head_dim, seed, value_group=value_group,
                  bound_tol=bound_tol)
-    except CertKVError as exc:
-        _fail(str(exc))
 
 
 sweep_app = typer.Typer(no_args_is_help=True, help="Ablation sweeps (Hydra multiruns) with an "
@@ -325,10 +323,8 @@ def _run_sweep(ctx: typer.Context, knob: str, axes: dict[str, list[str]],
             _fail(f"unknown launcher {item.split('=', 1)[1]!r}; use one of {_launchers()} "
                   "(joblib and submitit need `pip install 'certkv[launchers]'`).")
     name = sweep_name(knob, axes)
-    try:
+    with _user_errors():
         args = multirun_args(name, axes, overrides)
-    except CertKVError as exc:
-        _fail(str(exc))
     task = [a for a in args if "=" in a and not a.startswith(("-", "hydra.", "hydra/"))]
     cfg = _validated_or_fail(task, writes=not preview)
     root = Path(cfg.out_dir) / "sweeps" / name / cfg.experiment
@@ -342,10 +338,8 @@ def _run_sweep(ctx: typer.Context, knob: str, axes: dict[str, list[str]],
         for point in points:
             Console().print("#  " + " ".join(point), highlight=False, soft_wrap=True)
         return
-    try:
+    with _user_errors():
         writable_dir(out or root, "--out DIR" if out else "out_dir=DIR")
-    except CertKVError as exc:
-        _fail(str(exc))
     from certkv.hydra_app import main as hydra_main
 
     os.environ[INVOCATION] = invocation(knob, axes, ctx.args, str(out) if out else None)
@@ -356,11 +350,9 @@ def _run_sweep(ctx: typer.Context, knob: str, axes: dict[str, list[str]],
         os.environ.pop(INVOCATION, None)
     from certkv.report.sweep import build_sweep_report
 
-    try:
+    with _user_errors():
         report = build_sweep_report(name, root, list(axes), out or root,
                                     sweep_points(axes, overrides))
-    except CertKVError as exc:
-        _fail(str(exc))
     from certkv.report.layout import print_tables
 
     print_tables([report.table])
@@ -417,10 +409,8 @@ def sweep_custom(ctx: typer.Context,
         value = item.partition("=")[2]
         if "," in value and not value.lstrip().startswith(("[", "{", "'", '"')) \
                 and not item.startswith(("+experiment", "hydra")):
-            try:
+            with _user_errors():
                 name, grid = parse_axis(item)
-            except CertKVError as exc:
-                _fail(str(exc))
             axes[name] = grid
         else:
             rest.append(item)
@@ -435,10 +425,8 @@ def _knob(ctx: typer.Context, knob: str, values: str | None, out: Path | None,
           value_blocks: str | None = None) -> None:
     from certkv.sweep import knob_axes
 
-    try:
+    with _user_errors():
         axes = knob_axes(knob, values, value_blocks)
-    except CertKVError as exc:
-        _fail(str(exc))
     _run_sweep(ctx, knob, axes, out)
 
 
@@ -481,31 +469,25 @@ def lm_eval_command(ctx: typer.Context) -> None:
         else "smollm2_135m"  # another harness model gets SmolLM2's tokenizer's tasks
     name = model
     if model == "certkv" and args[:1] != ["ls"]:  # bad arguments: one sentence, at once
-        try:
+        with _user_errors():
             cfg, _ = ours.method_config(
                 model_args.get("model", "smollm2_135m"), model_args.get("mode", "certified"),
                 model_args.get("experiment"),
                 {k: v for k, v in model_args.items() if k not in ours.ARGS})
-        except CertKVError as exc:
-            _fail(str(exc))
         name = ours.run_name(cfg.model.name, model_args.get("mode", "certified"),
                              {k: v for k, v in model_args.items() if k != "run_dir"})
     tasks = "" if args[:1] == ["ls"] else (_pop(args, "tasks") or "")
     if args[:1] == ["ls"] or any(t.startswith("certkv_") for t in tasks.split(",")):
-        try:
+        with _user_errors():
             folder = task_folder(tokenizer_of, context, samples)
-        except CertKVError as exc:
-            _fail(str(exc))
         args += ["--include_path", str(folder)]
     if args[:1] == ["ls"]:
         sys.argv = ["lm_eval", *args]
         cli_evaluate()
         return
     run_dir = Path(_pop(args, "output_path") or Path("runs") / "lm_eval" / name)
-    try:
+    with _user_errors():
         writable_dir(run_dir, "--output_path DIR")
-    except CertKVError as exc:
-        _fail(str(exc))
     if model == "certkv":
         model_args.setdefault("run_dir", str(run_dir))
     wandb_args = _pop(args, "wandb_args", keep=True)
