@@ -80,13 +80,27 @@ def test_a_failing_point_is_recorded_and_the_others_run(tmp_path):
     assert "2 points (1 failed)" in result.output
 
 
-def test_custom_axes_through_the_submitit_local_launcher(tmp_path):
+def test_custom_axes_through_submitit_with_the_aggregate_on_wandb(tmp_path, monkeypatch):
+    """Custom axes through the submitit_local launcher; with logger=wandb every point is a W&B
+    run and the aggregate one more (offline)."""
+    import wandb
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logged = []
+    original = wandb.sdk.wandb_run.Run.log
+    monkeypatch.setattr(wandb.sdk.wandb_run.Run, "log",
+                        lambda self, data, *a, **k: (logged.append(dict(data)),
+                                                     original(self, data, *a, **k))[1])
     result = sweep("custom", "ladder.k_max=8,16", *TINY, f"out_dir={tmp_path}",
-                   "hydra/launcher=submitit_local", "--out", str(tmp_path / "agg"))
+                   "hydra/launcher=submitit_local", "logger=wandb", "--out", str(tmp_path / "agg"))
     assert result.exit_code == 0, result.output
     rows = aggregate(tmp_path / "agg")["rows"]
     assert [r[0] for r in rows] == ["k_max=8", "k_max=8", "k_max=16", "k_max=16"]
     assert (tmp_path / "agg" / "README.md").exists()
+    keys = {k for d in logged for k in d}
+    assert {"sweep/k_max", "sweep/k_max_figure"} <= keys
+    root = tmp_path / "sweeps" / "k_max" / "tiny"
+    assert list((root / "wandb").glob("offline-run-*"))
 
 
 @pytest.mark.parametrize("args, message", [
@@ -110,19 +124,3 @@ def test_slurm_gpu_launcher_config_composes():
                       return_hydra_config=True)
     launcher = cfg.hydra.launcher
     assert launcher._target_.endswith("SlurmLauncher") and launcher.gpus_per_node == 1
-
-
-def test_the_aggregate_goes_to_wandb_offline(tmp_path, monkeypatch):
-    import wandb
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    logged = []
-    original = wandb.sdk.wandb_run.Run.log
-    monkeypatch.setattr(wandb.sdk.wandb_run.Run, "log",
-                        lambda self, data, *a, **k: (logged.append(dict(data)),
-                                                     original(self, data, *a, **k))[1])
-    result = sweep("custom", "ladder.k_max=8,16", *TINY, f"out_dir={tmp_path}", "logger=wandb")
-    assert result.exit_code == 0, result.output
-    keys = {k for d in logged for k in d}
-    assert {"sweep/k_max", "sweep/k_max_figure"} <= keys
-    root = tmp_path / "sweeps" / "k_max" / "tiny"
-    assert list((root / "wandb").glob("offline-run-*"))
