@@ -99,8 +99,7 @@ class _Pass:
             k_star=self.k_star, rung=self.rung, ranking_ok=self.ranking,
             boundary_ok=self.boundary, canary_ok=self.canary, value_blocks=self.value_blocks,
             value_promotions=self.value_promotions, num_blocks=self.num_blocks, mode=mode,
-            paper_e_key=self.paper_key, paper_e_val=self.paper_val,
-            tol_level=boost if boost is not None else torch.zeros_like(self.rung))
+            paper_e_key=self.paper_key, paper_e_val=self.paper_val, tol_level=boost)
 
 
 def _key_bound(log_p, tail, delta_b, delta, v_max, exponent, cap_logit=None, tv_cap=None):
@@ -258,8 +257,7 @@ class CertifiedAttention:
             over_dev = over_heads.to(q.device, non_blocking=True)
             boost[over_dev] = TOL_LEVELS
             step.rung = step.rung.clone()
-            step.rung[over_dev] = torch.maximum(step.rung[over_dev],
-                                                torch.full_like(step.rung[over_dev], 3))
+            step.rung[over_dev] = step.rung[over_dev].clamp(min=3)
             dense_heads = torch.unique(torch.cat([dense_heads, over_heads]))
         with timer.phase("fallback"):
             out, e_arith = self._fallback(q, store, step.out, dense_heads, scaling, step.spec,

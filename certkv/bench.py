@@ -33,7 +33,7 @@ from certkv.attention import CertifiedAttention
 from certkv.cache.scratch import ScratchCache
 from certkv.cache.store import TieredKVStore
 from certkv.errors import CertKVError
-from certkv.files import writable_dir, write_atomic
+from certkv.files import fresh_dir, writable_dir, write_atomic
 from certkv.kernels.reference import dense_attention
 from certkv.provenance import source_commit
 from certkv.report.layout import Table, make_console, markdown_table, print_tables
@@ -270,19 +270,6 @@ def default_cases(device: torch.device) -> list[AttentionCase]:
     return [AttentionCase(n, d, hkv, g) for n in contexts for d, hkv, g in shapes]
 
 
-def fresh_dir(base: Path, name: str) -> Path:
-    """Create and return ``base/name`` (``name-2``, ``name-3``, ... when taken): always a new
-    directory, so an invocation never replaces an earlier one's files."""
-    for n in itertools.count(1):
-        path = base / (name if n == 1 else f"{name}-{n}")
-        try:
-            path.mkdir(parents=True)
-        except FileExistsError:
-            continue
-        return path
-    raise AssertionError("unreachable")
-
-
 @dataclass
 class BenchReport:
     """Writes ``<name>.json``, ``.md`` and ``.png`` into a new directory per invocation,
@@ -315,7 +302,7 @@ class BenchReport:
     def write(self, records: list[dict], table: list[str], plot) -> Path:
         """Write the JSON, the plot and the markdown (header + ``table`` lines); returns the
         markdown's path."""
-        folder = self.out_dir or fresh_dir(RUNS_DIR, f"{self.name}-{self.started}")
+        folder = self.out_dir or fresh_dir(RUNS_DIR / f"{self.name}-{self.started}")
         folder.mkdir(parents=True, exist_ok=True)
         payload = {"command": self.command, **self.info, "records": records}
         write_atomic(folder / f"{self.name}.json", json.dumps(payload, indent=2) + "\n")

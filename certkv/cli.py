@@ -26,7 +26,7 @@ from certkv.config import (
     with_experiment,
 )
 from certkv.errors import CertKVError
-from certkv.files import writable_dir
+from certkv.files import fresh_dir, writable_dir
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Runtime-certified quantized KV-cache attention: experiments and tools.")
@@ -98,7 +98,6 @@ def report(
     """
     from certkv.report.document import (
         build_report,
-        free_dir,
         holds_other_report,
         print_report,
         slug,
@@ -113,13 +112,13 @@ def report(
         built = build_report(run_dirs)
     target = out or Path("runs/reports") / "+".join(dict.fromkeys(slug(r.label)
                                                                   for r in built.runs))
-    if holds_other_report(target, built):
-        if out is not None and not force:
-            _fail(f"{out} already holds a report of other runs; pass --force to replace it or "
-                  "choose another --out.")
-        if out is None:
-            target = free_dir(target)
+    other = holds_other_report(target, built)
+    if other and out is not None and not force:
+        _fail(f"{out} already holds a report of other runs; pass --force to replace it or "
+              "choose another --out.")
     with _user_errors():
+        if other and out is None:  # the default output: a directory of its own
+            target = fresh_dir(writable_dir(target.parent, "--out DIR") / target.name)
         writable_dir(target, "--out DIR")
     print_report(built)
     Console().print(f"report: {write_report(built, target)}")

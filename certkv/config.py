@@ -19,6 +19,7 @@ MAX_DIRNAME = 120
 # and output root (already in the path) and the logger (W&B logs the same run, no recompute).
 NOT_IN_DIRNAME = ("experiment", "out_dir", "logger")
 _UNSAFE = re.compile(r'[/\\:*?"<>|\x00-\x1f]')
+_UNSAFE_OR_COMMA = re.compile(r'[/\\:*?"<>|\x00-\x1f,]')  # names joined by another separator
 
 
 def override_key(item: str) -> str:
@@ -42,8 +43,7 @@ def run_dirname(overrides, sep: str = ",") -> str:
     Another ``sep`` (lm-eval's ``+``: its model arguments are split at commas) makes ``,`` in a
     value unsafe too."""
     name = sep.join(sorted(str(o) for o in overrides if names_run_dir(str(o))))
-    unsafe = _UNSAFE if sep == "," else re.compile(f"{_UNSAFE.pattern[:-1]},]")
-    safe = unsafe.sub("_", name)
+    safe = (_UNSAFE if sep == "," else _UNSAFE_OR_COMMA).sub("_", name)
     digest = hashlib.md5(name.encode()).hexdigest()[:10]
     if safe != name:
         safe = f"{safe[:MAX_DIRNAME - 11]}-{digest}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import tempfile
 from pathlib import Path
@@ -27,7 +28,6 @@ def write_atomic(path: Path, text: str) -> None:
         raise
 
 
-
 def writable_dir(path: str | Path, fix: str) -> Path:
     """``path`` as a directory this process can write (created if missing), else a
     :class:`~certkv.errors.CertKVError` whose one sentence names ``fix`` (e.g. ``"--out DIR"``).
@@ -45,3 +45,18 @@ def writable_dir(path: str | Path, fix: str) -> Path:
         raise CertKVError(f"cannot write to {path} ({reason.lower()}); choose a writable "
                           f"directory with {fix}.") from None
     return path
+
+
+def fresh_dir(path: str | Path) -> Path:
+    """Create and return ``path`` (``path-2``, ``path-3``, ... when taken): always a new
+    directory, so a command never replaces an earlier one's files (created atomically, so two
+    processes never get the same one)."""
+    path = Path(path)
+    for n in itertools.count(1):
+        candidate = path if n == 1 else path.with_name(f"{path.name}-{n}")
+        try:
+            candidate.mkdir(parents=True)
+        except FileExistsError:
+            continue
+        return candidate
+    raise AssertionError("unreachable")

@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from certkv import bench
 from certkv.cli import app
+from certkv.files import fresh_dir
 
 runner = CliRunner()
 ATTENTION = ["bench", "attention", "--context", "64", "--repeats", "2", "--device", "cpu"]
@@ -169,7 +170,7 @@ def test_each_invocation_writes_its_own_directory(tmp_path, monkeypatch):
 
 
 def test_fresh_dir_never_reuses_a_directory(tmp_path):
-    made = [bench.fresh_dir(tmp_path, "attention_cpu-20250101-120000") for _ in range(3)]
+    made = [fresh_dir(tmp_path / "attention_cpu-20250101-120000") for _ in range(3)]
     assert [p.name for p in made] == ["attention_cpu-20250101-120000",
                                       "attention_cpu-20250101-120000-2",
                                       "attention_cpu-20250101-120000-3"]

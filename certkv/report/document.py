@@ -117,15 +117,6 @@ def holds_other_report(out_dir: str | Path, report: Report) -> bool:
     return sorted(str(Path(r).resolve()) for r in runs) != report.run_dirs()
 
 
-def free_dir(path: Path) -> Path:
-    """``path``, or ``path-2``, ``path-3`` ... whichever does not exist yet."""
-    candidate, n = path, 1
-    while candidate.exists():
-        n += 1
-        candidate = path.with_name(f"{path.name}-{n}")
-    return candidate
-
-
 def print_report(report: Report, console: Console | None = None) -> None:
     """The tables on the console, each fitted to its width (see :func:`print_tables`)."""
     console = console or make_console()
