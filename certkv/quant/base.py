@@ -44,6 +44,12 @@ class KeyCodec(ABC):
     def encode(self, k: torch.Tensor) -> Blocks:
         """FP16 keys ``[Hkv, n, B, d]`` -> codes and metadata (leading dims ``[Hkv, n]``)."""
 
+    def encode_at(self, k: torch.Tensor, start: torch.Tensor) -> Blocks:
+        """:meth:`encode` for blocks whose first tokens sit at sequence positions ``start [n]``
+        (int64; the store passes them for every block). Codecs that depend on the position
+        (pre-RoPE keys) override this; the others ignore it."""
+        return self.encode(k)
+
     @abstractmethod
     def decode(self, blocks: Blocks) -> torch.Tensor:
         """Codes and metadata -> FP32 keys ``[Hkv, n, B, d]``."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 from certkv.errors import ConfigError, require
@@ -43,6 +44,22 @@ class KVQuantizer:
         """Keyword arguments for ``TieredKVStore``."""
         return {"block_size": self.block_size, "key_codec": self.key_codec,
                 "value_codec": self.value_codec}
+
+    def codecs(self) -> list:
+        """Every codec this quantizer may store a block with."""
+        return [self.key_codec, self.value_codec]
+
+    def with_rope(self, rope) -> KVQuantizer:
+        """A copy whose position-dependent codecs (pre-RoPE keys: those with a ``rope`` field)
+        know the model's rotary embedding ``rope`` (:class:`certkv.models.rope.RopeSpec`);
+        ``self`` when no codec needs it."""
+        if not any(hasattr(c, "rope") for c in self.codecs()):
+            return self
+        new = copy.deepcopy(self)
+        for codec in new.codecs():
+            if hasattr(codec, "rope"):
+                codec.rope = rope
+        return new
 
     @property
     def label(self) -> str:
