@@ -177,7 +177,7 @@ class CertifiedAttention:
         spec = ArithSpec(head_dim=store.head_dim, block_size=store.block_size, scaling=scaling,
                          mass_inflation=self.selector.mass_inflation, out_dtype=q.dtype,
                          rounding=rounding, dense_rounding=dense, dense_u=dense_u,
-                         value_decode=store.value_codec.decode_rounding())
+                         value_decode=store.value_decode_rounding())
         return self._specs.setdefault(spec, spec)
 
     def _check(self, q: torch.Tensor, store: TieredKVStore) -> None:

@@ -10,7 +10,7 @@ import hashlib
 import re
 from pathlib import Path
 
-from certkv.errors import ConfigError
+from certkv.errors import ConfigError, require
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 DEFAULT_EXPERIMENT = "smoke"
@@ -61,11 +61,33 @@ def path_name(path: str | None, default: str) -> str:
 
 
 def register_resolvers() -> None:
-    """OmegaConf resolvers ``conf/`` uses (``${run_dirname:...}``, ``${path_name:...}``)."""
+    """OmegaConf resolvers ``conf/`` uses (``${run_dirname:...}``, ``${path_name:...}``,
+    ``${option:...}``)."""
     from omegaconf import OmegaConf
 
     OmegaConf.register_new_resolver("run_dirname", run_dirname, replace=True)
     OmegaConf.register_new_resolver("path_name", path_name, replace=True)
+    OmegaConf.register_new_resolver("option", option, replace=True)
+
+
+def option(group: str, name: str, *changes: str) -> dict:
+    """``${option:quantizer,tiers,'archive=kivi2'}`` (changes quoted): the node of ``conf/<group>/<name>.yaml``
+    with ``key=value`` changes (dotted keys, YAML values), so an experiment's variants can use
+    any config group option (e.g. another quantizer) without copying it."""
+    import yaml
+    from omegaconf import OmegaConf
+
+    path = CONF_DIR / group / f"{name}.yaml"
+    require(path.exists(), ConfigError,
+            f"${{option:{group},{name}}} names no file conf/{group}/{name}.yaml; use one of "
+            f"{config_groups().get(group, [])}.")
+    node = OmegaConf.load(path)
+    for change in changes:
+        key, sep, value = change.partition("=")
+        require(bool(sep), ConfigError,
+                f"${{option:...}} change {change!r} must read key=value, e.g. archive=kivi2.")
+        OmegaConf.update(node, key.strip(), yaml.safe_load(value), merge=False)
+    return OmegaConf.to_container(node)
 
 
 def config_groups() -> dict[str, list[str]]:
@@ -109,7 +131,8 @@ def compose_config(overrides: list[str]):
             return compose("config", overrides=overrides)
     except (HydraException, OmegaConfBaseException, ValueError) as exc:
         groups = "; ".join(f"{g}: {', '.join(o)}" for g, o in config_groups().items())
-        raise ConfigError(f"{str(exc).strip()}\nValid config groups and options: {groups}. "
+        message = str(exc).strip() or str(exc.__cause__).strip()
+        raise ConfigError(f"{message}\nValid config groups and options: {groups}. "
                           "Print the composed config with `certkv run --cfg job`.") from exc
 
 

@@ -27,6 +27,10 @@ class Tier2UnavailableError(CertKVError):
     """FP16 originals needed for promotion or fallback are missing: never answer uncertified."""
 
 
+class BudgetError(CertKVError):
+    """Tier-1 cannot fit its configured byte budget even with every block at its last stage."""
+
+
 def require(condition: bool, error: type[CertKVError], message: str) -> None:
     """Raise ``error(message)`` unless ``condition`` holds."""
     if not condition:

@@ -105,8 +105,8 @@ def test_fp16_codecs_are_exact():
 
 
 def test_bad_codec_parameters_name_the_fix():
-    with pytest.raises(ConfigError, match="bits=3 is not supported"):
-        ChannelAffineKeyCodec(bits=3)
+    with pytest.raises(ConfigError, match="bits=5 is not supported"):
+        ChannelAffineKeyCodec(bits=5)
     with pytest.raises(ConfigError, match="does not divide head_dim=48"):
         GroupAffineValueCodec(group=32).validate(48, 16)
     with pytest.raises(ConfigError, match="positive integer"):

@@ -16,6 +16,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from certkv.attention import CertifiedAttention
+from certkv.cache import thresholds
 from certkv.cache.scratch import ScratchCache, ScratchStats
 from certkv.cache.store import TieredKVStore
 from certkv.certify.certificate import CertificateLog
@@ -83,6 +84,8 @@ class TieredLayer(DynamicLayer):
                                    decoded_mirror=key_states.device.type == "cpu"
                                    and self.cache.attention.mode != "dense",
                                    **self.cache.quantizer.store_kwargs())
+        if self.layer_idx in self.cache._loaded:
+            self.store.boundaries = self.cache._loaded[self.layer_idx]
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -123,6 +126,7 @@ class TieredCache(Cache):
         self.quantizer = (quantizer or KVQuantizer()).for_mode(attention.mode)
         self.spec = spec or CacheSpec()
         self.log = CertificateLog(self.spec.records)
+        self._loaded: dict[int, list[int]] = {}  # boundaries for stores made later
         super().__init__(layers=[TieredLayer(self, i) for i in range(num_layers)])
 
     def clone_as(self, attention: CertifiedAttention, quantizer: KVQuantizer | None = None,
@@ -164,6 +168,23 @@ class TieredCache(Cache):
                 k, v = (x if x.dim() == 4 else x[None] for x in state)
                 layer.update(k, v)
         return cache
+
+    def boundaries(self) -> dict[int, list[int]]:
+        """Layer -> its store's stage ages (``[hot, stale]`` for a tiered quantizer)."""
+        return {layer.layer_idx: layer.store.boundaries for layer in self.layers
+                if layer.store is not None}
+
+    def save_thresholds(self, path, model: str) -> None:
+        """Persist :meth:`boundaries` for ``model`` (JSON, :func:`certkv.cache.thresholds.save`)."""
+        thresholds.save(path, model, self.boundaries())
+
+    def load_thresholds(self, path, model: str) -> None:
+        """Set every layer's boundaries from those saved for ``model``; layers whose store does
+        not exist yet take them when it is made."""
+        self._loaded = thresholds.load(path, model)
+        for layer in self.layers:
+            if layer.store is not None and layer.layer_idx in self._loaded:
+                layer.store.boundaries = self._loaded[layer.layer_idx]
 
     def stores(self) -> list[TieredKVStore]:
         return [layer.store for layer in self.layers if layer.store is not None]

@@ -2,7 +2,10 @@
 
 * FP16 **tail**: the trailing partial block (fewer than ``B`` tokens), in device memory, exact.
 * **Tier-1** (device): completed blocks, quantized atomically when they fill, with scales taken
-  from those ``B`` tokens alone and never updated (precondition P1), plus six FP32 annotations
+  from those ``B`` tokens alone (precondition P1), each at the precision of its stage
+  (:mod:`certkv.quant.kv`: exact windows, a quantized body, or seed 004's tiers, recorded per
+  block in a :class:`~certkv.cache.blocks.BlockTable`); a block that changes precision is
+  re-quantized from its Tier-2 originals together with its annotations. Plus six FP32 annotations
   per block and kv head (:data:`ANNOTATIONS`, 24 bytes), measured exactly in FP64 at write time
   from the FP16 originals and rounded up: ``eta_b`` (max per-token value reconstruction error),
   ``nu_b`` (max per-token value norm), the value-error spectral norm ``s_b``, the key error's
@@ -21,8 +24,11 @@ import importlib.util
 
 import torch
 
+from certkv.cache.blocks import BlockTable, GrowingBlocks
+from certkv.cache.stages import Stages
 from certkv.certify.bounds import centred_radius, spectral_norm_upper
 from certkv.errors import (
+    BudgetError,
     ConfigError,
     NonFiniteError,
     ShapeError,
@@ -38,6 +44,7 @@ from certkv.quant import (
     KeyCodec,
     ValueCodec,
 )
+from certkv.quant.kv import KVQuantizer, Precision
 
 _TIER2_MISSING = (
     "the FP16 originals (Tier-2) of this store were dropped, so no block can be promoted and no "
@@ -47,72 +54,6 @@ _TIER2_MISSING = (
 
 NONFINITE_KV = ("k or v holds NaN or Inf (or values beyond the FP16 range); fix the model outputs "
                 "before caching them.")
-
-
-class _GrowingBlocks:
-    """Tensors that grow along dim 1 (the block axis) with amortised doubling.
-
-    Holds a dict of named tensors with leading dims ``[Hkv, capacity]``; ``view()`` returns the
-    first ``size`` blocks of each without copying.
-    """
-
-    def __init__(self, device: torch.device, pin: bool = False, spare: int = 0) -> None:
-        self.device = device
-        self.pin = pin
-        self.spare = spare  # blocks kept free after ``size`` (room for the padded tail block)
-        self.size = 0
-        self._data: Blocks = {}
-        self._copied = None  # CUDA event after the last asynchronous copy into pinned memory
-
-    def _wait(self) -> None:
-        """Host reads of pinned memory wait for the asynchronous device-to-host copies into it
-        (usually long done: every decode step reads from the device once)."""
-        if self._copied is not None:
-            self._copied.synchronize()
-            self._copied = None
-
-    def _allocate(self, like: torch.Tensor, capacity: int) -> torch.Tensor:
-        shape = (like.shape[0], capacity, *like.shape[2:])
-        return torch.empty(shape, dtype=like.dtype, device=self.device, pin_memory=self.pin)
-
-    def extend(self, blocks: Blocks) -> None:
-        n = next(iter(blocks.values())).shape[1]
-        capacity = next(iter(self._data.values())).shape[1] if self._data else 0
-        if self.size + n + self.spare > capacity or not self._data:
-            self._wait()  # growing copies the old buffer on the host
-            new_capacity = max(2 * capacity, self.size + n + self.spare, 4)
-            for name, new in blocks.items():
-                grown = self._allocate(new, new_capacity)
-                if name in self._data:
-                    grown[:, : self.size].copy_(self._data[name][:, : self.size])
-                self._data[name] = grown
-        for name, new in blocks.items():
-            self._data[name][:, self.size : self.size + n].copy_(new, non_blocking=self.pin)
-        if self.pin and n and next(iter(blocks.values())).is_cuda:
-            self._copied = torch.cuda.Event()
-            self._copied.record()
-        self.size += n
-
-    def view(self, extra: int = 0) -> Blocks:
-        """The first ``size + extra`` blocks (``extra <= spare``) of each tensor, no copy."""
-        self._wait()
-        return {name: t[:, : self.size + extra] for name, t in self._data.items()}
-
-    def nbytes(self) -> int:
-        return sum(t.element_size() * t[:, : self.size].numel() for t in self._data.values())
-
-    def clear(self) -> None:
-        self._data = {}
-        self.size = 0
-
-    def clone(self) -> _GrowingBlocks:
-        """An independent copy (same capacity; pinned where this one is)."""
-        self._wait()
-        new = _GrowingBlocks(self.device, self.pin, self.spare)
-        new.size = self.size
-        for name, t in self._data.items():
-            new._data[name] = self._allocate(t, t.shape[1]).copy_(t)
-        return new
 
 
 def _round_up_fp32(x: torch.Tensor) -> torch.Tensor:
@@ -200,34 +141,42 @@ class TieredKVStore:
         keep_originals: bool = True,
         decoded_mirror: bool = False,
         fused_encode: bool | None = None,
+        quantizer: KVQuantizer | None = None,
     ) -> None:
         for name, value in (("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                             ("block_size", block_size)):
             require(isinstance(value, int) and value >= 1, ConfigError,
                     f"{name}={value!r} must be a positive integer.")
+        require(quantizer is None or (key_codec is None and value_codec is None), ConfigError,
+                "pass either a quantizer or key_codec / value_codec, not both.")
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.block_size = block_size
         self.device = torch.device(device)
-        self.key_codec = key_codec or ChannelAffineKeyCodec()
-        self.value_codec = value_codec or GroupAffineValueCodec(group=value_group)
-        self.key_codec.validate(head_dim, block_size)
-        self.value_codec.validate(head_dim, block_size)
+        self.quantizer = quantizer or KVQuantizer(
+            key_codec or ChannelAffineKeyCodec(),
+            value_codec or GroupAffineValueCodec(group=value_group), block_size)
+        self.key_codec = self.quantizer.key_codec  # the main (e.g. warm) precision's codecs
+        self.value_codec = self.quantizer.value_codec
+        self.precisions = self.quantizer.precisions()
+        for precision in self.precisions:
+            precision.validate(head_dim, block_size)
         self.keep_originals = keep_originals
+        self.stages = Stages(self.quantizer.stage_ages(), block_size, self.quantizer.sink)
+        self._tracker = self._new_tracker()
         self.fused_encode = self._fused_supported() and (
             self.device.type == "cuda" if fused_encode is None else fused_encode)
 
         # FP16 passthrough codecs (dense mode, dense prefill): Tier-1 already holds the
         # originals on the device, so there is no Tier-2 copy and dense reads need no H2D copy
-        self.lossless = isinstance(self.key_codec, FP16KeyCodec) and isinstance(
-            self.value_codec, FP16ValueCodec)
+        self.lossless = all(p.exact for p in self.precisions)
         pin = self.device.type == "cuda"
         spare = 1 if self.lossless else 0  # room for the tail block: zero-copy dense views
-        self._keys = _GrowingBlocks(self.device, spare=spare)
-        self._values = _GrowingBlocks(self.device, spare=spare)
-        self._annotations = _GrowingBlocks(self.device)  # ANNOTATIONS: [Hkv, n] each
-        self._tier2 = _GrowingBlocks(torch.device("cpu"), pin=pin)  # k, v: [Hkv, n, B, d] fp16
-        self._mirror = _GrowingBlocks(self.device, spare=1) if decoded_mirror else None
+        self._table = BlockTable(self.precisions, self.device,
+                                 (num_kv_heads, block_size, head_dim), spare=spare)
+        self._annotations = GrowingBlocks(self.device)  # ANNOTATIONS: [Hkv, n] each
+        self._tier2 = GrowingBlocks(torch.device("cpu"), pin=pin)  # k, v: [Hkv, n, B, d] fp16
+        self._mirror = GrowingBlocks(self.device, spare=1) if decoded_mirror else None
         tail_shape = (num_kv_heads, block_size, head_dim)
         self._tail_k = torch.zeros(tail_shape, dtype=torch.float16, device=self.device)
         self._tail_v = torch.zeros(tail_shape, dtype=torch.float16, device=self.device)
@@ -242,16 +191,29 @@ class TieredKVStore:
         # running channel max of |k| over every token: the logit magnitude of e_arith
         self._key_abs_max = torch.zeros(num_kv_heads, head_dim, device=self.device)
         self._nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)
-        empty = torch.zeros(num_kv_heads, 0, block_size, head_dim, dtype=torch.float16,
-                            device=self.device)
-        self._commit_blocks(empty, empty)  # allocates every buffer, so views exist when empty
+        self._allocate()
+
+    def _allocate(self) -> None:
+        """Allocate the buffers of the precision new blocks start at (and every annotation), so
+        views exist while the store is empty."""
+        empty = torch.zeros(self.num_kv_heads, 0, self.block_size, self.head_dim,
+                            dtype=torch.float16, device=self.device)
+        pid = self.quantizer.stage_precision(0, 0)
+        none = torch.zeros(0, dtype=torch.long)
+        keys, values, notes = self._encode(empty, empty, pid, none)
+        self._table.allocate(pid, keys, values)
+        self._annotations.extend(notes)
+        if self._mirror is not None:
+            self._mirror.extend(self._decoded(none))
 
     # ------------------------------------------------------------------ writing
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append ``k, v: [Hkv, T, d]`` (post-RoPE, any float dtype, ``T >= 1``).
 
-        Tokens join the FP16 tail; every block that fills is quantized at once (Tier-1), its
-        annotations eta_b / nu_b are measured and its FP16 originals move to Tier-2.
+        Tokens join the FP16 tail; every block that fills is quantized at once (Tier-1) at the
+        precision of its stage, its annotations are measured and its FP16 originals move to
+        Tier-2. Blocks whose age reached a later stage are then re-quantized from Tier-2, and
+        under a budget the oldest graduate early (:meth:`_graduate`).
         """
         k16, v16 = self._check_append(k, v)
         if not self._centred:
@@ -262,15 +224,18 @@ class TieredKVStore:
         pending_k = torch.cat([self._tail_k[:, : self.tail_len], k16], dim=1)
         pending_v = torch.cat([self._tail_v[:, : self.tail_len], v16], dim=1)
         n_full = pending_k.shape[1] // self.block_size
+        seq_len = self.num_tokens + k16.shape[1]
         if n_full:
             cut = n_full * self.block_size
             shape = (self.num_kv_heads, n_full, self.block_size, self.head_dim)
             self._commit_blocks(pending_k[:, :cut].reshape(shape),
-                                pending_v[:, :cut].reshape(shape))
+                                pending_v[:, :cut].reshape(shape), seq_len)
             pending_k, pending_v = pending_k[:, cut:], pending_v[:, cut:]
         self.tail_len = pending_k.shape[1]
         self._tail_k[:, : self.tail_len] = pending_k
         self._tail_v[:, : self.tail_len] = pending_v
+        if self.stages.last or self.quantizer.budget_bytes is not None:
+            self._graduate()
 
     def _check_append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         expected = f"[num_kv_heads={self.num_kv_heads}, T, head_dim={self.head_dim}]"
@@ -299,51 +264,153 @@ class TieredKVStore:
         return self._nonfinite
 
     def _fused_supported(self) -> bool:
+        q = self.quantizer
         pow2 = all(x & (x - 1) == 0 for x in (self.block_size, self.head_dim))
-        return (pow2 and isinstance(self.key_codec, ChannelAffineKeyCodec)
+        single = not q.stage_ages() and not q.sink and type(q) is KVQuantizer
+        return (pow2 and single and isinstance(self.key_codec, ChannelAffineKeyCodec)
                 and self.key_codec.bits == 8 and isinstance(self.value_codec,
                                                             GroupAffineValueCodec)
                 and self.value_codec.bits == 4 and importlib.util.find_spec("triton") is not None)
 
-    def _encode(self, k16: torch.Tensor, v16: torch.Tensor):
-        """Codes, metadata and :data:`ANNOTATIONS` of completed blocks ``[Hkv, n, B, d]``. The
-        annotations are measured in PyTorch on either path (the fused kernel's own eta / nu are
-        not used)."""
+    def _encode(self, k16: torch.Tensor, v16: torch.Tensor, pid: int, start: torch.Tensor):
+        """Codes, metadata and :data:`ANNOTATIONS` of blocks ``[Hkv, n, B, d]`` (first token
+        positions ``start [n]``) at precision ``pid``. The annotations are measured in PyTorch
+        on either path (the fused kernel's own eta / nu are not used)."""
+        precision = self.precisions[pid]
+        key_codec, value_codec = precision.key_codec, precision.value_codec
         if self.fused_encode and k16.shape[1]:
             from certkv.kernels.triton_quantize import quantize_blocks
 
-            key_blocks, value_blocks, _, _ = quantize_blocks(k16, v16, self.value_codec.group)
+            key_blocks, value_blocks, _, _ = quantize_blocks(k16, v16, value_codec.group)
         else:
-            key_blocks = self.key_codec.encode(k16)
-            value_blocks = self.value_codec.encode(v16)
-        notes = block_annotations(k16, v16, self.key_codec, self.value_codec, key_blocks,
-                                  value_blocks, self._centre)
+            key_blocks = key_codec.encode_at(k16, start)
+            value_blocks = value_codec.encode(v16)
+        notes = block_annotations(k16, v16, key_codec, value_codec, key_blocks, value_blocks,
+                                  self._centre)
         return key_blocks, value_blocks, notes
 
-    def _commit_blocks(self, k16: torch.Tensor, v16: torch.Tensor) -> None:
-        """Quantize completed blocks ``[Hkv, n, B, d]`` and move their originals to Tier-2."""
-        key_blocks, value_blocks, notes = self._encode(k16, v16)
-        self._keys.extend(key_blocks)
-        self._values.extend(value_blocks)
+    def _starts(self, blocks: torch.Tensor) -> torch.Tensor:
+        """First token position ``[m]`` of each block (block ``b`` starts at ``b B``)."""
+        return blocks * self.block_size
+
+    def _commit_blocks(self, k16: torch.Tensor, v16: torch.Tensor, seq_len: int) -> None:
+        """Quantize completed blocks ``[Hkv, n, B, d]`` (the newest; the sequence then holds
+        ``seq_len`` tokens), each at the precision of the stage its age has reached, and move
+        their originals to Tier-2."""
+        n = k16.shape[1]
+        first = self.num_blocks
+        stages = self.stages.add(n, seq_len)
+        pids = torch.tensor([self.quantizer.stage_precision(int(st), seq_len) for st in stages],
+                            dtype=torch.long)
+        keys, values, parts = [], [], []
+        for pid in pids.unique().tolist():
+            where = (pids == pid).nonzero(as_tuple=True)[0]
+            dev = where.to(self.device)
+            k, v, note = self._encode(k16[:, dev], v16[:, dev], pid, self._starts(first + where))
+            keys.append(k)
+            values.append(v)
+            parts.append((dev, note))
+        self._table.add(pids, keys, values)
+        notes = {name: torch.empty(self.num_kv_heads, n, device=self.device)
+                 for name in ANNOTATIONS}
+        for dev, note in parts:
+            for name in ANNOTATIONS:
+                notes[name][:, dev] = note[name]
         self._annotations.extend(notes)
-        if k16.shape[1]:
+        self._note_maxima(notes)
+        if self.keep_originals and not self.lossless:
+            self._tier2.extend({"k": k16, "v": v16})
+        if self._mirror is not None:
+            self._mirror.extend(self._decoded(torch.arange(first, first + n)))
+
+    def _note_maxima(self, notes: dict[str, torch.Tensor]) -> None:
+        """Fold new annotations into the running maxima (``[Hkv]`` each)."""
+        if next(iter(notes.values())).shape[1]:
             self._nu_max = torch.maximum(self._nu_max, notes["nu"].amax(dim=1))
             self._eta_max = torch.maximum(self._eta_max, notes["eta"].amax(dim=1))
             self._radius_max = torch.maximum(self._radius_max, notes["v_radius"].amax(dim=1))
+
+    def _decoded(self, blocks: torch.Tensor) -> Blocks:
+        """The decoded mirror's rows of ``blocks [m]`` (host): ``k, v [Hkv, m, B, d]`` and
+        ``bound [Hkv, m, d]``."""
+        return {"k": self._table.decode("key", blocks), "v": self._table.decode("value", blocks),
+                "bound": self._table.channel_bound(blocks)}
+
+    def _graduate(self) -> None:
+        """Re-quantize the blocks whose age reached a later stage (from Tier-2), then, over
+        the budget's threshold, the oldest blocks early to the last stage."""
+        for stage, blocks in self.stages.due(self.num_tokens):
+            self._requantize(blocks, stage)
+        budget = self.quantizer.budget_bytes
+        if budget is None:
+            return
+        if self.tier1_bytes() > self.quantizer.memory_threshold * budget:
+            self._graduate_early(self.quantizer.memory_threshold * budget)
+        last = self.precisions[self.quantizer.stage_precision(self.stages.last, self.num_tokens)]
+        require(self.tier1_bytes() <= budget, BudgetError,
+                f"Tier-1 needs {self.tier1_bytes()} bytes for {self.num_tokens} tokens even with "
+                f"every block at {last.label}, over budget_bytes={budget}; raise the budget or "
+                "choose a smaller last-stage precision.")
+
+    def _graduate_early(self, target: float) -> None:
+        """Move the oldest blocks not at the last stage there, in growing batches, until Tier-1
+        is at most ``target`` bytes or none is left."""
+        batch = 1
+        while self.tier1_bytes() > target:
+            candidates = self.stages.early()
+            if not len(candidates):
+                return
+            self._requantize(candidates[:batch], self.stages.last)
+            batch *= 2
+
+    def _requantize(self, blocks: torch.Tensor, stage: int) -> None:
+        """Hold ``blocks [m]`` (host, ascending) at ``stage``'s precision: re-encoded from their
+        FP16 originals (Tier-2, never from their codes), annotations and mirror rows replaced
+        with them; Tier-1 frees their old slots."""
+        pid = self.quantizer.stage_precision(stage, self.num_tokens)
+        originals = self._originals()
+        k16 = originals["k"][:, blocks].to(self.device)
+        v16 = originals["v"][:, blocks].to(self.device)
+        keys, values, notes = self._encode(k16, v16, pid, self._starts(blocks))
+        self._table.move(blocks, pid, keys, values)
+        self._annotations.put(blocks, notes)
+        self._note_maxima(notes)
+        self.stages.move(blocks, stage)
         if self._mirror is not None:
-            self._mirror.extend({"k": self.key_codec.decode(key_blocks),
-                                 "v": self.value_codec.decode(value_blocks),
-                                 "bound": self.key_codec.channel_bound(key_blocks)})
-        if self.keep_originals and not self.lossless:
-            self._tier2.extend({"k": k16, "v": v16})
+            self._mirror.put(blocks, self._decoded(blocks))
+
+    def _new_tracker(self):
+        """The adaptive-threshold state over this store's boundaries (None: fixed ones)."""
+        rule = getattr(self.quantizer, "adaptive", None)
+        return None if rule is None else rule.tracker(self.stages.ages)
+
+    def observe(self, certificate) -> None:
+        """Feed a decode step's certificate to the adaptive boundaries (if any)."""
+        if self._tracker is not None:
+            self._tracker.observe(certificate)
+
+    @property
+    def boundaries(self) -> list[int]:
+        """The current stage ages (a tiered quantizer's ``[hot, stale]``)."""
+        return list(self.stages.ages)
+
+    @boundaries.setter
+    def boundaries(self, ages: list[int]) -> None:
+        require(len(ages) == len(self.stages.ages), ConfigError,
+                f"boundaries {ages} do not match this quantizer's {len(self.stages.ages)} "
+                "stage ages; load thresholds saved for the same quantizer.")
+        self.stages.ages[:] = [int(a) for a in ages]
+        if self.num_blocks:
+            self._graduate()
 
     def clone(self) -> TieredKVStore:
         """An independent copy of this store (every tier, annotation and running statistic), so
         one quantized prefill can serve several methods without quantizing it again."""
         new = copy.copy(self)
-        for name in ("_keys", "_values", "_annotations", "_tier2", "_mirror"):
-            blocks = getattr(self, name)
-            setattr(new, name, None if blocks is None else blocks.clone())
+        for name in ("_table", "_annotations", "_tier2", "_mirror", "stages"):
+            part = getattr(self, name)
+            setattr(new, name, None if part is None else part.clone())
+        new._tracker = new._new_tracker()
         for name in ("_tail_k", "_tail_v", "_nu_max", "_eta_max", "_radius_max", "_centre",
                      "_key_abs_max", "_nonfinite"):
             setattr(new, name, getattr(self, name).clone())
@@ -357,20 +424,48 @@ class TieredKVStore:
     # ------------------------------------------------------------------ reading
     @property
     def num_blocks(self) -> int:
-        """Completed (quantized) blocks."""
-        return self._keys.size
+        """Completed blocks (Tier-1: quantized or exact windows)."""
+        return self._table.num_blocks
 
     @property
     def num_tokens(self) -> int:
         return self.num_blocks * self.block_size + self.tail_len
 
+    def single_precision(self) -> Precision | None:
+        """The precision holding every completed block, in block order (what the fused kernels
+        read in place: :meth:`key_blocks`), or None for a mixed store."""
+        pid = self._table.single()
+        return None if pid is None else self.precisions[pid]
+
+    def quantized_mask(self) -> torch.Tensor:
+        """Bool ``[n_blocks]`` on the device: the block is quantized (not an exact window)."""
+        return self._table.quantized()
+
+    def num_quantized(self) -> int:
+        """Completed blocks held by a lossy precision (host count)."""
+        return self._table.num_quantized()
+
+    def _single_view(self, which: str, extra: int = 0) -> Blocks:
+        pid = self._table.single()
+        require(pid is not None, ConfigError,
+                "this store mixes precisions; read it with dequantized_keys / _values.")
+        return self._table.view(pid, which, extra)
+
     def key_blocks(self) -> Blocks:
-        """Tier-1 key codes and metadata, leading dims ``[Hkv, n_blocks]``."""
-        return self._keys.view()
+        """Tier-1 key codes and metadata, leading dims ``[Hkv, n_blocks]`` (a store of one
+        precision: :meth:`single_precision`)."""
+        return self._single_view("key")
 
     def value_blocks(self) -> Blocks:
-        """Tier-1 value codes and metadata, leading dims ``[Hkv, n_blocks]``."""
-        return self._values.view()
+        """Tier-1 value codes and metadata, leading dims ``[Hkv, n_blocks]`` (a store of one
+        precision)."""
+        return self._single_view("value")
+
+    def value_decode_rounding(self) -> float:
+        """The largest ``decode_rounding`` (at this head_dim) of the value codecs holding
+        blocks now (the arithmetic bound's value decode term)."""
+        held = self._table.held()
+        return max(self.precisions[p].value_codec.decode_rounding(self.head_dim) for p in held)
 
     @property
     def eta(self) -> torch.Tensor:
@@ -448,25 +543,27 @@ class TieredKVStore:
         return 0 if self._mirror is None else self._mirror.nbytes()
 
     def dequantized_keys(self) -> torch.Tensor:
-        """FP32 ``[Hkv, n_blocks, B, d]`` keys reconstructed from Tier-1."""
-        return self.key_codec.decode(self.key_blocks())
+        """FP32 ``[Hkv, n_blocks, B, d]`` keys reconstructed from Tier-1 (each block with its
+        own codec)."""
+        return self._table.decode("key")
 
     def dequantized_values(self) -> torch.Tensor:
         """FP32 ``[Hkv, n_blocks, B, d]`` values reconstructed from Tier-1."""
-        return self.value_codec.decode(self.value_blocks())
+        return self._table.decode("value")
 
     def key_channel_bound(self) -> torch.Tensor:
         """FP32 ``[Hkv, n_blocks, d]`` per-channel key reconstruction bound (paper 2.3), from the
         stored metadata (cached in the decoded mirror when there is one)."""
         if self._mirror is not None:
             return self._mirror.view()["bound"]
-        return self.key_codec.channel_bound(self.key_blocks())
+        return self._table.channel_bound()
 
     def _originals(self, extra: int = 0) -> Blocks:
         """FP16 originals ``k, v: [Hkv, n, B, d]`` of completed blocks: Tier-2 in host memory,
         or Tier-1 itself for a lossless store (with ``extra`` spare blocks)."""
         if self.lossless:
-            return {"k": self._keys.view(extra)["data"], "v": self._values.view(extra)["data"]}
+            return {"k": self._single_view("key", extra)["data"],
+                    "v": self._single_view("value", extra)["data"]}
         require(self.keep_originals, Tier2UnavailableError, _TIER2_MISSING)
         return self._tier2.view()
 
@@ -521,12 +618,22 @@ class TieredKVStore:
 
     # --------------------------------------------------------------- accounting
     def tier1_bytes(self) -> int:
-        """Quantized codes + quantization metadata of completed blocks (Table 13's Tier-1 total).
+        """Codes + quantization metadata of completed blocks, exact windows' FP16 included
+        (Table 13's Tier-1 total; what a budget limits).
 
         Table 13 lists eta_b as "<1 byte/token, amortised" and leaves it out of the 288-byte
         total; the annotations are counted by :meth:`annotation_bytes`.
         """
-        return self._keys.nbytes() + self._values.nbytes()
+        return sum(self._table.precision_bytes())
+
+    def precision_bytes(self) -> dict[str, int]:
+        """Tier-1 bytes per precision name (e.g. ``exact``, ``quantized``; a tiered quantizer's
+        ``hot``, ``warm``, ``archive-*``), live blocks only."""
+        out: dict[str, int] = {}
+        for precision, nbytes in zip(self.precisions, self._table.precision_bytes(),
+                                     strict=True):
+            out[precision.name] = out.get(precision.name, 0) + nbytes
+        return out
 
     def annotation_bytes(self) -> int:
         """The :data:`ANNOTATIONS`: six FP32 (24 bytes) per block per kv head."""
@@ -549,6 +656,6 @@ class TieredKVStore:
         return 2 * 2 * self.num_kv_heads * self.num_tokens * self.head_dim
 
     def __repr__(self) -> str:
+        held = ", ".join(f"{p.name}={p.label}" for p in self.precisions)
         return (f"TieredKVStore(Hkv={self.num_kv_heads}, d={self.head_dim}, B={self.block_size}, "
-                f"tokens={self.num_tokens}, keys={self.key_codec.name}/{self.key_codec.bits}b, "
-                f"values={self.value_codec.name}/{self.value_codec.bits}b)")
+                f"tokens={self.num_tokens}, {held})")

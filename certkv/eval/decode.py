@@ -35,6 +35,7 @@ from certkv.certify.select import AdaptiveTopK
 from certkv.certify.values import LocalThreshold
 from certkv.errors import CertKVError, ConfigError, require
 from certkv.models.loading import LoadedModel
+from certkv.models.rope import rope_spec
 from certkv.quant import KVQuantizer
 
 
@@ -164,13 +165,15 @@ class Prefill:
         self.states = [(layer.keys, layer.values) if getattr(layer, "keys", None) is not None
                        else None for layer in layers]
         self.states += [None] * (lm.num_layers - len(self.states))
+        self.rope = rope_spec(lm.model)  # for position-dependent (pre-RoPE) key codecs
         self._templates: dict[str, TieredCache] = {}  # quantized prefills, by quantizer
 
     def cache_for(self, method: Method, spec: CacheSpec | None = None):
         """A fresh cache holding the prefill for ``method``: the model's own cache for the dense
         method, a :class:`TieredCache` of the FP16 originals for the others (quantized once per
         quantizer, keyed by its ``repr``, and copied for each method: :meth:`TieredCache.
-        copy_for`)."""
+        copy_for`). The quantizer gets the model's rotary embedding (:meth:`KVQuantizer.
+        with_rope`)."""
         if method.mode == "dense":
             cache = DynamicCache()
             with torch.inference_mode():
@@ -178,10 +181,11 @@ class Prefill:
                     if state is not None:
                         cache.update(state[0].clone(), state[1].clone(), i)
             return cache
-        key = repr(method.quantizer)
+        quantizer = method.quantizer.with_rope(self.rope)
+        key = repr(quantizer)
         if key not in self._templates:
             self._templates[key] = TieredCache.from_states(self.states, method.attention,
-                                                           method.quantizer, spec or CacheSpec())
+                                                           quantizer, spec or CacheSpec())
         return self._templates[key].copy_for(method.attention, spec or CacheSpec())
 
     def session(self, method: Method, spec: CacheSpec | None = None) -> Session:

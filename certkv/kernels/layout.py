@@ -1,7 +1,8 @@
 """The step's view of a store, shared by the orchestrator and the backends.
 
-Blocks are the store's quantized blocks followed, if present, by the exact FP16 partial tail
-block (zero-padded to ``B`` slots; ``valid`` marks the slots in use). Decoded FP32 keys/values
+Blocks are the store's completed blocks (quantized, or exact FP16 windows: ``quantized`` tells
+which) followed, if present, by the exact FP16 partial tail block (zero-padded to ``B`` slots;
+``valid`` marks the slots in use). Decoded FP32 keys/values
 are produced lazily, so a backend that works on the codes (Triton) never decodes the cache.
 """
 
@@ -36,10 +37,12 @@ class StepLayout:
 
     def __init__(self, store: TieredKVStore) -> None:
         self.store = store
-        nq, t = store.num_blocks, store.tail_len
-        self.num_quantized = nq
-        self.num_blocks = nq + (t > 0)  # n: the exact tail block last, if any
-        self.quantized = torch.arange(self.num_blocks, device=store.device) < nq  # [n]
+        nc, t = store.num_blocks, store.tail_len
+        self.num_completed = nc
+        self.num_quantized = store.num_quantized()  # lossy blocks (host count)
+        self.num_blocks = nc + (t > 0)  # n: the exact tail block last, if any
+        tail = torch.zeros(int(t > 0), dtype=torch.bool, device=store.device)
+        self.quantized = torch.cat([store.quantized_mask(), tail])  # [n]
         pad = (lambda x: torch.cat([x, torch.zeros(store.num_kv_heads, 1, device=x.device)], 1)
                ) if t else (lambda x: x)
         self.eta = pad(store.eta)  # [Hkv, n], 0 on the exact tail block
@@ -62,7 +65,8 @@ class StepLayout:
 
     @cached_property
     def channel_bound(self) -> torch.Tensor:
-        """FP32 ``[Hkv, n_q, d]`` per-channel key error bounds (fused kernels skip this)."""
+        """FP32 ``[Hkv, n_c, d]`` per-channel key error bounds of the completed blocks (0 on
+        exact ones; fused kernels skip this)."""
         return self.store.key_channel_bound()
 
     @cached_property

@@ -81,7 +81,7 @@ def phase1(q: torch.Tensor, lay, scaling: float) -> Scored:
     """
     s = block_scores(q, lay.keys, lay.valid, scaling)
     delta = torch.zeros(s.shape[:3], device=s.device)
-    delta[..., : lay.num_quantized] = block_deltas(q, lay.channel_bound, scaling)
+    delta[..., : lay.num_completed] = block_deltas(q, lay.channel_bound, scaling)
     return Scored(scores=s, log_mass=torch.logsumexp(s, dim=-1), delta_b=delta,
                   log_spread=0.5 * torch.logsumexp(2 * s, dim=-1))
 

@@ -3,13 +3,15 @@ ranking/boundary checks, each one kernel.
 
 Used automatically on CUDA (``backend=auto``); on CPU it runs under ``TRITON_INTERPRET=1``
 (tests, small shapes). Codecs or shapes the kernels do not cover (sub-byte keys, INT8/2-bit
-values, non-power-of-two B or d, FP64 scalars) fall back to the PyTorch reference per phase,
-so results never depend on the backend beyond FP32 rounding.
+values, non-power-of-two B or d, FP64 scalars, a store mixing precisions or holding exact
+windows) fall back to the PyTorch reference per phase, with a one-time notice, so results never
+depend on the backend beyond FP32 rounding.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +22,8 @@ from certkv.kernels.layout import StagedBlocks, StepLayout
 from certkv.kernels.reference import Attended, Scored, TorchBackend, dense_attention
 from certkv.quant.int4_group import GroupAffineValueCodec
 from certkv.quant.int8_channel import ChannelAffineKeyCodec
+
+_NOTICED: set = set()  # (phase inputs, quantizer) already noticed as not covered
 
 
 def _pow2(x: int) -> bool:
@@ -49,14 +53,29 @@ class TritonBackend:
         self.reference = TorchBackend()
 
     def _keys_supported(self, lay: StepLayout) -> bool:
-        codec, store = lay.store.key_codec, lay.store
-        return (isinstance(codec, ChannelAffineKeyCodec) and codec.bits == 8
-                and _pow2(store.block_size) and _pow2(store.head_dim))
+        store, held = lay.store, lay.store.single_precision()
+        codec = None if held is None else held.key_codec
+        return self._noticed(isinstance(codec, ChannelAffineKeyCodec) and codec.bits == 8
+                             and _pow2(store.block_size) and _pow2(store.head_dim), store, "keys")
 
     def _values_supported(self, lay: StepLayout) -> bool:
-        codec, store = lay.store.value_codec, lay.store
-        return (isinstance(codec, GroupAffineValueCodec) and codec.bits == 4
-                and _pow2(store.block_size) and _pow2(store.head_dim))
+        store, held = lay.store, lay.store.single_precision()
+        codec = None if held is None else held.value_codec
+        return self._noticed(isinstance(codec, GroupAffineValueCodec) and codec.bits == 4
+                             and _pow2(store.block_size) and _pow2(store.head_dim), store,
+                             "values")
+
+    def _noticed(self, supported: bool, store, what: str) -> bool:
+        """``supported``; the first time a kind of store is not, one notice says so."""
+        key = (what, repr(store.quantizer))
+        if not supported and key not in _NOTICED:
+            _NOTICED.add(key)
+            warnings.warn(f"the Triton kernels read {what} of one precision (INT8 keys per "
+                          f"channel, INT4 values per group; powers of two B and d); a store "
+                          f"with {store.quantizer.label} at B={store.block_size}, "
+                          f"d={store.head_dim} runs that phase on the PyTorch reference.",
+                          RuntimeWarning, stacklevel=4)
+        return supported
 
     def phase1(self, q: torch.Tensor, lay: StepLayout, scaling: float) -> Scored:
         """Phase 1 in one kernel: logits, log-masses, log-spreads and Delta_b of every INT8

@@ -4,7 +4,12 @@ from certkv.quant.base import Blocks, KeyCodec, ValueCodec
 from certkv.quant.fp16 import FP16KeyCodec, FP16ValueCodec
 from certkv.quant.int4_group import GroupAffineValueCodec
 from certkv.quant.int8_channel import ChannelAffineKeyCodec
-from certkv.quant.kv import KVQuantizer
+from certkv.quant.kivi import KiviKeyCodec
+from certkv.quant.kv import KVQuantizer, Precision
+from certkv.quant.outlier_value import OutlierValueCodec
+from certkv.quant.prerope import PreRoPEKeyCodec
+from certkv.quant.rotation import RotatedKeyCodec, RotatedValueCodec
+from certkv.quant.tiers import TieredQuantizer
 
 __all__ = [
     "Blocks",
@@ -14,5 +19,12 @@ __all__ = [
     "GroupAffineValueCodec",
     "KVQuantizer",
     "KeyCodec",
+    "KiviKeyCodec",
+    "OutlierValueCodec",
+    "PreRoPEKeyCodec",
+    "Precision",
+    "RotatedKeyCodec",
+    "RotatedValueCodec",
+    "TieredQuantizer",
     "ValueCodec",
 ]

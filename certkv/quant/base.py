@@ -87,8 +87,9 @@ class ValueCodec(ABC):
     def token_bound(self, blocks: Blocks) -> torch.Tensor:
         """FP32 ``[Hkv, n, B]`` a-priori bound on ``||v_t - v_hat_t||_2`` from metadata alone."""
 
-    def decode_rounding(self) -> float:
+    def decode_rounding(self, head_dim: int | None = None) -> float:
         """``c`` such that any FP32 evaluation of :meth:`decode` (a fused kernel's included, FMA
         or not) is within ``c u (||v||_2 + 2^-24 sqrt(d))`` of this codec's own decode, on
-        which ``eta_b`` is measured. 0 for exact decoders."""
+        which ``eta_b`` is measured, for values of ``head_dim`` channels (None: any the codec
+        accepts). 0 for exact decoders."""
         return 0.0

@@ -19,7 +19,7 @@ from certkv.quant.packing import check_bits, check_packable, pack_bits, unpack_b
 
 @dataclass
 class GroupAffineValueCodec(ValueCodec):
-    """Values: FP16 scale and offset per ``group`` channels per token; ``bits`` in {4, 8, 2}."""
+    """Values: FP16 scale and offset per ``group`` channels per token; ``bits`` in {2, 3, 4, 8}."""
 
     bits: int = 4
     group: int = 16
@@ -63,7 +63,7 @@ class GroupAffineValueCodec(ValueCodec):
         out = grouped * scale + offset
         return out.reshape(codes.shape)
 
-    def decode_rounding(self) -> float:
+    def decode_rounding(self, head_dim: int | None = None) -> float:
         """Decode is ``code * s + o``: one evaluation errs by at most ``2u (|code s| + |o|)``
         per channel, two differ by twice that. ``o`` is the group minimum and
         ``code s <= (hi - lo) + s/2`` with ``s <= (hi - lo) / (2^b - 1) (1 + 2^-10) + 2^-24``

@@ -24,7 +24,7 @@ _FP_SLACK = 16 * FP32_EPS
 
 @dataclass
 class ChannelAffineKeyCodec(KeyCodec):
-    """Keys: one FP32 scale and offset per channel per block; ``bits`` in {8, 4, 2}."""
+    """Keys: one FP32 scale and offset per channel per block; ``bits`` in {2, 3, 4, 8}."""
 
     bits: int = 8
     name: str = "int8_channel"

@@ -1,4 +1,16 @@
-"""KVQuantizer: the ``quantizer`` config group -> key codec, value codec and block size."""
+"""KVQuantizer: the ``quantizer`` config group -> the precisions a layer's blocks are held at.
+
+A completed block of ``B`` tokens is held at one :class:`Precision` (a key codec and a value
+codec; FP16 for an exact window). Its **age** is the number of tokens appended after it,
+``N - (b + 1) B`` for block ``b`` of a sequence of ``N`` tokens. A quantizer lists *stages* by
+age: a block enters stage ``i`` once its age reaches ``stage_ages()[i - 1]`` and is then
+re-quantized from its FP16 originals (Tier-2) at ``stage_precision(i, N)``. The first
+``sink`` tokens' blocks stay exact.
+
+* :class:`KVQuantizer`: one lossy precision, after an optional exact ``residual`` window (KIVI's
+  residual: the newest ``residual`` tokens in FP16).
+* :class:`~certkv.quant.tiers.TieredQuantizer`: seed 004's hot / warm / archive tiers.
+"""
 
 from __future__ import annotations
 
@@ -13,16 +25,72 @@ from certkv.quant.int8_channel import ChannelAffineKeyCodec
 
 
 @dataclass
+class Precision:
+    """A key codec and a value codec: how one block is held in Tier-1."""
+
+    key_codec: KeyCodec = field(default_factory=ChannelAffineKeyCodec)
+    value_codec: ValueCodec = field(default_factory=GroupAffineValueCodec)
+    name: str = ""
+
+    @property
+    def exact(self) -> bool:
+        """FP16 keys and values: the block enters the certificate as exact (no Delta, no eta)."""
+        return isinstance(self.key_codec, FP16KeyCodec) and isinstance(self.value_codec,
+                                                                       FP16ValueCodec)
+
+    @property
+    def label(self) -> str:
+        return "FP16" if self.exact else f"K{self.key_codec.bits}/V{self.value_codec.bits}"
+
+    def validate(self, head_dim: int, block_size: int) -> None:
+        self.key_codec.validate(head_dim, block_size)
+        self.value_codec.validate(head_dim, block_size)
+
+
+def exact_precision() -> Precision:
+    return Precision(FP16KeyCodec(), FP16ValueCodec(), "exact")
+
+
+def _non_negative(name: str, value) -> None:
+    require(isinstance(value, int) and not isinstance(value, bool) and value >= 0, ConfigError,
+            f"{name}={value!r} must be a non-negative integer number of tokens, e.g. 0.")
+
+
+@dataclass
 class KVQuantizer:
-    """How Tier-1 stores a layer: ``key_codec``, ``value_codec`` and ``block_size`` B."""
+    """How Tier-1 stores a layer: ``key_codec``, ``value_codec`` and ``block_size`` B.
+
+    Args:
+        residual: the newest ``residual`` tokens' blocks stay FP16 (exact); 0 quantizes every
+            completed block at once (the paper's setting; the partial tail block is always exact).
+        sink: the first ``sink`` tokens' blocks stay FP16 for the whole sequence.
+        budget_bytes: a Tier-1 budget per layer (codes, metadata and exact windows of completed
+            blocks); ``None``: none. Over ``memory_threshold * budget_bytes`` after a step, the
+            oldest blocks not yet at the last stage graduate to it early; a store that still
+            exceeds the budget raises :class:`~certkv.errors.BudgetError`.
+        memory_threshold: the fraction of the budget at which early graduation starts (seed
+            004's ``memory_threshold``, 0.9).
+    """
 
     key_codec: KeyCodec = field(default_factory=ChannelAffineKeyCodec)
     value_codec: ValueCodec = field(default_factory=GroupAffineValueCodec)
     block_size: int = 16
+    residual: int = 0
+    sink: int = 0
+    budget_bytes: int | None = None
+    memory_threshold: float = 0.9
 
     def __post_init__(self) -> None:
         require(isinstance(self.block_size, int) and self.block_size >= 1, ConfigError,
                 f"block_size={self.block_size!r} must be a positive integer, e.g. 16.")
+        _non_negative("residual", self.residual)
+        _non_negative("sink", self.sink)
+        require(self.budget_bytes is None or (isinstance(self.budget_bytes, int)
+                                              and self.budget_bytes > 0), ConfigError,
+                f"budget_bytes={self.budget_bytes!r} must be a positive number of bytes or "
+                "null (no budget).")
+        require(0 < self.memory_threshold <= 1, ConfigError,
+                f"memory_threshold={self.memory_threshold!r} must be in (0, 1], e.g. 0.9.")
 
     @classmethod
     def fp16(cls, block_size: int = 16) -> KVQuantizer:
@@ -35,19 +103,35 @@ class KVQuantizer:
         reads only FP16 originals, kept on the device), this one otherwise."""
         return KVQuantizer.fp16(self.block_size) if mode == "dense" else self
 
+    # ---------------------------------------------------------------- stages
+    def precisions(self) -> list[Precision]:
+        """Every precision a block may be held at; id 0 is the exact window's."""
+        return [exact_precision(), Precision(self.key_codec, self.value_codec, "quantized")]
+
+    def stage_ages(self) -> list[int]:
+        """The age at which a block enters each stage after the first (ascending)."""
+        return [self.residual] if self.residual else []
+
+    def stage_precision(self, stage: int, seq_len: int) -> int:
+        """The precision id of a block entering ``stage`` when the sequence holds ``seq_len``
+        tokens."""
+        return 0 if self.residual and stage == 0 else 1
+
+    def observe(self, certificate, layer: int | None = None) -> None:
+        """Hook for quantizers that adapt to the measured certificates (none here)."""
+
     def validate(self, head_dim: int) -> None:
         """Fail (one sentence naming the fix) if a layer of ``head_dim`` cannot be stored."""
-        self.key_codec.validate(head_dim, self.block_size)
-        self.value_codec.validate(head_dim, self.block_size)
+        for precision in self.precisions():
+            precision.validate(head_dim, self.block_size)
 
     def store_kwargs(self) -> dict:
         """Keyword arguments for ``TieredKVStore``."""
-        return {"block_size": self.block_size, "key_codec": self.key_codec,
-                "value_codec": self.value_codec}
+        return {"block_size": self.block_size, "quantizer": self}
 
     def codecs(self) -> list:
         """Every codec this quantizer may store a block with."""
-        return [self.key_codec, self.value_codec]
+        return [c for p in self.precisions() for c in (p.key_codec, p.value_codec)]
 
     def with_rope(self, rope) -> KVQuantizer:
         """A copy whose position-dependent codecs (pre-RoPE keys: those with a ``rope`` field)

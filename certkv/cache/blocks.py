@@ -1,0 +1,272 @@
+"""Block storage of one layer: growing tensors and the block table of a mixed-precision Tier-1.
+
+Every completed block is held at one :class:`~certkv.quant.kv.Precision` (a key codec and a
+value codec, or FP16 for an exact window). The :class:`BlockTable` keeps one growing buffer of
+codes and metadata per precision and, per block ``b`` (oldest first), which precision holds it
+and in which slot. A block that changes precision frees its slot, which the next block entering
+that precision reuses, so Tier-1 holds exactly the live blocks' bytes.
+
+Shapes: buffers are ``[Hkv, slots, ...]`` (every tensor of a codec's blocks dict); decoded
+blocks ``[Hkv, n, B, d]`` FP32 in block order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from certkv.quant import Blocks
+
+
+class GrowingBlocks:
+    """Tensors that grow along dim 1 (the block axis) with amortised doubling.
+
+    Holds a dict of named tensors with leading dims ``[Hkv, capacity]``; ``view()`` returns the
+    first ``size`` blocks of each without copying; ``put`` overwrites blocks in place.
+    """
+
+    def __init__(self, device: torch.device, pin: bool = False, spare: int = 0) -> None:
+        self.device = device
+        self.pin = pin
+        self.spare = spare  # blocks kept free after ``size`` (room for the padded tail block)
+        self.size = 0
+        self._data: Blocks = {}
+        self._copied = None  # CUDA event after the last asynchronous copy into pinned memory
+
+    def _wait(self) -> None:
+        """Host reads of pinned memory wait for the asynchronous device-to-host copies into it
+        (usually long done: every decode step reads from the device once)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
+
+    def _allocate(self, like: torch.Tensor, capacity: int) -> torch.Tensor:
+        shape = (like.shape[0], capacity, *like.shape[2:])
+        return torch.empty(shape, dtype=like.dtype, device=self.device, pin_memory=self.pin)
+
+    def extend(self, blocks: Blocks) -> None:
+        n = next(iter(blocks.values())).shape[1]
+        capacity = next(iter(self._data.values())).shape[1] if self._data else 0
+        if self.size + n + self.spare > capacity or not self._data:
+            self._wait()  # growing copies the old buffer on the host
+            new_capacity = max(2 * capacity, self.size + n + self.spare, 4)
+            for name, new in blocks.items():
+                grown = self._allocate(new, new_capacity)
+                if name in self._data:
+                    grown[:, : self.size].copy_(self._data[name][:, : self.size])
+                self._data[name] = grown
+        self.put(torch.arange(self.size, self.size + n), blocks)
+        self.size += n
+
+    def put(self, index: torch.Tensor, blocks: Blocks) -> None:
+        """Write ``blocks`` (leading dims ``[Hkv, len(index)]``) at block positions ``index``
+        (host int64, each below the capacity)."""
+        if not len(index):
+            return
+        self._wait()
+        contiguous = bool((index[1:] - index[:-1] == 1).all()) if len(index) > 1 else True
+        for name, new in blocks.items():
+            if contiguous:
+                first = int(index[0])
+                self._data[name][:, first : first + len(index)].copy_(new, non_blocking=self.pin)
+            else:
+                self._data[name][:, index.to(self.device)] = new.to(self.device)
+        if self.pin and next(iter(blocks.values())).is_cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def view(self, extra: int = 0) -> Blocks:
+        """The first ``size + extra`` blocks (``extra <= spare``) of each tensor, no copy."""
+        self._wait()
+        return {name: t[:, : self.size + extra] for name, t in self._data.items()}
+
+    def block_bytes(self) -> int:
+        """Bytes of one block (every tensor's slice at one block index)."""
+        return sum(t.element_size() * t[:, :1].numel() for t in self._data.values())
+
+    def nbytes(self) -> int:
+        return self.block_bytes() * self.size
+
+    def clear(self) -> None:
+        self._data = {}
+        self.size = 0
+
+    def clone(self) -> GrowingBlocks:
+        """An independent copy (same capacity; pinned where this one is)."""
+        self._wait()
+        new = GrowingBlocks(self.device, self.pin, self.spare)
+        new.size = self.size
+        for name, t in self._data.items():
+            new._data[name] = self._allocate(t, t.shape[1]).copy_(t)
+        return new
+
+
+class BlockTable:
+    """Which precision holds each completed block, and the codes of every precision.
+
+    Args:
+        precisions: the :class:`~certkv.quant.kv.Precision` list (ids are list positions).
+        device: where the codes live (Tier-1).
+        shape: ``(Hkv, B, d)``.
+        spare: spare blocks per buffer (a lossless store reads the padded tail block there).
+    """
+
+    def __init__(self, precisions: list, device: torch.device, shape: tuple[int, int, int],
+                 spare: int = 0) -> None:
+        self.precisions = precisions
+        self.num_kv_heads, self.block_size, self.head_dim = shape
+        self.device = device
+        self._keys = [GrowingBlocks(device, spare=spare) for _ in precisions]
+        self._values = [GrowingBlocks(device, spare=spare) for _ in precisions]
+        self._free: list[list[int]] = [[] for _ in precisions]
+        self.precision = torch.zeros(0, dtype=torch.long)  # [n] host: precision id per block
+        self.slot = torch.zeros(0, dtype=torch.long)  # [n] host: slot in that precision
+        self._mask: torch.Tensor | None = None  # cached device copy of ``quantized``
+        self._first = 0  # the precision of an empty table (where new blocks start)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.precision)
+
+    def _place(self, pid: int, count: int) -> torch.Tensor:
+        """Slots for ``count`` new blocks of precision ``pid``: freed slots first (oldest
+        first), then the end of its buffer (grown by the caller's write)."""
+        free = self._free[pid]
+        reused = free[:count]
+        del free[:count]
+        size = self._keys[pid].size
+        fresh = list(range(size, size + count - len(reused)))
+        return torch.tensor(reused + fresh, dtype=torch.long)
+
+    def _write(self, pid: int, slots: torch.Tensor, keys: Blocks, values: Blocks) -> None:
+        """Write blocks at ``slots`` of precision ``pid``: reused slots in place, new ones at
+        the end of its buffers."""
+        size = self._keys[pid].size
+        old, new = slots < size, slots >= size
+        for store, blocks in ((self._keys[pid], keys), (self._values[pid], values)):
+            if old.any():
+                store.put(slots[old], {k: t[:, old.to(t.device)] for k, t in blocks.items()})
+            if new.any():
+                store.extend({k: t[:, new.to(t.device)] for k, t in blocks.items()})
+
+    def add(self, pids: torch.Tensor, keys: list[Blocks], values: list[Blocks]) -> None:
+        """Append blocks (the newest) with precision ids ``pids [m]`` (host); ``keys[j]`` and
+        ``values[j]`` hold, in block order, the codes of the blocks whose id is the ``j``-th of
+        ``pids.unique()``."""
+        slots = torch.empty_like(pids)
+        for j, pid in enumerate(pids.unique().tolist()):
+            where = pids == pid
+            slots[where] = self._place(pid, int(where.sum()))
+            self._write(pid, slots[where], keys[j], values[j])
+        self.precision = torch.cat([self.precision, pids])
+        self.slot = torch.cat([self.slot, slots])
+        self._mask = None
+
+    def move(self, blocks: torch.Tensor, pid: int, keys: Blocks, values: Blocks) -> None:
+        """Re-assign ``blocks [m]`` (host, ascending) to precision ``pid`` with their new codes
+        (leading dims ``[Hkv, m]``); their old slots are freed."""
+        for b in blocks.tolist():
+            self._free[int(self.precision[b])].append(int(self.slot[b]))
+        for free in self._free:
+            free.sort()
+        slots = self._place(pid, len(blocks))
+        self._write(pid, slots, keys, values)
+        self.precision[blocks] = pid
+        self.slot[blocks] = slots
+        self._mask = None
+
+    def allocate(self, pid: int, keys: Blocks, values: Blocks) -> None:
+        """Allocate precision ``pid``'s buffers from empty codes (leading dims ``[Hkv, 0]``), so
+        its views exist before any block."""
+        self._keys[pid].extend(keys)
+        self._values[pid].extend(values)
+        self._first = pid
+
+    def _groups(self, blocks: torch.Tensor):
+        """``(pid, positions [m] in blocks, slots [m])`` per precision holding ``blocks``."""
+        held = self.precision[blocks]
+        for pid in held.unique().tolist():
+            where = (held == pid).nonzero(as_tuple=True)[0]
+            yield pid, where, self.slot[blocks[where]]
+
+    def _gather(self, which: str, fn, blocks: torch.Tensor | None) -> torch.Tensor | None:
+        """``fn(codec, codes)`` (a tensor ``[Hkv, m, ...]``) for ``blocks`` (host; all by
+        default), each with its precision's codec, in the order of ``blocks``. A single
+        precision whose slots are in block order is read without a gather."""
+        blocks = torch.arange(self.num_blocks) if blocks is None else blocks
+        out = None
+        for pid, where, slots in self._groups(blocks):
+            buffers = (self._keys if which == "key" else self._values)[pid]
+            codec = getattr(self.precisions[pid], f"{which}_codec")
+            view = buffers.view()
+            if len(where) == len(blocks) and torch.equal(slots, torch.arange(len(slots))) \
+                    and len(slots) == buffers.size:
+                return fn(codec, view)
+            part = fn(codec, {k: t[:, slots.to(t.device)] for k, t in view.items()})
+            if out is None:
+                out = part.new_zeros(part.shape[0], len(blocks), *part.shape[2:])
+            out[:, where.to(out.device)] = part
+        return out
+
+    def decode(self, which: str, blocks: torch.Tensor | None = None) -> torch.Tensor:
+        """FP32 ``[Hkv, m, B, d]`` keys (``which="key"``) or values of ``blocks`` (all by
+        default), each block decoded with its own codec."""
+        out = self._gather(which, lambda codec, codes: codec.decode(codes), blocks)
+        return self._empty(which) if out is None else out
+
+    def channel_bound(self, blocks: torch.Tensor | None = None) -> torch.Tensor:
+        """FP32 ``[Hkv, m, d]`` per-channel key bounds of ``blocks`` (0 on exact blocks)."""
+        out = self._gather("key", lambda codec, codes: codec.channel_bound(codes), blocks)
+        return self._empty("bound") if out is None else out
+
+    def _empty(self, which: str) -> torch.Tensor:
+        """An empty decode: leading dims ``[Hkv, 0]``."""
+        hkv, block, d = self.num_kv_heads, self.block_size, self.head_dim
+        shape = (hkv, 0, d) if which == "bound" else (hkv, 0, block, d)
+        return torch.zeros(shape, device=self.device)
+
+    def single(self) -> int | None:
+        """The precision id when one precision holds every block in slot order (what the fused
+        kernels read in place), else None. An empty table counts as precision 0's."""
+        if not self.num_blocks:
+            return self._first
+        pid = int(self.precision[0])
+        same = bool((self.precision == pid).all())
+        in_order = torch.equal(self.slot, torch.arange(self.num_blocks))
+        return pid if same and in_order else None
+
+    def view(self, pid: int, which: str, extra: int = 0) -> Blocks:
+        """Precision ``pid``'s buffer (``"key"`` or ``"value"``) in slot order, no copy."""
+        return (self._keys if which == "key" else self._values)[pid].view(extra)
+
+    def quantized(self) -> torch.Tensor:
+        """Bool ``[n]`` on the device: the block is held by a lossy precision (not an exact
+        window)."""
+        if self._mask is None:
+            exact = torch.tensor([p.exact for p in self.precisions], dtype=torch.bool)
+            self._mask = (~exact[self.precision]).to(self.device)
+        return self._mask
+
+    def held(self) -> list[int]:
+        """Precision ids holding blocks now (an empty table: the one new blocks start at)."""
+        return self.precision.unique().tolist() or [self._first]
+
+    def num_quantized(self) -> int:
+        """Blocks held by a lossy precision."""
+        lossy = torch.tensor([not p.exact for p in self.precisions])
+        return int(lossy[self.precision].sum())
+
+    def precision_bytes(self) -> list[int]:
+        """Tier-1 bytes (codes and metadata of live blocks) per precision id."""
+        counts = torch.bincount(self.precision, minlength=len(self.precisions)).tolist()
+        return [(k.block_bytes() + v.block_bytes()) * c if c else 0
+                for k, v, c in zip(self._keys, self._values, counts, strict=True)]
+
+    def clone(self) -> BlockTable:
+        new = BlockTable.__new__(BlockTable)
+        new.__dict__.update(self.__dict__)
+        new._keys = [b.clone() for b in self._keys]
+        new._values = [b.clone() for b in self._values]
+        new._free = [list(f) for f in self._free]
+        new.precision, new.slot = self.precision.clone(), self.slot.clone()
+        new._mask = None
+        return new

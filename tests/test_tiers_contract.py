@@ -1,0 +1,153 @@
+"""The certificate contract over mixed-precision stores (issue 20): KIVI with exact residual and
+sink windows, seed 004's tiers with every archive (2-bit KIVI, rotation, 3-bit pre-RoPE keys
+with dense-and-sparse values), blocks demoted mid-decode, early graduation under a budget.
+
+Every head of every step: ``||out - O_ref||_2 <= e_key + e_val + e_arith`` against FP64
+attention on the FP16 originals, with no allowance but the reference's own rounding
+(:func:`helpers.check_heads`). Inputs are adversarial as in ``test_contract``.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from helpers import check_heads, make_kv, make_query
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from certkv import CertifiedAttention
+from certkv.cache.store import TieredKVStore
+from certkv.errors import BudgetError
+from certkv.kernels.reference import TorchBackend
+from certkv.kernels.triton_backend import TritonBackend, triton_available
+from certkv.models.rope import RopeSpec
+from certkv.quant import (
+    GroupAffineValueCodec,
+    KiviKeyCodec,
+    KVQuantizer,
+    OutlierValueCodec,
+    Precision,
+    PreRoPEKeyCodec,
+    RotatedKeyCodec,
+    RotatedValueCodec,
+    TieredQuantizer,
+)
+
+D = 32
+
+
+def archives(group: int, key_mode: str) -> dict[str, Precision]:
+    return {
+        "kivi2": Precision(KiviKeyCodec(bits=2), GroupAffineValueCodec(bits=2, group=group)),
+        "rotation": Precision(RotatedKeyCodec(bits=2, subspaces=4),
+                              RotatedValueCodec(bits=2, subspaces=4)),
+        "kvquant": Precision(PreRoPEKeyCodec(inner=KiviKeyCodec(bits=3), key_mode=key_mode),
+                             OutlierValueCodec(bits=3, group=group, levels="nonuniform")),
+    }
+
+
+def quantizer(sc) -> KVQuantizer:
+    block, group = sc["block"], sc["group_size"]
+    if sc["kind"] == "kivi":
+        q = KVQuantizer(KiviKeyCodec(bits=sc["bits"]),
+                        GroupAffineValueCodec(bits=sc["bits"], group=group), block,
+                        residual=sc["residual"], sink=sc["sink"])
+    else:
+        q = TieredQuantizer(KiviKeyCodec(bits=4), GroupAffineValueCodec(bits=4, group=group),
+                            block, sink=sc["sink"], hot=sc["hot"], stale=sc["hot"] + sc["warm"],
+                            archive=sc["archive"], mid_from=48, long_from=96,
+                            archives=archives(group, sc["key_mode"]))
+    return q.with_rope(RopeSpec.from_theta(10000.0, D))
+
+
+@st.composite
+def scenarios(draw):
+    return {
+        "kind": draw(st.sampled_from(["kivi", "tiers", "tiers"])),
+        "bits": draw(st.sampled_from([2, 3, 4])),
+        "block": draw(st.sampled_from([4, 8, 16])),
+        "group_size": draw(st.sampled_from([8, 16, 32])),
+        "residual": draw(st.sampled_from([0, 8, 32])),
+        "sink": draw(st.sampled_from([0, 0, 4, 16])),
+        "hot": draw(st.sampled_from([0, 8, 16])),
+        "warm": draw(st.sampled_from([0, 16, 32])),
+        "archive": draw(st.sampled_from(["auto", "auto", "kivi2", "rotation", "kvquant"])),
+        "key_mode": draw(st.sampled_from(["pre_rope", "post_rope"])),
+        "hkv": draw(st.integers(1, 2)),
+        "gqa": draw(st.integers(1, 3)),
+        "tokens": draw(st.integers(1, 140)),
+        "steps": draw(st.integers(1, 3)),
+        "per_step": draw(st.sampled_from([1, 7, 20])),
+        "outliers": draw(st.sampled_from([0, 2])),
+        "heavy_tail": draw(st.booleans()),
+        "key_offset": draw(st.sampled_from([0.0, 3.0])),
+        "q_scale": draw(st.sampled_from([1e-3, 1.0, 30.0, 1e3])),
+        "peaked": draw(st.booleans()),
+        "q_dtype": draw(st.sampled_from(["float32", "float16", "bfloat16"])),
+        "seed": draw(st.integers(0, 2**16)),
+    }
+
+
+def check_steps(store, attn, k, v, sc):
+    """Append the prompt, then ``steps`` rounds of ``per_step`` tokens (blocks fill and change
+    precision between steps), certifying a query after each."""
+    n = sc["tokens"]
+    store.append(k[:, :n], v[:, :n])
+    for step in range(sc["steps"] + 1):
+        if step:
+            extra = make_kv(k.shape[0], sc["per_step"], D, seed=sc["seed"] + step)
+            store.append(*extra)
+        q = make_query(k[:, :n], sc["gqa"], seed=sc["seed"] + step, scale=sc["q_scale"],
+                       peaked=sc["peaked"]).to(getattr(torch, sc["q_dtype"]))
+        out, cert = attn(q, store)
+        check_heads(out, cert, q, store)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios())
+def test_contract_over_mixed_precision_stores(sc):
+    store = TieredKVStore(sc["hkv"], D, block_size=sc["block"], quantizer=quantizer(sc),
+                          decoded_mirror=sc["seed"] % 2 == 0)
+    k, v = make_kv(sc["hkv"], sc["tokens"], D, seed=sc["seed"],
+                   outlier_channels=sc["outliers"], heavy_tail=sc["heavy_tail"],
+                   key_offset=sc["key_offset"])
+    check_steps(store, CertifiedAttention(backend=TorchBackend()), k, v, sc)
+
+
+@pytest.mark.skipif(not triton_available(), reason="needs triton (TRITON_INTERPRET=1 on CPU)")
+def test_triton_backend_handles_a_mixed_store():
+    """The kernels read one INT8/INT4 precision: a tiered store runs its phases on the
+    reference (one notice) and still certifies every head."""
+    sc = {"kind": "tiers", "block": 8, "group_size": 8, "sink": 4, "hot": 8, "warm": 16,
+          "archive": "auto", "key_mode": "pre_rope", "tokens": 100, "steps": 2, "per_step": 9,
+          "gqa": 2, "q_scale": 1.0, "peaked": True, "q_dtype": "float16", "seed": 3}
+    store = TieredKVStore(2, D, block_size=8, quantizer=quantizer(sc))
+    k, v = make_kv(2, 100, D, seed=3, outlier_channels=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check_steps(store, CertifiedAttention(backend=TritonBackend()), k, v, sc)
+    assert any("PyTorch reference" in str(w.message) for w in caught)
+
+
+def test_budget_graduates_the_oldest_blocks_early_and_is_never_exceeded():
+    q = TieredQuantizer(KiviKeyCodec(bits=4), GroupAffineValueCodec(bits=4, group=8), 8,
+                        hot=16, stale=10_000, archive="kivi2", archives=archives(8, "post_rope"))
+    free = TieredKVStore(2, D, quantizer=q, block_size=8)
+    k, v = make_kv(2, 400, D, seed=5)
+    free.append(k, v)
+    budget = int(free.tier1_bytes() * 0.85)  # 2-bit blocks take 3/4 of 4-bit ones here
+    q.budget_bytes = budget
+    store = TieredKVStore(2, D, quantizer=q, block_size=8)
+    attn = CertifiedAttention(backend=TorchBackend())
+    for start in range(0, 400, 25):
+        store.append(k[:, start:start + 25], v[:, start:start + 25])
+        assert store.tier1_bytes() <= budget
+        qv = make_query(k[:, :start + 25], 2, seed=start)
+        check_heads(*attn(qv, store), qv, store)
+    stages = store.stages.stage
+    assert (stages == 2).any() and (stages[:-3] == 2).all()  # the oldest went to the archive
+    q.budget_bytes = 100
+    with pytest.raises(BudgetError, match="raise the budget"):
+        TieredKVStore(2, D, quantizer=q, block_size=8).append(k, v)
