@@ -71,9 +71,9 @@ def register_resolvers() -> None:
 
 
 def option(group: str, name: str, *changes: str) -> dict:
-    """``${option:quantizer,tiers,'archive=kivi2'}`` (changes quoted): the node of ``conf/<group>/<name>.yaml``
-    with ``key=value`` changes (dotted keys, YAML values), so an experiment's variants can use
-    any config group option (e.g. another quantizer) without copying it."""
+    """``${option:quantizer,tiers,'archive=kivi2'}``: the node of ``conf/<group>/<name>.yaml``
+    with quoted ``key=value`` changes (dotted keys, YAML values), so an experiment's variants
+    can use any config group option (e.g. another quantizer) without copying it."""
     import yaml
     from omegaconf import OmegaConf
 

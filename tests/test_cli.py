@@ -95,7 +95,7 @@ def test_cfg_job_prints_the_composed_config():
 @pytest.mark.parametrize(("override", "expect"), [
     ("model=gpt7", "model: llama31_70b, llama31_8b, smollm2_135m, tiny_random"),
     ("selector.nonsense=1", "Valid config groups and options"),
-    ("+experiment=nope", "experiment: niah_4k, niah_8k, niah_llama31_8b, pg19_4k"),
+    ("+experiment=nope", "experiment: methods_4k, methods_8k, niah_4k, niah_8k"),
 ])
 def test_bad_override_gives_message_and_options(override, expect):
     result = run(override)

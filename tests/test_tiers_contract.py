@@ -105,7 +105,7 @@ def check_steps(store, attn, k, v, sc):
         check_heads(out, cert, q, store)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_contract_over_mixed_precision_stores(sc):
     store = TieredKVStore(sc["hkv"], D, block_size=sc["block"], quantizer=quantizer(sc),

@@ -120,8 +120,8 @@ class BlockTable:
         self._free: list[list[int]] = [[] for _ in precisions]
         self.precision = torch.zeros(0, dtype=torch.long)  # [n] host: precision id per block
         self.slot = torch.zeros(0, dtype=torch.long)  # [n] host: slot in that precision
-        self._mask: torch.Tensor | None = None  # cached device copy of ``quantized``
         self._first = 0  # the precision of an empty table (where new blocks start)
+        self._refresh()
 
     @property
     def num_blocks(self) -> int:
@@ -159,7 +159,7 @@ class BlockTable:
             self._write(pid, slots[where], keys[j], values[j])
         self.precision = torch.cat([self.precision, pids])
         self.slot = torch.cat([self.slot, slots])
-        self._mask = None
+        self._refresh()
 
     def move(self, blocks: torch.Tensor, pid: int, keys: Blocks, values: Blocks) -> None:
         """Re-assign ``blocks [m]`` (host, ascending) to precision ``pid`` with their new codes
@@ -172,7 +172,21 @@ class BlockTable:
         self._write(pid, slots, keys, values)
         self.precision[blocks] = pid
         self.slot[blocks] = slots
-        self._mask = None
+        self._refresh()
+
+    def _refresh(self) -> None:
+        """Recompute what decode steps read (host values and the device mask) once per change
+        of the table, so a step reads no host tensor (``tests/test_host_reads``)."""
+        exact = torch.tensor([p.exact for p in self.precisions], dtype=torch.bool)
+        lossy = ~exact[self.precision]
+        self._num_quantized = int(lossy.sum())
+        self._held = self.precision.unique().tolist()
+        pid = int(self.precision[0]) if self.num_blocks else self._first
+        same = bool((self.precision == pid).all())
+        in_order = torch.equal(self.slot, torch.arange(self.num_blocks))
+        self._single = pid if same and in_order else None
+        self._all_groups = self._groups(torch.arange(self.num_blocks))
+        self._mask = lossy.to(self.device)
 
     def allocate(self, pid: int, keys: Blocks, values: Blocks) -> None:
         """Allocate precision ``pid``'s buffers from empty codes (leading dims ``[Hkv, 0]``), so
@@ -181,30 +195,36 @@ class BlockTable:
         self._values[pid].extend(values)
         self._first = pid
 
-    def _groups(self, blocks: torch.Tensor):
-        """``(pid, positions [m] in blocks, slots [m])`` per precision holding ``blocks``."""
+    def _groups(self, blocks: torch.Tensor) -> list:
+        """``(pid, positions [m] in blocks, slots [m])`` per precision holding ``blocks``
+        (host tensors, then their device copies)."""
         held = self.precision[blocks]
+        groups = []
         for pid in held.unique().tolist():
             where = (held == pid).nonzero(as_tuple=True)[0]
-            yield pid, where, self.slot[blocks[where]]
+            slots = self.slot[blocks[where]]
+            groups.append((pid, where, slots, where.to(self.device), slots.to(self.device)))
+        return groups
 
     def _gather(self, which: str, fn, blocks: torch.Tensor | None) -> torch.Tensor | None:
         """``fn(codec, codes)`` (a tensor ``[Hkv, m, ...]``) for ``blocks`` (host; all by
         default), each with its precision's codec, in the order of ``blocks``. A single
         precision whose slots are in block order is read without a gather."""
-        blocks = torch.arange(self.num_blocks) if blocks is None else blocks
+        if blocks is None and self._single is not None and self.num_blocks:
+            buffers = (self._keys if which == "key" else self._values)[self._single]
+            if buffers.size == self.num_blocks:  # no freed slots: the buffer is the table
+                return fn(getattr(self.precisions[self._single], f"{which}_codec"),
+                          buffers.view())
+        groups = self._all_groups if blocks is None else self._groups(blocks)
+        count = self.num_blocks if blocks is None else len(blocks)
         out = None
-        for pid, where, slots in self._groups(blocks):
-            buffers = (self._keys if which == "key" else self._values)[pid]
+        for pid, _, _, where, slots in groups:
+            view = (self._keys if which == "key" else self._values)[pid].view()
             codec = getattr(self.precisions[pid], f"{which}_codec")
-            view = buffers.view()
-            if len(where) == len(blocks) and torch.equal(slots, torch.arange(len(slots))) \
-                    and len(slots) == buffers.size:
-                return fn(codec, view)
-            part = fn(codec, {k: t[:, slots.to(t.device)] for k, t in view.items()})
+            part = fn(codec, {k: t[:, slots] for k, t in view.items()})
             if out is None:
-                out = part.new_zeros(part.shape[0], len(blocks), *part.shape[2:])
-            out[:, where.to(out.device)] = part
+                out = part.new_zeros(part.shape[0], count, *part.shape[2:])
+            out[:, where] = part
         return out
 
     def decode(self, which: str, blocks: torch.Tensor | None = None) -> torch.Tensor:
@@ -227,12 +247,7 @@ class BlockTable:
     def single(self) -> int | None:
         """The precision id when one precision holds every block in slot order (what the fused
         kernels read in place), else None. An empty table counts as precision 0's."""
-        if not self.num_blocks:
-            return self._first
-        pid = int(self.precision[0])
-        same = bool((self.precision == pid).all())
-        in_order = torch.equal(self.slot, torch.arange(self.num_blocks))
-        return pid if same and in_order else None
+        return self._single if self.num_blocks else self._first
 
     def view(self, pid: int, which: str, extra: int = 0) -> Blocks:
         """Precision ``pid``'s buffer (``"key"`` or ``"value"``) in slot order, no copy."""
@@ -241,19 +256,15 @@ class BlockTable:
     def quantized(self) -> torch.Tensor:
         """Bool ``[n]`` on the device: the block is held by a lossy precision (not an exact
         window)."""
-        if self._mask is None:
-            exact = torch.tensor([p.exact for p in self.precisions], dtype=torch.bool)
-            self._mask = (~exact[self.precision]).to(self.device)
         return self._mask
 
     def held(self) -> list[int]:
         """Precision ids holding blocks now (an empty table: the one new blocks start at)."""
-        return self.precision.unique().tolist() or [self._first]
+        return self._held or [self._first]
 
     def num_quantized(self) -> int:
         """Blocks held by a lossy precision."""
-        lossy = torch.tensor([not p.exact for p in self.precisions])
-        return int(lossy[self.precision].sum())
+        return self._num_quantized
 
     def precision_bytes(self) -> list[int]:
         """Tier-1 bytes (codes and metadata of live blocks) per precision id."""
@@ -268,5 +279,5 @@ class BlockTable:
         new._values = [b.clone() for b in self._values]
         new._free = [list(f) for f in self._free]
         new.precision, new.slot = self.precision.clone(), self.slot.clone()
-        new._mask = None
+        new._held = list(self._held)
         return new
