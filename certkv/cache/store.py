@@ -399,6 +399,9 @@ class TieredKVStore:
         require(len(ages) == len(self.stages.ages), ConfigError,
                 f"boundaries {ages} do not match this quantizer's {len(self.stages.ages)} "
                 "stage ages; load thresholds saved for the same quantizer.")
+        require(all(0 <= a <= b for a, b in zip([0, *ages], ages, strict=False)), ConfigError,
+                f"boundaries {ages} must be non-negative and ascending (ages in tokens, e.g. "
+                "[64, 512]).")
         self.stages.ages[:] = [int(a) for a in ages]
         if self.num_blocks:
             self._graduate()

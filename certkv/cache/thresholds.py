@@ -92,11 +92,19 @@ class ThresholdTracker:
             factor, verdict = rule.grow, "archive less"
         else:
             factor, verdict = 1.0, "keep"
-        hot = _clamp(round(self.ages[0] * factor), rule.hot_limits)
-        stale = max(hot, _clamp(round(self.ages[1] * factor), rule.stale_limits))
+        hot = _clamp(_scaled(self.ages[0], factor), rule.hot_limits)
+        stale = max(hot, _clamp(_scaled(self.ages[1], factor), rule.stale_limits))
         self.ages[:] = [hot, stale]
         self.history.append({"step": self.steps, **rates, "verdict": verdict, "hot": hot,
                              "stale": stale})
+
+
+def _scaled(age: int, factor: float) -> int:
+    """``age * factor`` rounded, moving by at least one token when ``factor != 1``."""
+    if factor == 1.0:
+        return age
+    moved = round(age * factor)
+    return max(moved, age + 1) if factor > 1 else max(min(moved, age - 1), 0)
 
 
 def _clamp(x: int, limits: list) -> int:

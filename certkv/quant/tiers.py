@@ -85,8 +85,8 @@ class TieredQuantizer(KVQuantizer):
         return "rotation" if seq_len < self.long_from else "kvquant"
 
     def stage_precision(self, stage: int, seq_len: int) -> int:
-        if stage == 0:
-            return 0 if self.hot else 1
+        if stage == 0:  # hot: exact (with hot = 0 no block stays in stage 0)
+            return 0
         if stage == 1:
             return 1
         return 2 + ARCHIVES.index(self.archive_for(seq_len))
