@@ -67,8 +67,10 @@ class TritonBackend:
 
     def _noticed(self, supported: bool, store, what: str) -> bool:
         """``supported``; the first time a kind of store is not, one notice says so."""
+        if supported:  # the hot path: no repr of the quantizer per phase call
+            return True
         key = (what, repr(store.quantizer))
-        if not supported and key not in _NOTICED:
+        if key not in _NOTICED:
             _NOTICED.add(key)
             warnings.warn(f"the Triton kernels read {what} of one precision (INT8 keys per "
                           f"channel, INT4 values per group; powers of two B and d); a store "
