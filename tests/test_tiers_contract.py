@@ -116,10 +116,34 @@ def test_contract_over_mixed_precision_stores(sc):
     check_steps(store, CertifiedAttention(backend=TorchBackend()), k, v, sc)
 
 
+def covered(sc) -> dict:
+    """``sc`` restricted to what the kernels read (2/4-bit KIVI keys and group values, FP16
+    windows; the 2-bit KIVI archive) on small shapes for the interpreter."""
+    return {**sc, "bits": 2 if sc["bits"] == 3 else sc["bits"], "archive": "kivi2",
+            "tokens": min(sc["tokens"], 90), "steps": min(sc["steps"], 2),
+            "q_dtype": "float16" if sc["q_dtype"] == "bfloat16" else sc["q_dtype"]}
+
+
 @pytest.mark.skipif(not triton_available(), reason="needs triton (TRITON_INTERPRET=1 on CPU)")
-def test_triton_backend_handles_a_mixed_store():
-    """The kernels read one INT8/INT4 precision: a tiered store runs its phases on the
-    reference (one notice) and still certifies every head."""
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios().map(covered))
+def test_contract_over_mixed_stores_with_the_triton_kernels(sc):
+    """Windows, demotions mid-decode and every warm/archive mix through the kernels (one
+    launch per precision), never the reference they could fall back to."""
+    store = TieredKVStore(sc["hkv"], D, block_size=sc["block"], quantizer=quantizer(sc))
+    k, v = make_kv(sc["hkv"], sc["tokens"], D, seed=sc["seed"],
+                   outlier_channels=sc["outliers"], heavy_tail=sc["heavy_tail"],
+                   key_offset=sc["key_offset"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check_steps(store, CertifiedAttention(backend=TritonBackend(split=2)), k, v, sc)
+    assert not [w for w in caught if "PyTorch reference" in str(w.message)]  # no fallback
+
+
+@pytest.mark.skipif(not triton_available(), reason="needs triton (TRITON_INTERPRET=1 on CPU)")
+def test_triton_backend_falls_back_on_uncovered_archives():
+    """3-bit pre-RoPE keys with dense-and-sparse values are not in the kernels: a store holding
+    them runs its phases on the reference (one notice) and still certifies every head."""
     sc = {"kind": "tiers", "block": 8, "group_size": 8, "sink": 4, "hot": 8, "warm": 16,
           "archive": "auto", "key_mode": "pre_rope", "tokens": 100, "steps": 2, "per_step": 9,
           "gqa": 2, "q_scale": 1.0, "peaked": True, "q_dtype": "float16", "seed": 3}

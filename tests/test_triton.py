@@ -14,6 +14,7 @@ from helpers import check_heads, cuda_layer, make_kv, make_query
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from test_contract import ADVERSARIAL, build, check_contract, scenarios
+from test_tiers_contract import archives
 
 from certkv import CertifiedAttention, ChannelAffineKeyCodec, TieredKVStore
 from certkv.kernels import triton_attend, triton_score
@@ -22,6 +23,8 @@ from certkv.kernels.layout import StagedBlocks, StepLayout
 from certkv.kernels.reference import Attended, TorchBackend, gated_scores, merge_staged
 from certkv.kernels.triton_backend import TritonBackend
 from certkv.kernels.triton_checks import ranking_and_boundary
+from certkv.kernels.triton_sources import KERNEL_BITS
+from certkv.quant import GroupAffineValueCodec, KiviKeyCodec, TieredQuantizer
 
 ATOL = 1e-6
 
@@ -122,6 +125,57 @@ def test_phase2_attend_flash_attention_rule(seed, promote, shape):
     assert torch.equal(kernel.canary, ref.canary) and not ref.canary.any()
 
 
+def mixed_case(seed=0):
+    """A store of four precisions and the tail: a 4-token FP16 sink, 2-bit KIVI archive, 4-bit
+    KIVI warm blocks and an FP16 hot window (seed 004's tiers at toy ages), then the partial
+    tail block; 2 kv heads, 3 query heads each, d = 32, B = 8."""
+    q = TieredQuantizer(KiviKeyCodec(bits=4), GroupAffineValueCodec(bits=4, group=8), 8, sink=4,
+                        hot=16, stale=48, archive="kivi2", archives=archives(8, "post_rope"))
+    store = TieredKVStore(2, 32, block_size=8, quantizer=q)
+    k, v = make_kv(2, 117, 32, seed=seed, outlier_channels=2)
+    store.append(k, v)
+    qg = make_query(k, 3, seed=seed, scale=3.0, peaked=seed % 2 == 0).reshape(2, 3, 32)
+    return store, qg
+
+
+def test_phases_read_every_precision_of_a_mixed_store():
+    """One launch per precision (and the tail) in each phase, every block at its index: the
+    kernels meet the flash-attention rule against FP64 on a four-precision store, value
+    promotion and gated keys included."""
+    store, qg = mixed_case(seed=1)
+    held = store.block_groups()
+    assert [p.label for p, *_ in held] == ["FP16", "K4/V4", "K2/V2"]  # the sink shares FP16
+    lay = StepLayout(store)
+    scaling = store.head_dim**-0.5
+    launches = []
+    with pytest.MonkeyPatch.context() as mp:
+        for module, name in ((triton_score, "_launch_scores"), (triton_attend, "_launch_attend")):
+            mp.setattr(module, name, _counting(getattr(module, name), launches, name))
+        kernel = TritonBackend(split=2).phase1(qg, lay, scaling)
+        gate = torch.zeros(kernel.log_mass.shape, dtype=torch.bool)
+        keys = staged(store, [0, 1], [2, 6], "k")
+        gate[0, :, 2] = gate[1, 1, 6] = True
+        values = staged(store, [0, 1], [3, 7], "v")
+        ref = TorchBackend().phase1(qg, lay, scaling)
+        args = (qg, ref, lay, gate, keys, values, scaling, 1e-6)
+        attended = TritonBackend(split=2).phase2(*args)
+    assert launches == ["_launch_scores"] * 4 + ["_launch_attend"] * 4
+    oracle = torch.einsum("kgd,kntd->kgnt", qg.double(), lay.keys.double()) * scaling
+    oracle = oracle.masked_fill(~lay.valid, float("-inf"))
+    flash_rule(kernel.scores, ref.scores, oracle, "scores")
+    flash_rule(kernel.log_mass, ref.log_mass, torch.logsumexp(oracle, dim=-1), "log_mass")
+    oracle_delta = scaling * torch.einsum("kgd,knd->kgn", qg.double().abs(),
+                                          lay.channel_bound.double())
+    nc = lay.num_completed
+    flash_rule(kernel.delta_b[..., :nc], ref.delta_b[..., :nc], oracle_delta, "delta_b")
+    assert (kernel.delta_b[..., ~lay.quantized] == 0).all()  # exact windows and the tail
+    expected = TorchBackend().phase2(*args)
+    for name in ("out", "rho", "log_mass", "spread"):
+        torch.testing.assert_close(getattr(attended, name), getattr(expected, name),
+                                   rtol=1e-5, atol=1e-6)
+    assert torch.equal(attended.canary, expected.canary) and not attended.canary.any()
+
+
 def test_phase2_canary_flags_a_staged_block_that_disagrees_with_its_codes():
     store, qg = case(seed=6, tokens=64)
     lay = StepLayout(store)
@@ -171,15 +225,18 @@ def kernel_launches():
     kernels while the block ran (a phase that falls back to the reference launches none)."""
     launches = {"phase1": 0, "phase2": 0}
     with pytest.MonkeyPatch.context() as mp:
-        for phase, module, name in (("phase1", triton_score, "int8_phase1"),
-                                    ("phase2", triton_attend, "int4_attend")):
+        for phase, module, name in (("phase1", triton_score, "score_blocks"),
+                                    ("phase2", triton_attend, "attend_blocks")):
             mp.setattr(module, name, _counting(getattr(module, name), launches, phase))
         yield launches
 
 
 def _counting(kernel, launches, phase):
     def counted(*args, **kwargs):
-        launches[phase] += 1
+        if isinstance(launches, list):
+            launches.append(phase)
+        else:
+            launches[phase] += 1
         return kernel(*args, **kwargs)
 
     return counted
@@ -187,14 +244,13 @@ def _counting(kernel, launches, phase):
 
 @st.composite
 def triton_scenarios(draw):
-    """The contract's scenarios with the codecs both kernels cover (8-bit keys, 4-bit values) in
-    a quantized mode (dense mode reaches no kernel), on at most 2 kv heads and 5 full blocks
-    and a partial tail (2 splits of 4 blocks; at most 64 tokens): the interpreter takes about
-    0.3 s per program (kv head and split) and kernel. Other codecs are explicit examples: with
-    the codecs drawn (covered in 7 of 8), hypothesis's generation gave 23 to 40 covered
-    examples of 40, too loose for a fixed threshold."""
+    """The contract's scenarios (every key and value width they draw, 2/4/8 bits, is one the
+    kernels cover) in a quantized mode (dense mode reaches no kernel), on at most 2 kv heads
+    and 5 full blocks and a partial tail (2 splits of 4 blocks; at most 64 tokens): the
+    interpreter takes about 0.3 s per program (kv head and split) and kernel. 3-bit codes,
+    which the kernels do not unpack, are the explicit fallback examples."""
     sc = draw(scenarios())
-    return {**sc, "key_bits": 8, "value_bits": 4, "hkv": min(sc["hkv"], 2),
+    return {**sc, "hkv": min(sc["hkv"], 2),
             "tokens": min(sc["tokens"], 64, 6 * sc["block"] - 1), "fp64_scalars": False,
             "mode": "naive" if sc["mode"] == "naive" else "certified"}
 
@@ -204,17 +260,17 @@ FALLBACK = {**ADVERSARIAL, "tokens": 40, "scaling": None}
 
 @settings(max_examples=20, suppress_health_check=[HealthCheck.too_slow])
 @given(sc=triton_scenarios())
-@example(sc={**FALLBACK, "key_bits": 8, "value_bits": 8})  # Phase 2 falls back
-@example(sc={**FALLBACK, "key_bits": 4, "value_bits": 4, "mode": "naive"})  # Phase 1 falls back
-@example(sc={**FALLBACK, "key_bits": 2, "value_bits": 2, "q_dtype": "float16"})  # both
+@example(sc={**FALLBACK, "key_bits": 8, "value_bits": 3})  # Phase 2 falls back
+@example(sc={**FALLBACK, "key_bits": 3, "value_bits": 4, "mode": "naive"})  # Phase 1 falls back
+@example(sc={**FALLBACK, "key_bits": 3, "value_bits": 3, "q_dtype": "float16"})  # both
 def contract_with_triton_backend(runs, sc):
     store, q, attn = build(sc)
     attn.backend = TritonBackend(split=4)
     with kernel_launches() as launches:
         check_contract(store, q, attn, sc["scaling"])
-    # each phase runs its kernel exactly for the codecs it covers (B and d are powers of two)
-    assert (launches["phase1"] > 0) == (sc["key_bits"] == 8), (sc, launches)
-    assert (launches["phase2"] > 0) == (sc["value_bits"] == 4), (sc, launches)
+    # each phase runs its kernels exactly for the codecs they cover (B and d are powers of two)
+    assert (launches["phase1"] > 0) == (sc["key_bits"] in KERNEL_BITS), (sc, launches)
+    assert (launches["phase2"] > 0) == (sc["value_bits"] in KERNEL_BITS), (sc, launches)
     runs.append(launches)
 
 
@@ -242,7 +298,7 @@ def test_triton_and_torch_backends_agree_through_attention():
 
 def test_unsupported_codecs_fall_back_to_the_reference():
     k, v = make_kv(2, 64, 32, seed=0)
-    store = TieredKVStore(2, 32, key_codec=ChannelAffineKeyCodec(bits=2))
+    store = TieredKVStore(2, 32, key_codec=ChannelAffineKeyCodec(bits=3))
     store.append(k, v)
     q = make_query(k, 2, scale=2.0)
     a, _ = CertifiedAttention(backend="torch")(q, store)

@@ -249,6 +249,12 @@ class BlockTable:
         kernels read in place), else None. An empty table counts as precision 0's."""
         return self._single if self.num_blocks else self._first
 
+    def groups(self) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """``(pid, blocks [m], slots [m])`` per precision holding blocks now: device int64
+        block indices and their slots in that precision's buffers (cached per table change,
+        what the fused kernels walk, one launch per precision)."""
+        return [(pid, where, slots) for pid, _, _, where, slots in self._all_groups]
+
     def view(self, pid: int, which: str, extra: int = 0) -> Blocks:
         """Precision ``pid``'s buffer (``"key"`` or ``"value"``) in slot order, no copy."""
         return (self._keys if which == "key" else self._values)[pid].view(extra)

@@ -1,19 +1,22 @@
 """Triton Phase 2 (paper Alg. 1): one fused split-KV pass with mask-gated FP16 keys.
 
-Grid ``(kv head, split)``: each program walks ``SPLIT`` consecutive blocks for all ``G`` query
-heads of its kv head. Per block it
+One launch per precision holding blocks (``triton_sources``); grid ``(kv head, split)``: each
+program walks ``SPLIT`` of that precision's blocks for all ``G`` query heads of its kv head. Per
+block it
 
-* reads the Phase-1 INT8 logits; where ``key_slot[kv, block] >= 0`` it also reads the block's
+* reads the Phase-1 logits; where ``key_slot[kv, block] >= 0`` it also reads the block's
   FP16 keys (staged from the scratch cache / Tier-2), computes their logits and uses them for
   the query heads whose ``gate`` is set (the promoted set K*), checking on the way the score
   canary ``|s_fp16 - s_int8| <= Delta_b + eps`` (Section 6) for those heads;
-* reads the INT4 value codes, unpacked in registers with their FP16 group scale/offset, or,
-  where ``value_slot[kv, block] >= 0``, staged FP16 values (value promotion), or, on the exact
-  tail block, the store's FP16 tail values in place;
+* reads the value codes (2/4/8-bit), unpacked in registers with their FP16 group scale/offset,
+  or, where ``value_slot[kv, block] >= 0``, staged FP16 values (value promotion), or, on an exact
+  block (a window, the tail block), the store's FP16 values in place;
 * keeps an FP32 online softmax and writes the block max ``m_b``, sum ``l_b`` (block masses) and
   sum of squares ``l2_b = sum_t w_t^2`` (block spreads ``||p_b||_2``), one more accumulator.
 
-The splits are merged by log-sum-exp in :func:`reduce_splits`.
+Every launch writes its own split states (each split holds at least one block, so there are at
+most ``n`` of them, which the rounding chain counts on); the splits are merged by log-sum-exp
+in :func:`reduce_splits`.
 """
 
 from __future__ import annotations
@@ -24,18 +27,25 @@ import triton.language as tl
 
 from certkv.certify.arith import dot_chunk
 from certkv.kernels.reference import Attended, Scored
-from certkv.kernels.triton_score import blocks_per_program, channel_dot, load_group_queries
+from certkv.kernels.triton_score import (
+    blocks_per_program,
+    channel_dot,
+    entry,
+    load_codes,
+    load_group_queries,
+)
 
 
 @triton.jit
 def _attend_kernel(s_ptr, q_ptr, kslot_ptr, kstaged_ptr, gate_ptr, delta_ptr,
-                   code_ptr, vs_ptr, vo_ptr, slot_ptr, staged_ptr, tail_ptr,
+                   code_ptr, vs_ptr, vo_ptr, blk_ptr, slot_ptr, vslot_ptr, vstaged_ptr,
                    mb_ptr, lb_ptr, sb_ptr, canary_ptr, m_ptr, l_ptr, acc_ptr,
                    s_sk, s_sg, s_sn, s_qk, s_qg, s_ck, s_cn, s_ct, s_vk, s_vn, s_vt, s_lk,
-                   s_pp, s_pt, s_tk, s_tt, s_bk, s_bg, s_mk, s_mg, s_ak, s_ag, s_as,
-                   n_blocks, n_quant, tail_len, scaling, eps_guard,
+                   s_kp, s_kt, s_pp, s_pt, s_bk, s_bg, s_mk, s_mg, s_ak, s_ag, s_as,
+                   n_entries, split_base, tail_blk, n_rows, scaling, eps_guard,
                    G: tl.constexpr, BLOCK_G: tl.constexpr, B: tl.constexpr, D: tl.constexpr,
-                   DOT_C: tl.constexpr, GROUP: tl.constexpr, SPLIT: tl.constexpr):
+                   DOT_C: tl.constexpr, GROUP: tl.constexpr, SPLIT: tl.constexpr,
+                   FP16: tl.constexpr, BITS: tl.constexpr, TAIL: tl.constexpr):
     kv = tl.program_id(0)
     split = tl.program_id(1)
     g = tl.arange(0, BLOCK_G)
@@ -47,16 +57,18 @@ def _attend_kernel(s_ptr, q_ptr, kslot_ptr, kstaged_ptr, gate_ptr, delta_ptr,
     lsum = tl.zeros((BLOCK_G,), tl.float32)
     acc = tl.zeros((BLOCK_G, D), tl.float32)
     zero_bd = t[:, None] * 0 + c[None, :] * 0  # [B, D] int zeros: broadcast scalars to masks
+    rows = (t[:, None] + zero_bd) < n_rows  # [B, D]: filled token slots (tail_len or B)
     for i in range(SPLIT):
-        blk = split * SPLIT + i
-        live = blk < n_blocks
-        live_g = gmask & ((g * 0 + blk) < n_blocks)
+        e = split * SPLIT + i
+        blk, slot = entry(blk_ptr, slot_ptr, e, n_entries, tail_blk, TAIL)
+        live = e < n_entries
+        live_g = gmask & ((g * 0 + e) < n_entries)
         row = kv * s_bk + g * s_bg + blk  # offset of (kv, g, blk) in the [Hkv, G, n] tensors
         s = tl.load(s_ptr + kv * s_sk + g[:, None] * s_sg + blk * s_sn + t[None, :],
                     mask=live_g[:, None] & (t[None, :] < B), other=float("-inf"))
-        kslot = tl.load(kslot_ptr + kv * s_lk + tl.minimum(blk, n_blocks - 1))
+        kslot = tl.load(kslot_ptr + kv * s_lk + blk)
         if live & (kslot >= 0):  # FP16 keys staged for this block: gated logits + canary
-            k16 = tl.load(kstaged_ptr + kslot * s_pp + t[:, None] * s_pt + c[None, :])
+            k16 = tl.load(kstaged_ptr + kslot * s_kp + t[:, None] * s_kt + c[None, :])
             s16 = channel_dot(q, k16.to(tl.float32), BLOCK_G, B, D, DOT_C) * scaling
             on = tl.load(gate_ptr + row, mask=live_g, other=0) != 0
             delta = tl.load(delta_ptr + row, mask=live_g, other=0.0)
@@ -66,24 +78,22 @@ def _attend_kernel(s_ptr, q_ptr, kslot_ptr, kstaged_ptr, gate_ptr, delta_ptr,
             bad = on[:, None] & (gap > delta[:, None] + slack)
             tl.store(canary_ptr + row, tl.max(bad.to(tl.int8), axis=1), mask=live_g)
             s = tl.where(on[:, None], s16, s)
-        slot = tl.load(slot_ptr + kv * s_lk + tl.minimum(blk, n_blocks - 1))
-        int4 = ((zero_bd + blk) < n_quant) & ((zero_bd + slot) < 0)
-        fp16 = ((zero_bd + slot) >= 0) & ((zero_bd + blk) < n_quant)
-        tail = ((zero_bd + blk) == n_quant) & (t[:, None] + c[None, :] * 0 < tail_len)
-        byte = tl.load(code_ptr + kv * s_ck + blk * s_cn + t[:, None] * s_ct + c[None, :] // 2,
-                       mask=int4, other=0)
-        code = (byte >> ((c[None, :] % 2) * 4).to(tl.uint8)) & 0xF  # unsigned nibble
-        grp = c[None, :] // GROUP
-        vs = tl.load(vs_ptr + kv * s_vk + blk * s_vn + t[:, None] * s_vt + grp, mask=int4,
-                     other=0.0).to(tl.float32)
-        vo = tl.load(vo_ptr + kv * s_vk + blk * s_vn + t[:, None] * s_vt + grp, mask=int4,
-                     other=0.0).to(tl.float32)
-        v_int4 = code.to(tl.float32) * vs + vo
-        v16 = tl.load(staged_ptr + slot * s_pp + t[:, None] * s_pt + c[None, :], mask=fp16,
+        vslot = tl.load(vslot_ptr + kv * s_lk + blk)
+        staged = (zero_bd + vslot) >= 0  # FP16 values staged (value promotion)
+        read = rows & ~staged & ((zero_bd + e) < n_entries)  # codes or originals to read
+        base = kv * s_ck + slot * s_cn
+        if FP16:  # an exact block (or FP16 values): the originals in place
+            v = tl.load(code_ptr + base + t[:, None] * s_ct + c[None, :], mask=read,
+                        other=0.0).to(tl.float32)
+        else:  # codes unpacked in registers with their FP16 group scale/offset
+            code = load_codes(code_ptr, base, t, c, s_ct, read, BITS)
+            grp = kv * s_vk + slot * s_vn + t[:, None] * s_vt + c[None, :] // GROUP
+            vs = tl.load(vs_ptr + grp, mask=read, other=0.0).to(tl.float32)
+            vo = tl.load(vo_ptr + grp, mask=read, other=0.0).to(tl.float32)
+            v = code * vs + vo
+        v16 = tl.load(vstaged_ptr + vslot * s_pp + t[:, None] * s_pt + c[None, :], mask=staged,
                       other=0.0).to(tl.float32)
-        v_tail = tl.load(tail_ptr + kv * s_tk + t[:, None] * s_tt + c[None, :], mask=tail,
-                         other=0.0).to(tl.float32)
-        v = tl.where(fp16, v16, tl.where(tail, v_tail, v_int4))  # [B, D]
+        v = tl.where(staged, v16, v)  # [B, D]
         m_b = tl.max(s, axis=1)  # [BLOCK_G]
         m_safe = tl.where(m_b == float("-inf"), 0.0, m_b)
         w = tl.exp(s - m_safe[:, None])
@@ -100,9 +110,10 @@ def _attend_kernel(s_ptr, q_ptr, kslot_ptr, kstaged_ptr, gate_ptr, delta_ptr,
         lsum = lsum * alpha + l_b * beta
         acc = acc * alpha[:, None] + o_b * beta[:, None]
         m = m_new
-    tl.store(m_ptr + kv * s_mk + g * s_mg + split, m, mask=gmask)
-    tl.store(l_ptr + kv * s_mk + g * s_mg + split, lsum, mask=gmask)
-    tl.store(acc_ptr + kv * s_ak + g[:, None] * s_ag + split * s_as + c[None, :], acc,
+    out = split_base + split
+    tl.store(m_ptr + kv * s_mk + g * s_mg + out, m, mask=gmask)
+    tl.store(l_ptr + kv * s_mk + g * s_mg + out, lsum, mask=gmask)
+    tl.store(acc_ptr + kv * s_ak + g[:, None] * s_ag + out * s_as + c[None, :], acc,
              mask=gmask[:, None])
 
 
@@ -135,7 +146,7 @@ def _reduce_kernel(mb_ptr, lb_ptr, sb_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, rho_p
     for start in range(0, n_blocks, BLOCK_N):
         b = start + tl.arange(0, BLOCK_N)
         live = b < n_blocks
-        mb = tl.load(mb_ptr + h * s_h + b, mask=live, other=0.0)
+        mb = tl.load(mb_ptr + h * s_h + b, mask=live, other=float("-inf"))
         lb = tl.load(lb_ptr + h * s_h + b, mask=live, other=1.0)
         sb = tl.load(sb_ptr + h * s_h + b, mask=live, other=1.0)
         scale = tl.exp(mb - top)
@@ -170,56 +181,72 @@ def reduce_splits(m_b, l_b, m, lsum, acc, l2_b=None) -> Attended:
                     log_mass=log_mass.reshape(hkv, g, n), spread=spread.reshape(hkv, g, n))
 
 
-def int4_attend(scored: Scored, q: torch.Tensor, gate: torch.Tensor, key_slot: torch.Tensor,
-                key_data: torch.Tensor, values: dict, value_slot: torch.Tensor,
-                value_data: torch.Tensor, tail: torch.Tensor, tail_len: int, group: int,
-                scaling: float, eps_guard: float, split: int | None = None) -> Attended:
-    """Phase 2 over ``n`` blocks (the ``n_q`` quantized ones, then the exact tail block if
-    ``tail_len > 0``).
+def attend_blocks(scored: Scored, q: torch.Tensor, gate: torch.Tensor,
+                  key_slot: torch.Tensor, key_data: torch.Tensor, sources: list,
+                  value_slot: torch.Tensor, value_data: torch.Tensor, scaling: float,
+                  eps_guard: float, split: int | None = None) -> Attended:
+    """Phase 2 over ``n`` blocks given as :class:`~certkv.kernels.triton_sources.BlockSource`
+    launches of value codes (one per precision, then the exact tail block), merged in one
+    reduction.
 
     Args:
         scored: Phase-1 logits ``[Hkv, G, n, B]`` and ``delta_b [Hkv, G, n]``.
         q: ``[Hkv, G, d]``; gate: bool ``[Hkv, G, n]`` (use FP16-key logits where staged).
         key_slot / value_slot: int32 ``[Hkv, n]`` into FP16 blocks ``key_data`` /
             ``value_data [P, B, d]`` (-1: not staged).
-        values: the store's INT4 blocks: ``codes [Hkv, n_q, B, d/2]``, FP16
-            ``scale, offset [Hkv, n_q, B, d/g]``.
-        tail: the store's FP16 tail values ``[Hkv, B, d]``, read in place (``tail_len`` rows).
     Returns:
         :class:`Attended` with the canary violations of the gated blocks.
     """
     scores = scored.scores.contiguous()
-    hkv, g, n, bsz = scores.shape
+    hkv, g, n, _ = scores.shape
     d = q.shape[-1]
-    codes, vscale, voffset = values["codes"], values["scale"], values["offset"]
     split = split or blocks_per_program(n, hkv, scores.device)
-    n_splits = triton.cdiv(n, split)
+    bases = [0]
+    for src in sources:
+        bases.append(bases[-1] + triton.cdiv(src.count, split))
     dev = scores.device
     m_b = torch.empty(hkv, g, n, device=dev)
     l_b, l2_b = torch.empty_like(m_b), torch.empty_like(m_b)
     canary = torch.zeros(hkv, g, n, dtype=torch.int8, device=dev)
-    m = torch.empty(hkv, g, n_splits, device=dev)
+    m = torch.empty(hkv, g, bases[-1], device=dev)
     lsum = torch.empty_like(m)
-    acc = torch.empty(hkv, g, n_splits, d, device=dev)
-    q = q.float().contiguous()
-    gate = gate.to(torch.int8).contiguous()
-    delta = scored.delta_b.float().contiguous()
-    key_data, value_data = key_data.contiguous(), value_data.contiguous()
-    assert key_data.stride()[1:] == value_data.stride()[1:] and m_b.stride() == gate.stride()
-    assert tail.stride(2) == 1
-    _attend_kernel[(hkv, n_splits)](
-        scores, q, key_slot.contiguous(), key_data, gate, delta,
-        codes, vscale, voffset, value_slot.contiguous(), value_data, tail,
-        m_b, l_b, l2_b, canary, m, lsum, acc,
-        scores.stride(0), scores.stride(1), scores.stride(2), q.stride(0), q.stride(1),
-        codes.stride(0), codes.stride(1), codes.stride(2),
-        vscale.stride(0), vscale.stride(1), vscale.stride(2), value_slot.stride(0),
-        value_data.stride(0), value_data.stride(1), tail.stride(0), tail.stride(1),
-        m_b.stride(0), m_b.stride(1), m.stride(0), m.stride(1),
-        acc.stride(0), acc.stride(1), acc.stride(2),
-        n, codes.shape[1], tail_len, float(scaling), float(eps_guard),
-        G=g, BLOCK_G=triton.next_power_of_2(g), B=bsz, D=d, DOT_C=dot_chunk(d), GROUP=group,
-        SPLIT=split)
+    acc = torch.empty(hkv, g, bases[-1], d, device=dev)
+    shared = (scores, q.float().contiguous(), key_slot.contiguous(), key_data.contiguous(),
+              gate.to(torch.int8).contiguous(), scored.delta_b.float().contiguous(),
+              value_slot.contiguous(), value_data.contiguous(), (m_b, l_b, l2_b, canary),
+              (m, lsum, acc))
+    assert m_b.stride() == gate.stride()
+    for src, base in zip(sources, bases, strict=False):
+        _launch_attend(src, base, shared, n, scaling, eps_guard, split)
     att = reduce_splits(m_b, l_b, m, lsum, acc, l2_b)
     att.canary = canary.bool()
     return att
+
+
+def _launch_attend(src, base, shared, n, scaling, eps_guard, split) -> None:
+    """One Phase-2 launch over ``src``'s blocks: block statistics at their indices, split
+    states from split ``base`` on."""
+    scores, q, key_slot, key_data, gate, delta, value_slot, value_data, blocks_out, state = shared
+    m_b, l_b, l2_b, canary = blocks_out
+    m, lsum, acc = state
+    hkv, g, _, bsz = scores.shape
+    d = q.shape[-1]
+    lay, data = src.layout, src.data
+    vscale = data if lay.fp16 else src.scale  # FP16: valid pointers the kernel never reads
+    voffset = data if lay.fp16 else src.offset
+    blocks = data if src.is_tail else src.blocks
+    slots = data if src.is_tail else src.slots
+    assert data.stride(3) == 1 and (lay.fp16 or vscale.stride() == voffset.stride())
+    _attend_kernel[(hkv, triton.cdiv(src.count, split))](
+        scores, q, key_slot, key_data, gate, delta,
+        data, vscale, voffset, blocks, slots, value_slot, value_data,
+        m_b, l_b, l2_b, canary, m, lsum, acc,
+        scores.stride(0), scores.stride(1), scores.stride(2), q.stride(0), q.stride(1),
+        data.stride(0), data.stride(1), data.stride(2),
+        vscale.stride(0), vscale.stride(1), vscale.stride(2), value_slot.stride(0),
+        key_data.stride(0), key_data.stride(1), value_data.stride(0), value_data.stride(1),
+        m_b.stride(0), m_b.stride(1), m.stride(0), m.stride(1),
+        acc.stride(0), acc.stride(1), acc.stride(2),
+        src.count, base, n - 1, src.rows(bsz), float(scaling), float(eps_guard),
+        G=g, BLOCK_G=triton.next_power_of_2(g), B=bsz, D=d, DOT_C=dot_chunk(d),
+        GROUP=lay.group, SPLIT=split, FP16=lay.fp16, BITS=lay.bits, TAIL=src.is_tail)

@@ -1,11 +1,13 @@
-"""Triton backend: Phase 1 from INT8 codes, Phase 2 from INT4 codes and gated FP16 keys, and the
-ranking/boundary checks, each one kernel.
+"""Triton backend: Phase 1 from key codes, Phase 2 from value codes and gated FP16 keys, and
+the ranking/boundary checks.
 
-Used automatically on CUDA (``backend=auto``); on CPU it runs under ``TRITON_INTERPRET=1``
-(tests, small shapes). Codecs or shapes the kernels do not cover (sub-byte keys, INT8/2-bit
-values, non-power-of-two B or d, FP64 scalars, a store mixing precisions or holding exact
-windows) fall back to the PyTorch reference per phase, with a one-time notice, so results never
-depend on the backend beyond FP32 rounding.
+Each phase launches one kernel per precision holding blocks and one for the exact tail block
+(``triton_sources``): keys FP16 or 2/4/8-bit per channel (INT8 channel-affine, KIVI), values FP16
+or 2/4/8-bit per group, in any mix (exact sink and residual windows included). Used automatically
+on CUDA (``backend=auto``); on CPU it runs under ``TRITON_INTERPRET=1`` (tests, small shapes).
+Codecs or shapes the kernels do not cover (3-bit codes, rotations, pre-RoPE keys, dense-and-
+sparse values, non-power-of-two B or d) fall back to the PyTorch reference per phase, with a
+one-time notice, so results never depend on the backend beyond FP32 rounding.
 """
 
 from __future__ import annotations
@@ -20,14 +22,9 @@ from certkv.certify.arith import Rounding, dot_depth
 from certkv.errors import ConfigError, require
 from certkv.kernels.layout import StagedBlocks, StepLayout
 from certkv.kernels.reference import Attended, Scored, TorchBackend, dense_attention
-from certkv.quant.int4_group import GroupAffineValueCodec
-from certkv.quant.int8_channel import ChannelAffineKeyCodec
+from certkv.kernels.triton_sources import block_sources
 
 _NOTICED: set = set()  # (phase inputs, quantizer) already noticed as not covered
-
-
-def _pow2(x: int) -> bool:
-    return x > 0 and x & (x - 1) == 0
 
 
 def triton_available() -> bool:
@@ -41,7 +38,8 @@ def triton_available() -> bool:
 
 @dataclass
 class TritonBackend:
-    """Fused kernels for INT8 keys / INT4 values; the reference for everything else."""
+    """Fused kernels for FP16 and 2/4/8-bit affine blocks of any mix of precisions; the
+    reference for every other codec."""
 
     split: int | None = None  # blocks per program in Phase 1 / 2 (None: by SM count)
     name: str = "triton"
@@ -52,63 +50,52 @@ class TritonBackend:
                 "backend=torch.")
         self.reference = TorchBackend()
 
-    def _keys_supported(self, lay: StepLayout) -> bool:
-        store, held = lay.store, lay.store.single_precision()
-        codec = None if held is None else held.key_codec
-        return self._noticed(isinstance(codec, ChannelAffineKeyCodec) and codec.bits == 8
-                             and _pow2(store.block_size) and _pow2(store.head_dim), store, "keys")
-
-    def _values_supported(self, lay: StepLayout) -> bool:
-        store, held = lay.store, lay.store.single_precision()
-        codec = None if held is None else held.value_codec
-        return self._noticed(isinstance(codec, GroupAffineValueCodec) and codec.bits == 4
-                             and _pow2(store.block_size) and _pow2(store.head_dim), store,
-                             "values")
-
-    def _noticed(self, supported: bool, store, what: str) -> bool:
-        """``supported``; the first time a kind of store is not, one notice says so."""
-        if supported:  # the hot path: no repr of the quantizer per phase call
-            return True
-        key = (what, repr(store.quantizer))
+    def _sources(self, lay: StepLayout, which: str) -> list | None:
+        """The kernel launches of one phase (``which``: ``"key"`` or ``"value"``), or None
+        where a held precision is not covered; the first time a kind of store is not, one
+        notice says so."""
+        sources = block_sources(lay.store, which)
+        if sources is not None:  # the hot path: no repr of the quantizer per phase call
+            return sources
+        store = lay.store
+        key = (which, repr(store.quantizer))
         if key not in _NOTICED:
             _NOTICED.add(key)
-            warnings.warn(f"the Triton kernels read {what} of one precision (INT8 keys per "
-                          f"channel, INT4 values per group; powers of two B and d); a store "
-                          f"with {store.quantizer.label} at B={store.block_size}, "
+            warnings.warn(f"the Triton kernels read {which}s as FP16 or 2/4/8-bit affine codes "
+                          f"(keys per channel, values per group; powers of two B and d); a "
+                          f"store with {store.quantizer.label} at B={store.block_size}, "
                           f"d={store.head_dim} runs that phase on the PyTorch reference.",
                           RuntimeWarning, stacklevel=4)
-        return supported
+        return None
 
     def phase1(self, q: torch.Tensor, lay: StepLayout, scaling: float) -> Scored:
-        """Phase 1 in one kernel: logits, log-masses, log-spreads and Delta_b of every INT8
-        block and of the exact FP16 tail block (read in place)."""
-        if not self._keys_supported(lay):
+        """Phase 1, one kernel per precision holding blocks (and one for the exact tail block):
+        logits, log-masses, log-spreads and Delta_b of every block at its index."""
+        sources = self._sources(lay, "key")
+        if sources is None:
             return self.reference.phase1(q, lay, scaling)
-        from certkv.kernels.triton_score import int8_phase1
+        from certkv.kernels.triton_score import score_blocks
 
-        store = lay.store
-        blocks = store.key_blocks()
-        s, log_mass, delta, log_spread = int8_phase1(
-            q, blocks["codes"], blocks["scale"], blocks["offset"], store.tail_buffers()[0],
-            store.tail_len, scaling, store.key_codec.bound_coefficients(), self.split)
+        s, log_mass, delta, log_spread = score_blocks(q, sources, lay.num_blocks,
+                                                      lay.store.block_size, scaling, self.split)
         return Scored(scores=s, log_mass=log_mass, delta_b=delta, log_spread=log_spread)
 
     def phase2(self, q, scored: Scored, lay: StepLayout, gate, keys, values, scaling,
                eps_guard) -> Attended:
-        """Phase 2 in one split-KV kernel: gated FP16-key logits (and the canary) on staged key
-        blocks, INT4 values unpacked in registers, staged FP16 values (value promotion and the
-        exact tail block) through slot maps."""
-        if not self._values_supported(lay):
+        """Phase 2, one split-KV kernel per precision (and one for the tail block) and one
+        merge: gated FP16-key logits (and the canary) on staged key blocks, value codes
+        unpacked in registers, staged FP16 values (value promotion) and exact blocks read in
+        place."""
+        sources = self._sources(lay, "value")
+        if sources is None:
             return self.reference.phase2(q, scored, lay, gate, keys, values, scaling, eps_guard)
-        from certkv.kernels.triton_attend import int4_attend
+        from certkv.kernels.triton_attend import attend_blocks
 
-        store = lay.store
-        shape = (store.num_kv_heads, lay.num_blocks)
+        shape = (lay.store.num_kv_heads, lay.num_blocks)
         key_slot, key_data = slot_map(keys, shape, lay)
         value_slot, value_data = slot_map(values, shape, lay)
-        return int4_attend(scored, q, gate, key_slot, key_data, store.value_blocks(),
-                           value_slot, value_data, store.tail_buffers()[1], store.tail_len,
-                           store.value_codec.group, scaling, eps_guard, self.split)
+        return attend_blocks(scored, q, gate, key_slot, key_data, sources, value_slot,
+                             value_data, scaling, eps_guard, self.split)
 
     def checks(self, l_int8, l_fp16, delta_b, promoted, tail, r):
         """Ranking (eq. 17) and boundary (eq. 18) flags ``[Hq]`` in one tiny kernel."""
@@ -128,7 +115,7 @@ class TritonBackend:
         splits, then one per chunk: at most ``64 + n / 64``) and the division. Plain FP32
         multiply-adds: no reduced-precision matmul."""
         reference = self.reference.rounding(lay)
-        if not (self._values_supported(lay) and self._keys_supported(lay)):
+        if self._sources(lay, "value") is None or self._sources(lay, "key") is None:
             return reference  # a phase runs the reference (BLAS dot products, any order)
         from certkv.kernels.triton_score import MAX_SPLIT
 

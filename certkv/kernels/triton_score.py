@@ -1,15 +1,17 @@
-"""Triton Phase 1 (paper Alg. 1): block logits, log-masses and Delta_b from INT8 key codes.
+"""Triton Phase 1 (paper Alg. 1): block logits, log-masses and Delta_b from key codes.
 
-Grid ``(kv head, split)``: each program walks ``SPLIT`` consecutive blocks; per block it loads
-the INT8 codes ``[B, d]`` and FP32 per-channel scale/offset once for all ``G`` query heads of
-the kv head (GQA-aware), dequantizes in registers (eq. 3) and writes
+One launch per precision holding blocks (``triton_sources``); grid ``(kv head, split)``: each
+program walks ``SPLIT`` of that precision's blocks through its index list; per block it loads the
+codes ``[B, d]`` (or the FP16 originals of an exact block) and the per-channel scale/offset once
+for all ``G`` query heads of the kv head (GQA-aware), dequantizes in registers (eq. 3) and
+writes, at the block's index,
 
-* the logits ``s_{b,t}`` (read again by Phase 2 for the blocks it keeps at INT8; the exact tail
-  block's FP16 keys are read in place from the store's tail buffer),
+* the logits ``s_{b,t}`` (read again by Phase 2 for the blocks it keeps quantized; the exact
+  tail block's FP16 keys are read in place from the store's tail buffer),
 * the block log-mass ``l_b = m_b + log sum_t exp(s_{b,t} - m_b)`` (eq. 8's ``p_hat`` before
   normalisation),
 * ``Delta_b = scaling * sum_c |q_c| r_c`` (eq. 8) with ``r_c = a sigma_c + b |z_c|`` computed from
-  the scales already in registers (the codec's ``bound_coefficients``),
+  the scales already in registers (the codec's ``bound_coefficients``; 0 on exact blocks),
 * the block log-spread ``m_b + log sum_t exp(2 (s_{b,t} - m_b)) / 2`` (``log ||e^{s_b}||_2``,
   the value policy's spread estimate), one more sum over the logits already in registers.
 
@@ -48,11 +50,41 @@ def channel_dot(q, k, BLOCK_G: tl.constexpr, B: tl.constexpr, D: tl.constexpr,
 
 
 @triton.jit
-def _score_kernel(q_ptr, code_ptr, scale_ptr, offset_ptr, tail_ptr, s_out, l_out, d_out, ls_out,
-                  s_qk, s_qg, s_ck, s_cn, s_ct, s_sk, s_sn, s_tk, s_tt, s_ok, s_og, s_on,
-                  s_lk, s_lg, n_blocks, n_quant, tail_len, scaling, bound_a, bound_b,
+def load_codes(ptr, base, t, c, s_t, mask, BITS: tl.constexpr):
+    """Codes ``[B, D]`` as FP32 from ``ptr + base`` (row stride ``s_t``): int8 as stored at
+    ``BITS = 8``, else unsigned ``BITS``-wide codes packed ``8 // BITS`` per byte along the
+    channels (code ``i`` of a byte in its bits ``[i BITS, (i + 1) BITS)``)."""
+    if BITS == 8:
+        code = tl.load(ptr + base + t[:, None] * s_t + c[None, :], mask=mask, other=0)
+    else:
+        PER: tl.constexpr = 8 // BITS
+        byte = tl.load(ptr + base + t[:, None] * s_t + c[None, :] // PER, mask=mask, other=0)
+        code = (byte >> ((c[None, :] % PER) * BITS).to(tl.uint8)) & ((1 << BITS) - 1)
+    return code.to(tl.float32)
+
+
+@triton.jit
+def entry(blk_ptr, slot_ptr, e, n_entries, tail_blk, TAIL: tl.constexpr):
+    """``(block index, slot)`` of entry ``e`` of a launch; past the last entry it reads the last
+    one again (in bounds; the caller stores nothing). The tail launch has one entry, slot 0."""
+    if TAIL:
+        blk = tail_blk + 0 * e
+        slot = 0 * e
+    else:
+        last = tl.minimum(e, n_entries - 1)
+        blk = tl.load(blk_ptr + last)
+        slot = tl.load(slot_ptr + last)
+    return blk, slot
+
+
+@triton.jit
+def _score_kernel(q_ptr, code_ptr, scale_ptr, offset_ptr, blk_ptr, slot_ptr,
+                  s_out, l_out, d_out, ls_out,
+                  s_qk, s_qg, s_ck, s_cn, s_ct, s_sk, s_sn, s_ok, s_og, s_on, s_lk, s_lg,
+                  n_entries, tail_blk, n_rows, scaling, bound_a, bound_b,
                   G: tl.constexpr, BLOCK_G: tl.constexpr, B: tl.constexpr, D: tl.constexpr,
-                  DOT_C: tl.constexpr, SPLIT: tl.constexpr):
+                  DOT_C: tl.constexpr, SPLIT: tl.constexpr, FP16: tl.constexpr,
+                  BITS: tl.constexpr, BIAS: tl.constexpr, TAIL: tl.constexpr):
     kv = tl.program_id(0)
     g = tl.arange(0, BLOCK_G)
     t = tl.arange(0, B)
@@ -60,30 +92,32 @@ def _score_kernel(q_ptr, code_ptr, scale_ptr, offset_ptr, tail_ptr, s_out, l_out
     gmask = g < G
     q = load_group_queries(q_ptr, kv, s_qk, s_qg, G, BLOCK_G, D)
     q_abs = tl.abs(q)
+    rows = t < n_rows  # [B]: filled token slots (``tail_len`` on the tail block, else B)
     for i in range(SPLIT):
-        blk = tl.program_id(1) * SPLIT + i
-        quant = (c * 0 + blk) < n_quant  # [D]: an INT8 block
-        tail = (t * 0 + blk) == n_quant  # [B]: the exact FP16 tail block
-        codes = tl.load(code_ptr + kv * s_ck + blk * s_cn + t[:, None] * s_ct + c[None, :],
-                        mask=quant[None, :], other=0)
-        scale = tl.load(scale_ptr + kv * s_sk + blk * s_sn + c, mask=quant, other=0.0)
-        offset = tl.load(offset_ptr + kv * s_sk + blk * s_sn + c, mask=quant, other=0.0)
-        k = codes.to(tl.float32) * scale[None, :] + offset[None, :]  # eq. 3, in registers
-        k16 = tl.load(tail_ptr + kv * s_tk + t[:, None] * s_tt + c[None, :],
-                      mask=(tail & (t < tail_len))[:, None], other=0.0)
-        k = tl.where(tail[:, None], k16.to(tl.float32), k)
+        e = tl.program_id(1) * SPLIT + i
+        blk, slot = entry(blk_ptr, slot_ptr, e, n_entries, tail_blk, TAIL)
+        base = kv * s_ck + slot * s_cn
+        if FP16:  # an exact block: the originals, Delta_b = 0
+            k = tl.load(code_ptr + base + t[:, None] * s_ct + c[None, :], mask=rows[:, None],
+                        other=0.0).to(tl.float32)
+            delta = tl.zeros((BLOCK_G,), tl.float32)
+        else:
+            code = load_codes(code_ptr, base, t, c, s_ct, rows[:, None], BITS)
+            scale = tl.load(scale_ptr + kv * s_sk + slot * s_sn + c).to(tl.float32)
+            offset = tl.load(offset_ptr + kv * s_sk + slot * s_sn + c).to(tl.float32)
+            k = (code - BIAS) * scale[None, :] + offset[None, :]  # eq. 3, in registers
+            bound = tl.where(scale > 0, bound_a * scale + bound_b * tl.abs(offset), 0.0)  # r_c
+            delta = tl.sum(q_abs * bound[None, :], axis=1) * scaling  # eq. 8
         s = channel_dot(q, k, BLOCK_G, B, D, DOT_C) * scaling  # [BLOCK_G, B]
-        s = tl.where((tail & (t >= tail_len))[None, :], float("-inf"), s)  # empty slots
-        live_g = gmask & ((g * 0 + blk) < n_blocks)
+        s = tl.where(rows[None, :], s, float("-inf"))  # empty tail slots
+        live_g = gmask & ((g * 0 + e) < n_entries)
         tl.store(s_out + kv * s_ok + g[:, None] * s_og + blk * s_on + t[None, :], s,
                  mask=live_g[:, None])
         m = tl.max(s, axis=1)
-        m = tl.where(m == float("-inf"), 0.0, m)  # past the last block: nothing is stored
+        m = tl.where(m == float("-inf"), 0.0, m)  # no finite logit (non-finite inputs)
         w = tl.exp(s - m[:, None])
         log_mass = m + tl.log(tl.sum(w, axis=1))
         log_spread = m + 0.5 * tl.log(tl.sum(w * w, axis=1))
-        bound = tl.where(scale > 0, bound_a * scale + bound_b * tl.abs(offset), 0.0)  # r_c
-        delta = tl.sum(q_abs * bound[None, :], axis=1) * scaling  # eq. 8 (0 on the tail)
         tl.store(l_out + kv * s_lk + g * s_lg + blk, log_mass, mask=live_g)
         tl.store(d_out + kv * s_lk + g * s_lg + blk, delta, mask=live_g)
         tl.store(ls_out + kv * s_lk + g * s_lg + blk, log_spread, mask=live_g)
@@ -101,36 +135,43 @@ def blocks_per_program(n: int, hkv: int, device: torch.device, waves: int = 4) -
     return max(1, min(MAX_SPLIT, triton.next_power_of_2(triton.cdiv(n * hkv, waves * sms))))
 
 
-def int8_phase1(q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
-                offset: torch.Tensor, tail: torch.Tensor, tail_len: int, scaling: float,
-                bound: tuple[float, float], split: int | None = None):
-    """Phase 1 of ``q [Hkv, G, d]`` over the ``n_q`` INT8 blocks ``codes [Hkv, n_q, B, d]``
-    (FP32 ``scale, offset [Hkv, n_q, d]``) and, when ``tail_len > 0``, the exact FP16 tail block
-    read in place from ``tail [Hkv, B, d]``. ``bound = (a, b)`` of ``r_c = a sigma_c + b |z_c|``;
-    ``split`` blocks per program (``None``: :func:`blocks_per_program`).
+def score_blocks(q: torch.Tensor, sources: list, n: int, block_size: int, scaling: float,
+                 split: int | None = None):
+    """Phase 1 of ``q [Hkv, G, d]`` over ``n`` blocks given as :class:`BlockSource` launches
+    (one per precision, then the exact tail block; ``triton_sources.block_sources``), ``split``
+    blocks per program (``None``: :func:`blocks_per_program`).
 
     Returns ``(s [Hkv, G, n, B], log_mass, delta_b, log_spread [Hkv, G, n])``, all FP32, with
-    ``n = n_q + (tail_len > 0)``, ``-inf`` logits on empty tail slots and ``Delta_b = 0`` there.
+    ``-inf`` logits on empty tail slots and ``Delta_b = 0`` on exact blocks.
     """
-    hkv, group, d = q.shape
-    n_q, bsz = codes.shape[1], codes.shape[2]
-    n = n_q + (tail_len > 0)
+    hkv, group, _ = q.shape
     q = q.float().contiguous()
-    s = torch.empty(hkv, group, n, bsz, device=q.device, dtype=torch.float32)
+    s = torch.empty(hkv, group, n, block_size, device=q.device, dtype=torch.float32)
     log_mass = torch.empty(hkv, group, n, device=q.device, dtype=torch.float32)
     delta = torch.empty_like(log_mass)
     log_spread = torch.empty_like(log_mass)
-    if n == 0:
-        return s, log_mass, delta, log_spread
-    assert codes.stride(3) == 1 and scale.stride(2) == 1 and scale.stride() == offset.stride()
-    assert tail.stride(2) == 1
     split = split or blocks_per_program(n, hkv, q.device)
-    _score_kernel[(hkv, triton.cdiv(n, split))](
-        q, codes, scale, offset, tail, s, log_mass, delta, log_spread,
-        q.stride(0), q.stride(1), codes.stride(0), codes.stride(1), codes.stride(2),
-        scale.stride(0), scale.stride(1), tail.stride(0), tail.stride(1),
-        s.stride(0), s.stride(1), s.stride(2), log_mass.stride(0), log_mass.stride(1),
-        n, n_q, tail_len, float(scaling), float(bound[0]), float(bound[1]),
-        G=group, BLOCK_G=triton.next_power_of_2(group), B=bsz, D=d, DOT_C=dot_chunk(d),
-        SPLIT=split)
+    for src in sources:
+        _launch_scores(q, src, (s, log_mass, delta, log_spread), n, scaling, split)
     return s, log_mass, delta, log_spread
+
+
+def _launch_scores(q, src, out, n, scaling, split) -> None:
+    """One Phase-1 launch over ``src``'s blocks, writing into ``out`` at their indices."""
+    s, log_mass, delta, log_spread = out
+    hkv, group, d = q.shape
+    lay, data = src.layout, src.data
+    scale = data if lay.fp16 else src.scale  # FP16: valid pointers the kernel never reads
+    offset = data if lay.fp16 else src.offset
+    blocks = data if src.is_tail else src.blocks
+    slots = data if src.is_tail else src.slots
+    assert data.stride(3) == 1 and (lay.fp16 or scale.stride() == offset.stride())
+    _score_kernel[(hkv, triton.cdiv(src.count, split))](
+        q, data, scale, offset, blocks, slots, s, log_mass, delta, log_spread,
+        q.stride(0), q.stride(1), data.stride(0), data.stride(1), data.stride(2),
+        scale.stride(0), scale.stride(1),
+        s.stride(0), s.stride(1), s.stride(2), log_mass.stride(0), log_mass.stride(1),
+        src.count, n - 1, src.rows(s.shape[3]), float(scaling),
+        float(lay.bound[0]), float(lay.bound[1]),
+        G=group, BLOCK_G=triton.next_power_of_2(group), B=s.shape[3], D=d, DOT_C=dot_chunk(d),
+        SPLIT=split, FP16=lay.fp16, BITS=lay.bits, BIAS=lay.bias, TAIL=src.is_tail)

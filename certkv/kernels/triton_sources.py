@@ -1,0 +1,129 @@
+"""What the Triton kernels read: the blocks of one precision at a time.
+
+A mixed-precision Tier-1 (:class:`~certkv.cache.blocks.BlockTable`) keeps one buffer per
+precision. Each phase launches its kernel once per precision holding blocks (and once for the
+exact FP16 tail block); every launch walks that precision's blocks through an index list
+(block index, slot in the buffer) and writes its results at the global block indices, so the
+outputs are exactly those of one pass over all blocks in block order.
+
+A launch reads one :class:`CodeLayout`:
+
+* ``FP16``: the originals (an exact window, or FP16 values of ``int8_fp16``);
+* ``AFFINE``: unsigned ``bits``-wide codes packed ``8 // bits`` per byte along the channels
+  (int8 stored as-is at 8 bits), decoded ``(code - bias) * scale + offset`` in FP32 (eq. 3) with
+  the scale and offset per channel per block (keys) or per token per channel group (values).
+
+Covered: keys of :class:`~certkv.quant.int8_channel.ChannelAffineKeyCodec` and
+:class:`~certkv.quant.kivi.KiviKeyCodec` at 2, 4 or 8 bits, values of
+:class:`~certkv.quant.int4_group.GroupAffineValueCodec` at 2, 4 or 8 bits, and FP16 either side.
+Anything else (3-bit codes, rotations, pre-RoPE keys, dense-and-sparse values) returns None and
+the phase runs on the PyTorch reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from certkv.quant.fp16 import FP16KeyCodec, FP16ValueCodec
+from certkv.quant.int4_group import GroupAffineValueCodec
+from certkv.quant.int8_channel import ChannelAffineKeyCodec
+from certkv.quant.kivi import KiviKeyCodec
+
+KERNEL_BITS = (2, 4, 8)  # code widths the kernels unpack (whole codes per byte)
+
+
+@dataclass(frozen=True)
+class CodeLayout:
+    """How a kernel decodes one precision's blocks (compile-time constants of a launch).
+
+    ``fp16``: stored originals (``bits = 16``); else affine codes ``bits`` wide, ``bias``
+    subtracted from the unsigned code, ``bound = (a, b)`` of ``r_c = a scale_c + b |offset_c|``
+    (keys; Delta_b, eq. 8) and ``group`` channels per scale (values).
+    """
+
+    fp16: bool
+    bits: int = 16
+    bias: int = 0
+    bound: tuple[float, float] = (0.0, 0.0)
+    group: int = 1
+
+
+def key_layout(codec) -> CodeLayout | None:
+    """The kernel layout of a key codec, or None where the kernels do not cover it."""
+    if type(codec) is FP16KeyCodec:
+        return CodeLayout(fp16=True)
+    if type(codec) is ChannelAffineKeyCodec and codec.bits in KERNEL_BITS:
+        bias = 0 if codec.bits == 8 else 1 << (codec.bits - 1)  # int8 stored signed
+        return CodeLayout(False, codec.bits, bias, codec.bound_coefficients())
+    if type(codec) is KiviKeyCodec and codec.bits in KERNEL_BITS:
+        return CodeLayout(False, codec.bits, 0, codec.bound_coefficients())
+    return None
+
+
+def value_layout(codec, head_dim: int) -> CodeLayout | None:
+    """The kernel layout of a value codec at ``head_dim``, or None where not covered."""
+    if type(codec) is FP16ValueCodec:
+        return CodeLayout(fp16=True)
+    if (type(codec) is GroupAffineValueCodec and codec.bits in KERNEL_BITS
+            and head_dim % codec.group == 0):
+        return CodeLayout(False, codec.bits, group=codec.group)
+    return None
+
+
+@dataclass
+class BlockSource:
+    """One launch's blocks.
+
+    ``data``: FP16 originals ``[Hkv, slots, B, d]`` or codes ``[Hkv, slots, B, d * bits / 8]``;
+    ``scale``/``offset``: keys ``[Hkv, slots, d]``, values ``[Hkv, slots, B, d / group]`` (None
+    for FP16); ``blocks``/``slots``: device int64 ``[m]``, the block indices and their rows in
+    ``data``, or None for the tail block (``data [Hkv, 1, B, d]``, ``tail_len`` valid rows, at
+    block index ``num_completed``).
+    """
+
+    layout: CodeLayout
+    data: torch.Tensor
+    scale: torch.Tensor | None
+    offset: torch.Tensor | None
+    blocks: torch.Tensor | None
+    slots: torch.Tensor | None
+    count: int  # blocks in this launch (host)
+    tail_len: int = 0  # valid rows of the tail block
+
+    @property
+    def is_tail(self) -> bool:
+        return self.blocks is None
+
+    def rows(self, block_size: int) -> int:
+        """Filled token slots of each block: ``tail_len`` on the tail block, else ``B``."""
+        return self.tail_len if self.is_tail else block_size
+
+
+def block_sources(store, which: str) -> list[BlockSource] | None:
+    """The launches of one phase over ``store``: one per precision holding blocks (``which``:
+    ``"key"`` or ``"value"`` codes), then the exact tail block if any; None when a precision
+    is not covered or ``B``/``d`` is not a power of two."""
+    if not (_pow2(store.block_size) and _pow2(store.head_dim)):
+        return None
+    sources = []
+    for precision, keys, values, blocks, slots in store.block_groups():
+        codec = getattr(precision, f"{which}_codec")
+        layout = (key_layout(codec) if which == "key"
+                  else value_layout(codec, store.head_dim))
+        if layout is None:
+            return None
+        codes = keys if which == "key" else values
+        data = codes["data"] if layout.fp16 else codes["codes"]
+        sources.append(BlockSource(layout, data, codes.get("scale"), codes.get("offset"),
+                                   blocks, slots, blocks.shape[0]))
+    if store.tail_len:
+        tail = store.tail_buffers()[0 if which == "key" else 1]
+        sources.append(BlockSource(CodeLayout(fp16=True), tail.unsqueeze(1), None, None, None,
+                                   None, 1, store.tail_len))
+    return sources
+
+
+def _pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
