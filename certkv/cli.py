@@ -221,6 +221,41 @@ def bench_attention(
     bench.show(tables, notes, path)
 
 
+@bench_app.command("codecs")
+def bench_codecs(
+    context: int = 4096, kv_heads: int = 3, head_dim: int = 64, repeats: int = 5,
+    device: str = "auto",
+    out: Annotated[Path | None, typer.Option(
+        help="write into this directory (e.g. reports/methods) instead of a new "
+             "runs/bench/codecs_<device>-<time>/")] = None,
+    force: Annotated[bool, typer.Option(
+        "--force", help="with --out: replace codecs_<device>.md/.json/.png already there")]
+    = False,
+) -> None:
+    """Bytes per token and dequantization time of every quantizer's precisions (seed 004's
+    targets: archive compression, ms per 1K tokens per layer), and each store's Tier-1."""
+    from certkv import bench, bench_codecs
+
+    if min(context, kv_heads, head_dim, repeats) < 1:
+        _fail("--context, --kv-heads, --head-dim and --repeats must be positive, e.g. "
+              "--context 4096 --repeats 5.")
+    dev = _device(device)
+    case = bench_codecs.CodecCase(context, kv_heads, head_dim)
+    report = bench.BenchReport(f"codecs_{dev.type}", _command(), out, force)
+    with _user_errors():
+        report.check()
+    with bench.progress(len(bench_codecs.QUANTIZERS), "bench codecs") as update, \
+            _user_errors():
+        records = bench_codecs.bench_codecs(case, dev, repeats, update)
+    tables = bench_codecs.codec_tables(records, case)
+    notes = bench.spread_warnings([{"short_label": f"{r['quantizer']}:{r['precision']}",
+                                    "ms_stats": {"decode": r["ms_stats"]}}
+                                   for r in records["precisions"]])
+    path = report.write({"case": vars(case), **records}, bench.markdown(tables, notes),
+                        lambda p: bench_codecs.plot_codecs(records, p))
+    bench.show(tables, notes, path)
+
+
 @bench_app.command("decode")
 def bench_decode(
     model: Annotated[str, typer.Option(help="model config: smollm2_135m, llama31_8b")] = (

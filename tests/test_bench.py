@@ -282,3 +282,27 @@ def test_targets_are_checked_against_the_peak_bandwidth():
     assert "| step <= 1.5x dense | N=65536 | 1.60x | no |" in text
     assert "| checks <= 5% of step | N=65536 | 4.0% | yes |" in text
     assert "not evaluated" in bench.target_lines([], None)[0]
+
+
+def test_bench_codecs_counts_every_byte_and_writes_report(tmp_path):
+    """Per precision: bytes per token from the codes' own sizes (2-bit KIVI at d = 64, B = 32,
+    g = 32: 2 x 16 code bytes, 4 d / B key and 4 d / g value metadata bytes = 48); per store:
+    a single-precision store without windows holds exactly its precision's bytes."""
+    result = runner.invoke(app, ["bench", "codecs", "--context", "512", "--repeats", "1",
+                                 "--device", "cpu", "--out", str(tmp_path)],
+                           env={"COLUMNS": "100"})
+    assert result.exit_code == 0, result.output
+    data = json.loads((tmp_path / "codecs_cpu.json").read_text())["records"]
+    per = {(r["quantizer"], r["precision"]): r for r in data["precisions"]}
+    assert per["kivi2", "quantized"]["bytes_per_token"] == 2 * 16 + 4 * 64 / 32 + 4 * 64 / 32
+    assert {q for q, _ in per} >= {"int8_int4", "kivi4", "kivi2", "tiers-rotation",
+                                    "tiers-kvquant"}  # tiers-kivi2's precisions are kivi's
+    stores = {r["quantizer"]: r for r in data["stores"]}
+    assert stores["int8_int4"]["tier1_per_token"] == per["int8_int4", "quantized"][
+        "bytes_per_token"]
+    assert stores["kivi2"]["by_precision"].keys() == {"exact", "quantized"}  # residual 128
+    for r in data["precisions"]:
+        assert r["compression"] == 256 / r["bytes_per_token"] and r["dequant_ms_per_1k"] > 0
+    text = (tmp_path / "codecs_cpu.md").read_text()
+    assert "| tiers-rotation | archive-rotation |" in text
+    assert (tmp_path / "codecs_cpu.png").exists()
