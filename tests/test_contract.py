@@ -124,7 +124,7 @@ def check_contract(store, q, attn, scaling=None):
     return bound[fast], err[fast]
 
 
-@settings(max_examples=600, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_contract_holds_on_every_head(sc):
     store, q, attn = build(sc)

@@ -125,7 +125,7 @@ def covered(sc) -> dict:
 
 
 @pytest.mark.skipif(not triton_available(), reason="needs triton (TRITON_INTERPRET=1 on CPU)")
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios().map(covered))
 def test_contract_over_mixed_stores_with_the_triton_kernels(sc):
     """Windows, demotions mid-decode and every warm/archive mix through the kernels (one

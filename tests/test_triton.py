@@ -258,7 +258,7 @@ def triton_scenarios(draw):
 FALLBACK = {**ADVERSARIAL, "tokens": 40, "scaling": None}
 
 
-@settings(max_examples=20, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=14, suppress_health_check=[HealthCheck.too_slow])
 @given(sc=triton_scenarios())
 @example(sc={**FALLBACK, "key_bits": 8, "value_bits": 3})  # Phase 2 falls back
 @example(sc={**FALLBACK, "key_bits": 3, "value_bits": 4, "mode": "naive"})  # Phase 1 falls back
@@ -280,7 +280,7 @@ def test_contract_with_triton_backend():
     runs = []
     contract_with_triton_backend(runs)
     both = sum(r["phase1"] > 0 and r["phase2"] > 0 for r in runs)
-    assert len(runs) >= 23 and both >= 0.75 * len(runs), f"kernels ran in {both} of {len(runs)}"
+    assert len(runs) >= 15 and both >= 0.75 * len(runs), f"kernels ran in {both} of {len(runs)}"
 
 
 def test_triton_and_torch_backends_agree_through_attention():
