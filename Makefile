@@ -25,8 +25,8 @@ demo: $(STAMP)  ## one certified decode step on synthetic data (seconds)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check certkv tests scripts
 
-test: $(STAMP) lint  ## lint + the whole test suite
-	$(PY) -m pytest
+test: $(STAMP) lint  ## lint + the whole test suite (two workers, one test file each at a time)
+	$(PY) -m pytest -n 2 --dist loadfile
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
