@@ -231,12 +231,8 @@ def _launch_attend(src, base, shared, n, scaling, eps_guard, split) -> None:
     m, lsum, acc = state
     hkv, g, _, bsz = scores.shape
     d = q.shape[-1]
-    lay, data = src.layout, src.data
-    vscale = data if lay.fp16 else src.scale  # FP16: valid pointers the kernel never reads
-    voffset = data if lay.fp16 else src.offset
-    blocks = data if src.is_tail else src.blocks
-    slots = data if src.is_tail else src.slots
-    assert data.stride(3) == 1 and (lay.fp16 or vscale.stride() == voffset.stride())
+    lay = src.layout
+    data, vscale, voffset, blocks, slots = src.pointers()
     _attend_kernel[(hkv, triton.cdiv(src.count, split))](
         scores, q, key_slot, key_data, gate, delta,
         data, vscale, voffset, blocks, slots, value_slot, value_data,

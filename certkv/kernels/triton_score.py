@@ -160,12 +160,8 @@ def _launch_scores(q, src, out, n, scaling, split) -> None:
     """One Phase-1 launch over ``src``'s blocks, writing into ``out`` at their indices."""
     s, log_mass, delta, log_spread = out
     hkv, group, d = q.shape
-    lay, data = src.layout, src.data
-    scale = data if lay.fp16 else src.scale  # FP16: valid pointers the kernel never reads
-    offset = data if lay.fp16 else src.offset
-    blocks = data if src.is_tail else src.blocks
-    slots = data if src.is_tail else src.slots
-    assert data.stride(3) == 1 and (lay.fp16 or scale.stride() == offset.stride())
+    lay = src.layout
+    data, scale, offset, blocks, slots = src.pointers()
     _score_kernel[(hkv, triton.cdiv(src.count, split))](
         q, data, scale, offset, blocks, slots, s, log_mass, delta, log_spread,
         q.stride(0), q.stride(1), data.stride(0), data.stride(1), data.stride(2),

@@ -96,6 +96,17 @@ class BlockSource:
     def is_tail(self) -> bool:
         return self.blocks is None
 
+    def pointers(self) -> tuple[torch.Tensor, ...]:
+        """``(data, scale, offset, blocks, slots)`` for a launch: what the layout does not read
+        (FP16 scales, the tail's index lists) is ``data``, a valid pointer never read."""
+        data = self.data
+        scale = data if self.layout.fp16 else self.scale
+        offset = data if self.layout.fp16 else self.offset
+        assert data.stride(3) == 1 and scale.stride() == offset.stride()
+        if self.is_tail:
+            return data, scale, offset, data, data
+        return data, scale, offset, self.blocks, self.slots
+
     def rows(self, block_size: int) -> int:
         """Filled token slots of each block: ``tail_len`` on the tail block, else ``B``."""
         return self.tail_len if self.is_tail else block_size
