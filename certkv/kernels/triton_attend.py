@@ -211,11 +211,11 @@ def attend_blocks(scored: Scored, q: torch.Tensor, gate: torch.Tensor,
     m = torch.empty(hkv, g, bases[-1], device=dev)
     lsum = torch.empty_like(m)
     acc = torch.empty(hkv, g, bases[-1], d, device=dev)
+    gate8 = torch.empty_like(canary).copy_(gate)  # the [Hkv, G, n] layout of m_b, canary
+    delta = torch.empty_like(m_b).copy_(scored.delta_b)
     shared = (scores, q.float().contiguous(), key_slot.contiguous(), key_data.contiguous(),
-              gate.to(torch.int8).contiguous(), scored.delta_b.float().contiguous(),
-              value_slot.contiguous(), value_data.contiguous(), (m_b, l_b, l2_b, canary),
-              (m, lsum, acc))
-    assert m_b.stride() == gate.stride()
+              gate8, delta, value_slot.contiguous(), value_data.contiguous(),
+              (m_b, l_b, l2_b, canary), (m, lsum, acc))
     for src, base in zip(sources, bases, strict=False):
         _launch_attend(src, base, shared, n, scaling, eps_guard, split)
     att = reduce_splits(m_b, l_b, m, lsum, acc, l2_b)
