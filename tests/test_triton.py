@@ -143,7 +143,7 @@ def test_phases_read_every_precision_of_a_mixed_store():
     kernels meet the flash-attention rule against FP64 on a four-precision store, value
     promotion and gated keys included."""
     store, qg = mixed_case(seed=1)
-    held = store.block_groups()
+    held = store.block_groups("key")
     assert [p.label for p, *_ in held] == ["FP16", "K4/V4", "K2/V2"]  # the sink shares FP16
     lay = StepLayout(store)
     scaling = store.head_dim**-0.5

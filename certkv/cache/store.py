@@ -464,14 +464,16 @@ class TieredKVStore:
         precision)."""
         return self._single_view("value")
 
-    def block_groups(self) -> list[tuple[Precision, Blocks, Blocks, torch.Tensor, torch.Tensor]]:
-        """Per precision holding blocks now: ``(precision, key codes, value codes, blocks [m],
-        slots [m])``. Codes are that precision's buffers in slot order (leading dims
-        ``[Hkv, slots]``, no copy); ``blocks`` (device int64) are the indices of its blocks and
-        ``slots`` their rows in the buffers. What the fused kernels read, one launch each."""
+    def block_groups(self, which: str) -> list[tuple[Precision, Blocks, torch.Tensor,
+                                                     torch.Tensor]]:
+        """Per precision holding blocks now: ``(precision, codes, blocks [m], slots [m])``.
+        ``codes`` are that precision's ``which`` (``"key"`` or ``"value"``) buffers in slot
+        order (leading dims ``[Hkv, slots]``, no copy); ``blocks`` (device int64) are the
+        indices of its blocks and ``slots`` their rows in the buffers. What the fused kernels
+        read, one launch each."""
         table = self._table
-        return [(self.precisions[pid], table.view(pid, "key"), table.view(pid, "value"), where,
-                 slots) for pid, where, slots in table.groups()]
+        return [(self.precisions[pid], table.view(pid, which), where, slots)
+                for pid, where, slots in table.groups()]
 
     def value_decode_rounding(self) -> float:
         """The largest ``decode_rounding`` (at this head_dim) of the value codecs holding

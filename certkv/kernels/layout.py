@@ -14,6 +14,7 @@ from functools import cached_property
 import torch
 
 from certkv.cache.store import TieredKVStore
+from certkv.kernels.triton_sources import BlockSource, block_sources
 
 
 @dataclass
@@ -37,6 +38,7 @@ class StepLayout:
 
     def __init__(self, store: TieredKVStore) -> None:
         self.store = store
+        self._sources: dict[str, list[BlockSource] | None] = {}
         nc, t = store.num_blocks, store.tail_len
         self.num_completed = nc
         self.num_quantized = store.num_quantized()  # lossy blocks (host count)
@@ -62,6 +64,14 @@ class StepLayout:
         if store.tail_len:
             valid[-1, store.tail_len:] = False
         return valid
+
+    def kernel_sources(self, which: str) -> list[BlockSource] | None:
+        """The fused kernels' launches over this step's ``which`` (``"key"`` or ``"value"``)
+        codes: :func:`~certkv.kernels.triton_sources.block_sources`, built once per step (a
+        phase and the rounding chain both ask)."""
+        if which not in self._sources:
+            self._sources[which] = block_sources(self.store, which)
+        return self._sources[which]
 
     @cached_property
     def channel_bound(self) -> torch.Tensor:

@@ -22,7 +22,6 @@ from certkv.certify.arith import Rounding, dot_depth
 from certkv.errors import ConfigError, require
 from certkv.kernels.layout import StagedBlocks, StepLayout
 from certkv.kernels.reference import Attended, Scored, TorchBackend, dense_attention
-from certkv.kernels.triton_sources import block_sources
 
 _NOTICED: set = set()  # (phase inputs, quantizer) already noticed as not covered
 
@@ -54,7 +53,7 @@ class TritonBackend:
         """The kernel launches of one phase (``which``: ``"key"`` or ``"value"``), or None
         where a held precision is not covered; the first time a kind of store is not, one
         notice says so."""
-        sources = block_sources(lay.store, which)
+        sources = lay.kernel_sources(which)
         if sources is not None:  # the hot path: no repr of the quantizer per phase call
             return sources
         store = lay.store

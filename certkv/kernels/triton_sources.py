@@ -119,13 +119,12 @@ def block_sources(store, which: str) -> list[BlockSource] | None:
     if not (_pow2(store.block_size) and _pow2(store.head_dim)):
         return None
     sources = []
-    for precision, keys, values, blocks, slots in store.block_groups():
+    for precision, codes, blocks, slots in store.block_groups(which):
         codec = getattr(precision, f"{which}_codec")
         layout = (key_layout(codec) if which == "key"
                   else value_layout(codec, store.head_dim))
         if layout is None:
             return None
-        codes = keys if which == "key" else values
         data = codes["data"] if layout.fp16 else codes["codes"]
         sources.append(BlockSource(layout, data, codes.get("scale"), codes.get("offset"),
                                    blocks, slots, blocks.shape[0]))
