@@ -164,3 +164,55 @@ def check_heads(out, cert, q, store, scaling=None):
         gap = (out.double() - dense_reference(q, store, scaling).double()).norm(dim=-1)
         assert (gap[dense] <= 2 * (bound + slack)[dense]).all()
     return err, bound
+
+
+# ---------------------------------------------------------------- codec data and bounds
+KINDS = ("random", "outliers", "constant", "huge", "tiny", "subnormal", "mixed")
+
+
+def adversarial(kind: str, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    """FP16 blocks ``[..., B, d]``: Gaussian, outlier channels x300, constant tokens (0 and
+    -0.75 but for channel 1) and a constant channel 1, norms near the FP16 maximum, tiny (1e-4)
+    and subnormal (~1e-6) values, or channels spread over ten decades."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=gen, dtype=torch.float64)
+    if kind == "outliers":
+        x[..., 0] *= 300
+        x[..., -3] *= -300
+    elif kind == "constant":
+        x[..., 0, :] = 0.0
+        if shape[-2] > 1:
+            x[..., 1, :] = -0.75
+        x[..., 1] = 1.5
+    elif kind == "huge":
+        x = x * 3e4
+        x[..., 2] = 65504.0
+    elif kind == "tiny":
+        x = x * 1e-4
+    elif kind == "subnormal":
+        x = x * 2.0**-20
+    elif kind == "mixed":
+        x = x * 10 ** (torch.rand(shape[-1], generator=gen, dtype=torch.float64) * 10 - 6)
+    return x.clamp(-65504, 65504).half()
+
+
+def tier1_bytes(*encoded) -> int:
+    return sum(t.numel() * t.element_size() for blocks in encoded for t in blocks.values())
+
+
+def assert_keys_within_bound(codec, k):
+    enc = codec.encode(k)
+    err = (codec.decode(enc).double() - k.double()).abs().amax(dim=-2)  # [Hkv, n, d]
+    bound = codec.channel_bound(enc)
+    assert bound.dtype == torch.float32 and bound.shape == err.shape
+    assert (err <= bound.double()).all()
+    return enc
+
+
+def assert_values_within_bound(codec, v):
+    enc = codec.encode(v)
+    err = (codec.decode(enc).double() - v.double()).norm(dim=-1)  # [Hkv, n, B]
+    bound = codec.token_bound(enc)
+    assert bound.dtype == torch.float32 and bound.shape == err.shape
+    assert (err <= bound.double()).all()
+    return enc

@@ -6,7 +6,16 @@ import math
 
 import pytest
 import torch
-from helpers import check_heads, make_kv, make_query
+from helpers import (
+    KINDS,
+    adversarial,
+    assert_keys_within_bound,
+    assert_values_within_bound,
+    check_heads,
+    make_kv,
+    make_query,
+    tier1_bytes,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -23,56 +32,7 @@ from certkv.quant.packing import check_packable, pack_bits, unpack_bits
 from certkv.quant.rotation import MAX_HEAD_DIM, fwht, hadamard
 
 U = 2.0**-24
-KINDS = ("random", "outliers", "constant", "huge", "tiny", "subnormal", "mixed")
 FAST = settings(max_examples=50, deadline=None)
-
-
-def adversarial(kind: str, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
-    """FP16 blocks ``[..., B, d]``: Gaussian, outlier channels x300, constant tokens (0 and
-    -0.75 but for channel 1) and a constant channel 1, norms near the FP16 maximum, tiny (1e-4)
-    and subnormal (~1e-6) values, or channels spread over ten decades."""
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(*shape, generator=gen, dtype=torch.float64)
-    if kind == "outliers":
-        x[..., 0] *= 300
-        x[..., -3] *= -300
-    elif kind == "constant":
-        x[..., 0, :] = 0.0
-        if shape[-2] > 1:
-            x[..., 1, :] = -0.75
-        x[..., 1] = 1.5
-    elif kind == "huge":
-        x = x * 3e4
-        x[..., 2] = 65504.0
-    elif kind == "tiny":
-        x = x * 1e-4
-    elif kind == "subnormal":
-        x = x * 2.0**-20
-    elif kind == "mixed":
-        x = x * 10 ** (torch.rand(shape[-1], generator=gen, dtype=torch.float64) * 10 - 6)
-    return x.clamp(-65504, 65504).half()
-
-
-def tier1_bytes(*encoded) -> int:
-    return sum(t.numel() * t.element_size() for blocks in encoded for t in blocks.values())
-
-
-def assert_keys_within_bound(codec, k):
-    enc = codec.encode(k)
-    err = (codec.decode(enc).double() - k.double()).abs().amax(dim=-2)  # [Hkv, n, d]
-    bound = codec.channel_bound(enc)
-    assert bound.dtype == torch.float32 and bound.shape == err.shape
-    assert (err <= bound.double()).all()
-    return enc
-
-
-def assert_values_within_bound(codec, v):
-    enc = codec.encode(v)
-    err = (codec.decode(enc).double() - v.double()).norm(dim=-1)  # [Hkv, n, B]
-    bound = codec.token_bound(enc)
-    assert bound.dtype == torch.float32 and bound.shape == err.shape
-    assert (err <= bound.double()).all()
-    return enc
 
 
 # ---------------------------------------------------------------- 3-bit packing

@@ -67,9 +67,9 @@ def spy(monkeypatch, codec) -> list[int]:
     calls: list[int] = []
     original = codec.encode_at
 
-    def encode_at(k, start):
+    def encode_at(k, start, layer=None):
         calls.append(int(k.shape[1]))
-        return original(k, start)
+        return original(k, start, layer)
 
     monkeypatch.setattr(codec, "encode_at", encode_at)
     return calls

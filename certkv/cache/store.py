@@ -42,6 +42,7 @@ from certkv.quant import (
     FP16ValueCodec,
     GroupAffineValueCodec,
     KeyCodec,
+    LayerContext,
     ValueCodec,
 )
 from certkv.quant.kv import KVQuantizer, Precision
@@ -190,6 +191,9 @@ class TieredKVStore:
         self._centred = False
         # running channel max of |k| over every token: the logit magnitude of e_arith
         self._key_abs_max = torch.zeros(num_kv_heads, head_dim, device=self.device)
+        # what codecs may read about the layer (InnerQ): the prefill's key maxima, and whether
+        # blocks are being quantized during the first append
+        self._layer = LayerContext()
         self._nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)
         self._allocate()
 
@@ -221,6 +225,9 @@ class TieredKVStore:
             self._centre = (vf.amax(dim=1) + vf.amin(dim=1)) / 2
             self._centred = True
         self._key_abs_max = torch.maximum(self._key_abs_max, k16.abs().amax(dim=1).float())
+        prefill = self._layer.key_max is None
+        if prefill:
+            self._layer = LayerContext(self._key_abs_max.clone(), prefill=True)
         pending_k = torch.cat([self._tail_k[:, : self.tail_len], k16], dim=1)
         pending_v = torch.cat([self._tail_v[:, : self.tail_len], v16], dim=1)
         n_full = pending_k.shape[1] // self.block_size
@@ -236,6 +243,8 @@ class TieredKVStore:
         self._tail_v[:, : self.tail_len] = pending_v
         if self.stages.last or self.quantizer.budget_bytes is not None:
             self._graduate()
+        if prefill:
+            self._layer = self._layer._replace(prefill=False)
 
     def _check_append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         expected = f"[num_kv_heads={self.num_kv_heads}, T, head_dim={self.head_dim}]"
@@ -283,8 +292,8 @@ class TieredKVStore:
 
             key_blocks, value_blocks, _, _ = quantize_blocks(k16, v16, value_codec.group)
         else:
-            key_blocks = key_codec.encode_at(k16, start)
-            value_blocks = value_codec.encode(v16)
+            key_blocks = key_codec.encode_at(k16, start, self._layer)
+            value_blocks = value_codec.encode_at(v16, self._layer)
         notes = block_annotations(k16, v16, key_codec, value_codec, key_blocks, value_blocks,
                                   self._centre)
         return key_blocks, value_blocks, notes

@@ -1,7 +1,8 @@
 """Codecs: FP16 blocks -> packed codes + metadata + a deterministic reconstruction bound."""
 
-from certkv.quant.base import Blocks, KeyCodec, ValueCodec
+from certkv.quant.base import Blocks, KeyCodec, LayerContext, ValueCodec
 from certkv.quant.fp16 import FP16KeyCodec, FP16ValueCodec
+from certkv.quant.innerq import InnerQKeyCodec, InnerQValueCodec
 from certkv.quant.int4_group import GroupAffineValueCodec
 from certkv.quant.int8_channel import ChannelAffineKeyCodec
 from certkv.quant.kivi import KiviKeyCodec
@@ -17,9 +18,12 @@ __all__ = [
     "FP16KeyCodec",
     "FP16ValueCodec",
     "GroupAffineValueCodec",
+    "InnerQKeyCodec",
+    "InnerQValueCodec",
     "KVQuantizer",
     "KeyCodec",
     "KiviKeyCodec",
+    "LayerContext",
     "OutlierValueCodec",
     "PreRoPEKeyCodec",
     "Precision",

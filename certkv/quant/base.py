@@ -15,6 +15,7 @@ Certification only needs one promise from a codec (paper 4.6, precondition P2):
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import NamedTuple
 
 import torch
 
@@ -22,6 +23,20 @@ Blocks = dict[str, torch.Tensor]
 """Codes and metadata of ``n`` blocks; every tensor has leading dimensions ``[Hkv, n]``."""
 
 FP32_EPS = 2.0**-24  # unit roundoff of float32
+
+
+class LayerContext(NamedTuple):
+    """What the store knows about a layer beyond the blocks it encodes (for codecs that use it).
+
+    Attributes:
+        key_max: FP32 ``[Hkv, d]`` channel maximum of ``|k|`` over the layer's first append (the
+            prefill), or None before it (InnerQ's key normalization, seed 002 Section 4.3).
+        prefill: the blocks are being quantized during the first append (InnerQ's
+            ``hybrid_prefill`` mode), not later in decode.
+    """
+
+    key_max: torch.Tensor | None = None
+    prefill: bool = False
 
 
 def round_up_fp16(x: torch.Tensor) -> torch.Tensor:
@@ -44,10 +59,12 @@ class KeyCodec(ABC):
     def encode(self, k: torch.Tensor) -> Blocks:
         """FP16 keys ``[Hkv, n, B, d]`` -> codes and metadata (leading dims ``[Hkv, n]``)."""
 
-    def encode_at(self, k: torch.Tensor, start: torch.Tensor) -> Blocks:
+    def encode_at(self, k: torch.Tensor, start: torch.Tensor,
+                  layer: LayerContext | None = None) -> Blocks:
         """:meth:`encode` for blocks whose first tokens sit at sequence positions ``start [n]``
-        (int64; the store passes them for every block). Codecs that depend on the position
-        (pre-RoPE keys) override this; the others ignore it."""
+        (int64; the store passes them for every block) in a layer described by ``layer``. Codecs
+        that depend on the position (pre-RoPE keys) or the layer (InnerQ) override this; the
+        others ignore both."""
         return self.encode(k)
 
     @abstractmethod
@@ -79,6 +96,11 @@ class ValueCodec(ABC):
     def encode(self, v: torch.Tensor) -> Blocks:
         """FP16 values ``[Hkv, n, B, d]`` -> codes and metadata (leading dims ``[Hkv, n]``)."""
 
+    def encode_at(self, v: torch.Tensor, layer: LayerContext | None = None) -> Blocks:
+        """:meth:`encode` in a layer described by ``layer`` (what the store calls; only codecs
+        that depend on the layer, such as InnerQ's ``hybrid_prefill``, override it)."""
+        return self.encode(v)
+
     @abstractmethod
     def decode(self, blocks: Blocks) -> torch.Tensor:
         """Codes and metadata -> FP32 values ``[Hkv, n, B, d]``."""
@@ -89,7 +111,8 @@ class ValueCodec(ABC):
 
     def decode_rounding(self, head_dim: int | None = None) -> float:
         """``c`` such that any FP32 evaluation of :meth:`decode` (a fused kernel's included, FMA
-        or not) is within ``c u (||v||_2 + 2^-24 sqrt(d))`` of this codec's own decode, on
-        which ``eta_b`` is measured, for values of ``head_dim`` channels (None: any the codec
-        accepts). 0 for exact decoders."""
+        or not) is within ``c u (max_t ||v_t||_2 + 2^-24 sqrt(d))`` of this codec's own decode
+        (the maximum over the block's tokens; per-token codecs meet it with the token's own
+        norm; E_arith uses V_max), on which ``eta_b`` is measured, for values of ``head_dim``
+        channels (None: any the codec accepts). 0 for exact decoders."""
         return 0.0

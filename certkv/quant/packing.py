@@ -93,3 +93,17 @@ def _unpack3(packed: torch.Tensor) -> torch.Tensor:
     shifts = torch.arange(0, 3 * _RUN3, 3, dtype=torch.int32, device=packed.device)
     codes = (word.unsqueeze(-1) >> shifts) & 0b111
     return codes.to(torch.uint8).reshape(*packed.shape[:-1], m // 3 * _RUN3)
+
+
+def pack_flags(flags: torch.Tensor) -> torch.Tensor:
+    """Booleans ``[..., m]`` -> bytes ``[..., ceil(m / 8)]``, flag ``i`` of a byte in bit ``i``
+    (zero-padded to a whole byte)."""
+    m = flags.shape[-1]
+    pad = -m % 8
+    bits = torch.nn.functional.pad(flags.to(torch.uint8), (0, pad))
+    return pack_bits(bits, 1)
+
+
+def unpack_flags(packed: torch.Tensor, m: int) -> torch.Tensor:
+    """Inverse of :func:`pack_flags`: bytes ``[..., ceil(m / 8)]`` -> booleans ``[..., m]``."""
+    return unpack_bits(packed, 1)[..., :m].bool()

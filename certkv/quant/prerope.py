@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from certkv.errors import ConfigError, require
-from certkv.quant.base import Blocks, KeyCodec
+from certkv.quant.base import Blocks, KeyCodec, LayerContext
 from certkv.quant.int8_channel import ChannelAffineKeyCodec
 
 if TYPE_CHECKING:  # certkv.models imports the cache, which imports certkv.quant
@@ -151,10 +151,12 @@ class PreRoPEKeyCodec(KeyCodec):
                           "on them); call encode_at(k, start) with each block's first position, "
                           "as the store does.")
 
-    def encode_at(self, k: torch.Tensor, start: torch.Tensor) -> Blocks:
-        """FP16 post-RoPE keys ``[Hkv, n, B, d]`` whose blocks start at positions ``start [n]``."""
+    def encode_at(self, k: torch.Tensor, start: torch.Tensor,
+                  layer: LayerContext | None = None) -> Blocks:
+        """FP16 post-RoPE keys ``[Hkv, n, B, d]`` whose blocks start at positions ``start [n]``
+        (``layer`` is passed on to the inner codec for post-RoPE keys)."""
         if not self.pre_rope:
-            return self.inner.encode_at(k, start)
+            return self.inner.encode_at(k, start, layer)
         rope = self._rope()
         hkv, n, block, d = k.shape
         require(rope.head_dim == d, ConfigError,
