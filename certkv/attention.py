@@ -42,7 +42,7 @@ from certkv.certify.bounds import (
     value_error_bound,
     value_error_bound_tight,
 )
-from certkv.certify.certificate import Certificate
+from certkv.certify.certificate import BlockStats, Certificate
 from certkv.certify.checks import exploration_mask
 from certkv.certify.ladder import Ladder
 from certkv.certify.select import AdaptiveTopK, rank_blocks
@@ -82,6 +82,7 @@ class _Pass:
     num_blocks: int
     paper_key: torch.Tensor
     paper_val: torch.Tensor
+    blocks: BlockStats
 
     @property
     def bound(self) -> torch.Tensor:
@@ -99,7 +100,8 @@ class _Pass:
             k_star=self.k_star, rung=self.rung, ranking_ok=self.ranking,
             boundary_ok=self.boundary, canary_ok=self.canary, value_blocks=self.value_blocks,
             value_promotions=self.value_promotions, num_blocks=self.num_blocks, mode=mode,
-            paper_e_key=self.paper_key, paper_e_val=self.paper_val, tol_level=boost)
+            paper_e_key=self.paper_key, paper_e_val=self.paper_val, tol_level=boost,
+            blocks=self.blocks)
 
 
 def _key_bound(log_p, tail, delta_b, delta, v_max, exponent, cap_logit=None, tv_cap=None):
@@ -311,11 +313,14 @@ class CertifiedAttention:
                 spec, coef, store.key_abs_max(), store.value_error_max())
             (e_key, e_val, e_arith, log_alpha, canary, rung, value_blocks, flags, paper_key,
              paper_val) = bounds
+        rho = att.rho.reshape(hq, -1)
+        share = lay.eta.repeat_interleave(group, dim=0) + 2 * v_rad[:, None] * torch.tanh(
+            delta_b / 2)
         return _Pass(att.out.reshape(hq, -1), spec, flags, e_key, e_val, e_arith, delta,
                      log_alpha, (promoted & lay.quantized).sum(dim=-1), rung, ranking,
                      boundary, canary, value_blocks,
                      0 if values is None else values.blocks.numel(), lay.num_quantized,
-                     paper_key, paper_val)
+                     paper_key, paper_val, BlockStats(rho, rho * share * lay.quantized))
 
     def _segment(self, name: str, device: torch.device):
         """The pure tensor segment ``name``, compiled (fused kernels, one graph, dynamic

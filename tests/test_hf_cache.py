@@ -180,3 +180,40 @@ def test_copy_for_gives_independent_stores_with_the_same_quantized_prefill():
     k, v = make_kv(2, 1, 16, seed=9)
     copy.layers[0].update(k[None], v[None])
     assert copy.stores()[0].num_tokens == 41 and template.stores()[0].num_tokens == 40
+
+
+@pytest.mark.parametrize("rule", ["importance", "certificate"])
+def test_smartkv_inside_a_model_shares_widths_across_layers(rule):
+    """Every decode step certified against FP64; the layers of one cache reallocate together
+    (cross-layer importance, the same widths per block), and a copy of the quantized prefill
+    gets its own board."""
+    from certkv.quant import SmartKVQuantizer
+
+    _, model = tiny_model()
+    quantizer = SmartKVQuantizer(block_size=8, beta=0.3, rule=rule)
+    attn = ContractChecker(CertifiedAttention())
+    template = TieredCache(model.config.num_hidden_layers, attn, quantizer)
+    with torch.no_grad():
+        model(prompt(120), past_key_values=template, use_cache=True)
+        cache = template.copy_for(attn)
+        assert cache.board is not template.board
+        ids = prompt(1, seed=3)
+        for _ in range(40):
+            logits = model(ids, past_key_values=cache, use_cache=True).logits
+            ids = logits[:, -1:].argmax(dim=-1)
+    first, second = cache.stores()
+    assert torch.equal(first.block_precision, second.block_precision)
+    assert first._tracker.reallocations >= 2 and len(first.block_precision.unique()) > 1
+    assert template.stores()[0]._tracker.reallocations == 1  # the prefill's only
+
+
+def test_innerq_inside_a_model_is_certified():
+    from certkv.quant import InnerQKeyCodec, InnerQValueCodec, KVQuantizer
+
+    _, model = tiny_model()
+    quantizer = KVQuantizer(InnerQKeyCodec(bits=2, group=16), InnerQValueCodec(bits=2), 16,
+                            residual=16, sink=16)
+    attn = ContractChecker(CertifiedAttention())
+    cache = TieredCache(model.config.num_hidden_layers, attn, quantizer)
+    model.generate(prompt(100), max_new_tokens=10, do_sample=False, past_key_values=cache)
+    assert attn.head_steps == 9 * 2 * 4 and cache.stores()[0].num_quantized() > 0

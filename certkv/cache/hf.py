@@ -17,6 +17,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from certkv.attention import CertifiedAttention
 from certkv.cache import thresholds
+from certkv.cache.importance import ImportanceBoard
 from certkv.cache.scratch import ScratchCache, ScratchStats
 from certkv.cache.store import TieredKVStore
 from certkv.certify.certificate import CertificateLog
@@ -84,6 +85,7 @@ class TieredLayer(DynamicLayer):
                                    decoded_mirror=key_states.device.type == "cpu"
                                    and self.cache.attention.mode != "dense",
                                    **self.cache.quantizer.store_kwargs())
+        self.store.join(self.cache.board, self.layer_idx)
         if self.layer_idx in self.cache._loaded:
             self.store.boundaries = self.cache._loaded[self.layer_idx]
         self.is_initialized = True
@@ -127,6 +129,7 @@ class TieredCache(Cache):
         self.spec = spec or CacheSpec()
         self.log = CertificateLog(self.spec.records)
         self._loaded: dict[int, list[int]] = {}  # boundaries for stores made later
+        self.board = ImportanceBoard()  # SmartKV's cross-layer state (unused by the others)
         super().__init__(layers=[TieredLayer(self, i) for i in range(num_layers)])
 
     def clone_as(self, attention: CertifiedAttention, quantizer: KVQuantizer | None = None,
@@ -151,6 +154,7 @@ class TieredCache(Cache):
         for mine, theirs in zip(cache.layers, self.layers, strict=True):
             if theirs.store is not None:
                 mine.store = theirs.store.clone()
+                mine.store.join(cache.board, mine.layer_idx)
                 mine.dtype, mine.device = theirs.dtype, theirs.device
                 mine.is_initialized = True
         return cache

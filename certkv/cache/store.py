@@ -243,6 +243,8 @@ class TieredKVStore:
         self._tail_v[:, : self.tail_len] = pending_v
         if self.stages.last or self.quantizer.budget_bytes is not None:
             self._graduate()
+        if n_full and hasattr(self._tracker, "appended"):
+            self._tracker.appended(prefill)
         if prefill:
             self._layer = self._layer._replace(prefill=False)
 
@@ -373,10 +375,14 @@ class TieredKVStore:
             batch *= 2
 
     def _requantize(self, blocks: torch.Tensor, stage: int) -> None:
-        """Hold ``blocks [m]`` (host, ascending) at ``stage``'s precision: re-encoded from their
+        """Hold ``blocks [m]`` (host, ascending) at ``stage``'s precision (:meth:`hold`)."""
+        self.hold(blocks, self.quantizer.stage_precision(stage, self.num_tokens))
+        self.stages.move(blocks, stage)
+
+    def hold(self, blocks: torch.Tensor, pid: int) -> None:
+        """Hold ``blocks [m]`` (host, ascending) at precision ``pid``: re-encoded from their
         FP16 originals (Tier-2, never from their codes), annotations and mirror rows replaced
         with them; Tier-1 frees their old slots."""
-        pid = self.quantizer.stage_precision(stage, self.num_tokens)
         originals = self._originals()
         k16 = originals["k"][:, blocks].to(self.device)
         v16 = originals["v"][:, blocks].to(self.device)
@@ -384,19 +390,33 @@ class TieredKVStore:
         self._table.move(blocks, pid, keys, values)
         self._annotations.put(blocks, notes)
         self._note_maxima(notes)
-        self.stages.move(blocks, stage)
         if self._mirror is not None:
             self._mirror.put(blocks, self._decoded(blocks))
 
     def _new_tracker(self):
-        """The adaptive-threshold state over this store's boundaries (None: fixed ones)."""
+        """What adapts this store to the measured certificates: SmartKV's widths
+        (:mod:`certkv.cache.importance`), the adaptive tier boundaries, or None."""
+        make = getattr(self.quantizer, "new_tracker", None)
+        if make is not None:
+            return make(self)
         rule = getattr(self.quantizer, "adaptive", None)
         return None if rule is None else rule.tracker(self.stages.ages)
 
     def observe(self, certificate) -> None:
-        """Feed a decode step's certificate to the adaptive boundaries (if any)."""
+        """Feed a decode step's certificate to the tracker (if any)."""
         if self._tracker is not None:
             self._tracker.observe(certificate)
+
+    def join(self, board, layer: int) -> None:
+        """Share cross-layer state (SmartKV's :class:`~certkv.cache.importance.ImportanceBoard`)
+        with the other layers of a cache; nothing for other quantizers."""
+        if hasattr(self._tracker, "join"):
+            self._tracker.join(board, layer)
+
+    @property
+    def block_precision(self) -> torch.Tensor:
+        """Host ``[n_blocks]``: the precision id of each completed block."""
+        return self._table.precision
 
     @property
     def boundaries(self) -> list[int]:
@@ -422,7 +442,8 @@ class TieredKVStore:
         for name in ("_table", "_annotations", "_tier2", "_mirror", "stages"):
             part = getattr(self, name)
             setattr(new, name, None if part is None else part.clone())
-        new._tracker = new._new_tracker()
+        clone_for = getattr(self._tracker, "clone_for", None)
+        new._tracker = clone_for(new) if clone_for is not None else new._new_tracker()
         for name in ("_tail_k", "_tail_v", "_nu_max", "_eta_max", "_radius_max", "_centre",
                      "_key_abs_max", "_nonfinite"):
             setattr(new, name, getattr(self, name).clone())

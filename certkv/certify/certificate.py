@@ -14,6 +14,22 @@ RUNG_NAMES = {0: "fast path", 1: "K* expanded", 2: "values promoted", 3: "head d
 
 
 @dataclass
+class BlockStats:
+    """Per-block signals of one step for quantizers that adapt to attention (SmartKV), ``[Hq,
+    n]`` each, on the device (columns: the store's blocks, then the exact tail block if any).
+
+    Attributes:
+        mass: ``rho_b``, the step's attention mass of block ``b`` (Phase 2's block masses).
+        error: the block's share of the quantized path's bound, ``rho_b (eta_b + 2 R
+            tanh(Delta_b / 2))``: its value error (Cor. 4.2's term) plus its key error's
+            first-order share of eq. 15 (``R = min(V_max, centred radius)``). 0 on exact blocks.
+    """
+
+    mass: torch.Tensor
+    error: torch.Tensor
+
+
+@dataclass
 class Certificate:
     """What one decode step of one layer returned, per query head (every tensor is ``[Hq]``).
 
@@ -49,6 +65,7 @@ class Certificate:
     # why a head escalated past its policy: the ladder's bound tolerance (0 not escalated,
     # 1 widest key set, 2 also FP16 values, 3 dense: its bound stayed above the tolerance)
     tol_level: torch.Tensor | None = None
+    blocks: BlockStats | None = None  # per-block signals (not per head; left out of records)
 
     def __post_init__(self) -> None:
         for name in ("paper_e_key", "paper_e_val"):
@@ -93,6 +110,8 @@ class Certificate:
                 continue
             if f.name in ("value_promotions", "num_blocks"):
                 merged[f.name] = sum(values) if f.name == "value_promotions" else max(values)
+            elif f.name == "blocks":
+                merged[f.name] = None  # per layer only
             else:
                 merged[f.name] = values[0]
         return cls(**merged)

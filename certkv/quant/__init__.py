@@ -10,6 +10,8 @@ from certkv.quant.kv import KVQuantizer, Precision
 from certkv.quant.outlier_value import OutlierValueCodec
 from certkv.quant.prerope import PreRoPEKeyCodec
 from certkv.quant.rotation import RotatedKeyCodec, RotatedValueCodec
+from certkv.quant.smartkv import SmartKVQuantizer
+from certkv.quant.symmetric_token import TokenSymmetricKeyCodec, TokenSymmetricValueCodec
 from certkv.quant.tiers import TieredQuantizer
 
 __all__ = [
@@ -29,6 +31,9 @@ __all__ = [
     "Precision",
     "RotatedKeyCodec",
     "RotatedValueCodec",
+    "SmartKVQuantizer",
     "TieredQuantizer",
+    "TokenSymmetricKeyCodec",
+    "TokenSymmetricValueCodec",
     "ValueCodec",
 ]
