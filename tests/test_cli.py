@@ -74,6 +74,35 @@ def test_rerun_resumes_instead_of_recomputing(out, monkeypatch):
     assert calls == []
 
 
+def test_a_rerun_with_changed_settings_refuses_and_an_added_variant_resumes(out, monkeypatch):
+    """An edited experiment file must not mix results: records whose variant or task now
+    resolves differently stop the rerun with one sentence; a variant the run never had runs
+    alone."""
+    import yaml
+
+    assert run(*TINY, f"out_dir={out}").exit_code == 0
+    run_dir = run_dir_of(out / "tiny")
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    edited = {**config, "selector": {**config["selector"], "k_max": 3}}  # "made with k_max=3"
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(edited))
+    result = runner.invoke(app, ["run", *TINY, f"out_dir={out}"])
+    assert result.exit_code == 2
+    assert "holds records made with other settings (variant certified: selector.k_max: 3 ->" in \
+        " ".join(result.output.split())
+    # a run that never had the certified variant: only its records are computed
+    config["variants"] = [v for v in config["variants"] if v["name"] != "certified"]
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
+    for name in ("samples.jsonl", "certificates.jsonl"):
+        rows = [x for x in (run_dir / name).read_text().splitlines() if '"certified"' not in x]
+        (run_dir / name).write_text("\n".join(rows) + "\n")
+    calls = []
+    original = runner_module._run_one
+    monkeypatch.setattr(runner_module, "_run_one",
+                        lambda *a, **k: calls.append(a[3].name) or original(*a, **k))
+    assert run(*TINY, f"out_dir={out}").exit_code == 0
+    assert calls == ["certified", "certified"]
+
+
 def test_multirun_sweep_uses_hydra_machinery(out):
     result = run(*TINY, f"out_dir={out}", "selector.k_max=4,8", "-m")
     assert result.exit_code == 0, result.output

@@ -13,6 +13,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from hydra.errors import InstantiationException
@@ -32,11 +33,12 @@ from certkv.cache.hf import CacheSpec
 from certkv.config import check_types
 from certkv.errors import CertKVError, ConfigError, require
 from certkv.eval.decode import Method, Prefill
-from certkv.eval.results import RunDir
+from certkv.eval.results import RunDir, read_jsonl
 from certkv.models.loading import ModelSpec, check_source, load_model
 from certkv.provenance import environment
 
 COMPONENTS = ("quantizer", "selector", "value_policy", "ladder")
+COUNT_FIELDS = ("slices", "trials", "windows")  # more or fewer samples of the same kind
 Variant = Method  # a run's variants are protocol methods built from the config
 
 
@@ -117,6 +119,60 @@ def _override(base, change):
     return merged
 
 
+def record_settings(cfg: DictConfig) -> dict[str, object]:
+    """What fixes the meaning of a run's records, as plain values: the model, seed, backend and
+    cache; per task its settings but the sample counts (``task:<name>``); per variant its mode
+    and the components it resolves to (``variant:<name>``)."""
+    def plain(node):
+        return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+
+    out = {name: plain(cfg.get(name)) for name in ("model", "seed", "backend", "cache")}
+    for name, node in cfg.task.items():
+        out[f"task:{name}"] = {k: v for k, v in plain(node).items() if k not in COUNT_FIELDS}
+    for entry in cfg.variants:
+        mode = entry.get("mode", "certified")
+        out[f"variant:{entry.name}"] = {"mode": mode} if mode == "dense" else {"mode": mode, **{
+            c: _override(cfg[c], entry.get(c, {})) for c in COMPONENTS}}  # dense reads none
+    return out
+
+
+def _difference(old, new, path: str) -> str | None:
+    """The first value that differs, as ``path: old -> new`` (keys only one side has are not
+    differences: a field added to a component later keeps its earlier behaviour)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        for key in sorted(set(old) & set(new), key=str):
+            found = _difference(old[key], new[key], f"{path}.{key}" if path else str(key))
+            if found:
+                return found
+        return None
+    return None if old == new else f"{path}: {old!r} -> {new!r}"
+
+
+def check_resume(out_dir: str, cfg: DictConfig) -> None:
+    """Refuse (one sentence) to resume ``out_dir`` where its records were made with other
+    settings than ``cfg`` gives the same task or variant: adding variants, tasks or samples
+    resumes, changing what an existing record means does not (results never mix)."""
+    root = Path(out_dir)
+    config, samples = root / RunDir.CONFIG, root / RunDir.SAMPLES
+    records = read_jsonl(samples) if samples.exists() else []
+    if not records or not config.exists():
+        return
+    old, new = record_settings(OmegaConf.create(config.read_text())), record_settings(cfg)
+    keys = ["model", "seed", "backend", "cache"]
+    keys += sorted({f"task:{r['task']}" for r in records} | {f"variant:{r['variant']}"
+                                                             for r in records})
+    for key in keys:
+        if key not in old or key not in new:
+            continue  # a task or variant no longer planned: its records stay as they are
+        kind, _, name = key.partition(":")
+        diff = _difference(old[key], new[key], "" if name else kind)
+        label = f"{kind} {name}: " if name else ""
+        require(diff is None, ConfigError,
+                f"{root} holds records made with other settings ({label}{diff}); pass another "
+                "run directory (hydra.run.dir=...) or restore the settings the run was made "
+                "with.")
+
+
 def run_experiment(cfg: DictConfig, out_dir: str, progress: bool = True,
                    command: str | None = None, invoked_by: str | None = None) -> dict:
     """Run every task sample x variant not yet recorded in ``out_dir``; returns the summary.
@@ -131,6 +187,7 @@ def run_experiment(cfg: DictConfig, out_dir: str, progress: bool = True,
         torch.set_num_threads(int(cfg.threads))
     torch.manual_seed(cfg.seed)
     built = validate(cfg)  # everything is checked before the run directory exists
+    check_resume(out_dir, cfg)
     variants, spec, tasks = built.variants, built.cache, built.tasks
     lm = load_model(built.model)
     for variant in variants:  # before anything is recorded: a sweep point fails whole
