@@ -86,3 +86,29 @@ def test_word_packing_is_dense_and_little_endian():
     packed = pack_words(words, 7)
     assert packed.tolist() == [0b1101_0010, 0b0000_0000]  # word 1's bit 0 is stream bit 7
     assert torch.equal(unpack_words(packed, 7, 2), words)
+
+
+def test_injector_rate_matches_p_and_is_seeded():
+    from scipy.stats import binomtest
+
+    from certkv.quant.protect.faults import inject
+
+    data = torch.zeros(400, 64, dtype=torch.uint8)
+    for p in (1e-3, 1e-2, 0.3):
+        flipped, count = inject(data, p, torch.Generator().manual_seed(1))
+        bits = ((flipped.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1).sum()
+        assert int(bits) == count
+        assert binomtest(count, data.numel() * 8, p).pvalue > 1e-3
+    again, _ = inject(data, 1e-2, torch.Generator().manual_seed(1))
+    assert torch.equal(again, inject(data, 1e-2, torch.Generator().manual_seed(1))[0])
+    assert torch.equal(inject(data, 0.0, torch.Generator())[0], data)
+    words = torch.arange(12, dtype=torch.int32).reshape(3, 4)
+    assert inject(words, 0.5, torch.Generator().manual_seed(2))[0].dtype == torch.int32
+
+
+def test_a_rate_outside_zero_one_is_one_sentence():
+    from certkv.errors import ConfigError
+    from certkv.quant.protect.faults import check_rate
+
+    with pytest.raises(ConfigError, match=r"p=1.5 must be a probability in \[0, 1\]"):
+        check_rate(1.5)
