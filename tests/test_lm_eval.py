@@ -122,6 +122,14 @@ def test_dense_method_scores_what_lm_evals_hf_model_scores(tasks, tmp_path):
         hf["certkv_books"]["word_perplexity,none"], rel=1e-4)
 
 
+def test_a_config_group_option_picks_a_quantizer():
+    from certkv.integrations.lm_eval import method_config
+    from certkv.quant import InnerQKeyCodec
+
+    _, built = method_config("tiny_random", "naive", overrides={"quantizer": "innerq"})
+    assert isinstance(built.variants[0].quantizer.key_codec, InnerQKeyCodec)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"mode": "fast"}, "mode='fast' is unknown"),
     ({"temperature": 0.5}, "unknown model argument"),

@@ -9,7 +9,8 @@ lm-eval`` does it for you)::
 Model arguments: ``model`` (a ``conf/model`` name, or a hub id / local directory), ``mode``
 (``dense``, ``naive``, ``certified``), ``experiment`` (a ``conf/experiment`` name whose
 components to use), ``max_length`` (tokens; default the model's), ``run_dir`` (where the
-certificate statistics go), and any dotted config field as a Hydra override
+certificate statistics go), a config group option (``quantizer=innerq``) and any dotted config
+field as a Hydra override
 (``value_policy.v_tol=0.02``).
 
 The protocol is ``certkv run``'s: the context is prefilled with dense attention (the model's own
@@ -74,15 +75,18 @@ def method_config(model: str = "smollm2_135m", mode: str = "certified",
                   experiment: str | None = None, overrides: dict | None = None):
     """``(config, built components)`` of one certkv method, composed and every component
     built and checked (no model is loaded): bad model arguments fail here with one sentence."""
+    from certkv.config import config_groups
     from certkv.eval.runner import validate
 
     overrides = {k: str(v) for k, v in (overrides or {}).items()}
     require(mode in MODES, ConfigError,
             f"mode={mode!r} is unknown; use one of {list(MODES)}, e.g. mode=certified.")
-    bad = [k for k in overrides if "." not in k]
+    groups = config_groups()
+    bad = [k for k in overrides if "." not in k and k not in groups]
     require(not bad, ConfigError,
-            f"unknown model argument(s) {bad}; use {', '.join(ARGS[:5])}, or a dotted config "
-            "field such as value_policy.v_tol=0.02.")
+            f"unknown model argument(s) {bad}; use {', '.join(ARGS[:5])}, a config group "
+            "option such as quantizer=innerq, or a dotted config field such as "
+            "value_policy.v_tol=0.02.")
     cfg = _compose(str(model), mode, experiment, overrides)
     return cfg, validate(cfg)
 
