@@ -123,8 +123,10 @@ def test_a_budget_below_all_two_bit_is_one_clear_error():
 
 
 def decode_steps(store, k, v, start, steps, attn=None, check=False, seed=0):
-    """Append one token per step and feed the step's certificate back to the store."""
-    attn = attn or CertifiedAttention(backend=TorchBackend())
+    """Append one token per step and feed the step's certificate back to the store (naive
+    steps, which carry the same block signals, unless the contract is ``check``ed)."""
+    attn = attn or CertifiedAttention(mode="certified" if check else "naive",
+                                      backend=TorchBackend())
     for t in range(start, start + steps):
         store.append(k[:, t : t + 1], v[:, t : t + 1])
         q = make_query(k[:, : t + 1], 2, seed=seed + t, scale=10.0, peaked=t % 2 == 0)
@@ -142,16 +144,16 @@ def widths(store) -> torch.Tensor:
 @pytest.mark.parametrize("rule", ["importance", "certificate"])
 @pytest.mark.parametrize("beta", [0.25, 0.4])
 def test_budget_holds_after_every_step_and_protected_stay_at_8_bits(rule, beta):
-    k, v = make_kv(2, 360, 64, seed=2, outlier_channels=2)
+    k, v = make_kv(2, 300, 64, seed=2, outlier_channels=2)
     store = TieredKVStore(2, 64, block_size=16,
                           quantizer=SmartKVQuantizer(block_size=16, beta=beta, rule=rule))
     store.append(k[:, :200], v[:, :200])
     protected = store._tracker.protected()
     assert mean_cost(widths(store), protected, COST) <= 16 * beta
-    for _ in decode_steps(store, k, v, 200, 160):
+    for _ in decode_steps(store, k, v, 200, 100):  # 6 blocks complete at 8 bits meanwhile
         w = widths(store)
         assert w[0] == 8 and mean_cost(w, store._tracker.protected(), COST) <= 16 * beta
-    assert store._tracker.reallocations >= 1 + 160 // realloc_period(360)  # prefill + f(N)
+    assert store._tracker.reallocations >= 1 + 100 // realloc_period(300)  # prefill + f(N)
     assert len(set(w.tolist())) > 1  # mixed precision
 
 
@@ -276,9 +278,9 @@ def test_contract_with_smartkv_reallocating_mid_decode(sc):
 
 
 def test_contract_holds_across_reallocations_at_real_sizes():
-    k, v = make_kv(2, 400, 64, seed=7, outlier_channels=3, heavy_tail=True)
+    k, v = make_kv(2, 370, 64, seed=7, outlier_channels=3, heavy_tail=True)
     store = TieredKVStore(2, 64, block_size=16, quantizer=SmartKVQuantizer(block_size=16,
                                                                            beta=0.2))
     store.append(k[:, :300], v[:, :300])
-    list(decode_steps(store, k, v, 300, 100, check=True))
-    assert store._tracker.reallocations >= 4  # prefill and every f(N) ~ 27 steps
+    list(decode_steps(store, k, v, 300, 70, check=True))
+    assert store._tracker.reallocations >= 3  # prefill and every f(N) ~ 26 steps
