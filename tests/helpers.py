@@ -216,3 +216,18 @@ def assert_values_within_bound(codec, v):
     assert bound.dtype == torch.float32 and bound.shape == err.shape
     assert (err <= bound.double()).all()
     return enc
+
+
+def check_steps(store, attn, k, v, sc):
+    """Append the prompt, then ``steps`` rounds of ``per_step`` tokens (blocks fill and change
+    precision between steps), certifying a query after each."""
+    n = sc["tokens"]
+    store.append(k[:, :n], v[:, :n])
+    for step in range(sc["steps"] + 1):
+        if step:
+            extra = make_kv(k.shape[0], sc["per_step"], k.shape[2], seed=sc["seed"] + step)
+            store.append(*extra)
+        q = make_query(k[:, :n], sc["gqa"], seed=sc["seed"] + step, scale=sc["q_scale"],
+                       peaked=sc["peaked"]).to(getattr(torch, sc["q_dtype"]))
+        out, cert = attn(q, store)
+        check_heads(out, cert, q, store)

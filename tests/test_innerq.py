@@ -10,7 +10,7 @@ from helpers import (
     adversarial,
     assert_keys_within_bound,
     assert_values_within_bound,
-    check_heads,
+    check_steps,
     make_kv,
     make_query,
     tier1_bytes,
@@ -230,12 +230,4 @@ def test_contract_with_innerq(sc):
                           decoded_mirror=sc["seed"] % 2 == 0)
     k, v = make_kv(sc["hkv"], sc["tokens"], d, seed=sc["seed"], outlier_channels=sc["outliers"],
                    key_offset=sc["key_offset"])
-    attn = CertifiedAttention(backend=TorchBackend())
-    store.append(k, v)
-    for step in range(sc["steps"] + 1):
-        if step:
-            store.append(*make_kv(sc["hkv"], sc["per_step"], d, seed=sc["seed"] + step))
-        q = make_query(k, sc["gqa"], seed=sc["seed"] + step, scale=sc["q_scale"],
-                       peaked=sc["peaked"]).to(getattr(torch, sc["q_dtype"]))
-        out, cert = attn(q, store)
-        check_heads(out, cert, q, store)
+    check_steps(store, CertifiedAttention(backend=TorchBackend()), k, v, sc)

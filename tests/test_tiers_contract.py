@@ -12,8 +12,7 @@ from __future__ import annotations
 import warnings
 
 import pytest
-import torch
-from helpers import check_heads, make_kv, make_query
+from helpers import check_heads, check_steps, make_kv, make_query
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -88,21 +87,6 @@ def scenarios(draw):
         "q_dtype": draw(st.sampled_from(["float32", "float16", "bfloat16"])),
         "seed": draw(st.integers(0, 2**16)),
     }
-
-
-def check_steps(store, attn, k, v, sc):
-    """Append the prompt, then ``steps`` rounds of ``per_step`` tokens (blocks fill and change
-    precision between steps), certifying a query after each."""
-    n = sc["tokens"]
-    store.append(k[:, :n], v[:, :n])
-    for step in range(sc["steps"] + 1):
-        if step:
-            extra = make_kv(k.shape[0], sc["per_step"], D, seed=sc["seed"] + step)
-            store.append(*extra)
-        q = make_query(k[:, :n], sc["gqa"], seed=sc["seed"] + step, scale=sc["q_scale"],
-                       peaked=sc["peaked"]).to(getattr(torch, sc["q_dtype"]))
-        out, cert = attn(q, store)
-        check_heads(out, cert, q, store)
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
