@@ -34,7 +34,9 @@ from certkv.report.layout import Table
 QUANTIZERS = (("int8_int4", "int8_int4", ()), ("kivi4", "kivi4", ()), ("kivi2", "kivi2", ()),
               ("tiers-kivi2", "tiers", ("archive=kivi2",)),
               ("tiers-rotation", "tiers", ("archive=rotation",)),
-              ("tiers-kvquant", "tiers", ("archive=kvquant",)))
+              ("tiers-kvquant", "tiers", ("archive=kvquant",)),
+              ("kivi2-sink", "kivi2", ("sink=32", "residual=96")), ("innerq", "innerq", ()),
+              ("smartkv-b25", "smartkv", ("beta=0.25",)), ("smartkv-b40", "smartkv", ("beta=0.4",)))
 
 
 @dataclass

@@ -301,6 +301,10 @@ def test_bench_codecs_counts_every_byte_and_writes_report(tmp_path):
     assert stores["int8_int4"]["tier1_per_token"] == per["int8_int4", "quantized"][
         "bytes_per_token"]
     assert stores["kivi2"]["by_precision"].keys() == {"exact", "quantized"}  # residual 128
+    assert per["innerq", "quantized"]["bytes_per_token"] == 58.5  # InnerQ-2's unified layout
+    assert {p for q, p in per if q == "smartkv-b25"} == {"2-bit", "3-bit", "4-bit", "8-bit"}
+    # SmartKV: 256 beta bytes per token on average, plus the protected first block at 8 bits
+    assert stores["smartkv-b25"]["tier1_per_token"] <= 256 * 0.25 + (132 - 64) * 16 / 512
     for r in data["precisions"]:
         assert r["compression"] == 256 / r["bytes_per_token"] and r["dequant_ms_per_1k"] > 0
     text = (tmp_path / "codecs_cpu.md").read_text()
