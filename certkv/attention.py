@@ -313,14 +313,12 @@ class CertifiedAttention:
                 spec, coef, store.key_abs_max(), store.value_error_max())
             (e_key, e_val, e_arith, log_alpha, canary, rung, value_blocks, flags, paper_key,
              paper_val) = bounds
-        rho = att.rho.reshape(hq, -1)
-        share = lay.eta.repeat_interleave(group, dim=0) + 2 * v_rad[:, None] * torch.tanh(
-            delta_b / 2)
+        blocks = BlockStats(att.rho.reshape(hq, -1), lay.eta, delta_b, v_rad, lay.quantized)
         return _Pass(att.out.reshape(hq, -1), spec, flags, e_key, e_val, e_arith, delta,
                      log_alpha, (promoted & lay.quantized).sum(dim=-1), rung, ranking,
                      boundary, canary, value_blocks,
                      0 if values is None else values.blocks.numel(), lay.num_quantized,
-                     paper_key, paper_val, BlockStats(rho, rho * share * lay.quantized))
+                     paper_key, paper_val, blocks)
 
     def _segment(self, name: str, device: torch.device):
         """The pure tensor segment ``name``, compiled (fused kernels, one graph, dynamic

@@ -205,8 +205,9 @@ def test_block_importance_is_the_sum_of_its_tokens_emas():
         alpha /= alpha.sum(dim=1, keepdim=True)
         padded = torch.nn.functional.pad(alpha, (0, -(t + 1) % block))
         mass = padded.reshape(2, -1, block).sum(dim=-1)  # [Hq, blocks (+ tail)]
-        cert = type("Cert", (), {"blocks": BlockStats(mass.float(), torch.zeros_like(
-            mass).float())})
+        zeros = torch.zeros_like(mass).float()
+        cert = type("Cert", (), {"blocks": BlockStats(mass.float(), zeros[:1], zeros,
+                                                      zeros[:, 0], zeros[0] > 0)})
         store.observe(cert)
         token_ema[: t + 1] = gamma * token_ema[: t + 1] + (1 - gamma) * alpha.mean(dim=0)
     n = store.num_blocks

@@ -7,9 +7,10 @@ bound shares of the step's certificate (:class:`~certkv.certify.certificate.Bloc
 
 * ``ema [n_blocks]``: the EMA of ``mean_h rho_hb`` (the partial tail block's EMA carries over to
   the block it becomes, so a block's EMA is the sum of its tokens' EMAs);
-* ``weighted [n_blocks]``: ``mean_h w_h rho_hb`` of the latest step, with the head weights;
+* ``weighted [n_blocks]``: ``mean_h w_h rho_hb`` of the latest step, with the head weights
+  (the importance rule only);
 * ``sensitivity [n_blocks]``: the EMA of the block's bound share divided by its width's step
-  (the certificate rule).
+  (the certificate rule only).
 
 Every ``f(N)`` steps since the last reallocation the layer asks the cache's
 :class:`ImportanceBoard` for the widths at this token count (computed once over every layer's
@@ -129,11 +130,13 @@ class SmartKVTracker:
         self.ema = gamma * self.ema + (1 - gamma) * mass[:, :n].mean(dim=0)
         if mass.shape[1] > n:
             self.tail_ema = gamma * self.tail_ema + (1 - gamma) * mass[:, n].mean()
-        weights = self._head_weights(mass)
-        self.weighted = (weights[:, None] * mass[:, :n]).mean(dim=0)
-        steps = self._pid_steps[self.store.block_precision.to(mass.device)]
-        share = stats.error.detach().float()[:, :n].mean(dim=0) / steps
-        self.sensitivity = gamma * self.sensitivity + (1 - gamma) * share
+        if self.policy.rule == "certificate":  # each rule's own signal only
+            steps = self._pid_steps[self.store.block_precision.to(mass.device)]
+            share = stats.error.detach().float()[:, :n].mean(dim=0) / steps
+            self.sensitivity = gamma * self.sensitivity + (1 - gamma) * share
+        else:
+            weights = self._head_weights(mass)
+            self.weighted = (weights[:, None] * mass[:, :n]).mean(dim=0)
         self.steps_since += 1
         if self.steps_since >= realloc_period(self.store.num_tokens):
             self.reallocate()

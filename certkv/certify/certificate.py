@@ -15,18 +15,30 @@ RUNG_NAMES = {0: "fast path", 1: "K* expanded", 2: "values promoted", 3: "head d
 
 @dataclass
 class BlockStats:
-    """Per-block signals of one step for quantizers that adapt to attention (SmartKV), ``[Hq,
-    n]`` each, on the device (columns: the store's blocks, then the exact tail block if any).
+    """Per-block signals of one step for quantizers that adapt to attention (SmartKV), read
+    from what the step computed anyway; columns: the store's blocks, then the exact tail block
+    if any.
 
     Attributes:
-        mass: ``rho_b``, the step's attention mass of block ``b`` (Phase 2's block masses).
-        error: the block's share of the quantized path's bound, ``rho_b (eta_b + 2 R
-            tanh(Delta_b / 2))``: its value error (Cor. 4.2's term) plus its key error's
-            first-order share of eq. 15 (``R = min(V_max, centred radius)``). 0 on exact blocks.
+        mass: ``rho_b [Hq, n]``, the step's attention mass of block ``b`` (Phase 2's).
+        eta: ``eta_b [Hkv, n]``; delta: ``Delta_b [Hq, n]``; radius: ``R = min(V_max,
+            centred radius) [Hq]``; quantized: ``[n]``, the lossy blocks.
     """
 
     mass: torch.Tensor
-    error: torch.Tensor
+    eta: torch.Tensor
+    delta: torch.Tensor
+    radius: torch.Tensor
+    quantized: torch.Tensor
+
+    @property
+    def error(self) -> torch.Tensor:
+        """``[Hq, n]``: the block's share of the quantized path's bound, ``rho_b (eta_b + 2 R
+        tanh(Delta_b / 2))``: its value error (Cor. 4.2's term) plus its key error's
+        first-order share of eq. 15; 0 on exact blocks. Computed only when asked."""
+        eta = self.eta.repeat_interleave(self.mass.shape[0] // self.eta.shape[0], dim=0)
+        share = eta + 2 * self.radius[:, None] * torch.tanh(self.delta / 2)
+        return self.mass * share * self.quantized
 
 
 @dataclass
