@@ -49,12 +49,6 @@ def tier_bits(n: int) -> torch.Tensor:
     return bits
 
 
-def _mean_cost(bits: torch.Tensor, free: torch.Tensor, cost: dict[int, float]) -> float:
-    if not free.any():
-        return 0.0
-    return sum(cost[int(b)] for b in bits[free]) / int(free.sum())
-
-
 def _step(bits: int, up: bool) -> int:
     i = LADDER.index(bits) + (1 if up else -1)
     return LADDER[min(max(i, 0), len(LADDER) - 1)]
@@ -64,31 +58,30 @@ def fit_budget(bits: torch.Tensor, order: torch.Tensor, protected: torch.Tensor,
                cost: dict[int, float], budget: float, upgrade: bool = True) -> torch.Tensor:
     """The seed's budget pass on widths ``bits [n]`` (a copy is returned), ``order`` from most
     to least important, never touching ``protected`` blocks; ``upgrade=False`` only lowers."""
-    bits = bits.clone()
-    free = ~protected
-    total, count = sum(cost[int(b)] for b in bits[free]), int(free.sum())
-    limit = budget * count
-    walk = [int(i) for i in order if free[i]]
+    width, free = bits.tolist(), (~protected).tolist()
+    walk = [i for i in order.tolist() if free[i]]
+    total = sum(cost[w] for w, f in zip(width, free, strict=True) if f)
+    limit = budget * len(walk)
     changed = True
     while total > limit and changed:  # over: lower from the least important
         changed = False
         for i in reversed(walk):
             if total <= limit:
                 break
-            lower = _step(int(bits[i]), up=False)
-            if lower != bits[i]:
-                total += cost[lower] - cost[int(bits[i])]
-                bits[i], changed = lower, True
+            lower = _step(width[i], up=False)
+            if lower != width[i]:
+                total += cost[lower] - cost[width[i]]
+                width[i], changed = lower, True
     changed = upgrade
     while changed:  # under: raise from the most important while it still fits
         changed = False
         for i in walk:
-            higher = _step(int(bits[i]), up=True)
-            extra = cost[higher] - cost[int(bits[i])]
-            if higher != bits[i] and total + extra <= limit:
+            higher = _step(width[i], up=True)
+            extra = cost[higher] - cost[width[i]]
+            if higher != width[i] and total + extra <= limit:
                 total += extra
-                bits[i], changed = higher, True
-    return bits
+                width[i], changed = higher, True
+    return torch.tensor(width, dtype=torch.long)
 
 
 def seed_allocation(score: torch.Tensor, protected: torch.Tensor, cost: dict[int, float],
@@ -107,32 +100,25 @@ def greedy_allocation(sensitivity: torch.Tensor, protected: torch.Tensor,
     """Widths ``[n]`` minimising ``sum_b sensitivity_b step(bits_b)`` greedily under the budget:
     upgrades sorted by error reduction per bit (per block they come in ladder order, since the
     reduction per bit falls along the ladder), taken while they fit; ties to newer blocks."""
-    sens = sensitivity.double().cpu().clamp_min(0)
-    n = sens.numel()
-    bits = torch.full((n,), LADDER[0], dtype=torch.long)
-    bits[protected] = 8
-    free = ~protected
-    total = cost[LADDER[0]] * int(free.sum())
-    limit = budget * int(free.sum())
-    moves = []
-    for low, high in pairwise(LADDER):
-        gain = sens * (step_size(low) - step_size(high)) / (cost[high] - cost[low])
-        moves += [(float(gain[i]), i, LADDER.index(low), high) for i in range(n) if free[i]]
-    moves.sort(key=lambda m: (-m[0], -m[1], m[2]))
+    sens = sensitivity.double().cpu().clamp_min(0).tolist()
+    free = [i for i, p in enumerate(protected.tolist()) if not p]
+    width = [8 if p else LADDER[0] for p in protected.tolist()]
+    total, limit = cost[LADDER[0]] * len(free), budget * len(free)
+    moves = [(sens[i] * (step_size(low) - step_size(high)) / (cost[high] - cost[low]), i, high)
+             for low, high in pairwise(LADDER) for i in free]
+    moves.sort(key=lambda m: (-m[0], -m[1], m[2]))  # ties: newer blocks, then the ladder
     blocked = set()
-    for _, i, level, high in moves:
-        if i in blocked or LADDER.index(int(bits[i])) != level:
-            blocked.add(i)
-            continue
-        extra = cost[high] - cost[int(bits[i])]
-        if total + extra > limit:
-            blocked.add(i)
+    for _, i, high in moves:
+        extra = cost[high] - cost[width[i]]
+        if i in blocked or _step(width[i], up=True) != high or total + extra > limit:
+            blocked.add(i)  # a block whose next rung does not fit stays where it is
             continue
         total += extra
-        bits[i] = high
-    return bits
+        width[i] = high
+    return torch.tensor(width, dtype=torch.long)
 
 
 def mean_cost(bits: torch.Tensor, protected: torch.Tensor, cost: dict[int, float]) -> float:
     """The mean cost per element of the unprotected blocks (0 without any)."""
-    return _mean_cost(bits, ~protected, cost)
+    free = bits[~protected].tolist()
+    return sum(cost[b] for b in free) / len(free) if free else 0.0
