@@ -19,6 +19,7 @@ no decode rounding. Tier-1 holds ``d b / 8`` code bytes and 2 scale bytes per to
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -54,23 +55,31 @@ def token_error(blocks: Blocks, bits: int) -> torch.Tensor:
 
 
 @dataclass
-class TokenSymmetricKeyCodec(KeyCodec):
-    """Keys: ``codes`` uint8 ``[Hkv, n, B, d * bits / 8]``, ``scale`` FP16 ``[Hkv, n, B]``."""
+class _TokenSymmetric:
+    """What the key and value codecs share: the width, its check, encode and decode."""
 
     bits: int = 8
     name: str = "smartkv"
+    kind: ClassVar[str] = ""
 
     def __post_init__(self) -> None:
         check_bits(self.bits)
 
     def validate(self, head_dim: int, block_size: int) -> None:
-        check_packable(head_dim, self.bits, "key")
+        check_packable(head_dim, self.bits, self.kind)
 
-    def encode(self, k: torch.Tensor) -> Blocks:
-        return encode_tokens(k, self.bits)
+    def encode(self, x: torch.Tensor) -> Blocks:
+        return encode_tokens(x, self.bits)
 
     def decode(self, blocks: Blocks) -> torch.Tensor:
         return decode_tokens(blocks, self.bits)
+
+
+@dataclass
+class TokenSymmetricKeyCodec(_TokenSymmetric, KeyCodec):
+    """Keys: ``codes`` uint8 ``[Hkv, n, B, d * bits / 8]``, ``scale`` FP16 ``[Hkv, n, B]``."""
+
+    kind: ClassVar[str] = "key"
 
     def channel_bound(self, blocks: Blocks) -> torch.Tensor:
         worst = token_error(blocks, self.bits).amax(dim=-1, keepdim=True)  # [Hkv, n, 1]
@@ -78,23 +87,10 @@ class TokenSymmetricKeyCodec(KeyCodec):
 
 
 @dataclass
-class TokenSymmetricValueCodec(ValueCodec):
+class TokenSymmetricValueCodec(_TokenSymmetric, ValueCodec):
     """Values: ``codes`` uint8 ``[Hkv, n, B, d * bits / 8]``, ``scale`` FP16 ``[Hkv, n, B]``."""
 
-    bits: int = 8
-    name: str = "smartkv"
-
-    def __post_init__(self) -> None:
-        check_bits(self.bits)
-
-    def validate(self, head_dim: int, block_size: int) -> None:
-        check_packable(head_dim, self.bits, "value")
-
-    def encode(self, v: torch.Tensor) -> Blocks:
-        return encode_tokens(v, self.bits)
-
-    def decode(self, blocks: Blocks) -> torch.Tensor:
-        return decode_tokens(blocks, self.bits)
+    kind: ClassVar[str] = "value"
 
     def token_bound(self, blocks: Blocks) -> torch.Tensor:
         d = blocks["codes"].shape[-1] * 8 // self.bits
