@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import strategies as st
 
 from certkv import TieredKVStore
 from certkv.kernels.reference import dense_attention, exact_attention
@@ -231,3 +232,23 @@ def check_steps(store, attn, k, v, sc):
                        peaked=sc["peaked"]).to(getattr(torch, sc["q_dtype"]))
         out, cert = attn(q, store)
         check_heads(out, cert, q, store)
+
+
+def step_draws(draw, max_tokens: int, per_step: list[int]) -> dict:
+    """The scenario fields :func:`check_steps` and its data read (adversarial as in
+    ``test_contract``): kv heads, GQA group, prompt length, decode rounds, outlier channels,
+    heavy tails, key offset, query scale, peaked queries, query dtype, seed."""
+    return {
+        "hkv": draw(st.integers(1, 2)),
+        "gqa": draw(st.integers(1, 3)),
+        "tokens": draw(st.integers(1, max_tokens)),
+        "steps": draw(st.integers(1, 3)),
+        "per_step": draw(st.sampled_from(per_step)),
+        "outliers": draw(st.sampled_from([0, 2])),
+        "heavy_tail": draw(st.booleans()),
+        "key_offset": draw(st.sampled_from([0.0, 3.0])),
+        "q_scale": draw(st.sampled_from([1e-3, 1.0, 30.0, 1e3])),
+        "peaked": draw(st.booleans()),
+        "q_dtype": draw(st.sampled_from(["float32", "float16", "bfloat16"])),
+        "seed": draw(st.integers(0, 2**16)),
+    }

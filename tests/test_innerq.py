@@ -13,6 +13,7 @@ from helpers import (
     check_steps,
     make_kv,
     make_query,
+    step_draws,
     tier1_bytes,
 )
 from hypothesis import HealthCheck, given, settings
@@ -203,17 +204,7 @@ def scenarios(draw):
         "block": draw(st.sampled_from([4, 8, 16, 32])),
         "sink": draw(st.sampled_from([0, 8])),
         "residual": draw(st.sampled_from([0, 16])),
-        "hkv": draw(st.integers(1, 2)),
-        "gqa": draw(st.integers(1, 3)),
-        "tokens": draw(st.integers(1, 150)),
-        "steps": draw(st.integers(1, 3)),
-        "per_step": draw(st.sampled_from([1, 9, 33])),
-        "outliers": draw(st.sampled_from([0, 2])),
-        "key_offset": draw(st.sampled_from([0.0, 3.0])),
-        "q_scale": draw(st.sampled_from([1e-3, 1.0, 30.0, 1e3])),
-        "peaked": draw(st.booleans()),
-        "q_dtype": draw(st.sampled_from(["float32", "float16", "bfloat16"])),
-        "seed": draw(st.integers(0, 2**16)),
+        **step_draws(draw, 150, [1, 9, 33]),
     }
 
 
@@ -229,5 +220,5 @@ def test_contract_with_innerq(sc):
     store = TieredKVStore(sc["hkv"], d, block_size=sc["block"], quantizer=quantizer,
                           decoded_mirror=sc["seed"] % 2 == 0)
     k, v = make_kv(sc["hkv"], sc["tokens"], d, seed=sc["seed"], outlier_channels=sc["outliers"],
-                   key_offset=sc["key_offset"])
+                   heavy_tail=sc["heavy_tail"], key_offset=sc["key_offset"])
     check_steps(store, CertifiedAttention(backend=TorchBackend()), k, v, sc)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import warnings
 
 import pytest
-from helpers import check_heads, check_steps, make_kv, make_query
+from helpers import check_heads, check_steps, make_kv, make_query, step_draws
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -74,18 +74,7 @@ def scenarios(draw):
         "warm": draw(st.sampled_from([0, 16, 32])),
         "archive": draw(st.sampled_from(["auto", "auto", "kivi2", "rotation", "kvquant"])),
         "key_mode": draw(st.sampled_from(["pre_rope", "post_rope"])),
-        "hkv": draw(st.integers(1, 2)),
-        "gqa": draw(st.integers(1, 3)),
-        "tokens": draw(st.integers(1, 140)),
-        "steps": draw(st.integers(1, 3)),
-        "per_step": draw(st.sampled_from([1, 7, 20])),
-        "outliers": draw(st.sampled_from([0, 2])),
-        "heavy_tail": draw(st.booleans()),
-        "key_offset": draw(st.sampled_from([0.0, 3.0])),
-        "q_scale": draw(st.sampled_from([1e-3, 1.0, 30.0, 1e3])),
-        "peaked": draw(st.booleans()),
-        "q_dtype": draw(st.sampled_from(["float32", "float16", "bfloat16"])),
-        "seed": draw(st.integers(0, 2**16)),
+        **step_draws(draw, 140, [1, 7, 20]),
     }
 
 
