@@ -32,6 +32,7 @@ from certkv.certify.arith import (
     quantized_arith,
     step_coefficients,
 )
+from certkv.certify.audit import violations
 from certkv.certify.bounds import (
     block_tv_bound,
     key_error_bound,
@@ -143,6 +144,7 @@ class CertifiedAttention:
     mode: str = "certified"
     timer: PhaseTimer | None = None  # set by benchmarks to time each phase (Table 16)
     compile: bool | str | None = None
+    audit: bool = False  # count heads over their bound against FP64 (certify.audit; slow)
 
     def __post_init__(self) -> None:
         require(self.mode in MODES, ConfigError,
@@ -166,9 +168,16 @@ class CertifiedAttention:
         if self.mode == "dense":  # the baseline: no host reads on accelerators, as plain SDPA
             if store.device.type == "cpu":
                 require(bool(torch.isfinite(q).all()), NonFiniteError, _NONFINITE_Q)
-            return self._dense_step(q_dev, store, scaling)
-        stage = partial(_tier2_stage, store) if scratch is None else partial(scratch.stage, store)
-        return self._quantized_step(q_dev, store, scaling, stage)
+            out, cert = self._dense_step(q_dev, store, scaling)
+        else:
+            stage = (partial(_tier2_stage, store) if scratch is None
+                     else partial(scratch.stage, store))
+            out, cert = self._quantized_step(q_dev, store, scaling, stage)
+        if self.audit:
+            k, v = store.dense_kv()
+            cert.violations = int(violations(out, cert.bound, q_dev, k, v, scaling).sum())
+            cert.audited = True
+        return out, cert
 
     def _arith_spec(self, q: torch.Tensor, store: TieredKVStore, scaling: float,
                     lay: StepLayout | None) -> ArithSpec:
@@ -264,7 +273,13 @@ class CertifiedAttention:
         with timer.phase("fallback"):
             out, e_arith = self._fallback(q, store, step.out, dense_heads, scaling, step.spec,
                                           step.e_arith)
-        return out, step.certificate(e_arith, self.mode, boost)
+        cert = step.certificate(e_arith, self.mode, boost)
+        if store.protection.enabled:
+            counts = store.fault_counts()
+            cert.corrected_words = counts["corrected_words"]
+            cert.erased_words = counts["erased_words"]
+            cert.corrupted_blocks = counts["corrupted_blocks"]
+        return out, cert
 
     def _pass(self, q, qg, store, lay, scored, scaling, stage, boost, timer) -> _Pass:
         """Selection, page-in, Phase 2, checks and the certificate of one pass over the

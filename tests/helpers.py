@@ -9,6 +9,7 @@ import torch
 from hypothesis import strategies as st
 
 from certkv import TieredKVStore
+from certkv.certify import audit
 from certkv.kernels.reference import dense_attention, exact_attention
 
 
@@ -125,22 +126,11 @@ def dense_reference(q, store, scaling=None):
 
 
 def reference_slack(q, store, scaling=None):
-    """The FP64 reference's own rounding ``[Hq]`` (its only allowance in the contract tests).
-
-    Higham-style, in FP64 (``u = 2^-53``): logits within ``gamma_{d+2} S`` of exact (``S`` the
-    logit magnitude), so TV within ``tanh`` of half that; softmax normalisation and the weighted
-    sum over ``N`` tokens within ``gamma_{N+8}`` relative; times ``V_max``. About 1e-12 of
-    ``V_max`` at these sizes.
-    """
+    """The FP64 reference's own rounding ``[Hq]`` (its only allowance in the contract tests;
+    :func:`certkv.certify.audit.reference_slack`)."""
     k, v = originals(store)
-    group = q.shape[0] // store.num_kv_heads
     scaling = store.head_dim**-0.5 if scaling is None else scaling
-    n, d = k.shape[1], k.shape[2]
-    kmax = k.double().abs().amax(dim=1).repeat_interleave(group, 0)
-    magnitude = scaling * (q.double().abs() * kmax).sum(dim=-1)
-    v_max = v.double().norm(dim=-1).amax(dim=-1).repeat_interleave(group)
-    u = 2.0**-53
-    return v_max * ((d + 2) * u * magnitude + 3 * (n + 8) * u) * 1.01 + 1e-300
+    return audit.reference_slack(q, k, v, scaling)
 
 
 def check_heads(out, cert, q, store, scaling=None):

@@ -269,8 +269,8 @@ def test_every_config_field_rejects_a_value_of_the_wrong_kind():
 
     composed = compose_config(["+experiment=smoke"])
     base = OmegaConf.to_container(composed, resolve=True)
-    groups = ["model", "quantizer", "selector", "value_policy", "ladder", "cache", "backend",
-              "logger", *[f"task.{t}" for t in base["task"]]]
+    groups = ["model", "quantizer", "selector", "value_policy", "ladder", "protect", "cache",
+              "backend", "logger", *[f"task.{t}" for t in base["task"]]]
     checked = []
     for group in groups:
         node = base
@@ -285,6 +285,7 @@ def test_every_config_field_rejects_a_value_of_the_wrong_kind():
                 validate(cfg)
             checked.append(key)
     assert len(checked) > 40 and "selector.tau_cov" in checked and "ladder.bound_tol" in checked
+    assert "protect.faults.p" in checked
 
 
 def test_scaling_and_sizes_of_the_python_api_are_one_sentence():

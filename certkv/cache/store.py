@@ -45,7 +45,8 @@ from certkv.quant import (
     LayerContext,
     ValueCodec,
 )
-from certkv.quant.kv import KVQuantizer, Precision
+from certkv.quant.kv import KVQuantizer, Precision, exact_precision
+from certkv.quant.protect.protection import Protection, protected
 
 _TIER2_MISSING = (
     "the FP16 originals (Tier-2) of this store were dropped, so no block can be promoted and no "
@@ -65,6 +66,15 @@ def _round_up_fp32(x: torch.Tensor) -> torch.Tensor:
 
 ANNOTATIONS = ("eta", "nu", "value_spec", "key_err", "key_spec", "v_radius")
 """Per-block, per-kv-head FP32 annotations ``[Hkv, n]`` (:func:`block_annotations`)."""
+
+ERROR_NOTES = ("eta", "value_spec", "key_err", "key_spec")
+"""The annotations that state a block's reconstruction error: 0 where a block is served from its
+FP16 originals (a corrupted block, :meth:`TieredKVStore.corrupted_mask`)."""
+
+HEALTH = ("corrected", "erased", "corrupted")
+"""What reading a protected block found, ``[Hkv, n]`` each: words the code corrected, words it
+erased (detected, not fixable), and whether the integrity check failed (the block is served
+from its FP16 originals). Telemetry, not Tier-1."""
 
 _INFLATE = 1.0 + 1e-12  # covers the FP64 rounding of the measurements (norms, eigenvalues)
 
@@ -159,13 +169,19 @@ class TieredKVStore:
             value_codec or GroupAffineValueCodec(group=value_group), block_size)
         self.key_codec = self.quantizer.key_codec  # the main (e.g. warm) precision's codecs
         self.value_codec = self.quantizer.value_codec
-        self.precisions = self.quantizer.precisions()
+        self.protection = self.quantizer.protection or Protection()
+        self.precisions = [self.protection.wrap(p) for p in self.quantizer.precisions()]
         for precision in self.precisions:
             precision.validate(head_dim, block_size)
         self.keep_originals = keep_originals
         self.stages = Stages(self.quantizer.stage_ages(), block_size, self.quantizer.sink)
         self._tracker = self._new_tracker()
-        self.fused_encode = self._fused_supported() and (
+        self._faults = self.protection.faults
+        self._fault_rng = self._faults.generator(0)
+        self.bits_flipped = 0  # by the fault injector, over every write (or read) of this store
+        self._step_read: Blocks | None = None  # transient faults without a mirror: this read
+        self._step_codes: dict[tuple[int, str], Blocks] = {}  # transient: words this step read
+        self.fused_encode = not self.protection.enabled and self._fused_supported() and (
             self.device.type == "cuda" if fused_encode is None else fused_encode)
 
         # FP16 passthrough codecs (dense mode, dense prefill): Tier-1 already holds the
@@ -176,6 +192,7 @@ class TieredKVStore:
         self._table = BlockTable(self.precisions, self.device,
                                  (num_kv_heads, block_size, head_dim), spare=spare)
         self._annotations = GrowingBlocks(self.device)  # ANNOTATIONS: [Hkv, n] each
+        self._health = GrowingBlocks(self.device) if self.protection.enabled else None  # HEALTH
         self._tier2 = GrowingBlocks(torch.device("cpu"), pin=pin)  # k, v: [Hkv, n, B, d] fp16
         self._mirror = GrowingBlocks(self.device, spare=1) if decoded_mirror else None
         tail_shape = (num_kv_heads, block_size, head_dim)
@@ -206,7 +223,7 @@ class TieredKVStore:
         none = torch.zeros(0, dtype=torch.long)
         keys, values, notes = self._encode(empty, empty, pid, none)
         self._table.allocate(pid, keys, values)
-        self._annotations.extend(notes)
+        self._keep_notes(notes)
         if self._mirror is not None:
             self._mirror.extend(self._decoded(none))
 
@@ -220,6 +237,7 @@ class TieredKVStore:
         under a budget the oldest graduate early (:meth:`_graduate`).
         """
         k16, v16 = self._check_append(k, v)
+        self._step_read, self._step_codes = None, {}
         if not self._centred:
             vf = v16.float()
             self._centre = (vf.amax(dim=1) + vf.amin(dim=1)) / 2
@@ -298,7 +316,93 @@ class TieredKVStore:
             value_blocks = value_codec.encode_at(v16, self._layer)
         notes = block_annotations(k16, v16, key_codec, value_codec, key_blocks, value_blocks,
                                   self._centre)
+        if self._health is not None:
+            if not precision.exact:
+                key_blocks, value_blocks = self._inject(key_blocks, value_blocks)
+            notes.update(self._read_health(precision, key_blocks, value_blocks))
         return key_blocks, value_blocks, notes
+
+    def _inject(self, key_blocks: Blocks, value_blocks: Blocks) -> tuple[Blocks, Blocks]:
+        """Persistent faults: the bits of newly written codes flip once, after the annotations
+        were measured on what was written (a memory fault; transient faults flip on reads)."""
+        faults = self._faults
+        if not faults.active or faults.transient:
+            return key_blocks, value_blocks
+        key_blocks, n_k = faults.flip(key_blocks, self._fault_rng)
+        value_blocks, n_v = faults.flip(value_blocks, self._fault_rng)
+        self.bits_flipped += n_k + n_v
+        return key_blocks, value_blocks
+
+    def _read_health(self, precision: Precision, key_blocks: Blocks,
+                     value_blocks: Blocks) -> dict[str, torch.Tensor]:
+        """:data:`HEALTH` of blocks as read now: the protected codecs' word counts, and a
+        block is corrupted (every kv head of it) when any of its codes fails the integrity
+        check."""
+        any_blocks = next(iter(key_blocks.values()))
+        hkv, n = any_blocks.shape[:2]
+        corrected = torch.zeros(hkv, n, dtype=torch.int32, device=self.device)
+        erased = torch.zeros_like(corrected)
+        bad = torch.zeros(hkv, n, dtype=torch.bool, device=self.device)
+        for codec, blocks in ((precision.key_codec, key_blocks),
+                              (precision.value_codec, value_blocks)):
+            wrapped = protected(codec)
+            if wrapped is None:
+                continue
+            found = wrapped.read(blocks)
+            corrected += found.corrected.to(torch.int32)
+            erased += found.erased.to(torch.int32)
+            bad |= ~found.intact
+        corrupted = bad.any(dim=0, keepdim=True).expand(hkv, n).clone()
+        return {"corrected": corrected, "erased": erased, "corrupted": corrupted}
+
+    def refresh_reads(self) -> None:
+        """Called once per attention step before it reads Tier-1 (:class:`~certkv.kernels.
+        layout.StepLayout`). With transient faults, the step reads every lossy block through a
+        freshly flipped copy of its stored words: the decoded rows, bounds and :data:`HEALTH`
+        (corrupted blocks included) are those of this read; storage stays clean. Otherwise
+        nothing: persistent faults were drawn at write time and every read sees the same bits."""
+        faults = self._faults
+        if not (faults.active and faults.transient and self.num_blocks):
+            return
+        n, every = self.num_blocks, torch.arange(self.num_blocks)
+        shape = (self.num_kv_heads, n, self.block_size, self.head_dim)
+        read = {"k": torch.empty(shape, device=self.device),
+                "v": torch.empty(shape, device=self.device),
+                "bound": torch.empty(shape[0], n, shape[3], device=self.device)}
+        health = {name: torch.empty(shape[:2], dtype=t.dtype, device=self.device)
+                  for name, t in self._health.view().items()}
+        for pid, where, slots in self._table.groups():
+            precision = self.precisions[pid]
+            keys, values = ({name: t[:, slots] for name, t in self._table.view(pid, w).items()}
+                            for w in ("key", "value"))
+            if not precision.exact:
+                keys, n_k = faults.flip(keys, self._fault_rng)
+                values, n_v = faults.flip(values, self._fault_rng)
+                self.bits_flipped += n_k + n_v
+                self._step_codes[pid, "key"], self._step_codes[pid, "value"] = keys, values
+            for name, t in self._read_health(precision, keys, values).items():
+                health[name][:, where] = t
+            read["k"][:, where] = precision.key_codec.decode(keys)
+            read["v"][:, where] = precision.value_codec.decode(values)
+            read["bound"][:, where] = precision.key_codec.channel_bound(keys)
+        self._health.put(every, health)
+        read = self._serve_corrupted(read, every)
+        if self._mirror is not None:
+            self._mirror.put(every, read)
+        else:
+            self._step_read = read
+
+    def _keep_notes(self, notes: dict[str, torch.Tensor], blocks: torch.Tensor | None = None,
+                    ) -> None:
+        """Store new blocks' annotations (and :data:`HEALTH`), appended or at ``blocks``."""
+        parts = [(self._annotations, {k: notes[k] for k in ANNOTATIONS})]
+        if self._health is not None:
+            parts.append((self._health, {k: notes[k] for k in HEALTH}))
+        for storage, part in parts:
+            if blocks is None:
+                storage.extend(part)
+            else:
+                storage.put(blocks, part)
 
     def _starts(self, blocks: torch.Tensor) -> torch.Tensor:
         """First token position ``[m]`` of each block (block ``b`` starts at ``b B``)."""
@@ -322,12 +426,12 @@ class TieredKVStore:
             values.append(v)
             parts.append((dev, note))
         self._table.add(pids, keys, values)
-        notes = {name: torch.empty(self.num_kv_heads, n, device=self.device)
-                 for name in ANNOTATIONS}
+        notes = {name: torch.empty(self.num_kv_heads, n, dtype=t.dtype, device=self.device)
+                 for name, t in parts[0][1].items()}
         for dev, note in parts:
-            for name in ANNOTATIONS:
-                notes[name][:, dev] = note[name]
-        self._annotations.extend(notes)
+            for name, t in note.items():
+                notes[name][:, dev] = t
+        self._keep_notes(notes)
         self._note_maxima(notes)
         if self.keep_originals and not self.lossless:
             self._tier2.extend({"k": k16, "v": v16})
@@ -344,8 +448,27 @@ class TieredKVStore:
     def _decoded(self, blocks: torch.Tensor) -> Blocks:
         """The decoded mirror's rows of ``blocks [m]`` (host): ``k, v [Hkv, m, B, d]`` and
         ``bound [Hkv, m, d]``."""
-        return {"k": self._table.decode("key", blocks), "v": self._table.decode("value", blocks),
-                "bound": self._table.channel_bound(blocks)}
+        return self._serve_corrupted(
+            {"k": self._table.decode("key", blocks), "v": self._table.decode("value", blocks),
+             "bound": self._table.channel_bound(blocks)}, blocks)
+
+    def _serve_corrupted(self, decoded: Blocks, blocks: torch.Tensor) -> Blocks:
+        """Rows of ``blocks [m]`` (host) as decoded (``k``, ``v`` ``[Hkv, m, B, d]``, ``bound``
+        ``[Hkv, m, d]``, any of them), with corrupted blocks' rows replaced by their FP16
+        originals (Tier-2) and a bound of 0: what the step reads for them."""
+        if self._health is None or not len(blocks):
+            return decoded
+        bad = self._health.view()["corrupted"][0][blocks.to(self.device)].cpu()
+        if not bool(bad.any()):
+            return decoded
+        rows = bad.nonzero(as_tuple=True)[0]
+        originals = self._originals()
+        for name, x in decoded.items():
+            if name == "bound":
+                x[:, rows.to(x.device)] = 0
+            else:
+                x[:, rows.to(x.device)] = originals[name][:, blocks[rows]].to(x.device).float()
+        return decoded
 
     def _graduate(self) -> None:
         """Re-quantize the blocks whose age reached a later stage (from Tier-2), then, over
@@ -383,12 +506,13 @@ class TieredKVStore:
         """Hold ``blocks [m]`` (host, ascending) at precision ``pid``: re-encoded from their
         FP16 originals (Tier-2, never from their codes), annotations and mirror rows replaced
         with them; Tier-1 frees their old slots."""
+        self._step_read, self._step_codes = None, {}
         originals = self._originals()
         k16 = originals["k"][:, blocks].to(self.device)
         v16 = originals["v"][:, blocks].to(self.device)
         keys, values, notes = self._encode(k16, v16, pid, self._starts(blocks))
         self._table.move(blocks, pid, keys, values)
-        self._annotations.put(blocks, notes)
+        self._keep_notes(notes, blocks)
         self._note_maxima(notes)
         if self._mirror is not None:
             self._mirror.put(blocks, self._decoded(blocks))
@@ -410,6 +534,7 @@ class TieredKVStore:
     def join(self, board, layer: int) -> None:
         """Share cross-layer state (SmartKV's :class:`~certkv.cache.importance.ImportanceBoard`)
         with the other layers of a cache; nothing for other quantizers."""
+        self._fault_rng = self._faults.generator(layer)
         if hasattr(self._tracker, "join"):
             self._tracker.join(board, layer)
 
@@ -439,11 +564,14 @@ class TieredKVStore:
         """An independent copy of this store (every tier, annotation and running statistic), so
         one quantized prefill can serve several methods without quantizing it again."""
         new = copy.copy(self)
-        for name in ("_table", "_annotations", "_tier2", "_mirror", "stages"):
+        new._step_read, new._step_codes = None, {}
+        for name in ("_table", "_annotations", "_health", "_tier2", "_mirror", "stages"):
             part = getattr(self, name)
             setattr(new, name, None if part is None else part.clone())
         clone_for = getattr(self._tracker, "clone_for", None)
         new._tracker = clone_for(new) if clone_for is not None else new._new_tracker()
+        new._fault_rng = torch.Generator()
+        new._fault_rng.set_state(self._fault_rng.get_state())
         for name in ("_tail_k", "_tail_v", "_nu_max", "_eta_max", "_radius_max", "_centre",
                      "_key_abs_max", "_nonfinite"):
             setattr(new, name, getattr(self, name).clone())
@@ -471,12 +599,37 @@ class TieredKVStore:
         return None if pid is None else self.precisions[pid]
 
     def quantized_mask(self) -> torch.Tensor:
-        """Bool ``[n_blocks]`` on the device: the block is quantized (not an exact window)."""
-        return self._table.quantized()
+        """Bool ``[n_blocks]`` on the device: the block is read quantized (not an exact window,
+        nor a corrupted block served from its originals)."""
+        if self._health is None:
+            return self._table.quantized()
+        return self._table.quantized() & ~self.corrupted_mask()
 
     def num_quantized(self) -> int:
-        """Completed blocks held by a lossy precision (host count)."""
-        return self._table.num_quantized()
+        """Completed blocks read quantized (host count)."""
+        if self._health is None:
+            return self._table.num_quantized()
+        return int(self.quantized_mask().sum())
+
+    def corrupted_mask(self) -> torch.Tensor:
+        """Bool ``[n_blocks]`` on the device: the block's codes failed the integrity check when
+        read (protection with ``integrity``), so every step reads its FP16 originals instead,
+        as an exact block (keys and values; its error annotations read 0)."""
+        if self._health is None:
+            return torch.zeros(self.num_blocks, dtype=torch.bool, device=self.device)
+        return self._health.view()["corrupted"][0]
+
+    def fault_counts(self) -> dict[str, int]:
+        """What a step reads, over every completed block: words the code corrected, words it
+        erased, corrupted blocks (served from FP16), and bits the injector flipped so far."""
+        out = {"corrected_words": 0, "erased_words": 0, "corrupted_blocks": 0,
+               "bits_flipped": self.bits_flipped}
+        if self._health is not None and self.num_blocks:
+            health = self._health.view()
+            out["corrected_words"] = int(health["corrected"].sum())
+            out["erased_words"] = int(health["erased"].sum())
+            out["corrupted_blocks"] = int(health["corrupted"][0].sum())
+        return out
 
     def _single_view(self, which: str, extra: int = 0) -> Blocks:
         pid = self._table.single()
@@ -501,9 +654,34 @@ class TieredKVStore:
         order (leading dims ``[Hkv, slots]``, no copy); ``blocks`` (device int64) are the
         indices of its blocks and ``slots`` their rows in the buffers. What the fused kernels
         read, one launch each."""
-        table = self._table
-        return [(self.precisions[pid], table.view(pid, which), where, slots)
-                for pid, where, slots in table.groups()]
+        groups = []
+        for pid, where, slots in self._table.groups():
+            codes = self._step_codes.get((pid, which))  # transient faults: this step's read
+            if codes is None:
+                codes = self._table.view(pid, which)
+            else:
+                slots = torch.arange(len(where), device=self.device)
+            groups.append((self.precisions[pid], codes, where, slots))
+        return self._corrupted_apart(groups, which)
+
+    def _corrupted_apart(self, groups: list, which: str) -> list:
+        """:meth:`block_groups` with corrupted blocks taken out of their precision's launch
+        and served by one more, exact one: their FP16 originals (paged in from Tier-2)."""
+        if self._health is None or not self.num_blocks:
+            return groups
+        bad = self.corrupted_mask()
+        if not bool(bad.any()):
+            return groups
+        kept = []
+        for precision, codes, where, slots in groups:
+            keep = ~bad[where]
+            if bool(keep.any()):
+                kept.append((precision, codes, where[keep], slots[keep]))
+        blocks = bad.nonzero(as_tuple=True)[0]
+        data = self._originals()["k" if which == "key" else "v"][:, blocks.cpu()]
+        served = {"data": data.to(self.device)}
+        rows = torch.arange(len(blocks), device=self.device)
+        return [*kept, (exact_precision(), served, blocks, rows)]
 
     def value_decode_rounding(self) -> float:
         """The largest ``decode_rounding`` (at this head_dim) of the value codecs holding
@@ -514,7 +692,7 @@ class TieredKVStore:
     @property
     def eta(self) -> torch.Tensor:
         """``[Hkv, n_blocks]`` max per-token value reconstruction error (Cor. 4.2)."""
-        return self._annotations.view()["eta"]
+        return self.annotation("eta")
 
     @property
     def nu(self) -> torch.Tensor:
@@ -525,7 +703,10 @@ class TieredKVStore:
         """FP32 ``[Hkv, n_blocks]`` annotation ``name`` (one of :data:`ANNOTATIONS`)."""
         require(name in ANNOTATIONS, ConfigError,
                 f"annotation {name!r} is unknown; use one of {list(ANNOTATIONS)}.")
-        return self._annotations.view()[name]
+        notes = self._annotations.view()[name]
+        if self._health is not None and name in ERROR_NOTES:
+            return torch.where(self.corrupted_mask(), torch.zeros_like(notes), notes)
+        return notes
 
     @property
     def centre(self) -> torch.Tensor:
@@ -588,19 +769,26 @@ class TieredKVStore:
 
     def dequantized_keys(self) -> torch.Tensor:
         """FP32 ``[Hkv, n_blocks, B, d]`` keys reconstructed from Tier-1 (each block with its
-        own codec)."""
-        return self._table.decode("key")
+        own codec; corrupted blocks' originals)."""
+        return self._read_all("k", lambda: self._table.decode("key"))
 
     def dequantized_values(self) -> torch.Tensor:
         """FP32 ``[Hkv, n_blocks, B, d]`` values reconstructed from Tier-1."""
-        return self._table.decode("value")
+        return self._read_all("v", lambda: self._table.decode("value"))
+
+    def _read_all(self, name: str, decoded) -> torch.Tensor:
+        """Every block's ``name`` as the current step reads it: transient faults' read if there
+        is one, else ``decoded()`` with corrupted blocks served from their originals."""
+        if self._step_read is not None:
+            return self._step_read[name]
+        return self._serve_corrupted({name: decoded()}, torch.arange(self.num_blocks))[name]
 
     def key_channel_bound(self) -> torch.Tensor:
         """FP32 ``[Hkv, n_blocks, d]`` per-channel key reconstruction bound (paper 2.3), from the
         stored metadata (cached in the decoded mirror when there is one)."""
         if self._mirror is not None:
             return self._mirror.view()["bound"]
-        return self._table.channel_bound()
+        return self._read_all("bound", self._table.channel_bound)
 
     def _originals(self, extra: int = 0) -> Blocks:
         """FP16 originals ``k, v: [Hkv, n, B, d]`` of completed blocks: Tier-2 in host memory,

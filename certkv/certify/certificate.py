@@ -41,6 +41,11 @@ class BlockStats:
         return self.mass * share * self.quantized
 
 
+_SUMMED = ("value_promotions", "corrected_words", "erased_words", "corrupted_blocks",
+           "violations")
+"""Per-step counts that add up over layers."""
+
+
 @dataclass
 class Certificate:
     """What one decode step of one layer returned, per query head (every tensor is ``[Hq]``).
@@ -78,6 +83,16 @@ class Certificate:
     # 1 widest key set, 2 also FP16 values, 3 dense: its bound stayed above the tolerance)
     tol_level: torch.Tensor | None = None
     blocks: BlockStats | None = None  # per-block signals (not per head; left out of records)
+    # what reading a protected Tier-1 found this step (:mod:`certkv.quant.protect`): code words
+    # corrected, words erased (detected, not fixable), blocks that failed the integrity check
+    # and were read from their FP16 originals instead
+    corrected_words: int = 0
+    erased_words: int = 0
+    corrupted_blocks: int = 0
+    # with ``audit`` (:mod:`certkv.certify.audit`): heads whose error against FP64 attention on
+    # the originals exceeded their bound (0 whenever the certificate's preconditions hold)
+    violations: int = 0
+    audited: bool = False
 
     def __post_init__(self) -> None:
         for name in ("paper_e_key", "paper_e_val"):
@@ -120,8 +135,10 @@ class Certificate:
             values = [getattr(c, f.name) for c in certs]
             if isinstance(values[0], torch.Tensor):
                 continue
-            if f.name in ("value_promotions", "num_blocks"):
-                merged[f.name] = sum(values) if f.name == "value_promotions" else max(values)
+            if f.name in _SUMMED:
+                merged[f.name] = sum(values)
+            elif f.name == "num_blocks":
+                merged[f.name] = max(values)
             elif f.name == "blocks":
                 merged[f.name] = None  # per layer only
             else:
@@ -149,7 +166,9 @@ class Certificate:
         out["ranking_fail"] = int((~self.ranking_ok).sum())
         out["boundary_fail"] = int((~self.boundary_ok).sum())
         out["canary_fail"] = int((~self.canary_ok).sum())
-        out["value_promotions"] = self.value_promotions
+        for name in _SUMMED:
+            out[name] = getattr(self, name)
+        out["audited"] = self.audited
         out["tol_escalated"] = int((self.tol_level > 0).sum())
         out["tol_dense"] = int((self.tol_level >= 3).sum())
         return out

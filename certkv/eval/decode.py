@@ -37,6 +37,7 @@ from certkv.errors import CertKVError, ConfigError, require
 from certkv.models.loading import LoadedModel
 from certkv.models.rope import rope_spec
 from certkv.quant import KVQuantizer
+from certkv.quant.protect.protection import Protection
 
 
 @dataclass
@@ -48,22 +49,26 @@ class Method:
     mode: str
     attention: CertifiedAttention
     quantizer: KVQuantizer = field(default_factory=KVQuantizer)
+    protect: Protection | None = None  # codes, integrity check and faults of Tier-1
 
     def __post_init__(self) -> None:
         require(self.mode in MODES, ConfigError,
                 f"method {self.name!r} has mode={self.mode!r}; use one of {list(MODES)}.")
         self.quantizer = self.quantizer.for_mode(self.mode)
+        if self.mode != "dense":
+            self.quantizer = self.quantizer.with_protection(self.protect)
 
     @classmethod
     def build(cls, name: str = "certified", mode: str = "certified", *,
               quantizer: KVQuantizer | None = None, selector: AdaptiveTopK | None = None,
               value_policy: object | None = None, ladder: Ladder | None = None,
-              backend: object = "auto", compile: bool | str | None = None) -> Method:
+              backend: object = "auto", compile: bool | str | None = None,
+              protect: Protection | None = None) -> Method:
         """A method with the paper's defaults (Table 2) for anything not given."""
         attention = CertifiedAttention(selector or AdaptiveTopK(),
                                        value_policy or LocalThreshold(), ladder or Ladder(),
                                        backend, mode, compile=compile)
-        return cls(name, mode, attention, quantizer or KVQuantizer())
+        return cls(name, mode, attention, quantizer or KVQuantizer(), protect)
 
 
 class Decoder:
@@ -247,5 +252,10 @@ def certificate_record(caches: list[CacheTelemetry]) -> dict:
     for name in ("ranking_fail", "boundary_fail", "canary_fail", "value_promotions",
                  "tol_escalated", "tol_dense"):
         record[name] = sum(s.get(name, 0) for s in steps)
+    record["violations"] = sum(s.get("violations", 0) for s in steps)  # audit=true only
+    record["audited"] = any(s.get("audited", False) for s in steps)
+    for name in ("corrected_words", "erased_words", "corrupted_blocks"):  # read per step
+        record[f"{name}_per_step"] = (statistics.fmean(s.get(name, 0) for s in steps)
+                                      if steps else 0.0)
     record["k_star_mean"] = statistics.fmean(s["k_star_mean"] for s in steps) if steps else 0.0
     return record

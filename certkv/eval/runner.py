@@ -37,7 +37,7 @@ from certkv.eval.results import RunDir, read_jsonl
 from certkv.models.loading import ModelSpec, check_source, load_model
 from certkv.provenance import environment
 
-COMPONENTS = ("quantizer", "selector", "value_policy", "ladder")
+COMPONENTS = ("quantizer", "selector", "value_policy", "ladder", "protect")
 COUNT_FIELDS = ("slices", "trials", "windows")  # more or fewer samples of the same kind
 Variant = Method  # a run's variants are protocol methods built from the config
 
@@ -97,8 +97,9 @@ def build_variants(cfg: DictConfig) -> list[Method]:
                 f"{', '.join(COMPONENTS)}.")
         parts = {c: build(_override(cfg[c], entry.get(c, {})), c) for c in COMPONENTS}
         attention = CertifiedAttention(parts["selector"], parts["value_policy"], parts["ladder"],
-                                       backend, mode, compile=cfg.get("compile"))
-        variants.append(Method(name, mode, attention, parts["quantizer"]))
+                                       backend, mode, compile=cfg.get("compile"),
+                                       audit=bool(cfg.get("audit", False)))
+        variants.append(Method(name, mode, attention, parts["quantizer"], parts["protect"]))
         names.add(name)
     return variants
 
@@ -132,7 +133,8 @@ def record_settings(cfg: DictConfig) -> dict[str, object]:
     for entry in cfg.variants:
         mode = entry.get("mode", "certified")
         out[f"variant:{entry.name}"] = {"mode": mode} if mode == "dense" else {"mode": mode, **{
-            c: _override(cfg[c], entry.get(c, {})) for c in COMPONENTS}}  # dense reads none
+            c: _override(cfg[c], entry.get(c, {})) for c in COMPONENTS
+            if c in cfg}}  # dense reads none; runs made before a group existed lack it
     return out
 
 

@@ -37,6 +37,7 @@ class StepLayout:
     """Masks and annotations of one step over ``n`` blocks of a store."""
 
     def __init__(self, store: TieredKVStore) -> None:
+        store.refresh_reads()  # transient faults: this step's read of Tier-1
         self.store = store
         self._sources: dict[str, list[BlockSource] | None] = {}
         nc, t = store.num_blocks, store.tail_len

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from certkv.certify.arith import U32, Rounding, matmul_input_rounding
+from certkv.certify.audit import reference_fp64
 from certkv.certify.bounds import block_deltas
 from certkv.certify.checks import boundary_ok, canary_violations, ranking_consistent
 
@@ -143,12 +144,8 @@ def exact_attention(q: torch.Tensor, store, scaling: float | None = None) -> tor
     """``O_ref``: softmax attention on the store's FP16 originals computed in FP64 (the oracle of
     the certificate's contract) -> ``[Hq, d]`` FP64. Its own rounding is about 1e-12 relative."""
     k, v = store.dense_kv()
-    group = q.shape[0] // store.num_kv_heads
-    k = k.double().repeat_interleave(group, 0)
-    v = v.double().repeat_interleave(group, 0)
     scaling = store.head_dim**-0.5 if scaling is None else scaling
-    w = torch.softmax(torch.einsum("hd,hnd->hn", q.to(k.device).double(), k) * scaling, dim=-1)
-    return torch.einsum("hn,hnd->hd", w, v)
+    return reference_fp64(q, k, v, scaling)
 
 
 DENSE_CHUNK = 256  # tokens per chunk of the dense path's two-level sums

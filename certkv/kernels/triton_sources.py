@@ -16,8 +16,11 @@ A launch reads one :class:`CodeLayout`:
 Covered: keys of :class:`~certkv.quant.int8_channel.ChannelAffineKeyCodec` and
 :class:`~certkv.quant.kivi.KiviKeyCodec` at 2, 4 or 8 bits, values of
 :class:`~certkv.quant.int4_group.GroupAffineValueCodec` at 2, 4 or 8 bits, and FP16 either side.
-Anything else (3-bit codes, rotations, pre-RoPE keys, dense-and-sparse values) returns None and
-the phase runs on the PyTorch reference.
+The same codecs ECC-protected (:mod:`certkv.quant.protect`) are read after the Triton ECC kernel
+decodes their words (:mod:`certkv.kernels.triton_ecc`); blocks that failed the integrity check
+are one more FP16 launch over their originals (:meth:`TieredKVStore.block_groups`). Anything
+else (3-bit codes, rotations, pre-RoPE keys, dense-and-sparse values, erasures to repair without
+the integrity check) returns None and the phase runs on the PyTorch reference.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from certkv.quant.fp16 import FP16KeyCodec, FP16ValueCodec
 from certkv.quant.int4_group import GroupAffineValueCodec
 from certkv.quant.int8_channel import ChannelAffineKeyCodec
 from certkv.quant.kivi import KiviKeyCodec
+from certkv.quant.protect.protection import protected
 
 KERNEL_BITS = (2, 4, 8)  # code widths the kernels unpack (whole codes per byte)
 
@@ -121,6 +125,11 @@ def block_sources(store, which: str) -> list[BlockSource] | None:
     sources = []
     for precision, codes, blocks, slots in store.block_groups(which):
         codec = getattr(precision, f"{which}_codec")
+        wrapped = protected(codec)
+        if wrapped is not None:  # ECC words: decoded to the inner codec's codes first
+            if not wrapped.integrity and store.fault_counts()["erased_words"]:
+                return None  # erasures are repaired in the real domain: the reference does it
+            codec, codes = wrapped.inner, _ecc_decoded(wrapped, codes)
         layout = (key_layout(codec) if which == "key"
                   else value_layout(codec, store.head_dim))
         if layout is None:
@@ -133,6 +142,15 @@ def block_sources(store, which: str) -> list[BlockSource] | None:
         sources.append(BlockSource(CodeLayout(fp16=True), tail.unsqueeze(1), None, None, None,
                                    None, 1, store.tail_len))
     return sources
+
+
+def _ecc_decoded(codec, codes):
+    """A protected precision's buffers with their words decoded to the inner codec's codes by
+    the Triton ECC kernel (:mod:`certkv.kernels.triton_ecc`)."""
+    from certkv.kernels.triton_ecc import decode_words
+
+    _, padded = codec.nibble_count()
+    return codec.assemble(codes, decode_words(codec.code, codes["ecc"], padded))
 
 
 def _pow2(x: int) -> bool:

@@ -15,13 +15,14 @@ re-quantized from its FP16 originals (Tier-2) at ``stage_precision(i, N)``. The 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from certkv.errors import ConfigError, require
 from certkv.quant.base import KeyCodec, ValueCodec
 from certkv.quant.fp16 import FP16KeyCodec, FP16ValueCodec
 from certkv.quant.int4_group import GroupAffineValueCodec
 from certkv.quant.int8_channel import ChannelAffineKeyCodec
+from certkv.quant.protect.protection import Protection
 
 
 @dataclass
@@ -70,6 +71,9 @@ class KVQuantizer:
             exceeds the budget raises :class:`~certkv.errors.BudgetError`.
         memory_threshold: the fraction of the budget at which early graduation starts (seed
             004's ``memory_threshold``, 0.9).
+        protection: error-correcting codes, the integrity check and injected faults over the
+            lossy precisions' codes (the ``protect`` config group, set by
+            :meth:`with_protection`); None: none.
     """
 
     key_codec: KeyCodec = field(default_factory=ChannelAffineKeyCodec)
@@ -79,6 +83,7 @@ class KVQuantizer:
     sink: int = 0
     budget_bytes: int | None = None
     memory_threshold: float = 0.9
+    protection: Protection | None = None
 
     def __post_init__(self) -> None:
         require(isinstance(self.block_size, int) and self.block_size >= 1, ConfigError,
@@ -102,6 +107,12 @@ class KVQuantizer:
         """The quantizer a cache in attention ``mode`` uses: FP16 passthrough for ``dense`` (it
         reads only FP16 originals, kept on the device), this one otherwise."""
         return KVQuantizer.fp16(self.block_size) if mode == "dense" else self
+
+    def with_protection(self, protection: Protection | None) -> KVQuantizer:
+        """This quantizer with ``protection`` (``self`` when it changes nothing)."""
+        if protection is None or not protection.enabled:
+            return self if self.protection is None else replace(self, protection=None)
+        return replace(self, protection=protection)
 
     # ---------------------------------------------------------------- stages
     def precisions(self) -> list[Precision]:

@@ -40,6 +40,12 @@ def certificate_summary(records: list[dict]) -> dict:
     out["scratch_hit_rate"] = statistics.fmean(r["scratch_hit_rate"] for r in records) \
         if records else 0.0
     out["h2d_bytes_per_step"] = sum(r["h2d_bytes"] for r in records) / steps
+    for name in ("corrected_words", "erased_words", "corrupted_blocks"):  # protect (seed 003)
+        out[f"{name}_per_step"] = sum(r.get(f"{name}_per_step", 0.0) * r["steps"]
+                                      for r in records) / steps
+    out["violations"] = sum(r.get("violations", 0) for r in records)  # audit=true
+    out["audited"] = any(r.get("audited", False) for r in records)
+    out["head_steps"] = head_steps
     return out
 
 

@@ -15,27 +15,47 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from certkv.quant.packing import pack_bits, unpack_bits
-
 CLEAN, CORRECTED, DETECTED = 0, 1, 2
+
+
+def _spans(m: int, width: int, device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """First byte ``[m]`` and bit shift ``[m]`` of each of ``m`` words ``width`` bits wide in a
+    little-endian stream, and how many bytes a word can touch."""
+    bit = torch.arange(m, dtype=torch.int64, device=device) * width
+    return bit // 8, bit % 8, (width + 14) // 8
 
 
 def pack_words(words: torch.Tensor, width: int) -> torch.Tensor:
     """Integer words ``[..., m]`` (values below ``2^width``) -> bytes ``[..., ceil(m width / 8)]``:
     bit ``b`` of word ``i`` is bit ``i width + b`` of the little-endian stream."""
-    shifts = torch.arange(width, dtype=torch.int64, device=words.device)
-    bits = (words.to(torch.int64).unsqueeze(-1) >> shifts) & 1
-    stream = bits.flatten(-2)
-    stream = torch.nn.functional.pad(stream, (0, -stream.shape[-1] % 8))
-    return pack_bits(stream.to(torch.uint8), 1)
+    words = words.to(torch.int64)
+    m = words.shape[-1]
+    size = -(-m * width // 8)
+    if width % 8 == 0:  # byte-aligned words: their bytes in order
+        shifts = 8 * torch.arange(width // 8, dtype=torch.int64, device=words.device)
+        return ((words.unsqueeze(-1) >> shifts) & 255).flatten(-2).to(torch.uint8)
+    first, shift, span = _spans(m, width, words.device)
+    moved = words << shift  # [..., m], at most width + 7 bits
+    out = torch.zeros(*words.shape[:-1], size + span, dtype=torch.int64, device=words.device)
+    for j in range(span):  # the bits of different words never overlap: adding is or-ing
+        out.index_add_(-1, first + j, (moved >> (8 * j)) & 255)
+    return out[..., :size].to(torch.uint8)
 
 
 def unpack_words(packed: torch.Tensor, width: int, m: int) -> torch.Tensor:
     """Inverse of :func:`pack_words`: bytes -> int64 words ``[..., m]``."""
-    stream = unpack_bits(packed, 1)[..., : m * width].to(torch.int64)
-    bits = stream.reshape(*stream.shape[:-1], m, width)
-    shifts = torch.arange(width, dtype=torch.int64, device=packed.device)
-    return (bits << shifts).sum(dim=-1)
+    raw = packed.to(torch.int64)
+    if width % 8 == 0:
+        nb = width // 8
+        grouped = raw[..., : m * nb].reshape(*raw.shape[:-1], m, nb)
+        shifts = 8 * torch.arange(nb, dtype=torch.int64, device=packed.device)
+        return (grouped << shifts).sum(dim=-1)
+    first, shift, span = _spans(m, width, packed.device)
+    raw = torch.nn.functional.pad(raw, (0, span))
+    word = torch.zeros(*raw.shape[:-1], m, dtype=torch.int64, device=packed.device)
+    for j in range(span):
+        word |= raw[..., first + j] << (8 * j)
+    return (word >> shift) & ((1 << width) - 1)
 
 
 def popcount_parity(x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,152 @@
+"""The ``protect`` config group: which code guards Tier-1's codes, and which faults hit them.
+
+:class:`Protection` names a code (``none``, ``hamming74``, ``hamming84``, ``golay24``), how
+erasures are repaired, whether the per-block integrity check is stored, and a
+:class:`FaultModel`: the binary symmetric channel of seed 003 (every stored bit flips with
+probability ``p``) over the code words of quantized blocks (parity bits included; scales,
+offsets and the check too with ``metadata``). Faults are persistent by default (drawn once, when
+a block is written to Tier-1, as a memory fault; every later read sees the same bits) or
+transient (``transient``: drawn anew on every read, the stored bits stay clean). Exact FP16
+windows are not faulted (the seed protects quantized codes). The store applies both
+(:class:`~certkv.cache.store.TieredKVStore`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from certkv.errors import ConfigError, require
+from certkv.quant.base import Blocks
+from certkv.quant.fp16 import FP16KeyCodec, FP16ValueCodec
+from certkv.quant.protect.base import Code
+from certkv.quant.protect.codec import (
+    ERASURES,
+    ProtectedCodec,
+    ProtectedKeyCodec,
+    ProtectedValueCodec,
+)
+from certkv.quant.protect.faults import check_rate, inject
+from certkv.quant.protect.golay import Golay24
+from certkv.quant.protect.hamming import Hamming74, Hamming84
+
+CODES: dict[str, type[Code] | None] = {"none": None, "hamming74": Hamming74,
+                                       "hamming84": Hamming84, "golay24": Golay24}
+
+
+@dataclass
+class FaultModel:
+    """Bit flips at rate ``p`` (seeded) on stored codes; see the module docstring."""
+
+    p: float = 0.0
+    seed: int = 0
+    transient: bool = False
+    metadata: bool = False
+
+    def __post_init__(self) -> None:
+        self.p = check_rate(self.p)
+        require(isinstance(self.seed, int) and not isinstance(self.seed, bool), ConfigError,
+                f"faults.seed={self.seed!r} must be an integer, e.g. 0.")
+
+    @property
+    def active(self) -> bool:
+        return self.p > 0
+
+    def generator(self, layer: int) -> torch.Generator:
+        """The flips' generator of one layer's store (seeded by ``seed`` and the layer)."""
+        return torch.Generator().manual_seed(self.seed * 1_000_003 + layer)
+
+    def flip(self, blocks: Blocks, generator: torch.Generator) -> tuple[Blocks, int]:
+        """``blocks`` with the faulted tensors' bits flipped at rate ``p``, and how many bits
+        flipped: the code words (``ecc``, or ``codes`` unprotected), and with ``metadata`` every
+        other tensor."""
+        words = "ecc" if "ecc" in blocks else "codes"
+        out, flipped = dict(blocks), 0
+        for name, t in blocks.items():
+            if name == words or (self.metadata and name != words):
+                out[name], n = inject(t, self.p, generator)
+                flipped += n
+        return out, flipped
+
+
+@dataclass
+class Protection:
+    """How Tier-1's quantized codes are protected (``protect`` config group).
+
+    Args:
+        code: ``none``, ``hamming74`` (7 bits per 4-bit value, corrects one error per word),
+            ``hamming84`` (SECDED, 8 bits: a double error is an erasure), ``golay24`` (three
+            values per 24-bit word: corrects up to 3 errors, flags 4).
+        erasure: ``zero`` or ``interp`` (the seed's midpoint of neighbouring tokens).
+        integrity: store a per-block hash and serve blocks that fail it from their FP16
+            originals (what keeps the certificate valid under faults).
+        faults: the injected faults (:class:`FaultModel`).
+    """
+
+    code: str = "none"
+    erasure: str = "zero"
+    integrity: bool = False
+    faults: FaultModel = field(default_factory=FaultModel)
+
+    def __post_init__(self) -> None:
+        require(self.code in CODES, ConfigError,
+                f"protect.code={self.code!r} is unknown; use one of {list(CODES)}.")
+        require(self.erasure in ERASURES, ConfigError,
+                f"protect.erasure={self.erasure!r} is unknown; use one of {list(ERASURES)}.")
+        if isinstance(self.faults, dict):
+            self.faults = FaultModel(**self.faults)
+
+    @property
+    def wraps(self) -> bool:
+        """Codecs are wrapped (a code or the integrity check is on)."""
+        return self.code != "none" or self.integrity
+
+    @property
+    def enabled(self) -> bool:
+        """Anything differs from an unprotected, fault-free store."""
+        return self.wraps or self.faults.active
+
+    def wrap(self, precision):
+        """``precision`` with its codecs protected (exact ones unchanged)."""
+        from certkv.quant.kv import Precision
+
+        if precision.exact or not self.wraps:
+            return precision
+        make = CODES[self.code]
+        code = make() if make is not None else _Identity()
+
+        def wrapped(codec, kind):  # FP16 sides (int8_fp16's values) store originals: as they are
+            if isinstance(codec, (FP16KeyCodec, FP16ValueCodec)):
+                return codec
+            return kind(codec, code, self.erasure, self.integrity)
+
+        return Precision(wrapped(precision.key_codec, ProtectedKeyCodec),
+                         wrapped(precision.value_codec, ProtectedValueCodec), precision.name)
+
+    @property
+    def bits_per_value(self) -> float:
+        """Stored bits per 4-bit value (4 unprotected)."""
+        make = CODES[self.code]
+        return 4.0 if make is None else make().bits_per_value
+
+
+class _Identity(Code):
+    """No code (integrity check alone): 4-bit words stored as they are, never corrected."""
+
+    name = "none"
+    word_bits = 4
+
+    def __init__(self) -> None:
+        self._data = torch.arange(16)  # the decode table (the Triton path looks words up)
+
+    def encode(self, data: torch.Tensor) -> torch.Tensor:
+        return data
+
+    def decode(self, words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return words, torch.zeros_like(words, dtype=torch.uint8)
+
+
+def protected(codec) -> ProtectedCodec | None:
+    """``codec`` if it is protected, else None."""
+    return codec if isinstance(codec, ProtectedCodec) else None

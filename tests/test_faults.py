@@ -1,0 +1,302 @@
+"""Protected Tier-1 under storage faults: codecs, the integrity check, the store, the contract.
+
+The certificate under faults: with the integrity check on, every head of every step stays within
+its bound against FP64 attention on the originals (no allowance), whatever flips; without it a
+flipped bit can break the bound (the risk the check removes).
+"""
+
+from __future__ import annotations
+
+from math import ceil
+
+import pytest
+import torch
+from helpers import (
+    check_heads,
+    check_steps,
+    make_kv,
+    make_query,
+    reference_fp64,
+    reference_slack,
+    step_draws,
+)
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from certkv import CertifiedAttention, TieredKVStore
+from certkv.errors import ConfigError
+from certkv.kernels.reference import TorchBackend
+from certkv.kernels.triton_backend import TritonBackend
+from certkv.quant import (
+    ChannelAffineKeyCodec,
+    GroupAffineValueCodec,
+    KiviKeyCodec,
+    KVQuantizer,
+    TokenSymmetricValueCodec,
+)
+from certkv.quant.protect import (
+    FaultModel,
+    Golay24,
+    Hamming74,
+    Hamming84,
+    ProtectedKeyCodec,
+    ProtectedValueCodec,
+    Protection,
+)
+from certkv.quant.protect.codec import repair
+from certkv.quant.protect.integrity import block_hash
+
+CODES = ("none", "hamming74", "hamming84", "golay24")
+
+
+def blocks_of(seed=0, hkv=2, n=3, block=16, d=32):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(hkv, n, block, d, generator=gen) * 2).to(torch.float16)
+
+
+def protection(code="hamming84", integrity=True, p=0.0, **faults):
+    return Protection(code, "zero", integrity, FaultModel(p=p, **faults))
+
+
+# ---------------------------------------------------------------- codecs
+
+
+@pytest.mark.parametrize("code", [Hamming74(), Hamming84(), Golay24()], ids=lambda c: c.name)
+@pytest.mark.parametrize("inner", [ChannelAffineKeyCodec(bits=8), KiviKeyCodec(bits=2),
+                                   GroupAffineValueCodec(bits=4, group=16)],
+                         ids=["int8-keys", "kivi2-keys", "int4-values"])
+def test_protected_codecs_decode_bit_identically_and_count_their_bytes(code, inner):
+    wrap = ProtectedValueCodec if isinstance(inner, GroupAffineValueCodec) else ProtectedKeyCodec
+    codec = wrap(inner, code, integrity=True)
+    codec.validate(32, 16)
+    x = blocks_of()
+    plain, stored = inner.encode(x), codec.encode(x)
+    assert torch.equal(codec.decode(stored), inner.decode(plain))
+    nibbles = plain["codes"].numel() * 2 // 6  # 4-bit values per block and kv head
+    words = ceil(nibbles / code.values_per_word)
+    assert stored["ecc"].numel() == 6 * ceil(words * code.word_bits / 8)
+    assert stored["check"].shape == (2, 3, 2) and stored["check"].dtype == torch.int32
+    read = codec.read(stored)
+    assert read.intact.all() and (read.corrected == 0).all() and (read.erased == 0).all()
+
+
+@pytest.mark.parametrize("code", [Hamming74(), Hamming84(), Golay24()], ids=lambda c: c.name)
+def test_one_flip_per_word_is_corrected_and_the_block_reads_intact(code):
+    inner = GroupAffineValueCodec(bits=4, group=16)
+    codec = ProtectedValueCodec(inner, code)
+    stored = codec.encode(blocks_of(1))
+    ecc = stored["ecc"].clone()
+    words = ecc.shape[-1] * 8 // code.word_bits
+    for w in range(words):  # flip bit (w mod word_bits) of every word
+        bit = w * code.word_bits + w % code.word_bits
+        ecc[..., bit // 8] ^= 1 << (bit % 8)
+    read = codec.read({**stored, "ecc": ecc})
+    assert read.intact.all() and (read.erased == 0).all()
+    assert (read.corrected == words).all()
+    assert torch.equal(codec.decode({**stored, "ecc": ecc}), codec.decode(stored))
+
+
+def test_a_double_error_is_an_erasure_repaired_by_zero_or_interpolation():
+    inner = GroupAffineValueCodec(bits=4, group=16)
+    x = blocks_of(2, hkv=1, n=1)
+    for erasure in ("zero", "interp"):
+        codec = ProtectedValueCodec(inner, Hamming84(), erasure=erasure, integrity=False)
+        stored = codec.encode(x)
+        ecc = stored["ecc"].clone()
+        ecc[0, 0, 5] ^= 0b11  # word 5: value 5 = token 0, channel 5 (two bits flipped)
+        read = codec.read({**stored, "ecc": ecc})
+        assert read.erased.item() == 1
+        out = codec.decode({**stored, "ecc": ecc})
+        clean = codec.decode(stored)
+        want = 0.0 if erasure == "zero" else clean[0, 0, 1, 5].item()  # one neighbour: token 1
+        assert out[0, 0, 0, 5].item() == want
+        out[0, 0, 0, 5] = clean[0, 0, 0, 5]
+        assert torch.equal(out, clean)
+
+
+def test_interpolation_takes_the_midpoint_and_nearest_valid_neighbours():
+    x = torch.tensor([1.0, 9.0, 3.0, 9.0, 9.0, 6.0, 9.0]).view(1, 1, 7, 1)
+    erased = torch.tensor([False, True, False, True, True, False, True]).view(1, 1, 7, 1)
+    out = repair(x, erased, "interp").flatten().tolist()
+    assert out == [1.0, 2.0, 3.0, 4.5, 4.5, 6.0, 6.0]  # midpoint; run; newest token: last valid
+    assert repair(x, torch.ones_like(erased), "interp").abs().sum() == 0  # no valid neighbour
+
+
+def test_the_integrity_check_sees_every_changed_byte():
+    codec = ProtectedKeyCodec(ChannelAffineKeyCodec(bits=8), Hamming74())
+    inner = ChannelAffineKeyCodec(bits=8).encode(blocks_of(3, hkv=1, n=1))
+    check = block_hash(inner)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        name = ("codes", "scale", "offset")[int(torch.randint(3, (1,), generator=gen))]
+        raw = inner[name].clone().contiguous().view(torch.uint8).flatten()
+        i = int(torch.randint(raw.numel(), (1,), generator=gen))
+        raw[i] ^= int(torch.randint(1, 256, (1,), generator=gen))
+        changed = {**inner, name: raw.view(inner[name].dtype).reshape(inner[name].shape)}
+        assert not torch.equal(block_hash(changed), check)
+    assert codec.name == "int8_channel+hamming74"
+
+
+def test_codes_that_are_not_4_bit_aligned_are_one_sentence():
+    codec = ProtectedKeyCodec(ChannelAffineKeyCodec(bits=3), Golay24())
+    with pytest.raises(ConfigError, match=r"4-bit aligned codes.*protect=none with integrity"):
+        codec.validate(32, 16)
+    with pytest.raises(ConfigError, match=r"protect\.code=.crc."):
+        Protection("crc")
+    with pytest.raises(ConfigError, match=r"must be a probability in \[0, 1\]"):
+        FaultModel(p=-0.1)
+    with pytest.raises(ConfigError, match="needs 4-bit aligned"):
+        TieredKVStore(1, 32, quantizer=KVQuantizer(ChannelAffineKeyCodec(bits=3))
+                      .with_protection(protection("golay24")))
+
+
+@pytest.mark.parametrize("code", [Hamming74(), Hamming84(), Golay24()], ids=lambda c: c.name)
+def test_the_triton_ecc_kernel_decodes_like_the_reference(code):
+    from certkv.kernels.triton_ecc import decode_words
+
+    gen = torch.Generator().manual_seed(4)
+    values = torch.randint(0, 16, (2, 3, 96), generator=gen)
+    packed = code.protect(values)
+    noisy = packed ^ (torch.rand(packed.shape, generator=gen) < 0.3).to(torch.uint8) * \
+        torch.randint(1, 256, packed.shape, generator=gen).to(torch.uint8)
+    for words in (packed, noisy):
+        assert torch.equal(decode_words(code, words, 96), code.recover(words, 96)[0])
+
+
+# ---------------------------------------------------------------- store
+
+
+def filled(quantizer, tokens=200, d=32, seed=0, mirror=True):
+    store = TieredKVStore(2, d, quantizer=quantizer, decoded_mirror=mirror)
+    k, v = make_kv(2, tokens, d, seed=seed, outlier_channels=2)
+    store.append(k, v)
+    return store, k, v
+
+
+def test_no_protection_and_no_faults_is_todays_store_bit_for_bit():
+    quantizer = KVQuantizer()
+    assert quantizer.with_protection(Protection()) is quantizer
+    plain, _, _ = filled(quantizer)
+    unfaulted, _, _ = filled(quantizer.with_protection(protection("none", integrity=False)))
+    for which in ("key", "value"):
+        for name, t in plain._table.view(1, which).items():
+            assert torch.equal(unfaulted._table.view(1, which)[name], t)
+    assert plain.tier1_bytes() == unfaulted.tier1_bytes()
+
+
+def test_protected_store_counts_ecc_and_check_bytes_and_decodes_like_the_plain_one():
+    plain, _, _ = filled(KVQuantizer())
+    for code, bits in (("hamming74", 7), ("hamming84", 8), ("golay24", 8)):
+        store, _, _ = filled(KVQuantizer().with_protection(protection(code)))
+        assert torch.equal(store.dequantized_keys(), plain.dequantized_keys())
+        assert torch.equal(store.dequantized_values(), plain.dequantized_values())
+        codes = sum(plain._table.view(1, w)["codes"].numel() for w in ("key", "value"))
+        checks = 2 * 2 * plain.num_blocks * 8
+        extra = store.tier1_bytes() - plain.tier1_bytes() - checks
+        assert extra == pytest.approx(codes * (bits / 4 - 1), rel=0.01)
+
+
+def test_faults_are_seeded_per_layer_and_counted():
+    faulty = KVQuantizer().with_protection(protection("hamming84", p=1e-2))
+    a, _, _ = filled(faulty)
+    b, _, _ = filled(faulty)
+    assert torch.equal(a._table.view(1, "value")["ecc"], b._table.view(1, "value")["ecc"])
+    c = TieredKVStore(2, 32, quantizer=faulty)
+    c.join(None, 1)
+    c.append(*make_kv(2, 200, 32, seed=0, outlier_channels=2))
+    assert not torch.equal(a._table.view(1, "value")["ecc"], c._table.view(1, "value")["ecc"])
+    counts = a.fault_counts()
+    assert counts["bits_flipped"] > 0 and counts["corrected_words"] > 0
+    assert counts["corrupted_blocks"] == int(a.corrupted_mask().sum()) > 0
+
+
+@pytest.mark.parametrize("mirror", [True, False])
+def test_corrupted_blocks_are_read_from_their_originals(mirror):
+    store, k, v = filled(KVQuantizer().with_protection(protection("none", p=1e-4)),
+                         mirror=mirror)
+    bad = store.corrupted_mask()
+    assert bad.any() and not bad.all()
+    n = store.num_blocks
+    k16 = k.half().float()[:, : n * 16].reshape(2, n, 16, 32)
+    v16 = v.half().float()[:, : n * 16].reshape(2, n, 16, 32)
+    assert torch.equal(store.dequantized_keys()[:, bad], k16[:, bad])
+    assert torch.equal(store.dequantized_values()[:, bad], v16[:, bad])
+    assert (store.key_channel_bound()[:, bad] == 0).all()
+    assert (store.eta[:, bad] == 0).all() and (store.eta[:, ~bad] > 0).all()
+    assert not store.quantized_mask()[bad].any()
+    assert store.num_quantized() == n - int(bad.sum())
+
+
+def test_transient_faults_leave_storage_clean():
+    quantizer = KVQuantizer().with_protection(protection("hamming84", p=1e-2, transient=True))
+    store, _, _ = filled(quantizer)
+    plain, _, _ = filled(KVQuantizer().with_protection(protection("hamming84")))
+    assert torch.equal(store._table.view(1, "value")["ecc"], plain._table.view(1, "value")["ecc"])
+
+
+# ---------------------------------------------------------------- contract
+
+
+@st.composite
+def scenarios(draw):
+    return {
+        "code": draw(st.sampled_from(CODES)),
+        "erasure": draw(st.sampled_from(["zero", "interp"])),
+        "p": draw(st.sampled_from([1e-4, 1e-3, 1e-2, 0.1])),
+        "metadata": draw(st.booleans()),
+        "transient": draw(st.booleans()),
+        "block": draw(st.sampled_from([8, 16])),
+        "value_bits": draw(st.sampled_from([2, 4])),
+        "symmetric_values": draw(st.booleans()),
+        "mirror": draw(st.booleans()),
+        **step_draws(draw, 120, [1, 9, 17]),
+    }
+
+
+def faulty_store(sc, d=32):
+    values = (TokenSymmetricValueCodec(bits=sc["value_bits"]) if sc["symmetric_values"]
+              else GroupAffineValueCodec(bits=sc["value_bits"], group=16))
+    quantizer = KVQuantizer(ChannelAffineKeyCodec(bits=8), values, sc["block"]).with_protection(
+        Protection(sc["code"], sc["erasure"], True,
+                   FaultModel(p=sc["p"], seed=sc["seed"], transient=sc["transient"],
+                              metadata=sc["metadata"])))
+    return TieredKVStore(sc["hkv"], d, block_size=sc["block"], quantizer=quantizer,
+                         decoded_mirror=sc["mirror"])
+
+
+@pytest.mark.parametrize("backend", [TorchBackend, TritonBackend], ids=["torch", "triton"])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sc=scenarios())
+def test_contract_under_faults_with_the_integrity_check(backend, sc):
+    """Every head of every step within its bound against FP64 attention on the originals, for
+    every code, erasure rule and fault rate, faults on metadata too, persistent or transient."""
+    store = faulty_store(sc)
+    k, v = make_kv(sc["hkv"], sc["tokens"], 32, seed=sc["seed"], outlier_channels=sc["outliers"],
+                   heavy_tail=sc["heavy_tail"], key_offset=sc["key_offset"])
+    check_steps(store, CertifiedAttention(backend=backend()), k, v, sc)
+
+
+def test_without_the_integrity_check_a_flipped_bit_can_break_the_bound():
+    """The risk certification removes: faults on codes and scales with the check off leave some
+    head's error above its bound (rarely: the score canary, the ranking checks and value
+    promotion catch most corrupted blocks); with it on, none, and the audit agrees."""
+    broken = 0
+    for seed in range(12):
+        for integrity in (False, True):
+            quantizer = KVQuantizer().with_protection(Protection(
+                "none", "zero", integrity, FaultModel(p=3e-4, seed=seed, metadata=True)))
+            store = TieredKVStore(2, 32, quantizer=quantizer)
+            k, v = make_kv(2, 160, 32, seed=seed, outlier_channels=2)
+            store.append(k, v)
+            q = make_query(k, 2, seed=seed, peaked=True)
+            out, cert = CertifiedAttention(backend=TorchBackend(), audit=True)(q, store)
+            assert cert.audited
+            if integrity:
+                check_heads(out, cert, q, store)
+                assert cert.violations == 0
+            else:
+                err = (out.double() - reference_fp64(q, store)).norm(dim=-1)
+                over = int((err > cert.bound.double() + reference_slack(q, store)).sum())
+                assert cert.violations == over
+                broken += over
+    assert broken > 0
