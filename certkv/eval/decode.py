@@ -171,13 +171,13 @@ class Prefill:
                        else None for layer in layers]
         self.states += [None] * (lm.num_layers - len(self.states))
         self.rope = rope_spec(lm.model)  # for position-dependent (pre-RoPE) key codecs
-        self._templates: dict[str, TieredCache] = {}  # quantized prefills, by quantizer
+        self._templates: dict[str, TieredCache] = {}  # the last quantized prefill, by quantizer
 
     def cache_for(self, method: Method, spec: CacheSpec | None = None):
         """A fresh cache holding the prefill for ``method``: the model's own cache for the dense
-        method, a :class:`TieredCache` of the FP16 originals for the others (quantized once per
-        quantizer, keyed by its ``repr``, and copied for each method: :meth:`TieredCache.
-        copy_for`). The quantizer gets the model's rotary embedding (:meth:`KVQuantizer.
+        method, a :class:`TieredCache` of the FP16 originals for the others (quantized once for a
+        run of methods with the same quantizer, keyed by its ``repr``, and copied for each
+        method: :meth:`TieredCache.copy_for`; only the last quantizer's is kept). The quantizer gets the model's rotary embedding (:meth:`KVQuantizer.
         with_rope`)."""
         if method.mode == "dense":
             cache = DynamicCache()
@@ -189,6 +189,9 @@ class Prefill:
         quantizer = method.quantizer.with_rope(self.rope)
         key = repr(quantizer)
         if key not in self._templates:
+            # one template at a time: a run's variants of one quantizer come together, and
+            # every template of a long prompt held at once would not fit in memory
+            self._templates.clear()
             self._templates[key] = TieredCache.from_states(self.states, method.attention,
                                                            quantizer, spec or CacheSpec())
         return self._templates[key].copy_for(method.attention, spec or CacheSpec())
