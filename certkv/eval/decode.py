@@ -177,8 +177,8 @@ class Prefill:
         """A fresh cache holding the prefill for ``method``: the model's own cache for the dense
         method, a :class:`TieredCache` of the FP16 originals for the others (quantized once for a
         run of methods with the same quantizer, keyed by its ``repr``, and copied for each
-        method: :meth:`TieredCache.copy_for`; only the last quantizer's is kept). The quantizer gets the model's rotary embedding (:meth:`KVQuantizer.
-        with_rope`)."""
+        method: :meth:`TieredCache.copy_for`; only the last quantizer's is kept). The quantizer
+        gets the model's rotary embedding (:meth:`KVQuantizer.with_rope`)."""
         if method.mode == "dense":
             cache = DynamicCache()
             with torch.inference_mode():
