@@ -45,6 +45,7 @@ from certkv.quant import (
     LayerContext,
     ValueCodec,
 )
+from certkv.quant.base import round_up_fp32
 from certkv.quant.kv import KVQuantizer, Precision, exact_precision
 from certkv.quant.protect.protection import Protection, protected
 
@@ -56,12 +57,6 @@ _TIER2_MISSING = (
 
 NONFINITE_KV = ("k or v holds NaN or Inf (or values beyond the FP16 range); fix the model outputs "
                 "before caching them.")
-
-
-def _round_up_fp32(x: torch.Tensor) -> torch.Tensor:
-    """FP64 -> FP32 rounding up, so a stored bound is never below the exact value."""
-    y = x.float()
-    return torch.where(y.double() < x, torch.nextafter(y, torch.full_like(y, float("inf"))), y)
 
 
 ANNOTATIONS = ("eta", "nu", "value_spec", "key_err", "key_spec", "v_radius")
@@ -115,7 +110,7 @@ def block_annotations(k16: torch.Tensor, v16: torch.Tensor, key_codec: KeyCodec,
     found = {"eta": eta, "nu": v64.norm(dim=-1).amax(dim=-1), "value_spec": value_spec,
              "key_err": key_err, "key_spec": key_spec,
              "v_radius": centred_radius(v64, centre.unsqueeze(1))}
-    return {name: _round_up_fp32(found[name] * _INFLATE) for name in ANNOTATIONS}
+    return {name: round_up_fp32(found[name] * _INFLATE) for name in ANNOTATIONS}
 
 
 class TieredKVStore:
@@ -325,11 +320,15 @@ class TieredKVStore:
     def _inject(self, key_blocks: Blocks, value_blocks: Blocks) -> tuple[Blocks, Blocks]:
         """Persistent faults: the bits of newly written codes flip once, after the annotations
         were measured on what was written (a memory fault; transient faults flip on reads)."""
-        faults = self._faults
-        if not faults.active or faults.transient:
+        if not self._faults.active or self._faults.transient:
             return key_blocks, value_blocks
-        key_blocks, n_k = faults.flip(key_blocks, self._fault_rng)
-        value_blocks, n_v = faults.flip(value_blocks, self._fault_rng)
+        return self._flip(key_blocks, value_blocks)
+
+    def _flip(self, key_blocks: Blocks, value_blocks: Blocks) -> tuple[Blocks, Blocks]:
+        """``key_blocks`` and ``value_blocks`` with their stored bits flipped by the fault model
+        (this store's seeded generator), counted in :attr:`bits_flipped`."""
+        key_blocks, n_k = self._faults.flip(key_blocks, self._fault_rng)
+        value_blocks, n_v = self._faults.flip(value_blocks, self._fault_rng)
         self.bits_flipped += n_k + n_v
         return key_blocks, value_blocks
 
@@ -361,8 +360,7 @@ class TieredKVStore:
         freshly flipped copy of its stored words: the decoded rows, bounds and :data:`HEALTH`
         (corrupted blocks included) are those of this read; storage stays clean. Otherwise
         nothing: persistent faults were drawn at write time and every read sees the same bits."""
-        faults = self._faults
-        if not (faults.active and faults.transient and self.num_blocks):
+        if not (self._faults.active and self._faults.transient and self.num_blocks):
             return
         n, every = self.num_blocks, torch.arange(self.num_blocks)
         shape = (self.num_kv_heads, n, self.block_size, self.head_dim)
@@ -376,9 +374,7 @@ class TieredKVStore:
             keys, values = ({name: t[:, slots] for name, t in self._table.view(pid, w).items()}
                             for w in ("key", "value"))
             if not precision.exact:
-                keys, n_k = faults.flip(keys, self._fault_rng)
-                values, n_v = faults.flip(values, self._fault_rng)
-                self.bits_flipped += n_k + n_v
+                keys, values = self._flip(keys, values)
                 self._step_codes[pid, "key"], self._step_codes[pid, "value"] = keys, values
             for name, t in self._read_health(precision, keys, values).items():
                 health[name][:, where] = t
@@ -720,7 +716,7 @@ class TieredKVStore:
         if not self.tail_len:
             return self._radius_max.clone()
         tail = centred_radius(self.tail()[1], self._centre) * _INFLATE
-        return torch.maximum(self._radius_max, _round_up_fp32(tail))
+        return torch.maximum(self._radius_max, round_up_fp32(tail))
 
     def value_norm_max(self) -> torch.Tensor:
         """``[Hkv]`` upper bound on ``max_t ||v_t||_2`` over every token (V_max, Theorem 4.3):
@@ -728,7 +724,7 @@ class TieredKVStore:
         if not self.tail_len:
             return self._nu_max.clone()
         tail_norm = self.tail()[1].double().norm(dim=-1).amax(dim=-1)
-        return torch.maximum(self._nu_max, _round_up_fp32(tail_norm))
+        return torch.maximum(self._nu_max, round_up_fp32(tail_norm))
 
     def value_error_max(self) -> torch.Tensor:
         """``[Hkv]`` the largest eta_b (0 without quantized blocks): ``||v_hat_t|| <= V_max +

@@ -40,10 +40,25 @@ class LayerContext(NamedTuple):
 
 
 def round_up_fp16(x: torch.Tensor) -> torch.Tensor:
-    """Cast a non-negative FP32 tensor to FP16, rounding up so a scale never shrinks."""
+    """Cast an FP32 tensor to FP16, rounding up (any sign) so a scale or a maximum never
+    shrinks."""
     y = x.to(torch.float16)
     low = y.float() < x
     return torch.where(low, torch.nextafter(y, torch.full_like(y, float("inf"))), y)
+
+
+def round_down_fp16(x: torch.Tensor) -> torch.Tensor:
+    """Cast an FP32 or FP64 tensor (``|x| <= 65504``) to FP16, rounding down so a minimum never
+    grows."""
+    y = x.to(torch.float16)
+    high = y.double() > x
+    return torch.where(high, torch.nextafter(y, torch.full_like(y, float("-inf"))), y)
+
+
+def round_up_fp32(x: torch.Tensor) -> torch.Tensor:
+    """Cast an FP64 tensor to FP32, rounding up so a bound is never below the exact value."""
+    y = x.float()
+    return torch.where(y.double() < x, torch.nextafter(y, torch.full_like(y, float("inf"))), y)
 
 
 class KeyCodec(ABC):

@@ -65,7 +65,14 @@ from dataclasses import dataclass
 import torch
 
 from certkv.errors import ConfigError, require
-from certkv.quant.base import FP32_EPS, Blocks, KeyCodec, ValueCodec
+from certkv.quant.base import (
+    FP32_EPS,
+    Blocks,
+    KeyCodec,
+    ValueCodec,
+    round_down_fp16,
+    round_up_fp32,
+)
 from certkv.quant.kivi import fp16_step
 from certkv.quant.packing import check_bits, check_packable, pack_bits, unpack_bits
 
@@ -100,20 +107,6 @@ def fwht(x: torch.Tensor) -> torch.Tensor:
         x = torch.stack((a + b, a - b), dim=-2).reshape(*lead, d)
         h *= 2
     return x
-
-
-def _round_down_fp16(x: torch.Tensor) -> torch.Tensor:
-    """FP64 ``x`` (``|x| <= 65504``) -> the FP16 number just at or below it."""
-    y = x.to(torch.float16)
-    high = y.double() > x
-    return torch.where(high, torch.nextafter(y, torch.full_like(y, float("-inf"))), y)
-
-
-def _round_up_fp32(x: torch.Tensor) -> torch.Tensor:
-    """FP64 ``x >= 0`` -> FP32, never below it."""
-    y = x.float()
-    low = y.double() < x
-    return torch.where(low, torch.nextafter(y, torch.full_like(y, float("inf"))), y)
 
 
 @dataclass
@@ -171,7 +164,7 @@ class _Rotated:
         self.validate(d, x.shape[-2])  # exactness needs a power of two <= MAX_HEAD_DIM
         z = fwht(x.to(torch.float16).double() * self.signs(d, x.device)) / d  # exact
         sub = z.reshape(*z.shape[:-1], self.subspaces, d // self.subspaces)
-        lo = _round_down_fp16(sub.amin(dim=-1))  # FP16 [Hkv, n, B, m]
+        lo = round_down_fp16(sub.amin(dim=-1))  # FP16 [Hkv, n, B, m]
         lo64 = lo.double()
         scale = fp16_step(sub.amax(dim=-1) - lo64, self.levels)  # exact spread
         safe = torch.where(scale > 0, scale.double(), torch.ones_like(lo64))
@@ -215,7 +208,7 @@ class RotatedKeyCodec(_Rotated, KeyCodec):
     def _per_channel(self, blocks: Blocks, per_token: torch.Tensor) -> torch.Tensor:
         """FP64 ``[Hkv, n, B]`` -> FP32 ``[Hkv, n, d]``: the max over tokens, rounded up, the
         same for every channel."""
-        bound = _round_up_fp32(per_token.amax(dim=-1))
+        bound = round_up_fp32(per_token.amax(dim=-1))
         return bound.unsqueeze(-1).expand(*bound.shape, self._head_dim(blocks)).contiguous()
 
     def channel_bound(self, blocks: Blocks) -> torch.Tensor:
@@ -254,7 +247,7 @@ class RotatedValueCodec(_Rotated, ValueCodec):
         root_d = math.sqrt(self._head_dim(blocks))
         bound = (_REL * root_d * torch.sqrt(g * (scale / 2).square().sum(dim=-1))
                  + _MAG * root_d * torch.sqrt(g * zmax.square().sum(dim=-1)))
-        return _round_up_fp32(torch.where(exact, 0.0, bound))
+        return round_up_fp32(torch.where(exact, 0.0, bound))
 
     def decode_rounding(self, head_dim: int | None = None) -> float:
         """``c`` of :meth:`ValueCodec.decode_rounding` at ``head_dim`` (default: the largest

@@ -28,14 +28,15 @@ from dataclasses import dataclass, field
 import torch
 
 from certkv.errors import ConfigError, require
-from certkv.quant.base import FP32_EPS, Blocks, KeyCodec, ValueCodec
-
-
-def round_down_fp16(x: torch.Tensor) -> torch.Tensor:
-    """FP32 -> FP16 rounding down, so a minimum never grows."""
-    y = x.to(torch.float16)
-    high = y.float() > x
-    return torch.where(high, torch.nextafter(y, torch.full_like(y, float("-inf"))), y)
+from certkv.quant.base import (
+    FP32_EPS,
+    Blocks,
+    KeyCodec,
+    ValueCodec,
+    round_down_fp16,
+    round_up_fp16,
+    round_up_fp32,
+)
 
 
 def _midpoint(low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
@@ -61,8 +62,7 @@ class SummaryKeyCodec(KeyCodec):
 
     def encode(self, k: torch.Tensor) -> Blocks:
         x = k.float()  # [Hkv, n, B, d]
-        return {"low": round_down_fp16(x.amin(dim=-2)), "high": round_up_fp16_signed(
-            x.amax(dim=-2))}
+        return {"low": round_down_fp16(x.amin(dim=-2)), "high": round_up_fp16(x.amax(dim=-2))}
 
     def decode(self, blocks: Blocks) -> torch.Tensor:
         return _tokens(_midpoint(blocks["low"], blocks["high"]), self._block)
@@ -75,10 +75,7 @@ class SummaryKeyCodec(KeyCodec):
         plus one FP32 rounding of the midpoint, rounded up to FP32."""
         low, high = blocks["low"].double(), blocks["high"].double()
         mid = (low + high) / 2
-        bound = (high - low) / 2 + FP32_EPS * mid.abs()
-        out = bound.float()
-        return torch.where(out.double() < bound, torch.nextafter(out, torch.full_like(
-            out, float("inf"))), out)
+        return round_up_fp32((high - low) / 2 + FP32_EPS * mid.abs())
 
 
 @dataclass
@@ -96,10 +93,7 @@ class SummaryValueCodec(ValueCodec):
         x = v.float()
         centre = ((x.amin(dim=-2) + x.amax(dim=-2)) / 2).to(torch.float16)  # [Hkv, n, d]
         radius = (v.double() - centre.double().unsqueeze(-2)).norm(dim=-1).amax(dim=-1)
-        stored = radius.float()
-        stored = torch.where(stored.double() < radius, torch.nextafter(
-            stored, torch.full_like(stored, float("inf"))), stored)
-        return {"centre": centre, "radius": stored}
+        return {"centre": centre, "radius": round_up_fp32(radius)}
 
     def decode(self, blocks: Blocks) -> torch.Tensor:
         return _tokens(blocks["centre"].float(), self._block)
@@ -107,11 +101,4 @@ class SummaryValueCodec(ValueCodec):
     def token_bound(self, blocks: Blocks) -> torch.Tensor:
         radius = blocks["radius"]
         return _tokens(radius.unsqueeze(-1), self._block).squeeze(-1)
-
-
-def round_up_fp16_signed(x: torch.Tensor) -> torch.Tensor:
-    """FP32 -> FP16 rounding up for any sign (a maximum never shrinks)."""
-    y = x.to(torch.float16)
-    low = y.float() < x
-    return torch.where(low, torch.nextafter(y, torch.full_like(y, float("inf"))), y)
 

@@ -127,8 +127,13 @@ class Protection:
     @property
     def bits_per_value(self) -> float:
         """Stored bits per 4-bit value (4 unprotected)."""
-        make = CODES[self.code]
-        return 4.0 if make is None else make().bits_per_value
+        return bits_per_value(self.code)
+
+
+def bits_per_value(code: str) -> float:
+    """Stored bits per 4-bit value of the code named ``code`` (4 for ``none``)."""
+    make = CODES[code]
+    return 4.0 if make is None else make.word_bits / make.values_per_word
 
 
 class _Identity(Code):
