@@ -8,11 +8,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from certkv.quant.protect.protection import bits_per_value
 from certkv.report.layout import Table
 from certkv.report.summary import certificate_summary
 from certkv.report.tables import RunData, fmt, fmt_interval, fmt_sci, quality_delta
-
-CODE_BITS = {"none": 4, "hamming74": 7, "hamming84": 8, "golay24": 8}
 
 
 def protect_of(run: RunData, variant: str) -> dict:
@@ -51,7 +50,7 @@ def fault_rows(run: RunData) -> list[dict]:
         rows.append({"variant": v, "mode": run.modes[v], "code": mode_label(protect),
                      "p": float(protect["faults"].get("p", 0.0)),
                      "check": bool(protect["integrity"]), "ppl": ppl, "niah": niah,
-                     "cert": cert, "bits": CODE_BITS.get(protect["code"], 4)})
+                     "cert": cert, "bits": bits_per_value(protect["code"])})
     return rows
 
 
@@ -59,8 +58,8 @@ def faults_table(run: RunData) -> Table | None:
     """The seed's tables in one: a row per protection mode, rate and method."""
     if not has_faults(run):
         return None
-    rows = []
-    for r in fault_rows(run):
+    found, rows = fault_rows(run), []
+    for r in found:
         cert, ppl, niah = r["cert"], r["ppl"], r["niah"]
         audited = cert.get("audited")
         violations = (f"{cert['violations']}/{cert['head_steps']}" if audited else "-")
@@ -72,8 +71,8 @@ def faults_table(run: RunData) -> Table | None:
                      fmt(cert.get("corrected_words_per_step", 0.0), 0),
                      fmt(cert.get("erased_words_per_step", 0.0), 0),
                      fmt(cert.get("corrupted_blocks_per_step", 0.0), 0),
-                     str(r["bits"]), violations])
-    dense = next((r["ppl"]["dense"] for r in fault_rows(run) if r["ppl"]), None)
+                     f"{r['bits']:g}", violations])
+    dense = next((r["ppl"]["dense"] for r in found if r["ppl"]), None)
     return Table(f"Storage faults ({run.label}; seed 003 Tables 3-7)",
                  ["method", "code", "p", "check", "ppl", "delta [95% CI]", "NIAH", "corr.",
                   "erased", "FP16 blk", "bits", "over bound"], rows,
@@ -92,6 +91,8 @@ def faults_table(run: RunData) -> Table | None:
 def perplexity_vs_rate(run: RunData, path: Path) -> bool:
     """Perplexity against the flip rate, one line per protection mode, a panel per method
     (naive, certified, certified with the integrity check); dense as a dotted line."""
+    from matplotlib.ticker import FuncFormatter
+
     from certkv.report.plots import _figure, _save, legend_right, log_axis, style
 
     rows = [r for r in fault_rows(run) if r["ppl"] is not None] if has_faults(run) else []
@@ -103,6 +104,9 @@ def perplexity_vs_rate(run: RunData, path: Path) -> bool:
     rates = sorted({r["p"] for r in rows if r["p"] > 0})
     floor = rates[0] / 10 if rates else 1e-5  # where p = 0 is drawn on the log axis
     dense = rows[0]["ppl"]["dense"]
+    values = [dense, *(r["ppl"]["method"] for r in rows)]
+    span = (min(values) / 1.02, max(values) * 1.02)  # one y range: panels compare at a glance
+    plain = FuncFormatter(lambda y, _: f"{y:.4g}")
     for ax, (mode, check) in zip(axes[0], panels, strict=True):
         for k, code in enumerate(codes):
             mine = sorted((r["p"] or floor, r["ppl"]["method"]) for r in rows
@@ -112,6 +116,9 @@ def perplexity_vs_rate(run: RunData, path: Path) -> bool:
                 ax.plot(*zip(*mine, strict=True), label=code, **style(k))
         ax.axhline(dense, color="black", linestyle=":", linewidth=1, label="dense (FP16)")
         ax.set_yscale("log")
+        ax.set_ylim(*span)
+        ax.yaxis.set_major_formatter(plain)
+        ax.yaxis.set_minor_formatter(plain)
         log_axis(ax, floor, rates[-1] if rates else 1.0)
         ax.set_title(mode + (" + integrity check" if check else ""), fontsize=9)
         ax.set_xlabel(f"bit-flip rate p (p = 0 at {fmt_sci(floor, 1)})", fontsize=8)
