@@ -10,7 +10,16 @@ from hypothesis import strategies as st
 
 from certkv import TieredKVStore
 from certkv.certify import audit
-from certkv.kernels.reference import dense_attention, exact_attention
+from certkv.kernels.reference import TorchBackend, dense_attention, exact_attention
+from certkv.kernels.triton_backend import TritonBackend
+
+# Where a contract test runs: both backends on the CPU (Triton in its interpreter, as in CI) and
+# the Triton kernels compiled on CUDA (a `gpu` test, skipped without a device). On a GPU machine
+# the suite runs as `pytest -m gpu` plus `TRITON_INTERPRET=1 pytest -m "not gpu"`.
+BACKENDS = [pytest.param(TorchBackend, "cpu", id="torch"),
+            pytest.param(TritonBackend, "cpu", id="triton"),
+            pytest.param(TritonBackend, "cuda", id="triton-cuda", marks=pytest.mark.gpu)]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def fetch_books(names=None, cache_dir=None) -> Path:
@@ -211,15 +220,15 @@ def assert_values_within_bound(codec, v):
 
 def check_steps(store, attn, k, v, sc):
     """Append the prompt, then ``steps`` rounds of ``per_step`` tokens (blocks fill and change
-    precision between steps), certifying a query after each."""
-    n = sc["tokens"]
-    store.append(k[:, :n], v[:, :n])
+    precision between steps), certifying a query after each (on the store's device)."""
+    n, device = sc["tokens"], store.device
+    store.append(k[:, :n].to(device), v[:, :n].to(device))
     for step in range(sc["steps"] + 1):
         if step:
             extra = make_kv(k.shape[0], sc["per_step"], k.shape[2], seed=sc["seed"] + step)
-            store.append(*extra)
+            store.append(*(x.to(device) for x in extra))
         q = make_query(k[:, :n], sc["gqa"], seed=sc["seed"] + step, scale=sc["q_scale"],
-                       peaked=sc["peaked"]).to(getattr(torch, sc["q_dtype"]))
+                       peaked=sc["peaked"]).to(device, getattr(torch, sc["q_dtype"]))
         out, cert = attn(q, store)
         check_heads(out, cert, q, store)
 

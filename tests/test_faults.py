@@ -12,6 +12,8 @@ from math import ceil
 import pytest
 import torch
 from helpers import (
+    BACKENDS,
+    DEVICES,
     check_heads,
     check_steps,
     make_kv,
@@ -26,7 +28,6 @@ from hypothesis import strategies as st
 from certkv import CertifiedAttention, TieredKVStore
 from certkv.errors import ConfigError
 from certkv.kernels.reference import TorchBackend
-from certkv.kernels.triton_backend import TritonBackend
 from certkv.quant import (
     ChannelAffineKeyCodec,
     GroupAffineValueCodec,
@@ -150,8 +151,9 @@ def test_codes_that_are_not_4_bit_aligned_are_one_sentence():
                       .with_protection(protection("golay24")))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("code", [Hamming74(), Hamming84(), Golay24()], ids=lambda c: c.name)
-def test_the_triton_ecc_kernel_decodes_like_the_reference(code):
+def test_the_triton_ecc_kernel_decodes_like_the_reference(code, device):
     from certkv.kernels.triton_ecc import decode_words
 
     gen = torch.Generator().manual_seed(4)
@@ -160,7 +162,8 @@ def test_the_triton_ecc_kernel_decodes_like_the_reference(code):
     noisy = packed ^ (torch.rand(packed.shape, generator=gen) < 0.3).to(torch.uint8) * \
         torch.randint(1, 256, packed.shape, generator=gen).to(torch.uint8)
     for words in (packed, noisy):
-        assert torch.equal(decode_words(code, words, 96), code.recover(words, 96)[0])
+        decoded = decode_words(code, words.to(device), 96)
+        assert torch.equal(decoded.cpu(), code.recover(words, 96)[0])
 
 
 # ---------------------------------------------------------------- store
@@ -253,7 +256,7 @@ def scenarios(draw):
     }
 
 
-def faulty_store(sc, d=32):
+def faulty_store(sc, d=32, device="cpu"):
     values = (TokenSymmetricValueCodec(bits=sc["value_bits"]) if sc["symmetric_values"]
               else GroupAffineValueCodec(bits=sc["value_bits"], group=16))
     quantizer = KVQuantizer(ChannelAffineKeyCodec(bits=8), values, sc["block"]).with_protection(
@@ -261,16 +264,16 @@ def faulty_store(sc, d=32):
                    FaultModel(p=sc["p"], seed=sc["seed"], transient=sc["transient"],
                               metadata=sc["metadata"])))
     return TieredKVStore(sc["hkv"], d, block_size=sc["block"], quantizer=quantizer,
-                         decoded_mirror=sc["mirror"])
+                         decoded_mirror=sc["mirror"], device=device)
 
 
-@pytest.mark.parametrize("backend", [TorchBackend, TritonBackend], ids=["torch", "triton"])
+@pytest.mark.parametrize(("backend", "device"), BACKENDS)
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(sc=scenarios())
-def test_contract_under_faults_with_the_integrity_check(backend, sc):
+def test_contract_under_faults_with_the_integrity_check(backend, device, sc):
     """Every head of every step within its bound against FP64 attention on the originals, for
     every code, erasure rule and fault rate, faults on metadata too, persistent or transient."""
-    store = faulty_store(sc)
+    store = faulty_store(sc, device=device)
     k, v = make_kv(sc["hkv"], sc["tokens"], 32, seed=sc["seed"], outlier_channels=sc["outliers"],
                    heavy_tail=sc["heavy_tail"], key_offset=sc["key_offset"])
     check_steps(store, CertifiedAttention(backend=backend()), k, v, sc)

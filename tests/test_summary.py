@@ -6,14 +6,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import KINDS, adversarial, check_steps, make_kv, step_draws, tier1_bytes
+from helpers import (
+    BACKENDS,
+    KINDS,
+    adversarial,
+    check_steps,
+    make_kv,
+    step_draws,
+    tier1_bytes,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from certkv import CertifiedAttention, TieredKVStore
 from certkv.errors import ConfigError
-from certkv.kernels.reference import TorchBackend
-from certkv.kernels.triton_backend import TritonBackend
 from certkv.quant import KVQuantizer
 from certkv.quant.summary import SummaryKeyCodec, SummaryValueCodec
 
@@ -67,15 +73,15 @@ def scenarios(draw):
     return {"block": draw(st.sampled_from([4, 8, 16])), **step_draws(draw, 120, [1, 9, 17])}
 
 
-@pytest.mark.parametrize("backend", [TorchBackend, TritonBackend], ids=["torch", "triton"])
+@pytest.mark.parametrize(("backend", "device"), BACKENDS)
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(sc=scenarios())
-def test_a_store_of_nothing_but_summaries_is_still_certified(backend, sc):
+def test_a_store_of_nothing_but_summaries_is_still_certified(backend, device, sc):
     """Every completed block evicted to its summary: every head within its bound against FP64
     attention on the originals (the ladder pages blocks in from Tier-2, or goes dense)."""
     quantizer = KVQuantizer(SummaryKeyCodec(), SummaryValueCodec(), sc["block"])
     store = TieredKVStore(sc["hkv"], 32, block_size=sc["block"], quantizer=quantizer,
-                          decoded_mirror=sc["seed"] % 2 == 0)
+                          decoded_mirror=sc["seed"] % 2 == 0, device=device)
     k, v = make_kv(sc["hkv"], sc["tokens"], 32, seed=sc["seed"], outlier_channels=sc["outliers"],
                    heavy_tail=sc["heavy_tail"], key_offset=sc["key_offset"])
     check_steps(store, CertifiedAttention(backend=backend()), k, v, sc)

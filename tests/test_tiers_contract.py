@@ -97,13 +97,11 @@ def covered(sc) -> dict:
             "q_dtype": "float16" if sc["q_dtype"] == "bfloat16" else sc["q_dtype"]}
 
 
-@pytest.mark.skipif(not triton_available(), reason="needs triton (TRITON_INTERPRET=1 on CPU)")
-@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(scenarios().map(covered))
-def test_contract_over_mixed_stores_with_the_triton_kernels(sc):
+def check_mixed_triton_contract(sc, device):
     """Windows, demotions mid-decode and every warm/archive mix through the kernels (one
     launch per precision), never the reference they could fall back to."""
-    store = TieredKVStore(sc["hkv"], D, block_size=sc["block"], quantizer=quantizer(sc))
+    store = TieredKVStore(sc["hkv"], D, block_size=sc["block"], quantizer=quantizer(sc),
+                          device=device)
     k, v = make_kv(sc["hkv"], sc["tokens"], D, seed=sc["seed"],
                    outlier_channels=sc["outliers"], heavy_tail=sc["heavy_tail"],
                    key_offset=sc["key_offset"])
@@ -111,6 +109,22 @@ def test_contract_over_mixed_stores_with_the_triton_kernels(sc):
         warnings.simplefilter("always")
         check_steps(store, CertifiedAttention(backend=TritonBackend(split=2)), k, v, sc)
     assert not [w for w in caught if "PyTorch reference" in str(w.message)]  # no fallback
+
+
+@pytest.mark.skipif(not triton_available(), reason="needs triton (TRITON_INTERPRET=1 on CPU)")
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios().map(covered))
+def test_contract_over_mixed_stores_with_the_triton_kernels(sc):
+    check_mixed_triton_contract(sc, "cpu")
+
+
+@pytest.mark.gpu
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios().map(lambda sc: {**covered(sc), "tokens": sc["tokens"], "steps": sc["steps"]}))
+def test_contract_over_mixed_stores_with_the_compiled_kernels(sc):
+    """The same on CUDA, compiled (what the interpreter accepts the compiler may not), at the
+    scenarios' full prompt lengths and decode rounds."""
+    check_mixed_triton_contract(sc, "cuda")
 
 
 @pytest.mark.skipif(not triton_available(), reason="needs triton (TRITON_INTERPRET=1 on CPU)")

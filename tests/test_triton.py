@@ -10,7 +10,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 import triton  # noqa: F401 (a declared dev dependency: without it these tests fail, never skip)
-from helpers import check_heads, cuda_layer, make_kv, make_query
+from helpers import DEVICES, check_heads, cuda_layer, make_kv, make_query
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from test_contract import ADVERSARIAL, build, check_contract, scenarios
@@ -125,24 +125,25 @@ def test_phase2_attend_flash_attention_rule(seed, promote, shape):
     assert torch.equal(kernel.canary, ref.canary) and not ref.canary.any()
 
 
-def mixed_case(seed=0):
+def mixed_case(seed=0, device="cpu"):
     """A store of four precisions and the tail: a 4-token FP16 sink, 2-bit KIVI archive, 4-bit
     KIVI warm blocks and an FP16 hot window (seed 004's tiers at toy ages), then the partial
     tail block; 2 kv heads, 3 query heads each, d = 32, B = 8."""
     q = TieredQuantizer(KiviKeyCodec(bits=4), GroupAffineValueCodec(bits=4, group=8), 8, sink=4,
                         hot=16, stale=48, archive="kivi2", archives=archives(8, "post_rope"))
-    store = TieredKVStore(2, 32, block_size=8, quantizer=q)
+    store = TieredKVStore(2, 32, block_size=8, quantizer=q, device=device)
     k, v = make_kv(2, 117, 32, seed=seed, outlier_channels=2)
-    store.append(k, v)
+    store.append(k.to(device), v.to(device))
     qg = make_query(k, 3, seed=seed, scale=3.0, peaked=seed % 2 == 0).reshape(2, 3, 32)
-    return store, qg
+    return store, qg.to(device)
 
 
-def test_phases_read_every_precision_of_a_mixed_store():
+@pytest.mark.parametrize("device", DEVICES)
+def test_phases_read_every_precision_of_a_mixed_store(device):
     """One launch per precision (and the tail) in each phase, every block at its index: the
     kernels meet the flash-attention rule against FP64 on a four-precision store, value
     promotion and gated keys included."""
-    store, qg = mixed_case(seed=1)
+    store, qg = mixed_case(seed=1, device=device)
     held = store.block_groups("key")
     assert [p.label for p, *_ in held] == ["FP16", "K4/V4", "K2/V2"]  # the sink shares FP16
     lay = StepLayout(store)
@@ -152,7 +153,7 @@ def test_phases_read_every_precision_of_a_mixed_store():
         for module, name in ((triton_score, "_launch_scores"), (triton_attend, "_launch_attend")):
             mp.setattr(module, name, _counting(getattr(module, name), launches, name))
         kernel = TritonBackend(split=2).phase1(qg, lay, scaling)
-        gate = torch.zeros(kernel.log_mass.shape, dtype=torch.bool)
+        gate = torch.zeros(kernel.log_mass.shape, dtype=torch.bool, device=device)
         keys = staged(store, [0, 1], [2, 6], "k")
         gate[0, :, 2] = gate[1, 1, 6] = True
         values = staged(store, [0, 1], [3, 7], "v")
