@@ -99,6 +99,20 @@ def centred_radius(v: torch.Tensor, centre: torch.Tensor) -> torch.Tensor:
     return (v.double() - centre.double().unsqueeze(-2)).norm(dim=-1).amax(dim=-1)
 
 
+# cuSOLVER's batched symmetric eigensolver fails (CUSOLVER_STATUS_INTERNAL_ERROR or
+# INVALID_VALUE) on batches of more than about 32K matrices: 8 kv heads x 4096 blocks, a 64K
+# prompt at B = 16. Each matrix is solved on its own, so chunks give the same eigenvalues.
+EIGH_BATCH = 16384
+
+
+def _largest_eigenvalues(gram: torch.Tensor) -> torch.Tensor:
+    """``lambda_max`` of symmetric matrices ``gram [..., m, m]`` -> ``[...]``, in chunks of at
+    most :data:`EIGH_BATCH` matrices."""
+    flat = gram.reshape(-1, *gram.shape[-2:])
+    tops = [torch.linalg.eigvalsh(chunk)[:, -1] for chunk in flat.split(EIGH_BATCH)]
+    return torch.cat(tops).reshape(gram.shape[:-2])
+
+
 def spectral_norm_upper(err: torch.Tensor) -> torch.Tensor:
     """Upper bound on the spectral norm ``||E||_2`` of error matrices ``E [..., B, d]`` -> FP64
     ``[...]`` (one per block and kv head; measured at write time).
@@ -119,7 +133,7 @@ def spectral_norm_upper(err: torch.Tensor) -> torch.Tensor:
     e = torch.where(torch.isfinite(e), e, torch.zeros_like(e))
     rows, cols = e.shape[-2:]
     gram = e @ e.transpose(-1, -2) if rows <= cols else e.transpose(-1, -2) @ e
-    top = torch.linalg.eigvalsh(gram)[..., -1].clamp_min(0.0)
+    top = _largest_eigenvalues(gram).clamp_min(0.0)
     upper = torch.minimum(torch.sqrt(top + 1e-12 * frob2), frob2.sqrt())
     return torch.where(finite, upper, torch.full_like(upper, float("inf")))
 
