@@ -218,9 +218,11 @@ def assert_values_within_bound(codec, v):
     return enc
 
 
-def check_steps(store, attn, k, v, sc):
+def check_steps(store, attn, k, v, sc, observe=False):
     """Append the prompt, then ``steps`` rounds of ``per_step`` tokens (blocks fill and change
-    precision between steps), certifying a query after each (on the store's device)."""
+    precision between steps), certifying a query after each (on the store's device); with
+    ``observe`` the store sees each step's certificate (what adapts to attention: SmartKV,
+    heavy-hitter eviction)."""
     n, device = sc["tokens"], store.device
     store.append(k[:, :n].to(device), v[:, :n].to(device))
     for step in range(sc["steps"] + 1):
@@ -231,6 +233,8 @@ def check_steps(store, attn, k, v, sc):
                        peaked=sc["peaked"]).to(device, getattr(torch, sc["q_dtype"]))
         out, cert = attn(q, store)
         check_heads(out, cert, q, store)
+        if observe:
+            store.observe(cert)
 
 
 def step_draws(draw, max_tokens: int, per_step: list[int]) -> dict:

@@ -48,6 +48,7 @@ from certkv.quant import (
 from certkv.quant.base import round_up_fp32
 from certkv.quant.kv import KVQuantizer, Precision, exact_precision
 from certkv.quant.protect.protection import Protection, protected
+from certkv.quant.summary import evicted_precision
 
 _TIER2_MISSING = (
     "the FP16 originals (Tier-2) of this store were dropped, so no block can be promoted and no "
@@ -166,11 +167,18 @@ class TieredKVStore:
         self.value_codec = self.quantizer.value_codec
         self.protection = self.quantizer.protection or Protection()
         self.precisions = [self.protection.wrap(p) for p in self.quantizer.precisions()]
+        eviction = getattr(self.quantizer, "eviction", None)
+        self.evicted_pid: int | None = None  # the summary precision of evicted blocks (last)
+        if eviction is not None and eviction.enabled:
+            self.precisions.append(evicted_precision())
+            self.evicted_pid = len(self.precisions) - 1
         for precision in self.precisions:
             precision.validate(head_dim, block_size)
         self.keep_originals = keep_originals
         self.stages = Stages(self.quantizer.stage_ages(), block_size, self.quantizer.sink)
         self._tracker = self._new_tracker()
+        self._evictor = None if self.evicted_pid is None else eviction.tracker(self)
+        self._block_bytes: dict[int, int] = {}
         self._faults = self.protection.faults
         self._fault_rng = self._faults.generator(0)
         self.bits_flipped = 0  # by the fault injector, over every write (or read) of this store
@@ -258,6 +266,8 @@ class TieredKVStore:
             self._graduate()
         if n_full and hasattr(self._tracker, "appended"):
             self._tracker.appended(prefill)
+        if n_full and self._evictor is not None:
+            self._evictor.appended(prefill)
         if prefill:
             self._layer = self._layer._replace(prefill=False)
 
@@ -501,7 +511,67 @@ class TieredKVStore:
     def hold(self, blocks: torch.Tensor, pid: int) -> None:
         """Hold ``blocks [m]`` (host, ascending) at precision ``pid``: re-encoded from their
         FP16 originals (Tier-2, never from their codes), annotations and mirror rows replaced
-        with them; Tier-1 frees their old slots."""
+        with them; Tier-1 frees their old slots. Evicted blocks stay evicted (graduation and
+        SmartKV's widths pass them over): only :meth:`restore` brings them back."""
+        if self.evicted_pid is not None:
+            blocks = blocks[self.block_precision[blocks] != self.evicted_pid]
+        self._hold(blocks, pid)
+
+    def evict(self, blocks: torch.Tensor) -> None:
+        """Hold ``blocks [m]`` (host, ascending) at their summary only (the eviction policy's
+        move; their originals stay in Tier-2)."""
+        self._hold(blocks, self.evicted_pid)
+
+    def restore(self, blocks: torch.Tensor) -> None:
+        """Bring evicted ``blocks [m]`` back at the precision of their stage."""
+        for pid, where in self._stage_pids(blocks):
+            self._hold(where, pid)
+
+    def _stage_pids(self, blocks: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        """``(pid, blocks)`` groups: the precision each block's stage gives it now."""
+        pids = torch.tensor([self.quantizer.stage_precision(int(st), self.num_tokens)
+                             for st in self.stages.stage[blocks]], dtype=torch.long)
+        return [(pid, blocks[pids == pid]) for pid in pids.unique().tolist()]
+
+    def evicted_mask(self) -> torch.Tensor:
+        """Bool ``[n_blocks]`` (host): blocks held at their summary only."""
+        if self.evicted_pid is None:
+            return torch.zeros(self.num_blocks, dtype=torch.bool)
+        return self.block_precision == self.evicted_pid
+
+    def eviction_counts(self) -> dict[str, int]:
+        """Blocks evicted now, and evictions / restores so far (zeros without a policy)."""
+        ev = self._evictor
+        return {"evicted": int(self.evicted_mask().sum()),
+                "evictions": ev.evictions if ev else 0, "restores": ev.restores if ev else 0}
+
+    def block_bytes(self, pid: int) -> int:
+        """Tier-1 bytes of one block at precision ``pid`` (codes and metadata, all kv heads)."""
+        if pid not in self._block_bytes:
+            zeros = torch.zeros(self.num_kv_heads, 1, self.block_size, self.head_dim,
+                                dtype=torch.float16, device=self.device)
+            precision = self.precisions[pid]
+            keys = precision.key_codec.encode_at(zeros, torch.zeros(1, dtype=torch.long),
+                                                 self._layer)
+            values = precision.value_codec.encode_at(zeros, self._layer)
+            self._block_bytes[pid] = sum(t.element_size() * t.numel()
+                                         for t in (*keys.values(), *values.values()))
+        return self._block_bytes[pid]
+
+    def own_block_bytes(self) -> torch.Tensor:
+        """FP64 ``[n_blocks]`` (host): each block's bytes at its precision, an evicted block's
+        at the precision its stage would restore it to."""
+        pids = self.block_precision.clone()
+        evicted = self.evicted_mask()
+        for pid, where in self._stage_pids(evicted.nonzero(as_tuple=True)[0]):
+            pids[where] = pid
+        per = torch.tensor([float(self.block_bytes(p)) for p in range(len(self.precisions))],
+                           dtype=torch.float64)
+        return per[pids]
+
+    def _hold(self, blocks: torch.Tensor, pid: int) -> None:
+        if not len(blocks):
+            return
         self._step_read, self._step_codes = None, {}
         originals = self._originals()
         k16 = originals["k"][:, blocks].to(self.device)
@@ -523,9 +593,11 @@ class TieredKVStore:
         return None if rule is None else rule.tracker(self.stages.ages)
 
     def observe(self, certificate) -> None:
-        """Feed a decode step's certificate to the tracker (if any)."""
+        """Feed a decode step's certificate to the tracker and the eviction policy (if any)."""
         if self._tracker is not None:
             self._tracker.observe(certificate)
+        if self._evictor is not None:
+            self._evictor.observe(certificate)
 
     def join(self, board, layer: int) -> None:
         """Share cross-layer state (SmartKV's :class:`~certkv.cache.importance.ImportanceBoard`)
@@ -566,6 +638,8 @@ class TieredKVStore:
             setattr(new, name, None if part is None else part.clone())
         clone_for = getattr(self._tracker, "clone_for", None)
         new._tracker = clone_for(new) if clone_for is not None else new._new_tracker()
+        new._evictor = None if self._evictor is None else self._evictor.clone_for(new)
+        new._block_bytes = dict(self._block_bytes)
         new._fault_rng = torch.Generator()
         new._fault_rng.set_state(self._fault_rng.get_state())
         for name in ("_tail_k", "_tail_v", "_nu_max", "_eta_max", "_radius_max", "_centre",

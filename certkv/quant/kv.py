@@ -74,6 +74,8 @@ class KVQuantizer:
         protection: error-correcting codes, the integrity check and injected faults over the
             lossy precisions' codes (the ``protect`` config group, set by
             :meth:`with_protection`); None: none.
+        eviction: the eviction policy (the ``evict`` config group, :mod:`certkv.evict`, set by
+            :meth:`with_eviction`): evicted blocks are held at their summary only; None: none.
     """
 
     key_codec: KeyCodec = field(default_factory=ChannelAffineKeyCodec)
@@ -84,6 +86,7 @@ class KVQuantizer:
     budget_bytes: int | None = None
     memory_threshold: float = 0.9
     protection: Protection | None = None
+    eviction: object = None
 
     def __post_init__(self) -> None:
         require(isinstance(self.block_size, int) and self.block_size >= 1, ConfigError,
@@ -113,6 +116,12 @@ class KVQuantizer:
         if protection is None or not protection.enabled:
             return self if self.protection is None else replace(self, protection=None)
         return replace(self, protection=protection)
+
+    def with_eviction(self, policy) -> KVQuantizer:
+        """This quantizer with eviction ``policy`` (``self`` when it changes nothing)."""
+        if policy is None or not policy.enabled:
+            return self if self.eviction is None else replace(self, eviction=None)
+        return replace(self, eviction=policy)
 
     # ---------------------------------------------------------------- stages
     def precisions(self) -> list[Precision]:

@@ -102,3 +102,10 @@ class SummaryValueCodec(ValueCodec):
         radius = blocks["radius"]
         return _tokens(radius.unsqueeze(-1), self._block).squeeze(-1)
 
+
+
+def evicted_precision():
+    """The precision an evicted block is held at (:mod:`certkv.evict`): its summary only."""
+    from certkv.quant.kv import Precision
+
+    return Precision(SummaryKeyCodec(), SummaryValueCodec(), "evicted")

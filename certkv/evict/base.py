@@ -1,0 +1,78 @@
+"""EvictionPolicy: which completed blocks leave Tier-1 under a byte budget (issue 23).
+
+An evicted block keeps only its summary in Tier-1 (:mod:`certkv.quant.summary`: per-channel key
+minimum and maximum, value centre and radius), so the certificate still covers it: its logits lie
+within ``q . m +- Delta_b`` (eq. 13's ``Delta_b`` for the summary's half-range) and its values
+within ``eta_b`` (the radius) of what the step reads. The ladder pages it back in from Tier-2
+(its FP16 originals never leave host memory) when its bound matters, or goes dense; nothing in
+the certificate changes for eviction.
+
+A policy only ranks blocks: :meth:`protected` (never evicted) and :meth:`scores` (kept in
+descending order while the budget allows); :class:`~certkv.evict.tracker.EvictionTracker` does
+the byte accounting and moves blocks between their precision and the summary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from certkv.errors import ConfigError, require
+
+
+@dataclass
+class EvictionPolicy:
+    """Base of the ``evict`` config group.
+
+    Args:
+        budget: Tier-1 bytes of the completed blocks (codes, metadata, exact windows and
+            summaries; :meth:`TieredKVStore.tier1_bytes`) as a fraction of their dense FP16
+            bytes; never exceeded after a step.
+        memory_threshold: eviction starts above ``memory_threshold * budget`` and brings Tier-1
+            back down to it (seed 004's 0.9 leaves room before the next eviction).
+    """
+
+    budget: float = 0.5
+    memory_threshold: float = 1.0
+    name: ClassVar[str] = "base"
+    restores: ClassVar[bool] = False  # may an evicted block come back (re-encoded from Tier-2)?
+
+    def __post_init__(self) -> None:
+        require(isinstance(self.budget, (int, float)) and self.budget > 0, ConfigError,
+                f"evict.budget={self.budget!r} must be a positive fraction of the dense FP16 "
+                "bytes, e.g. 0.25.")
+        require(isinstance(self.memory_threshold, (int, float))
+                and 0 < self.memory_threshold <= 1, ConfigError,
+                f"evict.memory_threshold={self.memory_threshold!r} must be in (0, 1], e.g. 0.9.")
+
+    @property
+    def enabled(self) -> bool:
+        return True
+
+    def protected(self, store) -> torch.Tensor:
+        """Bool ``[n_blocks]`` (host): blocks this policy never evicts."""
+        return torch.zeros(store.num_blocks, dtype=torch.bool)
+
+    def scores(self, store, tracker) -> torch.Tensor:
+        """FP64 ``[n_blocks]`` (host): what keeping each block is worth; the highest are kept."""
+        raise NotImplementedError
+
+    def tracker(self, store):
+        from certkv.evict.tracker import EvictionTracker
+
+        return EvictionTracker(self, store)
+
+    def newest(self, store, tokens: int) -> torch.Tensor:
+        """Bool ``[n_blocks]``: blocks holding one of the newest ``tokens`` tokens."""
+        end = (torch.arange(store.num_blocks) + 1) * store.block_size
+        return end > store.num_tokens - tokens
+
+    def first(self, store, tokens: int) -> torch.Tensor:
+        """Bool ``[n_blocks]``: blocks holding one of the first ``tokens`` tokens."""
+        return torch.arange(store.num_blocks) * store.block_size < tokens
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}@{self.budget:g}"

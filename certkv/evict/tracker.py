@@ -1,0 +1,104 @@
+"""EvictionTracker: one layer's eviction state and the moves between a block's precision and
+its Tier-1 summary, under the policy's byte budget.
+
+After every append that completes blocks (prefill included) :meth:`rebalance` compares the
+store's Tier-1 bytes with ``memory_threshold x budget x`` the completed blocks' dense FP16
+bytes. Above it, the policy's protected blocks stay, the others are kept in descending score
+order while they fit, and the rest are evicted (held at the summary precision, re-encoded from
+Tier-2 like any precision change). A policy that :attr:`restores` may bring evicted blocks back
+the same way. Counters: blocks evicted and restored, and per decode step the evicted blocks the
+step paged in (keys or values from FP16).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from certkv.errors import BudgetError, require
+
+
+class EvictionTracker:
+    """One layer's eviction (module docstring); ``mass [n]``: attention received per block,
+    summed over steps and averaged over query heads (for :class:`HeavyHitterEviction`)."""
+
+    def __init__(self, policy, store) -> None:
+        self.policy, self.store = policy, store
+        self.mass = torch.zeros(0, dtype=torch.float64, device=store.device)
+        self.evictions = 0
+        self.restores = 0
+
+    def clone_for(self, store) -> EvictionTracker:
+        new = EvictionTracker(self.policy, store)
+        new.mass = self.mass.clone()
+        new.evictions, new.restores = self.evictions, self.restores
+        return new
+
+    # ------------------------------------------------------------------ signals
+    def _grow(self) -> None:
+        n = self.store.num_blocks
+        if n > self.mass.numel():
+            extra = torch.zeros(n - self.mass.numel(), dtype=torch.float64,
+                                device=self.mass.device)
+            self.mass = torch.cat([self.mass, extra])
+
+    def observe(self, certificate) -> None:
+        """Add the step's block masses ``rho_b`` (mean over query heads); device ops only."""
+        stats = certificate.blocks
+        if stats is None:
+            return
+        self._grow()
+        n = self.mass.numel()
+        self.mass += stats.mass.detach()[:, :n].double().mean(dim=0).to(self.mass.device)
+
+    def appended(self, prefill: bool) -> None:
+        self._grow()
+        self.rebalance()
+
+    # ------------------------------------------------------------------ budget
+    def limit(self) -> float:
+        """The budget in bytes: ``budget x`` the completed blocks' dense FP16 bytes."""
+        s = self.store
+        return self.policy.budget * 4 * s.num_kv_heads * s.num_blocks * s.block_size * s.head_dim
+
+    def rebalance(self) -> None:
+        """Evict (and, for a restoring policy, bring back) blocks so that Tier-1 is within
+        ``memory_threshold x`` :meth:`limit`; raises :class:`BudgetError` if even evicting every
+        unprotected block cannot meet :meth:`limit`."""
+        store, limit = self.store, self.limit()
+        target = self.policy.memory_threshold * limit
+        evicted = store.evicted_mask()
+        if store.tier1_bytes() <= target and not (self.policy.restores and evicted.any()):
+            return
+        keep = self._choose(target, evicted)
+        leave = (~keep & ~evicted).nonzero(as_tuple=True)[0]
+        back = (keep & evicted).nonzero(as_tuple=True)[0]
+        if len(leave):
+            store.evict(leave)
+            self.evictions += len(leave)
+        if len(back):
+            store.restore(back)
+            self.restores += len(back)
+        require(store.tier1_bytes() <= limit, BudgetError,
+                f"Tier-1 needs {store.tier1_bytes()} bytes with every unprotected block "
+                f"evicted, over the {self.policy.name} budget of {limit:.0f} bytes "
+                f"(evict.budget={self.policy.budget}); raise the budget or protect fewer tokens.")
+
+    def _choose(self, target: float, evicted: torch.Tensor) -> torch.Tensor:
+        """Bool ``[n]``: the blocks to hold at their own precision. Protected blocks, then the
+        best-scored others while Tier-1 stays within ``target`` (a non-restoring policy never
+        chooses an evicted block)."""
+        store = self.store
+        own = store.own_block_bytes()  # [n] at each block's precision (its own when evicted)
+        summary = store.block_bytes(store.evicted_pid)
+        protected = self.policy.protected(store)
+        keep = protected.clone()
+        used = float(own[protected].sum()) + summary * int((~protected).sum())
+        candidates = ~protected if self.policy.restores else ~protected & ~evicted
+        scores = self.policy.scores(store, self).masked_fill(~candidates, float("-inf"))
+        for b in torch.argsort(scores, descending=True, stable=True)[: int(candidates.sum())]:
+            extra = float(own[b]) - summary
+            if used + extra > target:
+                break
+            keep[b] = True
+            used += extra
+        return keep

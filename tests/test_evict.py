@@ -1,0 +1,178 @@
+"""Certified eviction (issue 23): policies keep Tier-1 within their budget after every append,
+evicted blocks keep only their summary, and every head of every step stays within its bound
+against FP64 attention on the originals, whatever the policy evicts or brings back."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import BACKENDS, check_heads, check_steps, make_kv, make_query, step_draws
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from certkv import CertifiedAttention, TieredKVStore
+from certkv.errors import BudgetError, ConfigError
+from certkv.evict import AgeEviction, HeavyHitterEviction, NoEviction, StreamingEviction
+from certkv.quant import GroupAffineValueCodec, KiviKeyCodec, KVQuantizer, TieredQuantizer
+
+D = 32
+
+
+def policy(name: str, budget: float, tokens: int):
+    return {"age": AgeEviction(budget=budget, min_materialized=tokens),
+            "streaming": StreamingEviction(budget=budget, sink=tokens),
+            "heavy_hitter": HeavyHitterEviction(budget=budget, recent=tokens)}[name]
+
+
+def quantizer(kind: str, block: int) -> KVQuantizer:
+    if kind == "int8_int4":
+        return KVQuantizer(block_size=block)
+    if kind == "kivi":
+        return KVQuantizer(KiviKeyCodec(bits=2), GroupAffineValueCodec(bits=2, group=16), block,
+                           residual=2 * block, sink=block)
+    return TieredQuantizer(KiviKeyCodec(bits=4), GroupAffineValueCodec(bits=4, group=16), block,
+                           hot=2 * block, stale=6 * block, archive="kivi2")
+
+
+def store_with(pol, kind="int8_int4", block=16, hkv=2, device="cpu") -> TieredKVStore:
+    return TieredKVStore(hkv, D, block_size=block, device=device,
+                         quantizer=quantizer(kind, block).with_eviction(pol))
+
+
+# ---------------------------------------------------------------- what each policy keeps
+
+
+def test_age_evicts_the_oldest_beyond_the_newest_tokens():
+    store = store_with(AgeEviction(budget=0.3, min_materialized=48))
+    store.append(*make_kv(2, 320, D))
+    evicted = store.evicted_mask()
+    assert evicted.any() and not evicted[-3:].any()  # the newest 48 tokens stay
+    first_kept = int((~evicted).nonzero()[0])
+    assert evicted[:first_kept].all() and not evicted[first_kept:].any()  # oldest first
+
+
+def test_streaming_keeps_its_sink_and_a_recent_window():
+    store = store_with(StreamingEviction(budget=0.25, sink=16))
+    store.append(*make_kv(2, 320, D))
+    evicted = store.evicted_mask()
+    assert not evicted[0] and evicted[1] and not evicted[-1]
+    assert store.tier1_bytes() <= 0.25 * store.dense_bytes()
+
+
+def test_heavy_hitters_stay_and_an_evicted_block_that_turns_heavy_comes_back():
+    store = store_with(HeavyHitterEviction(budget=0.35, recent=16))
+    k, v = make_kv(2, 320, D, seed=2)
+    store.append(k, v)
+    attn = CertifiedAttention()
+    evicted = store.evicted_mask().nonzero(as_tuple=True)[0].tolist()
+    target = evicted[0]
+    for step in range(40):  # queries aimed at one evicted block's keys: it gets the mass
+        q = k[:, target * 16 + step % 16].repeat_interleave(2, dim=0) * 4
+        _, cert = attn(q, store)
+        store.observe(cert)
+        store.append(*make_kv(2, 1, D, seed=100 + step))
+    assert not store.evicted_mask()[target]
+    assert store.eviction_counts()["restores"] >= 1
+
+
+def test_no_eviction_leaves_the_quantizer_alone():
+    q = KVQuantizer()
+    assert q.with_eviction(NoEviction()) is q and q.with_eviction(None) is q
+    store = TieredKVStore(2, D, quantizer=q.with_eviction(NoEviction()))
+    assert store.evicted_pid is None and store.eviction_counts()["evicted"] == 0
+
+
+# ---------------------------------------------------------------- budgets
+
+
+@pytest.mark.parametrize("kind", ["int8_int4", "kivi", "tiers"])
+@pytest.mark.parametrize("name", ["age", "streaming", "heavy_hitter"])
+def test_tier1_never_exceeds_the_budget_after_an_append(name, kind):
+    store = store_with(policy(name, 0.3, 16), kind)
+    k, v = make_kv(2, 400, D, seed=4)
+    store.append(k[:, :150], v[:, :150])
+    attn = CertifiedAttention()
+    for t in range(150, 400, 7):
+        store.append(k[:, t : t + 7], v[:, t : t + 7])
+        assert store.tier1_bytes() <= 0.3 * 4 * 2 * store.num_blocks * 16 * D
+        _, cert = attn(make_query(k[:, : t + 7], 2, seed=t), store)
+        store.observe(cert)
+    assert store.eviction_counts()["evicted"] > 0
+
+
+def test_a_budget_below_the_summaries_is_one_sentence():
+    with pytest.raises(BudgetError, match="raise the budget or protect fewer tokens"):
+        store_with(AgeEviction(budget=0.05, min_materialized=0)).append(*make_kv(2, 200, D))
+    with pytest.raises(ConfigError, match=r"evict\.budget"):
+        AgeEviction(budget=0)
+    with pytest.raises(ConfigError, match=r"evict\.memory_threshold"):
+        StreamingEviction(memory_threshold=1.5)
+
+
+def test_graduation_passes_evicted_blocks_over():
+    """A tiered store's blocks age into the archive; an evicted one stays a summary."""
+    store = store_with(AgeEviction(budget=0.35, min_materialized=32), "tiers")
+    k, v = make_kv(2, 300, D, seed=6)
+    store.append(k[:, :200], v[:, :200])
+    before = store.evicted_mask().clone()
+    store.append(k[:, 200:], v[:, 200:])
+    assert store.evicted_mask()[: len(before)][before].all()
+
+
+# ---------------------------------------------------------------- the contract
+
+
+@st.composite
+def scenarios(draw):
+    return {"policy": draw(st.sampled_from(["age", "streaming", "heavy_hitter"])),
+            "kind": draw(st.sampled_from(["int8_int4", "kivi", "tiers"])),
+            "fill": draw(st.sampled_from([0.3, 0.5, 0.8])),
+            "protect": draw(st.sampled_from([0, 8, 16])),
+            "block": draw(st.sampled_from([8, 16])),
+            **step_draws(draw, 160, [1, 9, 17]), "tokens": draw(st.integers(48, 160))}
+
+
+def drawn_store(sc, device="cpu") -> TieredKVStore:
+    """A store whose budget is ``fill`` of the way from all-summary to nothing evicted (in
+    bytes per block at the quantizer's last stage), so that every example evicts."""
+    probe = store_with(AgeEviction(), sc["kind"], sc["block"], sc["hkv"])
+    last = probe.quantizer.stage_precision(probe.stages.last, 10**6)
+    lossy, summary = probe.block_bytes(last), probe.block_bytes(probe.evicted_pid)
+    dense = 4 * sc["hkv"] * sc["block"] * D
+    budget = (summary + sc["fill"] * (lossy - summary)) / dense
+    return store_with(policy(sc["policy"], budget, sc["protect"]), sc["kind"], sc["block"],
+                      sc["hkv"], device)
+
+
+@pytest.mark.parametrize(("backend", "device"), BACKENDS)
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sc=scenarios())
+def test_contract_under_every_eviction_policy(backend, device, sc):
+    """Random policies, budgets, quantizers and decode rounds (blocks evicted, and for heavy
+    hitters brought back, between steps): every head within its bound."""
+    store = drawn_store(sc, device)
+    k, v = make_kv(sc["hkv"], sc["tokens"], D, seed=sc["seed"], outlier_channels=sc["outliers"],
+                   heavy_tail=sc["heavy_tail"], key_offset=sc["key_offset"])
+    try:
+        check_steps(store, CertifiedAttention(backend=backend()), k, v, sc, observe=True)
+    except BudgetError:  # exact windows and protected tokens alone exceed a short prompt's
+        assert sc["kind"] != "int8_int4" or sc["protect"]
+    assert store.eviction_counts()["evictions"] > 0 or store.num_blocks < 3
+
+
+@pytest.mark.parametrize(("backend", "device"), BACKENDS)
+def test_a_store_evicted_down_to_one_block_is_still_certified(backend, device):
+    """Everything but the newest block evicted, queries peaked on evicted keys: the ladder
+    pages blocks in from Tier-2 or goes dense, and the bound holds."""
+    block, n = 16, 256
+    probe = store_with(HeavyHitterEviction())
+    one, summary = probe.block_bytes(1), probe.block_bytes(probe.evicted_pid)
+    budget = (one + (n // block - 1) * summary) / (4 * 2 * n * D)
+    store = store_with(HeavyHitterEviction(budget=budget, recent=block), device=device)
+    k, v = make_kv(2, n, D, seed=9, outlier_channels=2)
+    store.append(k.to(device), v.to(device))
+    assert int((~store.evicted_mask()).sum()) == 1
+    attn = CertifiedAttention(backend=backend())
+    for seed in range(3):
+        q = make_query(k, 2, seed=seed, scale=3.0, peaked=True).to(device)
+        out, cert = attn(q, store)
+        check_heads(out, cert, q, store)
