@@ -92,7 +92,7 @@ def test_a_rerun_with_changed_settings_refuses_and_an_added_variant_resumes(out,
     # a run that never had the certified variant (and was made before the protect group
     # existed): only its records are computed
     config["variants"] = [v for v in config["variants"] if v["name"] != "certified"]
-    del config["protect"]
+    del config["protect"], config["evict"]
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
     for name in ("samples.jsonl", "certificates.jsonl"):
         rows = [x for x in (run_dir / name).read_text().splitlines() if '"certified"' not in x]

@@ -176,3 +176,21 @@ def test_a_store_evicted_down_to_one_block_is_still_certified(backend, device):
         q = make_query(k, 2, seed=seed, scale=3.0, peaked=True).to(device)
         out, cert = attn(q, store)
         check_heads(out, cert, q, store)
+
+
+def test_run_with_an_eviction_policy_records_its_evictions(tmp_path):
+    """`certkv run ... evict=streaming` on the tiny model: the certified variant evicts under
+    its budget and its certificate record counts the evicted blocks."""
+    import json
+
+    from test_cli import TINY, run, run_dir_of
+
+    result = run(*TINY, "evict=streaming", "evict.budget=0.3", "evict.sink=0",
+                 "task.perplexity.context=160", f"out_dir={tmp_path}")
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(x) for x in
+            (run_dir_of(tmp_path / "tiny") / "certificates.jsonl").read_text().splitlines()]
+    certified = [r for r in rows if r["variant"] == "certified" and r["task"] == "perplexity"]
+    assert certified and all(r["evicted_blocks"] > 0 for r in certified)
+    assert all(r["tier1_over_dense"] <= 0.3 for r in certified)
+    assert all(r["evicted_blocks"] == 0 for r in rows if r["variant"] == "dense")

@@ -243,7 +243,7 @@ def test_read_only_outputs_as_root_too(two_runs, tmp_path):
 def test_every_commands_bad_input_is_one_sentence(args, needles, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     hydra_lists_options = "Valid config groups and options" in needles
-    one_sentence(runner.invoke(app, args), *needles, lines=20 if hydra_lists_options else 6)
+    one_sentence(runner.invoke(app, args), *needles, lines=24 if hydra_lists_options else 6)
     assert not (tmp_path / "runs").exists()  # nothing left behind
 
 
@@ -267,10 +267,10 @@ def test_every_config_field_rejects_a_value_of_the_wrong_kind():
     import yaml
     from omegaconf import OmegaConf
 
-    composed = compose_config(["+experiment=smoke"])
+    composed = compose_config(["+experiment=smoke", "evict=age"])
     base = OmegaConf.to_container(composed, resolve=True)
-    groups = ["model", "quantizer", "selector", "value_policy", "ladder", "protect", "cache",
-              "backend", "logger", *[f"task.{t}" for t in base["task"]]]
+    groups = ["model", "quantizer", "selector", "value_policy", "ladder", "protect", "evict",
+              "cache", "backend", "logger", *[f"task.{t}" for t in base["task"]]]
     checked = []
     for group in groups:
         node = base
@@ -285,7 +285,7 @@ def test_every_config_field_rejects_a_value_of_the_wrong_kind():
                 validate(cfg)
             checked.append(key)
     assert len(checked) > 40 and "selector.tau_cov" in checked and "ladder.bound_tol" in checked
-    assert "protect.faults.p" in checked
+    assert "protect.faults.p" in checked and "evict.min_materialized" in checked
 
 
 def test_scaling_and_sizes_of_the_python_api_are_one_sentence():

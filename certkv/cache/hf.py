@@ -10,7 +10,7 @@ and ``model.generate(...)``. Batch size 1 (the paper's setting).
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
@@ -51,6 +51,7 @@ class CacheTelemetry:
     log: CertificateLog
     bytes: dict[str, int]
     scratch: ScratchStats
+    eviction: dict[str, int] = field(default_factory=dict)  # summed over layers
 
 
 @dataclass
@@ -210,4 +211,6 @@ class TieredCache(Cache):
         """The log (its last step closed), bytes and scratch counters, detached from the
         stores: they outlive the cache."""
         self.log.flush()
-        return CacheTelemetry(self.log, self.bytes(), self.scratch_stats())
+        counts = [s.eviction_counts() for s in self.stores()]
+        eviction = {name: sum(c[name] for c in counts) for name in counts[0]} if counts else {}
+        return CacheTelemetry(self.log, self.bytes(), self.scratch_stats(), eviction)

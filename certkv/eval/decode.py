@@ -34,6 +34,7 @@ from certkv.certify.ladder import Ladder
 from certkv.certify.select import AdaptiveTopK
 from certkv.certify.values import LocalThreshold
 from certkv.errors import CertKVError, ConfigError, require
+from certkv.evict.base import EvictionPolicy
 from certkv.models.loading import LoadedModel
 from certkv.models.rope import rope_spec
 from certkv.quant import KVQuantizer
@@ -50,6 +51,7 @@ class Method:
     attention: CertifiedAttention
     quantizer: KVQuantizer = field(default_factory=KVQuantizer)
     protect: Protection | None = None  # codes, integrity check and faults of Tier-1
+    evict: EvictionPolicy | None = None  # which blocks keep only a summary in Tier-1
 
     def __post_init__(self) -> None:
         require(self.mode in MODES, ConfigError,
@@ -57,18 +59,19 @@ class Method:
         self.quantizer = self.quantizer.for_mode(self.mode)
         if self.mode != "dense":
             self.quantizer = self.quantizer.with_protection(self.protect)
+            self.quantizer = self.quantizer.with_eviction(self.evict)
 
     @classmethod
     def build(cls, name: str = "certified", mode: str = "certified", *,
               quantizer: KVQuantizer | None = None, selector: AdaptiveTopK | None = None,
               value_policy: object | None = None, ladder: Ladder | None = None,
               backend: object = "auto", compile: bool | str | None = None,
-              protect: Protection | None = None) -> Method:
+              protect: Protection | None = None, evict: EvictionPolicy | None = None) -> Method:
         """A method with the paper's defaults (Table 2) for anything not given."""
         attention = CertifiedAttention(selector or AdaptiveTopK(),
                                        value_policy or LocalThreshold(), ladder or Ladder(),
                                        backend, mode, compile=compile)
-        return cls(name, mode, attention, quantizer or KVQuantizer(), protect)
+        return cls(name, mode, attention, quantizer or KVQuantizer(), protect, evict)
 
 
 class Decoder:
@@ -247,6 +250,8 @@ def certificate_record(caches: list[CacheTelemetry]) -> dict:
     hits, misses = sum(s.hits for s in stats), sum(s.misses for s in stats)
     record["scratch_hit_rate"] = hits / (hits + misses) if hits + misses else 0.0
     record["h2d_bytes"] = sum(s.h2d_bytes for s in stats)
+    for name in ("evicted", "evictions", "restores"):  # eviction policies (blocks, all layers)
+        record[f"{name}_blocks"] = sum(cache.eviction.get(name, 0) for cache in caches)
     for name in _STEP_FIELDS:
         record[f"{name}_step_mean"] = [s[f"{name}_mean"] for s in steps]
         record[f"{name}_step_max"] = [s[f"{name}_max"] for s in steps]

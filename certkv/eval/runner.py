@@ -37,7 +37,7 @@ from certkv.eval.results import RunDir, read_jsonl
 from certkv.models.loading import ModelSpec, check_source, load_model
 from certkv.provenance import environment
 
-COMPONENTS = ("quantizer", "selector", "value_policy", "ladder", "protect")
+COMPONENTS = ("quantizer", "selector", "value_policy", "ladder", "protect", "evict")
 COUNT_FIELDS = ("slices", "trials", "windows")  # more or fewer samples of the same kind
 Variant = Method  # a run's variants are protocol methods built from the config
 
@@ -99,7 +99,8 @@ def build_variants(cfg: DictConfig) -> list[Method]:
         attention = CertifiedAttention(parts["selector"], parts["value_policy"], parts["ladder"],
                                        backend, mode, compile=cfg.get("compile"),
                                        audit=bool(cfg.get("audit", False)))
-        variants.append(Method(name, mode, attention, parts["quantizer"], parts["protect"]))
+        variants.append(Method(name, mode, attention, parts["quantizer"], parts["protect"],
+                               parts["evict"]))
         names.add(name)
     return variants
 
