@@ -303,3 +303,32 @@ def test_without_the_integrity_check_a_flipped_bit_can_break_the_bound():
                 assert cert.violations == over
                 broken += over
     assert broken > 0
+
+
+def test_faults_report_end_to_end_on_a_tiny_model(tmp_path):
+    """`certkv run` with protected, faulty variants (audited): the report's storage-faults
+    table and its perplexity-vs-p figure; a variant dropped from the plan is left out of the
+    table, its records kept."""
+    import yaml
+    from test_cli import TINY, app, run, run_dir_of, runner
+
+    variants = ("variants=[{name: dense, mode: dense}, {name: h84-naive, mode: naive, protect: "
+                "{code: hamming84, faults: {p: 0.01}}}, {name: h84-check, mode: certified, "
+                "protect: {code: hamming84, integrity: true, faults: {p: 0.01}}}]")
+    result = run(*TINY, variants, "audit=true", f"out_dir={tmp_path}")
+    assert result.exit_code == 0, result.output
+    run_dir = run_dir_of(tmp_path / "tiny")
+    text = (run_dir / "README.md").read_text()
+    table = text[text.index("## Storage faults"):]
+    assert "| h84-naive | hamming84 | 1e-2 | no |" in table
+    assert "| h84-check | hamming84 | 1e-2 | yes |" in table
+    assert list((run_dir / "figures").glob("*_faults.png"))
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    config["variants"] = [v for v in config["variants"] if v["name"] != "h84-naive"]
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
+    again = runner.invoke(app, ["report", str(run_dir), "--out", str(tmp_path / "rep")])
+    assert again.exit_code == 0, again.output
+    redone = (tmp_path / "rep" / "README.md").read_text()
+    redone = redone[redone.index("## Storage faults"):]
+    assert "| h84-naive |" not in redone.split("Left out")[0]
+    assert "Left out, no longer in the run's plan" in " ".join(redone.split())

@@ -38,11 +38,18 @@ def has_faults(run: RunData) -> bool:
     return False
 
 
+def planned(run: RunData, variant: str) -> bool:
+    """Whether ``variant`` is in the run's config (a variant dropped from the plan keeps its
+    records, but its protection settings are no longer recorded)."""
+    return any(v.get("name") == variant for v in run.config.get("variants", []))
+
+
 def fault_rows(run: RunData) -> list[dict]:
-    """One dict per non-dense variant: its protection, fault rate, quality and counters."""
+    """One dict per non-dense variant of the plan: its protection, fault rate, quality and
+    counters."""
     rows = []
     for v in run.variants:
-        if v == run.reference:
+        if v == run.reference or not planned(run, v):
             continue
         protect = protect_of(run, v)
         cert = certificate_summary(run.certificate_records(v))
@@ -73,6 +80,9 @@ def faults_table(run: RunData) -> Table | None:
                      fmt(cert.get("corrupted_blocks_per_step", 0.0), 0),
                      f"{r['bits']:g}", violations])
     dense = next((r["ppl"]["dense"] for r in found if r["ppl"]), None)
+    dropped = [v for v in run.variants if v != run.reference and not planned(run, v)]
+    left_out = (" Left out, no longer in the run's plan (their records stay; config.yaml no "
+                f"longer says how they were protected): {', '.join(dropped)}." if dropped else "")
     return Table(f"Storage faults ({run.label}; seed 003 Tables 3-7)",
                  ["method", "code", "p", "check", "ppl", "delta [95% CI]", "NIAH", "corr.",
                   "erased", "FP16 blk", "bits", "over bound"], rows,
@@ -81,7 +91,8 @@ def faults_table(run: RunData) -> Table | None:
                  "written block. Counters per decode step over every layer: words the code "
                  "corrected, words it erased (detected, not fixable), blocks the integrity check "
                  "served from their FP16 originals. over bound: audited head-steps whose error "
-                 "against FP64 attention on the originals exceeded the returned bound.",
+                 "against FP64 attention on the originals exceeded the returned bound."
+                 + left_out,
                  {"p": "bit-flip probability", "check": "per-block integrity check",
                   "delta": "perplexity - dense on the same windows",
                   "bits": "stored bits per 4-bit value", "FP16 blk": "corrupted blocks read "
