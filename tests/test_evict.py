@@ -13,6 +13,7 @@ from certkv import CertifiedAttention, TieredKVStore
 from certkv.errors import BudgetError, ConfigError
 from certkv.evict import AgeEviction, HeavyHitterEviction, NoEviction, StreamingEviction
 from certkv.quant import GroupAffineValueCodec, KiviKeyCodec, KVQuantizer, TieredQuantizer
+from certkv.quant.smartkv import SmartKVQuantizer
 
 D = 32
 
@@ -29,6 +30,8 @@ def quantizer(kind: str, block: int) -> KVQuantizer:
     if kind == "kivi":
         return KVQuantizer(KiviKeyCodec(bits=2), GroupAffineValueCodec(bits=2, group=16), block,
                            residual=2 * block, sink=block)
+    if kind == "smartkv":
+        return SmartKVQuantizer(block_size=block, beta=0.4)
     return TieredQuantizer(KiviKeyCodec(bits=4), GroupAffineValueCodec(bits=4, group=16), block,
                            hot=2 * block, stale=6 * block, archive="kivi2")
 
@@ -84,9 +87,10 @@ def test_no_eviction_leaves_the_quantizer_alone():
 # ---------------------------------------------------------------- budgets
 
 
-@pytest.mark.parametrize("kind", ["int8_int4", "kivi", "tiers"])
+@pytest.mark.parametrize("kind", ["int8_int4", "kivi", "tiers", "smartkv"])
 @pytest.mark.parametrize("name", ["age", "streaming", "heavy_hitter"])
-def test_tier1_never_exceeds_the_budget_after_an_append(name, kind):
+def test_tier1_never_exceeds_the_budget_after_a_step(name, kind):
+    """After every append and every observed step (SmartKV may widen blocks after a step)."""
     store = store_with(policy(name, 0.3, 16), kind)
     k, v = make_kv(2, 400, D, seed=4)
     store.append(k[:, :150], v[:, :150])
@@ -96,6 +100,7 @@ def test_tier1_never_exceeds_the_budget_after_an_append(name, kind):
         assert store.tier1_bytes() <= 0.3 * 4 * 2 * store.num_blocks * 16 * D
         _, cert = attn(make_query(k[:, : t + 7], 2, seed=t), store)
         store.observe(cert)
+        assert store.tier1_bytes() <= 0.3 * 4 * 2 * store.num_blocks * 16 * D
     assert store.eviction_counts()["evicted"] > 0
 
 
@@ -124,7 +129,7 @@ def test_graduation_passes_evicted_blocks_over():
 @st.composite
 def scenarios(draw):
     return {"policy": draw(st.sampled_from(["age", "streaming", "heavy_hitter"])),
-            "kind": draw(st.sampled_from(["int8_int4", "kivi", "tiers"])),
+            "kind": draw(st.sampled_from(["int8_int4", "kivi", "tiers", "smartkv"])),
             "fill": draw(st.sampled_from([0.3, 0.5, 0.8])),
             "protect": draw(st.sampled_from([0, 8, 16])),
             "block": draw(st.sampled_from([8, 16])),
@@ -132,11 +137,12 @@ def scenarios(draw):
 
 
 def drawn_store(sc, device="cpu") -> TieredKVStore:
-    """A store whose budget is ``fill`` of the way from all-summary to nothing evicted (in
-    bytes per block at the quantizer's last stage), so that every example evicts."""
+    """A store whose budget is ``fill`` of the way from all-summary to every block at the
+    quantizer's narrowest precision (bytes per block), so that every example evicts."""
     probe = store_with(AgeEviction(), sc["kind"], sc["block"], sc["hkv"])
-    last = probe.quantizer.stage_precision(probe.stages.last, 10**6)
-    lossy, summary = probe.block_bytes(last), probe.block_bytes(probe.evicted_pid)
+    summary = probe.block_bytes(probe.evicted_pid)
+    lossy = min(probe.block_bytes(pid) for pid, p in enumerate(probe.precisions)
+                if not p.exact and pid != probe.evicted_pid)  # the narrowest held precision
     dense = 4 * sc["hkv"] * sc["block"] * D
     budget = (summary + sc["fill"] * (lossy - summary)) / dense
     return store_with(policy(sc["policy"], budget, sc["protect"]), sc["kind"], sc["block"],

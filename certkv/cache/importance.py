@@ -79,7 +79,7 @@ class SmartKVTracker:
         self.reallocations = 0
         bits = [p.key_codec.bits for p in store.precisions]  # 16 for the exact tail's
         self._pid_bits = torch.tensor(bits)
-        self._pid_steps = torch.tensor([step_size(b) if b < 16 else 1.0 for b in bits],
+        self._pid_steps = torch.tensor([step_size(b) if 0 < b < 16 else 1.0 for b in bits],
                                        device=device)
 
     # ------------------------------------------------------------------ wiring
@@ -167,7 +167,8 @@ class SmartKVTracker:
         """Widths ``[n]`` from cross-layer signals: a new allocation under the policy's rule
         (``kind="allocate"``), or the current widths with the least important blocks stepped
         down until the budget holds (``"fit"``)."""
-        policy, protected = self.policy, self.protected()
+        # evicted blocks (an eviction policy's summaries) are outside SmartKV's widths
+        policy, protected = self.policy, self.protected() | self.store.evicted_mask()
         cost, budget = policy.cost(self.store.head_dim), policy.budget()
         certificate = policy.rule == "certificate"
         if kind == "fit":

@@ -42,13 +42,16 @@ class EvictionTracker:
             self.mass = torch.cat([self.mass, extra])
 
     def observe(self, certificate) -> None:
-        """Add the step's block masses ``rho_b`` (mean over query heads); device ops only."""
+        """Add the step's block masses ``rho_b`` (mean over query heads; device ops only), and
+        rebalance if what else adapts to the step (SmartKV's widths) grew Tier-1 past the
+        budget."""
         stats = certificate.blocks
-        if stats is None:
-            return
-        self._grow()
-        n = self.mass.numel()
-        self.mass += stats.mass.detach()[:, :n].double().mean(dim=0).to(self.mass.device)
+        if stats is not None:
+            self._grow()
+            n = self.mass.numel()
+            self.mass += stats.mass.detach()[:, :n].double().mean(dim=0).to(self.mass.device)
+        if self.store.tier1_bytes() > self.limit():
+            self.rebalance()
 
     def appended(self, prefill: bool) -> None:
         self._grow()
