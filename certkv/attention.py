@@ -45,13 +45,14 @@ from certkv.certify.bounds import (
 )
 from certkv.certify.certificate import BlockStats, Certificate
 from certkv.certify.checks import exploration_mask
+from certkv.certify.dropped import dropped_error, dropped_mass
 from certkv.certify.ladder import Ladder
 from certkv.certify.select import AdaptiveTopK, rank_blocks
 from certkv.certify.values import LocalThreshold
 from certkv.errors import ConfigError, EmptyStoreError, NonFiniteError, ShapeError, require
 from certkv.kernels.dispatch import get_backend
 from certkv.kernels.layout import StagedBlocks, StepLayout
-from certkv.kernels.reference import dense_rounding
+from certkv.kernels.reference import dense_rounding, without_blocks
 from certkv.timing import NULL_TIMER, PhaseTimer
 
 MODES = ("certified", "naive", "dense")
@@ -253,6 +254,7 @@ class CertifiedAttention:
         # Phase 1: INT8 logits, block log-masses, Delta_b (eq. 8).
         with timer.phase("phase1"):
             scored = self.backend.phase1(qg, lay, scaling)
+        scored, e_drop = self._drop_evicted(q, store, lay, scored, scaling)
         boost, tolerant = None, self.mode == "certified" and self.ladder.bound_tolerance
         for _ in range(TOL_LEVELS):
             step = self._pass(q, qg, store, lay, scored, scaling, stage, boost, timer)
@@ -273,6 +275,8 @@ class CertifiedAttention:
         with timer.phase("fallback"):
             out, e_arith = self._fallback(q, store, step.out, dense_heads, scaling, step.spec,
                                           step.e_arith)
+        if e_drop is not None:
+            step.e_key = step.e_key + e_drop
         cert = step.certificate(e_arith, self.mode, boost)
         if store.protection.enabled:
             counts = store.fault_counts()
@@ -280,6 +284,27 @@ class CertifiedAttention:
             cert.erased_words = counts["erased_words"]
             cert.corrupted_blocks = counts["corrupted_blocks"]
         return out, cert
+
+    def _drop_evicted(self, q, store, lay, scored, scaling):
+        """Naive eviction, as kvpress does it: a naive step leaves evicted blocks out of
+        attention (their Phase-1 scores masked: zero mass, no ``Delta_b``) and adds ``E_drop``
+        (:mod:`certkv.certify.dropped`) to ``E_key`` for their mass, bounded from their Tier-1
+        summaries' Phase-1 scores. Returns ``(scored, e_drop [Hq] or None)``; certified steps
+        keep every block (summaries in the bound, page-in by the ladder)."""
+        if self.mode != "naive" or store.evicted_pid is None:
+            return scored, None
+        evicted = store.evicted_mask()  # host
+        if not bool(evicted.any()):
+            return scored, None
+        extra = torch.zeros(lay.num_blocks - evicted.numel(), dtype=torch.bool)
+        dropped = torch.cat([evicted, extra]).to(store.device, non_blocking=True)
+        hq, group = q.shape[0], q.shape[0] // store.num_kv_heads
+        mass = dropped_mass(self._arith_spec(q, store, scaling, lay), q=q,
+                            key_abs_max=store.key_abs_max(), l8=scored.log_mass.reshape(hq, -1),
+                            delta_b=scored.delta_b.reshape(hq, -1), dropped=dropped,
+                            n_tokens=store.num_tokens)
+        v_rad = torch.minimum(lay.v_radius, lay.v_max).repeat_interleave(group)
+        return without_blocks(scored, dropped), dropped_error(mass, v_rad)
 
     def _pass(self, q, qg, store, lay, scored, scaling, stage, boost, timer) -> _Pass:
         """Selection, page-in, Phase 2, checks and the certificate of one pass over the

@@ -5,6 +5,7 @@ against FP64 attention on the originals, whatever the policy evicts or brings ba
 from __future__ import annotations
 
 import pytest
+import torch
 from helpers import BACKENDS, check_heads, check_steps, make_kv, make_query, step_draws
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -133,6 +134,7 @@ def scenarios(draw):
             "fill": draw(st.sampled_from([0.3, 0.5, 0.8])),
             "protect": draw(st.sampled_from([0, 8, 16])),
             "block": draw(st.sampled_from([8, 16])),
+            "mode": draw(st.sampled_from(["certified", "naive"])),
             **step_draws(draw, 160, [1, 9, 17]), "tokens": draw(st.integers(48, 160))}
 
 
@@ -154,12 +156,14 @@ def drawn_store(sc, device="cpu") -> TieredKVStore:
 @given(sc=scenarios())
 def test_contract_under_every_eviction_policy(backend, device, sc):
     """Random policies, budgets, quantizers and decode rounds (blocks evicted, and for heavy
-    hitters brought back, between steps): every head within its bound."""
+    hitters brought back, between steps), certified (summaries, page-in) or naive (evicted
+    blocks dropped, E_drop in the bound): every head within its bound."""
     store = drawn_store(sc, device)
     k, v = make_kv(sc["hkv"], sc["tokens"], D, seed=sc["seed"], outlier_channels=sc["outliers"],
                    heavy_tail=sc["heavy_tail"], key_offset=sc["key_offset"])
+    attn = CertifiedAttention(backend=backend(), mode=sc["mode"])
     try:
-        check_steps(store, CertifiedAttention(backend=backend()), k, v, sc, observe=True)
+        check_steps(store, attn, k, v, sc, observe=True)
     except BudgetError:  # exact windows and protected tokens alone exceed a short prompt's
         assert sc["kind"] != "int8_int4" or sc["protect"]
     assert store.eviction_counts()["evictions"] > 0 or store.num_blocks < 3
@@ -182,6 +186,51 @@ def test_a_store_evicted_down_to_one_block_is_still_certified(backend, device):
         q = make_query(k, 2, seed=seed, scale=3.0, peaked=True).to(device)
         out, cert = attn(q, store)
         check_heads(out, cert, q, store)
+
+
+def evicted_store(seed=4, n=256):
+    store = store_with(StreamingEviction(budget=0.3, sink=16))
+    k, v = make_kv(2, n, D, seed=seed, outlier_channels=2)
+    store.append(k, v)
+    return store, k, v
+
+
+def test_naive_eviction_drops_the_evicted_tokens():
+    """A naive step is attention over the kept blocks only (decoded codes), as kvpress does:
+    the evicted tokens get no weight, and their summaries are not read as keys or values."""
+    store, k, _ = evicted_store()
+    q = make_query(k, 2, seed=1, scale=2.0)
+    out, cert = CertifiedAttention(mode="naive")(q, store)
+    kept = (~store.evicted_mask()).repeat_interleave(16)
+    keys, values = store.dequantized_keys(), store.dequantized_values()  # [Hkv, n, B, d]
+    keys, values = (x.flatten(1, 2)[:, kept].double() for x in (keys, values))
+    kv = torch.arange(4) // 2
+    p = torch.softmax(torch.einsum("hd,htd->ht", q.double(), keys[kv]) / D**0.5, dim=-1)
+    expected = torch.einsum("ht,htd->hd", p, values[kv])
+    assert store.evicted_mask().any() and (cert.rung < 3).all()
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    check_heads(out, cert, q, store)
+
+
+def test_naive_eviction_bound_grows_with_the_mass_it_dropped():
+    """Blocks of one repeated key each (their summaries are exact): a query aimed at an evicted
+    block loses most of its attention when naive eviction drops it, and E_drop (in E_key)
+    covers the error; aimed at a kept block, almost nothing is dropped and E_drop is tiny."""
+    k, v = make_kv(2, 256, D, seed=4)
+    k = k.reshape(2, 16, 16, D)[:, :, :1].expand(2, 16, 16, D).reshape(2, 256, D)
+    store = store_with(StreamingEviction(budget=0.3, sink=16))
+    store.append(k, v)
+    evicted = store.evicted_mask().nonzero(as_tuple=True)[0]
+    kept = (~store.evicted_mask()).nonzero(as_tuple=True)[0]
+    attn = CertifiedAttention(mode="naive")
+    seen = {}
+    for name, block in (("evicted", int(evicted[3])), ("kept", int(kept[-2]))):
+        q = (k[:, block * 16] * 2).repeat_interleave(2, dim=0)
+        out, cert = attn(q, store)
+        err, _ = check_heads(out, cert, q, store)
+        seen[name] = (float(err.min()), float(cert.e_key.max()))
+    assert seen["evicted"][0] > 1.0  # dropping what the query looks for is visible
+    assert seen["kept"][1] < 0.01 * seen["evicted"][1]
 
 
 def test_run_with_an_eviction_policy_records_its_evictions(tmp_path):

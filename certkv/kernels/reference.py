@@ -60,6 +60,18 @@ class Scored:
     log_spread: torch.Tensor | None = None
 
 
+def without_blocks(scored: Scored, dropped: torch.Tensor) -> Scored:
+    """``scored`` with the ``dropped [n]`` blocks left out of attention: logits, log-masses
+    and log-spreads ``-inf``, ``Delta_b`` 0 (naive eviction, :mod:`certkv.certify.dropped`)."""
+    neg_inf = torch.tensor(float("-inf"), device=scored.scores.device)
+    gone = dropped.view(1, 1, -1)
+    spread = scored.log_spread
+    return Scored(scores=torch.where(gone.unsqueeze(-1), neg_inf, scored.scores),
+                  log_mass=torch.where(gone, neg_inf, scored.log_mass),
+                  delta_b=torch.where(gone, torch.zeros_like(scored.delta_b), scored.delta_b),
+                  log_spread=None if spread is None else torch.where(gone, neg_inf, spread))
+
+
 @dataclass
 class Attended:
     """Phase-2 result: ``out [Hkv, G, d]``; block masses ``rho``, log-masses and spreads
@@ -125,8 +137,8 @@ def attend(scores: torch.Tensor, values: torch.Tensor, fp64_scalars: bool = Fals
     """
     scalar = torch.float64 if fp64_scalars else torch.float32
     s = scores.to(scalar)
-    m_b = s.amax(dim=-1)  # [Hkv, G, n]
-    w = torch.exp(s - m_b.unsqueeze(-1))
+    m_b = s.amax(dim=-1)  # [Hkv, G, n]; -inf on a block left out (no weight, no NaN)
+    w = torch.exp(s - torch.where(torch.isneginf(m_b), 0.0, m_b).unsqueeze(-1))
     l_b = w.sum(dim=-1)
     l2_b = (w * w).sum(dim=-1)
     o_b = torch.einsum("kgnt,kntd->kgnd", w.float(), values.float())
