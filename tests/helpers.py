@@ -222,9 +222,14 @@ def check_steps(store, attn, k, v, sc, observe=False):
     """Append the prompt, then ``steps`` rounds of ``per_step`` tokens (blocks fill and change
     precision between steps), certifying a query after each (on the store's device); with
     ``observe`` the store sees each step's certificate (what adapts to attention: SmartKV,
-    heavy-hitter eviction)."""
+    heavy-hitter eviction) and the prompt's queries (SnapKV: queries near the prompt's last
+    keys)."""
     n, device = sc["tokens"], store.device
     store.append(k[:, :n].to(device), v[:, :n].to(device))
+    if observe:
+        group = sc["gqa"]
+        window = k[:, max(0, n - 8):n].repeat_interleave(group, dim=0)
+        store.observe_prompt((window + 0.5 * torch.randn_like(window)).to(device))
     for step in range(sc["steps"] + 1):
         if step:
             extra = make_kv(k.shape[0], sc["per_step"], k.shape[2], seed=sc["seed"] + step)

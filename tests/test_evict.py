@@ -12,7 +12,13 @@ from hypothesis import strategies as st
 
 from certkv import CertifiedAttention, TieredKVStore
 from certkv.errors import BudgetError, ConfigError
-from certkv.evict import AgeEviction, HeavyHitterEviction, NoEviction, StreamingEviction
+from certkv.evict import (
+    AgeEviction,
+    HeavyHitterEviction,
+    NoEviction,
+    SnapKVEviction,
+    StreamingEviction,
+)
 from certkv.quant import GroupAffineValueCodec, KiviKeyCodec, KVQuantizer, TieredQuantizer
 from certkv.quant.smartkv import SmartKVQuantizer
 
@@ -22,7 +28,8 @@ D = 32
 def policy(name: str, budget: float, tokens: int):
     return {"age": AgeEviction(budget=budget, min_materialized=tokens),
             "streaming": StreamingEviction(budget=budget, sink=tokens),
-            "heavy_hitter": HeavyHitterEviction(budget=budget, recent=tokens)}[name]
+            "heavy_hitter": HeavyHitterEviction(budget=budget, recent=tokens),
+            "snapkv": SnapKVEviction(budget=budget, window=max(tokens, 1))}[name]
 
 
 def quantizer(kind: str, block: int) -> KVQuantizer:
@@ -78,6 +85,47 @@ def test_heavy_hitters_stay_and_an_evicted_block_that_turns_heavy_comes_back():
     assert store.eviction_counts()["restores"] >= 1
 
 
+def test_snapkv_keeps_what_the_prompt_window_attends_to():
+    """The window's queries aim at block 5: after the prompt is scored, block 5 and the
+    window's blocks stay, most others are evicted; before, nothing was."""
+    store = store_with(SnapKVEviction(budget=0.3, window=32))
+    k, v = make_kv(2, 320, D, seed=5)
+    store.append(k, v)
+    assert not store.evicted_mask().any()  # waits for the prompt's queries
+    aim = k[:, 5 * 16:6 * 16].repeat_interleave(2, dim=0)  # [4, 16, D]
+    queries = torch.cat([aim, aim], dim=1) * 2  # a window of 32 queries
+    store.observe_prompt(queries)
+    evicted = store.evicted_mask()
+    assert not evicted[5] and not evicted[-2:].any() and int(evicted.sum()) > 10
+    assert store.tier1_bytes() <= 0.3 * store.dense_bytes()
+
+
+def test_snapkv_without_the_prompt_queries_is_one_sentence():
+    store = store_with(SnapKVEviction(budget=0.3))
+    store.append(*make_kv(2, 320, D))
+    with pytest.raises(ConfigError, match="observe_prompt"):
+        store.append(*make_kv(2, 16, D, seed=1))  # a completed block asks for a rebalance
+
+
+def test_snapkv_inside_a_model_evicts_after_the_prefill():
+    """generate() with a TieredCache: the hook hands each layer's prompt queries to the store,
+    which evicts before the first decode step; the steps stay within their bounds."""
+    from models import tiny_model
+    from test_hf_cache import ContractChecker
+
+    from certkv.cache.hf import TieredCache
+
+    _, model = tiny_model(seed=2)
+    ids = torch.randint(0, 512, (1, 160), generator=torch.Generator().manual_seed(2))
+    quantizer = KVQuantizer(block_size=16).with_eviction(SnapKVEviction(budget=0.35, window=16))
+    for mode in ("certified", "naive"):
+        attn = ContractChecker(CertifiedAttention(mode=mode))
+        cache = TieredCache(2, attn, quantizer)
+        model.generate(ids, max_new_tokens=4, do_sample=False, past_key_values=cache)
+        assert attn.head_steps == 3 * 2 * 4
+        assert all(s.evicted_mask().any() for s in cache.stores())
+
+
 def test_no_eviction_leaves_the_quantizer_alone():
     q = KVQuantizer()
     assert q.with_eviction(NoEviction()) is q and q.with_eviction(None) is q
@@ -129,7 +177,7 @@ def test_graduation_passes_evicted_blocks_over():
 
 @st.composite
 def scenarios(draw):
-    return {"policy": draw(st.sampled_from(["age", "streaming", "heavy_hitter"])),
+    return {"policy": draw(st.sampled_from(["age", "streaming", "heavy_hitter", "snapkv"])),
             "kind": draw(st.sampled_from(["int8_int4", "kivi", "tiers", "smartkv"])),
             "fill": draw(st.sampled_from([0.3, 0.5, 0.8])),
             "protect": draw(st.sampled_from([0, 8, 16])),
@@ -233,15 +281,18 @@ def test_naive_eviction_bound_grows_with_the_mass_it_dropped():
     assert seen["kept"][1] < 0.01 * seen["evicted"][1]
 
 
-def test_run_with_an_eviction_policy_records_its_evictions(tmp_path):
-    """`certkv run ... evict=streaming` on the tiny model: the certified variant evicts under
-    its budget and its certificate record counts the evicted blocks."""
+@pytest.mark.parametrize("option", ["evict.sink=0", "evict=snapkv"])
+def test_run_with_an_eviction_policy_records_its_evictions(tmp_path, option):
+    """`certkv run ... evict=streaming` (and `evict=snapkv`, whose prompt queries the dense
+    prefill records) on the tiny model: the certified variant evicts under its budget and its
+    certificate record counts the evicted blocks."""
     import json
 
     from test_cli import TINY, run, run_dir_of
 
-    result = run(*TINY, "evict=streaming", "evict.budget=0.3", "evict.sink=0",
-                 "task.perplexity.context=160", f"out_dir={tmp_path}")
+    policy = ["evict=streaming", option] if option.startswith("evict.") else [option]
+    result = run(*TINY, *policy, "evict.budget=0.3", "task.perplexity.context=160",
+                 f"out_dir={tmp_path}")
     assert result.exit_code == 0, result.output
     rows = [json.loads(x) for x in
             (run_dir_of(tmp_path / "tiny") / "certificates.jsonl").read_text().splitlines()]

@@ -163,15 +163,20 @@ class TieredCache(Cache):
     @classmethod
     def from_states(cls, states: list, attention: CertifiedAttention,
                     quantizer: KVQuantizer | None = None,
-                    spec: CacheSpec | None = None) -> TieredCache:
+                    spec: CacheSpec | None = None, queries: dict | None = None
+                    ) -> TieredCache:
         """A cache holding given keys and values: ``states[i]`` is layer ``i``'s ``(k, v)``,
         each ``[Hkv, T, d]`` (or ``[1, Hkv, T, d]``), or None for an empty layer (e.g. the
-        prefill states of a model's own cache)."""
+        prefill states of a model's own cache). ``queries``: layer -> ``(q [Hq, T', d],
+        scaling)``, the prompt's last queries, for an eviction policy that ranks by them
+        (:class:`~certkv.models.hook.PromptQueries`)."""
         cache = cls(len(states), attention, quantizer, spec)
         for layer, state in zip(cache.layers, states, strict=True):
             if state is not None:
                 k, v = (x if x.dim() == 4 else x[None] for x in state)
                 layer.update(k, v)
+                if queries and layer.layer_idx in queries:
+                    layer.store.observe_prompt(*queries[layer.layer_idx])
         return cache
 
     def boundaries(self) -> dict[int, list[int]]:

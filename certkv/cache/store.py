@@ -599,6 +599,20 @@ class TieredKVStore:
         if self._evictor is not None:
             self._evictor.observe(certificate)
 
+    @property
+    def wants_prompt(self) -> bool:
+        """Does this store's eviction policy rank blocks by the prompt's queries (SnapKV)?"""
+        return self._evictor is not None and self._evictor.policy.prompt_window > 0
+
+    def observe_prompt(self, queries: torch.Tensor, scaling: float | None = None) -> None:
+        """The prompt's queries ``[Hq, T, d]`` (its last ``T`` positions, after RoPE; the
+        store's last ``T`` tokens) for an eviction policy that ranks by them (SnapKV), which
+        evicts once it has seen them; a no-op otherwise. ``scaling``: the model's softmax
+        scale (default ``1 / sqrt(d)``)."""
+        if self.wants_prompt:
+            scale = self.head_dim**-0.5 if scaling is None else scaling
+            self._evictor.observe_prompt(queries, scale)
+
     def join(self, board, layer: int) -> None:
         """Share cross-layer state (SmartKV's :class:`~certkv.cache.importance.ImportanceBoard`)
         with the other layers of a cache; nothing for other quantizers."""

@@ -35,6 +35,7 @@ from certkv.certify.select import AdaptiveTopK
 from certkv.certify.values import LocalThreshold
 from certkv.errors import CertKVError, ConfigError, require
 from certkv.evict.base import EvictionPolicy
+from certkv.models.hook import recording_prompt_queries
 from certkv.models.loading import LoadedModel
 from certkv.models.rope import rope_spec
 from certkv.quant import KVQuantizer
@@ -163,12 +164,14 @@ class Prefill:
     :meth:`session` gives each method its own copy."""
 
     @torch.inference_mode()
-    def __init__(self, lm: LoadedModel, prefix: list[int]) -> None:
+    def __init__(self, lm: LoadedModel, prefix: list[int], queries: int = 0) -> None:
+        """``queries``: record each layer's last ``queries`` prompt queries (for SnapKV)."""
         self.lm, self.length = lm, len(prefix)
         cache = DynamicCache()
-        if prefix:
-            lm.model(input_ids=torch.tensor([prefix], device=lm.device), past_key_values=cache,
-                     use_cache=True, logits_to_keep=1)
+        with recording_prompt_queries(queries) as self.queries:
+            if prefix:
+                lm.model(input_ids=torch.tensor([prefix], device=lm.device),
+                         past_key_values=cache, use_cache=True, logits_to_keep=1)
         layers = getattr(cache, "layers", [])
         self.states = [(layer.keys, layer.values) if getattr(layer, "keys", None) is not None
                        else None for layer in layers]
@@ -196,7 +199,8 @@ class Prefill:
             # every template of a long prompt held at once would not fit in memory
             self._templates.clear()
             self._templates[key] = TieredCache.from_states(self.states, method.attention,
-                                                           quantizer, spec or CacheSpec())
+                                                           quantizer, spec or CacheSpec(),
+                                                           self.queries)
         return self._templates[key].copy_for(method.attention, spec or CacheSpec())
 
     def session(self, method: Method, spec: CacheSpec | None = None) -> Session:

@@ -105,6 +105,11 @@ def build_variants(cfg: DictConfig) -> list[Method]:
     return variants
 
 
+def prompt_window(variants) -> int:
+    """The most prompt queries any variant's eviction policy ranks by (SnapKV), 0 if none."""
+    return max((v.evict.prompt_window for v in variants if v.evict is not None), default=0)
+
+
 def _override(base, change):
     """``base`` with a variant's changes merged in; a node that names another ``_target_``
     replaces the base node instead (its fields belong to another class)."""
@@ -222,7 +227,7 @@ def run_experiment(cfg: DictConfig, out_dir: str, progress: bool = True,
             bar.advance(job, len(variants) - len(todo))
             if not todo:
                 continue
-            shared = Prefill(lm, sample.prefix)
+            shared = Prefill(lm, sample.prefix, prompt_window(variants))
             for variant in todo:
                 bar.update(job, description=f"{task.name} #{sample.index} {variant.name}")
                 _run_one(run, task, sample, variant, shared, spec)

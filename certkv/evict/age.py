@@ -31,7 +31,7 @@ class AgeEviction(EvictionPolicy):
                 ConfigError, f"evict.min_materialized={self.min_materialized!r} must be a "
                 "non-negative number of tokens, e.g. 512.")
 
-    def protected(self, store) -> torch.Tensor:
+    def protected(self, store, tracker) -> torch.Tensor:
         return self.newest(store, self.min_materialized)
 
     def scores(self, store, tracker) -> torch.Tensor:

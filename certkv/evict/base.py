@@ -51,12 +51,23 @@ class EvictionPolicy:
     def enabled(self) -> bool:
         return True
 
-    def protected(self, store) -> torch.Tensor:
-        """Bool ``[n_blocks]`` (host): blocks this policy never evicts."""
+    @property
+    def prompt_window(self) -> int:
+        """How many of the prompt's last queries this policy ranks blocks by (0: none)."""
+        return 0
+
+    def protected(self, store, tracker) -> torch.Tensor:
+        """Bool ``[n_blocks]`` (host): blocks this policy never evicts (``tracker``: the layer's
+        :class:`~certkv.evict.tracker.EvictionTracker`)."""
         return torch.zeros(store.num_blocks, dtype=torch.bool)
 
     def scores(self, store, tracker) -> torch.Tensor:
         """FP64 ``[n_blocks]`` (host): what keeping each block is worth; the highest are kept."""
+        raise NotImplementedError
+
+    def prompt_scores(self, store, queries: torch.Tensor, scaling: float) -> torch.Tensor:
+        """FP64 ``[n_blocks]``: what the prompt's ``queries [Hq, T, d]`` say each block is worth
+        (policies with a :attr:`prompt_window`)."""
         raise NotImplementedError
 
     def tracker(self, store):

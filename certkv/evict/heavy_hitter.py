@@ -30,7 +30,7 @@ class HeavyHitterEviction(EvictionPolicy):
         require(isinstance(self.recent, int) and self.recent >= 0, ConfigError,
                 f"evict.recent={self.recent!r} must be a non-negative number of tokens, e.g. 64.")
 
-    def protected(self, store) -> torch.Tensor:
+    def protected(self, store, tracker) -> torch.Tensor:
         return self.newest(store, self.recent)
 
     def scores(self, store, tracker) -> torch.Tensor:

@@ -26,7 +26,7 @@ class StreamingEviction(EvictionPolicy):
         require(isinstance(self.sink, int) and self.sink >= 0, ConfigError,
                 f"evict.sink={self.sink!r} must be a non-negative number of tokens, e.g. 4.")
 
-    def protected(self, store) -> torch.Tensor:
+    def protected(self, store, tracker) -> torch.Tensor:
         return self.first(store, self.sink)
 
     def scores(self, store, tracker) -> torch.Tensor:

@@ -26,11 +26,14 @@ class EvictionTracker:
         self.mass = torch.zeros(0, dtype=torch.float64, device=store.device)
         self.evictions = 0
         self.restores = 0
+        self.prompt_scores: torch.Tensor | None = None  # [n] at the prompt (SnapKV)
+        self.prompt_tokens: int | None = None
 
     def clone_for(self, store) -> EvictionTracker:
         new = EvictionTracker(self.policy, store)
         new.mass = self.mass.clone()
         new.evictions, new.restores = self.evictions, self.restores
+        new.prompt_scores, new.prompt_tokens = self.prompt_scores, self.prompt_tokens
         return new
 
     # ------------------------------------------------------------------ signals
@@ -54,7 +57,21 @@ class EvictionTracker:
             self.rebalance()
 
     def appended(self, prefill: bool) -> None:
+        """After an append that completed blocks; a policy that ranks by the prompt's queries
+        waits for them (:meth:`observe_prompt`) after a prefill."""
         self._grow()
+        if prefill and self.policy.prompt_window:
+            return
+        self.rebalance()
+
+    def observe_prompt(self, queries: torch.Tensor, scaling: float) -> None:
+        """The prompt's queries ``[Hq, T, d]`` (its last ``T`` positions, after RoPE): a policy
+        with a :attr:`~certkv.evict.base.EvictionPolicy.prompt_window` scores the blocks by them,
+        then the budget is enforced."""
+        if not self.policy.prompt_window:
+            return
+        self.prompt_scores = self.policy.prompt_scores(self.store, queries, scaling)
+        self.prompt_tokens = self.store.num_tokens
         self.rebalance()
 
     # ------------------------------------------------------------------ budget
@@ -93,7 +110,7 @@ class EvictionTracker:
         store = self.store
         own = store.own_block_bytes()  # [n] at each block's precision (its own when evicted)
         summary = store.block_bytes(store.evicted_pid)
-        protected = self.policy.protected(store)
+        protected = self.policy.protected(store, self)
         keep = protected.clone()
         used = float(own[protected].sum()) + summary * int((~protected).sum())
         candidates = ~protected if self.policy.restores else ~protected & ~evicted

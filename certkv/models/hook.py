@@ -10,6 +10,9 @@ certification happens only where a :class:`~certkv.cache.hf.TieredCache` is pass
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
+
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -18,12 +21,38 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from certkv.cache.hf import StoreHandle
 
 NAME = "certkv"
+_RECORDING: ContextVar[PromptQueries | None] = ContextVar("certkv_prompt_queries", default=None)
+
+
+class PromptQueries(dict):
+    """Layer index -> ``(queries [Hq, T, d], scaling)``: each layer's last ``last`` prompt
+    queries (after RoPE) seen by :func:`certkv_attention` during a dense prefill on the model's
+    own cache, for eviction policies that rank by them (SnapKV)."""
+
+    def __init__(self, last: int) -> None:
+        super().__init__()
+        self.last = last
+
+
+@contextmanager
+def recording_prompt_queries(last: int):
+    """Within the block, a prefill on the model's own cache records :class:`PromptQueries`
+    (yielded; empty when ``last`` is 0)."""
+    record = PromptQueries(last)
+    token = _RECORDING.set(record if last > 0 else None)
+    try:
+        yield record
+    finally:
+        _RECORDING.reset(token)
 
 
 def certkv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                      **kwargs):
     """``query [1, Hq, Tq, d]`` -> ``(out [1, Tq, Hq, d], None)``."""
     if not isinstance(key, StoreHandle):  # the model's own cache: plain SDPA
+        record = _RECORDING.get()
+        if record is not None and query.shape[2] > 1:
+            record[module.layer_idx] = (query[0, :, -record.last:].detach().clone(), scaling)
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
     layer = key.layer
@@ -46,8 +75,10 @@ def _prefill(module, query, handle: StoreHandle, attention_mask, scaling, dropou
         old_k, old_v = store.dense_kv()
         new_k = torch.cat([old_k[:, :cached].to(new_k.dtype)[None], new_k], dim=2)
         new_v = torch.cat([old_v[:, :cached].to(new_v.dtype)[None], new_v], dim=2)
-    return sdpa_attention_forward(module, query, new_k, new_v, attention_mask, dropout=dropout,
-                                  scaling=scaling, **kwargs)
+    out = sdpa_attention_forward(module, query, new_k, new_v, attention_mask, dropout=dropout,
+                                 scaling=scaling, **kwargs)
+    store.observe_prompt(query[0].detach(), scaling)  # SnapKV ranks by the prompt's queries
+    return out
 
 
 def register() -> str:
