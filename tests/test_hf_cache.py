@@ -140,15 +140,26 @@ def test_without_a_tiered_cache_the_model_runs_its_own_sdpa():
                                        native(ids).logits, rtol=0, atol=0)
 
 
-def test_a_dropped_cache_is_freed_at_once():
-    """No reference cycle between a TieredCache and its layers: dropping the last reference
-    frees the stores without waiting for the cyclic garbage collector."""
+def _adaptive_quantizer(kind: str):
+    from certkv.evict import HeavyHitterEviction, SnapKVEviction
+    from certkv.quant import KVQuantizer, SmartKVQuantizer
+
+    return {"default": None, "smartkv": SmartKVQuantizer(block_size=8, beta=0.3),
+            "heavy_hitter": KVQuantizer().with_eviction(HeavyHitterEviction(budget=0.6, recent=16)),
+            "snapkv": KVQuantizer().with_eviction(SnapKVEviction(budget=0.6, window=16))}[kind]
+
+
+@pytest.mark.parametrize("kind", ["default", "smartkv", "heavy_hitter", "snapkv"])
+def test_a_dropped_cache_is_freed_at_once(kind):
+    """No reference cycle between a TieredCache, its layers and what adapts their stores
+    (SmartKV's widths, eviction): dropping the last reference frees the stores without waiting
+    for the cyclic garbage collector (a long run's memory stays flat)."""
     import gc
     import weakref
 
     _, model = tiny_model()
-    cache = TieredCache(2, CertifiedAttention())
-    model(prompt(), past_key_values=cache)
+    cache = TieredCache(2, CertifiedAttention(), _adaptive_quantizer(kind))
+    model.generate(prompt(120), max_new_tokens=3, do_sample=False, past_key_values=cache)
     store = weakref.ref(cache.layers[0].store)
     gc.disable()
     try:

@@ -20,6 +20,8 @@ originals (Tier-2).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from certkv.quant.allocation import (
@@ -66,7 +68,7 @@ class SmartKVTracker:
 
     def __init__(self, policy, store) -> None:
         policy.validate(store.head_dim)
-        self.policy, self.store = policy, store
+        self.policy, self._store = policy, weakref.ref(store)  # the store owns this
         self.board = ImportanceBoard()
         self.board.layers[0] = self
         device = store.device
@@ -83,6 +85,12 @@ class SmartKVTracker:
                                        device=device)
 
     # ------------------------------------------------------------------ wiring
+    @property
+    def store(self):
+        """The store this tracker belongs to (a weak reference: no cycle keeps a dropped
+        store's tensors alive until the garbage collector runs)."""
+        return self._store()
+
     def join(self, board: ImportanceBoard, layer: int) -> None:
         """Share ``board`` with the other layers of the same cache."""
         self.board = board

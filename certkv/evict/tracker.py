@@ -12,6 +12,8 @@ step paged in (keys or values from FP16).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from certkv.errors import BudgetError, require
@@ -22,12 +24,18 @@ class EvictionTracker:
     summed over steps and averaged over query heads (for :class:`HeavyHitterEviction`)."""
 
     def __init__(self, policy, store) -> None:
-        self.policy, self.store = policy, store
+        self.policy, self._store = policy, weakref.ref(store)  # the store owns this
         self.mass = torch.zeros(0, dtype=torch.float64, device=store.device)
         self.evictions = 0
         self.restores = 0
         self.prompt_scores: torch.Tensor | None = None  # [n] at the prompt (SnapKV)
         self.prompt_tokens: int | None = None
+
+    @property
+    def store(self):
+        """The store this tracker belongs to (a weak reference: no cycle keeps a dropped
+        store's tensors alive until the garbage collector runs)."""
+        return self._store()
 
     def clone_for(self, store) -> EvictionTracker:
         new = EvictionTracker(self.policy, store)
