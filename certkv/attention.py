@@ -85,6 +85,7 @@ class _Pass:
     paper_key: torch.Tensor
     paper_val: torch.Tensor
     blocks: BlockStats
+    paged_evicted: int = 0
 
     @property
     def bound(self) -> torch.Tensor:
@@ -103,7 +104,7 @@ class _Pass:
             boundary_ok=self.boundary, canary_ok=self.canary, value_blocks=self.value_blocks,
             value_promotions=self.value_promotions, num_blocks=self.num_blocks, mode=mode,
             paper_e_key=self.paper_key, paper_e_val=self.paper_val, tol_level=boost,
-            blocks=self.blocks)
+            blocks=self.blocks, paged_evicted=self.paged_evicted)
 
 
 def _key_bound(log_p, tail, delta_b, delta, v_max, exponent, cap_logit=None, tv_cap=None):
@@ -327,7 +328,7 @@ class CertifiedAttention:
 
         # Page-in (the step's first host read) and Phase 2 (gated keys, FP16 values).
         with timer.phase("page_in"):
-            keys, values = self._page_in(stage, lay, plan) if certified else (None, None)
+            keys, values, paged = self._page_in(stage, lay, plan) if certified else (None, None, 0)
         with timer.phase("phase2"):
             att = self.backend.phase2(qg, scored, lay, promoted.reshape(hkv, group, -1), keys,
                                       values, scaling, self.ladder.eps_guard)
@@ -358,7 +359,7 @@ class CertifiedAttention:
                      log_alpha, (promoted & lay.quantized).sum(dim=-1), rung, ranking,
                      boundary, canary, value_blocks,
                      0 if values is None else values.blocks.numel(), lay.num_quantized,
-                     paper_key, paper_val, blocks)
+                     paper_key, paper_val, blocks, paged)
 
     def _segment(self, name: str, device: torch.device):
         """The pure tensor segment ``name``, compiled (fused kernels, one graph, dynamic
@@ -569,11 +570,17 @@ class CertifiedAttention:
 
         The plan is read to the host once (the step's first host read: Tier-2 lives in host
         memory, so the host must know what to copy). Returns two :class:`StagedBlocks` (or
-        None); the exact tail block is never staged.
+        None), the exact tail block never staged, and how many (kv head, block) pairs of
+        evicted blocks were paged in.
         """
         staged = []
-        dev = lay.store.device
-        for which, mask in zip(("k", "v"), to_host(plan), strict=True):
+        store = lay.store
+        dev, host = store.device, to_host(plan)
+        paged = 0
+        if store.evicted_pid is not None:
+            evicted = store.evicted_mask()
+            paged = int((host.any(dim=0)[:, : evicted.numel()] & evicted).sum())
+        for which, mask in zip(("k", "v"), host, strict=True):
             kv_idx, blk_idx = mask.nonzero(as_tuple=True)  # host tensors
             if kv_idx.numel() == 0:
                 staged.append(None)
@@ -581,7 +588,7 @@ class CertifiedAttention:
             data, rows = stage(kv_idx, blk_idx, which)
             staged.append(StagedBlocks(kv_idx.to(dev, non_blocking=True),
                                        blk_idx.to(dev, non_blocking=True), data, rows))
-        return staged[0], staged[1]
+        return staged[0], staged[1], paged
 
     def _host_flags(self, flags, over=None):
         """The step's second host read: which heads need dense attention (Tier-2 is on the host),

@@ -230,10 +230,13 @@ def test_a_store_evicted_down_to_one_block_is_still_certified(backend, device):
     store.append(k.to(device), v.to(device))
     assert int((~store.evicted_mask()).sum()) == 1
     attn = CertifiedAttention(backend=backend())
+    paged = 0
     for seed in range(3):
         q = make_query(k, 2, seed=seed, scale=3.0, peaked=True).to(device)
         out, cert = attn(q, store)
         check_heads(out, cert, q, store)
+        paged += cert.paged_evicted
+    assert paged > 0  # the certificate counts the evicted blocks it read from Tier-2
 
 
 def evicted_store(seed=4, n=256):
@@ -298,5 +301,6 @@ def test_run_with_an_eviction_policy_records_its_evictions(tmp_path, option):
             (run_dir_of(tmp_path / "tiny") / "certificates.jsonl").read_text().splitlines()]
     certified = [r for r in rows if r["variant"] == "certified" and r["task"] == "perplexity"]
     assert certified and all(r["evicted_blocks"] > 0 for r in certified)
+    assert all(0 <= r["page_in_steps"] <= r["steps"] for r in certified)
     assert all(r["tier1_over_dense"] <= 0.3 for r in certified)
     assert all(r["evicted_blocks"] == 0 for r in rows if r["variant"] == "dense")

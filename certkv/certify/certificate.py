@@ -42,7 +42,7 @@ class BlockStats:
 
 
 _SUMMED = ("value_promotions", "corrected_words", "erased_words", "corrupted_blocks",
-           "violations")
+           "violations", "paged_evicted")
 """Per-step counts that add up over layers."""
 
 
@@ -93,6 +93,9 @@ class Certificate:
     # the originals exceeded their bound (0 whenever the certificate's preconditions hold)
     violations: int = 0
     audited: bool = False
+    # eviction (:mod:`certkv.evict`): (kv head, block) pairs of evicted blocks this step read
+    # from Tier-2 (FP16 keys or values), i.e. paged back in for the certificate
+    paged_evicted: int = 0
 
     def __post_init__(self) -> None:
         for name in ("paper_e_key", "paper_e_val"):

@@ -264,6 +264,8 @@ def certificate_record(caches: list[CacheTelemetry]) -> dict:
     for name in ("ranking_fail", "boundary_fail", "canary_fail", "value_promotions",
                  "tol_escalated", "tol_dense"):
         record[name] = sum(s.get(name, 0) for s in steps)
+    record["paged_evicted_blocks"] = sum(s.get("paged_evicted", 0) for s in steps)
+    record["page_in_steps"] = sum(1 for s in steps if s.get("paged_evicted", 0) > 0)
     record["violations"] = sum(s.get("violations", 0) for s in steps)  # audit=true only
     record["audited"] = any(s.get("audited", False) for s in steps)
     for name in ("corrected_words", "erased_words", "corrupted_blocks"):  # read per step
