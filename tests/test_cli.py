@@ -9,6 +9,7 @@ from typer.testing import CliRunner
 
 import certkv.eval.runner as runner_module
 from certkv.cli import app
+from certkv.config import CONF_DIR
 from certkv.report.markdown import summary_markdown
 
 # runs read the offline books (the tiny experiment's NIAH): skip with a reason without them
@@ -126,7 +127,7 @@ def test_cfg_job_prints_the_composed_config():
 @pytest.mark.parametrize(("override", "expect"), [
     ("model=gpt7", "model: llama31_70b, llama31_8b, smollm2_135m, tiny_random"),
     ("selector.nonsense=1", "Valid config groups and options"),
-    ("+experiment=nope", "experiment: faults_pg19_4k, methods_4k, methods_8k, niah_4k"),
+    ("+experiment=nope", "experiment: evict_4k, evict_8k, faults_pg19_4k, methods_4k"),
 ])
 def test_bad_override_gives_message_and_options(override, expect):
     result = run(override)
@@ -187,3 +188,19 @@ def test_a_long_override_gets_a_short_run_directory(out):
     assert result.exit_code == 0, result.output
     name = run_dir_of(out / "tiny").name
     assert len(name) <= 120 and name.startswith("task.")
+
+
+@pytest.mark.parametrize("experiment", sorted(p.stem for p in (CONF_DIR / "experiment").glob(
+    "*.yaml")))
+def test_every_experiment_builds_its_variants(experiment):
+    """Each committed experiment composes, validates and instantiates every variant (a typo
+    in a long variants list fails here, not hours into a run)."""
+    from hydra import compose, initialize_config_dir
+
+    from certkv.eval.runner import build_variants, validate
+
+    with initialize_config_dir(str(CONF_DIR), version_base=None):
+        cfg = compose("config", overrides=[f"+experiment={experiment}"])
+    validate(cfg)
+    variants = build_variants(cfg)
+    assert variants and len({v.name for v in variants}) == len(variants)
