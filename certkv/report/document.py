@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.text import Text
 
 from certkv.files import write_atomic
-from certkv.report import faults, plots, tables
+from certkv.report import evict, faults, plots, tables
 from certkv.report.layout import Table, make_console, markdown_table, print_tables
 from certkv.report.tables import RunData
 
@@ -73,7 +73,7 @@ def build_report(paths: list[str | Path]) -> Report:
         found += [tables.perplexity_table(run) if "perplexity" in run.tasks else None,
                   tables.ruler_table(run), tables.niah_table(run),
                   tables.certificate_table(run), tables.runtime_table(run),
-                  faults.faults_table(run)]
+                  faults.faults_table(run), evict.evict_table(run)]
     title = ", ".join(dict.fromkeys(f"{r.label}: {r.model}" for r in runs))
     return Report(title, runs, [t for t in found if t is not None and t.rows])
 
@@ -88,7 +88,8 @@ def write_report(report: Report, out_dir: str | Path) -> Path:
     figures = []
     try:
         for run in report.runs:
-            for name, draw in {**plots.FIGURES, "faults": faults.perplexity_vs_rate}.items():
+            for name, draw in {**plots.FIGURES, "faults": faults.perplexity_vs_rate,
+                                "evict": evict.quality_vs_budget}.items():
                 path = out / "figures" / f"{slug(run.label)}_{name}.png"
                 path.parent.mkdir(parents=True, exist_ok=True)
                 if draw(run, path):

@@ -43,6 +43,9 @@ def certificate_summary(records: list[dict]) -> dict:
     for name in ("corrected_words", "erased_words", "corrupted_blocks"):  # protect (seed 003)
         out[f"{name}_per_step"] = sum(r.get(f"{name}_per_step", 0.0) * r["steps"]
                                       for r in records) / steps
+    out["page_in_steps_rate"] = sum(r.get("page_in_steps", 0) for r in records) / steps
+    out["paged_evicted_per_step"] = sum(r.get("paged_evicted_blocks", 0)
+                                        for r in records) / steps  # eviction (issue 23)
     out["violations"] = sum(r.get("violations", 0) for r in records)  # audit=true
     out["audited"] = any(r.get("audited", False) for r in records)
     out["head_steps"] = head_steps

@@ -1,0 +1,133 @@
+"""Certified eviction (issue 23): quality against dense per eviction policy, Tier-1 budget and
+mode (naive drops the evicted tokens, as kvpress does; certified bounds them from their
+summaries and pages them in), with the traffic certification costs: the share of decode steps
+that page an evicted block in, host-to-device bytes per step, Tier-1 bytes and step time.
+Rendered for runs whose variants set ``evict``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from certkv.report.layout import Table
+from certkv.report.summary import certificate_summary
+from certkv.report.tables import RunData, fmt, fmt_interval, median_step_ms, quality_delta
+
+_TASKS = ("perplexity", "niah", "ruler")
+
+
+def evict_of(run: RunData, variant: str) -> dict:
+    """The ``evict`` settings ``variant`` ran with: the run's, changed by the variant's (a
+    variant naming another ``_target_`` replaces them)."""
+    entry = next((v for v in run.config.get("variants", []) if v.get("name") == variant), {})
+    base, change = run.config.get("evict") or {}, entry.get("evict") or {}
+    if "_target_" in change and change["_target_"] != base.get("_target_"):
+        base = {}
+    return {**base, **change}
+
+
+def policy_name(settings: dict) -> str:
+    """``certkv.evict.SnapKVEviction`` -> ``snapkv`` (``none`` without a policy)."""
+    target = settings.get("_target_", "")
+    names = {"AgeEviction": "age", "StreamingEviction": "streaming",
+             "HeavyHitterEviction": "heavy_hitter", "SnapKVEviction": "snapkv"}
+    return names.get(target.rsplit(".", 1)[-1], "none")
+
+
+def has_eviction(run: RunData) -> bool:
+    return any(policy_name(evict_of(run, v)) != "none" for v in run.variants)
+
+
+def evict_rows(run: RunData) -> list[dict]:
+    """One dict per non-dense variant: policy, budget, mode, quality deltas and traffic."""
+    rows = []
+    dense_ms = median_step_ms(run, run.reference) if run.reference else float("nan")
+    for v in run.variants:
+        if v == run.reference:
+            continue
+        settings = evict_of(run, v)
+        cert = certificate_summary(run.certificate_records(v))
+        ms = median_step_ms(run, v)
+        rows.append({"variant": v, "mode": run.modes[v], "policy": policy_name(settings),
+                     "budget": float(settings.get("budget", 1.0)), "cert": cert,
+                     "quality": {t: quality_delta(run, t, v) for t in _TASKS if t in run.tasks},
+                     "x_dense": ms / dense_ms if dense_ms else float("nan")})
+    return rows
+
+
+def _delta(q: dict | None, digits: int) -> str:
+    return "-" if q is None else fmt_interval(q["delta"], digits)
+
+
+def evict_table(run: RunData) -> Table | None:
+    """A row per policy, budget and mode: quality against dense with 95% CIs and what the
+    certificate paged in."""
+    if not has_eviction(run):
+        return None
+    rows = []
+    for r in evict_rows(run):
+        cert, q = r["cert"], r["quality"]
+        steps = cert.get("steps") or 0
+        rows.append([r["variant"], r["policy"], f"{100 * r['budget']:.0f}%",
+                     _delta(q.get("perplexity"), 2), _delta(q.get("niah"), 2),
+                     _delta(q.get("ruler"), 2),
+                     f"{100 * cert.get('page_in_steps_rate', 0.0):.0f}" if steps else "-",
+                     f"{cert.get('h2d_bytes_per_step', 0.0) / 2**10:.0f}" if steps else "-",
+                     f"{cert.get('tier1_over_dense', 0.0):.3f}", fmt(r["x_dense"], 2)])
+    dense = {t: next((r["quality"][t]["dense"] for r in evict_rows(run)
+                      if r["quality"].get(t)), None) for t in _TASKS}
+    shown = ", ".join(f"{t} {fmt(x, 2)}" for t, x in dense.items() if x is not None)
+    return Table(f"Eviction ({run.label}; issue 23)",
+                 ["method", "policy", "budget", "ppl delta [95% CI]", "NIAH delta",
+                  "RULER delta", "page-in %", "H2D KiB", "T1", "x dense"], rows,
+                 f"Dense: {shown}. Quality: the method's paired delta to dense with its 95% CI "
+                 "(values in the quality table). naive drops evicted tokens (kvpress); "
+                 "certified reads their summaries in the bound and pages blocks in from Tier-2 "
+                 "when it matters.",
+                 {"budget": "Tier-1 bytes of completed blocks / their dense FP16 bytes",
+                  "page-in": "decode steps that read an evicted block from Tier-2",
+                  "H2D": "host-to-device KiB per step", "T1": "Tier-1 bytes / dense bytes",
+                  "x dense": "median step time / dense"}, keys=3)
+
+
+def quality_vs_budget(run: RunData, path: Path) -> bool:
+    """Left: perplexity against the budget per policy (naive dashed, certified solid, dense
+    dotted); right: the page-in traffic of the certified runs (host-to-device KiB per step)."""
+    from matplotlib.ticker import FuncFormatter
+
+    from certkv.report.plots import _figure, _save, legend_right, style
+
+    rows = [r for r in evict_rows(run) if r["policy"] != "none"] if has_eviction(run) else []
+    rows = [r for r in rows if r["quality"].get("perplexity")]
+    if not rows:
+        return False
+    fig, axes = _figure(9.0, 3.2, 1, 2)
+    left, right = axes[0]
+    for k, policy in enumerate(dict.fromkeys(r["policy"] for r in rows)):
+        for mode, line in (("naive", "--"), ("certified", "-")):
+            mine = sorted((100 * r["budget"], r) for r in rows
+                          if r["policy"] == policy and r["mode"] == mode)
+            if not mine:
+                continue
+            x = [b for b, _ in mine]
+            kw = {**style(k), "linestyle": line}
+            left.plot(x, [r["quality"]["perplexity"]["method"] for _, r in mine],
+                      label=f"{policy} {mode}", **kw)
+            if mode == "certified":
+                right.plot(x, [r["cert"].get("h2d_bytes_per_step", 0.0) / 2**10
+                               for _, r in mine], label=f"{policy} {mode}", **kw)
+    left.axhline(rows[0]["quality"]["perplexity"]["dense"], color="black", linestyle=":",
+                 linewidth=1, label="dense (FP16)")
+    left.set_yscale("log")
+    plain = FuncFormatter(lambda y, _: f"{y:,.0f}" if y >= 1000 else f"{y:.4g}")
+    left.yaxis.set_major_formatter(plain)
+    left.yaxis.set_minor_formatter(plain)
+    left.set_ylabel("perplexity (log)")
+    right.set_ylim(bottom=0)
+    right.set_ylabel("certified: host-to-device KiB / step")
+    for ax, title in ((left, "quality"), (right, "page-in traffic")):
+        ax.set_xlabel("Tier-1 budget (% of dense bytes)", fontsize=8)
+        ax.set_title(title, fontsize=9)
+        ax.invert_xaxis()  # tighter budgets to the right
+    legend_right(fig)
+    return _save(fig, path)
