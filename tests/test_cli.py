@@ -29,6 +29,16 @@ def run_dir_of(root):
     return found
 
 
+def tiny_report(tmp_path, *overrides: str, section: str):
+    """Run ``+experiment=tiny`` with ``overrides`` into ``tmp_path``; returns its run directory
+    and the text of its README from the heading ``section`` on."""
+    result = run(*TINY, *overrides, f"out_dir={tmp_path}")
+    assert result.exit_code == 0, result.output
+    run_dir = run_dir_of(tmp_path / "tiny")
+    text = (run_dir / "README.md").read_text()
+    return run_dir, text[text.index(f"## {section}"):]
+
+
 @pytest.fixture
 def out(tmp_path):
     return tmp_path / "runs"

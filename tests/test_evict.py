@@ -309,7 +309,7 @@ def test_run_with_an_eviction_policy_records_its_evictions(tmp_path, option):
 def test_eviction_report_end_to_end_on_a_tiny_model(tmp_path):
     """`certkv run` with eviction variants: the report's eviction table (policy, budget,
     quality deltas, page-in share) and its quality / page-in figure."""
-    from test_cli import TINY, run, run_dir_of
+    from test_cli import tiny_report
 
     stream = "{_target_: certkv.evict.StreamingEviction, budget: 0.3, sink: 0}"
     snap = "{_target_: certkv.evict.SnapKVEviction, budget: 0.5, window: 16}"
@@ -317,11 +317,8 @@ def test_eviction_report_end_to_end_on_a_tiny_model(tmp_path):
                 f"{{name: stream-naive, mode: naive, evict: {stream}}}, "
                 f"{{name: stream-cert, mode: certified, evict: {stream}}}, "
                 f"{{name: snap-cert, mode: certified, evict: {snap}}}]")
-    result = run(*TINY, variants, "task.perplexity.context=160", f"out_dir={tmp_path}")
-    assert result.exit_code == 0, result.output
-    run_dir = run_dir_of(tmp_path / "tiny")
-    text = (run_dir / "README.md").read_text()
-    table = text[text.index("## Eviction"):]
+    run_dir, table = tiny_report(tmp_path, variants, "task.perplexity.context=160",
+                                 section="Eviction")
     assert "| stream-naive | streaming | 30% |" in table
     assert "| snap-cert | snapkv | 50% |" in table
     assert list((run_dir / "figures").glob("*_evict.png"))

@@ -310,16 +310,12 @@ def test_faults_report_end_to_end_on_a_tiny_model(tmp_path):
     table and its perplexity-vs-p figure; a variant dropped from the plan is left out of the
     table, its records kept."""
     import yaml
-    from test_cli import TINY, app, run, run_dir_of, runner
+    from test_cli import app, runner, tiny_report
 
     variants = ("variants=[{name: dense, mode: dense}, {name: h84-naive, mode: naive, protect: "
                 "{code: hamming84, faults: {p: 0.01}}}, {name: h84-check, mode: certified, "
                 "protect: {code: hamming84, integrity: true, faults: {p: 0.01}}}]")
-    result = run(*TINY, variants, "audit=true", f"out_dir={tmp_path}")
-    assert result.exit_code == 0, result.output
-    run_dir = run_dir_of(tmp_path / "tiny")
-    text = (run_dir / "README.md").read_text()
-    table = text[text.index("## Storage faults"):]
+    run_dir, table = tiny_report(tmp_path, variants, "audit=true", section="Storage faults")
     assert "| h84-naive | hamming84 | 1e-2 | no |" in table
     assert "| h84-check | hamming84 | 1e-2 | yes |" in table
     assert list((run_dir / "figures").glob("*_faults.png"))
