@@ -6,7 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import BACKENDS, check_heads, check_steps, make_kv, make_query, step_draws
+from helpers import (
+    BACKENDS,
+    DEVICES,
+    check_heads,
+    check_steps,
+    make_kv,
+    make_query,
+    step_draws,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -282,6 +290,35 @@ def test_naive_eviction_bound_grows_with_the_mass_it_dropped():
         seen[name] = (float(err.min()), float(cert.e_key.max()))
     assert seen["evicted"][0] > 1.0  # dropping what the query looks for is visible
     assert seen["kept"][1] < 0.01 * seen["evicted"][1]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_kernels_read_evicted_summaries(device):
+    """The Triton phases read summaries in place (no fallback to the reference): keys as
+    zero codes around the midpoint with the half range as the channel bound, values as the
+    centre; Phase 1's logits, masses and Delta_b and Phase 2's output match the reference."""
+    from certkv.kernels.layout import StepLayout
+    from certkv.kernels.reference import TorchBackend
+    from certkv.kernels.triton_backend import TritonBackend
+    from certkv.kernels.triton_sources import block_sources
+
+    store = store_with(StreamingEviction(budget=0.3, sink=16), hkv=2, device=device)
+    k, v = make_kv(2, 200, D, seed=3, outlier_channels=2)
+    store.append(k.to(device), v.to(device))
+    assert store.evicted_mask().any()
+    assert block_sources(store, "key") is not None and block_sources(store, "value") is not None
+    lay = StepLayout(store)
+    qg = make_query(k, 3, seed=1, scale=2.0).reshape(2, 3, D).to(device)
+    scaling = D**-0.5
+    kernel, ref = TritonBackend(split=2).phase1(qg, lay, scaling), TorchBackend().phase1(
+        qg, lay, scaling)
+    for name in ("scores", "log_mass", "delta_b", "log_spread"):
+        torch.testing.assert_close(getattr(kernel, name), getattr(ref, name), rtol=1e-5,
+                                   atol=1e-5)
+    gate = torch.zeros(ref.log_mass.shape, dtype=torch.bool, device=device)
+    args = (qg, ref, lay, gate, None, None, scaling, 1e-6)
+    attended, expected = TritonBackend(split=2).phase2(*args), TorchBackend().phase2(*args)
+    torch.testing.assert_close(attended.out, expected.out, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("option", ["evict.sink=0", "evict=snapkv"])

@@ -16,6 +16,11 @@ A launch reads one :class:`CodeLayout`:
 Covered: keys of :class:`~certkv.quant.int8_channel.ChannelAffineKeyCodec` and
 :class:`~certkv.quant.kivi.KiviKeyCodec` at 2, 4 or 8 bits, values of
 :class:`~certkv.quant.int4_group.GroupAffineValueCodec` at 2, 4 or 8 bits, and FP16 either side.
+Evicted blocks' summaries (:mod:`certkv.quant.summary`) need no kernel of their own: keys as
+8-bit affine codes that are all zero (one zero row broadcast with stride 0) with the midpoint
+``(l + u) / 2`` as offset and the half range as scale, so the kernel's bound ``r_c = a scale +
+b |offset|`` with ``(a, b) = (1, u32)`` is the codec's channel bound; values as FP16 blocks
+whose every token is the centre (stride 0 over tokens).
 The same codecs ECC-protected (:mod:`certkv.quant.protect`) are read after the Triton ECC kernel
 decodes their words (:mod:`certkv.kernels.triton_ecc`); blocks that failed the integrity check
 are one more FP16 launch over their originals (:meth:`TieredKVStore.block_groups`). Anything
@@ -29,11 +34,13 @@ from dataclasses import dataclass
 
 import torch
 
+from certkv.quant.base import FP32_EPS
 from certkv.quant.fp16 import FP16KeyCodec, FP16ValueCodec
 from certkv.quant.int4_group import GroupAffineValueCodec
 from certkv.quant.int8_channel import ChannelAffineKeyCodec
 from certkv.quant.kivi import KiviKeyCodec
 from certkv.quant.protect.protection import protected
+from certkv.quant.summary import SummaryKeyCodec, SummaryValueCodec
 
 KERNEL_BITS = (2, 4, 8)  # code widths the kernels unpack (whole codes per byte)
 
@@ -58,6 +65,8 @@ def key_layout(codec) -> CodeLayout | None:
     """The kernel layout of a key codec, or None where the kernels do not cover it."""
     if type(codec) is FP16KeyCodec:
         return CodeLayout(fp16=True)
+    if type(codec) is SummaryKeyCodec:  # zero codes, offset = midpoint, scale = half range
+        return CodeLayout(False, 8, 0, (1.0, FP32_EPS))
     if type(codec) is ChannelAffineKeyCodec and codec.bits in KERNEL_BITS:
         bias = 0 if codec.bits == 8 else 1 << (codec.bits - 1)  # int8 stored signed
         return CodeLayout(False, codec.bits, bias, codec.bound_coefficients())
@@ -68,7 +77,7 @@ def key_layout(codec) -> CodeLayout | None:
 
 def value_layout(codec, head_dim: int) -> CodeLayout | None:
     """The kernel layout of a value codec at ``head_dim``, or None where not covered."""
-    if type(codec) is FP16ValueCodec:
+    if type(codec) in (FP16ValueCodec, SummaryValueCodec):
         return CodeLayout(fp16=True)
     if (type(codec) is GroupAffineValueCodec and codec.bits in KERNEL_BITS
             and head_dim % codec.group == 0):
@@ -134,6 +143,8 @@ def block_sources(store, which: str) -> list[BlockSource] | None:
                   else value_layout(codec, store.head_dim))
         if layout is None:
             return None
+        if type(codec) in (SummaryKeyCodec, SummaryValueCodec):
+            codes = _summary_codes(codes, store.block_size)
         data = codes["data"] if layout.fp16 else codes["codes"]
         sources.append(BlockSource(layout, data, codes.get("scale"), codes.get("offset"),
                                    blocks, slots, blocks.shape[0]))
@@ -142,6 +153,21 @@ def block_sources(store, which: str) -> list[BlockSource] | None:
         sources.append(BlockSource(CodeLayout(fp16=True), tail.unsqueeze(1), None, None, None,
                                    None, 1, store.tail_len))
     return sources
+
+
+def _summary_codes(codes, block_size: int) -> dict:
+    """A summary precision's buffers as the kernels read them (module docstring): values
+    ``data [Hkv, slots, B, d]`` = the FP16 centre with stride 0 over tokens; keys all-zero 8-bit
+    ``codes`` (stride 0 but along channels) with FP32 ``offset`` = the midpoint, computed as
+    :meth:`SummaryKeyCodec.decode` does, and ``scale`` = the half range."""
+    if "centre" in codes:
+        centre = codes["centre"]
+        return {"data": centre.unsqueeze(2).expand(-1, -1, block_size, -1)}
+    low, high = codes["low"].float(), codes["high"].float()
+    hkv, slots, d = low.shape
+    zeros = torch.zeros(d, dtype=torch.int8, device=low.device)
+    return {"codes": zeros.expand(hkv, slots, block_size, d), "offset": (low + high) / 2,
+            "scale": (high - low) / 2}
 
 
 def _ecc_decoded(codec, codes):
