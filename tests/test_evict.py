@@ -247,23 +247,24 @@ def test_a_store_evicted_down_to_one_block_is_still_certified(backend, device):
     assert paged > 0  # the certificate counts the evicted blocks it read from Tier-2
 
 
-def evicted_store(seed=4, n=256):
-    store = store_with(StreamingEviction(budget=0.3, sink=16))
+def evicted_store(seed=4, n=256, device="cpu"):
+    store = store_with(StreamingEviction(budget=0.3, sink=16), device=device)
     k, v = make_kv(2, n, D, seed=seed, outlier_channels=2)
-    store.append(k, v)
+    store.append(k.to(device), v.to(device))
     return store, k, v
 
 
-def test_naive_eviction_drops_the_evicted_tokens():
+@pytest.mark.parametrize(("backend", "device"), BACKENDS)
+def test_naive_eviction_drops_the_evicted_tokens(backend, device):
     """A naive step is attention over the kept blocks only (decoded codes), as kvpress does:
     the evicted tokens get no weight, and their summaries are not read as keys or values."""
-    store, k, _ = evicted_store()
-    q = make_query(k, 2, seed=1, scale=2.0)
-    out, cert = CertifiedAttention(mode="naive")(q, store)
+    store, k, _ = evicted_store(device=device)
+    q = make_query(k, 2, seed=1, scale=2.0).to(device)
+    out, cert = CertifiedAttention(mode="naive", backend=backend())(q, store)
     kept = (~store.evicted_mask()).repeat_interleave(16)
     keys, values = store.dequantized_keys(), store.dequantized_values()  # [Hkv, n, B, d]
-    keys, values = (x.flatten(1, 2)[:, kept].double() for x in (keys, values))
-    kv = torch.arange(4) // 2
+    keys, values = (x.flatten(1, 2)[:, kept.to(device)].double() for x in (keys, values))
+    kv = torch.arange(4, device=device) // 2
     p = torch.softmax(torch.einsum("hd,htd->ht", q.double(), keys[kv]) / D**0.5, dim=-1)
     expected = torch.einsum("ht,htd->hd", p, values[kv])
     assert store.evicted_mask().any() and (cert.rung < 3).all()
