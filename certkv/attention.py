@@ -47,7 +47,7 @@ from certkv.certify.certificate import BlockStats, Certificate
 from certkv.certify.checks import exploration_mask
 from certkv.certify.dropped import dropped_error, dropped_mass
 from certkv.certify.ladder import Ladder
-from certkv.certify.select import AdaptiveTopK, rank_blocks
+from certkv.certify.select import AdaptiveTopK
 from certkv.certify.values import LocalThreshold
 from certkv.errors import ConfigError, EmptyStoreError, NonFiniteError, ShapeError, require
 from certkv.kernels.dispatch import get_backend
@@ -505,7 +505,7 @@ class CertifiedAttention:
         if not certified:
             return (~quantized).expand_as(p).clone(), no
         sel = self.selector
-        order = rank_blocks(p, quantized)
+        order = sel.order(p, delta_b, quantized)
         k = sel.choose_k(p, quantized, order, n_q)
         promoted = sel.promoted(order, k, quantized, group)
         if self.ladder.tail_mass == "paper":

@@ -61,6 +61,16 @@ def test_exact_tail_mass_counts_as_covered():
     assert int(sel.choose_k(p, quantized, rank_blocks(p, quantized))) == 1
 
 
+def test_rank_upper_orders_by_the_mass_upper_bound():
+    """``rank="upper"`` promotes by ``p_hat e^{Delta_b}``: a low-mass block with a wide bound
+    goes before a heavier exact-ish one; ``"mass"`` keeps the paper's order."""
+    p = torch.tensor([[0.5, 0.3, 0.2]])
+    delta = torch.tensor([[0.0, 0.0, 2.0]])  # 0.2 e^2 = 1.48
+    quantized = torch.ones(3, dtype=torch.bool)
+    assert AdaptiveTopK().order(p, delta, quantized).tolist() == [[0, 1, 2]]
+    assert AdaptiveTopK(rank="upper").order(p, delta, quantized).tolist() == [[2, 0, 1]]
+
+
 def test_kv_group_union():
     mask = torch.tensor([[True, False, False], [False, False, True],
                          [False, True, False], [False, False, False]])
@@ -73,6 +83,7 @@ def test_kv_group_union():
     ({"k_min": 5, "k_max": 2}, "k_min=5 exceeds k_max=2"),
     ({"k_min": -1}, "k_min=-1 must be >= 0"),
     ({"mass_inflation": 1.0}, "use 2 or 3"),
+    ({"rank": "best"}, "selector.rank='best' is unknown; use one of"),
 ])
 def test_bad_selector_config(kwargs, match):
     with pytest.raises(ConfigError, match=match):

@@ -19,7 +19,7 @@ from helpers import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from certkv import CertifiedAttention, TieredKVStore
+from certkv import AdaptiveTopK, CertifiedAttention, TieredKVStore
 from certkv.cache.importance import ImportanceBoard
 from certkv.certify.certificate import BlockStats
 from certkv.errors import ConfigError
@@ -259,6 +259,7 @@ def scenarios(draw):
         "tokens": draw(st.integers(1, 120)),
         "steps": draw(st.integers(1, 24)),
         "outliers": draw(st.sampled_from([0, 2])),
+        "rank": draw(st.sampled_from(["mass", "upper"])),
         "seed": draw(st.integers(0, 2**16)),
     }
 
@@ -275,7 +276,31 @@ def test_contract_with_smartkv_reallocating_mid_decode(sc):
     k, v = make_kv(sc["hkv"], n + sc["steps"], d, seed=sc["seed"],
                    outlier_channels=sc["outliers"])
     store.append(k[:, :n], v[:, :n])
-    list(decode_steps(store, k, v, n, sc["steps"], check=True, seed=sc["seed"]))
+    attn = CertifiedAttention(AdaptiveTopK(rank=sc["rank"]), backend=TorchBackend())
+    list(decode_steps(store, k, v, n, sc["steps"], attn=attn, check=True, seed=sc["seed"]))
+
+
+def test_ranking_by_the_upper_bound_lets_a_mixed_store_pass_its_boundary_check():
+    """SmartKV mixes 3/4/8-bit blocks: promoted by INT8 mass, a wide low-mass block's bound
+    ``l_b + Delta_b`` can still reach the top and fail eq. 18 (the head goes dense); promoted by
+    ``p_hat e^{Delta_b}`` (``selector.rank=upper``) those blocks go first and the check passes
+    on more heads, with every head still within its bound."""
+    fails = {}
+    k, v = make_kv(3, 1024, 64, seed=1, outlier_channels=2)
+    for rank in ("mass", "upper"):
+        store = TieredKVStore(3, 64, block_size=16, quantizer=SmartKVQuantizer(block_size=16,
+                                                                               beta=0.4))
+        store.append(k, v)
+        attn = CertifiedAttention(AdaptiveTopK(rank=rank), backend=TorchBackend())
+        fails[rank] = 0
+        for step in range(30):
+            q = make_query(k, 3, seed=step, peaked=step % 2 == 0)
+            out, cert = attn(q, store)
+            check_heads(out, cert, q, store)
+            store.observe(cert)
+            store.append(*make_kv(3, 1, 64, seed=1000 + step))
+            fails[rank] += int((~cert.boundary_ok).sum())
+    assert fails["upper"] < fails["mass"] / 4, fails
 
 
 def test_contract_holds_across_reallocations_at_real_sizes():

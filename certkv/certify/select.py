@@ -12,6 +12,8 @@ import torch
 
 from certkv.errors import ConfigError, require
 
+RANKS = ("mass", "upper")
+
 
 def rank_blocks(p: torch.Tensor, quantized: torch.Tensor) -> torch.Tensor:
     """Block indices ``[Hq, n]`` by descending mass, quantized blocks first (stable order)."""
@@ -59,6 +61,11 @@ class AdaptiveTopK:
         mass_inflation: exponent ``c`` of ``e^{c Delta}`` in the tail-mass bound: 2 (tight,
             Theorem 4.4) or 3 (the paper's implementation, INT8 x INT8 scoring headroom).
         kv_group_union: share one FP16 set per KV group (union of its query heads' sets).
+        rank: promotion order: ``"mass"`` (the paper: INT8-estimated mass ``p_hat_b``) or
+            ``"upper"`` (its upper bound ``p_hat_b e^{Delta_b}``, so that in a store of mixed
+            precisions the wide blocks whose bound could reach the top are promoted first and
+            the boundary check, eq. 18, can pass; the same as ``"mass"`` where every block has
+            the same ``Delta_b``).
     """
 
     tau_cov: float = 0.995
@@ -66,6 +73,7 @@ class AdaptiveTopK:
     k_max: int = 128
     mass_inflation: float = 3.0
     kv_group_union: bool = False
+    rank: str = "mass"
 
     def __post_init__(self) -> None:
         require(0.0 <= self.tau_cov <= 1.0, ConfigError,
@@ -75,6 +83,15 @@ class AdaptiveTopK:
                 f"k_min={self.k_min} exceeds k_max={self.k_max}; raise k_max or lower k_min.")
         require(self.mass_inflation >= 2.0, ConfigError,
                 f"mass_inflation={self.mass_inflation} would not bound the tail mass; use 2 or 3.")
+        require(self.rank in RANKS, ConfigError,
+                f"selector.rank={self.rank!r} is unknown; use one of {list(RANKS)}.")
+
+    def order(self, p: torch.Tensor, delta_b: torch.Tensor, quantized: torch.Tensor):
+        """Block indices ``[Hq, n]`` in promotion order (:attr:`rank`; quantized first)."""
+        if self.rank == "mass":
+            return rank_blocks(p, quantized)
+        upper = torch.where(p > 0, p * torch.exp(delta_b.clamp(max=80.0)), torch.zeros_like(p))
+        return rank_blocks(upper, quantized)
 
     def choose_k(self, p: torch.Tensor, quantized: torch.Tensor, order: torch.Tensor,
                  n_quantized: int | None = None):
