@@ -68,19 +68,22 @@ class SnapKVEviction(EvictionPolicy):
         nb, b = store.num_blocks, store.block_size
         return pooled[:, : nb * b].reshape(hkv, nb, b).sum(dim=-1).mean(dim=0).double().cpu()
 
+    @staticmethod
+    def _require_prompt(tracker) -> None:
+        require(tracker.prompt_scores is not None, ConfigError,
+                "evict=snapkv ranks blocks by the prompt's last queries, which this store never "
+                "saw; call store.observe_prompt(queries, scaling) after appending the prompt (the "
+                "model hook and `certkv run` do), or choose another evict policy.")
+
     def protected(self, store, tracker) -> torch.Tensor:
         """The blocks of the observation window (the prompt's last ``window`` tokens)."""
-        if tracker.prompt_tokens is None:
-            return self.newest(store, self.window)
+        self._require_prompt(tracker)
         start = torch.arange(store.num_blocks) * store.block_size
         end = tracker.prompt_tokens
         return (start + store.block_size > end - self.window) & (start < end)
 
     def scores(self, store, tracker) -> torch.Tensor:
-        require(tracker.prompt_scores is not None, ConfigError,
-                "evict=snapkv ranks blocks by the prompt's last queries, which this store never "
-                "saw; call store.observe_prompt(queries, scaling) after appending the prompt (the "
-                "model hook and `certkv run` do), or choose another evict policy.")
+        self._require_prompt(tracker)
         n = store.num_blocks
         seen = tracker.prompt_scores[:n]
         later = torch.arange(n - seen.numel(), dtype=torch.float64) + 2.0  # above any share

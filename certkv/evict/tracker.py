@@ -73,11 +73,10 @@ class EvictionTracker:
         self.rebalance()
 
     def observe_prompt(self, queries: torch.Tensor, scaling: float) -> None:
-        """The prompt's queries ``[Hq, T, d]`` (its last ``T`` positions, after RoPE): a policy
-        with a :attr:`~certkv.evict.base.EvictionPolicy.prompt_window` scores the blocks by them,
-        then the budget is enforced."""
-        if not self.policy.prompt_window:
-            return
+        """The prompt's queries ``[Hq, T, d]`` (its last ``T`` positions, after RoPE), for a
+        policy with a :attr:`~certkv.evict.base.EvictionPolicy.prompt_window`
+        (:meth:`TieredKVStore.observe_prompt` checks): it scores the blocks by them, then the
+        budget is enforced."""
         self.prompt_scores = self.policy.prompt_scores(self.store, queries, scaling)
         self.prompt_tokens = self.store.num_tokens
         self.rebalance()
