@@ -35,6 +35,7 @@ from certkv.cache.store import TieredKVStore
 from certkv.errors import CertKVError
 from certkv.files import fresh_dir, writable_dir, write_atomic
 from certkv.kernels.reference import dense_attention
+from certkv.opcount import count_step
 from certkv.provenance import source_commit
 from certkv.report.layout import Table, make_console, markdown_table, print_tables
 from certkv.timing import PhaseTimer, _sync
@@ -223,7 +224,10 @@ def bench_attention_case(case: AttentionCase, device: torch.device, repeats: int
         update(f"{case.short_label}: {method}", advance=1)
     phase_ms = phase_stats(steps["certified"], certified)
     _, cert = steps["certified"]()
-    return _attention_record(case, store, cert, ms_stats, phase_ms, str(dtype))
+    methods = {"dense": None, "naive": naive, "certified": certified}
+    dispatch = {m: count_step(steps[m], a) for m, a in methods.items()}
+    return {**_attention_record(case, store, cert, ms_stats, phase_ms, str(dtype)),
+            "dispatch": dispatch}
 
 
 def _attention_record(case: AttentionCase, store: TieredKVStore, cert, ms_stats: dict,
@@ -401,9 +405,35 @@ def attention_tables(records: list[dict], peak_gbps: float | None = None) -> lis
                              *([f"{100 * p2['gbps'] / peak_gbps:.0f}"] if peak_gbps else []),
                              short(100 * r["checks_share"]), short(r["k_star_mean"]),
                              short(mem["tier1"] / mem["dense"])])
-    tables = [step_table(records, "One layer", CASE), phases, summary]
+    tables = [step_table(records, "One layer", CASE), phases, summary,
+              *dispatch_tables(records)]
     target = target_table(records, peak_gbps)
     return tables + ([target] if target and target.rows else [])
+
+
+def dispatch_tables(records: list[dict]) -> list[Table]:
+    """Per case and method: aten operators, host reads (and GPU launches where counted) of
+    one layer step; then the certified step's operators by phase (issue 24's counts). Records
+    made before the counts existed give none."""
+    records = [r for r in records if "dispatch" in r]
+    if not records:
+        return []
+    gpu = any(c["launches"] is not None for r in records for c in r["dispatch"].values())
+    table = result_table("One layer step: dispatch (one step after warm-up)", [
+        CASE, ("method", ""), ("aten ops", "operators reaching the dispatcher"),
+        ("host reads", "device-to-host reads the step waits for"),
+        *([("launches", "GPU kernels launched")] if gpu else [])], keys=2)
+    by_phase = result_table("Certified step: aten operators by phase", [
+        CASE, *((h, m) for h, _, m in PHASES), ("other", "outside the phases")])
+    for r in records:
+        for method, c in r["dispatch"].items():
+            table.rows.append([r["short_label"], method, str(c["aten_ops"]),
+                               str(c["host_reads"]),
+                               *([str(c["launches"])] if gpu else [])])
+        split = r["dispatch"]["certified"]["by_phase"]
+        by_phase.rows.append([r["short_label"], *(str(split.get(p, 0)) for _, p, _ in PHASES),
+                              str(split.get("other", 0))])
+    return [table, by_phase]
 
 
 def attention_notes(records: list[dict], peak_gbps: float | None = None) -> list[str]:

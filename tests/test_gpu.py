@@ -68,3 +68,16 @@ def test_tier2_reads_wait_for_the_asynchronous_copies_into_pinned_memory():
         store.append(k[:, start:start + 512].cuda(), v[:, start:start + 512].cuda())
     dk, dv = store.dense_kv()
     assert torch.equal(dk.cpu(), k.half()) and torch.equal(dv.cpu(), v.half())
+
+
+def test_the_step_counter_counts_kernel_launches_on_cuda():
+    from certkv.opcount import count_step
+
+    store, q = cuda_layer(8, 8192, 128, group=4)
+    attn = CertifiedAttention(backend="triton")
+    attn(q, store)
+    counts = count_step(lambda: attn(q, store), attn)
+    dense = CertifiedAttention(mode="dense")
+    dense(q, store)
+    assert counts["launches"] > count_step(lambda: dense(q, store), dense)["launches"] > 0
+    assert counts["host_reads"] == 2
