@@ -130,6 +130,20 @@ def test_a_config_group_option_picks_a_quantizer():
     assert isinstance(built.variants[0].quantizer.key_codec, InnerQKeyCodec)
 
 
+@pytest.mark.parametrize("evict", ["snapkv", "heavy_hitter"])
+def test_an_eviction_policy_runs_under_lm_eval(tasks, tmp_path, evict):
+    """``evict=<policy>`` in the model arguments: SnapKV gets the prompt's queries from the
+    dense prefill (as in ``certkv run``; without them its first eviction raises), and the
+    certificate statistics count the evicted blocks paged back in."""
+    run_dir = tmp_path / "run"
+    out = evaluate(tasks, ["certkv_ruler_niah_single"],
+                   f"{TINY},mode=certified,run_dir={run_dir},evict={evict},evict.budget=0.3")
+    assert 0.0 <= out["results"]["certkv_ruler_niah_single"]["score,none"] <= 1.0
+    certs = certificates(run_dir)
+    assert certs["requests"] == 2 and certs["steps"] > 0
+    assert certs["page_in_steps_rate"] >= 0.0 and "paged_evicted_per_step" in certs
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"mode": "fast"}, "mode='fast' is unknown"),
     ({"temperature": 0.5}, "unknown model argument"),

@@ -225,10 +225,11 @@ class CertKVLM(TemplateLM):
     def _decoder(self, context: list[int]):
         """A decoder holding the dense prefill of ``context[:-1]`` for the method."""
         from certkv.eval.decode import Prefill
+        from certkv.eval.runner import prompt_window
 
         prefix = context[:-1]
-        if self._prefill is None or self._prefill[0] != prefix:
-            self._prefill = (prefix, Prefill(self.lm, prefix))
+        if self._prefill is None or self._prefill[0] != prefix:  # SnapKV: the prompt's queries
+            self._prefill = (prefix, Prefill(self.lm, prefix, prompt_window([self.method])))
         session = self._prefill[1].session(self.method, self.spec)
         return session, session.decoder()
 
