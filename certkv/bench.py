@@ -420,7 +420,7 @@ def dispatch_tables(records: list[dict]) -> list[Table]:
         return []
     gpu = any(c["launches"] is not None for r in records for c in r["dispatch"].values())
     table = result_table("One layer step: dispatch (one step after warm-up)", [
-        CASE, ("method", ""), ("aten ops", "operators reaching the dispatcher"),
+        CASE, ("method", ""), ("aten ops", "aten operators called (not those they call)"),
         ("host reads", "device-to-host reads the step waits for"),
         *([("launches", "GPU kernels launched")] if gpu else [])], keys=2)
     by_phase = result_table("Certified step: aten operators by phase", [

@@ -11,60 +11,54 @@ made inside it::
         attention(q, store)
     counter.aten_ops, counter.by_phase, counter.host_reads, counter.launches
 
-* ``aten_ops``: operators that reach the dispatcher (a ``TorchDispatchMode``; views and
-  factory calls count, Python control flow does not). A ``torch.compile``d segment counts the
-  operators its graph still dispatches (inductor's generated kernels do not).
+* ``aten_ops``: the aten operators called from Python or a compiled graph (the profiler's
+  top-level ``aten::`` events; what an operator calls inside itself is not counted again). A
+  ``torch.compile``d segment counts the operators its graph still calls (inductor's fused
+  kernels are not aten operators), so the same counter compares eager and compiled steps.
 * ``by_phase``: the same per :class:`~certkv.timing.PhaseTimer` phase of
   :class:`~certkv.CertifiedAttention` (``layout``, ``phase1``, ... ; ``other`` outside them).
 * ``host_reads``: calls of :func:`certkv.attention.to_host`, through which every device-to-host
   read of a step goes (on a CPU store it is a copy within memory, counted all the same: it is
   where a GPU step waits).
-* ``launches``: GPU kernels launched (CUDA only, from the profiler; ``None`` elsewhere).
+* ``launches``: GPU kernels launched (CUDA only; ``None`` elsewhere).
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from collections import Counter
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.profiler import ProfilerActivity, profile, record_function
+
+PHASE = "certkv::"  # the profiler label of a phase: certkv::<name>
 
 
-class StepCounter(TorchDispatchMode):
-    """Counts aten operators (total, per phase, per operator) and host reads; see the module."""
+class StepCounter:
+    """Counts aten operators (total, per phase, per operator), host reads and GPU launches of
+    the calls inside :meth:`watching`; see the module."""
 
     def __init__(self) -> None:
-        super().__init__()
         self.by_phase: Counter[str] = Counter()
         self.by_op: Counter[str] = Counter()
         self.host_reads = 0
         self.launches: int | None = None
-        self._phase = "other"
 
     @property
     def aten_ops(self) -> int:
         return sum(self.by_phase.values())
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.by_phase[self._phase] += 1
-        self.by_op[str(func.overloadpacket.__name__)] += 1
-        return func(*args, **(kwargs or {}))
-
-    @contextmanager
     def phase(self, name: str):
-        """The :class:`~certkv.timing.PhaseTimer` protocol: operators inside count to ``name``."""
-        outer, self._phase = self._phase, name
-        try:
-            yield
-        finally:
-            self._phase = outer
+        """The :class:`~certkv.timing.PhaseTimer` protocol: a profiler label for ``name``."""
+        return record_function(PHASE + name)
 
     @contextmanager
     def watching(self, attention=None, launches: bool | None = None):
         """Count inside the block; ``attention`` (a :class:`~certkv.CertifiedAttention`, or
-        None) attributes its operators to its phases. ``launches``: profile GPU kernel launches
-        (default: when CUDA is initialised)."""
+        None) labels its phases. ``launches``: count GPU kernels (default: when CUDA is
+        initialised)."""
         import certkv.attention as module
 
         launches = (torch.cuda.is_available() and torch.cuda.is_initialized()
@@ -78,15 +72,37 @@ class StepCounter(TorchDispatchMode):
         module.to_host = counted
         if attention is not None:
             attention.timer = self
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if launches else [])
+        prof = profile(activities=activities)
+        _without_stderr(prof.start)  # the profiler's C++ side prints start / stop lines
         try:
-            with _kernel_profile() if launches else nullcontext() as profile, self:
-                yield self
+            yield self
         finally:
+            _without_stderr(prof.stop)
             module.to_host = read
             if attention is not None:
                 attention.timer = timer
+        self._tally(prof.events(), launches)
+
+    def _tally(self, events, launches: bool) -> None:
+        """Top-level aten events by the phase label above them; CUDA kernels."""
+        for event in events:
+            if event.device_type == torch.autograd.DeviceType.CUDA:
+                continue
+            if not event.name.startswith("aten::"):
+                continue
+            phase, parent = "other", event.cpu_parent
+            while parent is not None and not parent.name.startswith("aten::"):
+                if parent.name.startswith(PHASE):
+                    phase = parent.name[len(PHASE):]
+                    break
+                parent = parent.cpu_parent
+            if parent is not None and parent.name.startswith("aten::"):
+                continue  # called by another operator
+            self.by_phase[phase] += 1
+            self.by_op[event.name[len("aten::"):]] += 1
         if launches:
-            self.launches = sum(1 for e in profile.events()
+            self.launches = sum(1 for e in events
                                 if e.device_type == torch.autograd.DeviceType.CUDA)
 
     def summary(self) -> dict:
@@ -96,11 +112,17 @@ class StepCounter(TorchDispatchMode):
                 "top_ops": dict(self.by_op.most_common(10))}
 
 
-def _kernel_profile():
-    """A profiler recording CUDA kernels only."""
-    from torch.profiler import ProfilerActivity, profile
-
-    return profile(activities=[ProfilerActivity.CUDA])
+def _without_stderr(fn) -> None:
+    """``fn()`` with file descriptor 2 pointed at the null device (C++ prints bypass Python)."""
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 2)
+        fn()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
 
 
 def count_step(step, attention=None) -> dict:
