@@ -153,6 +153,15 @@ def test_runtime_config_error_is_one_sentence(out):
     assert "Traceback" not in result.output
 
 
+def test_a_task_list_without_the_experiments_tasks_is_one_sentence(out):
+    result = runner.invoke(app, ["run", "+experiment=methods_4k", "task=[ruler]",
+                                 f"out_dir={out}"])
+    assert result.exit_code == 2
+    assert "task.niah has settings but no task" in " ".join(result.output.split())
+    assert "~task.niah" in result.output and "Traceback" not in result.output
+    assert not out.exists() or not any(out.iterdir())  # nothing written
+
+
 def test_info_lists_groups_and_versions():
     result = runner.invoke(app, ["info"])
     assert result.exit_code == 0

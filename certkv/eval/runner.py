@@ -74,6 +74,11 @@ def validate(cfg: DictConfig) -> Experiment:
     directory exists."""
     variants = build_variants(cfg)
     cache = build(cfg.cache, "cache")
+    for name, node in cfg.task.items():
+        require("_target_" in node, ConfigError,
+                f"task.{name} has settings but no task (an experiment sets them, and the task "
+                f"list leaves {name} out); keep {name} in task=[...], or leave it out with "
+                f"~task.{name} instead of task=[...].")
     tasks = [build(node, f"task.{name}") for name, node in cfg.task.items()]
     build(cfg.logger, "logger")  # a bad logger must not wait for the end of the run
     model = build(cfg.model, "model")
