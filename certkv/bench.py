@@ -422,7 +422,7 @@ def dispatch_tables(records: list[dict]) -> list[Table]:
     table = result_table("One layer step: dispatch (one step after warm-up)", [
         CASE, ("method", ""), ("aten ops", "aten operators called (not those they call)"),
         ("host reads", "device-to-host reads the step waits for"),
-        *([("launches", "GPU kernels launched")] if gpu else [])], keys=2)
+        *([("launches", "CUDA kernels, copies and memsets")] if gpu else [])], keys=2)
     by_phase = result_table("Certified step: aten operators by phase", [
         CASE, *((h, m) for h, _, m in PHASES), ("other", "outside the phases")])
     for r in records:

@@ -20,7 +20,8 @@ made inside it::
 * ``host_reads``: calls of :func:`certkv.attention.to_host`, through which every device-to-host
   read of a step goes (on a CPU store it is a copy within memory, counted all the same: it is
   where a GPU step waits).
-* ``launches``: GPU kernels launched (CUDA only; ``None`` elsewhere).
+* ``launches``: the CUDA activities the profiler records (kernels, and the copies and memsets
+  the step issues; CUDA only, ``None`` elsewhere).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class StepCounter:
     @contextmanager
     def watching(self, attention=None, launches: bool | None = None):
         """Count inside the block; ``attention`` (a :class:`~certkv.CertifiedAttention`, or
-        None) labels its phases. ``launches``: count GPU kernels (default: when CUDA is
+        None) labels its phases. ``launches``: count CUDA activities (default: when CUDA is
         initialised)."""
         import certkv.attention as module
 
@@ -85,7 +86,7 @@ class StepCounter:
         self._tally(prof.events(), launches)
 
     def _tally(self, events, launches: bool) -> None:
-        """Top-level aten events by the phase label above them; CUDA kernels."""
+        """Top-level aten events by the phase label above them; CUDA activities."""
         for event in events:
             if event.device_type == torch.autograd.DeviceType.CUDA:
                 continue
