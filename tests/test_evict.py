@@ -27,6 +27,7 @@ from certkv.evict import (
     SnapKVEviction,
     StreamingEviction,
 )
+from certkv.models import cache_kwargs
 from certkv.quant import GroupAffineValueCodec, KiviKeyCodec, KVQuantizer, TieredQuantizer
 from certkv.quant.smartkv import SmartKVQuantizer
 
@@ -129,7 +130,7 @@ def test_snapkv_inside_a_model_evicts_after_the_prefill():
     for mode in ("certified", "naive"):
         attn = ContractChecker(CertifiedAttention(mode=mode))
         cache = TieredCache(2, attn, quantizer)
-        model.generate(ids, max_new_tokens=4, do_sample=False, past_key_values=cache)
+        model.generate(ids, max_new_tokens=4, do_sample=False, **cache_kwargs(model, cache))
         assert attn.head_steps == 3 * 2 * 4
         assert all(s.evicted_mask().any() for s in cache.stores())
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
+import warnings
+
 import pytest
 import torch
 from helpers import check_heads, make_kv
@@ -11,6 +14,7 @@ from transformers import DynamicCache
 from certkv import AdaptiveTopK, CertifiedAttention, Ladder, LocalThreshold
 from certkv.cache.hf import CacheSpec, TieredCache
 from certkv.errors import CertKVError
+from certkv.models import cache_kwargs
 
 
 class ContractChecker:
@@ -52,6 +56,21 @@ def test_generate_with_every_mode(model_type):
         assert attn.head_steps == 11 * 2 * 4
         if mode == "dense":  # FP16 KV vs the model's FP32 KV: same greedy tokens here
             assert torch.equal(out, ref)
+
+
+def test_cache_kwargs_names_the_argument_this_transformers_takes_without_a_warning():
+    """transformers 5.24 renamed ``past_key_values`` to ``cache`` (the old name warns):
+    ``cache_kwargs`` passes whichever the installed version's forward declares."""
+    _, model = tiny_model()
+    cache = TieredCache(2, CertifiedAttention())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        out = model.generate(prompt(), max_new_tokens=3, do_sample=False,
+                             **cache_kwargs(model, cache))
+    cache.log.flush()
+    assert out.shape[1] == 43 and len(cache.log.steps) == 2
+    (name,) = cache_kwargs(model, cache)
+    assert name in inspect.signature(model.forward).parameters
 
 
 def test_model_loop_equals_generate_and_matches_native_logits():

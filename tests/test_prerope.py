@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from certkv.errors import ConfigError
+from certkv.models import cache_kwargs
 from certkv.models.rope import RopeSpec, rope_spec
 from certkv.quant import (
     ChannelAffineKeyCodec,
@@ -180,7 +181,7 @@ def test_inverse_rope_recovers_the_model_pre_rope_keys_and_attention():
     ids = torch.randint(0, 128, (1, 48), generator=torch.Generator().manual_seed(1))
     cache = DynamicCache()
     with torch.no_grad():
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
     for hook in hooks:
         hook.remove()
     spec = rope_spec(model)

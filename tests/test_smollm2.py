@@ -12,7 +12,7 @@ from transformers import DynamicCache
 from certkv import AdaptiveTopK, CertifiedAttention, LocalThreshold
 from certkv.cache.hf import TieredCache
 from certkv.eval.corpora import book_text
-from certkv.models import load_model
+from certkv.models import cache_kwargs, load_model
 from certkv.models.loading import own_memory
 
 pytestmark = pytest.mark.slow
@@ -33,8 +33,9 @@ def book_prompt(lm, books):
 
 def generate(lm, ids, attention, steps):
     cache = TieredCache(lm.num_layers, attention)
-    out = lm.model.generate(ids, max_new_tokens=steps, do_sample=False, past_key_values=cache,
-                            output_logits=True, return_dict_in_generate=True)
+    out = lm.model.generate(ids, max_new_tokens=steps, do_sample=False,
+                            output_logits=True, return_dict_in_generate=True,
+                            **cache_kwargs(lm.model, cache))
     cache.log.flush()
     return out.sequences, torch.stack(out.logits), cache
 
@@ -90,9 +91,10 @@ def _misaligned(t: torch.Tensor, offset: int = 10) -> torch.Tensor:
 def _decode_logits(model, ids: torch.Tensor, steps: int = 3) -> torch.Tensor:
     cache, out = DynamicCache(), []
     with torch.inference_mode():
-        model(input_ids=ids[:, :-steps], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(input_ids=ids[:, :-steps], use_cache=True, logits_to_keep=1,
+              **cache_kwargs(model, cache))
         for t in range(ids.shape[1] - steps, ids.shape[1]):
-            out.append(model(input_ids=ids[:, t:t + 1], past_key_values=cache).logits)
+            out.append(model(input_ids=ids[:, t:t + 1], **cache_kwargs(model, cache)).logits)
     return torch.cat(out)
 
 

@@ -35,7 +35,7 @@ from certkv.certify.select import AdaptiveTopK
 from certkv.certify.values import LocalThreshold
 from certkv.errors import CertKVError, ConfigError, require
 from certkv.evict.base import EvictionPolicy
-from certkv.models.hook import recording_prompt_queries
+from certkv.models.hook import cache_kwargs, recording_prompt_queries
 from certkv.models.loading import LoadedModel
 from certkv.models.rope import rope_spec
 from certkv.quant import KVQuantizer
@@ -112,7 +112,8 @@ class Decoder:
         return torch.tensor(ids, device=self.lm.device)
 
     def _forward(self, ids: torch.Tensor, **kwargs):
-        return self.lm.model(input_ids=ids, past_key_values=self.cache, use_cache=True, **kwargs)
+        cache = cache_kwargs(self.lm.model, self.cache)
+        return self.lm.model(input_ids=ids, use_cache=True, **cache, **kwargs)
 
     @torch.inference_mode()
     def step(self, token: int) -> torch.Tensor:
@@ -171,7 +172,7 @@ class Prefill:
         with recording_prompt_queries(queries) as self.queries:
             if prefix:
                 lm.model(input_ids=torch.tensor([prefix], device=lm.device),
-                         past_key_values=cache, use_cache=True, logits_to_keep=1)
+                         use_cache=True, logits_to_keep=1, **cache_kwargs(lm.model, cache))
         layers = getattr(cache, "layers", [])
         self.states = [(layer.keys, layer.values) if getattr(layer, "keys", None) is not None
                        else None for layer in layers]

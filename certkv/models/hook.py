@@ -10,6 +10,7 @@ certification happens only where a :class:`~certkv.cache.hf.TieredCache` is pass
 
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager
 from contextvars import ContextVar
 
@@ -91,3 +92,10 @@ def register() -> str:
 def enable(model) -> None:
     """Switch ``model`` to the certkv attention (register first if needed)."""
     model.set_attn_implementation(register())
+
+
+def cache_kwargs(model, cache) -> dict:
+    """The keyword that passes ``cache`` to ``model``'s forward: ``cache`` from transformers 5.24
+    (where ``past_key_values`` is deprecated and warns), ``past_key_values`` before it."""
+    forward = inspect.signature(model.forward).parameters
+    return {"cache": cache} if "cache" in forward else {"past_key_values": cache}
