@@ -5,7 +5,13 @@ from __future__ import annotations
 import itertools
 import os
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no advisory locks, a directory is not guarded
+    fcntl = None
 
 
 def data_dir() -> Path:
@@ -60,3 +66,28 @@ def fresh_dir(path: str | Path) -> Path:
             continue
         return candidate
     raise AssertionError("unreachable")
+
+
+@contextmanager
+def exclusive_dir(path: str | Path, fix: str):
+    """Hold ``path`` (created if missing) for this process while the block runs: a second
+    process asking for it gets a :class:`~certkv.errors.CertKVError` naming the holder's pid
+    and ``fix``, instead of writing records beside the first one's. An advisory lock on
+    ``path/.lock`` (``flock``): the system releases it when the holder exits, killed or not."""
+    from certkv.errors import CertKVError
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    with open(path / ".lock", "a+", encoding="utf-8") as f:
+        if fcntl is not None:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                f.seek(0)
+                holder = f.read().strip() or "unknown"
+                raise CertKVError(f"another certkv process (pid {holder}) is writing {path}; "
+                                  f"wait for it to finish or {fix}.") from None
+            f.truncate(0)
+            f.write(str(os.getpid()))
+            f.flush()
+        yield path

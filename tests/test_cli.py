@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 from typer.testing import CliRunner
@@ -114,6 +116,31 @@ def test_a_rerun_with_changed_settings_refuses_and_an_added_variant_resumes(out,
                         lambda *a, **k: calls.append(a[3].name) or original(*a, **k))
     assert run(*TINY, f"out_dir={out}").exit_code == 0
     assert calls == ["certified", "certified"]
+
+
+def test_a_run_directory_another_process_is_writing_refuses_and_is_free_once_it_exits(out):
+    """Two runs into one directory would interleave their records: the second refuses with one
+    sentence naming the holder; the lock dies with its holder (killed or not)."""
+    assert run(*TINY, f"out_dir={out}").exit_code == 0
+    run_dir = run_dir_of(out / "tiny")
+    hold = ("import fcntl, os, sys, time; f = open(sys.argv[1], 'a+'); "
+            "fcntl.flock(f, fcntl.LOCK_EX); f.truncate(0); f.write(str(os.getpid())); "
+            "f.flush(); print('held', flush=True); time.sleep(60)")
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(run_dir / ".lock")],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        result = runner.invoke(app, ["run", *TINY, f"out_dir={out}"])
+        assert result.exit_code == 2
+        message = " ".join(result.output.split())
+        assert f"another certkv process (pid {holder.pid}) is writing" in message
+        assert str(run_dir) in message.replace(" ", "")  # a long path wraps
+        assert "hydra.run.dir=" in message
+    finally:
+        holder.kill()
+        holder.wait()
+    assert run(*TINY, f"out_dir={out}").exit_code == 0  # resumes: nothing left to compute
+    assert len((run_dir / "samples.jsonl").read_text().splitlines()) == 6
 
 
 def test_multirun_sweep_uses_hydra_machinery(out):

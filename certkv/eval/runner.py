@@ -34,6 +34,7 @@ from certkv.config import check_types
 from certkv.errors import CertKVError, ConfigError, require
 from certkv.eval.decode import Method, Prefill
 from certkv.eval.results import RunDir, read_jsonl
+from certkv.files import exclusive_dir
 from certkv.models.loading import ModelSpec, check_source, load_model
 from certkv.provenance import environment
 
@@ -193,14 +194,25 @@ def run_experiment(cfg: DictConfig, out_dir: str, progress: bool = True,
     ``command``: what run.json records as the command that reruns (resumes) this run (default:
     this process's arguments); ``invoked_by``: the command that launched it, when another (a
     sweep)."""
-    from certkv.report.summary import summarize
-
     started = time.time()
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg.threads))
     torch.manual_seed(cfg.seed)
     built = validate(cfg)  # everything is checked before the run directory exists
-    check_resume(out_dir, cfg)
+    with exclusive_dir(out_dir, "pass another run directory (hydra.run.dir=...)"):
+        check_resume(out_dir, cfg)
+        return _run_validated(cfg, built, out_dir, progress, started,
+                              {"experiment": cfg.experiment, "model": cfg.model.name,
+                               "command": command or shlex.join(sys.argv), "seed": cfg.seed,
+                               **({"invoked_by": invoked_by} if invoked_by else {})})
+
+
+def _run_validated(cfg: DictConfig, built: Experiment, out_dir: str, progress: bool, started: float,
+                   meta: dict) -> dict:
+    """:func:`run_experiment` once ``cfg`` is validated (``built``) and ``out_dir`` is this
+    process's; ``meta``: run.json's command and identity."""
+    from certkv.report.summary import summarize
+
     variants, spec, tasks = built.variants, built.cache, built.tasks
     lm = load_model(built.model)
     for variant in variants:  # before anything is recorded: a sweep point fails whole
@@ -209,9 +221,7 @@ def run_experiment(cfg: DictConfig, out_dir: str, progress: bool = True,
     run = RunDir(out_dir)
     run.write_config(OmegaConf.to_yaml(cfg, resolve=True))
     planned = len(plan) * len(variants)
-    meta = {"experiment": cfg.experiment, "model": cfg.model.name,
-            "command": command or shlex.join(sys.argv), "seed": cfg.seed, "planned": planned}
-    run.write_meta({**meta, **({"invoked_by": invoked_by} if invoked_by else {})})
+    run.write_meta({**meta, "planned": planned})
     run.start_session(environment())
     earlier = run.read_meta().get("wall_s", 0.0)  # wall time of earlier (resumed) sessions
     done = sum(run.done(t.name, s.index, v.name) for t, s in plan for v in variants)
