@@ -24,12 +24,13 @@ def chunked_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
     """``x.sum(dim)`` in two levels (chunks of ``SUM_CHUNK``, then across chunks): no term
     passes through more than ``SUM_CHUNK + n / SUM_CHUNK`` additions, whatever order each
     level uses (a flat sum may take ``n``)."""
+    dim = dim % x.ndim
     n = x.shape[dim]
     if n <= SUM_CHUNK:
         return x.sum(dim=dim)
-    x = x.movedim(dim, -1)
-    x = F.pad(x, (0, -n % SUM_CHUNK)).unflatten(-1, (-1, SUM_CHUNK))
-    return x.sum(dim=-1).sum(dim=-1)
+    if n % SUM_CHUNK:  # zero terms fill the last chunk (a copy only then)
+        x = F.pad(x, (0, 0) * (x.ndim - 1 - dim) + (0, -n % SUM_CHUNK))
+    return x.unflatten(dim, (-1, SUM_CHUNK)).sum(dim=dim + 1).sum(dim=dim)
 
 
 def block_scores(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float):
