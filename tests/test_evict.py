@@ -360,4 +360,9 @@ def test_eviction_report_end_to_end_on_a_tiny_model(tmp_path):
                                  section="Eviction")
     assert "| stream-naive | streaming | 30% |" in table
     assert "| snap-cert | snapkv | 50% |" in table
+    head = next(line for line in table.splitlines() if line.startswith("| method"))
+    columns = [c.strip() for c in head.strip("|").split("|")]
+    naive = next(line for line in table.splitlines() if line.startswith("| stream-naive"))
+    paged = [c.strip() for c in naive.strip("|").split("|")][columns.index("paged/step")]
+    assert paged == "0"  # naive drops evicted tokens: nothing is paged in
     assert list((run_dir / "figures").glob("*_evict.png"))
