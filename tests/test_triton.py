@@ -20,13 +20,7 @@ from certkv import CertifiedAttention, ChannelAffineKeyCodec, TieredKVStore
 from certkv.kernels import triton_attend, triton_score
 from certkv.kernels.dispatch import get_backend
 from certkv.kernels.layout import StagedBlocks, StepLayout
-from certkv.kernels.reference import (
-    Attended,
-    TorchBackend,
-    block_log_sums,
-    gated_scores,
-    merge_staged,
-)
+from certkv.kernels.reference import Attended, TorchBackend, gated_scores, merge_staged
 from certkv.kernels.triton_backend import TritonBackend
 from certkv.kernels.triton_checks import ranking_and_boundary
 from certkv.kernels.triton_sources import KERNEL_BITS
@@ -377,13 +371,3 @@ def test_fused_split_reduction_matches_the_torch_merge():
     for name in ("out", "rho", "log_mass", "spread"):
         torch.testing.assert_close(getattr(fused, name), getattr(ref, name), rtol=1e-5,
                                    atol=1e-6)
-
-
-def test_block_log_sums_equal_the_two_logsumexps_with_empty_blocks():
-    s = torch.randn(3, 4, 5, 16, generator=torch.Generator().manual_seed(0)) * 30
-    s[0, 0, 0] = float("-inf")  # an empty block
-    s[1, 1, 1, :5] = float("-inf")  # a partly filled one
-    log_mass, log_spread = block_log_sums(s)
-    torch.testing.assert_close(log_mass, torch.logsumexp(s, dim=-1), rtol=0, atol=1e-5)
-    torch.testing.assert_close(log_spread, 0.5 * torch.logsumexp(2 * s, dim=-1), rtol=0,
-                               atol=1e-5)
