@@ -96,19 +96,8 @@ def phase1(q: torch.Tensor, lay, scaling: float) -> Scored:
     s = block_scores(q, lay.keys, lay.valid, scaling)
     delta = torch.zeros(s.shape[:3], device=s.device)
     delta[..., : lay.num_completed] = block_deltas(q, lay.channel_bound, scaling)
-    log_mass, log_spread = block_log_sums(s)
-    return Scored(scores=s, log_mass=log_mass, delta_b=delta, log_spread=log_spread)
-
-
-def block_log_sums(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``logsumexp_t s_{b,t}`` and ``logsumexp_t(2 s_{b,t}) / 2`` over the last dim of
-    ``s [..., B]`` from one exponential per logit: ``m_b + log sum_t w_t`` and
-    ``m_b + log sum_t w_t^2 / 2`` with ``w_t = e^{s_t - m_b}`` (the form of
-    :func:`torch.logsumexp`, whose rounding arith item 5 bounds; ``-inf`` on an empty block)."""
-    m_b = s.amax(dim=-1)
-    shift = torch.where(torch.isneginf(m_b), 0.0, m_b)
-    w = torch.exp(s - shift.unsqueeze(-1))
-    return shift + torch.log(w.sum(dim=-1)), shift + 0.5 * torch.log((w * w).sum(dim=-1))
+    return Scored(scores=s, log_mass=torch.logsumexp(s, dim=-1), delta_b=delta,
+                  log_spread=0.5 * torch.logsumexp(2 * s, dim=-1))
 
 
 def gated_scores(q: torch.Tensor, scored: Scored, gate: torch.Tensor, keys, scaling: float,
