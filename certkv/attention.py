@@ -111,16 +111,15 @@ def _key_bound(log_p, tail, delta_b, delta, v_max, exponent, cap_logit=None, tv_
     """``(log alpha_hat, Delta_T, E_key)``, each ``[Hq]``, for INT8 tail blocks ``tail: [Hq, n]``
     (eq. 15); ``cap_logit`` gives an extra valid bound on the true tail mass (after Phase 2),
     ``tv_cap`` one on TV itself (the per-block bound)."""
-    neg_inf = torch.full_like(log_p, float("-inf"))
-    log_alpha = torch.logsumexp(torch.where(tail, log_p, neg_inf), dim=-1)
-    delta_tail = torch.where(tail, delta_b, torch.zeros_like(delta_b)).amax(dim=-1)
+    log_alpha = torch.logsumexp(torch.where(tail, log_p, float("-inf")), dim=-1)
+    delta_tail = torch.where(tail, delta_b, 0.0).amax(dim=-1)
     e_key = key_error_bound(v_max, delta, delta_tail, log_alpha, exponent, cap_logit, tv_cap)
     return log_alpha, delta_tail, e_key
 
 
 def _on(mask, x):
     """``x`` where ``mask``, 0 elsewhere (same shape)."""
-    return torch.where(mask, x, torch.zeros_like(x))
+    return torch.where(mask, x, 0.0)
 
 
 @dataclass
@@ -544,8 +543,7 @@ class CertifiedAttention:
         """
         tail = quantized & ~promoted
         delta_f = _on(promoted & quantized, delta_b).amax(dim=-1)
-        neg_inf = torch.full_like(log_p, float("-inf"))
-        log_alpha = torch.logsumexp(torch.where(tail, log_p, neg_inf), dim=-1)
+        log_alpha = torch.logsumexp(torch.where(tail, log_p, float("-inf")), dim=-1)
         rho_ub = torch.exp((delta_f.unsqueeze(-1) + log_p).clamp(max=0.0))
         tv = block_tv_bound(_on(tail, rho_ub), _on(tail, delta_b))
         _, _, e_key = _key_bound(log_p, tail, delta_b, delta, v_rad,

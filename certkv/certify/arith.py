@@ -344,11 +344,10 @@ def _block_tv_plus(coef: StepCoefficients, eps, g_delta: float, blocks: BlockTer
     grow = torch.exp(2 * eps).unsqueeze(-1)
     rho_p = (rho * (1 + coef.rho_rel) + TINY) * grow
     spread_p = (spread * (1 + coef.spread_rel) + TINY) * grow
-    zero = torch.zeros_like(rho)
-    d_p = torch.where(tail, delta_b + eps.unsqueeze(-1), zero)
-    lam_p = torch.where(tail, lam * (1 + 2 * g_delta), zero)
-    return block_tv_bound(torch.where(tail, rho_p, zero), d_p, lam_p,
-                          torch.where(tail, spread_p, zero))
+    d_p = torch.where(tail, delta_b + eps.unsqueeze(-1), 0.0)
+    lam_p = torch.where(tail, lam * (1 + 2 * g_delta), 0.0)
+    return block_tv_bound(torch.where(tail, rho_p, 0.0), d_p, lam_p,
+                          torch.where(tail, spread_p, 0.0))
 
 
 def quantized_arith(spec: ArithSpec, coef: StepCoefficients, *, q, key_abs_max, delta,

@@ -38,15 +38,14 @@ def tail_mass_bound(
     (peaked attention, huge query norms) still yields a valid bound; ``-inf`` means no tail.
     """
     log_bound = (exponent * delta + log_alpha_hat).clamp(max=0.0)
-    return torch.where(log_alpha_hat > float("-inf"), torch.exp(log_bound),
-                       torch.zeros_like(log_bound))
+    return torch.where(log_alpha_hat > float("-inf"), torch.exp(log_bound), 0.0)
 
 
 def log_expm1(x: torch.Tensor) -> torch.Tensor:
     """``log(e^x - 1)`` for ``x >= 0`` without overflow (``-inf`` at 0)."""
     big = x > 20
     return torch.where(big, x + torch.log1p(-torch.exp(-x)),
-                       torch.log(torch.expm1(torch.where(big, torch.zeros_like(x), x))))
+                       torch.log(torch.expm1(torch.where(big, 0.0, x))))
 
 
 def key_error_bound(
@@ -130,12 +129,12 @@ def spectral_norm_upper(err: torch.Tensor) -> torch.Tensor:
     if e.numel() == 0:
         return frob2.sqrt()
     finite = torch.isfinite(e).all(dim=-1).all(dim=-1)  # non-finite data: +inf, not an error
-    e = torch.where(torch.isfinite(e), e, torch.zeros_like(e))
+    e = torch.where(torch.isfinite(e), e, 0.0)
     rows, cols = e.shape[-2:]
     gram = e @ e.transpose(-1, -2) if rows <= cols else e.transpose(-1, -2) @ e
     top = _largest_eigenvalues(gram).clamp_min(0.0)
     upper = torch.minimum(torch.sqrt(top + 1e-12 * frob2), frob2.sqrt())
-    return torch.where(finite, upper, torch.full_like(upper, float("inf")))
+    return torch.where(finite, upper, float("inf"))
 
 
 def value_block_terms(rho: torch.Tensor, eta: torch.Tensor, spread: torch.Tensor | None = None,
@@ -213,17 +212,16 @@ def block_tv_bound(rho: torch.Tensor, delta_b: torch.Tensor, lam: torch.Tensor |
     """
     d = delta_b
     positive = d > 0
-    safe = torch.where(positive & torch.isfinite(d), d, torch.ones_like(d))
-    phi = torch.where(positive, torch.expm1(safe) / safe, torch.ones_like(d))
-    phi = torch.where(torch.isinf(d), torch.full_like(d, float("inf")), phi)
-    per = torch.where(rho > 0, rho * d, torch.zeros_like(d))
+    safe = torch.where(positive & torch.isfinite(d), d, 1.0)
+    phi = torch.where(positive, torch.expm1(safe) / safe, 1.0)
+    phi = torch.where(torch.isinf(d), float("inf"), phi)
+    per = torch.where(rho > 0, rho * d, 0.0)
     if lam is not None and spread is not None:
-        per = torch.minimum(per, torch.where(spread > 0, spread * lam, torch.zeros_like(d)))
-    num = torch.where(per > 0, phi * per, torch.zeros_like(d)).sum(dim=-1)
-    loss = torch.where(rho > 0, rho * -torch.expm1(-d), torch.zeros_like(d)).sum(dim=-1)
+        per = torch.minimum(per, torch.where(spread > 0, spread * lam, 0.0))
+    num = torch.where(per > 0, phi * per, 0.0).sum(dim=-1)
+    loss = torch.where(rho > 0, rho * -torch.expm1(-d), 0.0).sum(dim=-1)
     den = torch.maximum(1.0 - loss, torch.exp(-d.amax(dim=-1)))
-    tv = torch.where(num > 0, num / den.clamp_min(torch.finfo(den.dtype).tiny),
-                     torch.zeros_like(num))
+    tv = torch.where(num > 0, num / den.clamp_min(torch.finfo(den.dtype).tiny), 0.0)
     return tv.clamp(max=1.0).nan_to_num(nan=1.0)
 
 
@@ -243,9 +241,8 @@ def phase2_tail_logit(
     this inflates only the tail, block by block, not the whole denominator by ``e^{2 Delta}``.
     Log-masses ``[Hq, n]`` -> ``[Hq]``; ``-inf`` without a tail, ``+inf`` with nothing promoted.
     """
-    neg_inf = torch.full_like(l_int8, float("-inf"))
-    log_u = torch.logsumexp(torch.where(tail, l_int8 + delta_b, neg_inf), dim=-1)
-    log_z = torch.logsumexp(torch.where(promoted, l_fp16, neg_inf), dim=-1)
+    log_u = torch.logsumexp(torch.where(tail, l_int8 + delta_b, float("-inf")), dim=-1)
+    log_z = torch.logsumexp(torch.where(promoted, l_fp16, float("-inf")), dim=-1)
     return torch.where(torch.isneginf(log_u), log_u, log_u - log_z)
 
 

@@ -13,7 +13,7 @@ NEG_INF = float("-inf")
 
 def top_r(log_mass: torch.Tensor, members: torch.Tensor, r: int):
     """Indices ``[Hq, r]`` of the ``r`` largest log-masses among ``members`` and how many exist."""
-    masked = torch.where(members, log_mass, torch.full_like(log_mass, NEG_INF))
+    masked = torch.where(members, log_mass, NEG_INF)
     k = min(r, log_mass.shape[-1])
     # stable: equal log-masses rank by block index, the order the fused kernel uses too
     values, indices = torch.sort(masked, dim=-1, descending=True, stable=True)
@@ -47,7 +47,7 @@ def boundary_ok(
     threshold = torch.where(
         count >= r, values[..., -1], torch.full_like(values[..., -1], NEG_INF)
     )
-    upper = torch.where(tail, l_int8 + delta_b, torch.full_like(l_int8, NEG_INF))
+    upper = torch.where(tail, l_int8 + delta_b, NEG_INF)
     return (upper <= threshold.unsqueeze(-1)).all(dim=-1)
 
 
@@ -62,8 +62,8 @@ def canary_violations(
     absorbs FP32 rounding of the two dot products (relative to ``|s|``). Returns bool ``[...]``.
     """
     finite = torch.isfinite(s_int8) & torch.isfinite(s_fp16)
-    gap = torch.where(finite, (s_fp16 - s_int8).abs(), torch.zeros_like(s_int8))
-    slack = eps_guard + 1e-5 * torch.where(finite, s_fp16.abs(), torch.zeros_like(s_fp16))
+    gap = torch.where(finite, (s_fp16 - s_int8).abs(), 0.0)
+    slack = eps_guard + 1e-5 * torch.where(finite, s_fp16.abs(), 0.0)
     return (gap > delta_b.unsqueeze(-1) + slack).any(dim=-1)
 
 

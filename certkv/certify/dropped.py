@@ -51,7 +51,7 @@ def _lse64(x: torch.Tensor, mask: torch.Tensor, outward: float) -> torch.Tensor:
     """FP64 log-sum-exp ``[Hq]`` of ``x [Hq, n]`` where ``mask``, moved ``outward`` (+1 up,
     -1 down) by more than its own rounding; ``-inf`` where the mask is empty."""
     terms = int(mask.shape[-1])
-    lse = torch.logsumexp(torch.where(mask, x, torch.full_like(x, float("-inf"))), dim=-1)
+    lse = torch.logsumexp(torch.where(mask, x, float("-inf")), dim=-1)
     slack = _lse_rounding(terms, terms, U64) + 4 * U64 * lse.abs()
     return torch.where(torch.isfinite(lse), lse + outward * slack, lse)
 
@@ -80,7 +80,7 @@ def dropped_mass(spec: ArithSpec, *, q: torch.Tensor, key_abs_max: torch.Tensor,
     log_u = _lse64(l8 + slack, dropped, +1.0)
     log_l = _lse64(l8 - slack, ~dropped, -1.0)
     mass = torch.sigmoid(log_u - log_l) * (1 + 8 * U64)
-    return torch.where(torch.isneginf(log_u), torch.zeros_like(mass), mass).clamp(max=1.0)
+    return torch.where(torch.isneginf(log_u), 0.0, mass).clamp(max=1.0)
 
 
 def dropped_error(mass: torch.Tensor, v_rad: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ RANKS = ("mass", "upper")
 
 def rank_blocks(p: torch.Tensor, quantized: torch.Tensor) -> torch.Tensor:
     """Block indices ``[Hq, n]`` by descending mass, quantized blocks first (stable order)."""
-    key = torch.where(quantized, p, torch.full_like(p, -1.0))
+    key = torch.where(quantized, p, -1.0)
     return torch.sort(key, dim=-1, descending=True, stable=True).indices
 
 
@@ -28,8 +28,8 @@ def coverage_k(p: torch.Tensor, quantized: torch.Tensor, order: torch.Tensor, ta
     blocks in rank order; a block is needed while the mass covered before it is below target.
     """
     total = p.sum(dim=-1, keepdim=True)
-    exact = torch.where(quantized, torch.zeros_like(p), p).sum(dim=-1, keepdim=True)
-    ranked = torch.gather(torch.where(quantized, p, torch.zeros_like(p)), -1, order)
+    exact = torch.where(quantized, 0.0, p).sum(dim=-1, keepdim=True)
+    ranked = torch.gather(torch.where(quantized, p, 0.0), -1, order)
     before = exact + torch.cumsum(ranked, dim=-1) - ranked
     needed = (before < tau_cov * total) & quantized[order]
     return needed.sum(dim=-1)
@@ -90,7 +90,7 @@ class AdaptiveTopK:
         """Block indices ``[Hq, n]`` in promotion order (:attr:`rank`; quantized first)."""
         if self.rank == "mass":
             return rank_blocks(p, quantized)
-        upper = torch.where(p > 0, p * torch.exp(delta_b.clamp(max=80.0)), torch.zeros_like(p))
+        upper = torch.where(p > 0, p * torch.exp(delta_b.clamp(max=80.0)), 0.0)
         return rank_blocks(upper, quantized)
 
     def choose_k(self, p: torch.Tensor, quantized: torch.Tensor, order: torch.Tensor,

@@ -69,7 +69,7 @@ def without_blocks(scored: Scored, dropped: torch.Tensor) -> Scored:
     spread = scored.log_spread
     return Scored(scores=torch.where(gone.unsqueeze(-1), neg_inf, scored.scores),
                   log_mass=torch.where(gone, neg_inf, scored.log_mass),
-                  delta_b=torch.where(gone, torch.zeros_like(scored.delta_b), scored.delta_b),
+                  delta_b=torch.where(gone, 0.0, scored.delta_b),
                   log_spread=None if spread is None else torch.where(gone, neg_inf, spread))
 
 
