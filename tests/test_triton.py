@@ -20,7 +20,13 @@ from certkv import CertifiedAttention, ChannelAffineKeyCodec, TieredKVStore
 from certkv.kernels import triton_attend, triton_score
 from certkv.kernels.dispatch import get_backend
 from certkv.kernels.layout import StagedBlocks, StepLayout
-from certkv.kernels.reference import Attended, TorchBackend, gated_scores, merge_staged
+from certkv.kernels.reference import (
+    Attended,
+    TorchBackend,
+    block_products,
+    gated_scores,
+    merge_staged,
+)
 from certkv.kernels.triton_backend import TritonBackend
 from certkv.kernels.triton_checks import ranking_and_boundary
 from certkv.kernels.triton_sources import KERNEL_BITS
@@ -371,3 +377,19 @@ def test_fused_split_reduction_matches_the_torch_merge():
     for name in ("out", "rho", "log_mass", "spread"):
         torch.testing.assert_close(getattr(fused, name), getattr(ref, name), rtol=1e-5,
                                    atol=1e-6)
+
+
+def test_block_products_of_a_view_into_a_larger_buffer_equal_the_single_matmul():
+    """The decoded mirror hands Phase 2 a ``[:, :n]`` view of a larger buffer, which one
+    batched matmul over (kv head, block) could only read after copying it: the per-kv-head
+    products give the same per-block sums."""
+    gen = torch.Generator().manual_seed(0)
+    buf = torch.randn(3, 40, 16, 8, dtype=torch.float64, generator=gen)
+    w = torch.rand(3, 2, 25, 16, dtype=torch.float64, generator=gen)
+    view = buf[:, :25]
+    assert view.stride(0) != 25 * view.stride(1)  # not flattenable over (kv head, block)
+    want = torch.einsum("kgnt,kntd->kgnd", w, view.contiguous())
+    torch.testing.assert_close(block_products(w, view), want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(block_products(w, view.contiguous()), want, rtol=1e-12,
+                               atol=1e-12)
+
