@@ -243,8 +243,10 @@ def test_every_experiment_builds_its_variants(experiment):
     in a long variants list fails here, not hours into a run)."""
     from hydra import compose, initialize_config_dir
 
+    from certkv.config import register_resolvers
     from certkv.eval.runner import build_variants, validate
 
+    register_resolvers()  # what the CLI does at import; this test composes without it
     with initialize_config_dir(str(CONF_DIR), version_base=None):
         cfg = compose("config", overrides=[f"+experiment={experiment}"])
     validate(cfg)
