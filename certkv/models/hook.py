@@ -10,6 +10,7 @@ certification happens only where a :class:`~certkv.cache.hf.TieredCache` is pass
 
 from __future__ import annotations
 
+import functools
 import inspect
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -97,5 +98,12 @@ def enable(model) -> None:
 def cache_kwargs(model, cache) -> dict:
     """The keyword that passes ``cache`` to ``model``'s forward: ``cache`` from transformers 5.24
     (where ``past_key_values`` is deprecated and warns), ``past_key_values`` before it."""
-    forward = inspect.signature(model.forward).parameters
-    return {"cache": cache} if "cache" in forward else {"past_key_values": cache}
+    return {_cache_keyword(type(model)): cache}
+
+
+@functools.cache
+def _cache_keyword(model_class: type) -> str:
+    """The cache keyword of ``model_class.forward``, read once per class (a decode step asks for
+    it every token)."""
+    forward = inspect.signature(model_class.forward).parameters
+    return "cache" if "cache" in forward else "past_key_values"
