@@ -25,7 +25,6 @@ from certkv.kernels.reference import (
     TorchBackend,
     block_products,
     gated_scores,
-    merge_staged,
 )
 from certkv.kernels.triton_backend import TritonBackend
 from certkv.kernels.triton_checks import ranking_and_boundary
@@ -33,6 +32,16 @@ from certkv.kernels.triton_sources import KERNEL_BITS
 from certkv.quant import GroupAffineValueCodec, KiviKeyCodec, TieredQuantizer
 
 ATOL = 1e-6
+
+
+def merge_staged(values: torch.Tensor, staged) -> torch.Tensor:
+    """The oracle's values: ``values [Hkv, n, B, d]`` with the staged FP16 blocks written into a
+    copy (:func:`~certkv.kernels.reference.attend` reads them without copying)."""
+    if staged is None:
+        return values
+    values = values.clone()
+    values[staged.kv_heads, staged.blocks] = staged.gathered().float()
+    return values
 
 
 def case(hkv=2, group=3, d=32, tokens=75, seed=0, block=16, device="cpu"):

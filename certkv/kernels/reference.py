@@ -262,16 +262,6 @@ def dense_rounding(q: torch.Tensor, cache_dtype: torch.dtype) -> tuple[Rounding,
                     logit_roundings=5, product_u=product_u), u
 
 
-def merge_staged(values: torch.Tensor, staged) -> torch.Tensor:
-    """``values [Hkv, n, B, d]`` with the staged FP16 blocks written in (a copy if any; the
-    tests' oracle: :func:`attend` reads staged blocks without copying ``values``)."""
-    if staged is None:
-        return values
-    values = values.clone()
-    values[staged.kv_heads, staged.blocks] = staged.gathered().float()
-    return values
-
-
 @dataclass
 class TorchBackend:
     """Reference backend: every phase in PyTorch on decoded FP32 blocks (CPU or CUDA)."""
