@@ -44,9 +44,7 @@ def boundary_ok(
     but fewer than ``r`` blocks are promoted (the ranking certificate cannot be issued).
     """
     values, _, count = top_r(l_fp16, promoted, r)
-    threshold = torch.where(
-        count >= r, values[..., -1], torch.full_like(values[..., -1], NEG_INF)
-    )
+    threshold = torch.where(count >= r, values[..., -1], NEG_INF)
     upper = torch.where(tail, l_int8 + delta_b, NEG_INF)
     return (upper <= threshold.unsqueeze(-1)).all(dim=-1)
 
