@@ -347,7 +347,8 @@ def test_run_with_an_eviction_policy_records_its_evictions(tmp_path, option):
 
 def test_eviction_report_end_to_end_on_a_tiny_model(tmp_path):
     """`certkv run` with eviction variants: the report's eviction table (policy, budget,
-    quality deltas, page-in share) and its quality / page-in figure."""
+    quality deltas, page-in share) and its quality / page-in figure, which draws a policy's
+    certified runs with and without a bound tolerance at the same budget as two lines."""
     from test_cli import tiny_report
 
     stream = "{_target_: certkv.evict.StreamingEviction, budget: 0.3, sink: 0}"
@@ -355,11 +356,14 @@ def test_eviction_report_end_to_end_on_a_tiny_model(tmp_path):
     variants = (f"variants=[{{name: dense, mode: dense}}, "
                 f"{{name: stream-naive, mode: naive, evict: {stream}}}, "
                 f"{{name: stream-cert, mode: certified, evict: {stream}}}, "
-                f"{{name: snap-cert, mode: certified, evict: {snap}}}]")
+                f"{{name: snap-cert, mode: certified, evict: {snap}}}, "
+                f"{{name: stream-cert-tol, mode: certified, evict: {stream}, "
+                f"ladder: {{bound_tol: 0.05}}}}]")
     run_dir, table = tiny_report(tmp_path, variants, "task.perplexity.context=160",
                                  section="Eviction")
     assert "| stream-naive | streaming | 30% |" in table
     assert "| snap-cert | snapkv | 50% |" in table
+    assert "| stream-cert-tol | streaming | 30% |" in table
     head = next(line for line in table.splitlines() if line.startswith("| method"))
     columns = [c.strip() for c in head.strip("|").split("|")]
     naive = next(line for line in table.splitlines() if line.startswith("| stream-naive"))

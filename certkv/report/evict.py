@@ -26,6 +26,17 @@ def evict_of(run: RunData, variant: str) -> dict:
     return {**base, **change}
 
 
+def series_of(run: RunData, variant: str) -> str:
+    """``naive``, ``certified`` or ``certified, bound_tol 0.05``: the mode, with the ladder's
+    bound tolerance when the variant (or the run) sets one."""
+    entry = next((v for v in run.config.get("variants", []) if v.get("name") == variant), {})
+    ladder = {**(run.config.get("ladder") or {}), **(entry.get("ladder") or {})}
+    tols = [f"{k} {ladder[k]:g}" for k in ("bound_tol", "bound_rtol")
+            if ladder.get(k) is not None]
+    mode = run.modes[variant]
+    return ", ".join([mode, *tols]) if mode == "certified" else mode
+
+
 def policy_name(settings: dict) -> str:
     """``certkv.evict.SnapKVEviction`` -> ``snapkv`` (``none`` without a policy)."""
     target = settings.get("_target_", "")
@@ -48,7 +59,8 @@ def evict_rows(run: RunData) -> list[dict]:
         settings = evict_of(run, v)
         cert = certificate_summary(run.certificate_records(v))
         ms = median_step_ms(run, v)
-        rows.append({"variant": v, "mode": run.modes[v], "policy": policy_name(settings),
+        rows.append({"variant": v, "mode": run.modes[v], "series": series_of(run, v),
+                     "policy": policy_name(settings),
                      "budget": float(settings.get("budget", 1.0)), "cert": cert,
                      "quality": {t: quality_delta(run, t, v) for t in _TASKS if t in run.tasks},
                      "x_dense": ms / dense_ms if dense_ms else float("nan")})
@@ -94,8 +106,9 @@ def evict_table(run: RunData) -> Table | None:
 
 
 def quality_vs_budget(run: RunData, path: Path) -> bool:
-    """Left: perplexity against the budget per policy (naive dashed, certified solid, dense
-    dotted); right: the page-in traffic of the certified runs (host-to-device KiB per step)."""
+    """Left: perplexity against the budget per policy (naive dashed, certified solid, certified
+    with a bound tolerance dash-dotted, dense dotted); right: the page-in traffic of the
+    certified runs (host-to-device KiB per step)."""
     from matplotlib.ticker import FuncFormatter
 
     from certkv.report.plots import _figure, _save, legend_right, style
@@ -107,18 +120,19 @@ def quality_vs_budget(run: RunData, path: Path) -> bool:
     fig, axes = _figure(9.0, 3.2, 1, 2)
     left, right = axes[0]
     for k, policy in enumerate(dict.fromkeys(r["policy"] for r in rows)):
-        for mode, line in (("naive", "--"), ("certified", "-")):
-            mine = sorted((100 * r["budget"], r) for r in rows
-                          if r["policy"] == policy and r["mode"] == mode)
+        for series in dict.fromkeys(r["series"] for r in rows):
+            mine = sorted((r for r in rows if r["policy"] == policy and r["series"] == series),
+                          key=lambda r: r["budget"])
             if not mine:
                 continue
-            x = [b for b, _ in mine]
+            x = [100 * r["budget"] for r in mine]
+            line = {"naive": "--", "certified": "-"}.get(series, "-.")
             kw = {**style(k), "linestyle": line}
-            left.plot(x, [r["quality"]["perplexity"]["method"] for _, r in mine],
-                      label=f"{policy} {mode}", **kw)
-            if mode == "certified":
+            left.plot(x, [r["quality"]["perplexity"]["method"] for r in mine],
+                      label=f"{policy} {series}", **kw)
+            if series != "naive":
                 right.plot(x, [r["cert"].get("h2d_bytes_per_step", 0.0) / 2**10
-                               for _, r in mine], label=f"{policy} {mode}", **kw)
+                               for r in mine], label=f"{policy} {series}", **kw)
     left.axhline(rows[0]["quality"]["perplexity"]["dense"], color="black", linestyle=":",
                  linewidth=1, label="dense (FP16)")
     left.set_yscale("log")
