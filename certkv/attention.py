@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import numpy as np
@@ -25,6 +25,7 @@ import torch
 from certkv.cache.scratch import ScratchCache
 from certkv.cache.store import NONFINITE_KV, TieredKVStore
 from certkv.certify.arith import (
+    U32,
     ArithSpec,
     BlockTerms,
     as_tensors,
@@ -136,6 +137,12 @@ class CertifiedAttention:
         compile: ``torch.compile`` the selection and certificate segments (dozens of small ops
             -> a few fused kernels): ``None`` = on CUDA only, ``False`` = never, ``True`` =
             inductor, or a dynamo backend name (tests use ``"aot_eager"``).
+        device_fallback: rungs 3-4 without a host read (issue 24): one kernel recomputes the
+            flagged heads from the FP16 originals in place, and non-finite inputs do not raise
+            at the step but give it an invalid certificate (bound ``inf``) and raise at
+            :meth:`synchronize` (which the transformers cache's log reaches at every step
+            boundary). ``None``: where the backend has the kernel (``triton``) and neither an
+            FP64 query nor ``ladder.bound_tol`` needs the host; ``False``: read the flags.
     """
 
     selector: AdaptiveTopK = field(default_factory=AdaptiveTopK)
@@ -146,6 +153,7 @@ class CertifiedAttention:
     timer: PhaseTimer | None = None  # set by benchmarks to time each phase (Table 16)
     compile: bool | str | None = None
     audit: bool = False  # count heads over their bound against FP64 (certify.audit; slow)
+    device_fallback: bool | None = None
 
     def __post_init__(self) -> None:
         require(self.mode in MODES, ConfigError,
@@ -153,6 +161,7 @@ class CertifiedAttention:
         self.backend = get_backend(self.backend)
         self._compiled: dict = {}
         self._specs: dict[ArithSpec, ArithSpec] = {}
+        self._nonfinite: torch.Tensor | None = None  # [2] q, K/V since the last synchronize()
 
     # ----------------------------------------------------------------- entry
     def __call__(
@@ -260,6 +269,8 @@ class CertifiedAttention:
             step = self._pass(q, qg, store, lay, scored, scaling, stage, boost, timer)
             over = self.ladder.over_tolerance(step.bound, step.out.norm(dim=-1)) \
                 if tolerant else None
+            if self._on_device(q, tolerant):
+                break
             dense_heads, over_heads = self._host_flags(step.flags, over)
             if over_heads.numel() == 0:
                 break
@@ -273,8 +284,11 @@ class CertifiedAttention:
             step.rung[over_dev] = step.rung[over_dev].clamp(min=3)
             dense_heads = torch.unique(torch.cat([dense_heads, over_heads]))
         with timer.phase("fallback"):
-            out, e_arith = self._fallback(q, store, step.out, dense_heads, scaling, step.spec,
-                                          step.e_arith)
+            if self._on_device(q, tolerant):
+                out, e_arith = self._fallback_on_device(q, store, step, scaling)
+            else:
+                out, e_arith = self._fallback(q, store, step.out, dense_heads, scaling,
+                                              step.spec, step.e_arith)
         if e_drop is not None:
             step.e_key = step.e_key + e_drop
         cert = step.certificate(e_arith, self.mode, boost)
@@ -600,6 +614,43 @@ class CertifiedAttention:
         dense = flags[:hq]
         over = flags[hq + 2:] & ~dense if over is not None else torch.zeros_like(dense)
         return dense.nonzero(as_tuple=True)[0], over.nonzero(as_tuple=True)[0]
+
+    def _on_device(self, q, tolerant) -> bool:
+        """Whether rungs 3-4 run on the device from the flags in place (``device_fallback``)."""
+        possible = (hasattr(self.backend, "dense_flagged") and q.dtype != torch.float64
+                    and not tolerant)
+        if self.device_fallback is None:
+            return possible
+        require(possible or not self.device_fallback, ConfigError,
+                "device_fallback=True needs backend=triton, a query in FP32 or lower precision "
+                "and no ladder.bound_tol / bound_rtol; use device_fallback=null.")
+        return self.device_fallback
+
+    def _fallback_on_device(self, q, store, step: _Pass, scaling):
+        """Rungs 3-4 without a host read: the backend's one-launch kernel writes dense
+        attention into the flagged heads' rows (``step.flags [Hq + 2]``), ``e_arith`` takes the
+        kernel's own rounding chain there (arith item 7), and a step with non-finite ``q`` or
+        appended K/V gets ``e_arith = inf`` (an invalid certificate) and is remembered for
+        :meth:`synchronize`."""
+        hq = q.shape[0]
+        dense, bad = step.flags[:hq], step.flags[hq:]
+        out = self.backend.dense_flagged(q, dense, store, step.out.contiguous().clone(),
+                                         scaling)
+        spec = replace(step.spec, dense_rounding=self.backend.fallback_rounding(store),
+                       dense_u=U32)
+        e_arith = torch.where(dense, self._dense_arith(spec, q, store), step.e_arith)
+        e_arith = torch.where(bad.any(), math.inf, e_arith)
+        self._nonfinite = bad if self._nonfinite is None else self._nonfinite | bad
+        return out.to(q.dtype), e_arith
+
+    def synchronize(self) -> None:
+        """Raise the non-finite inputs of the steps since the last call (one host read), as
+        the steps themselves do where the fallback reads its flags on the host."""
+        if self._nonfinite is None:
+            return
+        bad, self._nonfinite = to_host(self._nonfinite), None
+        require(not bool(bad[0]), NonFiniteError, _NONFINITE_Q)
+        require(not bool(bad[1]), NonFiniteError, NONFINITE_KV)
 
     def _fallback(self, q, store, out, heads, scaling, spec, e_arith):
         """The FP32 output cast to ``q``'s dtype, with rungs 3-4 (dense attention on the FP16

@@ -883,6 +883,12 @@ class TieredKVStore:
         require(self.keep_originals, Tier2UnavailableError, _TIER2_MISSING)
         return self._tier2.view()
 
+    def originals(self) -> Blocks:
+        """FP16 originals ``k, v: [Hkv, n, B, d]`` of the completed blocks, in place (Tier-2 in
+        host memory, pinned on CUDA, or Tier-1 of a lossless store; empty without blocks):
+        what the on-device fallback kernel reads."""
+        return self._originals() if self.num_blocks else {}
+
     def fetch_originals(
         self, kv_heads: torch.Tensor, blocks: torch.Tensor, which: str = "kv"
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:

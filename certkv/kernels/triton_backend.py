@@ -105,6 +105,21 @@ class TritonBackend:
     def dense(self, q, k, v, scaling):
         return dense_attention(q, k, v, scaling)
 
+    def dense_flagged(self, q, flags, store, out, scaling):
+        """Rungs 3-4 from the device's flags (no host read): dense attention on the FP16
+        originals (Tier-2 in place, the tail block on the device) written into the rows of
+        ``out [Hq, d]`` (FP32) whose ``flags [Hq]`` are set."""
+        from certkv.kernels.triton_fallback import dense_flagged
+
+        return dense_flagged(q, flags, store.originals(), store.num_blocks,
+                             store.tail_buffers(), store.tail_len, out, scaling)
+
+    def fallback_rounding(self, store) -> Rounding:
+        """The rounding chain of :meth:`dense_flagged` (arith item 4)."""
+        from certkv.kernels.triton_fallback import fallback_rounding
+
+        return fallback_rounding(store.block_size)
+
     def rounding(self, lay: StepLayout) -> Rounding:
         """Rounding chain of the fused Phase 2 (arith item 4), or the reference's where a phase
         falls back. A weight takes its own exponential, the rescaling into its split's running

@@ -1,0 +1,129 @@
+"""Rungs 3-4 without a host read (issue 24): dense attention for the flagged query heads only,
+in one launch over every kv head, reading the FP16 originals where they live.
+
+The ladder's flags stay on the device: one program per kv head loads its query heads' flags
+and returns at once when none is set, so the host never learns which heads went dense. A
+flagged group streams its kv head's completed blocks straight from Tier-2 (pinned host memory
+on CUDA, read through unified addressing; ordinary memory under ``TRITON_INTERPRET=1``, so the
+same code runs in CI) and then the partial tail block from the device, with an online softmax
+over the ``G`` query heads of the group at once (each kv head is read once, not ``G`` times).
+Only flagged heads' rows of ``out`` are written.
+
+Arithmetic (:data:`FALLBACK_ROUNDING`, arith items 1, 4): each query is divided by a power of
+two ``f >= |q|_inf`` (exact, as :func:`~certkv.kernels.reference.prescaled_attention`), logits
+are plain FP32 dot products in any order, a weight is ``exp((s - m) f)`` rescaled by the
+running maximum once per later block, and numerator and denominator accumulate in FP32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from certkv.certify.arith import Rounding
+
+
+def fallback_rounding(block_size: int) -> Rounding:
+    """The rounding chain of :func:`dense_flagged` for ``B = block_size`` (arith item 4): a
+    weight takes its own exponential and one rescaling per later block (the tail block's
+    included: ``2 + N / B``); a numerator term takes the product, ``B - 1`` additions in its
+    block, the addition into the running sum, then a rescaling product and an addition per
+    later block (``2 N / B``), and the division. Logits: an FP32 dot product in any order and
+    the prescaled path's five further roundings (``logit_roundings``)."""
+    return Rounding(exps=2, exps_per_token=1 / block_size, depth=block_size + 6,
+                    depth_per_token=2 / block_size, logit_roundings=5)
+
+
+@triton.jit
+def _prescale(q):
+    """Per row of ``q [GP, D]``: the power of two ``f`` with ``|q|_inf < f`` (at least 1, at most
+    2^127), from the exponent bits of the row's largest magnitude (exact: no log2)."""
+    top = tl.max(tl.abs(q), axis=1)
+    biased = (top.to(tl.int32, bitcast=True) >> 23) & 0xFF  # |top| in [2^(e-127), 2^(e-126))
+    exponent = tl.minimum(tl.maximum(biased - 126, 0), 127)
+    return ((exponent + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _online_block(qs, f, k, v, live, m, den, acc, scaling):
+    """One block of the online softmax for ``G`` heads: ``qs [GP, D]`` prescaled queries,
+    ``k, v [T, D]``, ``live [T]``; returns the updated running maximum and denominator
+    ``m, den [GP]`` and numerator ``acc [GP, D]``."""
+    s = tl.sum(qs[:, None, :] * k[None, :, :], axis=2) * scaling  # [GP, T]
+    s = tl.where(live[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.exp((m - m_new) * f)
+    p = tl.exp((s - m_new[:, None]) * f[:, None])
+    den = den * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+    return m_new, den, acc
+
+
+@triton.jit
+def _dense_flagged_kernel(q_ptr, flag_ptr, k2_ptr, v2_ptr, tk_ptr, tv_ptr, out_ptr,
+                          n_blocks, tail_len, group, scaling,
+                          s2_h, s2_b, s2_t, st_h, st_t,
+                          B: tl.constexpr, D: tl.constexpr, GP: tl.constexpr):
+    kv = tl.program_id(0)
+    g = tl.arange(0, GP)
+    dim = tl.arange(0, D)
+    heads = kv * group + g
+    member = g < group
+    flagged = tl.load(flag_ptr + heads, mask=member, other=0) != 0
+    if tl.max(flagged.to(tl.int32), axis=0) != 0:
+        q = tl.load(q_ptr + heads[:, None] * D + dim[None, :], mask=member[:, None], other=0.0)
+        f = _prescale(q)
+        qs = q / f[:, None]
+        m = tl.full((GP,), float("-inf"), tl.float32)
+        den = tl.zeros((GP,), tl.float32)
+        acc = tl.zeros((GP, D), tl.float32)
+        t = tl.arange(0, B)
+        always = t < B
+        for b in range(n_blocks):  # completed blocks: Tier-2 (host memory on CUDA)
+            base = kv * s2_h + b * s2_b + t[:, None] * s2_t + dim[None, :]
+            k = tl.load(k2_ptr + base).to(tl.float32)
+            v = tl.load(v2_ptr + base).to(tl.float32)
+            m, den, acc = _online_block(qs, f, k, v, always, m, den, acc, scaling)
+        live = t < tail_len  # the partial tail block: device memory
+        base = kv * st_h + t[:, None] * st_t + dim[None, :]
+        k = tl.load(tk_ptr + base, mask=live[:, None], other=0.0).to(tl.float32)
+        v = tl.load(tv_ptr + base, mask=live[:, None], other=0.0).to(tl.float32)
+        m, den, acc = _online_block(qs, f, k, v, live, m, den, acc, scaling)
+        out = acc / den[:, None]
+        tl.store(out_ptr + heads[:, None] * D + dim[None, :], out,
+                 mask=(member & flagged)[:, None])
+
+
+def dense_flagged(q: torch.Tensor, flags: torch.Tensor, originals: dict, n_blocks: int,
+                  tail: tuple[torch.Tensor, torch.Tensor], tail_len: int, out: torch.Tensor,
+                  scaling: float) -> torch.Tensor:
+    """Write dense attention into the rows of ``out`` whose ``flags`` are set.
+
+    Args:
+        q: ``[Hq, D]`` queries (any float dtype up to FP32), on the device.
+        flags: bool ``[Hq]`` on the device: the heads to recompute (rungs 3-4).
+        originals: ``{"k", "v"}: [Hkv, capacity, B, D]`` FP16 completed blocks, in Tier-2 (host
+            memory, pinned on CUDA) or Tier-1 (a lossless store); the first ``n_blocks`` count.
+        tail: ``(k, v)``, each ``[Hkv, B, D]`` FP16 tail buffers on the device, of which the
+            first ``tail_len`` rows are live.
+        out: ``[Hq, D]`` FP32 on the device, written in place for flagged heads.
+    Returns ``out``. One launch; no host read.
+    """
+    hq, d = q.shape
+    tail_k, tail_v = tail
+    hkv, block = tail_k.shape[0], tail_k.shape[1]
+    if n_blocks == 0:  # no completed block yet: a valid pointer the loop never reads
+        k2 = v2 = tail_k[:, None]
+    else:
+        k2, v2 = originals["k"], originals["v"]
+    assert k2.stride(-1) == 1 and k2.stride() == v2.stride() and k2.shape[2] == block
+    assert tail_k.stride(-1) == 1 and tail_k.stride() == tail_v.stride()
+    assert out.dtype == torch.float32 and out.is_contiguous()
+    group = hq // hkv
+    _dense_flagged_kernel[(hkv,)](
+        q.float().contiguous(), flags.to(torch.int8), k2, v2, tail_k, tail_v, out,
+        n_blocks, tail_len, group, float(scaling),
+        k2.stride(0), k2.stride(1), k2.stride(2), tail_k.stride(0), tail_k.stride(1),
+        B=block, D=d, GP=triton.next_power_of_2(group))
+    return out

@@ -1,0 +1,131 @@
+"""Rungs 3-4 without a host read (issue 24): the one-launch fallback kernel against the dense
+path, the certificate contract on steps with dense heads (FP64 oracle, no allowance), the host
+reads of such a step, and non-finite inputs raised at the next synchronization with the step's
+certificate invalid. Under TRITON_INTERPRET=1 on CPU (Tier-2 is ordinary memory there, so the
+kernel reads it as it reads pinned memory on CUDA)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import check_heads, make_kv, make_query
+from test_host_reads import audit  # noqa: F401 (fixture)
+
+from certkv import CertifiedAttention, TieredKVStore
+from certkv.cache.scratch import ScratchCache
+from certkv.certify.certificate import CertificateLog
+from certkv.certify.ladder import Ladder
+from certkv.errors import ConfigError, NonFiniteError
+from certkv.kernels.reference import prescaled_attention
+from certkv.kernels.triton_fallback import dense_flagged
+
+SCALING = 32**-0.5
+
+
+def layer(tokens=200, seed=0, group=3, peaked=True):
+    k, v = make_kv(2, tokens, 32, seed=seed, outlier_channels=2)
+    store = TieredKVStore(2, 32, value_group=8)
+    store.append(k, v)
+    return store, make_query(k, group, seed=seed, scale=4.0, peaked=peaked)
+
+
+@pytest.mark.parametrize("tokens", [5, 16, 75, 200])  # tail only, blocks only, both
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_the_kernel_is_dense_attention_on_flagged_heads_and_leaves_the_others(tokens, dtype):
+    store, q = layer(tokens, seed=tokens, group=3)
+    q = q.to(dtype)
+    flags = torch.tensor([True, False, False, False, True, True])  # one group partly flagged
+    out = torch.full((6, 32), 7.0)
+    dense_flagged(q, flags, store.originals(), store.num_blocks, store.tail_buffers(),
+                  store.tail_len, out, SCALING)
+    k, v = store.dense_kv()
+    want = prescaled_attention(q.float(), k, v, SCALING)
+    assert torch.allclose(out[flags], want[flags], rtol=1e-5, atol=1e-6)
+    assert (out[~flags] == 7.0).all()
+
+
+def test_huge_queries_do_not_overflow_the_kernel():
+    store, q = layer(75, seed=1)
+    q = q * 1e30  # |q . k| beyond FP32 without the prescaling
+    out = torch.zeros(6, 32)
+    dense_flagged(q, torch.ones(6, dtype=torch.bool), store.originals(), store.num_blocks,
+                  store.tail_buffers(), store.tail_len, out, SCALING)
+    k, v = store.dense_kv()
+    assert torch.isfinite(out).all()
+    assert torch.allclose(out, prescaled_attention(q, k, v, SCALING), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(("seed", "r"), [(0, 2), (4, 2), (1, 3), (5, 3), (0, 3)])
+def test_the_contract_holds_with_dense_heads_recomputed_on_the_device(seed, r):
+    """Some heads on rungs 3-4 (ranking of the top ``r`` fails), some not: every head within its
+    bound of the FP64 reference; the same rungs as the host-read path."""
+    store, q = layer(200, seed=seed, peaked=seed % 2 == 0)
+    ladder = Ladder(r=r)
+    on_device = CertifiedAttention(backend="triton", ladder=ladder)
+    out, cert = on_device(q, store)
+    assert on_device._on_device(q, tolerant=None)
+    assert (cert.rung >= 3).any()
+    check_heads(out, cert, q, store)
+    out_host, cert_host = CertifiedAttention(backend="triton", ladder=ladder,
+                                             device_fallback=False)(q, store)
+    assert torch.equal(cert.rung, cert_host.rung)
+    fast = cert.rung < 3
+    assert torch.equal(out[fast], out_host[fast])
+    assert torch.allclose(out, out_host, rtol=1e-5, atol=1e-6)
+
+
+def test_a_step_with_dense_heads_and_scratch_misses_reads_the_host_once(audit):  # noqa: F811
+    """The page-in plan is the only read left: the fallback flags stay on the device."""
+    auditor, reads = audit
+    store, q = layer(300, seed=5)
+    attn = CertifiedAttention(backend="triton", ladder=Ladder(r=3))
+    scratch = ScratchCache(key_blocks=2, value_blocks=2)  # too small: misses every step
+    for _ in range(2):
+        reads.clear()
+        with auditor:
+            _out, cert = attn(q, store, scratch=scratch)
+        assert auditor.stalls == []
+        assert len(reads) == 1
+    assert (cert.rung >= 3).any() and scratch.stats.misses > 0
+
+
+@pytest.mark.parametrize("bad", ["q", "kv"])
+def test_nonfinite_input_invalidates_the_step_and_raises_at_synchronize(bad):
+    store, q = layer(100, seed=2)
+    if bad == "q":
+        q = q.clone()
+        q[1, 3] = float("nan")
+    else:  # what a CUDA store records for a NaN append (a CPU store raises at the append)
+        store._nonfinite = torch.tensor(True)
+    attn = CertifiedAttention(backend="triton")
+    _out, cert = attn(q, store)  # no raise, no host read at the step
+    assert not torch.isfinite(cert.bound).any()  # never a silently certified NaN
+    log = CertificateLog()
+    log.record(0, cert)
+    with pytest.raises(NonFiniteError, match="NaN or Inf"):
+        log.flush()  # the transformers cache's step boundary
+    match = "q holds NaN" if bad == "q" else "k or v holds NaN"
+    with pytest.raises(NonFiniteError, match=match):
+        attn.synchronize()
+    attn.synchronize()  # reported once
+
+
+def test_synchronize_without_steps_or_bad_input_is_silent():
+    attn = CertifiedAttention(backend="triton")
+    attn.synchronize()
+    store, q = layer(60)
+    _out, cert = attn(q, store)
+    assert math.isfinite(float(cert.bound.max()))
+    attn.synchronize()
+
+
+def test_the_host_path_stays_where_the_device_path_cannot_serve():
+    store, q = layer(60)
+    tolerant = CertifiedAttention(backend="triton", ladder=Ladder(bound_tol=0.05))
+    assert not tolerant._on_device(q, tolerant=True)
+    assert not CertifiedAttention(backend="torch")._on_device(q, tolerant=False)
+    assert not CertifiedAttention(backend="triton")._on_device(q.double(), tolerant=False)
+    with pytest.raises(ConfigError, match="device_fallback=True needs backend=triton"):
+        CertifiedAttention(backend="torch", device_fallback=True)(q, store)
