@@ -5,11 +5,14 @@ program walks ``SPLIT`` of that precision's blocks for all ``G`` query heads of 
 block it
 
 * reads the Phase-1 logits; where ``key_slot[kv, block] >= 0`` it also reads the block's
-  FP16 keys (staged from the scratch cache / Tier-2), computes their logits and uses them for
+  FP16 keys (staged from the scratch cache / Tier-2; a slot ``<= -2`` reads Tier-2's row
+  ``-2 - slot`` in place, host memory through unified addressing on CUDA), computes their
+  logits and uses them for
   the query heads whose ``gate`` is set (the promoted set K*), checking on the way the score
   canary ``|s_fp16 - s_int8| <= Delta_b + eps`` (Section 6) for those heads;
 * reads the value codes (2/4/8-bit), unpacked in registers with their FP16 group scale/offset,
-  or, where ``value_slot[kv, block] >= 0``, staged FP16 values (value promotion), or, on an exact
+  or, where ``value_slot[kv, block] >= 0`` (or ``<= -2``: Tier-2 in place), staged FP16 values
+  (value promotion), or, on an exact
   block (a window, the tail block), the store's FP16 values in place;
 * keeps an FP32 online softmax and writes the block max ``m_b``, sum ``l_b`` (block masses) and
   sum of squares ``l2_b = sum_t w_t^2`` (block spreads ``||p_b||_2``), one more accumulator.
@@ -39,9 +42,10 @@ from certkv.kernels.triton_score import (
 @triton.jit
 def _attend_kernel(s_ptr, q_ptr, kslot_ptr, kstaged_ptr, gate_ptr, delta_ptr,
                    code_ptr, vs_ptr, vo_ptr, blk_ptr, slot_ptr, vslot_ptr, vstaged_ptr,
+                   k2_ptr, v2_ptr,
                    mb_ptr, lb_ptr, sb_ptr, canary_ptr, m_ptr, l_ptr, acc_ptr,
                    s_sk, s_sg, s_sn, s_qk, s_qg, s_ck, s_cn, s_ct, s_vk, s_vn, s_vt, s_lk,
-                   s_kp, s_kt, s_pp, s_pt, s_bk, s_bg, s_mk, s_mg, s_ak, s_ag, s_as,
+                   s_kp, s_kt, s_pp, s_pt, s_2p, s_2t, s_bk, s_bg, s_mk, s_mg, s_ak, s_ag, s_as,
                    n_entries, split_base, tail_blk, n_rows, scaling, eps_guard,
                    G: tl.constexpr, BLOCK_G: tl.constexpr, B: tl.constexpr, D: tl.constexpr,
                    DOT_C: tl.constexpr, GROUP: tl.constexpr, SPLIT: tl.constexpr,
@@ -67,8 +71,13 @@ def _attend_kernel(s_ptr, q_ptr, kslot_ptr, kstaged_ptr, gate_ptr, delta_ptr,
         s = tl.load(s_ptr + kv * s_sk + g[:, None] * s_sg + blk * s_sn + t[None, :],
                     mask=live_g[:, None] & (t[None, :] < B), other=float("-inf"))
         kslot = tl.load(kslot_ptr + kv * s_lk + blk)
-        if live & (kslot >= 0):  # FP16 keys staged for this block: gated logits + canary
-            k16 = tl.load(kstaged_ptr + kslot * s_kp + t[:, None] * s_kt + c[None, :])
+        if live & (kslot != -1):  # FP16 keys for this block: gated logits + canary
+            if kslot >= 0:  # staged in the pool
+                k16 = tl.load(kstaged_ptr + kslot.to(tl.int64) * s_kp + t[:, None] * s_kt
+                              + c[None, :])
+            else:  # Tier-2 in place
+                k16 = tl.load(k2_ptr + (-2 - kslot).to(tl.int64) * s_2p + t[:, None] * s_2t
+                              + c[None, :])
             s16 = channel_dot(q, k16.to(tl.float32), BLOCK_G, B, D, DOT_C) * scaling
             on = tl.load(gate_ptr + row, mask=live_g, other=0) != 0
             delta = tl.load(delta_ptr + row, mask=live_g, other=0.0)
@@ -80,7 +89,8 @@ def _attend_kernel(s_ptr, q_ptr, kslot_ptr, kstaged_ptr, gate_ptr, delta_ptr,
             s = tl.where(on[:, None], s16, s)
         vslot = tl.load(vslot_ptr + kv * s_lk + blk)
         staged = (zero_bd + vslot) >= 0  # FP16 values staged (value promotion)
-        read = rows & ~staged & ((zero_bd + e) < n_entries)  # codes or originals to read
+        direct = (zero_bd + vslot) <= -2  # FP16 values read from Tier-2 in place
+        read = rows & ~staged & ~direct & ((zero_bd + e) < n_entries)  # codes or originals
         base = kv * s_ck + slot * s_cn
         if FP16:  # an exact block (or FP16 values): the originals in place
             v = tl.load(code_ptr + base + t[:, None] * s_ct + c[None, :], mask=read,
@@ -91,9 +101,11 @@ def _attend_kernel(s_ptr, q_ptr, kslot_ptr, kstaged_ptr, gate_ptr, delta_ptr,
             vs = tl.load(vs_ptr + grp, mask=read, other=0.0).to(tl.float32)
             vo = tl.load(vo_ptr + grp, mask=read, other=0.0).to(tl.float32)
             v = code * vs + vo
-        v16 = tl.load(vstaged_ptr + vslot * s_pp + t[:, None] * s_pt + c[None, :], mask=staged,
-                      other=0.0).to(tl.float32)
-        v = tl.where(staged, v16, v)  # [B, D]
+        v16 = tl.load(vstaged_ptr + tl.maximum(vslot, 0).to(tl.int64) * s_pp + t[:, None] * s_pt
+                      + c[None, :], mask=staged, other=0.0).to(tl.float32)
+        v2 = tl.load(v2_ptr + tl.maximum(-2 - vslot, 0).to(tl.int64) * s_2p + t[:, None] * s_2t
+                     + c[None, :], mask=direct, other=0.0).to(tl.float32)
+        v = tl.where(staged, v16, tl.where(direct, v2, v))  # [B, D]
         m_b = tl.max(s, axis=1)  # [BLOCK_G]
         m_safe = tl.where(m_b == float("-inf"), 0.0, m_b)
         w = tl.exp(s - m_safe[:, None])
@@ -184,7 +196,8 @@ def reduce_splits(m_b, l_b, m, lsum, acc, l2_b=None) -> Attended:
 def attend_blocks(scored: Scored, q: torch.Tensor, gate: torch.Tensor,
                   key_slot: torch.Tensor, key_data: torch.Tensor, sources: list,
                   value_slot: torch.Tensor, value_data: torch.Tensor, scaling: float,
-                  eps_guard: float, split: int | None = None) -> Attended:
+                  eps_guard: float, split: int | None = None,
+                  tier2: tuple[torch.Tensor, torch.Tensor] | None = None) -> Attended:
     """Phase 2 over ``n`` blocks given as :class:`~certkv.kernels.triton_sources.BlockSource`
     launches of value codes (one per precision, then the exact tail block), merged in one
     reduction.
@@ -193,7 +206,10 @@ def attend_blocks(scored: Scored, q: torch.Tensor, gate: torch.Tensor,
         scored: Phase-1 logits ``[Hkv, G, n, B]`` and ``delta_b [Hkv, G, n]``.
         q: ``[Hkv, G, d]``; gate: bool ``[Hkv, G, n]`` (use FP16-key logits where staged).
         key_slot / value_slot: int32 ``[Hkv, n]`` into FP16 blocks ``key_data`` /
-            ``value_data [P, B, d]`` (-1: not staged).
+            ``value_data [P, B, d]`` (-1: not staged; ``<= -2``: row ``-2 - slot`` of
+            ``tier2``).
+        tier2: the FP16 originals ``(k, v)`` as ``[R, B, d]`` row views (strides only: Tier-2
+            is read in place, pinned host memory on CUDA), or None where no slot is ``<= -2``.
     Returns:
         :class:`Attended` with the canary violations of the gated blocks.
     """
@@ -213,8 +229,10 @@ def attend_blocks(scored: Scored, q: torch.Tensor, gate: torch.Tensor,
     acc = torch.empty(hkv, g, bases[-1], d, device=dev)
     gate8 = torch.empty_like(canary).copy_(gate)  # the [Hkv, G, n] layout of m_b, canary
     delta = torch.empty_like(m_b).copy_(scored.delta_b)
-    shared = (scores, q.float().contiguous(), key_slot.contiguous(), key_data.contiguous(),
-              gate8, delta, value_slot.contiguous(), value_data.contiguous(),
+    key_data, value_data = key_data.contiguous(), value_data.contiguous()
+    tier2 = tier2 or (key_data, key_data)  # never read without a slot <= -2
+    shared = (scores, q.float().contiguous(), key_slot.contiguous(), key_data,
+              gate8, delta, value_slot.contiguous(), value_data, tier2,
               (m_b, l_b, l2_b, canary), (m, lsum, acc))
     for src, base in zip(sources, bases, strict=False):
         _launch_attend(src, base, shared, n, scaling, eps_guard, split)
@@ -226,7 +244,8 @@ def attend_blocks(scored: Scored, q: torch.Tensor, gate: torch.Tensor,
 def _launch_attend(src, base, shared, n, scaling, eps_guard, split) -> None:
     """One Phase-2 launch over ``src``'s blocks: block statistics at their indices, split
     states from split ``base`` on."""
-    scores, q, key_slot, key_data, gate, delta, value_slot, value_data, blocks_out, state = shared
+    (scores, q, key_slot, key_data, gate, delta, value_slot, value_data, (k2, v2), blocks_out,
+     state) = shared
     m_b, l_b, l2_b, canary = blocks_out
     m, lsum, acc = state
     hkv, g, _, bsz = scores.shape
@@ -235,12 +254,13 @@ def _launch_attend(src, base, shared, n, scaling, eps_guard, split) -> None:
     data, vscale, voffset, blocks, slots = src.pointers()
     _attend_kernel[(hkv, triton.cdiv(src.count, split))](
         scores, q, key_slot, key_data, gate, delta,
-        data, vscale, voffset, blocks, slots, value_slot, value_data,
+        data, vscale, voffset, blocks, slots, value_slot, value_data, k2, v2,
         m_b, l_b, l2_b, canary, m, lsum, acc,
         scores.stride(0), scores.stride(1), scores.stride(2), q.stride(0), q.stride(1),
         data.stride(0), data.stride(1), data.stride(2),
         vscale.stride(0), vscale.stride(1), vscale.stride(2), value_slot.stride(0),
         key_data.stride(0), key_data.stride(1), value_data.stride(0), value_data.stride(1),
+        k2.stride(0), k2.stride(1),
         m_b.stride(0), m_b.stride(1), m.stride(0), m.stride(1),
         acc.stride(0), acc.stride(1), acc.stride(2),
         src.count, base, n - 1, src.rows(bsz), float(scaling), float(eps_guard),
