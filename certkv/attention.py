@@ -52,7 +52,7 @@ from certkv.certify.select import AdaptiveTopK
 from certkv.certify.values import LocalThreshold
 from certkv.errors import ConfigError, EmptyStoreError, NonFiniteError, ShapeError, require
 from certkv.kernels.dispatch import get_backend
-from certkv.kernels.layout import StagedBlocks, StepLayout
+from certkv.kernels.layout import SlotMap, StagedBlocks, StepLayout
 from certkv.kernels.reference import dense_rounding, without_blocks
 from certkv.timing import NULL_TIMER, PhaseTimer
 
@@ -182,7 +182,7 @@ class CertifiedAttention:
         else:
             stage = (partial(_tier2_stage, store) if scratch is None
                      else partial(scratch.stage, store))
-            out, cert = self._quantized_step(q_dev, store, scaling, stage)
+            out, cert = self._quantized_step(q_dev, store, scaling, stage, scratch)
         if self.audit:
             k, v = store.dense_kv()
             cert.violations = int(violations(out, cert.bound, q_dev, k, v, scaling).sum())
@@ -249,7 +249,7 @@ class CertifiedAttention:
         return self.backend.dense(q[heads.to(q.device)], k16[gather], v16[gather], scaling)
 
     # -------------------------------------------------------- quantized modes
-    def _quantized_step(self, q, store, scaling, stage):
+    def _quantized_step(self, q, store, scaling, stage, scratch=None):
         """Naive and certified steps. With ``ladder.bound_tol`` / ``bound_rtol`` set, a head
         whose returned bound exceeds its tolerance escalates: the pass is redone with that head's
         key set at the ladder's cap, then also with FP16 values for its promoted blocks, then the
@@ -265,8 +265,11 @@ class CertifiedAttention:
             scored = self.backend.phase1(qg, lay, scaling)
         scored, e_drop = self._drop_evicted(q, store, lay, scored, scaling)
         boost, tolerant = None, self.mode == "certified" and self.ladder.bound_tolerance
+        pager = partial(self._page_in, stage)
+        if self._on_device(q, tolerant) and self.backend.pages_in_on_device(lay):
+            pager = partial(self._page_in_on_device, scratch)
         for _ in range(TOL_LEVELS):
-            step = self._pass(q, qg, store, lay, scored, scaling, stage, boost, timer)
+            step = self._pass(q, qg, store, lay, scored, scaling, pager, boost, timer)
             over = self.ladder.over_tolerance(step.bound, step.out.norm(dim=-1)) \
                 if tolerant else None
             if self._on_device(q, tolerant):
@@ -320,7 +323,7 @@ class CertifiedAttention:
         v_rad = torch.minimum(lay.v_radius, lay.v_max).repeat_interleave(group)
         return without_blocks(scored, dropped), dropped_error(mass, v_rad)
 
-    def _pass(self, q, qg, store, lay, scored, scaling, stage, boost, timer) -> _Pass:
+    def _pass(self, q, qg, store, lay, scored, scaling, pager, boost, timer) -> _Pass:
         """Selection, page-in, Phase 2, checks and the certificate of one pass over the
         Phase-1 scores (``boost [Hq]``: the bound-tolerance escalation level per head, or
         None); the fallback is left to the caller."""
@@ -341,7 +344,8 @@ class CertifiedAttention:
 
         # Page-in (the step's first host read) and Phase 2 (gated keys, FP16 values).
         with timer.phase("page_in"):
-            keys, values, paged = self._page_in(stage, lay, plan) if certified else (None, None, 0)
+            keys, values, paged, promotions = (
+                pager(lay, plan) if certified else (None, None, 0, 0))
         with timer.phase("phase2"):
             att = self.backend.phase2(qg, scored, lay, promoted.reshape(hkv, group, -1), keys,
                                       values, scaling, self.ladder.eps_guard)
@@ -370,8 +374,7 @@ class CertifiedAttention:
         blocks = BlockStats(att.rho.reshape(hq, -1), lay.eta, delta_b, v_rad, lay.quantized)
         return _Pass(att.out.reshape(hq, -1), spec, flags, e_key, e_val, e_arith, delta,
                      log_alpha, (promoted & lay.quantized).sum(dim=-1), rung, ranking,
-                     boundary, canary, value_blocks,
-                     0 if values is None else values.blocks.numel(), lay.num_quantized,
+                     boundary, canary, value_blocks, promotions, lay.num_quantized,
                      paper_key, paper_val, blocks, paged)
 
     def _segment(self, name: str, device: torch.device):
@@ -582,8 +585,8 @@ class CertifiedAttention:
 
         The plan is read to the host once (the step's first host read: Tier-2 lives in host
         memory, so the host must know what to copy). Returns two :class:`StagedBlocks` (or
-        None), the exact tail block never staged, and how many (kv head, block) pairs of
-        evicted blocks were paged in.
+        None), the exact tail block never staged, how many (kv head, block) pairs of evicted
+        blocks were paged in and how many value blocks were promoted.
         """
         staged = []
         store = lay.store
@@ -600,7 +603,37 @@ class CertifiedAttention:
             data, rows = stage(kv_idx, blk_idx, which)
             staged.append(StagedBlocks(kv_idx.to(dev, non_blocking=True),
                                        blk_idx.to(dev, non_blocking=True), data, rows))
-        return staged[0], staged[1], paged
+        promotions = 0 if staged[1] is None else staged[1].blocks.numel()
+        return staged[0], staged[1], paged, promotions
+
+    def _page_in_on_device(self, scratch, lay, plan):
+        """:meth:`_page_in` without a host read: slot maps built on the device, through the
+        scratch cache's device bookkeeping (misses copied from Tier-2 by one kernel, blocks
+        without a free slot read by Phase 2 from Tier-2 in place) or, without a scratch cache,
+        every wanted block read from Tier-2 in place. Counts stay on the device (0-d)."""
+        store, nc = lay.store, lay.num_completed
+        if nc == 0:
+            return None, None, 0, 0
+        hkv, dev = store.num_kv_heads, store.device
+        k2, v2, width = store.original_rows()
+        rows = (torch.arange(hkv, device=dev)[:, None] * width
+                + torch.arange(nc, device=dev)).long()
+        want = plan[:, :, :nc]
+        pad = torch.full((hkv, lay.num_blocks - nc), -1, dtype=torch.int32, device=dev)
+        maps = []
+        for which, wanted, tier2 in (("k", want[0], k2), ("v", want[1], v2)):
+            if scratch is None:
+                slot = torch.where(wanted, -2 - rows, -1).int()
+                pool = torch.zeros(1, store.block_size, store.head_dim, dtype=torch.float16,
+                                   device=dev)
+            else:
+                slot, pool = scratch.device_slots(store, which, wanted, rows, tier2)
+            maps.append(SlotMap(torch.cat([slot, pad], dim=1), pool))
+        paged = 0
+        if store.evicted_pid is not None:
+            evicted = store.evicted_mask().to(dev, non_blocking=True)
+            paged = (want.any(dim=0) & evicted).sum()
+        return maps[0], maps[1], paged, want[1].sum()
 
     def _host_flags(self, flags, over=None):
         """The step's second host read: which heads need dense attention (Tier-2 is on the host),

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from certkv.cache.device_scratch import DeviceLRU
 from certkv.errors import ConfigError, require
 
 
@@ -125,21 +126,46 @@ class _LRUBlocks:
 
 @dataclass
 class ScratchCache:
-    """Per-layer FP16 scratch with separate key / value capacities in blocks (LRU)."""
+    """Per-layer FP16 scratch with separate key / value capacities in blocks (LRU): host
+    bookkeeping for steps that read their page-in plan (:meth:`stage`), device bookkeeping for
+    steps that do not (:meth:`device_slots`, :class:`~certkv.cache.device_scratch.DeviceLRU`)."""
 
     key_blocks: int = 2048
     value_blocks: int = 2048
-    stats: ScratchStats = field(default_factory=ScratchStats)
+    _host: ScratchStats = field(default_factory=ScratchStats, repr=False)
 
     def __post_init__(self) -> None:
         require(self.key_blocks >= 0 and self.value_blocks >= 0, ConfigError,
                 "scratch_key_blocks and scratch_value_blocks must be >= 0 (0 disables caching).")
         self._lru = {"k": _LRUBlocks(self.key_blocks), "v": _LRUBlocks(self.value_blocks)}
+        self._device: dict[str, DeviceLRU] = {}
+
+    @property
+    def stats(self) -> ScratchStats:
+        """Hits, misses and host-to-device bytes of both bookkeepings (reads the device
+        counters: one host read when device steps ran). A block read from Tier-2 in place
+        counts as a miss."""
+        total = ScratchStats(self._host.hits, self._host.misses, self._host.h2d_bytes)
+        for lru in self._device.values():
+            hits, misses, direct = lru.counts()
+            block = 2 * lru.pool.shape[1] * lru.pool.shape[2]  # FP16 bytes of one block
+            total = total + ScratchStats(hits, misses + direct, (misses + direct) * block)
+        return total
 
     def stage(self, store, kv_heads: torch.Tensor, blocks: torch.Tensor, which: str):
         """``(data, rows)`` for the keys (``which="k"``) or values (``"v"``) of
         ``(kv_heads[i], blocks[i])`` (host indices): see :meth:`_LRUBlocks.stage`."""
-        return self._lru[which].stage(store, which, kv_heads, blocks, self.stats)
+        return self._lru[which].stage(store, which, kv_heads, blocks, self._host)
+
+    def device_slots(self, store, which: str, want: torch.Tensor, rows: torch.Tensor,
+                     tier2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(slot map [Hkv, n] int32, pool [S, B, d])`` for the wanted blocks ``want [Hkv,
+        n]`` without a host read: see :meth:`DeviceLRU.slots`."""
+        if which not in self._device:
+            self._device[which] = DeviceLRU(self.key_blocks if which == "k"
+                                            else self.value_blocks)
+        lru = self._device[which]
+        return lru.slots(store, want, rows, tier2), lru.pool
 
     def fetch(self, store, kv_heads: torch.Tensor, blocks: torch.Tensor, which: str = "kv"):
         """Same contract as ``TieredKVStore.fetch_originals``, served from scratch when cached.

@@ -889,6 +889,15 @@ class TieredKVStore:
         what the on-device fallback kernel reads."""
         return self._originals() if self.num_blocks else {}
 
+    def original_rows(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The completed blocks' FP16 originals as row views ``k, v: [Hkv * W, B, d]`` of the
+        buffers in place (pinned host memory on CUDA) and ``W``: block ``b`` of kv head ``h``
+        is row ``h * W + b``. What kernels that page in on the device read."""
+        k, v = (self._originals()[name] for name in ("k", "v"))
+        width = k.stride(0) // k.stride(1)
+        shape, strides = (k.shape[0] * width, *k.shape[2:]), k.stride()[1:]
+        return k.as_strided(shape, strides), v.as_strided(shape, strides), width
+
     def fetch_originals(
         self, kv_heads: torch.Tensor, blocks: torch.Tensor, which: str = "kv"
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -127,20 +127,22 @@ class Certificate:
         host. The per-head tensors are joined on their device and copied in one transfer (one
         host read per decode step for the whole log, not one per layer and field)."""
         merged = {}
-        names = [f.name for f in fields(cls) if isinstance(getattr(certs[0], f.name), torch.Tensor)]
+        names = [f.name for f in fields(cls) if f.name not in _SUMMED
+                 and isinstance(getattr(certs[0], f.name), torch.Tensor)]
         device = getattr(certs[0], names[0]).device
         joined = [torch.cat([getattr(c, name).to(device) for c in certs]) for name in names]
+        # counts: ints, or 0-d device tensors from steps that never read the host
+        joined += [torch.stack([torch.as_tensor(getattr(c, name), device=device).reshape(())
+                                for c in certs]) for name in _SUMMED]
         packed = torch.cat([t.double() for t in joined]).to("cpu")  # exact for every field
-        for name, t, part in zip(names, joined, packed.split([t.numel() for t in joined]),
-                                 strict=True):
-            merged[name] = part.to(t.dtype)
+        for name, t, part in zip([*names, *_SUMMED], joined,
+                                 packed.split([t.numel() for t in joined]), strict=True):
+            merged[name] = int(part.sum()) if name in _SUMMED else part.to(t.dtype)
         for f in fields(cls):
             values = [getattr(c, f.name) for c in certs]
-            if isinstance(values[0], torch.Tensor):
+            if f.name in _SUMMED or isinstance(values[0], torch.Tensor):
                 continue
-            if f.name in _SUMMED:
-                merged[f.name] = sum(values)
-            elif f.name == "num_blocks":
+            if f.name == "num_blocks":
                 merged[f.name] = max(values)
             elif f.name == "blocks":
                 merged[f.name] = None  # per layer only
@@ -169,8 +171,9 @@ class Certificate:
         out["ranking_fail"] = int((~self.ranking_ok).sum())
         out["boundary_fail"] = int((~self.boundary_ok).sum())
         out["canary_fail"] = int((~self.canary_ok).sum())
-        for name in _SUMMED:
-            out[name] = getattr(self, name)
+        for name in _SUMMED:  # counts of a device step are 0-d tensors until here
+            value = getattr(self, name)
+            out[name] = int(value) if isinstance(value, torch.Tensor) else value
         out["audited"] = self.audited
         out["tol_escalated"] = int((self.tol_level > 0).sum())
         out["tol_dense"] = int((self.tol_level >= 3).sum())

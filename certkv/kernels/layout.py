@@ -33,6 +33,16 @@ class StagedBlocks:
         return self.data if self.rows is None else self.data[self.rows]
 
 
+@dataclass
+class SlotMap:
+    """FP16 blocks a step reads, located without the host: ``slot [Hkv, n]`` (int32) holds the
+    block's row in ``pool [P, B, d]`` (``>= 0``, e.g. the device-side scratch), ``-2 - row`` for
+    row ``row`` of Tier-2 read in place (``<= -2``), or -1 (read from its codes)."""
+
+    slot: torch.Tensor
+    pool: torch.Tensor
+
+
 class StepLayout:
     """Masks and annotations of one step over ``n`` blocks of a store."""
 

@@ -20,7 +20,7 @@ import torch
 
 from certkv.certify.arith import Rounding, dot_depth
 from certkv.errors import ConfigError, require
-from certkv.kernels.layout import StagedBlocks, StepLayout
+from certkv.kernels.layout import SlotMap, StagedBlocks, StepLayout
 from certkv.kernels.reference import Attended, Scored, TorchBackend, dense_attention
 
 _NOTICED: set = set()  # (phase inputs, quantizer) already noticed as not covered
@@ -93,8 +93,16 @@ class TritonBackend:
         shape = (lay.store.num_kv_heads, lay.num_blocks)
         key_slot, key_data = slot_map(keys, shape, lay)
         value_slot, value_data = slot_map(values, shape, lay)
+        tier2 = None
+        if isinstance(keys, SlotMap) or isinstance(values, SlotMap):
+            tier2 = lay.store.original_rows()[:2] if lay.num_completed else None
         return attend_blocks(scored, q, gate, key_slot, key_data, sources, value_slot,
-                             value_data, scaling, eps_guard, self.split)
+                             value_data, scaling, eps_guard, self.split, tier2)
+
+    def pages_in_on_device(self, lay: StepLayout) -> bool:
+        """Whether Phase 2 runs the kernels for this store (so that it can read slot maps the
+        host never saw, :class:`SlotMap`); the reference needs the page-in on the host."""
+        return lay.kernel_sources("value") is not None
 
     def checks(self, l_int8, l_fp16, delta_b, promoted, tail, r):
         """Ranking (eq. 17) and boundary (eq. 18) flags ``[Hq]`` in one tiny kernel."""
@@ -138,10 +146,13 @@ class TritonBackend:
                         depth_per_block=1 / 64, dot_depth=dot_depth(lay.store.head_dim))
 
 
-def slot_map(staged: StagedBlocks | None, shape: tuple[int, int],
+def slot_map(staged: StagedBlocks | SlotMap | None, shape: tuple[int, int],
              lay: StepLayout) -> tuple[torch.Tensor, torch.Tensor]:
     """Slot map ``[Hkv, n]`` (int32, -1: not staged) into the staged FP16 blocks ``[P, B, d]``
-    (read in place, the scratch pool included; a one-block dummy when nothing is staged)."""
+    (read in place, the scratch pool included; a one-block dummy when nothing is staged). A
+    :class:`SlotMap` made on the device is passed through."""
+    if isinstance(staged, SlotMap):
+        return staged.slot, staged.pool
     store = lay.store
     dev = store.device
     slot = torch.full(shape, -1, dtype=torch.int32, device=dev)
