@@ -265,15 +265,16 @@ class CertifiedAttention:
             scored = self.backend.phase1(qg, lay, scaling)
         scored, e_drop = self._drop_evicted(q, store, lay, scored, scaling)
         boost, tolerant = None, self.mode == "certified" and self.ladder.bound_tolerance
+        on_device = self._on_device(q, tolerant)  # no host read: flags, and page-in if covered
         pager = partial(self._page_in, stage)
-        if self._on_device(q, tolerant) and self.backend.pages_in_on_device(lay):
+        if on_device and self.backend.pages_in_on_device(lay):
             pager = partial(self._page_in_on_device, scratch)
         for _ in range(TOL_LEVELS):
             step = self._pass(q, qg, store, lay, scored, scaling, pager, boost, timer)
+            if on_device:  # never tolerant: one pass
+                break
             over = self.ladder.over_tolerance(step.bound, step.out.norm(dim=-1)) \
                 if tolerant else None
-            if self._on_device(q, tolerant):
-                break
             dense_heads, over_heads = self._host_flags(step.flags, over)
             if over_heads.numel() == 0:
                 break
@@ -287,7 +288,7 @@ class CertifiedAttention:
             step.rung[over_dev] = step.rung[over_dev].clamp(min=3)
             dense_heads = torch.unique(torch.cat([dense_heads, over_heads]))
         with timer.phase("fallback"):
-            if self._on_device(q, tolerant):
+            if on_device:
                 out, e_arith = self._fallback_on_device(q, store, step, scaling)
             else:
                 out, e_arith = self._fallback(q, store, step.out, dense_heads, scaling,
@@ -342,7 +343,8 @@ class CertifiedAttention:
             (log_p, delta_b, delta, delta_chan, v_max, v_rad, q_norm, promoted, expanded,
              value_kv, plan) = sel
 
-        # Page-in (the step's first host read) and Phase 2 (gated keys, FP16 values).
+        # Page-in (on the host: the step's first host read; on the device: none) and Phase 2
+        # (gated keys, FP16 values).
         with timer.phase("page_in"):
             keys, values, paged, promotions = (
                 pager(lay, plan) if certified else (None, None, 0, 0))
