@@ -94,6 +94,18 @@ def test_a_step_with_dense_heads_and_scratch_misses_never_reads_the_host(audit):
     assert stats.hits > 0 and stats.misses > 0
 
 
+@pytest.mark.parametrize("mode", ["certified", "naive"])
+def test_the_step_counter_sees_no_host_read_on_the_triton_backend(mode):
+    """What `certkv bench attention` reports for a Triton step (the torch path reads twice)."""
+    from certkv.opcount import count_step
+
+    store, q = layer(200, seed=5, peaked=False)
+    attn = CertifiedAttention(backend="triton", mode=mode, ladder=Ladder(r=3))
+    scratch = ScratchCache(8, 8)
+    attn(q, store, scratch=scratch)
+    assert count_step(lambda: attn(q, store, scratch=scratch), attn)["host_reads"] == 0
+
+
 def decode(attn, store, q, steps, scratch, seed=0):
     """``steps`` decode steps with a new token appended after each: outputs and certificates."""
     gen = torch.Generator().manual_seed(seed)

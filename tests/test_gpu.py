@@ -111,4 +111,4 @@ def test_the_step_counter_counts_kernel_launches_on_cuda():
     dense = CertifiedAttention(mode="dense")
     dense(q, store)
     assert counts["launches"] > count_step(lambda: dense(q, store), dense)["launches"] > 0
-    assert counts["host_reads"] == 2
+    assert counts["host_reads"] == 0  # page-in and fallback on the device (issue 24)
