@@ -45,7 +45,8 @@ PEAK_GBPS = {"H100 80GB HBM3": 3350.0, "H100 PCIe": 2000.0, "H200": 4800.0}
 RUNS_DIR = Path("runs/bench")  # default parent of each invocation's directory (cwd-relative)
 SPREAD_LIMIT = 0.2  # (max - min) / median above this: the timings are not trustworthy
 PHASE_RUNS = 3  # synchronised runs behind each phase breakdown
-METHOD_COLORS = {"dense": "C0", "naive": "C1", "certified": "C2"}  # one colour per method
+METHOD_COLORS = {"dense": "C0", "naive": "C1", "certified": "C2",
+                 "certified-host": "C3"}  # one colour per method
 
 Update = Callable[..., None]  # update(description, advance=0): progress report
 
@@ -197,9 +198,13 @@ class AttentionCase:
 
 
 def bench_attention_case(case: AttentionCase, device: torch.device, repeats: int,
-                         compile: bool | str | None = None, update: Update = _quiet) -> dict:
+                         compile: bool | str | None = None, update: Update = _quiet,
+                         backend: str = "auto") -> dict:
     """Time dense / naive / certified for one case; returns a JSON-able record (``compile``:
-    as :class:`CertifiedAttention`; the first timed warm-up calls absorb compilation).
+    as :class:`CertifiedAttention`; the first timed warm-up calls absorb compilation). Where
+    the backend keeps the step on the device (Triton), ``certified-host`` times the same step
+    with its page-in plan and fallback flags read on the host (``device_fallback=False``), the
+    A/B of issue 24's host round-trips in one process.
 
     ``ms`` holds each method's median step time, ``ms_stats`` its min / median / max and runs.
     Whole-step times are taken without the phase timer (its per-phase synchronisation would
@@ -211,12 +216,18 @@ def bench_attention_case(case: AttentionCase, device: torch.device, repeats: int
     # (FP16 on GPU; FP32 on CPU, which has no fast FP16 math), converted once, outside timing
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     qd, kd, vd = q.to(dtype), k16.to(dtype), v16.to(dtype)
-    naive = CertifiedAttention(mode="naive", compile=compile)
-    certified = CertifiedAttention(compile=compile)
+    naive = CertifiedAttention(mode="naive", compile=compile, backend=backend)
+    certified = CertifiedAttention(compile=compile, backend=backend)
     scratch = ScratchCache()
     steps = {"dense": lambda: dense_attention(qd, kd, vd, scaling),
              "naive": lambda: naive(q, store),
              "certified": lambda: certified(q, store, scratch=scratch)}
+    methods = {"dense": None, "naive": naive, "certified": certified}
+    if hasattr(certified.backend, "dense_flagged"):
+        host = CertifiedAttention(compile=compile, backend=backend, device_fallback=False)
+        host_scratch = ScratchCache()
+        steps["certified-host"] = lambda: host(q, store, scratch=host_scratch)
+        methods["certified-host"] = host
     ms_stats = {}
     for method, step in steps.items():
         update(f"{case.short_label}: {method}")
@@ -224,7 +235,6 @@ def bench_attention_case(case: AttentionCase, device: torch.device, repeats: int
         update(f"{case.short_label}: {method}", advance=1)
     phase_ms = phase_stats(steps["certified"], certified)
     _, cert = steps["certified"]()
-    methods = {"dense": None, "naive": naive, "certified": certified}
     dispatch = {m: count_step(steps[m], a) for m, a in methods.items()}
     return {**_attention_record(case, store, cert, ms_stats, phase_ms, str(dtype)),
             "dispatch": dispatch}
@@ -258,12 +268,13 @@ def _bytes_read(store: TieredKVStore, cert, case: AttentionCase) -> dict[str, in
     read Tier-1 (certified also its promoted FP16 blocks); Phase 2 alone reads the INT4 values,
     the Phase-1 logits (FP32, one per query head and token) and the promoted FP16 blocks."""
     block_bytes = store.block_size * case.head_dim * 2
-    promoted = int(cert.k_star.sum()) * block_bytes + cert.value_promotions * block_bytes
+    promoted = (int(cert.k_star.sum()) + int(cert.value_promotions)) * block_bytes
     logits = 4 * case.kv_heads * case.group * store.num_tokens
     values = store.value_blocks()
     value_bytes = sum(t.numel() * t.element_size() for t in values.values())
     return {"dense": store.dense_bytes(), "naive": store.tier1_bytes(),
             "certified": store.tier1_bytes() + promoted,
+            "certified-host": store.tier1_bytes() + promoted,
             "phase2": value_bytes + logits + promoted}
 
 

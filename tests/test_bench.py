@@ -41,6 +41,17 @@ def test_attention_case_record():
     assert record["memory_bytes"]["tier1"] / record["memory_bytes"]["dense"] == 144 / 128 * 0.5
 
 
+def test_attention_case_times_the_host_round_trips_beside_the_device_step():
+    """On the Triton backend (the interpreter here) the record adds ``certified-host``: the
+    same step reading its page-in plan and flags on the host, which the counter sees."""
+    record = bench.bench_attention_case(bench.AttentionCase(64, 32, 2, 2), torch.device("cpu"),
+                                        repeats=2, backend="triton")
+    assert set(record["ms_stats"]) == {"dense", "naive", "certified", "certified-host"}
+    reads = {m: c["host_reads"] for m, c in record["dispatch"].items()}
+    assert reads == {"dense": 0, "naive": 0, "certified": 0, "certified-host": 2}
+    assert record["gbps"]["certified-host"] > 0
+
+
 def test_timed_keeps_warmup_then_repeats():
     calls = []
     times = bench.timings(lambda: calls.append(1), repeats=3, warmup=2)
