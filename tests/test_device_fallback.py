@@ -158,6 +158,12 @@ def test_the_contract_holds_with_evicted_blocks_paged_in_on_the_device():
     check_heads(out, cert, q, store)
     summary = cert.summary()
     assert isinstance(summary["paged_evicted"], int) and summary["paged_evicted"] > 0
+    log = CertificateLog(keep="full")  # per-head records skip the step's counts
+    for layer in range(2):
+        log.record(layer, cert)
+    log.flush()
+    assert log.steps[0]["paged_evicted"] == 2 * summary["paged_evicted"]
+    assert len(log.heads) == 12 and "paged_evicted" not in log.heads[0]
 
 
 @pytest.mark.parametrize("bad", ["q", "kv"])

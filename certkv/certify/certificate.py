@@ -74,7 +74,8 @@ class Certificate:
     boundary_ok: torch.Tensor  # eq. 18 (True where not checked)
     canary_ok: torch.Tensor  # Section 6 score consistency (True where not checked)
     value_blocks: torch.Tensor  # blocks of the head's KV group read with FP16 values
-    value_promotions: int  # (kv head, block) pairs paged in with FP16 values this step
+    value_promotions: int | torch.Tensor  # (kv head, block) pairs paged in with FP16 values
+    # this step (a 0-d device tensor from a step that never reads the host, as paged_evicted)
     num_blocks: int  # quantized blocks in the store
     mode: str = "certified"
     paper_e_key: torch.Tensor | None = None  # eq. 15 as in the paper (telemetry)
@@ -152,7 +153,8 @@ class Certificate:
 
     def head_records(self) -> list[dict[str, float | int | bool]]:
         """One plain dict per head (for full per-head telemetry)."""
-        names = [f.name for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)]
+        names = [f.name for f in fields(self) if f.name not in _SUMMED
+                 and isinstance(getattr(self, f.name), torch.Tensor)]
         columns = {n: getattr(self, n).tolist() for n in names}
         return [{"head": h, **{n: columns[n][h] for n in names}} for h in range(self.num_heads)]
 
