@@ -65,7 +65,7 @@ def _dense_flagged_kernel(q_ptr, flag_ptr, k2_ptr, v2_ptr, tk_ptr, tv_ptr, out_p
                           n_blocks, tail_len, group, scaling,
                           s2_h, s2_b, s2_t, st_h, st_t,
                           B: tl.constexpr, D: tl.constexpr, GP: tl.constexpr):
-    kv = tl.program_id(0)
+    kv = tl.program_id(0).to(tl.int64)  # offsets past 2^31 elements at long contexts
     g = tl.arange(0, GP)
     dim = tl.arange(0, D)
     heads = kv * group + g
