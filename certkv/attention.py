@@ -22,6 +22,7 @@ from functools import partial
 import numpy as np
 import torch
 
+from certkv.cache.device_scratch import lru_step
 from certkv.cache.scratch import ScratchCache
 from certkv.cache.store import NONFINITE_KV, TieredKVStore
 from certkv.certify.arith import (
@@ -608,6 +609,8 @@ class CertifiedAttention:
         promotions = 0 if staged[1] is None else staged[1].blocks.numel()
         return staged[0], staged[1], paged, promotions
 
+    _lru_step = staticmethod(lru_step)  # the scratch cache's device bookkeeping, a segment
+
     def _page_in_on_device(self, scratch, lay, plan):
         """:meth:`_page_in` without a host read: slot maps built on the device, through the
         scratch cache's device bookkeeping (misses copied from Tier-2 by one kernel, blocks
@@ -629,7 +632,8 @@ class CertifiedAttention:
                 pool = torch.zeros(1, store.block_size, store.head_dim, dtype=torch.float16,
                                    device=dev)
             else:
-                slot, pool = scratch.device_slots(store, which, wanted, rows, tier2)
+                slot, pool = scratch.device_slots(store, which, wanted, rows, tier2,
+                                                  self._segment("_lru_step", dev))
             maps.append(SlotMap(torch.cat([slot, pad], dim=1), pool))
         paged = 0
         if store.evicted_pid is not None:

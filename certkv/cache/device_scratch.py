@@ -22,10 +22,10 @@ class DeviceLRU:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self.clock = 0  # host counter of steps (never read from the device)
+        self.clock = None  # 0-d int64 device step counter
         self.pool = self.stamp = self.owner = self.slot_of = None
         self.width = 0  # blocks per kv head in ``slot_of``
-        self.hits = self.misses = self.direct = None  # 0-d int64 device counters
+        self.tally = None  # int64 [3] device counters: hits, misses, direct reads
 
     # ------------------------------------------------------------------ sizing
     def _ensure(self, store) -> None:
@@ -39,8 +39,8 @@ class DeviceLRU:
             self.stamp = torch.full((1,), _NEVER, dtype=torch.long, device=dev)
             self.owner = torch.zeros(1, dtype=torch.long, device=dev)
             self.slot_of = torch.full((1,), NOT_STAGED, dtype=torch.int32, device=dev)
-            self.hits, self.misses, self.direct = (torch.zeros((), dtype=torch.long, device=dev)
-                                                   for _ in range(3))
+            self.clock = torch.zeros((), dtype=torch.long, device=dev)
+            self.tally = torch.zeros(3, dtype=torch.long, device=dev)
         if n > self.width:
             self._widen(hkv, max(2 * self.width, n))
         size, want = self.pool.shape[0], min(self.capacity, hkv * n)
@@ -67,57 +67,79 @@ class DeviceLRU:
         self.owner = torch.cat([self.owner[:-1], self.owner.new_full((extra + 1,), dummy)])
 
     # -------------------------------------------------------------------- step
-    def slots(self, store, want: torch.Tensor, rows: torch.Tensor, tier2: torch.Tensor
-              ) -> torch.Tensor:
+    def slots(self, store, want: torch.Tensor, rows: torch.Tensor, tier2: torch.Tensor,
+              step=None) -> torch.Tensor:
         """The slot map ``[Hkv, n]`` (int32) of one step's wanted blocks, pool filled.
 
         Args:
             want: bool ``[Hkv, n]`` on the device: blocks to read in FP16 (completed blocks).
             rows: int64 ``[Hkv, n]``: each block's row in ``tier2``.
             tier2: FP16 ``[R, B, d]`` row view of the originals (read in place).
+            step: :func:`lru_step` or a compiled form of it (:class:`CertifiedAttention`
+                compiles it with its other segments on CUDA).
         Returns: the block's pool slot (``>= 0``), ``-2 - row`` for a wanted block read from
         Tier-2 in place (no free slot this step), or -1 (not wanted). No host read.
         """
         from certkv.kernels.triton_pagein import fill_slots
 
         self._ensure(store)
-        self.clock += 1
-        hkv, n = want.shape
-        size, dummy_slot, dummy_cell = self.pool.shape[0], self.pool.shape[0], hkv * self.width
-        cells = (torch.arange(hkv, device=want.device)[:, None] * self.width
-                 + torch.arange(n, device=want.device)).flatten()
-        wanted = want.flatten()
-        current = self.slot_of[cells].long()
-        hit = wanted & (current >= 0)
-        self.stamp.index_fill_(0, torch.where(hit, current, dummy_slot), self.clock)
-        miss = wanted & (current < 0)
-        used = self.stamp[:size] == self.clock
-        order = torch.argsort(torch.where(used, torch.iinfo(torch.long).max,
-                                          self.stamp[:size]), stable=True)  # LRU first
-        rank = torch.cumsum(miss, 0) - 1
-        take = miss & (rank < (~used).sum())
-        victim = torch.where(take, order[rank.clamp(0, max(size - 1, 0))] if size else rank,
-                             dummy_slot)
-        evicted = torch.where(take, self.owner[victim], dummy_cell)
-        self.slot_of.index_fill_(0, evicted, NOT_STAGED)
-        self.slot_of.scatter_(0, torch.where(take, cells, dummy_cell), victim.int())
-        self.owner.scatter_(0, victim, torch.where(take, cells, dummy_cell))
-        self.stamp.index_fill_(0, victim, self.clock)
-        need = torch.zeros(size + 1, dtype=torch.int8, device=want.device)
-        need.index_fill_(0, victim, 1)
-        src = torch.zeros(size + 1, dtype=torch.long, device=want.device)
-        src.scatter_(0, victim, rows.flatten())
-        fill_slots(need[:size], src[:size], tier2, self.pool)
-        after = self.slot_of[cells].long()
-        direct = wanted & (after < 0)
-        self.hits += hit.sum()
-        self.misses += take.sum()
-        self.direct += direct.sum()
-        slot = torch.where(after >= 0, after, -2 - rows.flatten())
-        return torch.where(wanted, slot, NOT_STAGED).int().view(hkv, n)
+        self.clock += 1  # a device tensor, in place: no host-to-device copy per step
+        (self.stamp, self.owner, self.slot_of, need, src, slot, counts) = (step or lru_step)(
+            self.stamp, self.owner, self.slot_of, want, rows, self.clock)
+        fill_slots(need, src, tier2, self.pool)
+        self.tally += counts
+        return slot
 
     def counts(self) -> tuple[int, int, int]:
         """``(hits, misses, direct reads)`` so far (one host read)."""
-        if self.hits is None:
+        if self.tally is None:
             return 0, 0, 0
-        return tuple(int(x) for x in torch.stack([self.hits, self.misses, self.direct]).cpu())
+        hits, misses, direct = self.tally.tolist()
+        return hits, misses, direct
+
+
+def lru_step(stamp, owner, slot_of, want, rows, clock):
+    """One step of the device-side LRU, as fixed-shape tensor operations (no host read; pure,
+    so that it can be compiled into a few kernels).
+
+    Args:
+        stamp, owner: int64 ``[S + 1]``: each slot's last step and ``slot_of`` cell (the last
+            entry a dummy that masked scatters write to).
+        slot_of: int32 ``[Hkv * W + 1]``: each (kv head, block)'s slot or -1 (last: dummy).
+        want: bool ``[Hkv, n]``; rows: int64 ``[Hkv, n]`` Tier-2 rows; clock: 0-d int64.
+    Returns ``(stamp, owner, slot_of, need [S] int8, src [S] int64, slot [Hkv, n] int32,
+    counts [3])``: the updated tables, the slots to fill with Tier-2 rows, the slot map
+    (:meth:`DeviceLRU.slots`) and this step's hits, misses and direct reads. Hits keep their
+    slot (stamped); misses take, in (kv head, block) order, the least recently used slots not
+    used this step, as the host LRU does; the rest are read from Tier-2 in place.
+    """
+    hkv, n = want.shape
+    size, dummy_cell = stamp.shape[0] - 1, slot_of.shape[0] - 1
+    width = dummy_cell // hkv
+    cells = (torch.arange(hkv, device=want.device)[:, None] * width
+             + torch.arange(n, device=want.device)).flatten()
+    wanted, flat_rows = want.flatten(), rows.flatten()
+    current = slot_of[cells].long()
+    hit = wanted & (current >= 0)
+    stamp = stamp.index_fill(0, torch.where(hit, current, size), clock)
+    miss = wanted & (current < 0)
+    used = stamp[:size] == clock
+    order = torch.argsort(torch.where(used, torch.iinfo(torch.long).max, stamp[:size]),
+                          stable=True)  # least recently used first, this step's last
+    rank = torch.cumsum(miss, 0) - 1
+    take = miss & (rank < (~used).sum())
+    victim = torch.where(take, order[rank.clamp(0, max(size - 1, 0))], size) if size \
+        else torch.full_like(rank, size)
+    cell = torch.where(take, cells, dummy_cell)
+    slot_of = slot_of.index_fill(0, torch.where(take, owner[victim], dummy_cell), NOT_STAGED)
+    slot_of = slot_of.scatter(0, cell, victim.int())
+    owner = owner.scatter(0, victim, cell)
+    stamp = stamp.index_fill(0, victim, clock)
+    need = torch.zeros(size + 1, dtype=torch.int8, device=want.device).index_fill(0, victim, 1)
+    src = torch.zeros(size + 1, dtype=torch.long, device=want.device).scatter(0, victim,
+                                                                              flat_rows)
+    after = slot_of[cells].long()
+    direct = wanted & (after < 0)
+    slot = torch.where(wanted, torch.where(after >= 0, after, -2 - flat_rows), NOT_STAGED)
+    counts = torch.stack([hit.sum(), take.sum(), direct.sum()])
+    return stamp, owner, slot_of, need[:size], src[:size], slot.int().view(hkv, n), counts

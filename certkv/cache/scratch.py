@@ -158,14 +158,15 @@ class ScratchCache:
         return self._lru[which].stage(store, which, kv_heads, blocks, self._host)
 
     def device_slots(self, store, which: str, want: torch.Tensor, rows: torch.Tensor,
-                     tier2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                     tier2: torch.Tensor, step=None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(slot map [Hkv, n] int32, pool [S, B, d])`` for the wanted blocks ``want [Hkv,
-        n]`` without a host read: see :meth:`DeviceLRU.slots`."""
+        n]`` without a host read: see :meth:`DeviceLRU.slots` (``step``: its bookkeeping,
+        compiled or not)."""
         if which not in self._device:
             self._device[which] = DeviceLRU(self.key_blocks if which == "k"
                                             else self.value_blocks)
         lru = self._device[which]
-        return lru.slots(store, want, rows, tier2), lru.pool
+        return lru.slots(store, want, rows, tier2, step), lru.pool
 
     def fetch(self, store, kv_heads: torch.Tensor, blocks: torch.Tensor, which: str = "kv"):
         """Same contract as ``TieredKVStore.fetch_originals``, served from scratch when cached.
