@@ -136,6 +136,30 @@ def test_full_records_and_scratch_statistics():
     assert sizes["tier2"] == sizes["dense"] - sizes["tail"]
 
 
+def test_a_model_on_the_triton_backend_decodes_without_host_reads_like_the_host_path():
+    """Issue 24 inside a model (the interpreter here, CUDA's path): generate() with page-in and
+    rungs 3-4 on the device gives the host-read path's tokens and certificates, with full
+    records and scratch statistics, and the contract on every head."""
+    _, model = tiny_model()
+    ids = prompt(64)
+    runs = []
+    for device_fallback in (True, False):
+        attn = ContractChecker(CertifiedAttention(backend="triton",
+                                                  device_fallback=device_fallback))
+        cache = TieredCache(2, attn, spec=CacheSpec(records="full", scratch_key_blocks=4,
+                                                    scratch_value_blocks=4))
+        out = model.generate(ids, max_new_tokens=4, do_sample=False,
+                             **cache_kwargs(model, cache))
+        cache.log.flush()
+        runs.append((out, cache.log.steps, cache.scratch_stats(), len(cache.log.heads)))
+    (out_d, steps_d, stats_d, heads_d), (out_h, steps_h, stats_h, heads_h) = runs
+    assert torch.equal(out_d, out_h) and heads_d == heads_h == 3 * 2 * 4
+    for a, b in zip(steps_d, steps_h, strict=True):
+        assert a["value_promotions"] == b["value_promotions"]
+        assert (a["rung3"], a["rung4"]) == (b["rung3"], b["rung4"])
+    assert stats_d == stats_h and stats_d.misses > 0
+
+
 def test_batch_above_one_fails_with_one_sentence():
     _, model = tiny_model()
     with pytest.raises(CertKVError, match="2 sequences at once are not supported"):
