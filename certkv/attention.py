@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import partial
 
 import numpy as np
@@ -88,6 +88,7 @@ class _Pass:
     paper_val: torch.Tensor
     blocks: BlockStats
     paged_evicted: int = 0
+    e_dense: torch.Tensor | None = None  # [Hq] dense-path e_arith (device path only)
 
     @property
     def bound(self) -> torch.Tensor:
@@ -191,10 +192,13 @@ class CertifiedAttention:
         return out, cert
 
     def _arith_spec(self, q: torch.Tensor, store: TieredKVStore, scaling: float,
-                    lay: StepLayout | None) -> ArithSpec:
+                    lay: StepLayout | None, on_device: bool = False) -> ArithSpec:
         """The static facts of the arithmetic bound for this step (host only), one object per
-        distinct setting (a stable constant for the compiled certificate segment)."""
+        distinct setting (a stable constant for the compiled certificate segment). On the
+        device path rungs 3-4 are the backend's fallback kernel, with its own rounding."""
         dense, dense_u = dense_rounding(q, torch.float16)
+        if on_device:
+            dense, dense_u = self.backend.fallback_rounding(store), U32
         rounding = self.backend.rounding(lay) if lay is not None else dense
         spec = ArithSpec(head_dim=store.head_dim, block_size=store.block_size, scaling=scaling,
                          mass_inflation=self.selector.mass_inflation, out_dtype=q.dtype,
@@ -271,7 +275,8 @@ class CertifiedAttention:
         if on_device and self.backend.pages_in_on_device(lay):
             pager = partial(self._page_in_on_device, scratch)
         for _ in range(TOL_LEVELS):
-            step = self._pass(q, qg, store, lay, scored, scaling, pager, boost, timer)
+            step = self._pass(q, qg, store, lay, scored, scaling, pager, boost, timer,
+                              on_device)
             if on_device:  # never tolerant: one pass
                 break
             over = self.ladder.over_tolerance(step.bound, step.out.norm(dim=-1)) \
@@ -325,10 +330,12 @@ class CertifiedAttention:
         v_rad = torch.minimum(lay.v_radius, lay.v_max).repeat_interleave(group)
         return without_blocks(scored, dropped), dropped_error(mass, v_rad)
 
-    def _pass(self, q, qg, store, lay, scored, scaling, pager, boost, timer) -> _Pass:
+    def _pass(self, q, qg, store, lay, scored, scaling, pager, boost, timer,
+              on_device=False) -> _Pass:
         """Selection, page-in, Phase 2, checks and the certificate of one pass over the
         Phase-1 scores (``boost [Hq]``: the bound-tolerance escalation level per head, or
-        None); the fallback is left to the caller."""
+        None); the fallback is left to the caller (on the device path the certificate segment
+        also returns every head's dense ``e_arith`` for it)."""
         hq, hkv = q.shape[0], store.num_kv_heads
         group = hq // hkv
         certified = self.mode == "certified"
@@ -361,8 +368,10 @@ class CertifiedAttention:
 
         # Certificate (eq. 15, Cor. 4.2), canary and rungs 3-4 (flags read by the caller).
         with timer.phase("certificate"):
-            spec = self._arith_spec(q, store, scaling, lay)
+            spec = self._arith_spec(q, store, scaling, lay, on_device)
             segment = self._segment("_certify_step", q.device)
+            dense_v_max = store.value_norm_max().repeat_interleave(group) if on_device \
+                else None
             coef = step_coefficients(spec, lay.num_blocks, store.num_tokens)
             if isinstance(segment, _CompiledSegment):  # no recompile when the counts change
                 coef = as_tensors(coef, q.device)
@@ -371,14 +380,14 @@ class CertifiedAttention:
                 att.out.reshape(hq, -1), log_p, delta_b, delta, delta_chan, v_max, v_rad,
                 q_norm, promoted, lay.quantized, expanded, value_kv, lay.eta, lay.value_spec,
                 lay.key_spec, ranking, boundary, att.canary, q, store.nonfinite_appended(),
-                spec, coef, store.key_abs_max(), store.value_error_max())
+                spec, coef, store.key_abs_max(), store.value_error_max(), dense_v_max)
             (e_key, e_val, e_arith, log_alpha, canary, rung, value_blocks, flags, paper_key,
-             paper_val) = bounds
+             paper_val, e_dense) = bounds
         blocks = BlockStats(att.rho.reshape(hq, -1), lay.eta, delta_b, v_rad, lay.quantized)
         return _Pass(att.out.reshape(hq, -1), spec, flags, e_key, e_val, e_arith, delta,
                      log_alpha, (promoted & lay.quantized).sum(dim=-1), rung, ranking,
                      boundary, canary, value_blocks, promotions, lay.num_quantized,
-                     paper_key, paper_val, blocks, paged)
+                     paper_key, paper_val, blocks, paged, e_dense)
 
     def _segment(self, name: str, device: torch.device):
         """The pure tensor segment ``name``, compiled (fused kernels, one graph, dynamic
@@ -441,7 +450,7 @@ class CertifiedAttention:
     def _certify_step(self, l8, l16, rho, spread, out, log_p, delta_b, delta, delta_chan, v_max,
                       v_rad, q_norm, promoted, quantized, expanded, value_kv, eta, value_spec,
                       key_spec, ranking, boundary, canary_blocks, q, kv_bad, spec, coef,
-                      key_abs_max, eta_max_kv):
+                      key_abs_max, eta_max_kv, dense_v_max=None):
         """Certificate segment (pure tensor code; compiled on GPU): the tight E_key (eq. 15
         with the per-block TV bound and centred values) and E_val (Cor. 4.2 with the spectral
         block terms), E_arith of the quantized path (:mod:`certkv.certify.arith`), the paper's
@@ -450,10 +459,12 @@ class CertifiedAttention:
         Shapes: ``[Hq, n]`` per block, ``[Hq]`` per head, ``out [Hq, d]`` (FP32), ``q`` in the
         caller's dtype, ``q_norm [Hkv, G]``, ``eta, value_spec, key_spec, value_kv [Hkv, n]``,
         ``canary_blocks [Hkv, G, n]``, ``key_abs_max [Hkv, d]``, ``eta_max_kv [Hkv]``;
-        ``spec, coef``: the arithmetic bound's static facts and step coefficients. Returns
+        ``spec, coef``: the arithmetic bound's static facts and step coefficients;
+        ``dense_v_max [Hq]`` (device path only): each head's largest value norm. Returns
         ``e_key, e_val, e_arith, log_alpha, canary, rung, value_blocks`` ``[Hq]``, ``flags
         [Hq + 2]`` (heads needing dense attention, then non-finite ``q`` and non-finite
-        appended K/V) and the paper's ``e_key, e_val`` ``[Hq]``. A head whose output or bound
+        appended K/V), the paper's ``e_key, e_val`` ``[Hq]`` and, given ``dense_v_max``, every
+        head's dense-path ``e_arith`` (arith item 7; else None). A head whose output or bound
         is not finite, or whose output overflows the caller's dtype, goes dense (rung 3).
         """
         hq = l8.shape[0]
@@ -491,8 +502,10 @@ class CertifiedAttention:
             rung = torch.where(self.ladder.layer_dense(rung >= 3, canary), 4, rung)
         bad = torch.stack([~torch.isfinite(q).all(), kv_bad])
         flags = torch.cat([rung >= 3, bad])
+        e_dense = None if dense_v_max is None else dense_arith(
+            spec, 0, q=q, key_abs_max=key_abs_max, v_max=dense_v_max, acc_coef=coef.dense_acc)
         return (e_key, e_val, e_arith, log_alpha, canary, rung, value_q.sum(dim=-1), flags,
-                paper_key, paper_val)
+                paper_key, paper_val, e_dense)
 
     def _paper_terms(self, l8, l16, log_p, delta_chan, v_max, promoted, tail, rho, eta_q):
         """The paper's own candidate terms ``[Hq]`` (telemetry): eq. 15 with eq. 8's channel
@@ -668,16 +681,15 @@ class CertifiedAttention:
     def _fallback_on_device(self, q, store, step: _Pass, scaling):
         """Rungs 3-4 without a host read: the backend's one-launch kernel writes dense
         attention into the flagged heads' rows (``step.flags [Hq + 2]``), ``e_arith`` takes the
-        kernel's own rounding chain there (arith item 7), and a step with non-finite ``q`` or
-        appended K/V gets ``e_arith = inf`` (an invalid certificate) and is remembered for
+        kernel's own rounding chain there (arith item 7: ``step.e_dense``, computed in the
+        certificate segment from the spec's fallback rounding), and a step with non-finite
+        ``q`` or appended K/V gets ``e_arith = inf`` (an invalid certificate) and is remembered for
         :meth:`synchronize`."""
         hq = q.shape[0]
         dense, bad = step.flags[:hq], step.flags[hq:]
         out = self.backend.dense_flagged(q, dense, store, step.out.contiguous().clone(),
                                          scaling)
-        spec = replace(step.spec, dense_rounding=self.backend.fallback_rounding(store),
-                       dense_u=U32)
-        e_arith = torch.where(dense, self._dense_arith(spec, q, store), step.e_arith)
+        e_arith = torch.where(dense, step.e_dense, step.e_arith)
         e_arith = torch.where(bad.any(), math.inf, e_arith)
         self._nonfinite = bad if self._nonfinite is None else self._nonfinite | bad
         return out.to(q.dtype), e_arith

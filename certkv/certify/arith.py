@@ -293,6 +293,7 @@ class StepCoefficients(NamedTuple):
     acc: float  # item 4: ||O_hat - Obar|| <= acc * V'
     rho_rel: float  # item 5: relative error of a computed block mass
     spread_rel: float  # item 5: relative error of a computed block spread
+    dense_acc: float  # item 4 of the dense path (rungs 3-4) over the step's N tokens
 
 
 def step_coefficients(spec: ArithSpec, n_blocks: int, n_tokens: int) -> StepCoefficients:
@@ -310,7 +311,8 @@ def step_coefficients(spec: ArithSpec, n_blocks: int, n_tokens: int) -> StepCoef
         val_rel=1 / ((1 - gamma(n_blocks + 1)) * (1 - max(omega_rho, omega_spread))) - 1,
         val_abs=n_blocks * TINY,
         acc=spec.rounding.accumulation(n_blocks, n_tokens),
-        rho_rel=omega_rho, spread_rel=omega_spread)
+        rho_rel=omega_rho, spread_rel=omega_spread,
+        dense_acc=spec.dense_rounding.accumulation(0, n_tokens, spec.dense_u))
 
 
 def as_tensors(coef: StepCoefficients, device) -> StepCoefficients:
@@ -390,18 +392,23 @@ def quantized_arith(spec: ArithSpec, coef: StepCoefficients, *, q, key_abs_max, 
     return _round_up_fp32(total.clamp_min(0.0))
 
 
-def dense_arith(spec: ArithSpec, n_tokens: int, *, q, key_abs_max, v_max) -> torch.Tensor:
+def dense_arith(spec: ArithSpec, n_tokens: int, *, q, key_abs_max, v_max,
+                acc_coef=None) -> torch.Tensor:
     """``e_arith`` of the dense path (rungs 3-4, ``mode=dense``), FP32 ``[Hq]`` rounded up:
     logit rounding on every token (``2 V_max tanh(eps/2)``), the weighted sum and its
     normalisation, the cast (items 1, 4, 6). The dense path prescales ``q`` by a power of two
-    ``<= 2 max(1, |q|_inf)``, whose subnormal underflow enters ``eps``."""
+    ``<= 2 max(1, |q|_inf)``, whose subnormal underflow enters ``eps``. ``acc_coef``: item 4's
+    coefficient for ``n_tokens`` when already computed (:attr:`StepCoefficients.dense_acc`,
+    a 0-d tensor inside a compiled segment)."""
     d, u = spec.head_dim, spec.dense_u
     v = v_max.double()
     magnitude, key_abs_sum = logit_magnitude(q, key_abs_max, spec.scaling)
     prescale = 2 * q.double().abs().amax(dim=-1).clamp_min(1.0)
     eps = logit_rounding(spec.dense_rounding.logit_gamma(d, u), magnitude, 0.0,
                          key_abs_sum * prescale, spec.scaling, d)
-    acc = spec.dense_rounding.accumulation(0, n_tokens, u) * v
+    if acc_coef is None:
+        acc_coef = spec.dense_rounding.accumulation(0, n_tokens, u)
+    acc = acc_coef * v
     cast = cast_error(v + acc, d, spec.out_dtype)
     total = (2 * v * torch.tanh(eps / 2) + acc + cast) * (1 + 4 * U32) + TINY * (v + 1)
     return _round_up_fp32(total)
