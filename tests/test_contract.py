@@ -108,10 +108,10 @@ def build(sc):
     return store, q, attn
 
 
-def check_contract(store, q, attn, scaling=None):
+def check_contract(store, q, attn, scaling=None, scratch=None):
     """Run one step and assert the contract for every head (:func:`helpers.check_heads`);
     returns ``(bound, actual)`` of fast-path heads."""
-    out, cert = attn(q, store, scaling)
+    out, cert = attn(q, store, scaling, scratch=scratch)
     assert out.dtype == q.dtype
     err, bound = check_heads(out, cert, q, store, scaling)
     assert (cert.candidate_e_key >= cert.e_key).all()

@@ -17,6 +17,7 @@ from test_contract import ADVERSARIAL, build, check_contract, scenarios
 from test_tiers_contract import archives
 
 from certkv import CertifiedAttention, ChannelAffineKeyCodec, TieredKVStore
+from certkv.cache.scratch import ScratchCache
 from certkv.kernels import triton_attend, triton_score
 from certkv.kernels.dispatch import get_backend
 from certkv.kernels.layout import StagedBlocks, StepLayout
@@ -264,9 +265,10 @@ def triton_scenarios(draw):
     kernels cover) in a quantized mode (dense mode reaches no kernel), on at most 2 kv heads
     and 5 full blocks and a partial tail (2 splits of 4 blocks; at most 64 tokens): the
     interpreter takes about 0.3 s per program (kv head and split) and kernel. 3-bit codes,
-    which the kernels do not unpack, are the explicit fallback examples."""
+    which the kernels do not unpack, are the explicit fallback examples. ``scratch``: the
+    capacity of a scratch cache (None: none), whose device bookkeeping then serves page-in."""
     sc = draw(scenarios())
-    return {**sc, "hkv": min(sc["hkv"], 2),
+    return {**sc, "hkv": min(sc["hkv"], 2), "scratch": draw(st.sampled_from([None, 0, 2, 64])),
             "tokens": min(sc["tokens"], 64, 6 * sc["block"] - 1), "fp64_scalars": False,
             "mode": "naive" if sc["mode"] == "naive" else "certified"}
 
@@ -282,8 +284,11 @@ FALLBACK = {**ADVERSARIAL, "tokens": 40, "scaling": None}
 def contract_with_triton_backend(runs, sc):
     store, q, attn = build(sc)
     attn.backend = TritonBackend(split=4)
+    scratch = None if sc.get("scratch") is None else ScratchCache(sc["scratch"], sc["scratch"])
     with kernel_launches() as launches:
-        check_contract(store, q, attn, sc["scaling"])
+        check_contract(store, q, attn, sc["scaling"], scratch)
+    if scratch is not None:  # a second step: hits, and the slots the first one filled
+        check_contract(store, q, attn, sc["scaling"], scratch)
     # each phase runs its kernels exactly for the codecs they cover (B and d are powers of two)
     assert (launches["phase1"] > 0) == (sc["key_bits"] in KERNEL_BITS), (sc, launches)
     assert (launches["phase2"] > 0) == (sc["value_bits"] in KERNEL_BITS), (sc, launches)
