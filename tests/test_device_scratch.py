@@ -5,6 +5,7 @@ fill kernel runs under TRITON_INTERPRET=1 here."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from helpers import make_kv
 from hypothesis import given, settings
@@ -48,3 +49,22 @@ def test_device_lru_serves_every_block_and_counts_like_the_host_lru(seed, capaci
         assert (hits, misses + direct) == (stats.hits, stats.misses), step
         start = 40 + 16 * step  # grow across block boundaries between steps
         store.append(k[:, start:start + 16], v[:, start:start + 16])
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])  # device and host bookkeeping
+def test_tables_made_under_inference_mode_serve_steps_outside_it(backend):
+    """A decode under ``torch.inference_mode`` (as ``certkv run``) then a plain call: neither
+    bookkeeping's tables trip "inplace update to inference tensor" (the host LRU did)."""
+    from helpers import make_query
+
+    from certkv import CertifiedAttention
+    from certkv.cache.scratch import ScratchCache
+
+    k, v = make_kv(2, 200, 32, seed=3)
+    store = TieredKVStore(2, 32, value_group=8)
+    store.append(k, v)
+    attention, scratch = CertifiedAttention(backend=backend), ScratchCache(8, 8)
+    with torch.inference_mode():
+        attention(make_query(k, 3, seed=1, scale=3.0), store, scratch=scratch)
+    attention(make_query(k, 3, seed=2, scale=3.0), store, scratch=scratch)
+    assert scratch.stats.hits > 0

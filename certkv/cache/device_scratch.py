@@ -83,11 +83,12 @@ class DeviceLRU:
         from certkv.kernels.triton_pagein import fill_slots
 
         self._ensure(store)
-        self.clock += 1  # a device tensor, in place: no host-to-device copy per step
+        self.clock = self.clock + 1  # on the device: no host-to-device copy per step (and
+        # out of place: a table made under inference mode stays usable outside it)
         (self.stamp, self.owner, self.slot_of, need, src, slot, counts) = (step or lru_step)(
             self.stamp, self.owner, self.slot_of, want, rows, self.clock)
         fill_slots(need, src, tier2, self.pool)
-        self.tally += counts
+        self.tally = self.tally + counts
         return slot
 
     def counts(self) -> tuple[int, int, int]:

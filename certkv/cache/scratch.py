@@ -50,7 +50,12 @@ class _LRUBlocks:
     def _ensure(self, store) -> None:
         """Size the pool to what the store can use (one slot per ``(kv head, block)`` pair, at
         most ``capacity``), growing it by doubling as the context grows; slots keep their
-        indices."""
+        indices. The tables are never inference tensors (updated in place, they must serve
+        steps inside and outside ``torch.inference_mode`` alike)."""
+        with torch.inference_mode(False):
+            self._size(store)
+
+    def _size(self, store) -> None:
         want = min(self.capacity, store.num_kv_heads * store.num_blocks)
         if self.buffer is None:
             self.buffer = torch.empty(0, store.block_size, store.head_dim, dtype=torch.float16,
