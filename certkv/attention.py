@@ -182,9 +182,7 @@ class CertifiedAttention:
                 require(bool(torch.isfinite(q).all()), NonFiniteError, _NONFINITE_Q)
             out, cert = self._dense_step(q_dev, store, scaling)
         else:
-            stage = (partial(_tier2_stage, store) if scratch is None
-                     else partial(scratch.stage, store))
-            out, cert = self._quantized_step(q_dev, store, scaling, stage, scratch)
+            out, cert = self._quantized_step(q_dev, store, scaling, scratch)
         if self.audit:
             k, v = store.dense_kv()
             cert.violations = int(violations(out, cert.bound, q_dev, k, v, scaling).sum())
@@ -254,7 +252,7 @@ class CertifiedAttention:
         return self.backend.dense(q[heads.to(q.device)], k16[gather], v16[gather], scaling)
 
     # -------------------------------------------------------- quantized modes
-    def _quantized_step(self, q, store, scaling, stage, scratch=None):
+    def _quantized_step(self, q, store, scaling, scratch=None):
         """Naive and certified steps. With ``ladder.bound_tol`` / ``bound_rtol`` set, a head
         whose returned bound exceeds its tolerance escalates: the pass is redone with that head's
         key set at the ladder's cap, then also with FP16 values for its promoted blocks, then the
@@ -271,9 +269,11 @@ class CertifiedAttention:
         scored, e_drop = self._drop_evicted(q, store, lay, scored, scaling)
         boost, tolerant = None, self.mode == "certified" and self.ladder.bound_tolerance
         on_device = self._on_device(q, tolerant)  # no host read: flags, and page-in if covered
-        pager = partial(self._page_in, stage)
         if on_device and self.backend.pages_in_on_device(lay):
             pager = partial(self._page_in_on_device, scratch)
+        else:  # the host stages from the scratch cache or straight from Tier-2
+            pager = partial(self._page_in, partial(_tier2_stage, store) if scratch is None
+                            else partial(scratch.stage, store))
         for _ in range(TOL_LEVELS):
             step = self._pass(q, qg, store, lay, scored, scaling, pager, boost, timer,
                               on_device)
@@ -607,10 +607,7 @@ class CertifiedAttention:
         staged = []
         store = lay.store
         dev, host = store.device, to_host(plan)
-        paged = 0
-        if store.evicted_pid is not None:
-            evicted = store.evicted_mask()
-            paged = int((host.any(dim=0)[:, : evicted.numel()] & evicted).sum())
+        paged = int(_paged_evicted(store, host))
         for which, mask in zip(("k", "v"), host, strict=True):
             kv_idx, blk_idx = mask.nonzero(as_tuple=True)  # host tensors
             if kv_idx.numel() == 0:
@@ -648,11 +645,7 @@ class CertifiedAttention:
                 slot, pool = scratch.device_slots(store, which, wanted, rows, tier2,
                                                   self._segment("_lru_step", dev))
             maps.append(SlotMap(torch.cat([slot, pad], dim=1), pool))
-        paged = 0
-        if store.evicted_pid is not None:
-            evicted = store.evicted_mask().to(dev, non_blocking=True)
-            paged = (want.any(dim=0) & evicted).sum()
-        return maps[0], maps[1], paged, want[1].sum()
+        return maps[0], maps[1], _paged_evicted(store, plan), want[1].sum()
 
     def _host_flags(self, flags, over=None):
         """The step's second host read: which heads need dense attention (Tier-2 is on the host),
@@ -687,8 +680,8 @@ class CertifiedAttention:
         :meth:`synchronize`."""
         hq = q.shape[0]
         dense, bad = step.flags[:hq], step.flags[hq:]
-        out = self.backend.dense_flagged(q, dense, store, step.out.contiguous().clone(),
-                                         scaling)
+        out = self.backend.dense_flagged(
+            q, dense, store, step.out.clone(memory_format=torch.contiguous_format), scaling)
         e_arith = torch.where(dense, step.e_dense, step.e_arith)
         e_arith = torch.where(bad.any(), math.inf, e_arith)
         self._nonfinite = bad if self._nonfinite is None else self._nonfinite | bad
@@ -756,6 +749,15 @@ def _spread(att) -> torch.Tensor:
     """Phase-2 block spreads ``[Hkv, G, n]`` (a backend without them: ``rho``, an upper bound
     since ``||p_b||_2 <= ||p_b||_1``)."""
     return att.rho if att.spread is None else att.spread
+
+
+def _paged_evicted(store: TieredKVStore, plan: torch.Tensor) -> torch.Tensor | int:
+    """Evicted (kv head, block) pairs the page-in ``plan [2, Hkv, n]`` (on the host or the
+    device) reads from Tier-2: a 0-d tensor on the plan's device (0 without eviction)."""
+    if store.evicted_pid is None:
+        return 0
+    evicted = store.evicted_mask().to(plan.device, non_blocking=True)  # [completed blocks]
+    return (plan[:, :, : evicted.numel()].any(dim=0) & evicted).sum()
 
 
 def _tier2_stage(store: TieredKVStore, kv_heads, blocks, which: str):

@@ -272,9 +272,9 @@ def _bytes_read(store: TieredKVStore, cert, case: AttentionCase) -> dict[str, in
     logits = 4 * case.kv_heads * case.group * store.num_tokens
     values = store.value_blocks()
     value_bytes = sum(t.numel() * t.element_size() for t in values.values())
+    certified = store.tier1_bytes() + promoted  # the same bytes, paged in either way
     return {"dense": store.dense_bytes(), "naive": store.tier1_bytes(),
-            "certified": store.tier1_bytes() + promoted,
-            "certified-host": store.tier1_bytes() + promoted,
+            "certified": certified, "certified-host": certified,
             "phase2": value_bytes + logits + promoted}
 
 

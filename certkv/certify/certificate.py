@@ -173,9 +173,8 @@ class Certificate:
         out["ranking_fail"] = int((~self.ranking_ok).sum())
         out["boundary_fail"] = int((~self.boundary_ok).sum())
         out["canary_fail"] = int((~self.canary_ok).sum())
-        for name in _SUMMED:  # counts of a device step are 0-d tensors until here
-            value = getattr(self, name)
-            out[name] = int(value) if isinstance(value, torch.Tensor) else value
+        for name in _SUMMED:  # ints, or 0-d tensors from a device step
+            out[name] = int(getattr(self, name))
         out["audited"] = self.audited
         out["tol_escalated"] = int((self.tol_level > 0).sum())
         out["tol_dense"] = int((self.tol_level >= 3).sum())

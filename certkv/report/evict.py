@@ -19,7 +19,7 @@ _TASKS = ("perplexity", "niah", "ruler")
 def evict_of(run: RunData, variant: str) -> dict:
     """The ``evict`` settings ``variant`` ran with: the run's, changed by the variant's (a
     variant naming another ``_target_`` replaces them)."""
-    entry = next((v for v in run.config.get("variants", []) if v.get("name") == variant), {})
+    entry = run.variant_entry(variant)
     base, change = run.config.get("evict") or {}, entry.get("evict") or {}
     if "_target_" in change and change["_target_"] != base.get("_target_"):
         base = {}
@@ -29,7 +29,7 @@ def evict_of(run: RunData, variant: str) -> dict:
 def series_of(run: RunData, variant: str) -> str:
     """``naive``, ``certified`` or ``certified, bound_tol 0.05``: the mode, with the ladder's
     bound tolerance when the variant (or the run) sets one."""
-    entry = next((v for v in run.config.get("variants", []) if v.get("name") == variant), {})
+    entry = run.variant_entry(variant)
     ladder = {**(run.config.get("ladder") or {}), **(entry.get("ladder") or {})}
     tols = [f"{k} {ladder[k]:g}" for k in ("bound_tol", "bound_rtol")
             if ladder.get(k) is not None]

@@ -16,7 +16,7 @@ from certkv.report.tables import RunData, fmt, fmt_interval, fmt_sci, quality_de
 
 def protect_of(run: RunData, variant: str) -> dict:
     """The ``protect`` settings ``variant`` ran with: the run's, changed by the variant's."""
-    entry = next((v for v in run.config.get("variants", []) if v.get("name") == variant), {})
+    entry = run.variant_entry(variant)
     base, change = run.config.get("protect") or {}, entry.get("protect") or {}
     faults = {**(base.get("faults") or {}), **(change.get("faults") or {})}
     return {"code": "none", "erasure": "zero", "integrity": False,
@@ -41,7 +41,7 @@ def has_faults(run: RunData) -> bool:
 def planned(run: RunData, variant: str) -> bool:
     """Whether ``variant`` is in the run's config (a variant dropped from the plan keeps its
     records, but its protection settings are no longer recorded)."""
-    return any(v.get("name") == variant for v in run.config.get("variants", []))
+    return bool(run.variant_entry(variant))
 
 
 def fault_rows(run: RunData) -> list[dict]:

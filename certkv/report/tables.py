@@ -82,6 +82,11 @@ class RunData:
     def context(self, task: str) -> int | str:
         return self.config.get("task", {}).get(task, {}).get("context", "?")
 
+    def variant_entry(self, variant: str) -> dict:
+        """``variant``'s entry in the run's config (its overrides; empty if not planned)."""
+        return next((v for v in self.config.get("variants", []) if v.get("name") == variant),
+                    {})
+
     def records(self, task: str, variant: str) -> dict[int, dict]:
         return {r["sample"]: r for r in self.samples
                 if r["task"] == task and r["variant"] == variant}
