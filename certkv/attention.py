@@ -28,22 +28,22 @@ from certkv.cache.store import NONFINITE_KV, TieredKVStore
 from certkv.certify.arith import (
     U32,
     ArithSpec,
-    BlockTerms,
     as_tensors,
     dense_arith,
+    logit_terms,
     quantized_arith,
     step_coefficients,
+    widened_blocks,
+    widened_key_inputs,
 )
 from certkv.certify.audit import violations
 from certkv.certify.bounds import (
     block_tv_bound,
     key_error_bound,
     logit_error_norms,
-    phase2_tail_logit,
+    tail_logit,
     tail_mass_bound,
     tightened_deltas,
-    value_error_bound,
-    value_error_bound_tight,
 )
 from certkv.certify.certificate import BlockStats, Certificate
 from certkv.certify.checks import exploration_mask
@@ -120,9 +120,12 @@ def _key_bound(log_p, tail, delta_b, delta, v_max, exponent, cap_logit=None, tv_
     return log_alpha, delta_tail, e_key
 
 
-def _on(mask, x):
-    """``x`` where ``mask``, 0 elsewhere (same shape)."""
-    return torch.where(mask, x, 0.0)
+NEG_INF = float("-inf")
+
+
+def _on(mask, x, other=0.0):
+    """``x`` where ``mask``, ``other`` (0) elsewhere (same shape)."""
+    return torch.where(mask, x, other)
 
 
 @dataclass
@@ -456,6 +459,10 @@ class CertifiedAttention:
         block terms), E_arith of the quantized path (:mod:`certkv.certify.arith`), the paper's
         own terms (telemetry), the canary, the rungs, and the flags the host reads.
 
+        The key bound is evaluated once over three lanes: as returned, in the paper's form
+        (eq. 8's ``Delta_b``, no per-block cap) and at the inputs widened by their rounding
+        (arith item 2), the per-block TV bound once over the first and the last.
+
         Shapes: ``[Hq, n]`` per block, ``[Hq]`` per head, ``out [Hq, d]`` (FP32), ``q`` in the
         caller's dtype, ``q_norm [Hkv, G]``, ``eta, value_spec, key_spec, value_kv [Hkv, n]``,
         ``canary_blocks [Hkv, G, n]``, ``key_abs_max [Hkv, d]``, ``eta_max_kv [Hkv]``;
@@ -467,54 +474,74 @@ class CertifiedAttention:
         head's dense-path ``e_arith`` (arith item 7; else None). A head whose output or bound
         is not finite, or whose output overflows the caller's dtype, goes dense (rung 3).
         """
-        hq = l8.shape[0]
-        group = hq // eta.shape[0]
-        certified = self.mode == "certified"
+        hq, n = l8.shape
+        hkv = eta.shape[0]
+        group = hq // hkv
         tail = quantized & ~promoted
-        cap_logit = phase2_tail_logit(l8, l16, delta_b, promoted, tail)
-        lam = logit_error_norms(q_norm, key_spec, spec.scaling).reshape(hq, -1)
-        tv_block = block_tv_bound(_on(tail, rho), _on(tail, delta_b), _on(tail, lam),
-                                  _on(tail, spread))
-        log_alpha, delta_tail, e_key = _key_bound(log_p, tail, delta_b, delta, v_rad,
-                                                  self.selector.mass_inflation, cap_logit,
-                                                  tv_block)
+        # log-sum-exps over blocks: the tail's INT8 upper log-masses with the tight and with
+        # eq. 8's Delta_b (U_T), the promoted blocks' FP16 log-mass (Z_F), the tail's estimate
+        lse = torch.logsumexp(torch.stack([
+            _on(tail, l8 + delta_b, NEG_INF), _on(tail, l8 + delta_chan, NEG_INF),
+            _on(promoted, l16, NEG_INF), _on(tail, log_p, NEG_INF)]), dim=-1)
+        cap = tail_logit(lse[:2], lse[2])  # [2, Hq]: tight, eq. 8's
+        log_alpha = lse[3]
+        d_tail = _on(tail, delta_b)
+        delta_t, delta_t_chan, delta_chan_max = torch.stack(
+            [d_tail, _on(tail, delta_chan), delta_chan]).amax(dim=-1)
+        terms = logit_terms(spec, coef, q, key_abs_max, delta)
+        # per-block TV bound (block_tv_bound) as returned and at the widened inputs, in FP64
+        lam = logit_error_norms(q_norm, key_spec, spec.scaling).reshape(hq, n)
+        rho64, spread64, d_tail64, lam64 = torch.stack([rho, spread, d_tail, lam]).double()
+        widened = widened_blocks(coef, terms, rho64, spread64, delta_b.double(), lam64, tail)
+        tv_block = block_tv_bound(*(torch.stack(pair) for pair in zip(
+            (rho64, d_tail64, lam64, spread64), widened, strict=True)))
+        # E_key (eq. 15 with both caps) in three lanes: returned, the paper's form (eq. 8's
+        # Delta_b, no per-block cap; telemetry), and widened (arith item 2, without tanh(eps/2))
+        wide = widened_key_inputs(terms, delta, delta_t, log_alpha, cap[0])
+        e_key, paper_key, tv_plus = key_error_bound(
+            torch.stack([v_rad, v_max, torch.full_like(v_max, 0.5)]),
+            torch.stack([delta, delta_chan_max, wide[0]]),
+            torch.stack([delta_t, delta_t_chan, wide[1]]),
+            torch.stack([log_alpha, log_alpha, wide[2]]), self.selector.mass_inflation,
+            torch.stack([cap[0], cap[1], wide[3]]),
+            torch.stack([tv_block[0], torch.full_like(tv_block[0], math.inf), tv_block[1]]))
+        # E_val (Cor. 4.2 per block, tight and the paper's) over the blocks read quantized
         value_q = value_kv.repeat_interleave(group, dim=0)
-        eta_q = _on(~value_q, eta.repeat_interleave(group, dim=0))
-        sigma_q = _on(~value_q, value_spec.repeat_interleave(group, dim=0))
-        e_val = value_error_bound_tight(rho, eta_q, spread, sigma_q)
-        paper_key, paper_val = self._paper_terms(l8, l16, log_p, delta_chan, v_max, promoted,
-                                                 tail, rho, eta_q)
+        eta_kv = _on(~value_kv, eta).unsqueeze(1)  # [Hkv, 1, n]
+        sigma_kv = _on(~value_kv, value_spec)
+        paper_terms = rho.view(hkv, group, n) * eta_kv
+        tight_terms = torch.minimum(paper_terms, spread.view(hkv, group, n) * sigma_kv.unsqueeze(1))
+        e_val, paper_val = torch.stack([tight_terms, paper_terms]).sum(dim=-1).view(2, hq)
+        e_key, paper_key = e_key.float(), paper_key.float()
         e_arith = quantized_arith(
-            spec, coef, q=q, key_abs_max=key_abs_max, delta=delta, delta_tail=delta_tail,
-            log_alpha=log_alpha, cap_logit=cap_logit, v_max=v_max,
-            eta_max=eta_max_kv.repeat_interleave(group), e_key=e_key, e_val=e_val,
-            out_norm=out.norm(dim=-1), v_rad=v_rad, sigma_max=sigma_q.amax(dim=-1),
-            blocks=BlockTerms(rho, spread, delta_b, lam, tail))
-        canary = ~canary_blocks.reshape(hq, -1).any(dim=-1)
-        if not (certified and self.ladder.canary):
-            canary = torch.ones_like(canary)
-        finite = (torch.isfinite(out.to(q.dtype)).all(dim=-1) & torch.isfinite(e_key)
-                  & torch.isfinite(e_val) & torch.isfinite(e_arith))
-        rung = expanded.long()  # torch.where, not masked writes: no device sync
-        rung = torch.where(value_q.any(dim=-1), 2, rung)
-        rung = torch.where((~ranking | ~boundary | ~finite) if certified else ~finite, 3, rung)
-        if certified:
-            rung = torch.where(self.ladder.layer_dense(rung >= 3, canary), 4, rung)
-        bad = torch.stack([~torch.isfinite(q).all(), kv_bad])
-        flags = torch.cat([rung >= 3, bad])
+            spec, coef, terms, tv_plus=tv_plus, v_max=v_max, v_rad=v_rad,
+            eta_max=eta_max_kv.repeat_interleave(group),
+            sigma_max=sigma_kv.amax(dim=-1).repeat_interleave(group), e_key=e_key,
+            e_val=e_val, out_norm=out.norm(dim=-1))
+        canary, rung, flags = self._rungs(out, q, kv_bad, e_key + e_val + e_arith, expanded,
+                                          value_q, ranking, boundary, canary_blocks)
         e_dense = None if dense_v_max is None else dense_arith(
             spec, 0, q=q, key_abs_max=key_abs_max, v_max=dense_v_max, acc_coef=coef.dense_acc)
         return (e_key, e_val, e_arith, log_alpha, canary, rung, value_q.sum(dim=-1), flags,
                 paper_key, paper_val, e_dense)
 
-    def _paper_terms(self, l8, l16, log_p, delta_chan, v_max, promoted, tail, rho, eta_q):
-        """The paper's own candidate terms ``[Hq]`` (telemetry): eq. 15 with eq. 8's channel
-        ``Delta_b``, capped at ``2 V_max`` (Lemma A.2) and by the Phase-2 tail mass, and
-        Cor. 4.2's ``sum_b rho_b eta_b``."""
-        cap = phase2_tail_logit(l8, l16, delta_chan, promoted, tail)
-        _, _, e_key = _key_bound(log_p, tail, delta_chan, delta_chan.amax(dim=-1), v_max,
-                                 self.selector.mass_inflation, cap)
-        return e_key, value_error_bound(rho, eta_q)
+    def _rungs(self, out, q, kv_bad, bound, expanded, value_q, ranking, boundary,
+               canary_blocks):
+        """The canary ``[Hq]``, each head's rung ``[Hq]`` and the flags ``[Hq + 2]`` (heads
+        needing dense attention, non-finite ``q``, non-finite appended K/V). A head whose
+        output or ``bound`` is not finite, or whose output overflows the caller's dtype, goes
+        dense (rung 3); ``torch.where``, not masked writes: no device sync."""
+        certified = self.mode == "certified"
+        canary = ~canary_blocks.flatten(0, 1).any(dim=-1)
+        if not (certified and self.ladder.canary):
+            canary = torch.ones_like(canary)
+        finite = torch.isfinite(out.to(q.dtype)).all(dim=-1) & torch.isfinite(bound)
+        rung = torch.where(value_q.any(dim=-1), 2, expanded.long())
+        rung = torch.where((ranking & boundary & finite) if certified else finite, rung, 3)
+        if certified:
+            rung = torch.where(self.ladder.layer_dense(rung >= 3, canary), 4, rung)
+        bad = torch.stack([~torch.isfinite(q).all(), kv_bad])
+        return canary, rung, torch.cat([rung >= 3, bad])
 
     def _rank_checks(self, l8, l16, delta_b, promoted, quantized, certified):
         """Ranking (eq. 17) and boundary (eq. 18) flags ``[Hq]`` from the backend (a Triton
@@ -558,15 +585,20 @@ class CertifiedAttention:
         return promoted, expanded
 
     def _paper_tail(self, log_p, tail, delta_chan, v_max):
-        """Rung 1's tail mass and candidate E_key as in the paper: eq. 14's ``e^{c Delta}
-        alpha_hat`` and eq. 15, with eq. 8's channel ``Delta_b`` (``[Hq]`` each)."""
+        """Rung 1's tail mass as in the paper, eq. 14's ``e^{c Delta} alpha_hat`` with eq. 8's
+        channel ``Delta_b``, and the candidate E_key (eq. 15) when ``ladder.e_key_tol`` asks
+        for it, else None (``[Hq]`` each)."""
         c = self.selector.mass_inflation
         delta = delta_chan.amax(dim=-1)
+        if self.ladder.e_key_tol is None:
+            log_alpha = torch.logsumexp(_on(tail, log_p, NEG_INF), dim=-1)
+            return tail_mass_bound(log_alpha, delta, c), None
         log_alpha, _, e_key = _key_bound(log_p, tail, delta_chan, delta, v_max, c)
         return tail_mass_bound(log_alpha, delta, c), e_key
 
     def _tight_tail(self, log_p, quantized, promoted, delta_b, delta, v_rad):
-        """Rung 1's tail mass and candidate E_key, tight (``[Hq]`` each).
+        """Rung 1's tail mass, tight, and the candidate E_key when ``ladder.e_key_tol`` asks for
+        it, else None (``[Hq]`` each).
 
         Phase 2 changes only the promoted blocks' logits, each by at most its ``Delta_b``, so
         with ``Delta_F`` the largest of them its tail mass is at most ``min(1, e^{Delta_F}
@@ -576,12 +608,15 @@ class CertifiedAttention:
         """
         tail = quantized & ~promoted
         delta_f = _on(promoted & quantized, delta_b).amax(dim=-1)
-        log_alpha = torch.logsumexp(torch.where(tail, log_p, float("-inf")), dim=-1)
+        log_alpha = torch.logsumexp(_on(tail, log_p, NEG_INF), dim=-1)
+        bound = tail_mass_bound(log_alpha, delta_f, 1.0)
+        if self.ladder.e_key_tol is None:
+            return bound, None
         rho_ub = torch.exp((delta_f.unsqueeze(-1) + log_p).clamp(max=0.0))
         tv = block_tv_bound(_on(tail, rho_ub), _on(tail, delta_b))
         _, _, e_key = _key_bound(log_p, tail, delta_b, delta, v_rad,
                                  self.selector.mass_inflation, tv_cap=tv)
-        return tail_mass_bound(log_alpha, delta_f, 1.0), e_key
+        return bound, e_key
 
     def _value_promotion(self, log_p, eta, delta, log_spread, value_spec, quantized, group,
                          certified):

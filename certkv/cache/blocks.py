@@ -24,12 +24,15 @@ class GrowingBlocks:
     first ``size`` blocks of each without copying; ``put`` overwrites blocks in place.
     """
 
-    def __init__(self, device: torch.device, pin: bool = False, spare: int = 0) -> None:
+    def __init__(self, device: torch.device, pin: bool = False, spare: int = 0,
+                 fill: dict[str, float] | None = None) -> None:
         self.device = device
         self.pin = pin
         self.spare = spare  # blocks kept free after ``size`` (room for the padded tail block)
+        self.fill = fill  # name -> value of the spare blocks after every extend (None: as left)
         self.size = 0
         self._data: Blocks = {}
+        self._views: dict[int, Blocks] = {}  # extra -> views, until the next extend
         self._copied = None  # CUDA event after the last asynchronous copy into pinned memory
 
     def _wait(self) -> None:
@@ -56,6 +59,9 @@ class GrowingBlocks:
                 self._data[name] = grown
         self.put(torch.arange(self.size, self.size + n), blocks)
         self.size += n
+        self._views = {}
+        for name, value in (self.fill or {}).items():
+            self._data[name][:, self.size : self.size + self.spare].fill_(value)
 
     def put(self, index: torch.Tensor, blocks: Blocks) -> None:
         """Write ``blocks`` (leading dims ``[Hkv, len(index)]``) at block positions ``index``
@@ -75,9 +81,17 @@ class GrowingBlocks:
             self._copied.record()
 
     def view(self, extra: int = 0) -> Blocks:
-        """The first ``size + extra`` blocks (``extra <= spare``) of each tensor, no copy."""
+        """The first ``size + extra`` blocks (``extra <= spare``) of each tensor, no copy (the
+        same view objects until the next :meth:`extend`: a decode step slices nothing)."""
         self._wait()
-        return {name: t[:, : self.size + extra] for name, t in self._data.items()}
+        if extra not in self._views:
+            self._views[extra] = {name: t[:, : self.size + extra]
+                                  for name, t in self._data.items()}
+        return self._views[extra]
+
+    def spare_view(self) -> Blocks:
+        """The spare blocks after ``size`` (``[Hkv, spare, ...]`` each), no copy."""
+        return {name: t[:, self.size : self.size + self.spare] for name, t in self._data.items()}
 
     def block_bytes(self) -> int:
         """Bytes of one block (every tensor's slice at one block index)."""
@@ -87,13 +101,13 @@ class GrowingBlocks:
         return self.block_bytes() * self.size
 
     def clear(self) -> None:
-        self._data = {}
+        self._data, self._views = {}, {}
         self.size = 0
 
     def clone(self) -> GrowingBlocks:
         """An independent copy (same capacity; pinned where this one is)."""
         self._wait()
-        new = GrowingBlocks(self.device, self.pin, self.spare)
+        new = GrowingBlocks(self.device, self.pin, self.spare, self.fill)
         new.size = self.size
         for name, t in self._data.items():
             new._data[name] = self._allocate(t, t.shape[1]).copy_(t)
@@ -187,6 +201,7 @@ class BlockTable:
         self._single = pid if same and in_order else None
         self._all_groups = self._groups(torch.arange(self.num_blocks))
         self._mask = lossy.to(self.device)
+        self._mask_tail = torch.cat([lossy, torch.zeros(1, dtype=torch.bool)]).to(self.device)
 
     def allocate(self, pid: int, keys: Blocks, values: Blocks) -> None:
         """Allocate precision ``pid``'s buffers from empty codes (leading dims ``[Hkv, 0]``), so
@@ -259,10 +274,10 @@ class BlockTable:
         """Precision ``pid``'s buffer (``"key"`` or ``"value"``) in slot order, no copy."""
         return (self._keys if which == "key" else self._values)[pid].view(extra)
 
-    def quantized(self) -> torch.Tensor:
+    def quantized(self, extra: int = 0) -> torch.Tensor:
         """Bool ``[n]`` on the device: the block is held by a lossy precision (not an exact
-        window)."""
-        return self._mask
+        window); ``extra=1`` appends one False (the exact tail block)."""
+        return self._mask_tail if extra else self._mask
 
     def held(self) -> list[int]:
         """Precision ids holding blocks now (an empty table: the one new blocks start at)."""

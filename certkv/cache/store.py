@@ -194,10 +194,15 @@ class TieredKVStore:
         spare = 1 if self.lossless else 0  # room for the tail block: zero-copy dense views
         self._table = BlockTable(self.precisions, self.device,
                                  (num_kv_heads, block_size, head_dim), spare=spare)
-        self._annotations = GrowingBlocks(self.device)  # ANNOTATIONS: [Hkv, n] each
+        # ANNOTATIONS: [Hkv, n] each, and a zero column after them (the exact tail block)
+        self._annotations = GrowingBlocks(self.device, spare=1,
+                                          fill=dict.fromkeys(ANNOTATIONS, 0.0))
         self._health = GrowingBlocks(self.device) if self.protection.enabled else None  # HEALTH
         self._tier2 = GrowingBlocks(torch.device("cpu"), pin=pin)  # k, v: [Hkv, n, B, d] fp16
-        self._mirror = GrowingBlocks(self.device, spare=1) if decoded_mirror else None
+        # the decoded mirror (k, v, bound) and the slot bias (0 on a token, -inf on an empty
+        # slot), with the partial tail block kept in its spare row by append()
+        self._mirror = GrowingBlocks(self.device, spare=1, fill={
+            "k": 0.0, "v": 0.0, "bound": 0.0, "bias": float("-inf")}) if decoded_mirror else None
         tail_shape = (num_kv_heads, block_size, head_dim)
         self._tail_k = torch.zeros(tail_shape, dtype=torch.float16, device=self.device)
         self._tail_v = torch.zeros(tail_shape, dtype=torch.float16, device=self.device)
@@ -205,6 +210,9 @@ class TieredKVStore:
         self._nu_max = torch.zeros(num_kv_heads, device=self.device)  # running max of nu_b
         self._eta_max = torch.zeros(num_kv_heads, device=self.device)  # running max of eta_b
         self._radius_max = torch.zeros(num_kv_heads, device=self.device)  # of v_radius_b
+        # the same over the partial tail block's tokens (rounded up; 0 when it is empty)
+        self._tail_nu = torch.zeros(num_kv_heads, device=self.device)
+        self._tail_radius = torch.zeros(num_kv_heads, device=self.device)
         # the fixed centre c of the centred value radius: per-channel midrange of the values
         # of the first append (any fixed c is valid, Theorem 4.3 centred)
         self._centre = torch.zeros(num_kv_heads, head_dim, device=self.device)
@@ -228,7 +236,7 @@ class TieredKVStore:
         self._table.allocate(pid, keys, values)
         self._keep_notes(notes)
         if self._mirror is not None:
-            self._mirror.extend(self._decoded(none))
+            self._mirror.extend(self._decoded(none, bias=True))
 
     # ------------------------------------------------------------------ writing
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -259,9 +267,11 @@ class TieredKVStore:
             self._commit_blocks(pending_k[:, :cut].reshape(shape),
                                 pending_v[:, :cut].reshape(shape), seq_len)
             pending_k, pending_v = pending_k[:, cut:], pending_v[:, cut:]
+        start = 0 if n_full else self.tail_len  # tail rows that changed
         self.tail_len = pending_k.shape[1]
         self._tail_k[:, : self.tail_len] = pending_k
         self._tail_v[:, : self.tail_len] = pending_v
+        self._tail_changed(start, n_full > 0)
         if self.stages.last or self.quantizer.budget_bytes is not None:
             self._graduate()
         if n_full and hasattr(self._tracker, "appended"):
@@ -270,6 +280,24 @@ class TieredKVStore:
             self._evictor.appended(prefill)
         if prefill:
             self._layer = self._layer._replace(prefill=False)
+
+    def _tail_changed(self, start: int, restarted: bool) -> None:
+        """Fold tail rows ``start:tail_len`` into the tail's value maxima and the mirror's tail
+        row (after a block completed, the tail restarted: ``start`` is 0 and the old maxima
+        go), so that a step reads both as they are."""
+        rows = slice(start, self.tail_len)
+        new_v = self._tail_v[:, rows]
+        zero = torch.zeros_like(self._tail_nu)
+        nu = round_up_fp32(new_v.double().norm(dim=-1).amax(dim=-1)) if new_v.shape[1] else zero
+        radius = (round_up_fp32(centred_radius(new_v, self._centre) * _INFLATE)
+                  if new_v.shape[1] else zero)
+        self._tail_nu = nu if restarted else torch.maximum(self._tail_nu, nu)
+        self._tail_radius = radius if restarted else torch.maximum(self._tail_radius, radius)
+        if self._mirror is not None and self.tail_len > start:
+            spare = self._mirror.spare_view()
+            spare["k"][:, 0, rows] = self._tail_k[:, rows]
+            spare["v"][:, 0, rows] = new_v
+            spare["bias"][:, 0, rows] = 0.0
 
     def _check_append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         expected = f"[num_kv_heads={self.num_kv_heads}, T, head_dim={self.head_dim}]"
@@ -442,7 +470,7 @@ class TieredKVStore:
         if self.keep_originals and not self.lossless:
             self._tier2.extend({"k": k16, "v": v16})
         if self._mirror is not None:
-            self._mirror.extend(self._decoded(torch.arange(first, first + n)))
+            self._mirror.extend(self._decoded(torch.arange(first, first + n), bias=True))
 
     def _note_maxima(self, notes: dict[str, torch.Tensor]) -> None:
         """Fold new annotations into the running maxima (``[Hkv]`` each)."""
@@ -451,12 +479,16 @@ class TieredKVStore:
             self._eta_max = torch.maximum(self._eta_max, notes["eta"].amax(dim=1))
             self._radius_max = torch.maximum(self._radius_max, notes["v_radius"].amax(dim=1))
 
-    def _decoded(self, blocks: torch.Tensor) -> Blocks:
+    def _decoded(self, blocks: torch.Tensor, bias: bool = False) -> Blocks:
         """The decoded mirror's rows of ``blocks [m]`` (host): ``k, v [Hkv, m, B, d]`` and
-        ``bound [Hkv, m, d]``."""
-        return self._serve_corrupted(
+        ``bound [Hkv, m, d]``; with ``bias`` also the slot bias ``[1, m, B]`` (0: completed
+        blocks have every slot)."""
+        rows = self._serve_corrupted(
             {"k": self._table.decode("key", blocks), "v": self._table.decode("value", blocks),
              "bound": self._table.channel_bound(blocks)}, blocks)
+        if bias:
+            rows["bias"] = torch.zeros(1, len(blocks), self.block_size, device=self.device)
+        return rows
 
     def _serve_corrupted(self, decoded: Blocks, blocks: torch.Tensor) -> Blocks:
         """Rows of ``blocks [m]`` (host) as decoded (``k``, ``v`` ``[Hkv, m, B, d]``, ``bound``
@@ -657,6 +689,7 @@ class TieredKVStore:
         new._fault_rng = torch.Generator()
         new._fault_rng.set_state(self._fault_rng.get_state())
         for name in ("_tail_k", "_tail_v", "_nu_max", "_eta_max", "_radius_max", "_centre",
+                     "_tail_nu", "_tail_radius",
                      "_key_abs_max", "_nonfinite"):
             setattr(new, name, getattr(self, name).clone())
         return new
@@ -682,12 +715,17 @@ class TieredKVStore:
         pid = self._table.single()
         return None if pid is None else self.precisions[pid]
 
-    def quantized_mask(self) -> torch.Tensor:
+    def quantized_mask(self, extra: int = 0) -> torch.Tensor:
         """Bool ``[n_blocks]`` on the device: the block is read quantized (not an exact window,
-        nor a corrupted block served from its originals)."""
+        nor a corrupted block served from its originals); ``extra=1`` appends one False (the
+        exact tail block)."""
+        mask = self._table.quantized(extra)
         if self._health is None:
-            return self._table.quantized()
-        return self._table.quantized() & ~self.corrupted_mask()
+            return mask
+        corrupted = self.corrupted_mask()
+        if extra:
+            corrupted = torch.cat([corrupted, corrupted.new_zeros(extra)])
+        return mask & ~corrupted
 
     def num_quantized(self) -> int:
         """Completed blocks read quantized (host count)."""
@@ -783,14 +821,20 @@ class TieredKVStore:
         """``[Hkv, n_blocks]`` max per-token value l2 norm (Theorem 4.3's V_max per block)."""
         return self._annotations.view()["nu"]
 
-    def annotation(self, name: str) -> torch.Tensor:
-        """FP32 ``[Hkv, n_blocks]`` annotation ``name`` (one of :data:`ANNOTATIONS`)."""
+    def annotation(self, name: str, extra: int = 0) -> torch.Tensor:
+        """FP32 ``[Hkv, n_blocks]`` annotation ``name`` (one of :data:`ANNOTATIONS`);
+        ``extra=1`` appends a zero column (the exact tail block), a view."""
         require(name in ANNOTATIONS, ConfigError,
                 f"annotation {name!r} is unknown; use one of {list(ANNOTATIONS)}.")
-        notes = self._annotations.view()[name]
+        notes = self._annotations.view(extra)[name]
         if self._health is not None and name in ERROR_NOTES:
-            return torch.where(self.corrupted_mask(), torch.zeros_like(notes), notes)
+            return torch.where(self.corrupted_padded(extra), 0.0, notes)
         return notes
+
+    def corrupted_padded(self, extra: int) -> torch.Tensor:
+        """:meth:`corrupted_mask` with ``extra`` False entries appended."""
+        corrupted = self.corrupted_mask()
+        return torch.cat([corrupted, corrupted.new_zeros(extra)]) if extra else corrupted
 
     @property
     def centre(self) -> torch.Tensor:
@@ -800,19 +844,13 @@ class TieredKVStore:
     def value_radius(self) -> torch.Tensor:
         """``[Hkv]`` upper bound on ``max_t ||v_t - c||_2`` over every token (the centred V_max
         of E_key, :func:`~certkv.certify.bounds.key_error_bound`): the running max of the
-        blocks' ``v_radius`` and the tail tokens' radii."""
-        if not self.tail_len:
-            return self._radius_max.clone()
-        tail = centred_radius(self.tail()[1], self._centre) * _INFLATE
-        return torch.maximum(self._radius_max, round_up_fp32(tail))
+        blocks' ``v_radius`` and the tail tokens' radii (kept by append)."""
+        return torch.maximum(self._radius_max, self._tail_radius)
 
     def value_norm_max(self) -> torch.Tensor:
         """``[Hkv]`` upper bound on ``max_t ||v_t||_2`` over every token (V_max, Theorem 4.3):
-        the running max of nu_b, and the tail tokens' norms."""
-        if not self.tail_len:
-            return self._nu_max.clone()
-        tail_norm = self.tail()[1].double().norm(dim=-1).amax(dim=-1)
-        return torch.maximum(self._nu_max, round_up_fp32(tail_norm))
+        the running max of nu_b, and the tail tokens' norms (kept by append)."""
+        return torch.maximum(self._nu_max, self._tail_nu)
 
     def value_error_max(self) -> torch.Tensor:
         """``[Hkv]`` the largest eta_b (0 without quantized blocks): ``||v_hat_t|| <= V_max +
@@ -838,14 +876,19 @@ class TieredKVStore:
         (zero-padded) last, from the decoded mirror (no copy); ``None`` without a mirror."""
         if self._mirror is None:
             return None
-        extra = 1 if self.tail_len else 0
-        view = self._mirror.view(extra)
-        if extra:
-            for name, tail in zip(("k", "v"), self.tail(), strict=True):
-                block = view[name][:, -1]
-                block.zero_()
-                block[:, : self.tail_len] = tail.float()
+        view = self._mirror.view(1 if self.tail_len else 0)
         return view["k"], view["v"]
+
+    def slot_bias(self) -> torch.Tensor:
+        """FP32 ``[n B]``: 0 on every token slot of the step's ``n`` blocks (the partial tail
+        block last), ``-inf`` on the tail block's empty slots (a view of the mirror's; computed
+        without one)."""
+        n = self.num_blocks + (1 if self.tail_len else 0)
+        if self._mirror is not None:
+            return self._mirror.view(1 if self.tail_len else 0)["bias"].view(-1)
+        bias = torch.zeros(n * self.block_size, device=self.device)
+        bias[self.num_tokens :] = float("-inf")
+        return bias
 
     def workspace_bytes(self) -> int:
         """Device memory of the decoded mirror (0 without one)."""
@@ -867,12 +910,15 @@ class TieredKVStore:
             return self._step_read[name]
         return self._serve_corrupted({name: decoded()}, torch.arange(self.num_blocks))[name]
 
-    def key_channel_bound(self) -> torch.Tensor:
+    def key_channel_bound(self, extra: int = 0) -> torch.Tensor:
         """FP32 ``[Hkv, n_blocks, d]`` per-channel key reconstruction bound (paper 2.3), from the
-        stored metadata (cached in the decoded mirror when there is one)."""
+        stored metadata (cached in the decoded mirror when there is one); ``extra=1`` appends a
+        zero block (the exact tail block)."""
         if self._mirror is not None:
-            return self._mirror.view()["bound"]
-        return self._read_all("bound", self._table.channel_bound)
+            return self._mirror.view(extra)["bound"]
+        bound = self._read_all("bound", self._table.channel_bound)
+        return torch.cat([bound, bound.new_zeros(bound.shape[0], extra, bound.shape[2])],
+                         dim=1) if extra else bound
 
     def _originals(self, extra: int = 0) -> Blocks:
         """FP16 originals ``k, v: [Hkv, n, B, d]`` of completed blocks: Tier-2 in host memory,

@@ -106,8 +106,6 @@ from typing import NamedTuple
 
 import torch
 
-from certkv.certify.bounds import block_tv_bound, key_error_bound
-
 U32 = 2.0**-24  # unit roundoff of FP32
 EXP_ULPS = 8  # any exp used (Sleef, libm, CUDA expf / ex2.approx) is within 8 u, argument aside
 ARG_ROUNDING = 3  # relative roundings of an exp argument: the subtraction, log2(e) scaling (x2)
@@ -321,68 +319,77 @@ def as_tensors(coef: StepCoefficients, device) -> StepCoefficients:
     return StepCoefficients(*packed.unbind())
 
 
-class BlockTerms(NamedTuple):
-    """The step's per-block quantities the tight key bound used, as computed (``[Hq, n]``):
-    Phase-2 block masses ``rho`` and spreads ``spread``, tightened ``delta_b``, ``lam``
-    (``scaling ||q|| s^K_b``) and the INT8 tail mask ``tail``."""
+class LogitTerms(NamedTuple):
+    """Item 1 and 5's per-head terms of a quantized step, FP64 ``[Hq]``: ``eps`` (every computed
+    logit is within it of ``scaling q . k'``), ``kappa`` (a computed log-sum-exp's error) and
+    ``g_delta`` (the relative error of a computed ``Delta_b`` or ``lambda_b``, a float)."""
 
-    rho: torch.Tensor
-    spread: torch.Tensor
-    delta_b: torch.Tensor
-    lam: torch.Tensor
-    tail: torch.Tensor
+    eps: torch.Tensor
+    kappa: torch.Tensor
+    g_delta: float
 
 
-def _block_tv_plus(coef: StepCoefficients, eps, g_delta: float, blocks: BlockTerms):
-    """Item 2's per-block bound ``[Hq]`` (FP64) on ``TV(p, m)``, ``m = softmax(s + x)`` with
-    ``x`` the exact logit errors of the quantized keys on the INT8 tail (0 elsewhere); the
-    caller adds ``tanh(eps/2) >= TV(m, p_hat)`` (every computed logit is within ``eps`` of
-    ``s + x``). ``m_t <= e^{2 eps} p_hat_t``, so ``m``'s block masses and spreads are at most
-    ``e^{2 eps}`` times upper bounds of ``p_hat``'s computed ones (item 5); ``|x_t| <=
-    Delta_b + eps`` and ``||x_b||_2 <= lambda_b (1 + 2 gamma)`` (item 1).
-    :func:`~certkv.certify.bounds.block_tv_bound` is monotone in each, so this is valid."""
-    rho, spread, delta_b, lam = (x.double() for x in blocks[:4])
-    tail = blocks.tail
-    grow = torch.exp(2 * eps).unsqueeze(-1)
+def logit_terms(spec: ArithSpec, coef: StepCoefficients, q: torch.Tensor,
+                key_abs_max: torch.Tensor, delta: torch.Tensor) -> LogitTerms:
+    """:class:`LogitTerms` for ``q [Hq, d]``, the running key maxima ``key_abs_max [Hkv, d]``
+    and the head's computed max ``Delta_b`` (``delta [Hq]``, any float dtype)."""
+    d = spec.head_dim
+    magnitude, key_abs_sum = logit_magnitude(q, key_abs_max, spec.scaling)
+    delta = delta.double()
+    eps = logit_rounding(spec.rounding.logit_gamma(d), magnitude, delta, key_abs_sum,
+                         spec.scaling, d)
+    return LogitTerms(eps, coef.kappa + 8 * U32 * (magnitude + delta), gamma(d + 8))
+
+
+def widened_blocks(coef: StepCoefficients, terms: LogitTerms, rho, spread, delta_b, lam,
+                   tail):
+    """Item 2's per-block inputs of :func:`~certkv.certify.bounds.block_tv_bound` for ``TV(p,
+    m)``, ``m = softmax(s + x)`` with ``x`` the exact logit errors of the quantized keys on the
+    INT8 tail (0 elsewhere); the caller adds ``tanh(eps/2) >= TV(m, p_hat)`` (every computed
+    logit is within ``eps`` of ``s + x``). ``m_t <= e^{2 eps} p_hat_t``, so ``m``'s block masses
+    and spreads are at most ``e^{2 eps}`` times upper bounds of ``p_hat``'s computed ones (item
+    5); ``|x_t| <= Delta_b + eps`` and ``||x_b||_2 <= lambda_b (1 + 2 gamma)`` (item 1).
+    ``block_tv_bound`` is monotone in each, so these upper bounds give a valid bound.
+
+    Args (FP64 ``[Hq, n]``): ``rho, spread, delta_b, lam`` as computed; ``tail`` the INT8 tail
+    blocks (bool). Returns ``(rho, D, lam, spread)`` widened, FP64 ``[Hq, n]``: ``D = Delta_b +
+    eps`` on the tail (a computed 0 included: the exact ``Delta_b`` may be up to ``eps``) and 0
+    elsewhere, where the bound then reads nothing of the block.
+    """
+    eps = terms.eps.unsqueeze(-1)
+    grow = torch.exp(2 * eps)
     rho_p = (rho * (1 + coef.rho_rel) + TINY) * grow
     spread_p = (spread * (1 + coef.spread_rel) + TINY) * grow
-    d_p = torch.where(tail, delta_b + eps.unsqueeze(-1), 0.0)
-    lam_p = torch.where(tail, lam * (1 + 2 * g_delta), 0.0)
-    return block_tv_bound(torch.where(tail, rho_p, 0.0), d_p, lam_p,
-                          torch.where(tail, spread_p, 0.0))
+    d_p = torch.where(tail, delta_b + eps, 0.0)
+    return rho_p, d_p, lam * (1 + 2 * terms.g_delta), spread_p
 
 
-def quantized_arith(spec: ArithSpec, coef: StepCoefficients, *, q, key_abs_max, delta,
-                    delta_tail, log_alpha, cap_logit, v_max, eta_max, e_key, e_val,
-                    out_norm, v_rad=None, sigma_max=None, blocks: BlockTerms | None = None
-                    ) -> torch.Tensor:
+def widened_key_inputs(terms: LogitTerms, delta, delta_tail, log_alpha, cap_logit):
+    """Item 2's per-head inputs of :func:`~certkv.certify.bounds.key_error_bound` (eq. 15 with
+    rounded logits: ``Delta`` and ``Delta_T`` plus ``eps``, the computed log-sum-exps widened
+    by their rounding ``kappa`` (``2 eps + 2 kappa`` for the difference of two), FP64 ``[Hq]``
+    each (inputs any float dtype; infinities stay)."""
+    eps, kappa = terms.eps, terms.kappa
+    logs = _widen(torch.stack([log_alpha, cap_logit]).double(),
+                  torch.stack([kappa, 2 * eps + 2 * kappa]))
+    return delta.double() + eps, delta_tail.double() + eps, logs[0], logs[1]
+
+
+def quantized_arith(spec: ArithSpec, coef: StepCoefficients, terms: LogitTerms, *, tv_plus,
+                    v_max, v_rad, eta_max, sigma_max, e_key, e_val, out_norm) -> torch.Tensor:
     """``e_arith`` of the quantized path (rungs 0-2), FP32 ``[Hq]`` rounded up (items 1-6).
 
-    Args (``[Hq]`` unless stated): coef: :func:`step_coefficients`; q ``[Hq, d]``;
-    key_abs_max ``[Hkv, d]``; delta / delta_tail: the computed max ``Delta_b`` over quantized /
-    INT8-tail blocks; log_alpha: computed ``log alpha_hat`` of the tail; cap_logit: computed
-    ``log U_T - log Z_F``; v_max; eta_max: the largest ``eta_b``; e_key, e_val: the terms as
-    returned; out_norm: ``||O_hat||`` (the FP32 output before the cast); v_rad: the centred
-    radius ``R`` E_key used (None: ``V_max``); sigma_max: the largest value-error spectral
-    norm (None: 0); blocks: the per-block terms of the tight key bound (None: eq. 15 only).
+    Args (``[Hq]``): terms: :func:`logit_terms`; tv_plus: FP64, the total-variation bound at
+    the widened inputs (:func:`widened_key_inputs`, :func:`widened_blocks`: item 2 without its
+    ``tanh(eps/2)``); v_max; v_rad: the centred radius ``R`` E_key used; eta_max: the largest
+    ``eta_b``; sigma_max: the largest value-error spectral norm of a block read quantized;
+    e_key, e_val: the terms as returned; out_norm: ``||O_hat||`` (the FP32 output before the
+    cast).
     """
-    d = spec.head_dim
-    v_rad = v_max if v_rad is None else v_rad
-    sigma_max = torch.zeros_like(v_max) if sigma_max is None else sigma_max
-    inputs = torch.stack([delta, delta_tail, log_alpha, cap_logit, v_max, eta_max, e_key,
-                          e_val, out_norm, v_rad, sigma_max]).double()  # one conversion
-    dlt, dlt_t, log_a, cap, v, eta, e_key, e_val, out_norm, rad, sigma = inputs.unbind()
-    magnitude, key_abs_sum = logit_magnitude(q, key_abs_max, spec.scaling)
-    eps = logit_rounding(spec.rounding.logit_gamma(d), magnitude, dlt, key_abs_sum,
-                         spec.scaling, d)
-    kappa = coef.kappa + 8 * U32 * (magnitude + dlt)
-    tv = key_error_bound(
-        torch.ones_like(v), dlt + eps, dlt_t + eps, _widen(log_a, kappa), spec.mass_inflation,
-        _widen(cap, 2 * eps + 2 * kappa),
-    ) / 2
-    if blocks is not None:
-        tv = torch.minimum(tv, _block_tv_plus(coef, eps, gamma(d + 8), blocks))
-    e_key_plus = 2 * torch.minimum(rad, v) * (tv + torch.tanh(eps / 2))
+    d, eps = spec.head_dim, terms.eps
+    inputs = torch.stack([v_max, eta_max, e_key, e_val, out_norm, v_rad, sigma_max]).double()
+    v, eta, e_key, e_val, out_norm, rad, sigma = inputs.unbind()
+    e_key_plus = 2 * torch.minimum(rad, v) * (tv_plus + torch.tanh(eps / 2))
     decode = spec.value_decode * U32 * (v + math.sqrt(d) * 2.0**-24)
     e_val_plus = e_val * (1 + coef.val_rel) + coef.val_abs * (eta + sigma) + decode
     v_prime = v + eta + decode

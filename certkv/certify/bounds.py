@@ -21,7 +21,7 @@ def block_deltas(q: torch.Tensor, channel_bound: torch.Tensor, scaling: float) -
     Returns:
         ``[Hkv, G, n]`` FP32.
     """
-    return scaling * torch.einsum("kgd,knd->kgn", q.abs().float(), channel_bound.float())
+    return torch.bmm(q.abs().float(), channel_bound.float().transpose(1, 2)) * scaling
 
 
 def mass_inflation(delta: torch.Tensor, exponent: float) -> torch.Tensor:
@@ -42,10 +42,9 @@ def tail_mass_bound(
 
 
 def log_expm1(x: torch.Tensor) -> torch.Tensor:
-    """``log(e^x - 1)`` for ``x >= 0`` without overflow (``-inf`` at 0)."""
-    big = x > 20
-    return torch.where(big, x + torch.log1p(-torch.exp(-x)),
-                       torch.log(torch.expm1(torch.where(big, 0.0, x))))
+    """``log(e^x - 1) = x + log(1 - e^{-x})`` for ``x >= 0``, accurate at both ends and without
+    overflow (``-inf`` at 0, ``+inf`` at ``+inf``)."""
+    return x + torch.log(-torch.expm1(-x))
 
 
 def key_error_bound(
@@ -84,8 +83,8 @@ def key_error_bound(
     log_tail = (exponent * delta + log_alpha_hat).clamp(max=0.0)  # -inf: no tail
     if cap_logit is not None:
         log_tail = torch.minimum(log_tail, torch.nn.functional.logsigmoid(cap_logit))
-    no_tail = torch.isneginf(log_tail)
-    log_a3 = torch.where(no_tail, log_tail, log_tail + log_expm1(2 * delta_tail))
+    log_a3 = log_tail + log_expm1(2 * delta_tail)  # NaN only for -inf + inf: no tail
+    log_a3 = torch.where(torch.isneginf(log_tail), log_tail, log_a3)
     tv = torch.minimum(torch.tanh(delta_tail / 2), torch.exp(log_a3.clamp(max=0.0)))
     if tv_cap is not None:
         tv = torch.minimum(tv, tv_cap.to(tv.dtype))
@@ -211,17 +210,18 @@ def block_tv_bound(rho: torch.Tensor, delta_b: torch.Tensor, lam: torch.Tensor |
     Args: ``rho, delta_b [..., n]`` (``D_b``); ``lam, spread [..., n]`` or None -> ``[...]``.
     """
     d = delta_b
-    positive = d > 0
-    safe = torch.where(positive & torch.isfinite(d), d, 1.0)
-    phi = torch.where(positive, torch.expm1(safe) / safe, 1.0)
-    phi = torch.where(torch.isinf(d), float("inf"), phi)
-    per = torch.where(rho > 0, rho * d, 0.0)
+    finfo = torch.finfo(d.dtype)
+    # phi on D clamped to [tiny, max]: phi(0) = 1 and phi(inf) = inf (e^D - 1 overflows
+    # first), never 0/0 or inf/inf
+    dc = d.clamp(finfo.tiny, finfo.max)
+    phi = torch.expm1(dc) / dc
+    per = rho * d  # NaN for a massless block at D = inf: dropped below
     if lam is not None and spread is not None:
-        per = torch.minimum(per, torch.where(spread > 0, spread * lam, 0.0))
-    num = torch.where(per > 0, phi * per, 0.0).sum(dim=-1)
-    loss = torch.where(rho > 0, rho * -torch.expm1(-d), 0.0).sum(dim=-1)
-    den = torch.maximum(1.0 - loss, torch.exp(-d.amax(dim=-1)))
-    tv = torch.where(num > 0, num / den.clamp_min(torch.finfo(den.dtype).tiny), 0.0)
+        per = torch.minimum(per, spread * lam)
+    num = torch.where(per > 0, phi * per, 0.0).sum(dim=-1)  # a massless block adds nothing
+    kept = 1.0 + (rho * torch.expm1(-d)).sum(dim=-1)  # 1 - sum_b rho_b (1 - e^{-D_b})
+    den = torch.maximum(kept, torch.exp(-d.amax(dim=-1)))
+    tv = num / den.clamp_min(finfo.tiny)
     return tv.clamp(max=1.0).nan_to_num(nan=1.0)
 
 
@@ -243,6 +243,12 @@ def phase2_tail_logit(
     """
     log_u = torch.logsumexp(torch.where(tail, l_int8 + delta_b, float("-inf")), dim=-1)
     log_z = torch.logsumexp(torch.where(promoted, l_fp16, float("-inf")), dim=-1)
+    return tail_logit(log_u, log_z)
+
+
+def tail_logit(log_u: torch.Tensor, log_z: torch.Tensor) -> torch.Tensor:
+    """``log U_T - log Z_F`` of :func:`phase2_tail_logit` from the two log-sum-exps (any
+    matching shapes); ``-inf`` where there is no tail (``log U_T = -inf``)."""
     return torch.where(torch.isneginf(log_u), log_u, log_u - log_z)
 
 

@@ -51,30 +51,24 @@ class StepLayout:
         self.store = store
         self._sources: dict[str, list[BlockSource] | None] = {}
         nc, t = store.num_blocks, store.tail_len
+        extra = 1 if t else 0  # the exact tail block, last
         self.num_completed = nc
         self.num_quantized = store.num_quantized()  # lossy blocks (host count)
-        self.num_blocks = nc + (t > 0)  # n: the exact tail block last, if any
-        tail = torch.zeros(int(t > 0), dtype=torch.bool, device=store.device)
-        self.quantized = torch.cat([store.quantized_mask(), tail])  # [n]
-        pad = (lambda x: torch.cat([x, torch.zeros(store.num_kv_heads, 1, device=x.device)], 1)
-               ) if t else (lambda x: x)
-        self.eta = pad(store.eta)  # [Hkv, n], 0 on the exact tail block
-        self.value_spec = pad(store.annotation("value_spec"))  # [Hkv, n] ||E^V_b||_2
-        self.key_err = pad(store.annotation("key_err"))  # [Hkv, n] max_t ||k_hat_t - k_t||
-        self.key_spec = pad(store.annotation("key_spec"))  # [Hkv, n] ||E^K_b||_2
+        self.num_blocks = nc + extra  # n
+        # views the store keeps (a zero column for the tail block): no work per step
+        self.quantized = store.quantized_mask(extra)  # [n]
+        self.eta = store.annotation("eta", extra)  # [Hkv, n], 0 on the exact tail block
+        self.value_spec = store.annotation("value_spec", extra)  # [Hkv, n] ||E^V_b||_2
+        self.key_err = store.annotation("key_err", extra)  # [Hkv, n] max_t ||k_hat_t - k_t||
+        self.key_spec = store.annotation("key_spec", extra)  # [Hkv, n] ||E^K_b||_2
         self.v_max = store.value_norm_max()  # [Hkv] (Theorem 4.3)
         self.v_radius = store.value_radius()  # [Hkv] max_t ||v_t - c|| (centred Theorem 4.3)
 
-    @cached_property
-    def valid(self) -> torch.Tensor:
-        """Bool ``[n, B]``: token slots in use (all but the tail block's empty ones); the
-        PyTorch reference masks with it, the kernels read ``tail_len`` instead."""
-        store = self.store
-        valid = torch.ones(self.num_blocks, store.block_size, dtype=torch.bool,
-                           device=store.device)
-        if store.tail_len:
-            valid[-1, store.tail_len:] = False
-        return valid
+    @property
+    def slot_bias(self) -> torch.Tensor:
+        """FP32 ``[n B]``: 0 on token slots, ``-inf`` on the tail block's empty ones (what the
+        PyTorch reference adds to its logits; the kernels read ``tail_len`` instead)."""
+        return self.store.slot_bias()
 
     def kernel_sources(self, which: str) -> list[BlockSource] | None:
         """The fused kernels' launches over this step's ``which`` (``"key"`` or ``"value"``)
@@ -86,9 +80,9 @@ class StepLayout:
 
     @cached_property
     def channel_bound(self) -> torch.Tensor:
-        """FP32 ``[Hkv, n_c, d]`` per-channel key error bounds of the completed blocks (0 on
-        exact ones; fused kernels skip this)."""
-        return self.store.key_channel_bound()
+        """FP32 ``[Hkv, n, d]`` per-channel key error bounds of every block (0 on exact ones,
+        the tail block included; fused kernels skip this)."""
+        return self.store.key_channel_bound(self.num_blocks - self.num_completed)
 
     @cached_property
     def _decoded(self) -> tuple[torch.Tensor, torch.Tensor]:

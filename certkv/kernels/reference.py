@@ -33,18 +33,19 @@ def chunked_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
     return x.unflatten(dim, (-1, SUM_CHUNK)).sum(dim=dim + 1).sum(dim=dim)
 
 
-def block_scores(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float):
-    """Token logits ``s_{b,t} = scaling * q . k_{b,t}`` (Alg. 1 Phase 1), FP32.
+def block_scores(q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor, scaling: float):
+    """Token logits ``s_{b,t} = scaling * q . k_{b,t}`` (Alg. 1 Phase 1), FP32, in one
+    ``baddbmm``.
 
     Args:
-        q: ``[Hkv, G, d]``; keys: ``[Hkv, n, B, d]`` FP32; valid: ``[n, B]`` bool.
+        q: ``[Hkv, G, d]``; keys: ``[Hkv, n, B, d]`` FP32; bias: ``[n B]``, 0 on token slots and
+            ``-inf`` on empty ones (:attr:`~certkv.kernels.layout.StepLayout.slot_bias`).
     Returns:
         ``[Hkv, G, n, B]`` with ``-inf`` on empty slots.
     """
     hkv, n, bsz, d = keys.shape
-    flat = keys.float().reshape(hkv, n * bsz, d).transpose(1, 2)  # a view: BLAS reads k^T
-    s = (q.float() @ flat).reshape(hkv, -1, n, bsz) * scaling
-    return s.masked_fill(~valid, float("-inf"))
+    flat = keys.reshape(hkv, n * bsz, d).transpose(1, 2)  # a view: BLAS reads k^T
+    return torch.baddbmm(bias, q.float(), flat, alpha=scaling).view(hkv, -1, n, bsz)
 
 
 @dataclass
@@ -93,10 +94,9 @@ def phase1(q: torch.Tensor, lay, scaling: float) -> Scored:
     Args:
         q: ``[Hkv, G, d]``; lay: the step's :class:`~certkv.kernels.layout.StepLayout`.
     """
-    s = block_scores(q, lay.keys, lay.valid, scaling)
-    delta = torch.zeros(s.shape[:3], device=s.device)
-    delta[..., : lay.num_completed] = block_deltas(q, lay.channel_bound, scaling)
-    return Scored(scores=s, log_mass=torch.logsumexp(s, dim=-1), delta_b=delta,
+    s = block_scores(q, lay.keys, lay.slot_bias, scaling)
+    return Scored(scores=s, log_mass=torch.logsumexp(s, dim=-1),
+                  delta_b=block_deltas(q, lay.channel_bound, scaling),
                   log_spread=0.5 * torch.logsumexp(2 * s, dim=-1))
 
 
