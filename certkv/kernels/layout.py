@@ -79,9 +79,20 @@ class StepLayout:
         return self._sources[which]
 
     @cached_property
+    def valid(self) -> torch.Tensor:
+        """Bool ``[n, B]``: token slots in use (all but the tail block's empty ones)."""
+        return (self.slot_bias == 0).view(self.num_blocks, self.store.block_size)
+
+    @property
     def channel_bound(self) -> torch.Tensor:
-        """FP32 ``[Hkv, n, d]`` per-channel key error bounds of every block (0 on exact ones,
-        the tail block included; fused kernels skip this)."""
+        """FP32 ``[Hkv, n_c, d]`` per-channel key error bounds of the completed blocks (0 on
+        exact ones; fused kernels skip this)."""
+        return self.store.key_channel_bound()
+
+    @property
+    def key_bound(self) -> torch.Tensor:
+        """FP32 ``[Hkv, n, d]``: :attr:`channel_bound` with the exact tail block's zeros (a
+        view where the store keeps them)."""
         return self.store.key_channel_bound(self.num_blocks - self.num_completed)
 
     @cached_property

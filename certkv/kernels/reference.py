@@ -8,6 +8,7 @@ Runs on any device and is the oracle the Triton kernels are tested against. Shap
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,46 @@ from certkv.certify.bounds import block_deltas
 from certkv.certify.checks import boundary_ok, canary_violations, ranking_consistent
 
 SUM_CHUNK = 64  # terms per chunk of the two-level sums over blocks
+LOG2E = 1.4426950408889634  # log2(e)
+
+
+def exp_weights(x: torch.Tensor) -> torch.Tensor:
+    """``e^x`` as ``2^(x log2 e)`` (``x <= 0``: softmax weights). The scaling of the argument is
+    one of the roundings arith item 4 counts for every exponential (``ARG_ROUNDING``, as GPUs
+    compute ``ex2``); on CPU ``exp2`` also keeps its speed where ``exp`` takes a slow path for
+    results below ``e^-87`` (up to 30 times slower, and peaked attention has many)."""
+    return torch.exp2(x * LOG2E)
+
+
+class BlockSoftmax(NamedTuple):
+    """The online-softmax state of each block of logits ``s [..., n, B]`` (``-inf`` on empty
+    slots): its max ``m [..., n]`` (``-inf`` for a block without a token), the weights ``w =
+    e^{s - m} [..., n, B]``, their sum ``l`` and sum of squares ``l2`` ``[..., n]``."""
+
+    m: torch.Tensor
+    w: torch.Tensor
+    l: torch.Tensor  # noqa: E741 (the paper's l_b)
+    l2: torch.Tensor
+
+
+def block_softmax(s: torch.Tensor) -> BlockSoftmax:
+    """:class:`BlockSoftmax` of logits ``s [..., n, B]`` in their dtype (a block whose slots
+    are all ``-inf`` gets ``m = -inf`` and no weight, never NaN)."""
+    m = s.amax(dim=-1)
+    w = exp_weights(s - m.clamp_min(torch.finfo(s.dtype).min).unsqueeze(-1))
+    return BlockSoftmax(m, w, w.sum(dim=-1), (w * w).sum(dim=-1))
+
+
+def replace_blocks(state: BlockSoftmax, kv: torch.Tensor, blk: torch.Tensor,
+                   new: BlockSoftmax) -> BlockSoftmax:
+    """``state`` with blocks ``(kv[i], :, blk[i])`` replaced by ``new``'s entry ``i`` (a copy;
+    ``new`` shaped ``[P, G, ...]``)."""
+    parts = []
+    for old, part in zip(state, new, strict=True):
+        old = old.clone()
+        old[kv, :, blk] = part
+        parts.append(old)
+    return BlockSoftmax(*parts)
 
 
 def chunked_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -54,12 +95,15 @@ class Scored:
     ``log_mass = logsumexp_t s_{b,t}``, ``delta_b`` (eq. 8; 0 on the exact tail block) and the
     block log-spreads ``log_spread = log ||e^{s_b}||_2 = logsumexp_t(2 s_{b,t}) / 2`` (the l2
     norm of the block's unnormalised weights; minus the log-sum-exp of ``log_mass`` over blocks
-    it is ``log ||p_hat_b||_2``), all ``[Hkv, G, n]``."""
+    it is ``log ||p_hat_b||_2``), all ``[Hkv, G, n]``; the PyTorch reference also keeps the
+    blocks' softmax ``state`` (:class:`BlockSoftmax`), which Phase 2 reuses for every block
+    whose logits it does not replace."""
 
     scores: torch.Tensor
     log_mass: torch.Tensor
     delta_b: torch.Tensor
     log_spread: torch.Tensor | None = None
+    state: BlockSoftmax | None = None
 
 
 def without_blocks(scored: Scored, dropped: torch.Tensor) -> Scored:
@@ -71,7 +115,8 @@ def without_blocks(scored: Scored, dropped: torch.Tensor) -> Scored:
     return Scored(scores=torch.where(gone.unsqueeze(-1), neg_inf, scored.scores),
                   log_mass=torch.where(gone, neg_inf, scored.log_mass),
                   delta_b=torch.where(gone, 0.0, scored.delta_b),
-                  log_spread=None if spread is None else torch.where(gone, neg_inf, spread))
+                  log_spread=None if spread is None else torch.where(gone, neg_inf, spread),
+                  state=None)  # Phase 2 recomputes it from the scores
 
 
 @dataclass
@@ -88,78 +133,88 @@ class Attended:
     spread: torch.Tensor | None = None
 
 
-def phase1(q: torch.Tensor, lay, scaling: float) -> Scored:
-    """Phase 1 on the step layout's decoded keys: logits, block log-masses and ``Delta_b``.
+def phase1(q: torch.Tensor, lay, scaling: float, scalar: torch.dtype = torch.float32) -> Scored:
+    """Phase 1 on the step layout's decoded keys: logits, each block's softmax state (in
+    ``scalar``: FP64 with the FP64-scalars option), hence its log-mass ``m_b + log l_b`` and
+    log-spread ``m_b + log(l2_b) / 2``, and ``Delta_b``.
 
     Args:
         q: ``[Hkv, G, d]``; lay: the step's :class:`~certkv.kernels.layout.StepLayout`.
     """
     s = block_scores(q, lay.keys, lay.slot_bias, scaling)
-    return Scored(scores=s, log_mass=torch.logsumexp(s, dim=-1),
-                  delta_b=block_deltas(q, lay.channel_bound, scaling),
-                  log_spread=0.5 * torch.logsumexp(2 * s, dim=-1))
+    state = block_softmax(s.to(scalar))
+    return Scored(scores=s, log_mass=(state.m + torch.log(state.l)).float(),
+                  delta_b=block_deltas(q, lay.key_bound, scaling),
+                  log_spread=(state.m + 0.5 * torch.log(state.l2)).float(), state=state)
+
+
+def gated_logits(q: torch.Tensor, scored: Scored, gate: torch.Tensor, keys, scaling: float,
+                 eps_guard: float):
+    """Phase-2 logits of the staged key blocks ``(kv[i], blk[i])``: FP16-key logits for the
+    heads whose ``gate`` (``[Hkv, G, n]``, the promoted set) is set, Phase-1 logits for the
+    others. Returns ``(kv, blk, logits [P, G, B], violated [P, G])``, the last the canary
+    violations of the gated heads (:func:`~certkv.certify.checks.canary_violations`)."""
+    kv, blk = keys.kv_heads, keys.blocks
+    s16 = torch.bmm(q[kv].float(), keys.gathered().float().transpose(1, 2)) * scaling
+    s8, on = scored.scores[kv, :, blk], gate[kv, :, blk]
+    violated = on & canary_violations(s8, s16, scored.delta_b[kv, :, blk], eps_guard)
+    return kv, blk, torch.where(on.unsqueeze(-1), s16, s8), violated
 
 
 def gated_scores(q: torch.Tensor, scored: Scored, gate: torch.Tensor, keys, scaling: float,
                  eps_guard: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Phase-2 logits: FP16-key logits on the staged key blocks for the heads whose ``gate``
-    (``[Hkv, G, n]``, the promoted set) is set, Phase-1 logits elsewhere.
-
-    Returns the logits ``[Hkv, G, n, B]`` and the canary violations ``[Hkv, G, n]`` of the gated
-    blocks (:func:`~certkv.certify.checks.canary_violations`).
-    """
-    s8 = scored.scores
+    """Every Phase-2 logit ``[Hkv, G, n, B]`` (:func:`gated_logits` on the staged blocks,
+    Phase 1's elsewhere) and the canary violations ``[Hkv, G, n]`` (the tests' oracle)."""
     violated = torch.zeros_like(gate)
     if keys is None:
-        return s8, violated
-    kv, blk = keys.kv_heads, keys.blocks
-    s16 = (q[kv].float() @ keys.gathered().float().transpose(1, 2)) * scaling
-    s8_at, on = s8[kv, :, blk], gate[kv, :, blk]
-    violated[kv, :, blk] = on & canary_violations(s8_at, s16, scored.delta_b[kv, :, blk],
-                                                  eps_guard)
-    s2 = s8.clone()
-    s2[kv, :, blk] = torch.where(on.unsqueeze(-1), s16, s8_at)
+        return scored.scores, violated
+    kv, blk, logits, canary = gated_logits(q, scored, gate, keys, scaling, eps_guard)
+    s2 = scored.scores.clone()
+    s2[kv, :, blk] = logits
+    violated[kv, :, blk] = canary
     return s2, violated
 
 
 def attend(scores: torch.Tensor, values: torch.Tensor, fp64_scalars: bool = False,
            staged=None) -> Attended:
-    """Phase 2 (Alg. 1): softmax-weighted sum over all blocks, split per block then reduced by
-    log-sum-exp (the online-softmax state of each block combined exactly, as in split-KV decode;
-    the sums over blocks run in two levels, :func:`chunked_sum`).
+    """Phase 2 (Alg. 1) on logits ``scores [Hkv, G, n, B]`` (``-inf`` on empty slots):
+    :func:`attend_blocks` on their :func:`block_softmax` (FP64 with ``fp64_scalars``)."""
+    scalar = torch.float64 if fp64_scalars else torch.float32
+    return attend_blocks(block_softmax(scores.to(scalar)), values, staged)
+
+
+def attend_blocks(state: BlockSoftmax, values: torch.Tensor, staged=None) -> Attended:
+    """Phase 2 (Alg. 1) from each block's softmax state: the softmax-weighted sum over all
+    blocks, split per block then reduced by log-sum-exp (the online-softmax state of each
+    block combined exactly, as in split-KV decode; the sums over blocks run in two levels,
+    :func:`chunked_sum`).
 
     The softmax scalars (block max ``m_b``, sums ``l_b`` and ``l2_b = sum_t w_t^2``, masses
-    ``rho_b``, spreads ``||p_b||_2 = e^{m_b - m} sqrt(l2_b) / total``) are FP32, or FP64 with
-    ``fp64_scalars`` (paper 9.10); the output accumulator is FP32. The spread takes one more
-    accumulator in the same pass.
+    ``rho_b``, spreads ``||p_b||_2 = e^{m_b - m} sqrt(l2_b) / total``) are in the state's dtype
+    (FP32, or FP64 with ``fp64_scalars``, paper 9.10); each weight is rescaled by ``e^{m_b -
+    m}`` before its block's product, whose accumulator is FP32.
 
     Args:
-        scores: ``[Hkv, G, n, B]`` logits (``-inf`` on empty slots).
+        state: :class:`BlockSoftmax` of the logits, ``[Hkv, G, n, ...]``.
         values: ``[Hkv, n, B, d]`` FP32 (read only: it may be the store's decoded mirror).
         staged: :class:`~certkv.kernels.layout.StagedBlocks` of FP16 values (value promotion)
             that replace their blocks of ``values``, or None. Their blocks' weighted sums are
             recomputed from the staged data, the same per-block product as every other block,
             so ``values`` is never copied (at 4K, d = 128 the copy was a fifth of the step).
     """
-    scalar = torch.float64 if fp64_scalars else torch.float32
-    s = scores.to(scalar)
-    m_b = s.amax(dim=-1)  # [Hkv, G, n]; -inf on a block left out (no weight, no NaN)
-    w = torch.exp(s - torch.where(torch.isneginf(m_b), 0.0, m_b).unsqueeze(-1))
-    l_b = w.sum(dim=-1)
-    l2_b = (w * w).sum(dim=-1)
-    o_b = block_products(w.float(), values.float())
+    m_b, w, l_b, l2_b = state
+    alpha = exp_weights(m_b - m_b.amax(dim=-1, keepdim=True))  # [Hkv, G, n]
+    mass = alpha * l_b
+    total = chunked_sum(mass, -1).unsqueeze(-1)
+    scaled = (w * alpha.unsqueeze(-1)).float()  # each weight rescaled before its block's sum
+    o_b = block_products(scaled, values.float())
     if staged is not None:
         kv, blk = staged.kv_heads, staged.blocks
-        o_b[kv, :, blk] = torch.einsum("mgt,mtd->mgd", w[kv, :, blk].float(),
-                                       staged.gathered().float())
-    m = m_b.amax(dim=-1, keepdim=True)
-    alpha = torch.exp(m_b - m)
-    total = chunked_sum(alpha * l_b, -1).unsqueeze(-1)
-    out = chunked_sum(alpha.float().unsqueeze(-1) * o_b, -2) / total.float()
-    rho = alpha * l_b / total
-    spread = alpha * torch.sqrt(l2_b) / total
-    return Attended(out=out, rho=rho.float(), log_mass=(m_b + torch.log(l_b)).float(),
-                    spread=spread.float())
+        o_b[kv, :, blk] = torch.bmm(scaled[kv, :, blk], staged.gathered().float())
+    out = chunked_sum(o_b, -2) / total.float()
+    return Attended(out=out, rho=(mass / total).float(),
+                    log_mass=(m_b + torch.log(l_b)).float(),
+                    spread=(alpha * torch.sqrt(l2_b) / total).float())
 
 
 def block_products(w: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -269,13 +324,27 @@ class TorchBackend:
     fp64_scalars: bool = False
     name: str = "torch"
 
+    @property
+    def scalar(self) -> torch.dtype:
+        """The softmax scalars' dtype (paper 9.10)."""
+        return torch.float64 if self.fp64_scalars else torch.float32
+
     def phase1(self, q, lay, scaling) -> Scored:
-        return phase1(q, lay, scaling)
+        return phase1(q, lay, scaling, self.scalar)
 
     def phase2(self, q, scored, lay, gate, keys, values, scaling, eps_guard) -> Attended:
-        """Phase 2 over decoded values: gated FP16-key logits, staged FP16 values."""
-        s2, violated = gated_scores(q, scored, gate, keys, scaling, eps_guard)
-        att = attend(s2, lay.values, self.fp64_scalars, staged=values)
+        """Phase 2 over decoded values: Phase 1's block softmax state where the logits stay
+        (computed here if Phase 1 ran elsewhere), recomputed on the blocks gated to FP16
+        keys; staged FP16 values."""
+        state = scored.state
+        if state is None or state.w.dtype != self.scalar:
+            state = block_softmax(scored.scores.to(self.scalar))
+        violated = torch.zeros_like(gate)
+        if keys is not None:
+            kv, blk, logits, canary = gated_logits(q, scored, gate, keys, scaling, eps_guard)
+            state = replace_blocks(state, kv, blk, block_softmax(logits.to(self.scalar)))
+            violated[kv, :, blk] = canary
+        att = attend_blocks(state, lay.values, staged=values)
         att.canary = violated
         return att
 
