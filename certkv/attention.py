@@ -165,6 +165,7 @@ class CertifiedAttention:
                 f"mode={self.mode!r} is unknown; choose one of {list(MODES)}.")
         self.backend = get_backend(self.backend)
         self._compiled: dict = {}
+        self._kv_index: dict = {}  # (Hq, Hkv, device) -> kv_of (_kv_of)
         self._specs: dict[ArithSpec, ArithSpec] = {}
         self._nonfinite: torch.Tensor | None = None  # [2] q, K/V since the last synchronize()
 
@@ -373,17 +374,17 @@ class CertifiedAttention:
         with timer.phase("certificate"):
             spec = self._arith_spec(q, store, scaling, lay, on_device)
             segment = self._segment("_certify_step", q.device)
-            dense_v_max = store.value_norm_max().repeat_interleave(group) if on_device \
-                else None
-            coef = step_coefficients(spec, lay.num_blocks, store.num_tokens)
+            kv_of = self._kv_of(hq, hkv, q.device)
+            dense_v_max = store.value_norm_max()[kv_of] if on_device else None
+            coef = step_coefficients(spec, lay.num_blocks, store.num_tokens, q.device)
             if isinstance(segment, _CompiledSegment):  # no recompile when the counts change
                 coef = as_tensors(coef, q.device)
             bounds = segment(
                 l8, l16, att.rho.reshape(hq, -1), _spread(att).reshape(hq, -1),
                 att.out.reshape(hq, -1), log_p, delta_b, delta, delta_chan, v_max, v_rad,
-                q_norm, promoted, lay.quantized, expanded, value_kv, lay.eta, lay.value_spec,
+                q_norm, promoted, lay.exact, expanded, value_kv, lay.eta, lay.value_spec,
                 lay.key_spec, ranking, boundary, att.canary, q, store.nonfinite_appended(),
-                spec, coef, store.key_abs_max(), store.value_error_max(), dense_v_max)
+                spec, coef, store.key_abs_max(), store.value_error_max(), kv_of, dense_v_max)
             (e_key, e_val, e_arith, log_alpha, canary, rung, value_blocks, flags, paper_key,
              paper_val, e_dense) = bounds
         blocks = BlockStats(att.rho.reshape(hq, -1), lay.eta, delta_b, v_rad, lay.quantized)
@@ -391,6 +392,14 @@ class CertifiedAttention:
                      log_alpha, (promoted & lay.quantized).sum(dim=-1), rung, ranking,
                      boundary, canary, value_blocks, promotions, lay.num_quantized,
                      paper_key, paper_val, blocks, paged, e_dense)
+
+    def _kv_of(self, hq: int, hkv: int, device: torch.device) -> torch.Tensor:
+        """``[Hq]`` int64 on ``device``: each query head's kv head (``x[kv_of]`` spreads a
+        per-kv-head ``x`` over its query heads in one gather), made once per shape."""
+        key = (hq, hkv, str(device))
+        if key not in self._kv_index:
+            self._kv_index[key] = torch.arange(hq, device=device) // (hq // hkv)
+        return self._kv_index[key]
 
     def _segment(self, name: str, device: torch.device):
         """The pure tensor segment ``name``, compiled (fused kernels, one graph, dynamic
@@ -451,9 +460,9 @@ class CertifiedAttention:
                 value_kv, torch.stack([need_keys, value_kv]))
 
     def _certify_step(self, l8, l16, rho, spread, out, log_p, delta_b, delta, delta_chan, v_max,
-                      v_rad, q_norm, promoted, quantized, expanded, value_kv, eta, value_spec,
+                      v_rad, q_norm, promoted, exact, expanded, value_kv, eta, value_spec,
                       key_spec, ranking, boundary, canary_blocks, q, kv_bad, spec, coef,
-                      key_abs_max, eta_max_kv, dense_v_max=None):
+                      key_abs_max, eta_max_kv, kv_of, dense_v_max=None):
         """Certificate segment (pure tensor code; compiled on GPU): the tight E_key (eq. 15
         with the per-block TV bound and centred values) and E_val (Cor. 4.2 with the spectral
         block terms), E_arith of the quantized path (:mod:`certkv.certify.arith`), the paper's
@@ -464,8 +473,9 @@ class CertifiedAttention:
         (arith item 2), the per-block TV bound once over the first and the last.
 
         Shapes: ``[Hq, n]`` per block, ``[Hq]`` per head, ``out [Hq, d]`` (FP32), ``q`` in the
-        caller's dtype, ``q_norm [Hkv, G]``, ``eta, value_spec, key_spec, value_kv [Hkv, n]``,
-        ``canary_blocks [Hkv, G, n]``, ``key_abs_max [Hkv, d]``, ``eta_max_kv [Hkv]``;
+        caller's dtype, ``q_norm [Hkv, G]``, ``exact [n]`` (blocks read exactly), ``eta,
+        value_spec, key_spec, value_kv [Hkv, n]``, ``canary_blocks [Hkv, G, n]``,
+        ``key_abs_max [Hkv, d]``, ``eta_max_kv [Hkv]``, ``kv_of [Hq]`` (each head's kv head);
         ``spec, coef``: the arithmetic bound's static facts and step coefficients;
         ``dense_v_max [Hq]`` (device path only): each head's largest value norm. Returns
         ``e_key, e_val, e_arith, log_alpha, canary, rung, value_blocks`` ``[Hq]``, ``flags
@@ -477,22 +487,22 @@ class CertifiedAttention:
         hq, n = l8.shape
         hkv = eta.shape[0]
         group = hq // hkv
-        tail = quantized & ~promoted
+        not_tail = promoted | exact  # off the INT8 tail
         # log-sum-exps over blocks: the tail's INT8 upper log-masses with the tight and with
         # eq. 8's Delta_b (U_T), the promoted blocks' FP16 log-mass (Z_F), the tail's estimate
-        lse = torch.logsumexp(torch.stack([
-            _on(tail, l8 + delta_b, NEG_INF), _on(tail, l8 + delta_chan, NEG_INF),
-            _on(promoted, l16, NEG_INF), _on(tail, log_p, NEG_INF)]), dim=-1)
+        lse = torch.logsumexp(torch.stack([l8 + delta_b, l8 + delta_chan, l16, log_p]).masked_fill(
+            torch.stack([not_tail, not_tail, ~promoted, not_tail]), NEG_INF), dim=-1)
         cap = tail_logit(lse[:2], lse[2])  # [2, Hq]: tight, eq. 8's
         log_alpha = lse[3]
-        d_tail = _on(tail, delta_b)
+        d_tail = delta_b.masked_fill(not_tail, 0.0)
         delta_t, delta_t_chan, delta_chan_max = torch.stack(
-            [d_tail, _on(tail, delta_chan), delta_chan]).amax(dim=-1)
+            [d_tail, delta_chan.masked_fill(not_tail, 0.0), delta_chan]).amax(dim=-1)
         terms = logit_terms(spec, coef, q, key_abs_max, delta)
         # per-block TV bound (block_tv_bound) as returned and at the widened inputs, in FP64
-        lam = logit_error_norms(q_norm, key_spec, spec.scaling).reshape(hq, n)
+        lam = logit_error_norms(q_norm, key_spec, spec.scaling).view(hq, n)
         rho64, spread64, d_tail64, lam64 = torch.stack([rho, spread, d_tail, lam]).double()
-        widened = widened_blocks(coef, terms, rho64, spread64, delta_b.double(), lam64, tail)
+        widened = widened_blocks(coef, terms, rho64, spread64, delta_b.double(), lam64,
+                                 not_tail)
         tv_block = block_tv_bound(*(torch.stack(pair) for pair in zip(
             (rho64, d_tail64, lam64, spread64), widened, strict=True)))
         # E_key (eq. 15 with both caps) in three lanes: returned, the paper's form (eq. 8's
@@ -506,41 +516,41 @@ class CertifiedAttention:
             torch.stack([cap[0], cap[1], wide[3]]),
             torch.stack([tv_block[0], torch.full_like(tv_block[0], math.inf), tv_block[1]]))
         # E_val (Cor. 4.2 per block, tight and the paper's) over the blocks read quantized
-        value_q = value_kv.repeat_interleave(group, dim=0)
-        eta_kv = _on(~value_kv, eta).unsqueeze(1)  # [Hkv, 1, n]
-        sigma_kv = _on(~value_kv, value_spec)
-        paper_terms = rho.view(hkv, group, n) * eta_kv
+        eta_q = eta.masked_fill(value_kv, 0.0).unsqueeze(1)  # [Hkv, 1, n]
+        sigma_kv = value_spec.masked_fill(value_kv, 0.0)
+        paper_terms = rho.view(hkv, group, n) * eta_q
         tight_terms = torch.minimum(paper_terms, spread.view(hkv, group, n) * sigma_kv.unsqueeze(1))
-        e_val, paper_val = torch.stack([tight_terms, paper_terms]).sum(dim=-1).view(2, hq)
+        e_val, paper_val = tight_terms.sum(dim=-1).view(hq), paper_terms.sum(dim=-1).view(hq)
         e_key, paper_key = e_key.float(), paper_key.float()
         e_arith = quantized_arith(
-            spec, coef, terms, tv_plus=tv_plus, v_max=v_max, v_rad=v_rad,
-            eta_max=eta_max_kv.repeat_interleave(group),
-            sigma_max=sigma_kv.amax(dim=-1).repeat_interleave(group), e_key=e_key,
-            e_val=e_val, out_norm=out.norm(dim=-1))
+            coef, terms, tv_plus=tv_plus, v_max=v_max, v_rad=v_rad, eta_max=eta_max_kv[kv_of],
+            sigma_max=sigma_kv.amax(dim=-1)[kv_of], e_key=e_key, e_val=e_val,
+            out_norm=out.norm(dim=-1))
+        value_blocks = value_kv.sum(dim=-1)[kv_of]
         canary, rung, flags = self._rungs(out, q, kv_bad, e_key + e_val + e_arith, expanded,
-                                          value_q, ranking, boundary, canary_blocks)
+                                          value_blocks, ranking, boundary, canary_blocks)
         e_dense = None if dense_v_max is None else dense_arith(
             spec, 0, q=q, key_abs_max=key_abs_max, v_max=dense_v_max, acc_coef=coef.dense_acc)
-        return (e_key, e_val, e_arith, log_alpha, canary, rung, value_q.sum(dim=-1), flags,
+        return (e_key, e_val, e_arith, log_alpha, canary, rung, value_blocks, flags,
                 paper_key, paper_val, e_dense)
 
-    def _rungs(self, out, q, kv_bad, bound, expanded, value_q, ranking, boundary,
+    def _rungs(self, out, q, kv_bad, bound, expanded, value_blocks, ranking, boundary,
                canary_blocks):
         """The canary ``[Hq]``, each head's rung ``[Hq]`` and the flags ``[Hq + 2]`` (heads
         needing dense attention, non-finite ``q``, non-finite appended K/V). A head whose
-        output or ``bound`` is not finite, or whose output overflows the caller's dtype, goes
-        dense (rung 3); ``torch.where``, not masked writes: no device sync."""
+        output or ``bound`` is not finite (a NaN compares false), or whose output overflows
+        the caller's dtype, goes dense (rung 3); ``torch.where``, not masked writes: no device
+        sync."""
         certified = self.mode == "certified"
         canary = ~canary_blocks.flatten(0, 1).any(dim=-1)
         if not (certified and self.ladder.canary):
             canary = torch.ones_like(canary)
-        finite = torch.isfinite(out.to(q.dtype)).all(dim=-1) & torch.isfinite(bound)
-        rung = torch.where(value_q.any(dim=-1), 2, expanded.long())
+        finite = (out.to(q.dtype).abs().amax(dim=-1) < math.inf) & (bound < math.inf)
+        rung = torch.maximum(expanded.long(), (value_blocks > 0) * 2)
         rung = torch.where((ranking & boundary & finite) if certified else finite, rung, 3)
         if certified:
             rung = torch.where(self.ladder.layer_dense(rung >= 3, canary), 4, rung)
-        bad = torch.stack([~torch.isfinite(q).all(), kv_bad])
+        bad = torch.stack([~(q.abs().amax() < math.inf), kv_bad])
         return canary, rung, torch.cat([rung >= 3, bad])
 
     def _rank_checks(self, l8, l16, delta_b, promoted, quantized, certified):

@@ -228,41 +228,45 @@ def _round_up_fp32(x: torch.Tensor) -> torch.Tensor:
 
 
 def _widen(x: torch.Tensor, slack: torch.Tensor) -> torch.Tensor:
-    """``x + slack + 8 u |x|`` where ``x`` is finite (a computed log quantity plus its
-    rounding allowance); infinities stay as they are."""
-    return torch.where(torch.isfinite(x), x + slack + 8 * U32 * x.abs(), x)
+    """``x + slack + 8 u |x|`` (a computed log quantity plus its rounding allowance), written
+    ``x (1 + 8 u sign x) + slack`` so that infinities stay as they are."""
+    return x * (1 + 8 * U32 * torch.sign(x)) + slack
+
+
+FP16_MAX = 65504.0  # the largest FP16 key channel: sum_c K_c <= d * 65504 (finite keys)
 
 
 def logit_magnitude(q: torch.Tensor, key_abs_max: torch.Tensor, scaling: float):
-    """``(S, sum_c K_c)`` per query head, FP64 ``[Hq]`` each (item 1): ``S = scaling sum_c
-    |q_c| K_c`` bounds ``scaling sum_c |q_c| |k_c|`` for every cached original key.
+    """``S = scaling sum_c |q_c| K_c`` per query head, FP64 ``[Hq]`` rounded up (item 1): it
+    bounds ``scaling sum_c |q_c| |k_c|`` for every cached original key.
 
     Args:
         q: ``[Hq, d]``; key_abs_max: ``[Hkv, d]`` running channel max ``K_c`` of ``|k|``.
     """
-    hq, d = q.shape
-    kmax = key_abs_max.double().repeat_interleave(hq // key_abs_max.shape[0], dim=0)
-    s = scaling * (q.double().abs() * kmax).sum(dim=-1)
-    return s * (1 + gamma(d + 2, 2.0**-53)), kmax.sum(dim=-1)
+    hkv, d = key_abs_max.shape
+    s = torch.bmm(q.double().abs().view(hkv, -1, d), key_abs_max.double().unsqueeze(-1))
+    return s.view(-1) * (scaling * (1 + gamma(d + 2, 2.0**-53)))
 
 
-def logit_rounding(spec_gamma: float, magnitude, delta, key_abs_sum, scaling: float, d: int):
+def logit_rounding(spec_gamma: float, magnitude, delta, scaling: float, d: int,
+                   prescale=1.0):
     """``eps`` (item 1), FP64 ``[Hq]``: every computed logit is within ``eps`` of
     ``scaling q . k'`` (``k'`` the key the path used), and the exact ``Delta_b`` within
     ``eps`` above the computed one. ``spec_gamma``: :meth:`Rounding.logit_gamma`; magnitude:
-    ``S``; delta: the head's computed max ``Delta_b`` (0 on the dense path); key_abs_sum:
-    ``sum_c K_c`` (times any prescaling factor), for underflow."""
+    ``S``; delta: the head's computed max ``Delta_b`` (0 on the dense path); prescale: any
+    factor the path scales the query by (its underflow, with ``sum_c K_c <= d 65504``)."""
     g_delta = gamma(d + 8)  # Delta_b: an FP32 sum, or scaling * ||q|| * key_err in FP32
-    underflow = scaling * TINY * (d + key_abs_sum)
-    return spec_gamma * (magnitude + delta) * (1 + 2 * g_delta) + 2 * g_delta * delta + underflow
+    underflow = scaling * TINY * d * (1 + FP16_MAX * prescale)
+    return spec_gamma * (1 + 2 * g_delta) * (magnitude + delta) + (2 * g_delta * delta
+                                                                    + underflow)
 
 
-def cast_error(out_norm: torch.Tensor, d: int, dtype: torch.dtype):
-    """Item 6: rounding ``[Hq]`` outputs of norm at most ``out_norm`` to ``dtype`` (0 when
-    ``dtype`` holds every FP32 value)."""
+def cast_error(d: int, dtype: torch.dtype) -> tuple[float, float]:
+    """Item 6: rounding an output of norm at most ``X`` to ``dtype`` moves it by at most
+    ``a X + b``; returns ``(a, b)`` (0 when ``dtype`` holds every FP32 value)."""
     if dtype not in _HALF_SUBNORMAL:
-        return 0.0
-    return unit_roundoff(dtype) * out_norm + math.sqrt(d) * _HALF_SUBNORMAL[dtype]
+        return 0.0, 0.0
+    return unit_roundoff(dtype), math.sqrt(d) * _HALF_SUBNORMAL[dtype]
 
 
 @dataclass(frozen=True)
@@ -283,18 +287,18 @@ class ArithSpec:
 class StepCoefficients(NamedTuple):
     """The step's count-dependent scalars of the quantized path, computed on the host from ``n``
     blocks and ``N`` tokens (floats; 0-d device tensors for a compiled segment, so that a new
-    count never recompiles it)."""
+    count never recompiles it), and the weights of :func:`quantized_arith`'s linear form (FP64
+    ``[7]`` on the device)."""
 
     kappa: float  # item 5 without the per-head magnitude part
-    val_rel: float  # E_val+ = E_val (1 + val_rel) + ...: block masses, spreads, sum over blocks
-    val_abs: float  # ... + val_abs * (eta_max + sigma_max): underflowed masses and spreads
-    acc: float  # item 4: ||O_hat - Obar|| <= acc * V'
     rho_rel: float  # item 5: relative error of a computed block mass
     spread_rel: float  # item 5: relative error of a computed block spread
     dense_acc: float  # item 4 of the dense path (rungs 3-4) over the step's N tokens
+    weights: torch.Tensor  # composition_weights()
 
 
-def step_coefficients(spec: ArithSpec, n_blocks: int, n_tokens: int) -> StepCoefficients:
+def step_coefficients(spec: ArithSpec, n_blocks: int, n_tokens: int,
+                      device: torch.device | str = "cpu") -> StepCoefficients:
     """:class:`StepCoefficients` of a quantized step over ``n_blocks`` and ``n_tokens``."""
     log_n = math.log(max(n_tokens, 2))
     chained = 2 * _lse_rounding(spec.block_size, n_tokens, U32) + 2 * _lse_rounding(
@@ -304,19 +308,42 @@ def step_coefficients(spec: ArithSpec, n_blocks: int, n_tokens: int) -> StepCoef
     omega_rho = (2 * omega + U32) / (1 - omega)
     bsz = spec.block_size
     omega_spread = (3 * omega + gamma(bsz + 4) + bsz * TINY) / (1 - omega)
+    val_rel = 1 / ((1 - gamma(n_blocks + 1)) * (1 - max(omega_rho, omega_spread))) - 1
+    weights = composition_weights(spec, val_rel, n_blocks * TINY,
+                                  spec.rounding.accumulation(n_blocks, n_tokens))
     return StepCoefficients(
-        kappa=2 * chained + 8 * U32 * (log_n + 1),
-        val_rel=1 / ((1 - gamma(n_blocks + 1)) * (1 - max(omega_rho, omega_spread))) - 1,
-        val_abs=n_blocks * TINY,
-        acc=spec.rounding.accumulation(n_blocks, n_tokens),
-        rho_rel=omega_rho, spread_rel=omega_spread,
-        dense_acc=spec.dense_rounding.accumulation(0, n_tokens, spec.dense_u))
+        kappa=2 * chained + 8 * U32 * (log_n + 1), rho_rel=omega_rho, spread_rel=omega_spread,
+        dense_acc=spec.dense_rounding.accumulation(0, n_tokens, spec.dense_u),
+        weights=torch.tensor(weights, dtype=torch.float64).to(device, non_blocking=True))
+
+
+def composition_weights(spec: ArithSpec, val_rel: float, val_abs: float,
+                        acc: float) -> list[float]:
+    """Items 3, 4 and 6 and the composition as one linear form: ``e_arith = w . [E_key+, e_val,
+    eta_max, sigma_max, V_max, ||O_hat||, 1] - e_key`` (:func:`quantized_arith`).
+
+    With ``F = 1 + 4u``, the decode term ``c V + c0`` (item 3), ``V' = V + eta_max + c V + c0``
+    (item 4's value magnitude), the cast ``a ||O_hat|| (1 + gamma_{d+1}) + b`` (item 6) and
+    ``E_val+ = e_val (1 + val_rel) + val_abs (eta_max + sigma_max) + c V + c0`` (item 3), the
+    bound ``F (E_key+ + E_val+ + acc V' + cast) + TINY (V' + 1) - e_key - e_val`` expands to
+    these weights (host floats; one FP64 dot product per head at run time)."""
+    d, f = spec.head_dim, 1 + 4 * U32
+    c = spec.value_decode * U32
+    c0 = c * math.sqrt(d) * 2.0**-24
+    a, b = cast_error(d, spec.out_dtype)
+    return [f,  # E_key+
+            f * (1 + val_rel) - 1,  # e_val (E_val+ minus the returned e_val)
+            f * (val_abs + acc) + TINY,  # eta_max: E_val+'s underflow, V'
+            f * val_abs,  # sigma_max
+            f * (c + acc * (1 + c)) + TINY * (1 + c),  # V_max: decode, V'
+            f * a * (1 + gamma(d + 1)),  # ||O_hat||: the cast
+            f * (c0 * (1 + acc) + b) + TINY * (1 + c0)]  # 1
 
 
 def as_tensors(coef: StepCoefficients, device) -> StepCoefficients:
-    """The coefficients as FP64 0-d tensors on ``device`` (one non-blocking copy)."""
-    packed = torch.tensor(coef, dtype=torch.float64).to(device, non_blocking=True)
-    return StepCoefficients(*packed.unbind())
+    """The scalar coefficients as FP64 0-d tensors on ``device`` (one non-blocking copy)."""
+    packed = torch.tensor(coef[:-1], dtype=torch.float64).to(device, non_blocking=True)
+    return StepCoefficients(*packed.unbind(), weights=coef.weights)
 
 
 class LogitTerms(NamedTuple):
@@ -334,15 +361,14 @@ def logit_terms(spec: ArithSpec, coef: StepCoefficients, q: torch.Tensor,
     """:class:`LogitTerms` for ``q [Hq, d]``, the running key maxima ``key_abs_max [Hkv, d]``
     and the head's computed max ``Delta_b`` (``delta [Hq]``, any float dtype)."""
     d = spec.head_dim
-    magnitude, key_abs_sum = logit_magnitude(q, key_abs_max, spec.scaling)
+    magnitude = logit_magnitude(q, key_abs_max, spec.scaling)
     delta = delta.double()
-    eps = logit_rounding(spec.rounding.logit_gamma(d), magnitude, delta, key_abs_sum,
-                         spec.scaling, d)
+    eps = logit_rounding(spec.rounding.logit_gamma(d), magnitude, delta, spec.scaling, d)
     return LogitTerms(eps, coef.kappa + 8 * U32 * (magnitude + delta), gamma(d + 8))
 
 
 def widened_blocks(coef: StepCoefficients, terms: LogitTerms, rho, spread, delta_b, lam,
-                   tail):
+                   not_tail):
     """Item 2's per-block inputs of :func:`~certkv.certify.bounds.block_tv_bound` for ``TV(p,
     m)``, ``m = softmax(s + x)`` with ``x`` the exact logit errors of the quantized keys on the
     INT8 tail (0 elsewhere); the caller adds ``tanh(eps/2) >= TV(m, p_hat)`` (every computed
@@ -351,16 +377,16 @@ def widened_blocks(coef: StepCoefficients, terms: LogitTerms, rho, spread, delta
     5); ``|x_t| <= Delta_b + eps`` and ``||x_b||_2 <= lambda_b (1 + 2 gamma)`` (item 1).
     ``block_tv_bound`` is monotone in each, so these upper bounds give a valid bound.
 
-    Args (FP64 ``[Hq, n]``): ``rho, spread, delta_b, lam`` as computed; ``tail`` the INT8 tail
-    blocks (bool). Returns ``(rho, D, lam, spread)`` widened, FP64 ``[Hq, n]``: ``D = Delta_b +
-    eps`` on the tail (a computed 0 included: the exact ``Delta_b`` may be up to ``eps``) and 0
-    elsewhere, where the bound then reads nothing of the block.
+    Args (FP64 ``[Hq, n]``): ``rho, spread, delta_b, lam`` as computed; ``not_tail`` the blocks
+    off the INT8 tail (bool). Returns ``(rho, D, lam, spread)`` widened, FP64 ``[Hq, n]``: ``D
+    = Delta_b + eps`` on the tail (a computed 0 included: the exact ``Delta_b`` may be up to
+    ``eps``) and 0 elsewhere, where the bound then reads nothing of the block.
     """
     eps = terms.eps.unsqueeze(-1)
-    grow = torch.exp(2 * eps)
-    rho_p = (rho * (1 + coef.rho_rel) + TINY) * grow
-    spread_p = (spread * (1 + coef.spread_rel) + TINY) * grow
-    d_p = torch.where(tail, delta_b + eps, 0.0)
+    grow = torch.exp(2 * eps)  # [Hq, 1]
+    rho_p = torch.addcmul(TINY * grow, rho, (1 + coef.rho_rel) * grow)
+    spread_p = torch.addcmul(TINY * grow, spread, (1 + coef.spread_rel) * grow)
+    d_p = (delta_b + eps).masked_fill(not_tail, 0.0)
     return rho_p, d_p, lam * (1 + 2 * terms.g_delta), spread_p
 
 
@@ -375,9 +401,11 @@ def widened_key_inputs(terms: LogitTerms, delta, delta_tail, log_alpha, cap_logi
     return delta.double() + eps, delta_tail.double() + eps, logs[0], logs[1]
 
 
-def quantized_arith(spec: ArithSpec, coef: StepCoefficients, terms: LogitTerms, *, tv_plus,
-                    v_max, v_rad, eta_max, sigma_max, e_key, e_val, out_norm) -> torch.Tensor:
-    """``e_arith`` of the quantized path (rungs 0-2), FP32 ``[Hq]`` rounded up (items 1-6).
+def quantized_arith(coef: StepCoefficients, terms: LogitTerms, *, tv_plus, v_max, v_rad,
+                    eta_max, sigma_max, e_key, e_val, out_norm) -> torch.Tensor:
+    """``e_arith`` of the quantized path (rungs 0-2), FP32 ``[Hq]`` rounded up (items 1-6):
+    ``E_key+ = 2 min(R, V_max) (tv_plus + tanh(eps / 2))`` (item 2) in the linear form of
+    :func:`composition_weights`.
 
     Args (``[Hq]``): terms: :func:`logit_terms`; tv_plus: FP64, the total-variation bound at
     the widened inputs (:func:`widened_key_inputs`, :func:`widened_blocks`: item 2 without its
@@ -386,16 +414,10 @@ def quantized_arith(spec: ArithSpec, coef: StepCoefficients, terms: LogitTerms, 
     e_key, e_val: the terms as returned; out_norm: ``||O_hat||`` (the FP32 output before the
     cast).
     """
-    d, eps = spec.head_dim, terms.eps
-    inputs = torch.stack([v_max, eta_max, e_key, e_val, out_norm, v_rad, sigma_max]).double()
-    v, eta, e_key, e_val, out_norm, rad, sigma = inputs.unbind()
-    e_key_plus = 2 * torch.minimum(rad, v) * (tv_plus + torch.tanh(eps / 2))
-    decode = spec.value_decode * U32 * (v + math.sqrt(d) * 2.0**-24)
-    e_val_plus = e_val * (1 + coef.val_rel) + coef.val_abs * (eta + sigma) + decode
-    v_prime = v + eta + decode
-    cast = cast_error(out_norm * (1 + gamma(d + 1)), d, spec.out_dtype)
-    total = (e_key_plus + e_val_plus + coef.acc * v_prime + cast) * (1 + 4 * U32)
-    total = total + TINY * (v_prime + 1) - e_key - e_val
+    key_plus = 2 * torch.minimum(v_rad, v_max) * (tv_plus + torch.tanh(terms.eps / 2))
+    parts = torch.stack([key_plus, e_val, eta_max, sigma_max, v_max, out_norm,
+                         torch.ones_like(key_plus)])
+    total = coef.weights @ parts - e_key
     return _round_up_fp32(total.clamp_min(0.0))
 
 
@@ -409,13 +431,14 @@ def dense_arith(spec: ArithSpec, n_tokens: int, *, q, key_abs_max, v_max,
     a 0-d tensor inside a compiled segment)."""
     d, u = spec.head_dim, spec.dense_u
     v = v_max.double()
-    magnitude, key_abs_sum = logit_magnitude(q, key_abs_max, spec.scaling)
+    magnitude = logit_magnitude(q, key_abs_max, spec.scaling)
     prescale = 2 * q.double().abs().amax(dim=-1).clamp_min(1.0)
-    eps = logit_rounding(spec.dense_rounding.logit_gamma(d, u), magnitude, 0.0,
-                         key_abs_sum * prescale, spec.scaling, d)
+    eps = logit_rounding(spec.dense_rounding.logit_gamma(d, u), magnitude, 0.0, spec.scaling,
+                         d, prescale)
     if acc_coef is None:
         acc_coef = spec.dense_rounding.accumulation(0, n_tokens, u)
     acc = acc_coef * v
-    cast = cast_error(v + acc, d, spec.out_dtype)
-    total = (2 * v * torch.tanh(eps / 2) + acc + cast) * (1 + 4 * U32) + TINY * (v + 1)
+    a, b = cast_error(d, spec.out_dtype)
+    total = (2 * v * torch.tanh(eps / 2) + acc + a * (v + acc) + b) * (1 + 4 * U32) \
+        + TINY * (v + 1)
     return _round_up_fp32(total)

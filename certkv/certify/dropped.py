@@ -71,10 +71,10 @@ def dropped_mass(spec: ArithSpec, *, q: torch.Tensor, key_abs_max: torch.Tensor,
     """
     d = spec.head_dim
     l8, delta_b = l8.double(), delta_b.double()
-    magnitude, key_abs_sum = logit_magnitude(q, key_abs_max, spec.scaling)
+    magnitude = logit_magnitude(q, key_abs_max, spec.scaling)
     delta = delta_b.amax(dim=-1)
-    eps = logit_rounding(spec.rounding.logit_gamma(d), magnitude, delta, key_abs_sum,
-                         spec.scaling, d).unsqueeze(-1)
+    eps = logit_rounding(spec.rounding.logit_gamma(d), magnitude, delta, spec.scaling,
+                         d).unsqueeze(-1)
     kappa = _lse_rounding(spec.block_size, n_tokens, U32) + 8 * U32 * (l8.abs() + 1)
     slack = delta_b + 2 * eps + kappa
     log_u = _lse64(l8 + slack, dropped, +1.0)

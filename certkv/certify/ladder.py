@@ -125,6 +125,6 @@ class Ladder:
 
     def layer_dense(self, head_dense: torch.Tensor, canary_ok: torch.Tensor) -> torch.Tensor:
         """Rung 4 (a 0-d bool tensor, no host sync): any canary violation, or at least
-        ``layer_dense_fraction`` of heads dense."""
-        fraction = head_dense.float().mean()
-        return ~canary_ok.all() | (head_dense.any() & (fraction >= self.layer_dense_fraction))
+        ``layer_dense_fraction`` of heads (and at least one) dense."""
+        least = max(1.0, self.layer_dense_fraction * head_dense.numel())
+        return ~canary_ok.all() | (head_dense.sum() >= least)
