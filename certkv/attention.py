@@ -277,7 +277,8 @@ class CertifiedAttention:
             pager = partial(self._page_in_on_device, scratch)
         else:  # the host stages from the scratch cache or straight from Tier-2
             pager = partial(self._page_in, partial(_tier2_stage, store) if scratch is None
-                            else partial(scratch.stage, store))
+                            else partial(scratch.stage, store),
+                            None if scratch is None else partial(scratch.record, store))
         for _ in range(TOL_LEVELS):
             step = self._pass(q, qg, store, lay, scored, scaling, pager, boost, timer,
                               on_device)
@@ -348,10 +349,11 @@ class CertifiedAttention:
         with timer.phase("select"):
             draw = self.ladder.exploration_draw((hq, lay.quantized.numel()), q.device) \
                 if certified else None
+            kv_of = self._kv_of(hq, hkv, q.device)
             sel = self._segment("_select_step", q.device)(
                 qg, scored.log_mass, scored.delta_b, _log_spread(scored), lay.quantized,
-                lay.eta, lay.value_spec, lay.key_err, lay.v_max, lay.v_radius, draw,
-                lay.num_quantized, scaling, boost)
+                lay.exact, lay.eta, lay.value_spec, lay.key_err, lay.v_max, lay.v_radius,
+                kv_of, draw, lay.num_quantized, scaling, boost)
             (log_p, delta_b, delta, delta_chan, v_max, v_rad, q_norm, promoted, expanded,
              value_kv, plan) = sel
 
@@ -374,7 +376,6 @@ class CertifiedAttention:
         with timer.phase("certificate"):
             spec = self._arith_spec(q, store, scaling, lay, on_device)
             segment = self._segment("_certify_step", q.device)
-            kv_of = self._kv_of(hq, hkv, q.device)
             dense_v_max = store.value_norm_max()[kv_of] if on_device else None
             coef = step_coefficients(spec, lay.num_blocks, store.num_tokens, q.device)
             if isinstance(segment, _CompiledSegment):  # no recompile when the counts change
@@ -416,16 +417,17 @@ class CertifiedAttention:
             self._compiled[name, backend] = _CompiledSegment(fn, backend)
         return self._compiled[name, backend]
 
-    def _select_step(self, qg, l8_kv, delta_kv, log_spread_kv, quantized, eta, value_spec,
-                     key_err, v_max_kv, v_rad_kv, draw, n_q, scaling, boost=None):
+    def _select_step(self, qg, l8_kv, delta_kv, log_spread_kv, quantized, exact, eta,
+                     value_spec, key_err, v_max_kv, v_rad_kv, kv_of, draw, n_q, scaling,
+                     boost=None):
         """Selection segment (pure tensor code, no host reads; compiled on GPU).
 
         Args:
             qg: ``[Hkv, G, d]`` FP32 queries.
             l8_kv, delta_kv, log_spread_kv: Phase-1 log-masses, Delta_b (eq. 8's channel form)
                 and log-spreads ``[Hkv, G, n]``.
-            quantized: ``[n]``; eta, value_spec, key_err: ``[Hkv, n]``; v_max_kv, v_rad_kv:
-                ``[Hkv]``.
+            quantized, exact: ``[n]`` (complements); eta, value_spec, key_err: ``[Hkv, n]``;
+            v_max_kv, v_rad_kv: ``[Hkv]``; kv_of: ``[Hq]`` each head's kv head.
             draw: uniform ``[Hq, n]`` for exploration, or None; n_q: quantized block count;
             scaling: the softmax scale; boost: ``[Hq]`` bound-tolerance escalation level (1:
             key set at the ladder's cap, 2: also FP16 values of the promoted blocks) or None.
@@ -438,24 +440,23 @@ class CertifiedAttention:
         """
         hkv, group, n = l8_kv.shape
         hq = hkv * group
-        log_p = torch.log_softmax(l8_kv.reshape(hq, n), dim=-1)
-        q_norm = qg.norm(dim=-1)
+        l8 = l8_kv.reshape(hq, n)
+        log_p = torch.log_softmax(l8, dim=-1)
+        q_norm = torch.linalg.vector_norm(qg, dim=-1)
         delta_chan = delta_kv.reshape(hq, n)  # 0 on the exact tail block
         delta_b = tightened_deltas(delta_kv, q_norm, key_err, scaling).reshape(hq, n)
         delta = delta_b.amax(dim=-1)
-        v_max = v_max_kv.repeat_interleave(group)
-        v_rad = torch.minimum(v_rad_kv.repeat_interleave(group), v_max)
+        v_max, v_rad = torch.stack([v_max_kv, torch.minimum(v_rad_kv, v_max_kv)])[:, kv_of]
         certified = self.mode == "certified"
-        promoted, expanded = self._select(log_p, quantized, n_q, delta_b, delta, delta_chan,
-                                          v_max, v_rad, group, certified, draw, boost)
-        log_spread = log_spread_kv.reshape(hq, n) - torch.logsumexp(l8_kv.reshape(hq, n), -1,
-                                                                     keepdim=True)
-        value_kv = self._value_promotion(log_p, eta, delta, log_spread, value_spec, quantized,
-                                         group, certified)
+        promoted, expanded = self._select(log_p, quantized, exact, n_q, delta_b, delta,
+                                          delta_chan, v_max, v_rad, group, certified, draw,
+                                          boost)
+        value_kv = self._value_promotion(log_p, eta, delta, log_spread_kv.reshape(hq, n) - (
+            l8 - log_p), value_spec, hkv, certified)  # log-spread minus each head's log-sum-exp
         if boost is not None:  # level 2: FP16 values for the boosted heads' promoted blocks
             extra = promoted & quantized & (boost >= 2).unsqueeze(-1)
             value_kv = value_kv | (extra.reshape(hkv, group, n).any(dim=1) & (eta > 0))
-        need_keys = promoted.reshape(hkv, group, n).any(dim=1) & quantized
+        need_keys = promoted.view(hkv, group, n).any(dim=1) & quantized
         return (log_p, delta_b, delta, delta_chan, v_max, v_rad, q_norm, promoted, expanded,
                 value_kv, torch.stack([need_keys, value_kv]))
 
@@ -565,20 +566,20 @@ class CertifiedAttention:
         return (ranking if lad.ranking_check else true,
                 boundary if lad.boundary_check else true)
 
-    def _select(self, log_p, quantized, n_q, delta_b, delta, delta_chan, v_max, v_rad, group,
-                certified, draw, boost=None):
+    def _select(self, log_p, quantized, exact, n_q, delta_b, delta, delta_chan, v_max, v_rad,
+                group, certified, draw, boost=None):
         """FP16-key set ``[Hq, n]`` (exact tail block always in) and the rung-1 flag ``[Hq]``."""
-        p = log_p.exp()
-        hq = p.shape[0]
-        no = torch.zeros(hq, dtype=torch.bool, device=p.device)
+        hq = log_p.shape[0]
         if not certified:
-            return (~quantized).expand_as(p).clone(), no
+            return exact.expand(hq, -1), torch.zeros(hq, dtype=torch.bool, device=exact.device)
         sel = self.selector
+        p = log_p.exp()
         order = sel.order(p, delta_b, quantized)
+        rank = sel.ranks(order)
         k = sel.choose_k(p, quantized, order, n_q)
-        promoted = sel.promoted(order, k, quantized, group)
+        promoted = sel.promoted(rank, k, exact, group)
         if self.ladder.tail_mass == "paper":
-            tail_bound, e_key = self._paper_tail(log_p, quantized & ~promoted, delta_chan, v_max)
+            tail_bound, e_key = self._paper_tail(log_p, promoted, delta_chan, v_max)
         else:
             tail_bound, e_key = self._tight_tail(log_p, quantized, promoted, delta_b, delta,
                                                  v_rad)
@@ -588,27 +589,27 @@ class CertifiedAttention:
             cap = torch.full_like(k, self.ladder.key_cap(sel.k_max, n_q))
             k_new = torch.where(boost >= 1, torch.maximum(k_new, cap), k_new)
         expanded = k_new > k
-        promoted = sel.promoted(order, k_new, quantized, group)  # all tensor ops, no host sync
+        promoted = sel.promoted(rank, k_new, exact, group)  # all tensor ops, no host sync
         if draw is not None:
             promoted = promoted | exploration_mask(quantized & ~promoted, draw,
                                                    self.ladder.exploration)
         return promoted, expanded
 
-    def _paper_tail(self, log_p, tail, delta_chan, v_max):
+    def _paper_tail(self, log_p, promoted, delta_chan, v_max):
         """Rung 1's tail mass as in the paper, eq. 14's ``e^{c Delta} alpha_hat`` with eq. 8's
         channel ``Delta_b``, and the candidate E_key (eq. 15) when ``ladder.e_key_tol`` asks
-        for it, else None (``[Hq]`` each)."""
+        for it, else None (``[Hq]`` each). Exact blocks are among the ``promoted``."""
         c = self.selector.mass_inflation
         delta = delta_chan.amax(dim=-1)
         if self.ladder.e_key_tol is None:
-            log_alpha = torch.logsumexp(_on(tail, log_p, NEG_INF), dim=-1)
+            log_alpha = torch.logsumexp(log_p.masked_fill(promoted, NEG_INF), dim=-1)
             return tail_mass_bound(log_alpha, delta, c), None
-        log_alpha, _, e_key = _key_bound(log_p, tail, delta_chan, delta, v_max, c)
+        log_alpha, _, e_key = _key_bound(log_p, ~promoted, delta_chan, delta, v_max, c)
         return tail_mass_bound(log_alpha, delta, c), e_key
 
     def _tight_tail(self, log_p, quantized, promoted, delta_b, delta, v_rad):
         """Rung 1's tail mass, tight, and the candidate E_key when ``ladder.e_key_tol`` asks for
-        it, else None (``[Hq]`` each).
+        it, else None (``[Hq]`` each). Exact blocks are among the ``promoted``.
 
         Phase 2 changes only the promoted blocks' logits, each by at most its ``Delta_b``, so
         with ``Delta_F`` the largest of them its tail mass is at most ``min(1, e^{Delta_F}
@@ -616,33 +617,41 @@ class CertifiedAttention:
         (``Z_F' >= e^{-Delta_F} Z_F``); E_key is then the per-block TV bound with those masses
         (:func:`~certkv.certify.bounds.block_tv_bound`) and the centred radius.
         """
-        tail = quantized & ~promoted
-        delta_f = _on(promoted & quantized, delta_b).amax(dim=-1)
-        log_alpha = torch.logsumexp(_on(tail, log_p, NEG_INF), dim=-1)
-        bound = tail_mass_bound(log_alpha, delta_f, 1.0)
+        not_promoted = ~promoted
+        delta_f = delta_b.masked_fill(not_promoted, 0.0).amax(dim=-1)  # 0 on exact blocks
+        log_alpha = torch.logsumexp(log_p.masked_fill(promoted, NEG_INF), dim=-1)
+        # min(1, e^{Delta_F} alpha_hat); NaN (not above any threshold) only for inf - inf,
+        # where no tail is left: like 0, never expands
+        bound = torch.exp((delta_f + log_alpha).clamp(max=0.0))
         if self.ladder.e_key_tol is None:
             return bound, None
+        tail = quantized & not_promoted
         rho_ub = torch.exp((delta_f.unsqueeze(-1) + log_p).clamp(max=0.0))
         tv = block_tv_bound(_on(tail, rho_ub), _on(tail, delta_b))
         _, _, e_key = _key_bound(log_p, tail, delta_b, delta, v_rad,
                                  self.selector.mass_inflation, tv_cap=tv)
         return bound, e_key
 
-    def _value_promotion(self, log_p, eta, delta, log_spread, value_spec, quantized, group,
-                         certified):
-        """Blocks read with FP16 values, per kv head ``[Hkv, n]`` (union of its query heads)."""
-        hkv = eta.shape[0]
+    def _value_promotion(self, log_p, eta, delta, log_spread, value_spec, hkv, certified):
+        """Blocks read with FP16 values, per kv head ``[Hkv, n]`` (the union of its query
+        heads'): the value policy sees ``[Hkv, G, n]`` views, the per-kv-head ``eta`` and
+        ``value_spec`` broadcast over the group; only blocks with a value error (``eta > 0``:
+        quantized ones) can be promoted."""
         if not certified:
             return torch.zeros_like(eta, dtype=torch.bool)
-        eta_q = eta.repeat_interleave(group, dim=0)
-        sigma_q = value_spec.repeat_interleave(group, dim=0)
-        chosen = self.value_policy.select(log_p, eta_q, delta, log_spread=log_spread,
-                                          sigma=sigma_q) & quantized & (eta_q > 0)
-        return chosen.reshape(hkv, group, -1).any(dim=1)
+        hq, n = log_p.shape
+        grouped = (hkv, hq // hkv, n)
+        eta_g = eta.unsqueeze(1)
+        chosen = self.value_policy.select(log_p.view(grouped), eta_g, delta.view(hkv, -1),
+                                          log_spread=log_spread.view(grouped),
+                                          sigma=value_spec.unsqueeze(1))
+        return (chosen & (eta_g > 0)).any(dim=1)
 
-    def _page_in(self, stage, lay, plan):
+    def _page_in(self, stage, record, lay, plan):
         """Stage the FP16 keys and values the ``plan [2, Hkv, n]`` asks for (``stage``: the
-        scratch cache, read in place by the kernels, or Tier-2).
+        scratch cache, read in place by the kernels, or Tier-2). A backend that reads FP16 keys
+        from the originals in place (``keys_in_place``: the PyTorch reference) gets the key
+        blocks without data, and the scratch cache only counts them (``record``).
 
         The plan is read to the host once (the step's first host read: Tier-2 lives in host
         memory, so the host must know what to copy). Returns two :class:`StagedBlocks` (or
@@ -653,12 +662,18 @@ class CertifiedAttention:
         store = lay.store
         dev, host = store.device, to_host(plan)
         paged = int(_paged_evicted(store, host))
+        in_place = getattr(self.backend, "keys_in_place", False)
         for which, mask in zip(("k", "v"), host, strict=True):
             kv_idx, blk_idx = mask.nonzero(as_tuple=True)  # host tensors
             if kv_idx.numel() == 0:
                 staged.append(None)
                 continue
-            data, rows = stage(kv_idx, blk_idx, which)
+            if which == "k" and in_place:
+                if record is not None:
+                    record(kv_idx, blk_idx, which)
+                data, rows = None, None
+            else:
+                data, rows = stage(kv_idx, blk_idx, which)
             staged.append(StagedBlocks(kv_idx.to(dev, non_blocking=True),
                                        blk_idx.to(dev, non_blocking=True), data, rows))
         promotions = 0 if staged[1] is None else staged[1].blocks.numel()
@@ -699,10 +714,10 @@ class CertifiedAttention:
         host indices of both sets of heads."""
         hq = flags.shape[0] - 2
         flags = to_host(flags if over is None else torch.cat([flags, over]))
-        require(not bool(flags[hq]), NonFiniteError, _NONFINITE_Q)
-        require(not bool(flags[hq + 1]), NonFiniteError, NONFINITE_KV)
-        dense = flags[:hq]
-        over = flags[hq + 2:] & ~dense if over is not None else torch.zeros_like(dense)
+        dense, bad = flags[:hq], flags[hq : hq + 2].tolist()
+        require(not bad[0], NonFiniteError, _NONFINITE_Q)
+        require(not bad[1], NonFiniteError, NONFINITE_KV)
+        over = flags[hq + 2:] & ~dense if over is not None else dense[:0]
         return dense.nonzero(as_tuple=True)[0], over.nonzero(as_tuple=True)[0]
 
     def _on_device(self, q, tolerant) -> bool:

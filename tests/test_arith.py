@@ -68,7 +68,9 @@ def test_fp32_rounding_is_inside_the_bound_when_the_math_terms_are_zero(backend,
     out, cert = attention(backend)(q, store)
     assert (cert.e_key == 0).all() and (cert.e_val == 0).all() and (cert.rung == 0).all()
     err, _ = check_heads(out, cert, q, store)
-    assert (err > 1e-3).all()  # FP32 really errs here (2.6e-3 and ~6): e_arith covers it
+    # FP32 really errs here (4.9e-4 and 5.8 on the PyTorch path; 2.6e-3 before its logits
+    # became one baddbmm): e_arith covers it
+    assert (err > 1e-4).all()
 
 
 def near_tie_layer(tokens: int, d: int = 64, logit: float = 2500.0, seed: int = 0,

@@ -30,7 +30,7 @@ def test_coverage_reached_or_k_max_hit(seed, n, tau, k_min, k_max, peaked, has_t
     sel = AdaptiveTopK(tau_cov=tau, k_min=k_min, k_max=k_max)
     order = rank_blocks(p, quantized)
     k = sel.choose_k(p, quantized, order)
-    mask = sel.promoted(order, k, quantized, group=1)
+    mask = sel.promoted(sel.ranks(order), k, ~quantized, group=1)
     n_q = int(quantized.sum())
     assert ((mask & quantized).sum(-1) == k).all()
     assert (~quantized <= mask).all()  # the exact tail block is always "promoted"

@@ -201,8 +201,11 @@ def test_phase2_canary_flags_a_staged_block_that_disagrees_with_its_codes():
     gate = torch.zeros(scored.log_mass.shape, dtype=torch.bool)
     gate[1, :, 2] = True
     gate[1, 0, 1] = True
+    # block 2 of kv head 1 no longer matches its INT8 codes (P2 broken): its originals in
+    # Tier-2 changed after it was quantized (the reference reads them in place, the kernel
+    # from the staged copy)
+    store.originals()["k"][1, 2] += 3.0
     keys = staged(store, [1, 1], [1, 2], "k")
-    keys.data[1] += 3.0  # block 2 of kv head 1 no longer matches its INT8 codes (P2 broken)
     args = (qg, scored, lay, gate, keys, None, scaling, 1e-6)
     ref = TorchBackend().phase2(*args)
     kernel = TritonBackend(split=3).phase2(*args)

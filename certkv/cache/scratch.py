@@ -47,35 +47,67 @@ class _LRUBlocks:
         self.clock = 0
         self.buffer = self.owner = self.stamp = self.slot_of = None
 
-    def _ensure(self, store) -> None:
+    def _ensure(self, store, data: bool = True) -> None:
         """Size the pool to what the store can use (one slot per ``(kv head, block)`` pair, at
         most ``capacity``), growing it by doubling as the context grows; slots keep their
         indices. The tables are never inference tensors (updated in place, they must serve
-        steps inside and outside ``torch.inference_mode`` alike)."""
+        steps inside and outside ``torch.inference_mode`` alike). Without ``data`` only the
+        bookkeeping grows (:meth:`record`)."""
         with torch.inference_mode(False):
-            self._size(store)
+            self._size(store, data)
 
-    def _size(self, store) -> None:
+    def _size(self, store, data: bool) -> None:
         want = min(self.capacity, store.num_kv_heads * store.num_blocks)
-        if self.buffer is None:
-            self.buffer = torch.empty(0, store.block_size, store.head_dim, dtype=torch.float16,
-                                      device=store.device)
+        if self.stamp is None:
             self.owner = torch.full((0, 2), -1, dtype=torch.long)
             self.stamp = torch.full((0,), -1, dtype=torch.long)
             self.slot_of = torch.full((store.num_kv_heads, 0), -1, dtype=torch.long)
-        size = self.buffer.shape[0]
+        size = self.stamp.shape[0]
         if size < want:
-            grown = min(self.capacity, max(2 * size, want))
-            extra = grown - size
-            self.buffer = torch.cat([self.buffer, self.buffer.new_empty(
-                extra, *self.buffer.shape[1:])])
+            extra = min(self.capacity, max(2 * size, want)) - size
             self.owner = torch.cat([self.owner, torch.full((extra, 2), -1, dtype=torch.long)])
             self.stamp = torch.cat([self.stamp, torch.full((extra,), -1, dtype=torch.long)])
+        if data:
+            if self.buffer is None:
+                self.buffer = torch.empty(0, store.block_size, store.head_dim,
+                                          dtype=torch.float16, device=store.device)
+            extra = self.stamp.shape[0] - self.buffer.shape[0]
+            if extra > 0:
+                self.buffer = torch.cat([self.buffer, self.buffer.new_empty(
+                    extra, *self.buffer.shape[1:])])
         if self.slot_of.shape[1] < store.num_blocks:
             grown = torch.full((store.num_kv_heads, max(2 * self.slot_of.shape[1],
                                                         store.num_blocks)), -1, dtype=torch.long)
             grown[:, : self.slot_of.shape[1]] = self.slot_of
             self.slot_of = grown
+
+    def _track(self, store, kv: torch.Tensor, blk: torch.Tensor, stats, data: bool):
+        """The LRU's bookkeeping for one step's request of ``(kv[i], blk[i])`` (host indices):
+        stamps the hits, counts hits and misses, and returns ``(slots, miss)``: each block's
+        slot (-1 for a miss) and the misses' positions (empty when everything hit)."""
+        self._ensure(store, data)
+        self.clock += 1
+        slots = self.slot_of[kv, blk]
+        hit = slots >= 0
+        if bool(hit.all()):  # the steady state: nothing to page in
+            self.stamp[slots] = self.clock
+            stats.hits += kv.numel()
+            return slots, hit.new_zeros(0, dtype=torch.long)
+        self.stamp[slots[hit]] = self.clock
+        miss = (~hit).nonzero(as_tuple=True)[0]
+        stats.hits += kv.numel() - miss.numel()
+        stats.misses += miss.numel()
+        stats.h2d_bytes += miss.numel() * store.block_size * store.head_dim * 2  # FP16
+        return slots, miss
+
+    def record(self, store, kv: torch.Tensor, blk: torch.Tensor, stats) -> None:
+        """The bookkeeping of :meth:`stage` without moving data: what a device would have
+        paged in, for a backend that reads Tier-2 in place (hits, misses and bytes count
+        alike)."""
+        kv, blk = kv.cpu(), blk.cpu()
+        _, miss = self._track(store, kv, blk, stats, data=False)
+        if miss.numel():
+            self._insert(kv[miss], blk[miss])
 
     def stage(self, store, kind: str, kv: torch.Tensor, blk: torch.Tensor, stats):
         """FP16 blocks of ``(kv[i], blk[i])`` (host indices): hits from slots, misses from
@@ -85,36 +117,31 @@ class _LRUBlocks:
         block is resident, so kernels read the scratch cache in place; otherwise (more misses
         than free slots) the blocks gathered into a new ``[P, B, d]`` tensor and None.
         """
-        self._ensure(store)
-        self.clock += 1
         dev = store.device
         kv, blk = kv.cpu(), blk.cpu()
-        slots = self.slot_of[kv, blk]
-        hit = slots >= 0
-        self.stamp[slots[hit]] = self.clock
-        miss = (~hit).nonzero(as_tuple=True)[0]
-        stats.hits += kv.numel() - miss.numel()
-        stats.misses += miss.numel()
-        fetched = None
-        if miss.numel():
-            k, v = store.fetch_originals(kv[miss], blk[miss], which=kind)
-            fetched = k if kind == "k" else v
-            stats.h2d_bytes += fetched.numel() * fetched.element_size()
-            self._insert(kv[miss], blk[miss], fetched)
-            slots = self.slot_of[kv, blk]  # the inserted ones now have slots
+        slots, miss = self._track(store, kv, blk, stats, data=True)
+        if not miss.numel():
+            return self.buffer, slots.to(dev, non_blocking=True)
+        k, v = store.fetch_originals(kv[miss], blk[miss], which=kind)
+        fetched = k if kind == "k" else v
+        self._insert(kv[miss], blk[miss], fetched)
+        slots = self.slot_of[kv, blk]  # the inserted ones now have slots
         if bool((slots >= 0).all()):  # host tensor
             return self.buffer, slots.to(dev, non_blocking=True)
         out = torch.empty(kv.numel(), store.block_size, store.head_dim, dtype=torch.float16,
                           device=dev)
-        hit_at = hit.nonzero(as_tuple=True)[0]  # the hits from the buffer, the misses as fetched
-        out[hit_at.to(dev, non_blocking=True)] = self.buffer[
-            slots[hit_at].to(dev, non_blocking=True)]
+        hit_at = (slots >= 0).nonzero(as_tuple=True)[0]  # resident from the buffer, the rest
+        resident = hit_at[~torch.isin(hit_at, miss)]  # ... as fetched
+        out[resident.to(dev, non_blocking=True)] = self.buffer[
+            slots[resident].to(dev, non_blocking=True)]
         out[miss.to(dev, non_blocking=True)] = fetched
         return out, None
 
-    def _insert(self, kv: torch.Tensor, blk: torch.Tensor, blocks: torch.Tensor) -> None:
+    def _insert(self, kv: torch.Tensor, blk: torch.Tensor,
+                blocks: torch.Tensor | None = None) -> None:
         """Cache fetched blocks in free or least recently used slots not used this step; blocks
-        that do not fit are served uncached (the paper's split-K fallback)."""
+        that do not fit are served uncached (the paper's split-K fallback). ``blocks`` None:
+        bookkeeping only."""
         free = (self.stamp < self.clock).nonzero(as_tuple=True)[0]
         take = min(free.numel(), kv.numel())
         if take == 0:
@@ -126,7 +153,8 @@ class _LRUBlocks:
         self.slot_of[kv[:take], blk[:take]] = victims
         self.owner[victims] = torch.stack([kv[:take], blk[:take]], dim=1)
         self.stamp[victims] = self.clock
-        self.buffer[victims.to(blocks.device, non_blocking=True)] = blocks[:take]
+        if blocks is not None:
+            self.buffer[victims.to(blocks.device, non_blocking=True)] = blocks[:take]
 
 
 @dataclass
@@ -161,6 +189,11 @@ class ScratchCache:
         """``(data, rows)`` for the keys (``which="k"``) or values (``"v"``) of
         ``(kv_heads[i], blocks[i])`` (host indices): see :meth:`_LRUBlocks.stage`."""
         return self._lru[which].stage(store, which, kv_heads, blocks, self._host)
+
+    def record(self, store, kv_heads: torch.Tensor, blocks: torch.Tensor, which: str) -> None:
+        """Count a request the backend serves from Tier-2 in place (no copy): see
+        :meth:`_LRUBlocks.record`."""
+        self._lru[which].record(store, kv_heads, blocks, self._host)
 
     def device_slots(self, store, which: str, want: torch.Tensor, rows: torch.Tensor,
                      tier2: torch.Tensor, step=None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -199,10 +199,12 @@ class TieredKVStore:
                                           fill=dict.fromkeys(ANNOTATIONS, 0.0))
         self._health = GrowingBlocks(self.device) if self.protection.enabled else None  # HEALTH
         self._tier2 = GrowingBlocks(torch.device("cpu"), pin=pin)  # k, v: [Hkv, n, B, d] fp16
-        # the decoded mirror (k, v, bound) and the slot bias (0 on a token, -inf on an empty
-        # slot), with the partial tail block kept in its spare row by append()
+        # the decoded mirror (k, v, bound), the original keys in FP32 (orig_k) and the slot
+        # bias (0 on a token, -inf on an empty slot), with the partial tail block kept in the
+        # spare row by append()
         self._mirror = GrowingBlocks(self.device, spare=1, fill={
-            "k": 0.0, "v": 0.0, "bound": 0.0, "bias": float("-inf")}) if decoded_mirror else None
+            "k": 0.0, "v": 0.0, "bound": 0.0, "orig_k": 0.0, "bias": float("-inf")}
+        ) if decoded_mirror else None
         tail_shape = (num_kv_heads, block_size, head_dim)
         self._tail_k = torch.zeros(tail_shape, dtype=torch.float16, device=self.device)
         self._tail_v = torch.zeros(tail_shape, dtype=torch.float16, device=self.device)
@@ -236,7 +238,9 @@ class TieredKVStore:
         self._table.allocate(pid, keys, values)
         self._keep_notes(notes)
         if self._mirror is not None:
-            self._mirror.extend(self._decoded(none, bias=True))
+            self._mirror.extend({**self._decoded(none, bias=True),
+                                 "orig_k": torch.zeros(self.num_kv_heads, 0, self.block_size,
+                                                       self.head_dim, device=self.device)})
 
     # ------------------------------------------------------------------ writing
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -296,6 +300,7 @@ class TieredKVStore:
         if self._mirror is not None and self.tail_len > start:
             spare = self._mirror.spare_view()
             spare["k"][:, 0, rows] = self._tail_k[:, rows]
+            spare["orig_k"][:, 0, rows] = self._tail_k[:, rows]
             spare["v"][:, 0, rows] = new_v
             spare["bias"][:, 0, rows] = 0.0
 
@@ -470,7 +475,8 @@ class TieredKVStore:
         if self.keep_originals and not self.lossless:
             self._tier2.extend({"k": k16, "v": v16})
         if self._mirror is not None:
-            self._mirror.extend(self._decoded(torch.arange(first, first + n), bias=True))
+            self._mirror.extend({**self._decoded(torch.arange(first, first + n), bias=True),
+                                 "orig_k": k16.float()})
 
     def _note_maxima(self, notes: dict[str, torch.Tensor]) -> None:
         """Fold new annotations into the running maxima (``[Hkv]`` each)."""
@@ -878,6 +884,24 @@ class TieredKVStore:
             return None
         view = self._mirror.view(1 if self.tail_len else 0)
         return view["k"], view["v"]
+
+    def original_keys(self) -> torch.Tensor:
+        """FP32 ``[Hkv, n, B, d]``: the FP16 original keys of every block with the partial tail
+        block (zero-padded) last: a view of the decoded mirror's copy (kept at append), else
+        converted from Tier-2 now. What the PyTorch reference computes FP16-key logits from."""
+        require(self.keep_originals or self.lossless, Tier2UnavailableError, _TIER2_MISSING)
+        extra = 1 if self.tail_len else 0
+        if self._mirror is not None:
+            return self._mirror.view(extra)["orig_k"]
+        keys = self._originals()["k"].float() if self.num_blocks else torch.zeros(
+            self.num_kv_heads, 0, self.block_size, self.head_dim, device=self.device)
+        keys = keys.to(self.device)
+        if extra:
+            tail = torch.zeros(self.num_kv_heads, 1, self.block_size, self.head_dim,
+                               device=self.device)
+            tail[:, 0, : self.tail_len] = self.tail()[0].float()
+            keys = torch.cat([keys, tail], dim=1)
+        return keys
 
     def slot_bias(self) -> torch.Tensor:
         """FP32 ``[n B]``: 0 on every token slot of the step's ``n`` blocks (the partial tail

@@ -12,23 +12,41 @@ NEG_INF = float("-inf")
 
 
 def top_r(log_mass: torch.Tensor, members: torch.Tensor, r: int):
-    """Indices ``[Hq, r]`` of the ``r`` largest log-masses among ``members`` and how many exist."""
-    masked = torch.where(members, log_mass, NEG_INF)
+    """The ``r`` largest log-masses ``[..., r]`` among ``members`` (broadcast against
+    ``log_mass [..., n]``), their indices and how many members exist ``[Hq]``. Equal log-masses
+    rank by block index (the order the fused kernel uses too): a stable sort, or for ``r = 1``
+    the first maximum."""
+    masked = log_mass.masked_fill(~members, NEG_INF)
     k = min(r, log_mass.shape[-1])
-    # stable: equal log-masses rank by block index, the order the fused kernel uses too
-    values, indices = torch.sort(masked, dim=-1, descending=True, stable=True)
-    return values[..., :k], indices[..., :k], members.sum(dim=-1)
+    if k == 1:
+        values, indices = masked.max(dim=-1, keepdim=True)
+    else:
+        values, indices = torch.sort(masked, dim=-1, descending=True, stable=True)
+        values, indices = values[..., :k], indices[..., :k]
+    return values, indices, members.sum(dim=-1)
+
+
+def _ranking(idx8: torch.Tensor, idx16: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """Eq. 17 from both top-r index lists ``[Hq, k]``: equal wherever a member exists."""
+    depth = torch.arange(idx8.shape[-1], device=idx8.device)
+    return ((idx8 == idx16) | (depth >= count.unsqueeze(-1))).all(dim=-1)
+
+
+def _boundary(top16: torch.Tensor, count: torch.Tensor, l_int8: torch.Tensor,
+              delta_b: torch.Tensor, tail: torch.Tensor, r: int) -> torch.Tensor:
+    """Eq. 18 from the FP16 top-r log-masses ``top16 [Hq, k]``: every INT8 tail block's
+    upper-bounded log-mass stays at or below the ``r``-th (``-inf`` if fewer are promoted)."""
+    threshold = torch.where(count >= r, top16[..., -1], NEG_INF)
+    upper = (l_int8 + delta_b).masked_fill(~tail, NEG_INF)
+    return (upper <= threshold.unsqueeze(-1)).all(dim=-1)
 
 
 def ranking_consistent(
     l_int8: torch.Tensor, l_fp16: torch.Tensor, promoted: torch.Tensor, r: int
 ) -> torch.Tensor:
     """Eq. 17: the top-``r`` promoted blocks agree, in order, under INT8 and FP16 log-masses."""
-    _, idx8, count = top_r(l_int8, promoted, r)
-    _, idx16, _ = top_r(l_fp16, promoted, r)
-    depth = torch.arange(idx8.shape[-1], device=idx8.device)
-    considered = depth.unsqueeze(0) < count.unsqueeze(-1)
-    return ((idx8 == idx16) | ~considered).all(dim=-1)
+    _, idx, count = top_r(torch.stack([l_int8, l_fp16]), promoted, r)
+    return _ranking(idx[0], idx[1], count)
 
 
 def boundary_ok(
@@ -44,9 +62,15 @@ def boundary_ok(
     but fewer than ``r`` blocks are promoted (the ranking certificate cannot be issued).
     """
     values, _, count = top_r(l_fp16, promoted, r)
-    threshold = torch.where(count >= r, values[..., -1], NEG_INF)
-    upper = torch.where(tail, l_int8 + delta_b, NEG_INF)
-    return (upper <= threshold.unsqueeze(-1)).all(dim=-1)
+    return _boundary(values, count, l_int8, delta_b, tail, r)
+
+
+def rank_checks(l_int8, l_fp16, delta_b, promoted, tail, r: int):
+    """Eq. 17 and eq. 18 (:func:`ranking_consistent`, :func:`boundary_ok`) ``[Hq]`` each, from
+    one top-``r`` pass over both log-masses."""
+    values, idx, count = top_r(torch.stack([l_int8, l_fp16]), promoted, r)
+    return (_ranking(idx[0], idx[1], count),
+            _boundary(values[1], count, l_int8, delta_b, tail, r))
 
 
 def canary_violations(

@@ -21,26 +21,25 @@ def rank_blocks(p: torch.Tensor, quantized: torch.Tensor) -> torch.Tensor:
     return torch.sort(key, dim=-1, descending=True, stable=True).indices
 
 
-def coverage_k(p: torch.Tensor, quantized: torch.Tensor, order: torch.Tensor, tau_cov: float):
+def coverage_k(p: torch.Tensor, quantized: torch.Tensor, order: torch.Tensor, tau_cov: float,
+               n_quantized: int):
     """Smallest ``K`` with ``C_K >= tau_cov`` (paper 3.3 step 3), per head: ``[Hq]`` int64.
 
     Coverage counts the exact (non-quantized) mass as already covered, then adds quantized
-    blocks in rank order; a block is needed while the mass covered before it is below target.
+    blocks in rank order (the ``n_quantized`` quantized blocks rank first); a block is needed
+    while the mass covered before it is below target.
     """
     total = p.sum(dim=-1, keepdim=True)
-    exact = torch.where(quantized, 0.0, p).sum(dim=-1, keepdim=True)
-    ranked = torch.gather(torch.where(quantized, p, 0.0), -1, order)
-    before = exact + torch.cumsum(ranked, dim=-1) - ranked
-    needed = (before < tau_cov * total) & quantized[order]
-    return needed.sum(dim=-1)
+    exact = p.masked_fill(quantized, 0.0).sum(dim=-1, keepdim=True)
+    ranked = p.gather(-1, order[:, :n_quantized])
+    before = exact + ranked.cumsum(dim=-1) - ranked
+    return (before < tau_cov * total).sum(dim=-1)
 
 
-def mask_top(order: torch.Tensor, k: torch.Tensor, quantized: torch.Tensor) -> torch.Tensor:
-    """Boolean ``[Hq, n]``: the first ``k[h]`` ranked blocks of each head plus the exact ones."""
-    positions = torch.arange(order.shape[-1], device=order.device).expand_as(order)
-    chosen = positions < k.unsqueeze(-1)
-    mask = torch.zeros_like(chosen).scatter(-1, order, chosen)
-    return mask | ~quantized
+def mask_top(rank: torch.Tensor, k: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    """Boolean ``[Hq, n]``: each head's blocks of rank below ``k[h]`` (``rank [Hq, n]``: a
+    block's position in the head's order) plus the ``exact [n]`` ones."""
+    return (rank < k.unsqueeze(-1)) | exact
 
 
 def union_by_kv_group(mask: torch.Tensor, group: int) -> torch.Tensor:
@@ -97,12 +96,18 @@ class AdaptiveTopK:
                  n_quantized: int | None = None):
         """``K* = clamp(min{K : C_K >= tau_cov}, K_min, K_max)``, at most the quantized count
         (pass ``n_quantized`` when known to avoid a device sync)."""
-        k = coverage_k(p, quantized, order, self.tau_cov)
         if n_quantized is None:
             n_quantized = int(quantized.sum())
-        return k.clamp(self.k_min, self.k_max).clamp(max=n_quantized)
+        k = coverage_k(p, quantized, order, self.tau_cov, n_quantized)
+        return k.clamp(self.k_min, min(self.k_max, n_quantized))
 
-    def promoted(self, order: torch.Tensor, k: torch.Tensor, quantized: torch.Tensor, group: int):
-        """FP16-key mask ``[Hq, n]`` for ranks below ``k`` (union per KV group if configured)."""
-        mask = mask_top(order, k, quantized)
+    @staticmethod
+    def ranks(order: torch.Tensor) -> torch.Tensor:
+        """Each block's position ``[Hq, n]`` in its head's ``order`` (the inverse permutation)."""
+        return order.argsort(dim=-1)
+
+    def promoted(self, rank: torch.Tensor, k: torch.Tensor, exact: torch.Tensor, group: int):
+        """FP16-key mask ``[Hq, n]``: blocks of rank below ``k`` and the exact ones (union per KV
+        group if configured); ``rank`` from :meth:`ranks`."""
+        mask = mask_top(rank, k, exact)
         return union_by_kv_group(mask, group) if self.kv_group_union else mask

@@ -1,11 +1,13 @@
 """Value policies: which blocks read FP16 values from Tier-2 (paper 3.4 rung 2, Corollary 4.2).
 
-A policy sees, per query head, the Phase-1 block log-masses ``log_p_hat: [Hq, n]`` (normalised;
-logs so that masses that underflow FP32 keep their meaning), the stored value
-errors ``eta: [Hq, n]`` (0 for blocks whose values are exact), the head's ``delta: [Hq]``
-(max score perturbation over quantized blocks) and, for the tight contribution, the Phase-1
-block log-spreads ``log_spread: [Hq, n]`` (``log ||p_hat_b||_2``) and the value-error spectral
-norms ``sigma: [Hq, n]``; it returns a boolean promotion mask ``[Hq, n]``.
+A policy sees, per query head, the Phase-1 block log-masses ``log_p_hat: [..., n]``
+(normalised; logs so that masses that underflow FP32 keep their meaning), the stored value
+errors ``eta`` (0 for blocks whose values are exact), the head's ``delta: [...]`` (max score
+perturbation over quantized blocks) and, for the tight contribution, the Phase-1 block
+log-spreads ``log_spread: [..., n]`` (``log ||p_hat_b||_2``) and the value-error spectral
+norms ``sigma``; it returns a boolean promotion mask ``[..., n]``. The leading dims are the
+query heads (``[Hq]``, or ``[Hkv, G]`` grouped by kv head, as the attention step passes them);
+``eta`` and ``sigma`` broadcast against them (``[Hkv, 1, n]``: one row per kv head).
 
 ``contribution`` picks the per-block value error the policy weighs, the same one the
 certificate charges (:func:`~certkv.certify.bounds.value_block_terms`):

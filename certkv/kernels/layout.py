@@ -21,11 +21,12 @@ from certkv.kernels.triton_sources import BlockSource, block_sources
 class StagedBlocks:
     """FP16 blocks paged in for this step: block ``blocks[i]`` of kv head ``kv_heads[i]`` is
     ``data[rows[i]]`` (``data`` a pool such as the scratch cache, read in place) or ``data[i]``
-    when ``rows`` is None; ``data: [P, B, d]``."""
+    when ``rows`` is None; ``data: [P, B, d]``, or None for blocks the backend reads from the
+    originals itself (``keys_in_place``)."""
 
     kv_heads: torch.Tensor
     blocks: torch.Tensor
-    data: torch.Tensor
+    data: torch.Tensor | None
     rows: torch.Tensor | None = None
 
     def gathered(self) -> torch.Tensor:
@@ -89,6 +90,12 @@ class StepLayout:
         """FP32 ``[Hkv, n_c, d]`` per-channel key error bounds of the completed blocks (0 on
         exact ones; fused kernels skip this)."""
         return self.store.key_channel_bound()
+
+    @property
+    def original_keys(self) -> torch.Tensor:
+        """FP32 ``[Hkv, n, B, d]`` FP16 original keys of every block, the exact tail block
+        last (:meth:`~certkv.cache.store.TieredKVStore.original_keys`)."""
+        return self.store.original_keys()
 
     @property
     def key_bound(self) -> torch.Tensor:

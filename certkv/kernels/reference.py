@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from certkv.certify.arith import U32, Rounding, matmul_input_rounding
 from certkv.certify.audit import reference_fp64
 from certkv.certify.bounds import block_deltas
-from certkv.certify.checks import boundary_ok, canary_violations, ranking_consistent
+from certkv.certify.checks import canary_violations, rank_checks
 
 SUM_CHUNK = 64  # terms per chunk of the two-level sums over blocks
 LOG2E = 1.4426950408889634  # log2(e)
@@ -47,18 +47,6 @@ def block_softmax(s: torch.Tensor) -> BlockSoftmax:
     m = s.amax(dim=-1)
     w = exp_weights(s - m.clamp_min(torch.finfo(s.dtype).min).unsqueeze(-1))
     return BlockSoftmax(m, w, w.sum(dim=-1), (w * w).sum(dim=-1))
-
-
-def replace_blocks(state: BlockSoftmax, kv: torch.Tensor, blk: torch.Tensor,
-                   new: BlockSoftmax) -> BlockSoftmax:
-    """``state`` with blocks ``(kv[i], :, blk[i])`` replaced by ``new``'s entry ``i`` (a copy;
-    ``new`` shaped ``[P, G, ...]``)."""
-    parts = []
-    for old, part in zip(state, new, strict=True):
-        old = old.clone()
-        old[kv, :, blk] = part
-        parts.append(old)
-    return BlockSoftmax(*parts)
 
 
 def chunked_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -323,6 +311,7 @@ class TorchBackend:
 
     fp64_scalars: bool = False
     name: str = "torch"
+    keys_in_place = True  # Phase 2 computes FP16-key logits from the originals itself
 
     @property
     def scalar(self) -> torch.dtype:
@@ -333,25 +322,28 @@ class TorchBackend:
         return phase1(q, lay, scaling, self.scalar)
 
     def phase2(self, q, scored, lay, gate, keys, values, scaling, eps_guard) -> Attended:
-        """Phase 2 over decoded values: Phase 1's block softmax state where the logits stay
-        (computed here if Phase 1 ran elsewhere), recomputed on the blocks gated to FP16
-        keys; staged FP16 values."""
-        state = scored.state
-        if state is None or state.w.dtype != self.scalar:
-            state = block_softmax(scored.scores.to(self.scalar))
+        """Phase 2 over decoded values. Where blocks are gated to FP16 keys (``keys`` not
+        None), the FP16-key logits of every block come from one product with the original
+        keys (read in place: the CPU mirror keeps them in FP32) and replace Phase 1's where
+        ``gate`` is set; the blocks' softmax state is then recomputed, else Phase 1's is
+        reused. Staged FP16 values (value promotion) replace their blocks' products."""
+        scalar, s8 = self.scalar, scored.scores
         violated = torch.zeros_like(gate)
-        if keys is not None:
-            kv, blk, logits, canary = gated_logits(q, scored, gate, keys, scaling, eps_guard)
-            state = replace_blocks(state, kv, blk, block_softmax(logits.to(self.scalar)))
-            violated[kv, :, blk] = canary
+        if keys is None:
+            state = scored.state
+            if state is None or state.w.dtype != scalar:
+                state = block_softmax(s8.to(scalar))
+        else:
+            s16 = block_scores(q, lay.original_keys, lay.slot_bias, scaling)
+            violated = gate & canary_violations(s8, s16, scored.delta_b, eps_guard)
+            state = block_softmax(torch.where(gate.unsqueeze(-1), s16, s8).to(scalar))
         att = attend_blocks(state, lay.values, staged=values)
         att.canary = violated
         return att
 
     def checks(self, l_int8, l_fp16, delta_b, promoted, tail, r):
         """Ranking (eq. 17) and boundary (eq. 18) flags ``[Hq]``."""
-        return (ranking_consistent(l_int8, l_fp16, promoted, r),
-                boundary_ok(l_int8, l_fp16, delta_b, promoted, tail, r))
+        return rank_checks(l_int8, l_fp16, delta_b, promoted, tail, r)
 
     def dense(self, q, k, v, scaling):
         return dense_attention(q, k, v, scaling)
