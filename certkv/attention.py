@@ -493,8 +493,8 @@ class CertifiedAttention:
         # eq. 8's Delta_b (U_T), the promoted blocks' FP16 log-mass (Z_F), the tail's estimate
         lse = torch.logsumexp(torch.stack([l8 + delta_b, l8 + delta_chan, l16, log_p]).masked_fill(
             torch.stack([not_tail, not_tail, ~promoted, not_tail]), NEG_INF), dim=-1)
-        cap = tail_logit(lse[:2], lse[2])  # [2, Hq]: tight, eq. 8's
-        log_alpha = lse[3]
+        log_u, log_u_chan, log_z, log_alpha = lse.unbind()
+        cap, cap_chan = tail_logit(torch.stack([log_u, log_u_chan]), log_z).unbind()
         d_tail = delta_b.masked_fill(not_tail, 0.0)
         delta_t, delta_t_chan, delta_chan_max = torch.stack(
             [d_tail, delta_chan.masked_fill(not_tail, 0.0), delta_chan]).amax(dim=-1)
@@ -504,18 +504,18 @@ class CertifiedAttention:
         rho64, spread64, d_tail64, lam64 = torch.stack([rho, spread, d_tail, lam]).double()
         widened = widened_blocks(coef, terms, rho64, spread64, delta_b.double(), lam64,
                                  not_tail)
-        tv_block = block_tv_bound(*(torch.stack(pair) for pair in zip(
-            (rho64, d_tail64, lam64, spread64), widened, strict=True)))
+        tv_block, tv_block_plus = block_tv_bound(*(torch.stack(pair) for pair in zip(
+            (rho64, d_tail64, lam64, spread64), widened, strict=True))).unbind()
         # E_key (eq. 15 with both caps) in three lanes: returned, the paper's form (eq. 8's
         # Delta_b, no per-block cap; telemetry), and widened (arith item 2, without tanh(eps/2))
-        wide = widened_key_inputs(terms, delta, delta_t, log_alpha, cap[0])
+        wide = widened_key_inputs(terms, delta, delta_t, log_alpha, cap)
         e_key, paper_key, tv_plus = key_error_bound(
             torch.stack([v_rad, v_max, torch.full_like(v_max, 0.5)]),
             torch.stack([delta, delta_chan_max, wide[0]]),
             torch.stack([delta_t, delta_t_chan, wide[1]]),
             torch.stack([log_alpha, log_alpha, wide[2]]), self.selector.mass_inflation,
-            torch.stack([cap[0], cap[1], wide[3]]),
-            torch.stack([tv_block[0], torch.full_like(tv_block[0], math.inf), tv_block[1]]))
+            torch.stack([cap, cap_chan, wide[3]]),
+            torch.stack([tv_block, torch.full_like(tv_block, math.inf), tv_block_plus]))
         # E_val (Cor. 4.2 per block, tight and the paper's) over the blocks read quantized
         eta_q = eta.masked_fill(value_kv, 0.0).unsqueeze(1)  # [Hkv, 1, n]
         sigma_kv = value_spec.masked_fill(value_kv, 0.0)

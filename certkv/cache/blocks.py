@@ -32,7 +32,7 @@ class GrowingBlocks:
         self.fill = fill  # name -> value of the spare blocks after every extend (None: as left)
         self.size = 0
         self._data: Blocks = {}
-        self._views: dict[int, Blocks] = {}  # extra -> views, until the next extend
+        self._views: dict = {}  # extra (or 'spare') -> views, until the next extend
         self._copied = None  # CUDA event after the last asynchronous copy into pinned memory
 
     def _wait(self) -> None:
@@ -90,8 +90,12 @@ class GrowingBlocks:
         return self._views[extra]
 
     def spare_view(self) -> Blocks:
-        """The spare blocks after ``size`` (``[Hkv, spare, ...]`` each), no copy."""
-        return {name: t[:, self.size : self.size + self.spare] for name, t in self._data.items()}
+        """The spare blocks after ``size`` (``[Hkv, spare, ...]`` each), no copy (the same view
+        objects until the next :meth:`extend`)."""
+        if "spare" not in self._views:
+            self._views["spare"] = {name: t[:, self.size : self.size + self.spare]
+                                    for name, t in self._data.items()}
+        return self._views["spare"]
 
     def block_bytes(self) -> int:
         """Bytes of one block (every tensor's slice at one block index)."""

@@ -238,7 +238,7 @@ class TieredKVStore:
         self._table.allocate(pid, keys, values)
         self._keep_notes(notes)
         if self._mirror is not None:
-            self._mirror.extend({**self._decoded(none, bias=True),
+            self._mirror.extend({**self._mirror_rows(self._decoded(none, bias=True)),
                                  "orig_k": torch.zeros(self.num_kv_heads, 0, self.block_size,
                                                        self.head_dim, device=self.device)})
 
@@ -261,21 +261,14 @@ class TieredKVStore:
         prefill = self._layer.key_max is None
         if prefill:
             self._layer = LayerContext(self._key_abs_max.clone(), prefill=True)
-        pending_k = torch.cat([self._tail_k[:, : self.tail_len], k16], dim=1)
-        pending_v = torch.cat([self._tail_v[:, : self.tail_len], v16], dim=1)
-        n_full = pending_k.shape[1] // self.block_size
-        seq_len = self.num_tokens + k16.shape[1]
+        n_full = (self.tail_len + k16.shape[1]) // self.block_size
         if n_full:
-            cut = n_full * self.block_size
-            shape = (self.num_kv_heads, n_full, self.block_size, self.head_dim)
-            self._commit_blocks(pending_k[:, :cut].reshape(shape),
-                                pending_v[:, :cut].reshape(shape), seq_len)
-            pending_k, pending_v = pending_k[:, cut:], pending_v[:, cut:]
-        start = 0 if n_full else self.tail_len  # tail rows that changed
-        self.tail_len = pending_k.shape[1]
-        self._tail_k[:, : self.tail_len] = pending_k
-        self._tail_v[:, : self.tail_len] = pending_v
-        self._tail_changed(start, n_full > 0)
+            self._commit_tail(k16, v16, n_full)
+        else:  # the tokens join the tail block in place (a decode step: one token)
+            start, self.tail_len = self.tail_len, self.tail_len + k16.shape[1]
+            self._tail_k[:, start : self.tail_len] = k16
+            self._tail_v[:, start : self.tail_len] = v16
+            self._tail_changed(start, restarted=False)
         if self.stages.last or self.quantizer.budget_bytes is not None:
             self._graduate()
         if n_full and hasattr(self._tracker, "appended"):
@@ -285,23 +278,41 @@ class TieredKVStore:
         if prefill:
             self._layer = self._layer._replace(prefill=False)
 
+    def _commit_tail(self, k16: torch.Tensor, v16: torch.Tensor, n_full: int) -> None:
+        """Append ``k16, v16 [Hkv, T, d]`` that complete ``n_full`` blocks: those are committed
+        (:meth:`_commit_blocks`), the rest starts a new tail block."""
+        pending_k = torch.cat([self._tail_k[:, : self.tail_len], k16], dim=1)
+        pending_v = torch.cat([self._tail_v[:, : self.tail_len], v16], dim=1)
+        cut = n_full * self.block_size
+        shape = (self.num_kv_heads, n_full, self.block_size, self.head_dim)
+        self._commit_blocks(pending_k[:, :cut].reshape(shape), pending_v[:, :cut].reshape(shape),
+                            self.num_tokens + k16.shape[1])
+        self.tail_len = pending_k.shape[1] - cut
+        self._tail_k[:, : self.tail_len] = pending_k[:, cut:]
+        self._tail_v[:, : self.tail_len] = pending_v[:, cut:]
+        self._tail_changed(0, restarted=True)
+
     def _tail_changed(self, start: int, restarted: bool) -> None:
         """Fold tail rows ``start:tail_len`` into the tail's value maxima and the mirror's tail
         row (after a block completed, the tail restarted: ``start`` is 0 and the old maxima
         go), so that a step reads both as they are."""
         rows = slice(start, self.tail_len)
         new_v = self._tail_v[:, rows]
-        zero = torch.zeros_like(self._tail_nu)
-        nu = round_up_fp32(new_v.double().norm(dim=-1).amax(dim=-1)) if new_v.shape[1] else zero
-        radius = (round_up_fp32(centred_radius(new_v, self._centre) * _INFLATE)
-                  if new_v.shape[1] else zero)
-        self._tail_nu = nu if restarted else torch.maximum(self._tail_nu, nu)
-        self._tail_radius = radius if restarted else torch.maximum(self._tail_radius, radius)
+        if new_v.shape[1]:  # their norms and centred radii (FP64), rounded up together
+            v64 = new_v.double()
+            maxima = round_up_fp32(torch.stack([
+                v64.norm(dim=-1).amax(dim=-1),
+                (v64 - self._centre.double().unsqueeze(1)).norm(dim=-1).amax(dim=-1) * _INFLATE]))
+        else:
+            maxima = torch.zeros(2, self.num_kv_heads, device=self.device)
+        if not restarted:
+            maxima = torch.maximum(torch.stack([self._tail_nu, self._tail_radius]), maxima)
+        self._tail_nu, self._tail_radius = maxima.unbind()
         if self._mirror is not None and self.tail_len > start:
             spare = self._mirror.spare_view()
             spare["k"][:, 0, rows] = self._tail_k[:, rows]
             spare["orig_k"][:, 0, rows] = self._tail_k[:, rows]
-            spare["v"][:, 0, rows] = new_v
+            spare["v"][0, 0, :, rows] = new_v
             spare["bias"][:, 0, rows] = 0.0
 
     def _check_append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -427,7 +438,7 @@ class TieredKVStore:
         self._health.put(every, health)
         read = self._serve_corrupted(read, every)
         if self._mirror is not None:
-            self._mirror.put(every, read)
+            self._mirror.put(every, self._mirror_rows(read))
         else:
             self._step_read = read
 
@@ -475,7 +486,8 @@ class TieredKVStore:
         if self.keep_originals and not self.lossless:
             self._tier2.extend({"k": k16, "v": v16})
         if self._mirror is not None:
-            self._mirror.extend({**self._decoded(torch.arange(first, first + n), bias=True),
+            self._mirror.extend({**self._mirror_rows(self._decoded(torch.arange(first, first + n),
+                                                                   bias=True)),
                                  "orig_k": k16.float()})
 
     def _note_maxima(self, notes: dict[str, torch.Tensor]) -> None:
@@ -484,6 +496,15 @@ class TieredKVStore:
             self._nu_max = torch.maximum(self._nu_max, notes["nu"].amax(dim=1))
             self._eta_max = torch.maximum(self._eta_max, notes["eta"].amax(dim=1))
             self._radius_max = torch.maximum(self._radius_max, notes["v_radius"].amax(dim=1))
+
+    @staticmethod
+    def _mirror_rows(rows: Blocks) -> Blocks:
+        """Decoded rows in the mirror's layout: values block-major ``[1, m, Hkv, B, d]`` (the
+        reference's per-block value products read every (block, kv head) as one batch), the
+        rest as decoded (``[Hkv, m, ...]``)."""
+        if "v" in rows:
+            rows = {**rows, "v": rows["v"].transpose(0, 1).unsqueeze(0)}
+        return rows
 
     def _decoded(self, blocks: torch.Tensor, bias: bool = False) -> Blocks:
         """The decoded mirror's rows of ``blocks [m]`` (host): ``k, v [Hkv, m, B, d]`` and
@@ -619,7 +640,7 @@ class TieredKVStore:
         self._keep_notes(notes, blocks)
         self._note_maxima(notes)
         if self._mirror is not None:
-            self._mirror.put(blocks, self._decoded(blocks))
+            self._mirror.put(blocks, self._mirror_rows(self._decoded(blocks)))
 
     def _new_tracker(self):
         """What adapts this store to the measured certificates: SmartKV's widths
@@ -879,11 +900,12 @@ class TieredKVStore:
 
     def decoded_with_tail(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """FP32 keys and values ``[Hkv, n, B, d]`` of every block with the partial tail block
-        (zero-padded) last, from the decoded mirror (no copy); ``None`` without a mirror."""
+        (zero-padded) last, from the decoded mirror (no copy: the values a view of its
+        block-major ``[n, Hkv, B, d]``); ``None`` without a mirror."""
         if self._mirror is None:
             return None
         view = self._mirror.view(1 if self.tail_len else 0)
-        return view["k"], view["v"]
+        return view["k"], view["v"][0].transpose(0, 1)  # values kept block-major
 
     def original_keys(self) -> torch.Tensor:
         """FP32 ``[Hkv, n, B, d]``: the FP16 original keys of every block with the partial tail

@@ -52,14 +52,17 @@ def block_softmax(s: torch.Tensor) -> BlockSoftmax:
 def chunked_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
     """``x.sum(dim)`` in two levels (chunks of ``SUM_CHUNK``, then across chunks): no term
     passes through more than ``SUM_CHUNK + n / SUM_CHUNK`` additions, whatever order each
-    level uses (a flat sum may take ``n``)."""
+    level uses (a flat sum may take ``n``). A partial last chunk is summed on its own (no
+    padded copy of ``x``)."""
     dim = dim % x.ndim
     n = x.shape[dim]
     if n <= SUM_CHUNK:
         return x.sum(dim=dim)
-    if n % SUM_CHUNK:  # zero terms fill the last chunk (a copy only then)
-        x = F.pad(x, (0, 0) * (x.ndim - 1 - dim) + (0, -n % SUM_CHUNK))
-    return x.unflatten(dim, (-1, SUM_CHUNK)).sum(dim=dim + 1).sum(dim=dim)
+    full = n - n % SUM_CHUNK
+    sums = x.narrow(dim, 0, full).unflatten(dim, (-1, SUM_CHUNK)).sum(dim=dim + 1)
+    if full < n:
+        sums = torch.cat([sums, x.narrow(dim, full, n - full).sum(dim=dim, keepdim=True)], dim)
+    return sums.sum(dim=dim)
 
 
 def block_scores(q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor, scaling: float):
@@ -208,11 +211,17 @@ def attend_blocks(state: BlockSoftmax, values: torch.Tensor, staged=None) -> Att
 def block_products(w: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """Per-block weighted value sums ``o_b [Hkv, G, n, d] = sum_t w[k, g, n, t] v[k, n, t]``
     (``w [Hkv, G, n, B]``, ``values [Hkv, n, B, d]``): one product of ``B`` terms per block, in
-    any order (arith item 4 counts ``B - 1`` additions). One batched matmul over (kv head,
-    block) where ``values`` flattens to it; one per kv head where it does not, as the decoded
-    mirror's ``[:, :n]`` view of a larger buffer: a single matmul would first copy all of it
-    (16 MiB per layer step at 4K, d = 128, 8 kv heads)."""
-    hkv, n = values.shape[:2]
+    any order (arith item 4 counts ``B - 1`` additions). One batched matmul over every (block,
+    kv head) where ``values`` is a view of block-major ``[n, Hkv, B, d]`` memory (the CPU
+    mirror's) or flattens to (kv head, block); else one per kv head, as for a ``[:, :n]`` view
+    of a larger head-major buffer (a single matmul would first copy all of it). The result may
+    be a permuted view."""
+    hkv, n, bsz, d = values.shape
+    by_block = values.transpose(0, 1)
+    if n > 1 and by_block.is_contiguous():
+        wb = w.permute(2, 0, 1, 3).reshape(n * hkv, -1, bsz)
+        out = torch.bmm(wb, by_block.view(n * hkv, bsz, d))
+        return out.view(n, hkv, -1, d).permute(1, 2, 0, 3)
     if n <= 1 or values.stride(0) == n * values.stride(1):
         return torch.einsum("kgnt,kntd->kgnd", w, values)
     per_head = [torch.bmm(w[k].transpose(0, 1), values[k]) for k in range(hkv)]  # [n, G, d]
