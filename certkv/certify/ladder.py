@@ -120,8 +120,9 @@ class Ladder:
     def expanded_k(self, k: torch.Tensor, selector_k_max: int, n_quantized: int) -> torch.Tensor:
         """Rung 1: ``K* -> min(max(ceil(factor K*), K* + 1), cap, n_quantized)``."""
         cap = self.key_cap(selector_k_max, n_quantized)
-        grown = torch.maximum(torch.ceil(k * self.expand_factor).long(), k + 1).clamp(max=cap)
-        return torch.maximum(grown, k)
+        f = self.expand_factor
+        scaled = k * int(f) if f == int(f) else torch.ceil(k * f).long()  # ceil of an integer
+        return torch.maximum(torch.maximum(scaled, k + 1).clamp(max=cap), k)
 
     def layer_dense(self, head_dense: torch.Tensor, canary_ok: torch.Tensor) -> torch.Tensor:
         """Rung 4 (a 0-d bool tensor, no host sync): any canary violation, or at least
