@@ -44,6 +44,8 @@ from certkv.certify.bounds import (
     tail_logit,
     tail_mass_bound,
     tightened_deltas,
+    value_error_bound,
+    value_error_bound_tight,
 )
 from certkv.certify.certificate import BlockStats, Certificate
 from certkv.certify.checks import exploration_mask
@@ -519,9 +521,9 @@ class CertifiedAttention:
         # E_val (Cor. 4.2 per block, tight and the paper's) over the blocks read quantized
         eta_q = eta.masked_fill(value_kv, 0.0).unsqueeze(1)  # [Hkv, 1, n]
         sigma_kv = value_spec.masked_fill(value_kv, 0.0)
-        paper_terms = rho.view(hkv, group, n) * eta_q
-        tight_terms = torch.minimum(paper_terms, spread.view(hkv, group, n) * sigma_kv.unsqueeze(1))
-        e_val, paper_val = tight_terms.sum(dim=-1).view(hq), paper_terms.sum(dim=-1).view(hq)
+        rho3, spread3 = rho.view(hkv, group, n), spread.view(hkv, group, n)
+        e_val = value_error_bound_tight(rho3, eta_q, spread3, sigma_kv.unsqueeze(1)).view(hq)
+        paper_val = value_error_bound(rho3, eta_q).view(hq)
         e_key, paper_key = e_key.float(), paper_key.float()
         e_arith = quantized_arith(
             coef, terms, tv_plus=tv_plus, v_max=v_max, v_rad=v_rad, eta_max=eta_max_kv[kv_of],

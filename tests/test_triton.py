@@ -18,15 +18,11 @@ from test_tiers_contract import archives
 
 from certkv import CertifiedAttention, ChannelAffineKeyCodec, TieredKVStore
 from certkv.cache.scratch import ScratchCache
+from certkv.certify.checks import canary_violations
 from certkv.kernels import triton_attend, triton_score
 from certkv.kernels.dispatch import get_backend
 from certkv.kernels.layout import StagedBlocks, StepLayout
-from certkv.kernels.reference import (
-    Attended,
-    TorchBackend,
-    block_products,
-    gated_scores,
-)
+from certkv.kernels.reference import Attended, Scored, TorchBackend, block_products
 from certkv.kernels.triton_backend import TritonBackend
 from certkv.kernels.triton_checks import ranking_and_boundary
 from certkv.kernels.triton_sources import KERNEL_BITS
@@ -99,6 +95,22 @@ def fp64_attend(scores, values):
     out = torch.einsum("kgnt,kntd->kgd", w, v)
     return Attended(out=out, rho=w.sum(-1), log_mass=torch.logsumexp(s, dim=-1),
                     spread=w.norm(dim=-1))
+
+
+def gated_scores(q, scored: Scored, gate, keys, scaling, eps_guard):
+    """Oracle of Phase 2's logits ``[Hkv, G, n, B]``: FP16-key logits on the staged key blocks
+    where ``gate`` is set, Phase 1's elsewhere, and the canary violations ``[Hkv, G, n]`` of the
+    gated blocks."""
+    violated = torch.zeros_like(gate)
+    if keys is None:
+        return scored.scores, violated
+    kv, blk = keys.kv_heads, keys.blocks
+    s16 = torch.bmm(q[kv].float(), keys.gathered().float().transpose(1, 2)) * scaling
+    s8, on = scored.scores[kv, :, blk], gate[kv, :, blk]
+    s2 = scored.scores.clone()
+    s2[kv, :, blk] = torch.where(on.unsqueeze(-1), s16, s8)
+    violated[kv, :, blk] = on & canary_violations(s8, s16, scored.delta_b[kv, :, blk], eps_guard)
+    return s2, violated
 
 
 def staged(store, kv, blk, which):

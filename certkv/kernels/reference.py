@@ -139,41 +139,6 @@ def phase1(q: torch.Tensor, lay, scaling: float, scalar: torch.dtype = torch.flo
                   log_spread=(state.m + 0.5 * torch.log(state.l2)).float(), state=state)
 
 
-def gated_logits(q: torch.Tensor, scored: Scored, gate: torch.Tensor, keys, scaling: float,
-                 eps_guard: float):
-    """Phase-2 logits of the staged key blocks ``(kv[i], blk[i])``: FP16-key logits for the
-    heads whose ``gate`` (``[Hkv, G, n]``, the promoted set) is set, Phase-1 logits for the
-    others. Returns ``(kv, blk, logits [P, G, B], violated [P, G])``, the last the canary
-    violations of the gated heads (:func:`~certkv.certify.checks.canary_violations`)."""
-    kv, blk = keys.kv_heads, keys.blocks
-    s16 = torch.bmm(q[kv].float(), keys.gathered().float().transpose(1, 2)) * scaling
-    s8, on = scored.scores[kv, :, blk], gate[kv, :, blk]
-    violated = on & canary_violations(s8, s16, scored.delta_b[kv, :, blk], eps_guard)
-    return kv, blk, torch.where(on.unsqueeze(-1), s16, s8), violated
-
-
-def gated_scores(q: torch.Tensor, scored: Scored, gate: torch.Tensor, keys, scaling: float,
-                 eps_guard: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every Phase-2 logit ``[Hkv, G, n, B]`` (:func:`gated_logits` on the staged blocks,
-    Phase 1's elsewhere) and the canary violations ``[Hkv, G, n]`` (the tests' oracle)."""
-    violated = torch.zeros_like(gate)
-    if keys is None:
-        return scored.scores, violated
-    kv, blk, logits, canary = gated_logits(q, scored, gate, keys, scaling, eps_guard)
-    s2 = scored.scores.clone()
-    s2[kv, :, blk] = logits
-    violated[kv, :, blk] = canary
-    return s2, violated
-
-
-def attend(scores: torch.Tensor, values: torch.Tensor, fp64_scalars: bool = False,
-           staged=None) -> Attended:
-    """Phase 2 (Alg. 1) on logits ``scores [Hkv, G, n, B]`` (``-inf`` on empty slots):
-    :func:`attend_blocks` on their :func:`block_softmax` (FP64 with ``fp64_scalars``)."""
-    scalar = torch.float64 if fp64_scalars else torch.float32
-    return attend_blocks(block_softmax(scores.to(scalar)), values, staged)
-
-
 def attend_blocks(state: BlockSoftmax, values: torch.Tensor, staged=None) -> Attended:
     """Phase 2 (Alg. 1) from each block's softmax state: the softmax-weighted sum over all
     blocks, split per block then reduced by log-sum-exp (the online-softmax state of each
@@ -358,10 +323,11 @@ class TorchBackend:
         return dense_attention(q, k, v, scaling)
 
     def rounding(self, lay) -> Rounding:
-        """Rounding chain of :func:`attend` (arith item 4): a weight takes ``exp(s - m_b)`` and
-        ``exp(m_b - m)``; a numerator term the product, ``B - 1`` additions in its block, the
-        rescaling product, ``SUM_CHUNK + n / SUM_CHUNK`` additions over blocks and the division
-        (and, with FP64 scalars, three casts to FP32). Logits and the value sum are einsums
-        (matmuls: any order over ``d``)."""
+        """Rounding chain of :func:`attend_blocks` (arith item 4): a weight takes ``exp(s -
+        m_b)`` and ``exp(m_b - m)`` (each ``exp2`` of a ``log2 e``-scaled argument); a numerator
+        term the rescaling product, the value product, ``B - 1`` additions in its block,
+        ``SUM_CHUNK + n / SUM_CHUNK`` additions over blocks and the division (and, with FP64
+        scalars, at most three casts to FP32). Logits and the per-block value sums are matmuls
+        (any order over ``d``, and over a block's ``B`` tokens)."""
         return Rounding(exps=2, depth=lay.store.block_size + SUM_CHUNK + 6,
                         depth_per_block=1 / SUM_CHUNK, product_u=matmul_input_rounding())
