@@ -128,9 +128,11 @@ class TieredKVStore:
         value_codec: default ``GroupAffineValueCodec(bits=4, group=value_group)``.
         keep_originals: keep Tier-2; without it nothing can be promoted or fall back.
         decoded_mirror: also keep the FP32 reconstruction of every block, decoded once when the
-            block is quantized, plus room for the padded tail block. The PyTorch reference path
-            then reads it instead of decoding Tier-1 every step (a CPU speed aid; the values are
-            bit-identical to decoding the codes; reported by :meth:`workspace_bytes`).
+            block is quantized (values block-major), the FP16 original keys in FP32, the
+            per-channel key bounds and the slot bias, with the partial tail block kept in place
+            by :meth:`append`. The PyTorch reference path then reads it instead of decoding
+            Tier-1 or converting Tier-2 every step (a CPU speed aid: about 3x the FP16 cache;
+            the values are bit-identical to decoding the codes; :meth:`workspace_bytes`).
         fused_encode: quantize completed blocks with the Triton kernel
             (``certkv.kernels.triton_quantize``); ``None`` = on CUDA when the codecs are the
             defaults (INT8 keys, INT4 values) and B, d are powers of two.
