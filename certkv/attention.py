@@ -22,7 +22,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from certkv.cache.device_scratch import lru_step
+from certkv.cache.device_scratch import slot_maps
 from certkv.cache.scratch import ScratchCache
 from certkv.cache.store import NONFINITE_KV, TieredKVStore
 from certkv.certify.arith import (
@@ -77,7 +77,7 @@ class _Pass:
     e_val: torch.Tensor
     e_arith: torch.Tensor
     delta: torch.Tensor
-    log_alpha: torch.Tensor
+    tail_mass: torch.Tensor
     k_star: torch.Tensor
     rung: torch.Tensor
     ranking: torch.Tensor
@@ -90,7 +90,8 @@ class _Pass:
     paper_val: torch.Tensor
     blocks: BlockStats
     paged_evicted: int = 0
-    e_dense: torch.Tensor | None = None  # [Hq] dense-path e_arith (device path only)
+    returned: tuple | None = None  # e_key, e_val [Hq] as returned (0 on rungs 3-4)
+    e_final: torch.Tensor | None = None  # [Hq] e_arith after the device fallback (device path)
 
     @property
     def bound(self) -> torch.Tensor:
@@ -99,17 +100,21 @@ class _Pass:
 
     def certificate(self, e_arith: torch.Tensor, mode: str, boost) -> Certificate:
         """The step's certificate once the fallback chose ``e_arith`` (dense heads' own)."""
-        fast = self.rung < 3
-        zero = torch.zeros_like(self.e_key)
+        e_key, e_val = self.returned
         return Certificate(
-            candidate_e_key=self.e_key, candidate_e_val=self.e_val,
-            e_key=torch.where(fast, self.e_key, zero), e_val=torch.where(fast, self.e_val, zero),
-            e_arith=e_arith, delta=self.delta, tail_mass=self.log_alpha.exp(),
+            candidate_e_key=self.e_key, candidate_e_val=self.e_val, e_key=e_key, e_val=e_val,
+            e_arith=e_arith, delta=self.delta, tail_mass=self.tail_mass,
             k_star=self.k_star, rung=self.rung, ranking_ok=self.ranking,
             boundary_ok=self.boundary, canary_ok=self.canary, value_blocks=self.value_blocks,
             value_promotions=self.value_promotions, num_blocks=self.num_blocks, mode=mode,
             paper_e_key=self.paper_key, paper_e_val=self.paper_val, tol_level=boost,
             blocks=self.blocks, paged_evicted=self.paged_evicted)
+
+
+def _returned(rung, e_key, e_val) -> tuple[torch.Tensor, torch.Tensor]:
+    """E_key and E_val ``[Hq]`` as a head returns them: 0 on rungs 3-4 (dense heads)."""
+    fast = rung < 3
+    return torch.where(fast, e_key, 0.0), torch.where(fast, e_val, 0.0)
 
 
 def _key_bound(log_p, tail, delta_b, delta, v_max, exponent, cap_logit=None, tv_cap=None):
@@ -167,7 +172,7 @@ class CertifiedAttention:
                 f"mode={self.mode!r} is unknown; choose one of {list(MODES)}.")
         self.backend = get_backend(self.backend)
         self._compiled: dict = {}
-        self._kv_index: dict = {}  # (Hq, Hkv, device) -> kv_of (_kv_of)
+        self._constants: dict = {}  # per-shape constants: kv_of (_kv_of), _no_pool
         self._specs: dict[ArithSpec, ArithSpec] = {}
         self._nonfinite: torch.Tensor | None = None  # [2] q, K/V since the last synchronize()
 
@@ -299,6 +304,7 @@ class CertifiedAttention:
             boost[over_dev] = TOL_LEVELS
             step.rung = step.rung.clone()
             step.rung[over_dev] = step.rung[over_dev].clamp(min=3)
+            step.returned = _returned(step.rung, step.e_key, step.e_val)
             dense_heads = torch.unique(torch.cat([dense_heads, over_heads]))
         with timer.phase("fallback"):
             if on_device:
@@ -306,8 +312,9 @@ class CertifiedAttention:
             else:
                 out, e_arith = self._fallback(q, store, step.out, dense_heads, scaling,
                                               step.spec, step.e_arith)
-        if e_drop is not None:
+        if e_drop is not None:  # naive eviction's dropped mass joins the returned E_key
             step.e_key = step.e_key + e_drop
+            step.returned = _returned(step.rung, step.e_key, step.e_val)
         cert = step.certificate(e_arith, self.mode, boost)
         if store.protection.enabled:
             counts = store.fault_counts()
@@ -354,10 +361,10 @@ class CertifiedAttention:
             kv_of = self._kv_of(hq, hkv, q.device)
             sel = self._segment("_select_step", q.device)(
                 qg, scored.log_mass, scored.delta_b, _log_spread(scored), lay.quantized,
-                lay.exact, lay.eta, lay.value_spec, lay.key_err, lay.v_max, lay.v_radius,
+                lay.eta, lay.value_spec, lay.key_err, lay.v_max, lay.v_radius,
                 kv_of, draw, lay.num_quantized, scaling, boost)
             (log_p, delta_b, delta, delta_chan, v_max, v_rad, q_norm, promoted, expanded,
-             value_kv, plan) = sel
+             value_kv, plan, exact) = sel
 
         # Page-in (on the host: the step's first host read; on the device: none) and Phase 2
         # (gated keys, FP16 values).
@@ -378,48 +385,53 @@ class CertifiedAttention:
         with timer.phase("certificate"):
             spec = self._arith_spec(q, store, scaling, lay, on_device)
             segment = self._segment("_certify_step", q.device)
-            dense_v_max = store.value_norm_max()[kv_of] if on_device else None
             coef = step_coefficients(spec, lay.num_blocks, store.num_tokens, q.device)
-            if isinstance(segment, _CompiledSegment):  # no recompile when the counts change
+            if self._compiler(q.device):  # no recompile when the counts change
                 coef = as_tensors(coef, q.device)
             bounds = segment(
                 l8, l16, att.rho.reshape(hq, -1), _spread(att).reshape(hq, -1),
                 att.out.reshape(hq, -1), log_p, delta_b, delta, delta_chan, v_max, v_rad,
-                q_norm, promoted, lay.exact, expanded, value_kv, lay.eta, lay.value_spec,
+                q_norm, promoted, exact, expanded, value_kv, lay.eta, lay.value_spec,
                 lay.key_spec, ranking, boundary, att.canary, q, store.nonfinite_appended(),
-                spec, coef, store.key_abs_max(), store.value_error_max(), kv_of, dense_v_max)
-            (e_key, e_val, e_arith, log_alpha, canary, rung, value_blocks, flags, paper_key,
-             paper_val, e_dense) = bounds
+                spec, coef, store.key_abs_max(), store.value_error_max(), kv_of,
+                store.value_norm_max() if on_device else None)
+            (e_key, e_val, e_arith, tail_mass, k_star, canary, rung, value_blocks, flags,
+             paper_key, paper_val, returned, e_final) = bounds
         blocks = BlockStats(att.rho.reshape(hq, -1), lay.eta, delta_b, v_rad, lay.quantized)
         return _Pass(att.out.reshape(hq, -1), spec, flags, e_key, e_val, e_arith, delta,
-                     log_alpha, (promoted & lay.quantized).sum(dim=-1), rung, ranking,
-                     boundary, canary, value_blocks, promotions, lay.num_quantized,
-                     paper_key, paper_val, blocks, paged, e_dense)
+                     tail_mass, k_star, rung, ranking, boundary, canary, value_blocks,
+                     promotions, lay.num_quantized, paper_key, paper_val, blocks, paged,
+                     returned, e_final)
 
     def _kv_of(self, hq: int, hkv: int, device: torch.device) -> torch.Tensor:
         """``[Hq]`` int64 on ``device``: each query head's kv head (``x[kv_of]`` spreads a
         per-kv-head ``x`` over its query heads in one gather), made once per shape."""
         key = (hq, hkv, str(device))
-        if key not in self._kv_index:
-            self._kv_index[key] = torch.arange(hq, device=device) // (hq // hkv)
-        return self._kv_index[key]
+        if key not in self._constants:
+            self._constants[key] = torch.arange(hq, device=device) // (hq // hkv)
+        return self._constants[key]
 
     def _segment(self, name: str, device: torch.device):
         """The pure tensor segment ``name``, compiled (fused kernels, one graph, dynamic
         shapes) when ``compile`` asks for it on this device, else the eager method. A segment
         that fails to compile warns once and runs eagerly from then on."""
-        fn = getattr(self, name)
-        backend = self.compile
+        fn, backend = getattr(self, name), self._compiler(device)
         if backend is None:
-            backend = "inductor" if device.type == "cuda" else False
-        if backend is False:
             return fn
-        backend = "inductor" if backend is True else backend
         if (name, backend) not in self._compiled:
             self._compiled[name, backend] = _CompiledSegment(fn, backend)
         return self._compiled[name, backend]
 
-    def _select_step(self, qg, l8_kv, delta_kv, log_spread_kv, quantized, exact, eta,
+    def _compiler(self, device: torch.device) -> str | None:
+        """The ``torch.compile`` backend of this device's segments, or None (eager)."""
+        backend = self.compile
+        if backend is None:
+            backend = "inductor" if device.type == "cuda" else False
+        if backend is False:
+            return None
+        return "inductor" if backend is True else backend
+
+    def _select_step(self, qg, l8_kv, delta_kv, log_spread_kv, quantized, eta,
                      value_spec, key_err, v_max_kv, v_rad_kv, kv_of, draw, n_q, scaling,
                      boost=None):
         """Selection segment (pure tensor code, no host reads; compiled on GPU).
@@ -428,7 +440,7 @@ class CertifiedAttention:
             qg: ``[Hkv, G, d]`` FP32 queries.
             l8_kv, delta_kv, log_spread_kv: Phase-1 log-masses, Delta_b (eq. 8's channel form)
                 and log-spreads ``[Hkv, G, n]``.
-            quantized, exact: ``[n]`` (complements); eta, value_spec, key_err: ``[Hkv, n]``;
+            quantized: ``[n]``; eta, value_spec, key_err: ``[Hkv, n]``;
             v_max_kv, v_rad_kv: ``[Hkv]``; kv_of: ``[Hq]`` each head's kv head.
             draw: uniform ``[Hq, n]`` for exploration, or None; n_q: quantized block count;
             scaling: the softmax scale; boost: ``[Hq]`` bound-tolerance escalation level (1:
@@ -437,11 +449,13 @@ class CertifiedAttention:
             ``log_p, delta_b [Hq, n]`` (``delta_b`` tightened, :func:`tightened_deltas`),
             ``delta [Hq]``, the channel-form ``delta_chan [Hq, n]``, ``v_max, v_rad [Hq]``,
             ``q_norm [Hkv, G]``, ``promoted [Hq, n]``, ``expanded [Hq]``, ``value_kv
-            [Hkv, n]`` and the page-in plan ``[2, Hkv, n]`` (FP16 keys needed by any head of
-            the kv head, FP16 values).
+            [Hkv, n]``, the page-in plan ``[2, Hkv, n]`` (FP16 keys needed by any head of
+            the kv head, FP16 values) and ``exact [n]`` (``~quantized``: exact windows and the
+            tail block).
         """
         hkv, group, n = l8_kv.shape
         hq = hkv * group
+        exact = ~quantized
         l8 = l8_kv.reshape(hq, n)
         log_p = torch.log_softmax(l8, dim=-1)
         q_norm = torch.linalg.vector_norm(qg, dim=-1)
@@ -460,12 +474,12 @@ class CertifiedAttention:
             value_kv = value_kv | (extra.reshape(hkv, group, n).any(dim=1) & (eta > 0))
         need_keys = promoted.view(hkv, group, n).any(dim=1) & quantized
         return (log_p, delta_b, delta, delta_chan, v_max, v_rad, q_norm, promoted, expanded,
-                value_kv, torch.stack([need_keys, value_kv]))
+                value_kv, torch.stack([need_keys, value_kv]), exact)
 
     def _certify_step(self, l8, l16, rho, spread, out, log_p, delta_b, delta, delta_chan, v_max,
                       v_rad, q_norm, promoted, exact, expanded, value_kv, eta, value_spec,
                       key_spec, ranking, boundary, canary_blocks, q, kv_bad, spec, coef,
-                      key_abs_max, eta_max_kv, kv_of, dense_v_max=None):
+                      key_abs_max, eta_max_kv, kv_of, v_max_kv=None):
         """Certificate segment (pure tensor code; compiled on GPU): the tight E_key (eq. 15
         with the per-block TV bound and centred values) and E_val (Cor. 4.2 with the spectral
         block terms), E_arith of the quantized path (:mod:`certkv.certify.arith`), the paper's
@@ -480,12 +494,15 @@ class CertifiedAttention:
         value_spec, key_spec, value_kv [Hkv, n]``, ``canary_blocks [Hkv, G, n]``,
         ``key_abs_max [Hkv, d]``, ``eta_max_kv [Hkv]``, ``kv_of [Hq]`` (each head's kv head);
         ``spec, coef``: the arithmetic bound's static facts and step coefficients;
-        ``dense_v_max [Hq]`` (device path only): each head's largest value norm. Returns
-        ``e_key, e_val, e_arith, log_alpha, canary, rung, value_blocks`` ``[Hq]``, ``flags
-        [Hq + 2]`` (heads needing dense attention, then non-finite ``q`` and non-finite
-        appended K/V), the paper's ``e_key, e_val`` ``[Hq]`` and, given ``dense_v_max``, every
-        head's dense-path ``e_arith`` (arith item 7; else None). A head whose output or bound
-        is not finite, or whose output overflows the caller's dtype, goes dense (rung 3).
+        ``v_max_kv [Hkv]`` (device path only): the largest value norm. Returns ``e_key, e_val,
+        e_arith, tail_mass, k_star, canary, rung, value_blocks`` ``[Hq]``, ``flags [Hq + 2]``
+        (heads needing dense attention, then non-finite ``q`` and non-finite appended K/V),
+        the paper's ``e_key, e_val`` ``[Hq]``, ``returned`` (E_key and E_val ``[Hq]`` as
+        returned: 0 on rungs 3-4) and, given ``v_max_kv``, the step's final ``e_arith`` after
+        the device fallback (dense heads: the dense path's, arith item 7; every head ``inf``
+        when ``q`` or the appended K/V are not finite; else None). A head whose output or
+        bound is not finite, or whose output overflows the caller's dtype, goes dense (rung
+        3).
         """
         hq, n = l8.shape
         hkv = eta.shape[0]
@@ -532,10 +549,12 @@ class CertifiedAttention:
         value_blocks = value_kv.sum(dim=-1)[kv_of]
         canary, rung, flags = self._rungs(out, q, kv_bad, e_key + e_val + e_arith, expanded,
                                           value_blocks, ranking, boundary, canary_blocks)
-        e_dense = None if dense_v_max is None else dense_arith(
-            spec, 0, q=q, key_abs_max=key_abs_max, v_max=dense_v_max, acc_coef=coef.dense_acc)
-        return (e_key, e_val, e_arith, log_alpha, canary, rung, value_blocks, flags,
-                paper_key, paper_val, e_dense)
+        e_final = None if v_max_kv is None else _device_arith(
+            flags, e_arith, dense_arith(spec, 0, q=q, key_abs_max=key_abs_max,
+                                        v_max=v_max_kv[kv_of], acc_coef=coef.dense_acc))
+        return (e_key, e_val, e_arith, log_alpha.exp(), (promoted & ~exact).sum(dim=-1),
+                canary, rung, value_blocks, flags, paper_key, paper_val,
+                _returned(rung, e_key, e_val), e_final)
 
     def _rungs(self, out, q, kv_bad, bound, expanded, value_blocks, ranking, boundary,
                canary_blocks):
@@ -559,14 +578,14 @@ class CertifiedAttention:
     def _rank_checks(self, l8, l16, delta_b, promoted, quantized, certified):
         """Ranking (eq. 17) and boundary (eq. 18) flags ``[Hq]`` from the backend (a Triton
         kernel on GPU); all True where disabled or not certified."""
-        true = torch.ones(l8.shape[0], dtype=torch.bool, device=l8.device)
         lad = self.ladder
-        if not certified or not (lad.ranking_check or lad.boundary_check):
-            return true, true
-        ranking, boundary = self.backend.checks(l8, l16, delta_b, promoted,
-                                                quantized & ~promoted, lad.r)
-        return (ranking if lad.ranking_check else true,
-                boundary if lad.boundary_check else true)
+        wanted = (certified and lad.ranking_check, certified and lad.boundary_check)
+        flags = self.backend.checks(l8, l16, delta_b, promoted, quantized, lad.r) \
+            if any(wanted) else (None, None)
+        if all(wanted):
+            return flags
+        true = torch.ones(l8.shape[0], dtype=torch.bool, device=l8.device)
+        return tuple(f if on else true for f, on in zip(flags, wanted, strict=True))
 
     def _select(self, log_p, quantized, exact, n_q, delta_b, delta, delta_chan, v_max, v_rad,
                 group, certified, draw, boost=None):
@@ -681,33 +700,37 @@ class CertifiedAttention:
         promotions = 0 if staged[1] is None else staged[1].blocks.numel()
         return staged[0], staged[1], paged, promotions
 
-    _lru_step = staticmethod(lru_step)  # the scratch cache's device bookkeeping, a segment
+    _slot_maps = staticmethod(slot_maps)  # device page-in with its LRU bookkeeping, a segment
 
     def _page_in_on_device(self, scratch, lay, plan):
-        """:meth:`_page_in` without a host read: slot maps built on the device, through the
-        scratch cache's device bookkeeping (misses copied from Tier-2 by one kernel, blocks
-        without a free slot read by Phase 2 from Tier-2 in place) or, without a scratch cache,
-        every wanted block read from Tier-2 in place. Counts stay on the device (0-d)."""
+        """:meth:`_page_in` without a host read: slot maps built on the device in one segment
+        (:func:`~certkv.cache.device_scratch.slot_maps`), through the scratch cache's device
+        bookkeeping (misses copied from Tier-2 by one kernel per kind, blocks without a free
+        slot read by Phase 2 from Tier-2 in place) or, without a scratch cache, every wanted
+        block read from Tier-2 in place. Counts stay on the device (0-d)."""
         store, nc = lay.store, lay.num_completed
         if nc == 0:
             return None, None, 0, 0
-        hkv, dev = store.num_kv_heads, store.device
         k2, v2, width = store.original_rows()
-        rows = (torch.arange(hkv, device=dev)[:, None] * width
-                + torch.arange(nc, device=dev)).long()
-        want = plan[:, :, :nc]
-        pad = torch.full((hkv, lay.num_blocks - nc), -1, dtype=torch.int32, device=dev)
-        maps = []
-        for which, wanted, tier2 in (("k", want[0], k2), ("v", want[1], v2)):
-            if scratch is None:
-                slot = torch.where(wanted, -2 - rows, -1).int()
-                pool = torch.zeros(1, store.block_size, store.head_dim, dtype=torch.float16,
-                                   device=dev)
-            else:
-                slot, pool = scratch.device_slots(store, which, wanted, rows, tier2,
-                                                  self._segment("_lru_step", dev))
-            maps.append(SlotMap(torch.cat([slot, pad], dim=1), pool))
-        return maps[0], maps[1], _paged_evicted(store, plan), want[1].sum()
+        lrus = [None if scratch is None else scratch.device_lru(which) for which in "kv"]
+        tables = [None if lru is None else lru.tables(store) for lru in lrus]
+        maps, promotions, *steps = self._segment("_slot_maps", store.device)(
+            plan, nc, width, *tables)
+        pools = []
+        for lru, step, tier2 in zip(lrus, steps, (k2, v2), strict=True):
+            if lru is not None:
+                lru.update(*step, tier2)
+            pools.append(self._no_pool(store) if lru is None else lru.pool)
+        return (SlotMap(maps[0], pools[0]), SlotMap(maps[1], pools[1]),
+                _paged_evicted(store, plan), promotions)
+
+    def _no_pool(self, store) -> torch.Tensor:
+        """A one-block FP16 pool for slot maps without slots (never read; cached)."""
+        key = ("pool", store.device, store.block_size, store.head_dim)
+        if key not in self._constants:
+            self._constants[key] = torch.zeros(1, store.block_size, store.head_dim,
+                                              dtype=torch.float16, device=store.device)
+        return self._constants[key]
 
     def _host_flags(self, flags, over=None):
         """The step's second host read: which heads need dense attention (Tier-2 is on the host),
@@ -736,18 +759,16 @@ class CertifiedAttention:
     def _fallback_on_device(self, q, store, step: _Pass, scaling):
         """Rungs 3-4 without a host read: the backend's one-launch kernel writes dense
         attention into the flagged heads' rows (``step.flags [Hq + 2]``), ``e_arith`` takes the
-        kernel's own rounding chain there (arith item 7: ``step.e_dense``, computed in the
-        certificate segment from the spec's fallback rounding), and a step with non-finite
-        ``q`` or appended K/V gets ``e_arith = inf`` (an invalid certificate) and is remembered for
+        kernel's own rounding chain there and a step with non-finite ``q`` or appended K/V gets
+        ``e_arith = inf`` (an invalid certificate; ``step.e_final``, computed in the certificate
+        segment: :func:`_device_arith`, arith item 7) and is remembered for
         :meth:`synchronize`."""
         hq = q.shape[0]
-        dense, bad = step.flags[:hq], step.flags[hq:]
-        out = self.backend.dense_flagged(
-            q, dense, store, step.out.clone(memory_format=torch.contiguous_format), scaling)
-        e_arith = torch.where(dense, step.e_dense, step.e_arith)
-        e_arith = torch.where(bad.any(), math.inf, e_arith)
+        bad = step.flags[hq:]
+        out = self.backend.dense_flagged(q, step.flags[:hq], store, step.out.contiguous(),
+                                         scaling)  # written in place: the pass's own output
         self._nonfinite = bad if self._nonfinite is None else self._nonfinite | bad
-        return out.to(q.dtype), e_arith
+        return out.to(q.dtype), step.e_final
 
     def synchronize(self) -> None:
         """Raise the non-finite inputs of the steps since the last call (one host read), as
@@ -799,6 +820,15 @@ def _scaling(head_dim: int, scaling) -> float:
             f"scaling={scaling:.3g} exceeds {limit:.3g}, the largest scale whose logits FP32 "
             f"can hold at head_dim {head_dim}; {fix}.")
     return float(scaling)
+
+
+def _device_arith(flags, e_arith, e_dense):
+    """``[Hq]`` e_arith of a step whose fallback runs on the device (``flags [Hq + 2]``):
+    the dense path's ``e_dense`` on flagged heads, ``inf`` everywhere when ``q`` or the
+    appended K/V are not finite (an invalid certificate)."""
+    hq = e_arith.shape[0]
+    e_arith = torch.where(flags[:hq], e_dense, e_arith)
+    return torch.where(flags[hq:].any(), math.inf, e_arith)
 
 
 def _log_spread(scored) -> torch.Tensor:

@@ -86,5 +86,5 @@ def test_the_device_scratch_bookkeeping_compiles_to_one_graph_and_matches_eager(
     for (a, ca), (b, cb) in zip(eager, compiled, strict=True):
         assert torch.equal(a, b) and torch.equal(ca.bound, cb.bound)
     assert eager_stats == compiled_stats and eager_stats.hits > 0
-    segment = attention._compiled["_lru_step", "aot_eager"]
+    segment = attention._compiled["_slot_maps", "aot_eager"]
     assert segment.compiled is not None

@@ -239,11 +239,11 @@ def test_checks_kernel_matches_the_reference(r, n):
     promoted[::3] = True
     quantized = torch.ones(n, dtype=torch.bool)
     quantized[-1] = n == 1
-    tail = quantized & ~promoted
-    ref = TorchBackend().checks(l8, l16, delta, promoted, tail, r)
+    ref = TorchBackend().checks(l8, l16, delta, promoted, quantized, r)
     if n > 1000:  # full size on the GPU
-        l8, l16, delta, promoted, tail = (x.cuda() for x in (l8, l16, delta, promoted, tail))
-    kernel = ranking_and_boundary(l8, l16, delta, promoted, tail, r,
+        l8, l16, delta, promoted, quantized = (
+            x.cuda() for x in (l8, l16, delta, promoted, quantized))
+    kernel = ranking_and_boundary(l8, l16, delta, promoted, quantized, r,
                                   block_n=8 if n < 1000 else 1024)
     kernel = tuple(x.cpu() for x in kernel)
     for a, b in zip(ref, kernel, strict=True):

@@ -11,6 +11,8 @@ reads and host-to-device bytes are device counters, read when :meth:`counts` is 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 NOT_STAGED = -1  # slot map: the block is read from its codes
@@ -67,28 +69,35 @@ class DeviceLRU:
         self.owner = torch.cat([self.owner[:-1], self.owner.new_full((extra + 1,), dummy)])
 
     # -------------------------------------------------------------------- step
-    def slots(self, store, want: torch.Tensor, rows: torch.Tensor, tier2: torch.Tensor,
-              step=None) -> torch.Tensor:
+    def tables(self, store) -> LRUTables:
+        """The bookkeeping a step's :func:`lru_step` updates, sized to ``store`` first."""
+        self._ensure(store)
+        return LRUTables(self.stamp, self.owner, self.slot_of, self.clock, self.tally)
+
+    def update(self, tables: LRUTables, need: torch.Tensor, src: torch.Tensor,
+               tier2: torch.Tensor) -> None:
+        """Keep a step's updated ``tables`` and fill the slots it took from Tier-2 (``need``,
+        ``src``: :func:`lru_step`'s; one launch)."""
+        from certkv.kernels.triton_pagein import fill_slots
+
+        self.stamp, self.owner, self.slot_of, self.clock, self.tally = tables
+        fill_slots(need, src, tier2, self.pool)
+
+    def slots(self, store, want: torch.Tensor, rows: torch.Tensor, tier2: torch.Tensor
+              ) -> torch.Tensor:
         """The slot map ``[Hkv, n]`` (int32) of one step's wanted blocks, pool filled.
 
         Args:
             want: bool ``[Hkv, n]`` on the device: blocks to read in FP16 (completed blocks).
             rows: int64 ``[Hkv, n]``: each block's row in ``tier2``.
             tier2: FP16 ``[R, B, d]`` row view of the originals (read in place).
-            step: :func:`lru_step` or a compiled form of it (:class:`CertifiedAttention`
-                compiles it with its other segments on CUDA).
         Returns: the block's pool slot (``>= 0``), ``-2 - row`` for a wanted block read from
-        Tier-2 in place (no free slot this step), or -1 (not wanted). No host read.
+        Tier-2 in place (no free slot this step), or -1 (not wanted). No host read. (A step
+        of :class:`~certkv.CertifiedAttention` does the same for keys and values in one
+        segment, :func:`slot_maps`.)
         """
-        from certkv.kernels.triton_pagein import fill_slots
-
-        self._ensure(store)
-        self.clock = self.clock + 1  # on the device: no host-to-device copy per step (and
-        # out of place: a table made under inference mode stays usable outside it)
-        (self.stamp, self.owner, self.slot_of, need, src, slot, counts) = (step or lru_step)(
-            self.stamp, self.owner, self.slot_of, want, rows, self.clock)
-        fill_slots(need, src, tier2, self.pool)
-        self.tally = self.tally + counts
+        tables, need, src, slot = lru_step(self.tables(store), want, rows)
+        self.update(tables, need, src, tier2)
         return slot
 
     def counts(self) -> tuple[int, int, int]:
@@ -99,21 +108,35 @@ class DeviceLRU:
         return hits, misses, direct
 
 
-def lru_step(stamp, owner, slot_of, want, rows, clock):
+class LRUTables(NamedTuple):
+    """A :class:`DeviceLRU`'s state on the device: ``stamp, owner`` int64 ``[S + 1]`` (each
+    slot's last step and ``slot_of`` cell; the last entry a dummy that masked scatters write
+    to), ``slot_of`` int32 ``[Hkv * W + 1]`` (each (kv head, block)'s slot or -1; last: a
+    dummy), ``clock`` (0-d int64 step counter) and ``tally`` (int64 ``[3]``: hits, misses,
+    direct reads)."""
+
+    stamp: torch.Tensor
+    owner: torch.Tensor
+    slot_of: torch.Tensor
+    clock: torch.Tensor
+    tally: torch.Tensor
+
+
+def lru_step(tables: LRUTables, want: torch.Tensor, rows: torch.Tensor):
     """One step of the device-side LRU, as fixed-shape tensor operations (no host read; pure,
     so that it can be compiled into a few kernels).
 
     Args:
-        stamp, owner: int64 ``[S + 1]``: each slot's last step and ``slot_of`` cell (the last
-            entry a dummy that masked scatters write to).
-        slot_of: int32 ``[Hkv * W + 1]``: each (kv head, block)'s slot or -1 (last: dummy).
-        want: bool ``[Hkv, n]``; rows: int64 ``[Hkv, n]`` Tier-2 rows; clock: 0-d int64.
-    Returns ``(stamp, owner, slot_of, need [S] int8, src [S] int64, slot [Hkv, n] int32,
-    counts [3])``: the updated tables, the slots to fill with Tier-2 rows, the slot map
-    (:meth:`DeviceLRU.slots`) and this step's hits, misses and direct reads. Hits keep their
-    slot (stamped); misses take, in (kv head, block) order, the least recently used slots not
-    used this step, as the host LRU does; the rest are read from Tier-2 in place.
+        tables: :class:`LRUTables` before the step; want: bool ``[Hkv, n]``; rows: int64
+            ``[Hkv, n]`` Tier-2 rows.
+    Returns ``(tables, need [S] int8, src [S] int64, slot [Hkv, n] int32)``: the updated
+    tables (clock advanced, this step's hits, misses and direct reads tallied), the slots to
+    fill with Tier-2 rows and the slot map (:meth:`DeviceLRU.slots`). Hits keep their slot
+    (stamped); misses take, in (kv head, block) order, the least recently used slots not used
+    this step, as the host LRU does; the rest are read from Tier-2 in place.
     """
+    stamp, owner, slot_of, clock, tally = tables
+    clock = clock + 1  # out of place: a table made under inference mode stays usable outside
     hkv, n = want.shape
     size, dummy_cell = stamp.shape[0] - 1, slot_of.shape[0] - 1
     width = dummy_cell // hkv
@@ -142,5 +165,37 @@ def lru_step(stamp, owner, slot_of, want, rows, clock):
     after = slot_of[cells].long()
     direct = wanted & (after < 0)
     slot = torch.where(wanted, torch.where(after >= 0, after, -2 - flat_rows), NOT_STAGED)
-    counts = torch.stack([hit.sum(), take.sum(), direct.sum()])
-    return stamp, owner, slot_of, need[:size], src[:size], slot.int().view(hkv, n), counts
+    tally = tally + torch.stack([hit.sum(), take.sum(), direct.sum()])
+    return (LRUTables(stamp, owner, slot_of, clock, tally), need[:size], src[:size],
+            slot.int().view(hkv, n))
+
+
+def slot_maps(plan: torch.Tensor, num_completed: int, width: int,
+              key_tables: LRUTables | None, value_tables: LRUTables | None):
+    """A step's page-in on the device, keys and values in one pure segment.
+
+    Args:
+        plan: bool ``[2, Hkv, n]`` (FP16 keys, FP16 values wanted); num_completed: blocks
+            with originals in Tier-2 (the first ones); width: Tier-2 rows per kv head (block
+            ``b`` of kv head ``h`` is row ``h * width + b``).
+        key_tables / value_tables: each LRU's :class:`LRUTables`, or None (no scratch cache:
+            every wanted block is read from Tier-2 in place).
+    Returns ``(maps [2, Hkv, n] int32, value_promotions (0-d), key_step, value_step)``: the
+    slot maps (-1 past the completed blocks), how many value blocks were wanted, and per LRU
+    ``(tables, need, src)`` of :func:`lru_step` or None.
+    """
+    hkv, n = plan.shape[1], plan.shape[2]
+    want = plan[:, :, :num_completed]
+    rows = (torch.arange(hkv, device=plan.device)[:, None] * width
+            + torch.arange(num_completed, device=plan.device))
+    maps, steps = [], []
+    for wanted, tables in zip(want.unbind(), (key_tables, value_tables), strict=True):
+        if tables is None:
+            maps.append(torch.where(wanted, -2 - rows, NOT_STAGED))
+            steps.append(None)
+        else:
+            tables, need, src, slot = lru_step(tables, wanted, rows)
+            maps.append(slot.long())
+            steps.append((tables, need, src))
+    maps = torch.nn.functional.pad(torch.stack(maps), (0, n - num_completed), value=NOT_STAGED)
+    return maps.int(), want[1].sum(), steps[0], steps[1]

@@ -161,7 +161,7 @@ class _LRUBlocks:
 class ScratchCache:
     """Per-layer FP16 scratch with separate key / value capacities in blocks (LRU): host
     bookkeeping for steps that read their page-in plan (:meth:`stage`), device bookkeeping for
-    steps that do not (:meth:`device_slots`, :class:`~certkv.cache.device_scratch.DeviceLRU`)."""
+    steps that do not (:meth:`device_lru`, :class:`~certkv.cache.device_scratch.DeviceLRU`)."""
 
     key_blocks: int = 2048
     value_blocks: int = 2048
@@ -195,16 +195,13 @@ class ScratchCache:
         :meth:`_LRUBlocks.record`."""
         self._lru[which].record(store, kv_heads, blocks, self._host)
 
-    def device_slots(self, store, which: str, want: torch.Tensor, rows: torch.Tensor,
-                     tier2: torch.Tensor, step=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(slot map [Hkv, n] int32, pool [S, B, d])`` for the wanted blocks ``want [Hkv,
-        n]`` without a host read: see :meth:`DeviceLRU.slots` (``step``: its bookkeeping,
-        compiled or not)."""
+    def device_lru(self, which: str) -> DeviceLRU:
+        """The device bookkeeping of keys (``which="k"``) or values (``"v"``): a step updates
+        its :class:`~certkv.cache.device_scratch.LRUTables` without a host read."""
         if which not in self._device:
             self._device[which] = DeviceLRU(self.key_blocks if which == "k"
                                             else self.value_blocks)
-        lru = self._device[which]
-        return lru.slots(store, want, rows, tier2, step), lru.pool
+        return self._device[which]
 
     def fetch(self, store, kv_heads: torch.Tensor, blocks: torch.Tensor, which: str = "kv"):
         """Same contract as ``TieredKVStore.fetch_originals``, served from scratch when cached.

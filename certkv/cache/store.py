@@ -211,12 +211,13 @@ class TieredKVStore:
         self._tail_k = torch.zeros(tail_shape, dtype=torch.float16, device=self.device)
         self._tail_v = torch.zeros(tail_shape, dtype=torch.float16, device=self.device)
         self.tail_len = 0
-        self._nu_max = torch.zeros(num_kv_heads, device=self.device)  # running max of nu_b
-        self._eta_max = torch.zeros(num_kv_heads, device=self.device)  # running max of eta_b
-        self._radius_max = torch.zeros(num_kv_heads, device=self.device)  # of v_radius_b
-        # the same over the partial tail block's tokens (rounded up; 0 when it is empty)
-        self._tail_nu = torch.zeros(num_kv_heads, device=self.device)
-        self._tail_radius = torch.zeros(num_kv_heads, device=self.device)
+        # running maxima of the blocks' nu_b and v_radius_b ([2, Hkv]), of eta_b ([Hkv])
+        self._block_maxima = torch.zeros(2, num_kv_heads, device=self.device)
+        self._eta_max = torch.zeros(num_kv_heads, device=self.device)
+        # the same over the partial tail block's tokens (rounded up; 0 when it is empty), and
+        # of every token: V_max and the centred radius (value_norm_max, value_radius)
+        self._tail_maxima = torch.zeros(2, num_kv_heads, device=self.device)
+        self._value_maxima = torch.zeros(2, num_kv_heads, device=self.device)
         # the fixed centre c of the centred value radius: per-channel midrange of the values
         # of the first append (any fixed c is valid, Theorem 4.3 centred)
         self._centre = torch.zeros(num_kv_heads, head_dim, device=self.device)
@@ -307,9 +308,8 @@ class TieredKVStore:
                 (v64 - self._centre.double().unsqueeze(1)).norm(dim=-1).amax(dim=-1) * _INFLATE]))
         else:
             maxima = torch.zeros(2, self.num_kv_heads, device=self.device)
-        if not restarted:
-            maxima = torch.maximum(torch.stack([self._tail_nu, self._tail_radius]), maxima)
-        self._tail_nu, self._tail_radius = maxima.unbind()
+        self._tail_maxima = maxima if restarted else torch.maximum(self._tail_maxima, maxima)
+        self._value_maxima = torch.maximum(self._block_maxima, self._tail_maxima)
         if self._mirror is not None and self.tail_len > start:
             spare = self._mirror.spare_view()
             spare["k"][:, 0, rows] = self._tail_k[:, rows]
@@ -495,9 +495,10 @@ class TieredKVStore:
     def _note_maxima(self, notes: dict[str, torch.Tensor]) -> None:
         """Fold new annotations into the running maxima (``[Hkv]`` each)."""
         if next(iter(notes.values())).shape[1]:
-            self._nu_max = torch.maximum(self._nu_max, notes["nu"].amax(dim=1))
+            new = torch.stack([notes["nu"].amax(dim=1), notes["v_radius"].amax(dim=1)])
+            self._block_maxima = torch.maximum(self._block_maxima, new)
             self._eta_max = torch.maximum(self._eta_max, notes["eta"].amax(dim=1))
-            self._radius_max = torch.maximum(self._radius_max, notes["v_radius"].amax(dim=1))
+            self._value_maxima = torch.maximum(self._block_maxima, self._tail_maxima)
 
     @staticmethod
     def _mirror_rows(rows: Blocks) -> Blocks:
@@ -717,9 +718,8 @@ class TieredKVStore:
         new._block_bytes = dict(self._block_bytes)
         new._fault_rng = torch.Generator()
         new._fault_rng.set_state(self._fault_rng.get_state())
-        for name in ("_tail_k", "_tail_v", "_nu_max", "_eta_max", "_radius_max", "_centre",
-                     "_tail_nu", "_tail_radius",
-                     "_key_abs_max", "_nonfinite"):
+        for name in ("_tail_k", "_tail_v", "_block_maxima", "_eta_max", "_centre",
+                     "_tail_maxima", "_value_maxima", "_key_abs_max", "_nonfinite"):
             setattr(new, name, getattr(self, name).clone())
         return new
 
@@ -873,13 +873,13 @@ class TieredKVStore:
     def value_radius(self) -> torch.Tensor:
         """``[Hkv]`` upper bound on ``max_t ||v_t - c||_2`` over every token (the centred V_max
         of E_key, :func:`~certkv.certify.bounds.key_error_bound`): the running max of the
-        blocks' ``v_radius`` and the tail tokens' radii (kept by append)."""
-        return torch.maximum(self._radius_max, self._tail_radius)
+        blocks' ``v_radius`` and the tail tokens' radii (kept by append; a view)."""
+        return self._value_maxima[1]
 
     def value_norm_max(self) -> torch.Tensor:
         """``[Hkv]`` upper bound on ``max_t ||v_t||_2`` over every token (V_max, Theorem 4.3):
-        the running max of nu_b, and the tail tokens' norms (kept by append)."""
-        return torch.maximum(self._nu_max, self._tail_nu)
+        the running max of nu_b, and the tail tokens' norms (kept by append; a view)."""
+        return self._value_maxima[0]
 
     def value_error_max(self) -> torch.Tensor:
         """``[Hkv]`` the largest eta_b (0 without quantized blocks): ``||v_hat_t|| <= V_max +

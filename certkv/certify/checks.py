@@ -65,12 +65,13 @@ def boundary_ok(
     return _boundary(values, count, l_int8, delta_b, tail, r)
 
 
-def rank_checks(l_int8, l_fp16, delta_b, promoted, tail, r: int):
+def rank_checks(l_int8, l_fp16, delta_b, promoted, quantized, r: int):
     """Eq. 17 and eq. 18 (:func:`ranking_consistent`, :func:`boundary_ok`) ``[Hq]`` each, from
-    one top-``r`` pass over both log-masses."""
+    one top-``r`` pass over both log-masses (``[Hq, n]``, as ``delta_b`` and ``promoted``);
+    eq. 18's INT8 tail is the ``quantized [n]`` blocks not promoted."""
     values, idx, count = top_r(torch.stack([l_int8, l_fp16]), promoted, r)
     return (_ranking(idx[0], idx[1], count),
-            _boundary(values[1], count, l_int8, delta_b, tail, r))
+            _boundary(values[1], count, l_int8, delta_b, quantized & ~promoted, r))
 
 
 def canary_violations(

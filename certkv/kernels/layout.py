@@ -57,8 +57,7 @@ class StepLayout:
         self.num_quantized = store.num_quantized()  # lossy blocks (host count)
         self.num_blocks = nc + extra  # n
         # views the store keeps (a zero column for the tail block): no work per step
-        self.quantized = store.quantized_mask(extra)  # [n]
-        self.exact = ~self.quantized  # [n]: exact windows and the tail block
+        self.quantized = store.quantized_mask(extra)  # [n] (exact: windows, the tail block)
         self.eta = store.annotation("eta", extra)  # [Hkv, n], 0 on the exact tail block
         self.value_spec = store.annotation("value_spec", extra)  # [Hkv, n] ||E^V_b||_2
         self.key_err = store.annotation("key_err", extra)  # [Hkv, n] max_t ||k_hat_t - k_t||

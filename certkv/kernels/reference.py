@@ -315,9 +315,9 @@ class TorchBackend:
         att.canary = violated
         return att
 
-    def checks(self, l_int8, l_fp16, delta_b, promoted, tail, r):
+    def checks(self, l_int8, l_fp16, delta_b, promoted, quantized, r):
         """Ranking (eq. 17) and boundary (eq. 18) flags ``[Hq]``."""
-        return rank_checks(l_int8, l_fp16, delta_b, promoted, tail, r)
+        return rank_checks(l_int8, l_fp16, delta_b, promoted, quantized, r)
 
     def dense(self, q, k, v, scaling):
         return dense_attention(q, k, v, scaling)

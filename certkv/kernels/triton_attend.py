@@ -223,21 +223,21 @@ def attend_blocks(scored: Scored, q: torch.Tensor, gate: torch.Tensor,
     dev = scores.device
     m_b = torch.empty(hkv, g, n, device=dev)
     l_b, l2_b = torch.empty_like(m_b), torch.empty_like(m_b)
-    canary = torch.zeros(hkv, g, n, dtype=torch.int8, device=dev)
+    canary = torch.zeros(hkv, g, n, dtype=torch.bool, device=dev)  # written on gated blocks
     m = torch.empty(hkv, g, bases[-1], device=dev)
     lsum = torch.empty_like(m)
     acc = torch.empty(hkv, g, bases[-1], d, device=dev)
-    gate8 = torch.empty_like(canary).copy_(gate)  # the [Hkv, G, n] layout of m_b, canary
-    delta = torch.empty_like(m_b).copy_(scored.delta_b)
+    # masks are read as bool, in the [Hkv, G, n] layout of m_b and canary
+    gate, delta = gate.contiguous(), scored.delta_b.float().contiguous()
     key_data, value_data = key_data.contiguous(), value_data.contiguous()
     tier2 = tier2 or (key_data, key_data)  # never read without a slot <= -2
     shared = (scores, q.float().contiguous(), key_slot.contiguous(), key_data,
-              gate8, delta, value_slot.contiguous(), value_data, tier2,
+              gate, delta, value_slot.contiguous(), value_data, tier2,
               (m_b, l_b, l2_b, canary), (m, lsum, acc))
     for src, base in zip(sources, bases, strict=False):
         _launch_attend(src, base, shared, n, scaling, eps_guard, split)
     att = reduce_splits(m_b, l_b, m, lsum, acc, l2_b)
-    att.canary = canary.bool()
+    att.canary = canary
     return att
 
 

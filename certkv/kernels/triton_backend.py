@@ -104,11 +104,11 @@ class TritonBackend:
         host never saw, :class:`SlotMap`); the reference needs the page-in on the host."""
         return lay.kernel_sources("value") is not None
 
-    def checks(self, l_int8, l_fp16, delta_b, promoted, tail, r):
+    def checks(self, l_int8, l_fp16, delta_b, promoted, quantized, r):
         """Ranking (eq. 17) and boundary (eq. 18) flags ``[Hq]`` in one tiny kernel."""
         from certkv.kernels.triton_checks import ranking_and_boundary
 
-        return ranking_and_boundary(l_int8, l_fp16, delta_b, promoted, tail, r)
+        return ranking_and_boundary(l_int8, l_fp16, delta_b, promoted, quantized, r)
 
     def dense(self, q, k, v, scaling):
         return dense_attention(q, k, v, scaling)

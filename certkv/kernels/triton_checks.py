@@ -37,7 +37,7 @@ def _next_ranked(l_ptr, prom_ptr, row, n, prev_v, prev_i, BLOCK_N: tl.constexpr)
 
 
 @triton.jit
-def _checks_kernel(l8_ptr, l16_ptr, delta_ptr, prom_ptr, tail_ptr, rank_ptr, bound_ptr,
+def _checks_kernel(l8_ptr, l16_ptr, delta_ptr, prom_ptr, quant_ptr, rank_ptr, bound_ptr,
                    n, s_h, R: tl.constexpr, BLOCK_N: tl.constexpr):
     h = tl.program_id(0)
     row = h * s_h
@@ -45,7 +45,8 @@ def _checks_kernel(l8_ptr, l16_ptr, delta_ptr, prom_ptr, tail_ptr, rank_ptr, bou
     for start in range(0, n, BLOCK_N):
         idx = start + tl.arange(0, BLOCK_N)
         live = idx < n
-        tail = tl.load(tail_ptr + row + idx, mask=live, other=0) != 0
+        quantized = tl.load(quant_ptr + idx, mask=live, other=0) != 0
+        tail = quantized & (tl.load(prom_ptr + row + idx, mask=live, other=0) == 0)
         l8 = tl.load(l8_ptr + row + idx, mask=live, other=0.0)
         d = tl.load(delta_ptr + row + idx, mask=live, other=0.0)
         upper = tl.maximum(upper, tl.max(tl.where(tail, l8 + d, float("-inf")), axis=0))
@@ -64,20 +65,21 @@ def _checks_kernel(l8_ptr, l16_ptr, delta_ptr, prom_ptr, tail_ptr, rank_ptr, bou
 
 
 def ranking_and_boundary(l_int8: torch.Tensor, l_fp16: torch.Tensor, delta_b: torch.Tensor,
-                         promoted: torch.Tensor, tail: torch.Tensor, r: int,
+                         promoted: torch.Tensor, quantized: torch.Tensor, r: int,
                          block_n: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eq. 17 and eq. 18 per head from ``[Hq, n]`` log-masses, ``Delta_b`` and masks.
+    """Eq. 17 and eq. 18 per head from ``[Hq, n]`` log-masses, ``Delta_b`` and the promoted
+    mask, and the quantized blocks ``[n]`` (the INT8 tail of eq. 18: quantized, not promoted).
 
-    Same results as :func:`certkv.certify.checks.ranking_consistent` and
-    :func:`certkv.certify.checks.boundary_ok`; returns two bool ``[Hq]``.
+    Same results as :func:`certkv.certify.checks.rank_checks`; returns two bool ``[Hq]``
+    (the masks are read as bool: no conversion launches).
     """
     hq, n = l_int8.shape
     dev = l_int8.device
-    l8, l16, d = (x.float().contiguous() for x in (l_int8, l_fp16, delta_b))
-    prom, tl_mask = promoted.to(torch.int8).contiguous(), tail.to(torch.int8).contiguous()
-    rank = torch.empty(hq, dtype=torch.int8, device=dev)
+    l8, l16, d, prom = (x.contiguous() for x in (l_int8.float(), l_fp16.float(),
+                                                  delta_b.float(), promoted))
+    rank = torch.empty(hq, dtype=torch.bool, device=dev)
     bound = torch.empty_like(rank)
     block_n = min(block_n, triton.next_power_of_2(max(n, 1)))
-    _checks_kernel[(hq,)](l8, l16, d, prom, tl_mask, rank, bound, n, l8.stride(0),
-                          R=r, BLOCK_N=block_n)
-    return rank.bool(), bound.bool()
+    _checks_kernel[(hq,)](l8, l16, d, prom, quantized.contiguous(), rank, bound, n,
+                          l8.stride(0), R=r, BLOCK_N=block_n)
+    return rank, bound

@@ -122,7 +122,7 @@ def dense_flagged(q: torch.Tensor, flags: torch.Tensor, originals: dict, n_block
     assert out.dtype == torch.float32 and out.is_contiguous()
     group = hq // hkv
     _dense_flagged_kernel[(hkv,)](
-        q.float().contiguous(), flags.to(torch.int8), k2, v2, tail_k, tail_v, out,
+        q.float().contiguous(), flags.contiguous(), k2, v2, tail_k, tail_v, out,
         n_blocks, tail_len, group, float(scaling),
         k2.stride(0), k2.stride(1), k2.stride(2), tail_k.stride(0), tail_k.stride(1),
         B=block, D=d, GP=triton.next_power_of_2(group))
