@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -240,6 +241,48 @@ def bench_attention_case(case: AttentionCase, device: torch.device, repeats: int
             "dispatch": dispatch}
 
 
+LAUNCH_METHODS = ("dense", "naive", "certified", "certified-host")
+
+
+def bench_launches_case(case: AttentionCase, device: torch.device,
+                        compile: bool | str | None = None, update: Update = _quiet) -> dict:
+    """What one layer step of the Triton path dispatches, per method, without timing it (on
+    CPU the kernels run under ``TRITON_INTERPRET=1``): Triton launches, segment calls, eager
+    launching operators, host reads, aten operators and, on CUDA, the launches the profiler
+    records (:class:`~certkv.opcount.StepCounter`). ``certified`` keeps the step on the device
+    (scratch cache, fallback flags); ``certified-host`` reads its page-in plan and flags on
+    the host (``device_fallback=False``); ``dense`` is SDPA on the FP16 cache."""
+    store, q, k16, v16 = case.build(device)
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    qd, kd, vd = q.to(dtype), k16.to(dtype), v16.to(dtype)
+    scaling = case.head_dim ** -0.5
+    dispatch = {}
+    for method in LAUNCH_METHODS:
+        update(f"{case.short_label}: {method}")
+        if method == "dense":
+            attention, step = None, partial(dense_attention, qd, kd, vd, scaling)
+        else:
+            attention = CertifiedAttention(
+                mode="naive" if method == "naive" else "certified", compile=compile,
+                backend="triton", device_fallback=False if method == "certified-host" else None)
+            step = partial(attention, q, store, scratch=ScratchCache())
+        step(), step()  # warm-up: compilation, the scratch cache's first fills
+        dispatch[method] = count_step(step, attention)
+        update(f"{case.short_label}: {method}", advance=1)
+    return {"case": case.__dict__, "label": case.label, "short_label": case.short_label,
+            "dispatch": dispatch}
+
+
+def launch_notes(records: list[dict]) -> list[str]:
+    """What the counts mean, and the issue's target."""
+    return ["Triton: kernel launches. seg: calls of the step's pure tensor segments (selection, "
+            "page-in bookkeeping, certificate), each one compiled graph on CUDA (several "
+            "kernels). eager: aten operators outside both that compute or copy (a launch each "
+            "on CUDA; views and allocations are not counted). Issue 24's target: at most 10 "
+            "launches per certified layer step on CUDA. dense: SDPA on the FP16 cache on CUDA, the "
+            "overflow-proof FP32 reference on CPU."]
+
+
 def _attention_record(case: AttentionCase, store: TieredKVStore, cert, ms_stats: dict,
                       phase_ms: dict, dense_dtype: str) -> dict:
     """The JSON record of one case: times, ratios, GB/s, phases, memory per tier."""
@@ -430,9 +473,13 @@ def dispatch_tables(records: list[dict]) -> list[Table]:
     if not records:
         return []
     gpu = any(c["launches"] is not None for r in records for c in r["dispatch"].values())
+    triton = any(c.get("kernels") for r in records for c in r["dispatch"].values())
     table = result_table("One layer step: dispatch (one step after warm-up)", [
         CASE, ("method", ""), ("aten ops", "aten operators called (not those they call)"),
         ("host reads", "device-to-host reads the step waits for"),
+        *([("Triton", "Triton kernel launches"), ("seg", "segment calls (compiled graphs)"),
+           ("eager", "launching aten operators outside kernels and segments")]
+          if triton else []),
         *([("launches", "CUDA kernels, copies and memsets")] if gpu else [])], keys=2)
     by_phase = result_table("Certified step: aten operators by phase", [
         CASE, *((h, m) for h, _, m in PHASES), ("other", "outside the phases")])
@@ -440,6 +487,9 @@ def dispatch_tables(records: list[dict]) -> list[Table]:
         for method, c in r["dispatch"].items():
             table.rows.append([r["short_label"], method, str(c["aten_ops"]),
                                str(c["host_reads"]),
+                               *([str(c.get(k, 0)) for k in ("kernels", "segments",
+                                                             "eager_launches")]
+                                 if triton else []),
                                *([str(c["launches"])] if gpu else [])])
         split = r["dispatch"]["certified"]["by_phase"]
         by_phase.rows.append([r["short_label"], *(str(split.get(p, 0)) for _, p, _ in PHASES),
@@ -543,6 +593,38 @@ def _legends(ax, methods: list[str], shapes: list[tuple[str, str, str]]) -> None
                    for label, st, mk in shapes]
         ax.legend(handles=handles, title="shape", fontsize=8, title_fontsize=8,
                   handlelength=3.5, loc="lower left", bbox_to_anchor=(1.02, 0.0))
+
+
+def plot_launches(records: list[dict], path: Path) -> None:
+    """Per case, one stacked bar per method (named above it with its total): Triton launches,
+    segment calls, eager launching operators; a tick at the CUDA launches the profiler counted
+    (GPU only) and a dashed line at issue 24's target (10)."""
+    plt, fig, ax = _figure((8, 4.2))
+    parts = (("kernels", "Triton launches"), ("segments", "segment calls (compiled graphs)"),
+             ("eager_launches", "eager launching operators"))
+    width = 0.8 / len(LAUNCH_METHODS)
+    for i, method in enumerate(LAUNCH_METHODS):
+        x = [j + (i - (len(LAUNCH_METHODS) - 1) / 2) * width for j in range(len(records))]
+        counts = [r["dispatch"][method] for r in records]
+        bottom = [0] * len(records)
+        for k, (key, label) in enumerate(parts):
+            h = [c.get(key, 0) for c in counts]
+            ax.bar(x, h, width * 0.9, bottom=bottom, color=f"C{k}",
+                   label=label if i == 0 else None)
+            bottom = [b + v for b, v in zip(bottom, h, strict=True)]
+        for xi, total in zip(x, bottom, strict=True):
+            ax.annotate(f"{method}: {total}", (xi, total), ha="center", va="bottom",
+                        fontsize=7, rotation=90, xytext=(0, 2), textcoords="offset points")
+        cuda = [c["launches"] for c in counts]
+        if all(c is not None for c in cuda):
+            ax.plot(x, cuda, "k_", markersize=14, label="CUDA launches" if i == 0 else None)
+    ax.axhline(10, color="grey", linestyle="--", linewidth=1, label="target (10)")
+    ax.set_xticks(range(len(records)), [r["short_label"] for r in records])
+    ax.set_ylabel("per layer step")
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.35)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=3)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
 
 
 def plot_attention(records: list[dict], path: Path) -> None:

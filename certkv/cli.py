@@ -221,6 +221,47 @@ def bench_attention(
     bench.show(tables, notes, path)
 
 
+@bench_app.command("launches")
+def bench_launches(
+    context: Annotated[list[int] | None, typer.Option(
+        help="context lengths (default: 256 and 1024 on CPU, 4K and 32K on GPU)")] = None,
+    device: str = "auto",
+    out: Annotated[Path | None, typer.Option(
+        help="write into this directory (e.g. reports/bench) instead of a new "
+             "runs/bench/launches_<device>-<time>/")] = None,
+    force: Annotated[bool, typer.Option(
+        "--force", help="with --out: replace launches_<device>.md/.json/.png already there")]
+    = False,
+    compile: Annotated[str, typer.Option(help=COMPILE_HELP)] = "auto",
+) -> None:
+    """What one layer step of the Triton path dispatches (no timing): Triton launches, compiled
+    segments, eager launching operators and host reads per method (CUDA launches on a GPU).
+    On CPU the kernels run under the Triton interpreter (TRITON_INTERPRET=1, set here)."""
+    import os
+
+    if context and min(context) < 1:
+        _fail(f"--context {min(context)} is not a token count; pass positive contexts such as "
+              "--context 1024.")
+    dev = _device(device)
+    if dev.type == "cpu":  # before any kernel module is imported: @triton.jit reads it
+        os.environ["TRITON_INTERPRET"] = "1"
+    from certkv import bench
+
+    contexts = context or ([4096, 32768] if dev.type == "cuda" else [256, 1024])
+    cases = [bench.AttentionCase(n, d, h, g) for n in contexts for d, h, g in
+             ((128, 8, 4), (64, 3, 3))]
+    report = bench.BenchReport(f"launches_{dev.type}", _command(), out, force)
+    with _user_errors():
+        report.check()
+    with bench.progress(len(bench.LAUNCH_METHODS) * len(cases), "bench launches") as update:
+        records = [bench.bench_launches_case(case, dev, _compile(compile), update)
+                   for case in cases]
+    tables, notes = bench.dispatch_tables(records), bench.launch_notes(records)
+    path = report.write(records, bench.markdown(tables, notes),
+                        lambda p: bench.plot_launches(records, p))
+    bench.show(tables, notes, path)
+
+
 @bench_app.command("codecs")
 def bench_codecs(
     context: int = 4096, kv_heads: int = 3, head_dim: int = 64, repeats: int = 5,

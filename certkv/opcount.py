@@ -22,6 +22,14 @@ made inside it::
   where a GPU step waits).
 * ``launches``: the CUDA activities the profiler records (kernels, and the copies and memsets
   the step issues; CUDA only, ``None`` elsewhere).
+* ``kernels``: Triton kernel launches (counted on CUDA and under ``TRITON_INTERPRET=1`` alike;
+  what the interpreter runs inside a launch is not counted as aten operators).
+* ``segments``: calls of the step's pure tensor segments (selection, certificate, the device
+  LRU), each one compiled graph on CUDA.
+* ``eager_launches``: the aten operators outside Triton kernels and segments that compute or
+  copy (views and allocations left out): each is a kernel launch on CUDA. With ``kernels`` and
+  ``segments`` they are what a CPU run can say of a GPU step's launches (issue 24's target:
+  at most 10 per certified layer step).
 """
 
 from __future__ import annotations
@@ -35,6 +43,15 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 PHASE = "certkv::"  # the profiler label of a phase: certkv::<name>
+KERNEL, SEGMENT = "certkv-kernel::", "certkv-segment::"  # labels of launches and segments
+# aten operators that launch nothing on CUDA: views, metadata and allocations.
+NO_LAUNCH = frozenset({
+    "alias", "as_strided", "detach", "empty", "empty_like", "empty_strided", "expand",
+    "lift_fresh", "narrow", "permute", "select", "slice", "split", "squeeze", "t",
+    "transpose", "unbind", "unflatten", "unsqueeze", "view", "_unsafe_view", "_reshape_alias",
+    "view_as", "result_type", "is_nonzero", "size", "stride", "detach_"})
+# ... unless they copy (a dtype or device change, a non-contiguous input): then a child does.
+MAY_COPY = frozenset({"to", "type_as", "contiguous", "flatten", "reshape"})
 
 
 class StepCounter:
@@ -46,10 +63,17 @@ class StepCounter:
         self.by_op: Counter[str] = Counter()
         self.host_reads = 0
         self.launches: int | None = None
+        self.kernels: Counter[str] = Counter()
+        self.segments: Counter[str] = Counter()
+        self.eager: Counter[str] = Counter()  # launching aten operators outside both
 
     @property
     def aten_ops(self) -> int:
         return sum(self.by_phase.values())
+
+    @property
+    def eager_launches(self) -> int:
+        return sum(self.eager.values())
 
     def phase(self, name: str):
         """The :class:`~certkv.timing.PhaseTimer` protocol: a profiler label for ``name``."""
@@ -73,6 +97,8 @@ class StepCounter:
         module.to_host = counted
         if attention is not None:
             attention.timer = self
+            attention._segment = self._labelled_segments(attention._segment)
+        restore = self._label_kernels()
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if launches else [])
         prof = profile(activities=activities)
         _without_stderr(prof.start)  # the profiler's C++ side prints start / stop lines
@@ -81,36 +107,99 @@ class StepCounter:
         finally:
             _without_stderr(prof.stop)
             module.to_host = read
+            restore()
             if attention is not None:
                 attention.timer = timer
+                del attention._segment  # the class's method again
         self._tally(prof.events(), launches)
 
+    def _labelled_segments(self, segment):
+        """``attention._segment`` whose segments count their calls under a profiler label."""
+        def labelled(name, device):
+            fn = segment(name, device)
+
+            def call(*args):
+                self.segments[name.strip("_")] += 1
+                with record_function(SEGMENT + name):
+                    return fn(*args)
+            return call
+        return labelled
+
+    def _label_kernels(self):
+        """Count Triton launches under a profiler label (the JIT and the interpreter's launch
+        methods patched); returns the function that restores them."""
+        try:
+            from triton.runtime.interpreter import InterpretedFunction
+            from triton.runtime.jit import JITFunction
+        except ImportError:
+            return lambda: None
+        saved = {cls: cls.run for cls in (JITFunction, InterpretedFunction)}
+
+        def patched(cls):
+            def run(fn, *args, **kwargs):
+                name = getattr(getattr(fn, "fn", None), "__name__", "kernel")
+                self.kernels[name] += 1
+                with record_function(KERNEL + name):
+                    return saved[cls](fn, *args, **kwargs)
+            return run
+
+        for cls in saved:
+            cls.run = patched(cls)
+
+        def restore():
+            for cls, run in saved.items():
+                cls.run = run
+        return restore
+
     def _tally(self, events, launches: bool) -> None:
-        """Top-level aten events by the phase label above them; CUDA activities."""
+        """Top-level aten events by the phase label above them (none inside a Triton launch:
+        the interpreter's), the launching ones outside segments; CUDA activities."""
         for event in events:
             if event.device_type == torch.autograd.DeviceType.CUDA:
                 continue
             if not event.name.startswith("aten::"):
                 continue
-            phase, parent = "other", event.cpu_parent
-            while parent is not None and not parent.name.startswith("aten::"):
-                if parent.name.startswith(PHASE):
-                    phase = parent.name[len(PHASE):]
-                    break
-                parent = parent.cpu_parent
-            if parent is not None and parent.name.startswith("aten::"):
-                continue  # called by another operator
+            labels = _labels(event)
+            if labels is None or any(x.startswith(KERNEL) for x in labels):
+                continue  # called by another operator, or by the Triton interpreter
+            phase = next((x[len(PHASE):] for x in labels if x.startswith(PHASE)), "other")
+            op = event.name[len("aten::"):]
             self.by_phase[phase] += 1
-            self.by_op[event.name[len("aten::"):]] += 1
+            self.by_op[op] += 1
+            if _launches(event, op) and not any(x.startswith(SEGMENT) for x in labels):
+                self.eager[op] += 1
         if launches:
             self.launches = sum(1 for e in events
                                 if e.device_type == torch.autograd.DeviceType.CUDA)
 
     def summary(self) -> dict:
-        """A JSON-able record: totals, per phase, the ten most frequent operators."""
+        """A JSON-able record: totals, per phase, the ten most frequent operators, Triton
+        launches, segment calls and eager launching operators."""
         return {"aten_ops": self.aten_ops, "host_reads": self.host_reads,
                 "launches": self.launches, "by_phase": dict(self.by_phase),
-                "top_ops": dict(self.by_op.most_common(10))}
+                "top_ops": dict(self.by_op.most_common(10)),
+                "kernels": sum(self.kernels.values()), "segments": sum(self.segments.values()),
+                "eager_launches": self.eager_launches}
+
+
+def _launches(event, op: str) -> bool:
+    """Whether the top-level operator ``event`` (named ``op``) computes or copies."""
+    if op in MAY_COPY:
+        return any(_launches(child, child.name[len("aten::"):]) for child in event.cpu_children
+                   if child.name.startswith("aten::"))
+    return op not in NO_LAUNCH
+
+
+def _labels(event) -> list[str] | None:
+    """The non-aten profiler labels above ``event``, innermost first; None when an aten
+    operator is above it (it is not top level)."""
+    labels, parent = [], event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith("aten::"):
+            return None
+        labels.append(parent.name)
+        parent = parent.cpu_parent
+    return labels
 
 
 def _without_stderr(fn) -> None:

@@ -144,6 +144,29 @@ def test_bench_attention_command_writes_report(tmp_path, monkeypatch):
     assert f"results: {tmp_path}/" in result.output.replace("\n", "")
 
 
+def test_bench_launches_command_counts_the_triton_step(tmp_path):
+    """``certkv bench launches`` on CPU runs the kernels under the interpreter and reports
+    what each method's layer step dispatches; the device step reads the host never, the host
+    variant twice."""
+    result = runner.invoke(app, ["bench", "launches", "--context", "64", "--device", "cpu",
+                                 "--out", str(tmp_path), "--compile", "off"],
+                           env={"COLUMNS": "100"})
+    assert result.exit_code == 0, result.output
+    data = json.loads((tmp_path / "launches_cpu.json").read_text())
+    assert len(data["records"]) == 2  # two shapes
+    for record in data["records"]:
+        counts = record["dispatch"]
+        assert list(counts) == list(bench.LAUNCH_METHODS)
+        assert counts["certified"]["host_reads"] == 0 < counts["certified-host"]["host_reads"]
+        assert counts["certified"]["kernels"] >= counts["naive"]["kernels"] > 0
+        assert counts["certified"]["eager_launches"] < counts["certified-host"]["eager_launches"]
+        assert counts["dense"]["kernels"] == counts["dense"]["segments"] == 0
+    md = (tmp_path / "launches_cpu.md").read_text()
+    assert "| case | method | aten ops | host reads | Triton | seg | eager |" in md
+    assert (tmp_path / "launches_cpu.png").stat().st_size > 0
+    assert max(map(len, result.output.splitlines())) <= 100
+
+
 def test_bench_decode_command_writes_report(tmp_path, monkeypatch):
     calls: list = []
     monkeypatch.setattr(bench, "progress", _recording_progress(calls))
