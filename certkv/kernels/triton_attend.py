@@ -32,24 +32,28 @@ from certkv.certify.arith import dot_chunk
 from certkv.kernels.reference import Attended, Scored
 from certkv.kernels.triton_score import (
     blocks_per_program,
+    carried_tail,
     channel_dot,
     entry,
     load_codes,
     load_group_queries,
 )
+from certkv.kernels.triton_sources import entries, launches
 
 
 @triton.jit
 def _attend_kernel(s_ptr, q_ptr, kslot_ptr, kstaged_ptr, gate_ptr, delta_ptr,
                    code_ptr, vs_ptr, vo_ptr, blk_ptr, slot_ptr, vslot_ptr, vstaged_ptr,
-                   k2_ptr, v2_ptr,
+                   k2_ptr, v2_ptr, tv_ptr,
                    mb_ptr, lb_ptr, sb_ptr, canary_ptr, m_ptr, l_ptr, acc_ptr,
                    s_sk, s_sg, s_sn, s_qk, s_qg, s_ck, s_cn, s_ct, s_vk, s_vn, s_vt, s_lk,
-                   s_kp, s_kt, s_pp, s_pt, s_2p, s_2t, s_bk, s_bg, s_mk, s_mg, s_ak, s_ag, s_as,
-                   n_entries, split_base, tail_blk, n_rows, scaling, eps_guard,
-                   G: tl.constexpr, BLOCK_G: tl.constexpr, B: tl.constexpr, D: tl.constexpr,
-                   DOT_C: tl.constexpr, GROUP: tl.constexpr, SPLIT: tl.constexpr,
-                   FP16: tl.constexpr, BITS: tl.constexpr, TAIL: tl.constexpr):
+                   s_kp, s_kt, s_pp, s_pt, s_2p, s_2t, s_tk, s_tt, s_bk, s_bg, s_mk, s_mg,
+                   s_ak, s_ag, s_as,
+                   n_entries, n_live, split_base, tail_blk, n_rows, tail_rows, scaling,
+                   eps_guard, G: tl.constexpr, BLOCK_G: tl.constexpr, B: tl.constexpr,
+                   D: tl.constexpr, DOT_C: tl.constexpr, GROUP: tl.constexpr,
+                   SPLIT: tl.constexpr, FP16: tl.constexpr, BITS: tl.constexpr,
+                   TAIL: tl.constexpr, WITH_TAIL: tl.constexpr):
     kv = tl.program_id(0)
     split = tl.program_id(1)
     g = tl.arange(0, BLOCK_G)
@@ -61,12 +65,15 @@ def _attend_kernel(s_ptr, q_ptr, kslot_ptr, kstaged_ptr, gate_ptr, delta_ptr,
     lsum = tl.zeros((BLOCK_G,), tl.float32)
     acc = tl.zeros((BLOCK_G, D), tl.float32)
     zero_bd = t[:, None] * 0 + c[None, :] * 0  # [B, D] int zeros: broadcast scalars to masks
-    rows = (t[:, None] + zero_bd) < n_rows  # [B, D]: filled token slots (tail_len or B)
     for i in range(SPLIT):
         e = split * SPLIT + i
         blk, slot = entry(blk_ptr, slot_ptr, e, n_entries, tail_blk, TAIL)
-        live = e < n_entries
-        live_g = gmask & ((g * 0 + e) < n_entries)
+        at_tail = carried_tail(e, n_entries, WITH_TAIL)
+        blk = tl.where(at_tail, tail_blk, blk)
+        # [B, D]: filled token slots (tail_len on the tail block, else B)
+        rows = (t[:, None] + zero_bd) < tl.where(at_tail, tail_rows, n_rows)
+        live = e < n_live
+        live_g = gmask & ((g * 0 + e) < n_live)
         row = kv * s_bk + g * s_bg + blk  # offset of (kv, g, blk) in the [Hkv, G, n] tensors
         s = tl.load(s_ptr + kv * s_sk + g[:, None] * s_sg + blk * s_sn + t[None, :],
                     mask=live_g[:, None] & (t[None, :] < B), other=float("-inf"))
@@ -90,7 +97,7 @@ def _attend_kernel(s_ptr, q_ptr, kslot_ptr, kstaged_ptr, gate_ptr, delta_ptr,
         vslot = tl.load(vslot_ptr + kv * s_lk + blk)
         staged = (zero_bd + vslot) >= 0  # FP16 values staged (value promotion)
         direct = (zero_bd + vslot) <= -2  # FP16 values read from Tier-2 in place
-        read = rows & ~staged & ~direct & ((zero_bd + e) < n_entries)  # codes or originals
+        read = rows & ~staged & ~direct & ((zero_bd + e) < n_live)  # codes or originals
         base = kv * s_ck + slot * s_cn
         if FP16:  # an exact block (or FP16 values): the originals in place
             v = tl.load(code_ptr + base + t[:, None] * s_ct + c[None, :], mask=read,
@@ -101,6 +108,9 @@ def _attend_kernel(s_ptr, q_ptr, kslot_ptr, kstaged_ptr, gate_ptr, delta_ptr,
             vs = tl.load(vs_ptr + grp, mask=read, other=0.0).to(tl.float32)
             vo = tl.load(vo_ptr + grp, mask=read, other=0.0).to(tl.float32)
             v = code * vs + vo
+        if at_tail:  # FP16 values from the store's tail buffer
+            v = tl.load(tv_ptr + kv * s_tk + t[:, None] * s_tt + c[None, :], mask=read,
+                        other=0.0).to(tl.float32)
         v16 = tl.load(vstaged_ptr + tl.maximum(vslot, 0).to(tl.int64) * s_pp + t[:, None] * s_pt
                       + c[None, :], mask=staged, other=0.0).to(tl.float32)
         v2 = tl.load(v2_ptr + tl.maximum(-2 - vslot, 0).to(tl.int64) * s_2p + t[:, None] * s_2t
@@ -199,7 +209,8 @@ def attend_blocks(scored: Scored, q: torch.Tensor, gate: torch.Tensor,
                   eps_guard: float, split: int | None = None,
                   tier2: tuple[torch.Tensor, torch.Tensor] | None = None) -> Attended:
     """Phase 2 over ``n`` blocks given as :class:`~certkv.kernels.triton_sources.BlockSource`
-    launches of value codes (one per precision, then the exact tail block), merged in one
+    launches of value codes (one per precision, the last carrying the exact tail block: see
+    :func:`~certkv.kernels.triton_sources.launches`), merged in one
     reduction.
 
     Args:
@@ -218,8 +229,8 @@ def attend_blocks(scored: Scored, q: torch.Tensor, gate: torch.Tensor,
     d = q.shape[-1]
     split = split or blocks_per_program(n, hkv, scores.device)
     bases = [0]
-    for src in sources:
-        bases.append(bases[-1] + triton.cdiv(src.count, split))
+    for src, tail in launches(sources):
+        bases.append(bases[-1] + triton.cdiv(entries(src, tail), split))
     dev = scores.device
     m_b = torch.empty(hkv, g, n, device=dev)
     l_b, l2_b = torch.empty_like(m_b), torch.empty_like(m_b)
@@ -234,16 +245,16 @@ def attend_blocks(scored: Scored, q: torch.Tensor, gate: torch.Tensor,
     shared = (scores, q.float().contiguous(), key_slot.contiguous(), key_data,
               gate, delta, value_slot.contiguous(), value_data, tier2,
               (m_b, l_b, l2_b, canary), (m, lsum, acc))
-    for src, base in zip(sources, bases, strict=False):
-        _launch_attend(src, base, shared, n, scaling, eps_guard, split)
+    for (src, tail), base in zip(launches(sources), bases, strict=False):
+        _launch_attend(src, tail, base, shared, n, scaling, eps_guard, split)
     att = reduce_splits(m_b, l_b, m, lsum, acc, l2_b)
     att.canary = canary
     return att
 
 
-def _launch_attend(src, base, shared, n, scaling, eps_guard, split) -> None:
-    """One Phase-2 launch over ``src``'s blocks: block statistics at their indices, split
-    states from split ``base`` on."""
+def _launch_attend(src, tail, base, shared, n, scaling, eps_guard, split) -> None:
+    """One Phase-2 launch over ``src``'s blocks (and the ``tail`` source it carries, or
+    None): block statistics at their indices, split states from split ``base`` on."""
     (scores, q, key_slot, key_data, gate, delta, value_slot, value_data, (k2, v2), blocks_out,
      state) = shared
     m_b, l_b, l2_b, canary = blocks_out
@@ -252,17 +263,21 @@ def _launch_attend(src, base, shared, n, scaling, eps_guard, split) -> None:
     d = q.shape[-1]
     lay = src.layout
     data, vscale, voffset, blocks, slots = src.pointers()
-    _attend_kernel[(hkv, triton.cdiv(src.count, split))](
+    tail_v = data if tail is None else tail.data  # [Hkv, 1, B, d] FP16 (never read if None)
+    live = entries(src, tail)
+    _attend_kernel[(hkv, triton.cdiv(live, split))](
         scores, q, key_slot, key_data, gate, delta,
-        data, vscale, voffset, blocks, slots, value_slot, value_data, k2, v2,
+        data, vscale, voffset, blocks, slots, value_slot, value_data, k2, v2, tail_v,
         m_b, l_b, l2_b, canary, m, lsum, acc,
         scores.stride(0), scores.stride(1), scores.stride(2), q.stride(0), q.stride(1),
         data.stride(0), data.stride(1), data.stride(2),
         vscale.stride(0), vscale.stride(1), vscale.stride(2), value_slot.stride(0),
         key_data.stride(0), key_data.stride(1), value_data.stride(0), value_data.stride(1),
-        k2.stride(0), k2.stride(1),
+        k2.stride(0), k2.stride(1), tail_v.stride(0), tail_v.stride(2),
         m_b.stride(0), m_b.stride(1), m.stride(0), m.stride(1),
         acc.stride(0), acc.stride(1), acc.stride(2),
-        src.count, base, n - 1, src.rows(bsz), float(scaling), float(eps_guard),
+        src.count, live, base, n - 1, src.rows(bsz), 0 if tail is None else tail.tail_len,
+        float(scaling), float(eps_guard),
         G=g, BLOCK_G=triton.next_power_of_2(g), B=bsz, D=d, DOT_C=dot_chunk(d),
-        GROUP=lay.group, SPLIT=split, FP16=lay.fp16, BITS=lay.bits, TAIL=src.is_tail)
+        GROUP=lay.group, SPLIT=split, FP16=lay.fp16, BITS=lay.bits, TAIL=src.is_tail,
+        WITH_TAIL=tail is not None)

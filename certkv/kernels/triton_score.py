@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from certkv.certify.arith import dot_chunk
+from certkv.kernels.triton_sources import entries, launches
 
 
 @triton.jit
@@ -78,13 +79,24 @@ def entry(blk_ptr, slot_ptr, e, n_entries, tail_blk, TAIL: tl.constexpr):
 
 
 @triton.jit
-def _score_kernel(q_ptr, code_ptr, scale_ptr, offset_ptr, blk_ptr, slot_ptr,
+def carried_tail(e, n_entries, WITH_TAIL: tl.constexpr):
+    """Whether entry ``e`` is the tail block a launch carries (entry ``n_entries``)."""
+    if WITH_TAIL:  # noqa: SIM108 (a compile-time branch of the kernel, not an expression)
+        at_tail = e == n_entries
+    else:
+        at_tail = e < 0  # never
+    return at_tail
+
+
+@triton.jit
+def _score_kernel(q_ptr, code_ptr, scale_ptr, offset_ptr, blk_ptr, slot_ptr, tk_ptr,
                   s_out, l_out, d_out, ls_out,
                   s_qk, s_qg, s_ck, s_cn, s_ct, s_sk, s_sn, s_ok, s_og, s_on, s_lk, s_lg,
-                  n_entries, tail_blk, n_rows, scaling, bound_a, bound_b,
-                  G: tl.constexpr, BLOCK_G: tl.constexpr, B: tl.constexpr, D: tl.constexpr,
-                  DOT_C: tl.constexpr, SPLIT: tl.constexpr, FP16: tl.constexpr,
-                  BITS: tl.constexpr, BIAS: tl.constexpr, TAIL: tl.constexpr):
+                  s_tk, s_tt, n_entries, n_live, tail_blk, n_rows, tail_rows, scaling, bound_a,
+                  bound_b, G: tl.constexpr, BLOCK_G: tl.constexpr, B: tl.constexpr,
+                  D: tl.constexpr, DOT_C: tl.constexpr, SPLIT: tl.constexpr, FP16: tl.constexpr,
+                  BITS: tl.constexpr, BIAS: tl.constexpr, TAIL: tl.constexpr,
+                  WITH_TAIL: tl.constexpr):
     kv = tl.program_id(0)
     g = tl.arange(0, BLOCK_G)
     t = tl.arange(0, B)
@@ -92,10 +104,12 @@ def _score_kernel(q_ptr, code_ptr, scale_ptr, offset_ptr, blk_ptr, slot_ptr,
     gmask = g < G
     q = load_group_queries(q_ptr, kv, s_qk, s_qg, G, BLOCK_G, D)
     q_abs = tl.abs(q)
-    rows = t < n_rows  # [B]: filled token slots (``tail_len`` on the tail block, else B)
     for i in range(SPLIT):
         e = tl.program_id(1) * SPLIT + i
         blk, slot = entry(blk_ptr, slot_ptr, e, n_entries, tail_blk, TAIL)
+        at_tail = carried_tail(e, n_entries, WITH_TAIL)
+        blk = tl.where(at_tail, tail_blk, blk)
+        rows = t < tl.where(at_tail, tail_rows, n_rows)  # [B]: filled token slots
         base = kv * s_ck + slot * s_cn
         if FP16:  # an exact block: the originals, Delta_b = 0
             k = tl.load(code_ptr + base + t[:, None] * s_ct + c[None, :], mask=rows[:, None],
@@ -108,9 +122,13 @@ def _score_kernel(q_ptr, code_ptr, scale_ptr, offset_ptr, blk_ptr, slot_ptr,
             k = (code - BIAS) * scale[None, :] + offset[None, :]  # eq. 3, in registers
             bound = tl.where(scale > 0, bound_a * scale + bound_b * tl.abs(offset), 0.0)  # r_c
             delta = tl.sum(q_abs * bound[None, :], axis=1) * scaling  # eq. 8
+        if at_tail:  # FP16 keys from the store's tail buffer, Delta_b = 0
+            k = tl.load(tk_ptr + kv * s_tk + t[:, None] * s_tt + c[None, :],
+                        mask=rows[:, None], other=0.0).to(tl.float32)
+            delta = tl.zeros((BLOCK_G,), tl.float32)
         s = channel_dot(q, k, BLOCK_G, B, D, DOT_C) * scaling  # [BLOCK_G, B]
         s = tl.where(rows[None, :], s, float("-inf"))  # empty tail slots
-        live_g = gmask & ((g * 0 + e) < n_entries)
+        live_g = gmask & ((g * 0 + e) < n_live)
         tl.store(s_out + kv * s_ok + g[:, None] * s_og + blk * s_on + t[None, :], s,
                  mask=live_g[:, None])
         m = tl.max(s, axis=1)
@@ -151,23 +169,28 @@ def score_blocks(q: torch.Tensor, sources: list, n: int, block_size: int, scalin
     delta = torch.empty_like(log_mass)
     log_spread = torch.empty_like(log_mass)
     split = split or blocks_per_program(n, hkv, q.device)
-    for src in sources:
-        _launch_scores(q, src, (s, log_mass, delta, log_spread), n, scaling, split)
+    for src, tail in launches(sources):
+        _launch_scores(q, src, tail, (s, log_mass, delta, log_spread), n, scaling, split)
     return s, log_mass, delta, log_spread
 
 
-def _launch_scores(q, src, out, n, scaling, split) -> None:
-    """One Phase-1 launch over ``src``'s blocks, writing into ``out`` at their indices."""
+def _launch_scores(q, src, tail, out, n, scaling, split) -> None:
+    """One Phase-1 launch over ``src``'s blocks (and the ``tail`` source it carries, or
+    None), writing into ``out`` at their indices."""
     s, log_mass, delta, log_spread = out
     hkv, group, d = q.shape
     lay = src.layout
     data, scale, offset, blocks, slots = src.pointers()
-    _score_kernel[(hkv, triton.cdiv(src.count, split))](
-        q, data, scale, offset, blocks, slots, s, log_mass, delta, log_spread,
+    tail_k = data if tail is None else tail.data  # [Hkv, 1, B, d] FP16 (never read if None)
+    live = entries(src, tail)
+    _score_kernel[(hkv, triton.cdiv(live, split))](
+        q, data, scale, offset, blocks, slots, tail_k, s, log_mass, delta, log_spread,
         q.stride(0), q.stride(1), data.stride(0), data.stride(1), data.stride(2),
         scale.stride(0), scale.stride(1),
         s.stride(0), s.stride(1), s.stride(2), log_mass.stride(0), log_mass.stride(1),
-        src.count, n - 1, src.rows(s.shape[3]), float(scaling),
+        tail_k.stride(0), tail_k.stride(2), src.count, live, n - 1, src.rows(s.shape[3]),
+        0 if tail is None else tail.tail_len, float(scaling),
         float(lay.bound[0]), float(lay.bound[1]),
         G=group, BLOCK_G=triton.next_power_of_2(group), B=s.shape[3], D=d, DOT_C=dot_chunk(d),
-        SPLIT=split, FP16=lay.fp16, BITS=lay.bits, BIAS=lay.bias, TAIL=src.is_tail)
+        SPLIT=split, FP16=lay.fp16, BITS=lay.bits, BIAS=lay.bias, TAIL=src.is_tail,
+        WITH_TAIL=tail is not None)

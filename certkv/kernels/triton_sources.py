@@ -1,10 +1,12 @@
 """What the Triton kernels read: the blocks of one precision at a time.
 
 A mixed-precision Tier-1 (:class:`~certkv.cache.blocks.BlockTable`) keeps one buffer per
-precision. Each phase launches its kernel once per precision holding blocks (and once for the
-exact FP16 tail block); every launch walks that precision's blocks through an index list
-(block index, slot in the buffer) and writes its results at the global block indices, so the
-outputs are exactly those of one pass over all blocks in block order.
+precision. Each phase launches its kernel once per precision holding blocks; every launch walks
+that precision's blocks through an index list (block index, slot in the buffer) and writes its
+results at the global block indices, so the outputs are exactly those of one pass over all
+blocks in block order. The exact FP16 tail block is one more entry of the last launch (read
+from the store's tail buffer, :func:`launches`), or a launch of its own without completed
+blocks.
 
 A launch reads one :class:`CodeLayout`:
 
@@ -153,6 +155,20 @@ def block_sources(store, which: str) -> list[BlockSource] | None:
         sources.append(BlockSource(CodeLayout(fp16=True), tail.unsqueeze(1), None, None, None,
                                    None, 1, store.tail_len))
     return sources
+
+
+def launches(sources: list[BlockSource]) -> list[tuple[BlockSource, BlockSource | None]]:
+    """``(source, tail)`` per kernel launch: the exact tail block rides along with the last
+    precision's launch as one more entry (one launch fewer per phase), and gets a launch of its
+    own only when no block is completed."""
+    if len(sources) > 1 and sources[-1].is_tail:
+        return [(src, None) for src in sources[:-2]] + [(sources[-2], sources[-1])]
+    return [(src, None) for src in sources]
+
+
+def entries(src: BlockSource, tail: BlockSource | None) -> int:
+    """Entries one launch walks: its blocks, and the tail block it carries."""
+    return src.count + (tail is not None)
 
 
 def _summary_codes(codes, block_size: int) -> dict:
