@@ -224,7 +224,8 @@ def bench_attention(
 @bench_app.command("launches")
 def bench_launches(
     context: Annotated[list[int] | None, typer.Option(
-        help="context lengths (default: 256 and 1024 on CPU, 4K and 32K on GPU)")] = None,
+        help="context lengths (default: 250 and 1000 on CPU, 4104 and 32776 on GPU: a partial "
+             "tail block, as in most decode steps)")] = None,
     device: str = "auto",
     out: Annotated[Path | None, typer.Option(
         help="write into this directory (e.g. reports/bench) instead of a new "
@@ -247,7 +248,7 @@ def bench_launches(
         os.environ["TRITON_INTERPRET"] = "1"
     from certkv import bench
 
-    contexts = context or ([4096, 32768] if dev.type == "cuda" else [256, 1024])
+    contexts = context or ([4104, 32776] if dev.type == "cuda" else [250, 1000])
     cases = [bench.AttentionCase(n, d, h, g) for n in contexts for d, h, g in
              ((128, 8, 4), (64, 3, 3))]
     report = bench.BenchReport(f"launches_{dev.type}", _command(), out, force)
