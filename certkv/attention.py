@@ -705,8 +705,8 @@ class CertifiedAttention:
     def _page_in_on_device(self, scratch, lay, plan):
         """:meth:`_page_in` without a host read: slot maps built on the device in one segment
         (:func:`~certkv.cache.device_scratch.slot_maps`), through the scratch cache's device
-        bookkeeping (misses copied from Tier-2 by one kernel per kind, blocks without a free
-        slot read by Phase 2 from Tier-2 in place) or, without a scratch cache, every wanted
+        bookkeeping (misses of keys and values copied from Tier-2 by one kernel, blocks without
+        a free slot read by Phase 2 from Tier-2 in place) or, without a scratch cache, every wanted
         block read from Tier-2 in place. Counts stay on the device (0-d)."""
         store, nc = lay.store, lay.num_completed
         if nc == 0:
@@ -716,11 +716,17 @@ class CertifiedAttention:
         tables = [None if lru is None else lru.tables(store) for lru in lrus]
         maps, promotions, *steps = self._segment("_slot_maps", store.device)(
             plan, nc, width, *tables)
-        pools = []
-        for lru, step, tier2 in zip(lrus, steps, (k2, v2), strict=True):
-            if lru is not None:
-                lru.update(*step, tier2)
-            pools.append(self._no_pool(store) if lru is None else lru.pool)
+        if scratch is None:
+            pools = [self._no_pool(store)] * 2
+        else:  # keep the tables, fill both pools' new slots in one launch
+            from certkv.kernels.triton_pagein import fill_slots
+
+            fills = []
+            for lru, (tables, need, src), tier2 in zip(lrus, steps, (k2, v2), strict=True):
+                lru.update(tables)
+                fills.append((need, src, tier2, lru.pool))
+            fill_slots(fills)
+            pools = [lru.pool for lru in lrus]
         return (SlotMap(maps[0], pools[0]), SlotMap(maps[1], pools[1]),
                 _paged_evicted(store, plan), promotions)
 

@@ -51,6 +51,25 @@ def test_device_lru_serves_every_block_and_counts_like_the_host_lru(seed, capaci
         store.append(k[:, start:start + 16], v[:, start:start + 16])
 
 
+def test_one_launch_fills_key_and_value_pools_of_different_sizes():
+    """The fill kernel copies exactly the marked slots of both pools (3 and 7 slots), each from
+    its own Tier-2 rows, and leaves every other slot as it was."""
+    from certkv.kernels.triton_pagein import fill_slots
+
+    gen = torch.Generator().manual_seed(5)
+    tier2 = [torch.randn(12, 8, 16, generator=gen).half() for _ in range(2)]
+    pools = [torch.zeros(3, 8, 16, dtype=torch.float16), torch.zeros(7, 8, 16,
+                                                                     dtype=torch.float16)]
+    needs = [torch.tensor([1, 0, 1], dtype=torch.int8),
+             torch.tensor([0, 1, 1, 0, 0, 1, 1], dtype=torch.int8)]
+    srcs = [torch.randint(0, 12, (3,), generator=gen), torch.randint(0, 12, (7,), generator=gen)]
+    fill_slots(list(zip(needs, srcs, tier2, pools, strict=True)))
+    for need, src, rows, pool in zip(needs, srcs, tier2, pools, strict=True):
+        for s, marked in enumerate(need.tolist()):
+            expected = rows[src[s]] if marked else torch.zeros(8, 16, dtype=torch.float16)
+            assert torch.equal(pool[s], expected)
+
+
 @pytest.mark.parametrize("backend", ["triton", "torch"])  # device and host bookkeeping
 def test_tables_made_under_inference_mode_serve_steps_outside_it(backend):
     """A decode under ``torch.inference_mode`` (as ``certkv run``) then a plain call: neither

@@ -74,14 +74,10 @@ class DeviceLRU:
         self._ensure(store)
         return LRUTables(self.stamp, self.owner, self.slot_of, self.clock, self.tally)
 
-    def update(self, tables: LRUTables, need: torch.Tensor, src: torch.Tensor,
-               tier2: torch.Tensor) -> None:
-        """Keep a step's updated ``tables`` and fill the slots it took from Tier-2 (``need``,
-        ``src``: :func:`lru_step`'s; one launch)."""
-        from certkv.kernels.triton_pagein import fill_slots
-
+    def update(self, tables: LRUTables) -> None:
+        """Keep a step's updated ``tables`` (fill the slots it took with
+        :func:`~certkv.kernels.triton_pagein.fill_slots`)."""
         self.stamp, self.owner, self.slot_of, self.clock, self.tally = tables
-        fill_slots(need, src, tier2, self.pool)
 
     def slots(self, store, want: torch.Tensor, rows: torch.Tensor, tier2: torch.Tensor
               ) -> torch.Tensor:
@@ -96,8 +92,11 @@ class DeviceLRU:
         of :class:`~certkv.CertifiedAttention` does the same for keys and values in one
         segment, :func:`slot_maps`.)
         """
+        from certkv.kernels.triton_pagein import fill_slots
+
         tables, need, src, slot = lru_step(self.tables(store), want, rows)
-        self.update(tables, need, src, tier2)
+        self.update(tables)
+        fill_slots([(need, src, tier2, self.pool)])
         return slot
 
     def counts(self) -> tuple[int, int, int]:

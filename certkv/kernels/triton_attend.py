@@ -78,6 +78,7 @@ def _attend_kernel(s_ptr, q_ptr, kslot_ptr, kstaged_ptr, gate_ptr, delta_ptr,
         s = tl.load(s_ptr + kv * s_sk + g[:, None] * s_sg + blk * s_sn + t[None, :],
                     mask=live_g[:, None] & (t[None, :] < B), other=float("-inf"))
         kslot = tl.load(kslot_ptr + kv * s_lk + blk)
+        violated = tl.zeros((BLOCK_G,), tl.int8)  # the canary of every block, written below
         if live & (kslot != -1):  # FP16 keys for this block: gated logits + canary
             if kslot >= 0:  # staged in the pool
                 k16 = tl.load(kstaged_ptr + kslot.to(tl.int64) * s_kp + t[:, None] * s_kt
@@ -92,8 +93,9 @@ def _attend_kernel(s_ptr, q_ptr, kslot_ptr, kstaged_ptr, gate_ptr, delta_ptr,
             gap = tl.where(finite, tl.abs(s16 - s), 0.0)
             slack = eps_guard + 1e-5 * tl.where(finite, tl.abs(s16), 0.0)
             bad = on[:, None] & (gap > delta[:, None] + slack)
-            tl.store(canary_ptr + row, tl.max(bad.to(tl.int8), axis=1), mask=live_g)
+            violated = tl.max(bad.to(tl.int8), axis=1)
             s = tl.where(on[:, None], s16, s)
+        tl.store(canary_ptr + row, violated, mask=live_g)
         vslot = tl.load(vslot_ptr + kv * s_lk + blk)
         staged = (zero_bd + vslot) >= 0  # FP16 values staged (value promotion)
         direct = (zero_bd + vslot) <= -2  # FP16 values read from Tier-2 in place
@@ -234,7 +236,7 @@ def attend_blocks(scored: Scored, q: torch.Tensor, gate: torch.Tensor,
     dev = scores.device
     m_b = torch.empty(hkv, g, n, device=dev)
     l_b, l2_b = torch.empty_like(m_b), torch.empty_like(m_b)
-    canary = torch.zeros(hkv, g, n, dtype=torch.bool, device=dev)  # written on gated blocks
+    canary = torch.empty(hkv, g, n, dtype=torch.bool, device=dev)  # every block written
     m = torch.empty(hkv, g, bases[-1], device=dev)
     lsum = torch.empty_like(m)
     acc = torch.empty(hkv, g, bases[-1], d, device=dev)
