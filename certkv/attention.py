@@ -56,7 +56,7 @@ from certkv.certify.values import LocalThreshold
 from certkv.errors import ConfigError, EmptyStoreError, NonFiniteError, ShapeError, require
 from certkv.kernels.dispatch import get_backend
 from certkv.kernels.layout import SlotMap, StagedBlocks, StepLayout
-from certkv.kernels.reference import dense_rounding, without_blocks
+from certkv.kernels.reference import CheckInputs, dense_rounding, without_blocks
 from certkv.timing import NULL_TIMER, PhaseTimer
 
 MODES = ("certified", "naive", "dense")
@@ -371,15 +371,17 @@ class CertifiedAttention:
         with timer.phase("page_in"):
             keys, values, paged, promotions = (
                 pager(lay, plan) if certified else (None, None, 0, 0))
+        l8, lad = scored.log_mass.reshape(hq, -1), self.ladder
+        checks = CheckInputs(l8, delta_b, promoted, lay.quantized, lad.r) \
+            if certified and (lad.ranking_check or lad.boundary_check) else None
         with timer.phase("phase2"):
             att = self.backend.phase2(qg, scored, lay, promoted.reshape(hkv, group, -1), keys,
-                                      values, scaling, self.ladder.eps_guard)
+                                      values, scaling, lad.eps_guard, checks)
 
-        # Ranking and boundary checks (eq. 17-18): one small backend call.
-        l8, l16 = scored.log_mass.reshape(hq, -1), att.log_mass.reshape(hq, -1)
+        # Ranking and boundary checks (eq. 17-18): Phase 2's epilogue, or one small call.
+        l16 = att.log_mass.reshape(hq, -1)
         with timer.phase("checks"):
-            ranking, boundary = self._rank_checks(l8, l16, delta_b, promoted, lay.quantized,
-                                                  certified)
+            ranking, boundary = self._rank_checks(checks, l16, att, certified)
 
         # Certificate (eq. 15, Cor. 4.2), canary and rungs 3-4 (flags read by the caller).
         with timer.phase("certificate"):
@@ -575,16 +577,20 @@ class CertifiedAttention:
         bad = torch.stack([~(q.abs().amax() < math.inf), kv_bad])
         return canary, rung, torch.cat([rung >= 3, bad])
 
-    def _rank_checks(self, l8, l16, delta_b, promoted, quantized, certified):
-        """Ranking (eq. 17) and boundary (eq. 18) flags ``[Hq]`` from the backend (a Triton
-        kernel on GPU); all True where disabled or not certified."""
+    def _rank_checks(self, checks: CheckInputs | None, l16, att, certified):
+        """Ranking (eq. 17) and boundary (eq. 18) flags ``[Hq]``: from Phase 2's epilogue
+        where the backend ran them there, else one backend call; all True where disabled or
+        not certified."""
         lad = self.ladder
         wanted = (certified and lad.ranking_check, certified and lad.boundary_check)
-        flags = self.backend.checks(l8, l16, delta_b, promoted, quantized, lad.r) \
-            if any(wanted) else (None, None)
+        flags = (None, None)
+        if checks is not None:
+            flags = (att.ranking, att.boundary) if att.ranking is not None \
+                else self.backend.checks(checks.l_int8, l16, checks.delta_b, checks.promoted,
+                                         checks.quantized, checks.r)
         if all(wanted):
             return flags
-        true = torch.ones(l8.shape[0], dtype=torch.bool, device=l8.device)
+        true = torch.ones(l16.shape[0], dtype=torch.bool, device=l16.device)
         return tuple(f if on else true for f, on in zip(flags, wanted, strict=True))
 
     def _select(self, log_p, quantized, exact, n_q, delta_b, delta, delta_chan, v_max, v_rad,

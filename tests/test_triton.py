@@ -251,6 +251,33 @@ def test_checks_kernel_matches_the_reference(r, n):
     assert ref[0].any() and ref[1].any()
 
 
+@pytest.mark.parametrize("r", [1, 3])
+@pytest.mark.parametrize("n", [1, 40])
+def test_phase2_merge_runs_the_checks_in_its_epilogue(r, n):
+    """The checks in the merge's epilogue (reading back the log-masses it wrote, ``m_b + log
+    l_b``; ``l_b = 1`` makes them the test's FP16 log-masses) equal the reference's."""
+    from certkv.kernels.reference import CheckInputs
+    from certkv.kernels.triton_attend import reduce_splits
+
+    gen = torch.Generator().manual_seed(7 * r + n)
+    hkv, g = 4, 6
+    l8 = torch.randn(hkv * g, n, generator=gen).round(decimals=1)
+    l16 = l8 + 0.05 * torch.randn(hkv * g, n, generator=gen).round(decimals=1)
+    l16[::5] = l8[::5]
+    delta = 0.2 * torch.rand(hkv * g, n, generator=gen)
+    promoted = torch.rand(hkv * g, n, generator=gen) < 0.4
+    promoted[::3] = True
+    quantized = torch.ones(n, dtype=torch.bool)
+    quantized[-1] = n == 1
+    m = l16.amax(dim=-1).reshape(hkv, g, 1)
+    att = reduce_splits(l16.reshape(hkv, g, n), torch.ones(hkv, g, n), m,
+                        torch.ones(hkv, g, 1), torch.zeros(hkv, g, 1, 8),
+                        checks=CheckInputs(l8, delta, promoted, quantized, r))
+    assert torch.equal(att.log_mass.reshape(hkv * g, n), l16)
+    ref = TorchBackend().checks(l8, l16, delta, promoted, quantized, r)
+    assert torch.equal(att.ranking, ref[0]) and torch.equal(att.boundary, ref[1])
+
+
 @contextmanager
 def kernel_launches():
     """``{"phase1": n, "phase2": n}``: how often the Triton backend launched its Phase 1 / Phase 2

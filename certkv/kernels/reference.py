@@ -97,6 +97,18 @@ class Scored:
     state: BlockSoftmax | None = None
 
 
+class CheckInputs(NamedTuple):
+    """What the ranking and boundary checks (eq. 17-18) read besides Phase 2's log-masses:
+    Phase 1's ``l_int8``, the tightened ``delta_b`` and ``promoted`` (``[Hq, n]``), the
+    ``quantized [n]`` blocks and ``r``. A backend may run them in Phase 2's epilogue."""
+
+    l_int8: torch.Tensor
+    delta_b: torch.Tensor
+    promoted: torch.Tensor
+    quantized: torch.Tensor
+    r: int
+
+
 def without_blocks(scored: Scored, dropped: torch.Tensor) -> Scored:
     """``scored`` with the ``dropped [n]`` blocks left out of attention: logits, log-masses
     and log-spreads ``-inf``, ``Delta_b`` 0 (naive eviction, :mod:`certkv.certify.dropped`)."""
@@ -122,6 +134,8 @@ class Attended:
     log_mass: torch.Tensor
     canary: torch.Tensor | None = None
     spread: torch.Tensor | None = None
+    ranking: torch.Tensor | None = None  # [Hq] eq. 17, where Phase 2 checked it
+    boundary: torch.Tensor | None = None  # [Hq] eq. 18, likewise
 
 
 def phase1(q: torch.Tensor, lay, scaling: float, scalar: torch.dtype = torch.float32) -> Scored:
@@ -295,12 +309,15 @@ class TorchBackend:
     def phase1(self, q, lay, scaling) -> Scored:
         return phase1(q, lay, scaling, self.scalar)
 
-    def phase2(self, q, scored, lay, gate, keys, values, scaling, eps_guard) -> Attended:
+    def phase2(self, q, scored, lay, gate, keys, values, scaling, eps_guard,
+               checks: CheckInputs | None = None) -> Attended:
         """Phase 2 over decoded values. Where blocks are gated to FP16 keys (``keys`` not
         None), the FP16-key logits of every block come from one product with the original
         keys (read in place: the CPU mirror keeps them in FP32) and replace Phase 1's where
         ``gate`` is set; the blocks' softmax state is then recomputed, else Phase 1's is
-        reused. Staged FP16 values (value promotion) replace their blocks' products."""
+        reused. Staged FP16 values (value promotion) replace their blocks' products. The
+        checks are left to :meth:`checks` (``checks`` is not read: the reference times them
+        as a phase of their own)."""
         scalar, s8 = self.scalar, scored.scores
         violated = torch.zeros_like(gate)
         if keys is None:

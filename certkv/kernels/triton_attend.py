@@ -29,7 +29,8 @@ import triton
 import triton.language as tl
 
 from certkv.certify.arith import dot_chunk
-from certkv.kernels.reference import Attended, Scored
+from certkv.kernels.reference import Attended, CheckInputs, Scored
+from certkv.kernels.triton_checks import check_head
 from certkv.kernels.triton_score import (
     blocks_per_program,
     carried_tail,
@@ -143,11 +144,13 @@ def _attend_kernel(s_ptr, q_ptr, kslot_ptr, kstaged_ptr, gate_ptr, delta_ptr,
 
 @triton.jit
 def _reduce_kernel(mb_ptr, lb_ptr, sb_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, rho_ptr, lm_ptr,
-                   sp_ptr,
+                   sp_ptr, l8_ptr, dt_ptr, prom_ptr, quant_ptr, rank_ptr, bound_ptr,
                    n_blocks, n_splits, s_h, s_mh, s_ah, s_as, s_oh,
-                   D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One program per query head merges its splits and writes its block masses and
-    spreads."""
+                   D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
+                   R: tl.constexpr, CHECKS: tl.constexpr):
+    """One program per query head merges its splits and writes its block masses, log-masses
+    and spreads; with ``CHECKS``, then the ranking and boundary checks over those log-masses
+    (:func:`~certkv.kernels.triton_checks.check_head`)."""
     h = tl.program_id(0)
     c = tl.arange(0, D)
     top = float("-inf")
@@ -177,12 +180,18 @@ def _reduce_kernel(mb_ptr, lb_ptr, sb_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, rho_p
         tl.store(rho_ptr + h * s_h + b, scale * lb / total, mask=live)
         tl.store(sp_ptr + h * s_h + b, scale * tl.sqrt_rn(sb) / total, mask=live)
         tl.store(lm_ptr + h * s_h + b, mb + tl.log(lb), mask=live)
+    if CHECKS:  # the epilogue reads back the log-masses this program just wrote
+        tl.debug_barrier()
+        check_head(l8_ptr, lm_ptr, dt_ptr, prom_ptr, quant_ptr, rank_ptr, bound_ptr, h,
+                   n_blocks, s_h, R, BLOCK_N)
 
 
-def reduce_splits(m_b, l_b, m, lsum, acc, l2_b=None) -> Attended:
+def reduce_splits(m_b, l_b, m, lsum, acc, l2_b=None, checks: CheckInputs | None = None
+                  ) -> Attended:
     """Merge per-split online-softmax states by log-sum-exp (one kernel); block masses
     ``rho_b = e^{m_b - top} l_b / total``, log-masses ``m_b + log l_b`` and spreads
-    ``||p_b||_2 = e^{m_b - top} sqrt(l2_b) / total``.
+    ``||p_b||_2 = e^{m_b - top} sqrt(l2_b) / total``; given ``checks``, the ranking and
+    boundary flags (eq. 17-18) in the same launch.
 
     Shapes: ``m_b, l_b, l2_b [Hkv, G, n]`` (``l2_b`` None: spreads of one-token blocks);
     ``m, lsum [Hkv, G, S]``; ``acc [Hkv, G, S, d]``; FP32.
@@ -196,20 +205,33 @@ def reduce_splits(m_b, l_b, m, lsum, acc, l2_b=None) -> Attended:
                                                                                       d)
     out = torch.empty(hq, d, device=m.device)
     rho, log_mass, spread = (torch.empty_like(m_b) for _ in range(3))
-    _reduce_kernel[(hq,)](m_b, l_b, l2_b, m, lsum, acc, out, rho, log_mass, spread, n, n_splits,
+    flags = torch.empty(2, hq, dtype=torch.bool, device=m.device)
+    if checks is None:  # valid pointers the kernel never reads
+        inputs, r = (m_b, m_b, flags, flags), 1
+    else:
+        inputs = tuple(x.contiguous() for x in (checks.l_int8.float(), checks.delta_b.float(),
+                                                checks.promoted, checks.quantized))
+        assert all(x.stride(0) == m_b.stride(0) for x in inputs[:3])
+        r = checks.r
+    _reduce_kernel[(hq,)](m_b, l_b, l2_b, m, lsum, acc, out, rho, log_mass, spread,
+                          *inputs, flags[0], flags[1], n, n_splits,
                           m_b.stride(0), m.stride(0), acc.stride(0), acc.stride(1),
                           out.stride(0), D=d,
                           BLOCK_S=min(64, triton.next_power_of_2(n_splits)),
-                          BLOCK_N=min(1024, triton.next_power_of_2(n)))
+                          BLOCK_N=min(1024, triton.next_power_of_2(n)), R=r,
+                          CHECKS=checks is not None)
     return Attended(out=out.reshape(hkv, g, d), rho=rho.reshape(hkv, g, n),
-                    log_mass=log_mass.reshape(hkv, g, n), spread=spread.reshape(hkv, g, n))
+                    log_mass=log_mass.reshape(hkv, g, n), spread=spread.reshape(hkv, g, n),
+                    ranking=None if checks is None else flags[0],
+                    boundary=None if checks is None else flags[1])
 
 
 def attend_blocks(scored: Scored, q: torch.Tensor, gate: torch.Tensor,
                   key_slot: torch.Tensor, key_data: torch.Tensor, sources: list,
                   value_slot: torch.Tensor, value_data: torch.Tensor, scaling: float,
                   eps_guard: float, split: int | None = None,
-                  tier2: tuple[torch.Tensor, torch.Tensor] | None = None) -> Attended:
+                  tier2: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  checks: CheckInputs | None = None) -> Attended:
     """Phase 2 over ``n`` blocks given as :class:`~certkv.kernels.triton_sources.BlockSource`
     launches of value codes (one per precision, the last carrying the exact tail block: see
     :func:`~certkv.kernels.triton_sources.launches`), merged in one
@@ -223,8 +245,9 @@ def attend_blocks(scored: Scored, q: torch.Tensor, gate: torch.Tensor,
             ``tier2``).
         tier2: the FP16 originals ``(k, v)`` as ``[R, B, d]`` row views (strides only: Tier-2
             is read in place, pinned host memory on CUDA), or None where no slot is ``<= -2``.
+        checks: the ranking and boundary checks' inputs, run in the merge's epilogue, or None.
     Returns:
-        :class:`Attended` with the canary violations of the gated blocks.
+        :class:`Attended` with the canary violations of the gated blocks (and the checks).
     """
     scores = scored.scores.contiguous()
     hkv, g, n, _ = scores.shape
@@ -249,7 +272,7 @@ def attend_blocks(scored: Scored, q: torch.Tensor, gate: torch.Tensor,
               (m_b, l_b, l2_b, canary), (m, lsum, acc))
     for (src, tail), base in zip(launches(sources), bases, strict=False):
         _launch_attend(src, tail, base, shared, n, scaling, eps_guard, split)
-    att = reduce_splits(m_b, l_b, m, lsum, acc, l2_b)
+    att = reduce_splits(m_b, l_b, m, lsum, acc, l2_b, checks)
     att.canary = canary
     return att
 

@@ -21,7 +21,13 @@ import torch
 from certkv.certify.arith import Rounding, dot_depth
 from certkv.errors import ConfigError, require
 from certkv.kernels.layout import SlotMap, StagedBlocks, StepLayout
-from certkv.kernels.reference import Attended, Scored, TorchBackend, dense_attention
+from certkv.kernels.reference import (
+    Attended,
+    CheckInputs,
+    Scored,
+    TorchBackend,
+    dense_attention,
+)
 
 _NOTICED: set = set()  # (phase inputs, quantizer) already noticed as not covered
 
@@ -80,14 +86,15 @@ class TritonBackend:
         return Scored(scores=s, log_mass=log_mass, delta_b=delta, log_spread=log_spread)
 
     def phase2(self, q, scored: Scored, lay: StepLayout, gate, keys, values, scaling,
-               eps_guard) -> Attended:
-        """Phase 2, one split-KV kernel per precision (and one for the tail block) and one
-        merge: gated FP16-key logits (and the canary) on staged key blocks, value codes
+               eps_guard, checks: CheckInputs | None = None) -> Attended:
+        """Phase 2, one split-KV kernel per precision (the last carrying the tail block) and
+        one merge: gated FP16-key logits (and the canary) on staged key blocks, value codes
         unpacked in registers, staged FP16 values (value promotion) and exact blocks read in
-        place."""
+        place; the ranking and boundary checks (``checks``) in the merge's epilogue."""
         sources = self._sources(lay, "value")
         if sources is None:
-            return self.reference.phase2(q, scored, lay, gate, keys, values, scaling, eps_guard)
+            return self.reference.phase2(q, scored, lay, gate, keys, values, scaling, eps_guard,
+                                         checks)
         from certkv.kernels.triton_attend import attend_blocks
 
         shape = (lay.store.num_kv_heads, lay.num_blocks)
@@ -97,7 +104,7 @@ class TritonBackend:
         if isinstance(keys, SlotMap) or isinstance(values, SlotMap):
             tier2 = lay.store.original_rows()[:2] if lay.num_completed else None
         return attend_blocks(scored, q, gate, key_slot, key_data, sources, value_slot,
-                             value_data, scaling, eps_guard, self.split, tier2)
+                             value_data, scaling, eps_guard, self.split, tier2, checks)
 
     def pages_in_on_device(self, lay: StepLayout) -> bool:
         """Whether Phase 2 runs the kernels for this store (so that it can read slot maps the

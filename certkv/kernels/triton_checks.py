@@ -1,4 +1,5 @@
-"""Triton ranking and boundary checks (paper eq. 17-18): one tiny kernel after Phase 2.
+"""Triton ranking and boundary checks (paper eq. 17-18): the epilogue of Phase 2's merge
+(:func:`check_head`, per query head), or one tiny kernel after Phase 2.
 
 One program per query head walks its ``n`` block log-masses in chunks of ``BLOCK_N``. The
 ``j``-th ranked promoted block (value descending, index ascending on ties, as the reference's
@@ -39,7 +40,15 @@ def _next_ranked(l_ptr, prom_ptr, row, n, prev_v, prev_i, BLOCK_N: tl.constexpr)
 @triton.jit
 def _checks_kernel(l8_ptr, l16_ptr, delta_ptr, prom_ptr, quant_ptr, rank_ptr, bound_ptr,
                    n, s_h, R: tl.constexpr, BLOCK_N: tl.constexpr):
-    h = tl.program_id(0)
+    check_head(l8_ptr, l16_ptr, delta_ptr, prom_ptr, quant_ptr, rank_ptr, bound_ptr,
+               tl.program_id(0), n, s_h, R, BLOCK_N)
+
+
+@triton.jit
+def check_head(l8_ptr, l16_ptr, delta_ptr, prom_ptr, quant_ptr, rank_ptr, bound_ptr, h, n,
+               s_h, R: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Eq. 17 and 18 of query head ``h`` (row ``h * s_h`` of the ``[Hq, n]`` inputs); also
+    the epilogue of Phase 2's merge (:mod:`certkv.kernels.triton_attend`)."""
     row = h * s_h
     upper = float("-inf")  # max over INT8 tail blocks of l8 + Delta_b (eq. 18)
     for start in range(0, n, BLOCK_N):
