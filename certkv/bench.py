@@ -211,24 +211,8 @@ def bench_attention_case(case: AttentionCase, device: torch.device, repeats: int
     Whole-step times are taken without the phase timer (its per-phase synchronisation would
     inflate them); the phase breakdown (``phases_ms``: medians) comes from separate runs.
     """
-    store, q, k16, v16 = case.build(device)
-    scaling = case.head_dim ** -0.5
-    # the baseline: dense decode straight from a resident cache in the device's compute dtype
-    # (FP16 on GPU; FP32 on CPU, which has no fast FP16 math), converted once, outside timing
-    dtype = torch.float16 if device.type == "cuda" else torch.float32
-    qd, kd, vd = q.to(dtype), k16.to(dtype), v16.to(dtype)
-    naive = CertifiedAttention(mode="naive", compile=compile, backend=backend)
-    certified = CertifiedAttention(compile=compile, backend=backend)
-    scratch = ScratchCache()
-    steps = {"dense": lambda: dense_attention(qd, kd, vd, scaling),
-             "naive": lambda: naive(q, store),
-             "certified": lambda: certified(q, store, scratch=scratch)}
-    methods = {"dense": None, "naive": naive, "certified": certified}
-    if hasattr(certified.backend, "dense_flagged"):
-        host = CertifiedAttention(compile=compile, backend=backend, device_fallback=False)
-        host_scratch = ScratchCache()
-        steps["certified-host"] = lambda: host(q, store, scratch=host_scratch)
-        methods["certified-host"] = host
+    store, steps, methods = layer_steps(case, device, compile, backend)
+    certified = methods["certified"]
     ms_stats = {}
     for method, step in steps.items():
         update(f"{case.short_label}: {method}")
@@ -237,50 +221,65 @@ def bench_attention_case(case: AttentionCase, device: torch.device, repeats: int
     phase_ms = phase_stats(steps["certified"], certified)
     _, cert = steps["certified"]()
     dispatch = {m: count_step(steps[m], a) for m, a in methods.items()}
-    return {**_attention_record(case, store, cert, ms_stats, phase_ms, str(dtype)),
-            "dispatch": dispatch}
+    return {**_attention_record(case, store, cert, ms_stats, phase_ms,
+                                str(_dense_dtype(device))), "dispatch": dispatch}
+
+
+def layer_steps(case: AttentionCase, device: torch.device, compile: bool | str | None,
+                backend: str) -> tuple[TieredKVStore, dict, dict]:
+    """``(store, steps, methods)`` of one case: a callable step per method and its
+    :class:`CertifiedAttention` (None for dense). ``dense`` decodes straight from a resident
+    cache in the device's compute dtype (:func:`_dense_dtype`), converted once here;
+    ``certified`` uses a scratch cache; where the backend keeps the step on the device
+    (Triton), ``certified-host`` is the same step with its page-in plan and fallback flags
+    read on the host (``device_fallback=False``)."""
+    store, q, k16, v16 = case.build(device)
+    scaling = case.head_dim ** -0.5
+    dtype = _dense_dtype(device)
+    qd, kd, vd = q.to(dtype), k16.to(dtype), v16.to(dtype)
+    naive = CertifiedAttention(mode="naive", compile=compile, backend=backend)
+    certified = CertifiedAttention(compile=compile, backend=backend)
+    steps = {"dense": partial(dense_attention, qd, kd, vd, scaling),
+             "naive": partial(naive, q, store),
+             "certified": partial(certified, q, store, scratch=ScratchCache())}
+    methods = {"dense": None, "naive": naive, "certified": certified}
+    if hasattr(certified.backend, "dense_flagged"):
+        host = CertifiedAttention(compile=compile, backend=backend, device_fallback=False)
+        steps["certified-host"] = partial(host, q, store, scratch=ScratchCache())
+        methods["certified-host"] = host
+    return store, steps, methods
+
+
+def _dense_dtype(device: torch.device) -> torch.dtype:
+    """The dense baseline's compute dtype: FP16 on GPU, FP32 on CPU (no fast FP16 math)."""
+    return torch.float16 if device.type == "cuda" else torch.float32
 
 
 LAUNCH_METHODS = ("dense", "naive", "certified", "certified-host")
+LAUNCH_NOTES = [
+    "Triton: kernel launches. seg: calls of the step's pure tensor segments (selection, page-in "
+    "bookkeeping, certificate), each one compiled graph on CUDA (several kernels). eager: aten "
+    "operators outside both that compute or copy (a launch each on CUDA; views and allocations "
+    "are not counted). Issue 24's target: at most 10 launches per certified layer step on "
+    "CUDA. dense: SDPA on the FP16 cache on CUDA, the overflow-proof FP32 reference on CPU."]
 
 
 def bench_launches_case(case: AttentionCase, device: torch.device,
                         compile: bool | str | None = None, update: Update = _quiet) -> dict:
-    """What one layer step of the Triton path dispatches, per method, without timing it (on
-    CPU the kernels run under ``TRITON_INTERPRET=1``): Triton launches, segment calls, eager
-    launching operators, host reads, aten operators and, on CUDA, the launches the profiler
-    records (:class:`~certkv.opcount.StepCounter`). ``certified`` keeps the step on the device
-    (scratch cache, fallback flags); ``certified-host`` reads its page-in plan and flags on
-    the host (``device_fallback=False``); ``dense`` is SDPA on the FP16 cache."""
-    store, q, k16, v16 = case.build(device)
-    dtype = torch.float16 if device.type == "cuda" else torch.float32
-    qd, kd, vd = q.to(dtype), k16.to(dtype), v16.to(dtype)
-    scaling = case.head_dim ** -0.5
+    """What one layer step of the Triton path dispatches, per method
+    (:data:`LAUNCH_METHODS`, :func:`layer_steps`), without timing it (on CPU the kernels run
+    under ``TRITON_INTERPRET=1``): Triton launches, segment calls, eager launching operators,
+    host reads, aten operators and, on CUDA, the launches the profiler records
+    (:class:`~certkv.opcount.StepCounter`)."""
+    _, steps, methods = layer_steps(case, device, compile, "triton")
     dispatch = {}
     for method in LAUNCH_METHODS:
         update(f"{case.short_label}: {method}")
-        if method == "dense":
-            attention, step = None, partial(dense_attention, qd, kd, vd, scaling)
-        else:
-            attention = CertifiedAttention(
-                mode="naive" if method == "naive" else "certified", compile=compile,
-                backend="triton", device_fallback=False if method == "certified-host" else None)
-            step = partial(attention, q, store, scratch=ScratchCache())
-        step(), step()  # warm-up: compilation, the scratch cache's first fills
-        dispatch[method] = count_step(step, attention)
+        steps[method](), steps[method]()  # warm-up: compilation, the scratch's first fills
+        dispatch[method] = count_step(steps[method], methods[method])
         update(f"{case.short_label}: {method}", advance=1)
     return {"case": case.__dict__, "label": case.label, "short_label": case.short_label,
             "dispatch": dispatch}
-
-
-def launch_notes(records: list[dict]) -> list[str]:
-    """What the counts mean, and the issue's target."""
-    return ["Triton: kernel launches. seg: calls of the step's pure tensor segments (selection, "
-            "page-in bookkeeping, certificate), each one compiled graph on CUDA (several "
-            "kernels). eager: aten operators outside both that compute or copy (a launch each "
-            "on CUDA; views and allocations are not counted). Issue 24's target: at most 10 "
-            "launches per certified layer step on CUDA. dense: SDPA on the FP16 cache on CUDA, the "
-            "overflow-proof FP32 reference on CPU."]
 
 
 def _attention_record(case: AttentionCase, store: TieredKVStore, cert, ms_stats: dict,

@@ -257,7 +257,7 @@ def bench_launches(
     with bench.progress(len(bench.LAUNCH_METHODS) * len(cases), "bench launches") as update:
         records = [bench.bench_launches_case(case, dev, _compile(compile), update)
                    for case in cases]
-    tables, notes = bench.dispatch_tables(records), bench.launch_notes(records)
+    tables, notes = bench.dispatch_tables(records), bench.LAUNCH_NOTES
     path = report.write(records, bench.markdown(tables, notes),
                         lambda p: bench.plot_launches(records, p))
     bench.show(tables, notes, path)
