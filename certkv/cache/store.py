@@ -304,8 +304,7 @@ class TieredKVStore:
         if new_v.shape[1]:  # their norms and centred radii (FP64), rounded up together
             v64 = new_v.double()
             maxima = round_up_fp32(torch.stack([
-                v64.norm(dim=-1).amax(dim=-1),
-                (v64 - self._centre.double().unsqueeze(1)).norm(dim=-1).amax(dim=-1) * _INFLATE]))
+                v64.norm(dim=-1).amax(dim=-1), centred_radius(v64, self._centre) * _INFLATE]))
         else:
             maxima = torch.zeros(2, self.num_kv_heads, device=self.device)
         self._tail_maxima = maxima if restarted else torch.maximum(self._tail_maxima, maxima)
