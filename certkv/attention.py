@@ -381,7 +381,7 @@ class CertifiedAttention:
         # Ranking and boundary checks (eq. 17-18): Phase 2's epilogue, or one small call.
         l16 = att.log_mass.reshape(hq, -1)
         with timer.phase("checks"):
-            ranking, boundary = self._rank_checks(checks, l16, att, certified)
+            ranking, boundary = self._rank_checks(checks, l16, att)
 
         # Certificate (eq. 15, Cor. 4.2), canary and rungs 3-4 (flags read by the caller).
         with timer.phase("certificate"):
@@ -577,12 +577,12 @@ class CertifiedAttention:
         bad = torch.stack([~(q.abs().amax() < math.inf), kv_bad])
         return canary, rung, torch.cat([rung >= 3, bad])
 
-    def _rank_checks(self, checks: CheckInputs | None, l16, att, certified):
+    def _rank_checks(self, checks: CheckInputs | None, l16, att):
         """Ranking (eq. 17) and boundary (eq. 18) flags ``[Hq]``: from Phase 2's epilogue
-        where the backend ran them there, else one backend call; all True where disabled or
-        not certified."""
+        where the backend ran them there, else one backend call; all True where disabled
+        (``checks`` None: not certified, or both checks off)."""
         lad = self.ladder
-        wanted = (certified and lad.ranking_check, certified and lad.boundary_check)
+        wanted = (False, False) if checks is None else (lad.ranking_check, lad.boundary_check)
         flags = (None, None)
         if checks is not None:
             flags = (att.ranking, att.boundary) if att.ranking is not None \
