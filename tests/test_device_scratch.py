@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from certkv import TieredKVStore
-from certkv.cache.device_scratch import DeviceLRU
+from certkv.cache.device_scratch import DeviceLRU, slot_maps
 from certkv.cache.scratch import ScratchStats, _LRUBlocks
 
 
@@ -20,6 +20,20 @@ def served(lru: DeviceLRU, slot: torch.Tensor, tier2: torch.Tensor, h: int, b: i
     """The FP16 block Phase 2 reads for ``(h, b)`` under slot map ``slot``."""
     s = int(slot[h, b])
     return lru.pool[s] if s >= 0 else tier2[-2 - s]
+
+
+def page_in_keys(lru: DeviceLRU, store, want: torch.Tensor):
+    """One step's key page-in as the attention step runs it (:func:`slot_maps` on the LRU's
+    tables, the tables kept, one fill launch): ``(slot map [Hkv, n], Tier-2 rows)``."""
+    from certkv.kernels.triton_pagein import fill_slots
+
+    k2, _, width = store.original_rows()
+    plan = torch.stack([want, torch.zeros_like(want)])
+    maps, _, (tables, need, src), _ = slot_maps(plan, store.num_blocks, width,
+                                                lru.tables(store), None)
+    lru.update(tables)
+    fill_slots([(need, src, k2, lru.pool)])
+    return maps[0], k2
 
 
 @settings(max_examples=25, deadline=None)
@@ -35,9 +49,7 @@ def test_device_lru_serves_every_block_and_counts_like_the_host_lru(seed, capaci
     for step in range(steps):
         n = store.num_blocks
         want = torch.rand(hkv, n, generator=gen) < density
-        k2, _, width = store.original_rows()
-        rows = torch.arange(hkv)[:, None] * width + torch.arange(n)
-        slot = device.slots(store, want, rows, k2)
+        slot, k2 = page_in_keys(device, store, want)
         originals = store.dense_kv()[0][:, : n * 8].reshape(hkv, n, 8, 16)
         for h, b in want.nonzero().tolist():
             assert torch.equal(served(device, slot, k2, h, b), originals[h, b])

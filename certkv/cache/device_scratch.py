@@ -79,26 +79,6 @@ class DeviceLRU:
         :func:`~certkv.kernels.triton_pagein.fill_slots`)."""
         self.stamp, self.owner, self.slot_of, self.clock, self.tally = tables
 
-    def slots(self, store, want: torch.Tensor, rows: torch.Tensor, tier2: torch.Tensor
-              ) -> torch.Tensor:
-        """The slot map ``[Hkv, n]`` (int32) of one step's wanted blocks, pool filled.
-
-        Args:
-            want: bool ``[Hkv, n]`` on the device: blocks to read in FP16 (completed blocks).
-            rows: int64 ``[Hkv, n]``: each block's row in ``tier2``.
-            tier2: FP16 ``[R, B, d]`` row view of the originals (read in place).
-        Returns: the block's pool slot (``>= 0``), ``-2 - row`` for a wanted block read from
-        Tier-2 in place (no free slot this step), or -1 (not wanted). No host read. (A step
-        of :class:`~certkv.CertifiedAttention` does the same for keys and values in one
-        segment, :func:`slot_maps`.)
-        """
-        from certkv.kernels.triton_pagein import fill_slots
-
-        tables, need, src, slot = lru_step(self.tables(store), want, rows)
-        self.update(tables)
-        fill_slots([(need, src, tier2, self.pool)])
-        return slot
-
     def counts(self) -> tuple[int, int, int]:
         """``(hits, misses, direct reads)`` so far (one host read)."""
         if self.tally is None:
@@ -130,7 +110,7 @@ def lru_step(tables: LRUTables, want: torch.Tensor, rows: torch.Tensor):
             ``[Hkv, n]`` Tier-2 rows.
     Returns ``(tables, need [S] int8, src [S] int64, slot [Hkv, n] int32)``: the updated
     tables (clock advanced, this step's hits, misses and direct reads tallied), the slots to
-    fill with Tier-2 rows and the slot map (:meth:`DeviceLRU.slots`). Hits keep their slot
+    fill with Tier-2 rows and the slot map (:func:`slot_maps`). Hits keep their slot
     (stamped); misses take, in (kv head, block) order, the least recently used slots not used
     this step, as the host LRU does; the rest are read from Tier-2 in place.
     """
