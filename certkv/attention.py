@@ -25,6 +25,7 @@ import torch
 from certkv.cache.device_scratch import slot_maps
 from certkv.cache.scratch import ScratchCache
 from certkv.cache.store import NONFINITE_KV, TieredKVStore
+from certkv.certify import fused_cpu
 from certkv.certify.arith import (
     U32,
     ArithSpec,
@@ -147,8 +148,10 @@ class CertifiedAttention:
         mode: ``"certified"``; ``"naive"`` (same quantized store, no promotion, no ladder);
             ``"dense"`` (SDPA on the FP16 originals).
         compile: ``torch.compile`` the selection and certificate segments (dozens of small ops
-            -> a few fused kernels): ``None`` = on CUDA only, ``False`` = never, ``True`` =
-            inductor, or a dynamo backend name (tests use ``"aot_eager"``).
+            -> a few fused kernels): ``None`` = on CUDA (on a CPU the certificate runs as one
+            numba loop nest instead, :mod:`certkv.certify.fused_cpu`), ``False`` = never
+            (the PyTorch operators everywhere: the reference), ``True`` = inductor, or a dynamo
+            backend name (tests use ``"aot_eager"``).
         device_fallback: rungs 3-4 without a host read (issue 24): one kernel recomputes the
             flagged heads from the FP16 originals in place, and non-finite inputs do not raise
             at the step but give it an invalid certificate (bound ``inf``) and raise at
@@ -418,11 +421,18 @@ class CertifiedAttention:
         shapes) when ``compile`` asks for it on this device, else the eager method. A segment
         that fails to compile warns once and runs eagerly from then on."""
         fn, backend = getattr(self, name), self._compiler(device)
+        if backend is None and name == "_certify_step" and self._fused_cpu(device):
+            return self._certify_fused
         if backend is None:
             return fn
         if (name, backend) not in self._compiled:
             self._compiled[name, backend] = _CompiledSegment(fn, backend)
         return self._compiled[name, backend]
+
+    def _fused_cpu(self, device: torch.device) -> bool:
+        """Whether the certificate runs as one fused CPU loop nest (``compile=None`` on a CPU
+        device, numba installed)."""
+        return self.compile is None and device.type == "cpu" and fused_cpu.AVAILABLE
 
     def _compiler(self, device: torch.device) -> str | None:
         """The ``torch.compile`` backend of this device's segments, or None (eager)."""
@@ -557,6 +567,32 @@ class CertifiedAttention:
         return (e_key, e_val, e_arith, log_alpha.exp(), (promoted & ~exact).sum(dim=-1),
                 canary, rung, value_blocks, flags, paper_key, paper_val,
                 _returned(rung, e_key, e_val), e_final)
+
+    def _certify_fused(self, l8, l16, rho, spread, out, log_p, delta_b, delta, delta_chan,
+                       v_max, v_rad, q_norm, promoted, exact, expanded, value_kv, eta,
+                       value_spec, key_spec, ranking, boundary, canary_blocks, q, kv_bad, spec,
+                       coef, key_abs_max, eta_max_kv, kv_of, v_max_kv=None):
+        """:meth:`_certify_step` with its arithmetic as one fused loop nest on CPU tensors
+        (:func:`certkv.certify.fused_cpu.certificate`: same terms, same shapes); the rungs and
+        flags as there. The device fallback's final ``e_arith`` (``v_max_kv`` given) stays
+        with the PyTorch segment."""
+        if v_max_kv is not None:
+            return self._certify_step(
+                l8, l16, rho, spread, out, log_p, delta_b, delta, delta_chan, v_max, v_rad,
+                q_norm, promoted, exact, expanded, value_kv, eta, value_spec, key_spec, ranking,
+                boundary, canary_blocks, q, kv_bad, spec, coef, key_abs_max, eta_max_kv, kv_of,
+                v_max_kv)
+        e_key, e_val, e_arith, tail_mass, paper_key, paper_val, k_star, value_blocks = \
+            fused_cpu.certificate(
+                spec, coef, self.selector.mass_inflation, l8=l8, l16=l16, rho=rho,
+                spread=spread, log_p=log_p, delta_b=delta_b, delta_chan=delta_chan, delta=delta,
+                v_max=v_max, v_rad=v_rad, q_norm=q_norm, promoted=promoted, exact=exact,
+                value_kv=value_kv, eta=eta, value_spec=value_spec, key_spec=key_spec, q=q,
+                key_abs_max=key_abs_max, eta_max_kv=eta_max_kv, out=out)
+        canary, rung, flags = self._rungs(out, q, kv_bad, e_key + e_val + e_arith, expanded,
+                                          value_blocks, ranking, boundary, canary_blocks)
+        return (e_key, e_val, e_arith, tail_mass, k_star, canary, rung, value_blocks, flags,
+                paper_key, paper_val, _returned(rung, e_key, e_val), None)
 
     def _rungs(self, out, q, kv_bad, bound, expanded, value_blocks, ranking, boundary,
                canary_blocks):

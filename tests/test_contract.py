@@ -72,6 +72,7 @@ def scenarios(draw):
         "key_levels": draw(st.sampled_from([0, 1, 2])),
         "contribution": draw(st.sampled_from(["tight", "paper"])),
         "tail_mass": draw(st.sampled_from(["tight", "paper"])),
+        "fused": draw(st.booleans()),  # the certificate fused on CPU (numba) or as operators
     }
 
 
@@ -104,6 +105,7 @@ def build(sc):
                       tail_mass=sc.get("tail_mass", "tight")),
         backend=TorchBackend(fp64_scalars=sc["fp64_scalars"]),
         mode=sc["mode"],
+        compile=None if sc.get("fused", True) else False,
     )
     return store, q, attn
 

@@ -111,6 +111,8 @@ EXP_ULPS = 8  # any exp used (Sleef, libm, CUDA expf / ex2.approx) is within 8 u
 ARG_ROUNDING = 3  # relative roundings of an exp argument: the subtraction, log2(e) scaling (x2)
 NORMAL_EXP = 88.0  # e^-88 > 2^-127: smaller weights are treated as absolute underflow
 TINY = 2.0**-120  # absolute allowance per underflowed (or flushed) operation, generous
+LOG_ULPS = 8  # a computed FP32 log quantity's own rounding allowance (_widen, kappa)
+ROUND_UP_REL, ROUND_UP_ABS = 2.0**-22, 2.0**-140  # FP64 -> FP32 never below (_round_up_fp32)
 
 _UNIT_ROUNDOFF = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: U32,
                   torch.float64: 2.0**-53}
@@ -224,16 +226,22 @@ def _lse_rounding(terms: int, n_tokens: int, u: float) -> float:
 def _round_up_fp32(x: torch.Tensor) -> torch.Tensor:
     """Non-negative FP64 -> FP32, never below ``x``: rounding to nearest loses at most
     ``2^-24`` relatively (``2^-150`` absolutely), which the factor and the offset cover."""
-    return (x * (1 + 2.0**-22) + 2.0**-140).float()
+    return (x * (1 + ROUND_UP_REL) + ROUND_UP_ABS).float()
 
 
 def _widen(x: torch.Tensor, slack: torch.Tensor) -> torch.Tensor:
     """``x + slack + 8 u |x|`` (a computed log quantity plus its rounding allowance), written
     ``x (1 + 8 u sign x) + slack`` so that infinities stay as they are."""
-    return x * (1 + 8 * U32 * torch.sign(x)) + slack
+    return x * (1 + LOG_ULPS * U32 * torch.sign(x)) + slack
 
 
 FP16_MAX = 65504.0  # the largest FP16 key channel: sum_c K_c <= d * 65504 (finite keys)
+
+
+def magnitude_factor(scaling: float, d: int) -> float:
+    """``S``'s factor (:func:`logit_magnitude`): the scaling, rounded up by the FP64 dot
+    product's own rounding over ``d`` channels."""
+    return scaling * (1 + gamma(d + 2, 2.0**-53))
 
 
 def logit_magnitude(q: torch.Tensor, key_abs_max: torch.Tensor, scaling: float):
@@ -245,7 +253,21 @@ def logit_magnitude(q: torch.Tensor, key_abs_max: torch.Tensor, scaling: float):
     """
     hkv, d = key_abs_max.shape
     s = torch.bmm(q.double().abs().view(hkv, -1, d), key_abs_max.double().unsqueeze(-1))
-    return s.view(-1) * (scaling * (1 + gamma(d + 2, 2.0**-53)))
+    return s.view(-1) * magnitude_factor(scaling, d)
+
+
+def logit_rounding_form(spec_gamma: float, scaling: float, d: int,
+                        prescale=1.0) -> tuple[float, float, float]:
+    """:func:`logit_rounding` as ``eps = a (S + Delta) + b Delta + c``: returns ``(a, b, c)``
+    (``prescale`` a float here)."""
+    g_delta = gamma(d + 8)  # Delta_b: an FP32 sum, or scaling * ||q|| * key_err in FP32
+    return spec_gamma * (1 + 2 * g_delta), 2 * g_delta, _underflow(scaling, d, prescale)
+
+
+def _underflow(scaling: float, d: int, prescale):
+    """Item 1's absolute term: the subnormal underflow of a logit's products (with
+    ``sum_c K_c <= d 65504``) for a query scaled by ``prescale``."""
+    return scaling * TINY * d * (1 + FP16_MAX * prescale)
 
 
 def logit_rounding(spec_gamma: float, magnitude, delta, scaling: float, d: int,
@@ -255,10 +277,8 @@ def logit_rounding(spec_gamma: float, magnitude, delta, scaling: float, d: int,
     ``eps`` above the computed one. ``spec_gamma``: :meth:`Rounding.logit_gamma`; magnitude:
     ``S``; delta: the head's computed max ``Delta_b`` (0 on the dense path); prescale: any
     factor the path scales the query by (its underflow, with ``sum_c K_c <= d 65504``)."""
-    g_delta = gamma(d + 8)  # Delta_b: an FP32 sum, or scaling * ||q|| * key_err in FP32
-    underflow = scaling * TINY * d * (1 + FP16_MAX * prescale)
-    return spec_gamma * (1 + 2 * g_delta) * (magnitude + delta) + (2 * g_delta * delta
-                                                                    + underflow)
+    a, b, _ = logit_rounding_form(spec_gamma, scaling, d)
+    return a * (magnitude + delta) + (b * delta + _underflow(scaling, d, prescale))
 
 
 def cast_error(d: int, dtype: torch.dtype) -> tuple[float, float]:
@@ -312,7 +332,8 @@ def step_coefficients(spec: ArithSpec, n_blocks: int, n_tokens: int,
     weights = composition_weights(spec, val_rel, n_blocks * TINY,
                                   spec.rounding.accumulation(n_blocks, n_tokens))
     return StepCoefficients(
-        kappa=2 * chained + 8 * U32 * (log_n + 1), rho_rel=omega_rho, spread_rel=omega_spread,
+        kappa=2 * chained + LOG_ULPS * U32 * (log_n + 1), rho_rel=omega_rho,
+        spread_rel=omega_spread,
         dense_acc=spec.dense_rounding.accumulation(0, n_tokens, spec.dense_u),
         weights=torch.tensor(weights, dtype=torch.float64).to(device, non_blocking=True))
 
@@ -364,7 +385,7 @@ def logit_terms(spec: ArithSpec, coef: StepCoefficients, q: torch.Tensor,
     magnitude = logit_magnitude(q, key_abs_max, spec.scaling)
     delta = delta.double()
     eps = logit_rounding(spec.rounding.logit_gamma(d), magnitude, delta, spec.scaling, d)
-    return LogitTerms(eps, coef.kappa + 8 * U32 * (magnitude + delta), gamma(d + 8))
+    return LogitTerms(eps, coef.kappa + LOG_ULPS * U32 * (magnitude + delta), gamma(d + 8))
 
 
 def widened_blocks(coef: StepCoefficients, terms: LogitTerms, rho, spread, delta_b, lam,

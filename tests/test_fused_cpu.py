@@ -1,0 +1,103 @@
+"""The certificate as one fused CPU loop nest (:mod:`certkv.certify.fused_cpu`) against the
+PyTorch operators it replaces: the same outputs, rungs and counts, and terms equal up to the
+FP32 rounding of the operators' own evaluation. The contract itself (both evaluations against
+FP64 attention) is ``test_contract.py``'s, whose scenarios draw either."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import make_kv, make_query
+from hypothesis import HealthCheck, given, settings
+from test_contract import ADVERSARIAL, build, scenarios
+
+import certkv.certify.fused_cpu as fused_cpu
+from certkv import CertifiedAttention, TieredKVStore
+
+TERMS = ("e_key", "e_val", "e_arith", "tail_mass", "candidate_e_key", "candidate_e_val",
+         "paper_e_key", "paper_e_val")
+EXACT = ("rung", "k_star", "value_blocks", "ranking_ok", "boundary_ok", "canary_ok")
+
+
+def both(sc):
+    """One step of the scenario with the certificate as operators, then fused; and the
+    largest logit magnitude (the operators' FP32 log-sum-exps err by a few of its ulps)."""
+    results = []
+    for fused in (False, True):
+        store, q, attn = build({**sc, "fused": fused})
+        results.append(attn(q, store, sc.get("scaling")))
+    k, _ = store.dense_kv()
+    scaling = sc.get("scaling") or q.shape[-1] ** -0.5
+    group = q.shape[0] // k.shape[0]
+    logits = torch.einsum("hd,htd->ht", q.double(), k.double().repeat_interleave(group, 0))
+    return (*results, float(logits.abs().max()) * scaling)
+
+
+def assert_same(operators, fused, logit_max=0.0):
+    (out_o, cert_o), (out_f, cert_f) = operators, fused
+    rtol = 1e-5 * max(10.0, logit_max)  # log-space terms: a few FP32 ulps of the logits
+    assert torch.equal(out_o, out_f)  # the same heads went dense
+    for name in EXACT:
+        assert torch.equal(getattr(cert_o, name), getattr(cert_f, name)), name
+    for name in TERMS:  # FP64 here, FP32 log-sum-exps and sums there
+        a, b = getattr(cert_o, name), getattr(cert_f, name)
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        torch.testing.assert_close(b, a, rtol=rtol, atol=1e-30, equal_nan=True, msg=name)
+
+
+def test_numba_is_installed():
+    """A dependency: without it every CPU step would quietly run the slow operators."""
+    assert fused_cpu.AVAILABLE
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios())
+def test_the_fused_certificate_matches_the_operators(sc):
+    if sc["mode"] == "dense":
+        sc = {**sc, "mode": "certified"}
+    assert_same(*both(sc))
+
+
+@pytest.mark.parametrize("change", [
+    {"q_scale": 1e3, "peaked": True, "q_dtype": "float16"},  # huge logits, 16-bit queries
+    {"value_offset": 1e3, "q_dtype": "bfloat16"},  # huge values: FP16 / BF16 cast limits
+    {"key_bits": 2, "q_scale": 30.0, "mode": "naive"},  # every block perturbed
+    {"tokens": 3, "block": 16},  # only the exact tail block
+    {"tokens": 160, "block": 1, "k_max": 0, "k_min": 0},  # one-token blocks, none promoted
+])
+def test_adversarial_steps_agree(change):
+    assert_same(*both({**ADVERSARIAL, **change}))
+
+
+def test_a_nan_query_goes_dense_the_same_way():
+    results = []
+    for compile in (False, None):
+        k, v = make_kv(2, 200, 32, seed=4)
+        store = TieredKVStore(2, 32, block_size=8)
+        store.append(k, v)
+        q = make_query(k, 2, seed=4)
+        q[1, 3] = math.nan
+        attn = CertifiedAttention(backend="torch", compile=compile, device_fallback=False)
+        with pytest.raises(Exception, match="NaN"):
+            attn(q, store)
+        q[1] = 3e38  # finite, but its logits overflow FP32: a non-finite bound or output
+        results.append(attn(q, store))
+    assert_same(*results, logit_max=1e30)
+    assert (results[1][1].rung[1] >= 3).item()
+
+
+def test_cpu_steps_use_the_fused_certificate_unless_compile_is_set(monkeypatch):
+    calls = []
+    real = fused_cpu.certificate
+    monkeypatch.setattr(fused_cpu, "certificate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    k, v = make_kv(1, 64, 16, seed=0)
+    store = TieredKVStore(1, 16, block_size=8)
+    store.append(k, v)
+    q = make_query(k, 2, seed=0)
+    CertifiedAttention()(q, store)
+    assert len(calls) == 1
+    CertifiedAttention(compile=False)(q, store)
+    CertifiedAttention(compile="aot_eager")(q, store)
+    assert len(calls) == 1
