@@ -389,7 +389,8 @@ class CertifiedAttention:
         # Certificate (eq. 15, Cor. 4.2), canary and rungs 3-4 (flags read by the caller).
         with timer.phase("certificate"):
             spec = self._arith_spec(q, store, scaling, lay, on_device)
-            segment = self._segment("_certify_step", q.device)
+            segment = self._certify_fused if self._fused_cpu(q.device, on_device) \
+                else self._segment("_certify_step", q.device)
             coef = step_coefficients(spec, lay.num_blocks, store.num_tokens, q.device)
             if self._compiler(q.device):  # no recompile when the counts change
                 coef = as_tensors(coef, q.device)
@@ -421,18 +422,18 @@ class CertifiedAttention:
         shapes) when ``compile`` asks for it on this device, else the eager method. A segment
         that fails to compile warns once and runs eagerly from then on."""
         fn, backend = getattr(self, name), self._compiler(device)
-        if backend is None and name == "_certify_step" and self._fused_cpu(device):
-            return self._certify_fused
         if backend is None:
             return fn
         if (name, backend) not in self._compiled:
             self._compiled[name, backend] = _CompiledSegment(fn, backend)
         return self._compiled[name, backend]
 
-    def _fused_cpu(self, device: torch.device) -> bool:
-        """Whether the certificate runs as one fused CPU loop nest (``compile=None`` on a CPU
-        device, numba installed)."""
-        return self.compile is None and device.type == "cpu" and fused_cpu.AVAILABLE
+    def _fused_cpu(self, device: torch.device, on_device: bool) -> bool:
+        """Whether the certificate runs as one fused CPU loop nest: ``compile=None`` on a CPU
+        device with numba installed, unless the device fallback needs the segment's final
+        ``e_arith`` (``on_device``)."""
+        return (self.compile is None and device.type == "cpu" and not on_device
+                and fused_cpu.AVAILABLE)
 
     def _compiler(self, device: torch.device) -> str | None:
         """The ``torch.compile`` backend of this device's segments, or None (eager)."""
@@ -574,14 +575,8 @@ class CertifiedAttention:
                        coef, key_abs_max, eta_max_kv, kv_of, v_max_kv=None):
         """:meth:`_certify_step` with its arithmetic as one fused loop nest on CPU tensors
         (:func:`certkv.certify.fused_cpu.certificate`: same terms, same shapes); the rungs and
-        flags as there. The device fallback's final ``e_arith`` (``v_max_kv`` given) stays
-        with the PyTorch segment."""
-        if v_max_kv is not None:
-            return self._certify_step(
-                l8, l16, rho, spread, out, log_p, delta_b, delta, delta_chan, v_max, v_rad,
-                q_norm, promoted, exact, expanded, value_kv, eta, value_spec, key_spec, ranking,
-                boundary, canary_blocks, q, kv_bad, spec, coef, key_abs_max, eta_max_kv, kv_of,
-                v_max_kv)
+        flags as there. Host fallback only (``v_max_kv`` None, ``e_final`` None): the device
+        fallback's final ``e_arith`` is the PyTorch segment's (:meth:`_fused_cpu`)."""
         e_key, e_val, e_arith, tail_mass, paper_key, paper_val, k_star, value_blocks = \
             fused_cpu.certificate(
                 spec, coef, self.selector.mass_inflation, l8=l8, l16=l16, rho=rho,

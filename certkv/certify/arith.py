@@ -256,12 +256,12 @@ def logit_magnitude(q: torch.Tensor, key_abs_max: torch.Tensor, scaling: float):
     return s.view(-1) * magnitude_factor(scaling, d)
 
 
-def logit_rounding_form(spec_gamma: float, scaling: float, d: int,
-                        prescale=1.0) -> tuple[float, float, float]:
-    """:func:`logit_rounding` as ``eps = a (S + Delta) + b Delta + c``: returns ``(a, b, c)``
-    (``prescale`` a float here)."""
+def logit_rounding_form(spec_gamma: float, scaling: float,
+                        d: int) -> tuple[float, float, float]:
+    """:func:`logit_rounding` of an unscaled query as ``eps = a (S + Delta) + b Delta + c``:
+    returns ``(a, b, c)``."""
     g_delta = gamma(d + 8)  # Delta_b: an FP32 sum, or scaling * ||q|| * key_err in FP32
-    return spec_gamma * (1 + 2 * g_delta), 2 * g_delta, _underflow(scaling, d, prescale)
+    return spec_gamma * (1 + 2 * g_delta), 2 * g_delta, _underflow(scaling, d, 1.0)
 
 
 def _underflow(scaling: float, d: int, prescale):

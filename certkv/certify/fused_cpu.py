@@ -153,13 +153,13 @@ def _kernel(blocks, per_head, per_kv, promoted, exact, value_kv, q, key_abs_max,
     res_f = np.empty((6, hq), dtype=np.float32)  # e_key, e_val, e_arith, tail, paper key, val
     res_i = np.empty((2, hq), dtype=np.int64)  # k_star, value_blocks
     lanes = np.empty((8, n))  # rho, D, lam, spread as computed, then widened
+    tail = np.empty(n, dtype=np.bool_)  # the head's INT8 tail blocks
+    up = np.empty((2, n))  # upper log-masses of the tail blocks: tight, eq. 8's Delta_b
     for h in range(hq):
         kv = h // group  # query head h reads kv head h // G
-        tail = np.empty(n, dtype=np.bool_)
         for b in range(n):
             tail[b] = not (promoted[h, b] or exact[b])
         # log-sum-exps over blocks: U_T (tight and eq. 8's Delta_b), Z_F, alpha_hat
-        up = np.empty((2, n))
         for b in range(n):
             up[0, b] = np.float64(l8[h, b]) + delta_b[h, b]
             up[1, b] = np.float64(l8[h, b]) + delta_chan[h, b]
