@@ -25,7 +25,7 @@ import torch
 from certkv.cache.device_scratch import slot_maps
 from certkv.cache.scratch import ScratchCache
 from certkv.cache.store import NONFINITE_KV, TieredKVStore
-from certkv.certify import fused_cpu
+from certkv.certify import fused_cpu, fused_select
 from certkv.certify.arith import (
     U32,
     ArithSpec,
@@ -362,10 +362,18 @@ class CertifiedAttention:
             draw = self.ladder.exploration_draw((hq, lay.quantized.numel()), q.device) \
                 if certified else None
             kv_of = self._kv_of(hq, hkv, q.device)
-            sel = self._segment("_select_step", q.device)(
-                qg, scored.log_mass, scored.delta_b, _log_spread(scored), lay.quantized,
-                lay.eta, lay.value_spec, lay.key_err, lay.v_max, lay.v_radius,
-                kv_of, draw, lay.num_quantized, scaling, boost)
+            if self._fused_select(q.device, draw, boost, on_device):
+                sel = fused_select.select(
+                    self.selector, self.ladder, self.value_policy, qg=qg,
+                    l8_kv=scored.log_mass, delta_kv=scored.delta_b,
+                    log_spread_kv=_log_spread(scored), quantized=lay.quantized, eta=lay.eta,
+                    value_spec=lay.value_spec, key_err=lay.key_err, v_max_kv=lay.v_max,
+                    v_rad_kv=lay.v_radius, kv_of=kv_of, n_q=lay.num_quantized, scaling=scaling)
+            else:
+                sel = self._segment("_select_step", q.device)(
+                    qg, scored.log_mass, scored.delta_b, _log_spread(scored), lay.quantized,
+                    lay.eta, lay.value_spec, lay.key_err, lay.v_max, lay.v_radius,
+                    kv_of, draw, lay.num_quantized, scaling, boost)
             (log_p, delta_b, delta, delta_chan, v_max, v_rad, q_norm, promoted, expanded,
              value_kv, plan, exact) = sel
 
@@ -434,6 +442,15 @@ class CertifiedAttention:
         ``e_arith`` (``on_device``)."""
         return (self.compile is None and device.type == "cpu" and not on_device
                 and fused_cpu.AVAILABLE)
+
+    def _fused_select(self, device: torch.device, draw, boost, on_device=False) -> bool:
+        """Whether selection runs as one fused CPU loop nest: ``compile=None`` on a CPU device,
+        a certified step with its fallback on the host (the device path is the GPU's design,
+        which never reads a tensor on the host) and the default policy
+        (:func:`fused_select.covers`)."""
+        return (self.compile is None and device.type == "cpu" and self.mode == "certified"
+                and not on_device and fused_select.covers(
+                    self.selector, self.ladder, self.value_policy, draw, boost))
 
     def _compiler(self, device: torch.device) -> str | None:
         """The ``torch.compile`` backend of this device's segments, or None (eager)."""
@@ -574,20 +591,21 @@ class CertifiedAttention:
                        value_spec, key_spec, ranking, boundary, canary_blocks, q, kv_bad, spec,
                        coef, key_abs_max, eta_max_kv, kv_of, v_max_kv=None):
         """:meth:`_certify_step` with its arithmetic as one fused loop nest on CPU tensors
-        (:func:`certkv.certify.fused_cpu.certificate`: same terms, same shapes); the rungs and
-        flags as there. Host fallback only (``v_max_kv`` None, ``e_final`` None): the device
-        fallback's final ``e_arith`` is the PyTorch segment's (:meth:`_fused_cpu`)."""
-        e_key, e_val, e_arith, tail_mass, paper_key, paper_val, k_star, value_blocks = \
-            fused_cpu.certificate(
-                spec, coef, self.selector.mass_inflation, l8=l8, l16=l16, rho=rho,
-                spread=spread, log_p=log_p, delta_b=delta_b, delta_chan=delta_chan, delta=delta,
-                v_max=v_max, v_rad=v_rad, q_norm=q_norm, promoted=promoted, exact=exact,
-                value_kv=value_kv, eta=eta, value_spec=value_spec, key_spec=key_spec, q=q,
-                key_abs_max=key_abs_max, eta_max_kv=eta_max_kv, out=out)
-        canary, rung, flags = self._rungs(out, q, kv_bad, e_key + e_val + e_arith, expanded,
-                                          value_blocks, ranking, boundary, canary_blocks)
+        (:func:`certkv.certify.fused_cpu.certificate`: same terms, same shapes, then the rungs,
+        flags and returned bounds in one more, :func:`certkv.certify.fused_cpu.rungs`). Host
+        fallback only (``v_max_kv`` None, ``e_final`` None): the device fallback's final
+        ``e_arith`` is the PyTorch segment's (:meth:`_fused_cpu`)."""
+        (e_key, e_val, e_arith, tail_mass, paper_key, paper_val, k_star, value_blocks, canary,
+         rung, flags, returned) = fused_cpu.certificate(
+            spec, coef, self.selector.mass_inflation, l8=l8, l16=l16, rho=rho, spread=spread,
+            log_p=log_p, delta_b=delta_b, delta_chan=delta_chan, delta=delta, v_max=v_max,
+            v_rad=v_rad, q_norm=q_norm, promoted=promoted, exact=exact, value_kv=value_kv,
+            eta=eta, value_spec=value_spec, key_spec=key_spec, q=q, key_abs_max=key_abs_max,
+            eta_max_kv=eta_max_kv, out=out, rung_inputs=fused_cpu.RungInputs(
+                self.ladder, self.mode == "certified", expanded, ranking, boundary,
+                canary_blocks, kv_bad))
         return (e_key, e_val, e_arith, tail_mass, k_star, canary, rung, value_blocks, flags,
-                paper_key, paper_val, _returned(rung, e_key, e_val), None)
+                paper_key, paper_val, returned, None)
 
     def _rungs(self, out, q, kv_bad, bound, expanded, value_blocks, ranking, boundary,
                canary_blocks):

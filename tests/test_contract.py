@@ -27,8 +27,11 @@ from certkv import (
     LocalThreshold,
     TieredKVStore,
 )
+from certkv.kernels.numba_backend import NumbaBackend
 from certkv.kernels.reference import TorchBackend
 from certkv.kernels.triton_backend import TritonBackend
+
+BACKENDS = {"torch": TorchBackend, "numba": NumbaBackend}
 
 
 @st.composite
@@ -73,6 +76,7 @@ def scenarios(draw):
         "contribution": draw(st.sampled_from(["tight", "paper"])),
         "tail_mass": draw(st.sampled_from(["tight", "paper"])),
         "fused": draw(st.booleans()),  # the certificate fused on CPU (numba) or as operators
+        "backend": draw(st.sampled_from(["torch", "numba"])),  # the phases: reference or fused
     }
 
 
@@ -103,7 +107,7 @@ def build(sc):
         value_policy=policy,
         ladder=Ladder(expand=sc["expand"], r=sc["r"], exploration=sc["exploration"],
                       tail_mass=sc.get("tail_mass", "tight")),
-        backend=TorchBackend(fp64_scalars=sc["fp64_scalars"]),
+        backend=BACKENDS[sc.get("backend", "torch")](fp64_scalars=sc["fp64_scalars"]),
         mode=sc["mode"],
         compile=None if sc.get("fused", True) else False,
     )
@@ -188,10 +192,11 @@ ADVERSARIAL = {"hkv": 2, "group": 2, "d": 32, "block": 8, "tokens": 150, "value_
     ("paper_rules", {"contribution": "paper", "tail_mass": "paper", "v_tol": 0.01}),
     ("tight_rules", {"contribution": "tight", "tail_mass": "tight", "v_tol": 0.01}),
 ])
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "numba"])
 def test_contract_on_adversarial_cases_of_the_tight_bounds(name, change, backend):
-    """One case aimed at each new argument's worst case, on both backends."""
-    store, q, attn = build({**ADVERSARIAL, **change})
+    """One case aimed at each new argument's worst case, on every backend."""
+    store, q, attn = build({**ADVERSARIAL, **change, "backend": "numba" if backend == "numba"
+                            else "torch"})
     if backend == "triton":  # a declared dev dependency: missing triton fails, never skips
         attn.backend = TritonBackend(split=4)
     check_contract(store, q, attn)

@@ -107,3 +107,43 @@ def test_cpu_steps_use_the_fused_certificate_unless_compile_is_set(monkeypatch):
     CertifiedAttention(compile=False)(q, store)
     CertifiedAttention(compile="aot_eager")(q, store)
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("certified", [True, False])
+def test_fused_rungs_match_the_operators_at_the_cast_limits(dtype, certified):
+    """Rungs, canary, flags and returned bounds as :meth:`CertifiedAttention._rungs`, on outputs
+    at the edge of the query dtype's range (FP16 65520, BF16 2^128 - 2^119), NaN / inf bounds,
+    a canary violation and a non-finite query."""
+    gen = torch.Generator().manual_seed(0)
+    hq, d, n = 8, 4, 5
+    limit = fused_cpu.CAST_LIMIT.get(dtype, 3e38)
+    out = torch.randn(hq, d, generator=gen)
+    out[0, 1] = limit * (1 - 2**-24)  # stays finite in the dtype
+    out[1, 2] = limit  # overflows it (FP16 / BF16)
+    out[2, 0] = float("nan")
+    e_key, e_val, e_arith = torch.rand(3, hq, generator=gen)
+    e_arith[3] = float("inf")
+    e_val[4] = float("nan")
+    expanded = torch.rand(hq, generator=gen) < 0.5
+    value_blocks = torch.randint(0, 3, (hq,), generator=gen)
+    ranking, boundary = torch.rand(2, hq, generator=gen) < 0.8
+    canary_blocks = torch.zeros(2, hq // 2, n, dtype=torch.bool)
+    for q_bad, canary_bad in ((False, False), (True, False), (False, True)):
+        q = torch.randn(hq, d, generator=gen).to(dtype)
+        if q_bad:
+            q[5, 0] = float("inf")
+        canary_blocks[1, 0, 3] = canary_bad
+        attn = CertifiedAttention(mode="certified" if certified else "naive")
+        kv_bad = torch.tensor(q_bad)
+        want = attn._rungs(out, q, kv_bad, e_key + e_val + e_arith, expanded, value_blocks,
+                           ranking, boundary, canary_blocks)
+        got = fused_cpu.rungs(attn.ladder, certified, e_key=e_key, e_val=e_val, e_arith=e_arith,
+                              value_blocks=value_blocks, out=out, q=q, expanded=expanded,
+                              ranking=ranking, boundary=boundary, canary_blocks=canary_blocks,
+                              kv_bad=kv_bad)
+        for w, g in zip(want, got[:3], strict=True):
+            assert torch.equal(w, g)
+        fast = want[1] < 3
+        for w, g in zip((e_key, e_val), got[3], strict=True):
+            assert torch.equal(torch.where(fast, w, 0.0), g)

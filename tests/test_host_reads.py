@@ -100,9 +100,11 @@ def layer(seed=0):
 def test_a_step_reads_from_the_device_only_through_to_host(audit, mode):
     auditor, reads = audit
     store, q = layer()
-    # compile=False: the certificate as the PyTorch segment that runs on CUDA (on CPU tensors
-    # the default fuses it into a numba loop that reads them as NumPy arrays, never on a GPU)
-    attn = CertifiedAttention(mode=mode, value_policy=LocalThreshold(v_tol=1e-4), compile=False)
+    # compile=False and backend=torch: the segments and phases as the PyTorch code that runs on
+    # CUDA (on CPU tensors the defaults fuse them into numba loops that read them as NumPy
+    # arrays, never on a GPU)
+    attn = CertifiedAttention(mode=mode, value_policy=LocalThreshold(v_tol=1e-4), compile=False,
+                              backend="torch")
     scratch = ScratchCache(key_blocks=8, value_blocks=8)
     for _ in range(2):  # the second step hits the scratch cache
         reads.clear()

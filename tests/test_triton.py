@@ -369,11 +369,11 @@ def test_unsupported_codecs_fall_back_to_the_reference():
     torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
-def test_auto_backend_is_the_reference_without_cuda():
+def test_auto_backend_is_triton_on_cuda_else_the_fused_cpu_phases():
     if torch.cuda.is_available():
         assert get_backend("auto").name == "triton"
     else:
-        assert get_backend("auto").name == "torch"
+        assert get_backend("auto").name == "numba"
 
 
 @pytest.mark.gpu

@@ -18,6 +18,7 @@ picks), so a head whose bound is not finite here is one whose bound is not finit
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -44,13 +45,15 @@ AVAILABLE = numba is not None
 _F64_TINY, _F64_MAX = float(np.finfo(np.float64).tiny), float(np.finfo(np.float64).max)
 
 
-def _jit(fn):
-    """numba's ``njit`` (IEEE arithmetic: no fastmath; compiled once, cached beside the
-    module), or ``fn`` itself where numba is missing."""
-    return numba.njit(cache=True, nogil=True)(fn) if AVAILABLE else fn
+def jit(fn=None, **flags):
+    """numba's ``njit`` (compiled once, cached beside the module; IEEE arithmetic unless
+    ``flags`` say otherwise), or ``fn`` itself where numba is missing."""
+    if fn is None:
+        return lambda f: jit(f, **flags)
+    return numba.njit(cache=True, nogil=True, **flags)(fn) if AVAILABLE else fn
 
 
-@_jit
+@jit
 def _nmin(a, b):
     """``torch.minimum`` on two floats: NaN if either is NaN."""
     if a != a or b != b:
@@ -58,7 +61,7 @@ def _nmin(a, b):
     return a if a < b else b
 
 
-@_jit
+@jit
 def _nmax(a, b):
     """``torch.maximum`` on two floats: NaN if either is NaN."""
     if a != a or b != b:
@@ -66,7 +69,7 @@ def _nmax(a, b):
     return a if a > b else b
 
 
-@_jit
+@jit
 def _lse(x, mask, row):
     """``torch.logsumexp`` of ``x[row, b]`` over the blocks ``b`` where ``mask[b]`` (-inf
     elsewhere): ``-inf`` for an empty set, ``+inf`` past FP64, NaN with a NaN input."""
@@ -83,7 +86,7 @@ def _lse(x, mask, row):
     return math.log(total) + shift
 
 
-@_jit
+@jit
 def _tv_block(n, rho, d, lam, spread):
     """:func:`~certkv.certify.bounds.block_tv_bound` over ``n`` blocks (FP64 arrays)."""
     num, kept, top = 0.0, 0.0, -math.inf
@@ -101,13 +104,13 @@ def _tv_block(n, rho, d, lam, spread):
     return 1.0 if tv != tv else min(tv, 1.0)
 
 
-@_jit
+@jit
 def _log_sigmoid(x):
     """``logsigmoid(x) = min(x, 0) - log1p(e^{-|x|})``."""
     return min(x, 0.0) - math.log1p(math.exp(-abs(x))) if x == x else x
 
 
-@_jit
+@jit
 def _key_bound(v, delta, delta_tail, log_alpha, exponent, cap_logit, tv_cap):
     """:func:`~certkv.certify.bounds.key_error_bound` for one head and lane."""
     log_tail = _nmin(exponent * delta + log_alpha, 0.0)
@@ -120,7 +123,7 @@ def _key_bound(v, delta, delta_tail, log_alpha, exponent, cap_logit, tv_cap):
     return 2.0 * v * _nmin(tv, tv_cap)
 
 
-@_jit
+@jit
 def _widen(x, slack):
     """:func:`certkv.certify.arith._widen` on a float (``sign`` as ``torch.sign``)."""
     sign = 0.0 if x == 0 else (1.0 if x > 0 else -1.0)
@@ -129,7 +132,7 @@ def _widen(x, slack):
     return x * (1.0 + LOG_ULPS * U32 * sign) + slack
 
 
-@_jit
+@jit
 def _round_up(x):
     """:func:`certkv.certify.arith._round_up_fp32` of ``max(x, 0)`` (NaN stays NaN)."""
     if x == x:
@@ -137,7 +140,7 @@ def _round_up(x):
     return np.float32(x * (1.0 + ROUND_UP_REL) + ROUND_UP_ABS)
 
 
-@_jit
+@jit
 def _kernel(blocks, per_head, per_kv, promoted, exact, value_kv, q, key_abs_max, eta_max_kv,
             out, par, weights):
     """Every head's terms (see :func:`certificate`): ``blocks [7, Hq, n]`` stacks ``l8, l16,
@@ -246,10 +249,24 @@ def _array(x: torch.Tensor) -> np.ndarray:
     return np.ascontiguousarray(x.numpy())
 
 
+class RungInputs(NamedTuple):
+    """What the rungs read besides the certificate's terms (:func:`rungs`)."""
+
+    ladder: object
+    certified: bool
+    expanded: torch.Tensor  # [Hq] rung 1
+    ranking: torch.Tensor  # [Hq] eq. 17
+    boundary: torch.Tensor  # [Hq] eq. 18
+    canary_blocks: torch.Tensor  # [Hkv, G, n]
+    kv_bad: torch.Tensor | bool  # non-finite appended K/V
+
+
 def certificate(spec: ArithSpec, coef: StepCoefficients, exponent: float, *, l8, l16, rho,
                 spread, log_p, delta_b, delta_chan, delta, v_max, v_rad, q_norm, promoted,
-                exact, value_kv, eta, value_spec, key_spec, q, key_abs_max, eta_max_kv, out):
-    """The certificate's per-head terms of a quantized step on CPU tensors, in one call.
+                exact, value_kv, eta, value_spec, key_spec, q, key_abs_max, eta_max_kv, out,
+                rung_inputs: RungInputs):
+    """The certificate's per-head terms of a quantized step on CPU tensors, then its rungs, in
+    two calls.
 
     Args (CPU tensors; shapes as :meth:`CertifiedAttention._certify_step`): ``[Hq, n]`` block
     tensors ``l8, l16, rho, spread, log_p, delta_b`` (tightened), ``delta_chan`` (eq. 8),
@@ -258,14 +275,86 @@ def certificate(spec: ArithSpec, coef: StepCoefficients, exponent: float, *, l8,
     any float dtype (query head ``h`` reads kv head ``h // G``); ``key_abs_max [Hkv, d]``;
     ``eta_max_kv [Hkv]``; ``out [Hq, d]`` the FP32 output. ``exponent``: eq. 14's mass
     inflation.
-    Returns: FP32 ``e_key, e_val, e_arith, tail_mass, paper_key, paper_val`` and int64
-    ``k_star, value_blocks``, each ``[Hq]``.
+    Returns: FP32 ``e_key, e_val, e_arith, tail_mass, paper_key, paper_val``, int64
+    ``k_star, value_blocks``, each ``[Hq]``, then :func:`rungs`' four results.
     """
     blocks = torch.stack([l8, l16, rho, spread, log_p, delta_b, delta_chan])
     per_head = torch.stack([delta, v_max, v_rad, q_norm.reshape(-1)])
     per_kv = torch.stack([eta, value_spec, key_spec])
+    q64, out32 = _array(q.double()), _array(out)
     res_f, res_i = _kernel(*(_array(x) for x in (
-        blocks, per_head, per_kv, promoted, exact, value_kv, q.double(), key_abs_max,
-        eta_max_kv, out)), _params(spec, coef, exponent), _array(coef.weights))
+        blocks, per_head, per_kv, promoted, exact, value_kv)), q64, _array(key_abs_max),
+        _array(eta_max_kv), out32, _params(spec, coef, exponent), _array(coef.weights))
+    ruled = _rung_arrays(*res_f[:3], res_i[1], out32, q64, q.dtype, rung_inputs)
     f, i = torch.from_numpy(res_f), torch.from_numpy(res_i)
-    return (*f.unbind(), *i.unbind())
+    return (*f.unbind(), *i.unbind(), *ruled)
+
+
+#: ``|x|`` from which a cast of FP32 ``x`` to the query's dtype overflows (round to nearest:
+#: half an ulp above the largest finite number; FP32 / FP64 queries keep every finite output).
+CAST_LIMIT = {torch.float16: 65520.0, torch.bfloat16: 2.0**128 - 2.0**119}
+
+
+@jit
+def _rungs(e_key, e_val, e_arith, value_blocks, out, q, expanded, ranking, boundary,
+           canary_blocks, kv_bad, limit, certified, use_canary, least, canary, rung, flags,
+           returned):
+    """:meth:`CertifiedAttention._rungs` and :func:`certkv.attention._returned` in one pass
+    (outputs ``canary, rung [Hq]``, ``flags [Hq + 2]``, ``returned [2, Hq]``)."""
+    hq = out.shape[0]
+    q_bad = False
+    for x in q.ravel():
+        q_bad = q_bad or not abs(x) < np.inf
+    all_canary, dense = True, 0
+    for h in range(hq):
+        top = np.float32(0.0)
+        for x in out[h]:
+            top = abs(x) if (abs(x) > top or x != x) else top
+        bound = (e_key[h] + e_val[h]) + e_arith[h]
+        finite = top < limit and bound < np.inf
+        r = max(1 if expanded[h] else 0, 2 if value_blocks[h] > 0 else 0)
+        if not (ranking[h] and boundary[h] and finite if certified else finite):
+            r = 3
+        ok = True
+        if certified and use_canary:
+            for b in range(canary_blocks.shape[1]):
+                ok = ok and not canary_blocks[h, b]
+        canary[h] = ok
+        all_canary = all_canary and ok
+        dense += r >= 3
+        rung[h] = r
+    for h in range(hq):
+        if certified and (not all_canary or dense >= least):
+            rung[h] = 4
+        flags[h] = rung[h] >= 3
+        returned[0, h] = e_key[h] if rung[h] < 3 else np.float32(0.0)
+        returned[1, h] = e_val[h] if rung[h] < 3 else np.float32(0.0)
+    flags[hq], flags[hq + 1] = q_bad, kv_bad
+
+
+def rungs(ladder, certified: bool, *, e_key, e_val, e_arith, value_blocks, out, q, expanded,
+          ranking, boundary, canary_blocks, kv_bad):
+    """The canary ``[Hq]``, each head's rung ``[Hq]``, the flags ``[Hq + 2]`` and the returned
+    E_key, E_val ``[Hq]`` (0 on rungs 3-4) of :meth:`CertifiedAttention._rungs` in one call on
+    CPU tensors (``canary_blocks [Hkv, G, n]``, ``kv_bad`` 0-d; the rest as there)."""
+    return _rung_arrays(*(x.numpy() for x in (e_key, e_val, e_arith, value_blocks, out)),
+                        q.double().numpy(), q.dtype, RungInputs(
+                            ladder, certified, expanded, ranking, boundary, canary_blocks,
+                            kv_bad))
+
+
+def _rung_arrays(e_key, e_val, e_arith, value_blocks, out, q64, q_dtype, inputs: RungInputs):
+    """:func:`_rungs` on NumPy terms (``q64``: the query in FP64, ``q_dtype`` its own)."""
+    hq = out.shape[0]
+    canary, rung = np.empty(hq, np.bool_), np.empty(hq, np.int64)
+    flags, returned = np.empty(hq + 2, np.bool_), np.empty((2, hq), np.float32)
+    ladder = inputs.ladder
+    _rungs(e_key, e_val, e_arith, value_blocks, out, q64,
+           *(x.numpy() for x in (inputs.expanded, inputs.ranking, inputs.boundary,
+                                 inputs.canary_blocks.reshape(hq, -1))),
+           bool(inputs.kv_bad), CAST_LIMIT.get(q_dtype, math.inf), inputs.certified,
+           ladder.canary, max(1.0, ladder.layer_dense_fraction * hq), canary, rung, flags,
+           returned)
+    returned = torch.from_numpy(returned)
+    return (torch.from_numpy(canary), torch.from_numpy(rung), torch.from_numpy(flags),
+            tuple(returned.unbind()))

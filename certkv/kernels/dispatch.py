@@ -1,10 +1,17 @@
-"""Backend choice: ``torch`` (reference, any device), ``triton`` (fused kernels), ``auto``
-(Triton on CUDA when available, else the reference)."""
+"""Backend choice: ``torch`` (reference, any device), ``triton`` (fused kernels), ``numba``
+(the reference's phases as fused CPU loop nests), ``auto`` (Triton on CUDA when available, else
+numba where it is installed, else the reference)."""
 
 from __future__ import annotations
 
 from certkv.errors import ConfigError
 from certkv.kernels.reference import TorchBackend
+
+
+def _numba(**kwargs):
+    from certkv.kernels.numba_backend import NumbaBackend
+
+    return NumbaBackend(**kwargs)
 
 
 def _triton(**kwargs):
@@ -13,23 +20,26 @@ def _triton(**kwargs):
     return TritonBackend(**kwargs)
 
 
-BACKENDS = {"torch": TorchBackend, "triton": _triton}
+BACKENDS = {"torch": TorchBackend, "triton": _triton, "numba": _numba}
 
 
 def get_backend(backend: str | object = "auto", **kwargs):
-    """Return a backend object for a name (``auto``, ``torch``, ``triton``) or pass an
+    """Return a backend object for a name (``auto``, ``torch``, ``triton``,
+    ``numba``) or pass an
     instance through."""
     if not isinstance(backend, str):
         if not all(hasattr(backend, m) for m in ("phase1", "phase2", "dense")):
-            raise ConfigError(f"backend={backend!r} is not a backend; use 'auto', 'torch' or "
-                              "'triton' (or a backend object).")
+            raise ConfigError(f"backend={backend!r} is not a backend; use 'auto', 'torch', "
+                              "'triton' or 'numba' (or a backend object).")
         return backend
     if backend == "auto":
         import torch
 
+        from certkv.kernels.numba_backend import AVAILABLE
         from certkv.kernels.triton_backend import triton_available
 
-        backend = "triton" if torch.cuda.is_available() and triton_available() else "torch"
+        backend = "triton" if torch.cuda.is_available() and triton_available() \
+            else "numba" if AVAILABLE else "torch"
         kwargs = {} if backend == "triton" else kwargs
     if backend not in BACKENDS:
         raise ConfigError(f"unknown backend {backend!r}; choose one of {['auto', *BACKENDS]}.")

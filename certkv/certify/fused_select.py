@@ -1,0 +1,193 @@
+"""Selection (paper 3.3), rung 1 and value promotion (rung 2) as one fused loop nest on CPU
+tensors (issue 24), compiled by numba.
+
+:meth:`certkv.attention.CertifiedAttention._select_step` states them as about 75 small PyTorch
+operators on ``[Hq, n]`` tensors; on a CPU each costs microseconds of dispatch. :func:`select`
+computes the same quantities head by head for the default policy: ``AdaptiveTopK`` ranking by
+mass without the KV-group union, the ladder's tight tail mass without ``e_key_tol``, exploration
+or a bound tolerance, and ``LocalThreshold`` values (either contribution).
+:func:`covers` says whether a step's components are that policy; any other runs the operators.
+
+Sums and log-sum-exps are taken in FP64 and rounded once to FP32, so each quantity is at least
+as accurate as the PyTorch operators' FP32 evaluation (whose rounding the certificate allows
+for, ``arith.LOG_ULPS``); decisions (``K*``, rung 1, value promotion) can differ from theirs
+only where a threshold falls within that rounding, and every choice is certified alike.
+NaN follows PyTorch's rules (``minimum`` and ``amax`` propagate it, sorting puts it first, a
+comparison with it is false). ``tests/test_fused_select.py`` holds both to each other.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from certkv.certify.fused_cpu import AVAILABLE, jit
+from certkv.certify.select import AdaptiveTopK
+from certkv.certify.values import LocalThreshold
+
+_F32 = np.float32
+
+
+def covers(selector, ladder, value_policy, draw, boost) -> bool:
+    """Whether :func:`select` computes this step's selection (the default policy)."""
+    return (AVAILABLE and type(selector) is AdaptiveTopK and selector.rank == "mass"
+            and not selector.kv_group_union and ladder.tail_mass == "tight"
+            and ladder.e_key_tol is None and draw is None and boost is None
+            and type(value_policy) is LocalThreshold)
+
+
+@jit
+def _fmin(a, b):
+    """``torch.minimum`` on two FP32 numbers: NaN if either is."""
+    if a != a or b != b:
+        return a + b
+    return a if a < b else b
+
+
+@jit
+def _lse(x, skip):
+    """FP64 ``logsumexp`` of ``x [n]`` over the entries not ``skip``ped (``-inf`` if none; NaN
+    if any is NaN; ``+inf`` if any is)."""
+    top = -np.inf
+    for b in range(x.shape[0]):
+        if not skip[b]:
+            v = np.float64(x[b])
+            if v != v:
+                return v
+            top = max(top, v)
+    if top == -np.inf or top == np.inf:
+        return top
+    acc = 0.0
+    for b in range(x.shape[0]):
+        if not skip[b]:
+            acc += math.exp(np.float64(x[b]) - top)
+    return top + math.log(acc)
+
+
+@jit
+def _descending(key):
+    """A stable descending argsort of ``key [n]`` with NaN first (``torch.sort(descending=True,
+    stable=True)`` on keys below ``+inf``): a stable ascending sort of ``-key``."""
+    neg = np.empty(key.shape[0])
+    for b in range(key.shape[0]):
+        neg[b] = -np.inf if key[b] != key[b] else -np.float64(key[b])
+    return np.argsort(neg, kind="mergesort")
+
+
+@jit
+def _coverage_k(p, quantized, order, n_q, tau_cov):
+    """Smallest ``K`` with ``C_K >= tau_cov`` (:func:`certkv.certify.select.coverage_k`)."""
+    total, covered = 0.0, 0.0
+    for b in range(p.shape[0]):
+        total += p[b]
+        if not quantized[b]:
+            covered += p[b]
+    target = _F32(tau_cov) * _F32(total)
+    k = 0
+    for j in range(n_q):
+        if _F32(covered) < target:
+            k += 1
+        covered += p[order[j]]
+    return k
+
+
+@jit
+def _expanded_k(k, factor, integral, cap):
+    """Rung 1: ``min(max(ceil(factor K*), K* + 1), cap)``, never below ``K*``."""
+    scaled = k * int(factor) if integral else math.ceil(_F32(k) * _F32(factor))
+    return max(min(max(scaled, k + 1), cap), k)
+
+
+@jit
+def _head(h, kv, l8, delta_chan, log_spread, q, quantized, eta, value_spec, key_err, params,
+          n_q, out_f, out_b, q_norm, expanded):
+    """One query head: ``log_p``, tightened ``Delta_b``, the key set (``K*`` by coverage,
+    rung 1 on the tight tail mass) and the value blocks it asks for."""
+    scaling, tau_cov, k_min, k_cap, expand, factor, cap, v_tol, tight = params
+    n = l8.shape[1]
+    log_p, delta_b, p = out_f[0, h], out_f[1, h], np.empty(n, _F32)
+    promoted, value = out_b[0, h], out_b[1, h]
+    no_skip = np.zeros(n, np.bool_)
+    lse = _lse(l8[h], no_skip)
+    acc = 0.0
+    for c in range(q.shape[1]):
+        acc += np.float64(q[h, c]) * np.float64(q[h, c])
+    qn = _F32(math.sqrt(acc))
+    q_norm[h] = qn
+    delta = _F32(-np.inf)
+    for b in range(n):
+        log_p[b] = _F32(np.float64(l8[h, b]) - lse)
+        p[b] = np.exp(log_p[b])
+        delta_b[b] = _fmin(delta_chan[h, b], _F32(scaling) * qn * key_err[kv, b])
+        delta = delta_b[b] if (delta_b[b] > delta or delta_b[b] != delta_b[b]) else delta
+    out_f[2, h, 0] = delta
+    key = np.empty(n, _F32)
+    for b in range(n):
+        key[b] = p[b] if quantized[b] else _F32(-1.0)
+    order = _descending(key)
+    rank = np.empty(n, np.int64)
+    for j in range(n):
+        rank[order[j]] = j
+    k = min(max(_coverage_k(p, quantized, order, n_q, tau_cov), k_min), k_cap)
+    keyed = np.empty(n, np.bool_)  # FP16 keys: exact or of rank below K*
+    delta_f = _F32(0.0)
+    for b in range(n):
+        keyed[b] = not quantized[b] or rank[b] < k
+        d = delta_b[b] if keyed[b] else _F32(0.0)
+        delta_f = d if (d > delta_f or d != d) else delta_f
+    log_bound = np.float64(delta_f) + _lse(log_p, keyed)  # tail mass min(1, e^{Delta_F} alpha)
+    log_bound = log_bound if (log_bound != log_bound or log_bound < 0.0) else 0.0
+    k_new = k
+    if expand and math.exp(log_bound) > 1.0 - tau_cov:
+        k_new = _expanded_k(k, factor, factor == int(factor), cap)
+    expanded[h] = k_new > k
+    for b in range(n):
+        promoted[b] = not quantized[b] or rank[b] < k_new
+        contribution = p[b] * eta[kv, b]
+        if tight:
+            spread = np.exp(log_spread[h, b] - (l8[h, b] - log_p[b]))
+            contribution = _fmin(contribution, spread * value_spec[kv, b])
+        value[b] = contribution > _F32(v_tol) and eta[kv, b] > 0
+
+
+@jit
+def _kernel(l8, delta_chan, log_spread, q, quantized, eta, value_spec, key_err, params, n_q,
+            group, out_f, out_b, q_norm, expanded):
+    """:func:`_head` for every query head (head ``h`` reads kv head ``h // group``)."""
+    for h in range(l8.shape[0]):
+        _head(h, h // group, l8, delta_chan, log_spread, q, quantized, eta, value_spec, key_err,
+              params, n_q, out_f, out_b, q_norm, expanded)
+
+
+def select(selector: AdaptiveTopK, ladder, value_policy: LocalThreshold, *, qg, l8_kv, delta_kv,
+           log_spread_kv, quantized, eta, value_spec, key_err, v_max_kv, v_rad_kv, kv_of, n_q,
+           scaling):
+    """:meth:`CertifiedAttention._select_step`'s outputs for the default policy (:func:`covers`)
+    in one call on CPU tensors (shapes as there): ``log_p, delta_b [Hq, n]``, ``delta [Hq]``,
+    ``delta_chan [Hq, n]``, ``v_max, v_rad [Hq]``, ``q_norm [Hkv, G]``, ``promoted [Hq, n]``,
+    ``expanded [Hq]``, ``value_kv [Hkv, n]``, the page-in plan ``[2, Hkv, n]`` and
+    ``exact [n]``."""
+    hkv, group, n = l8_kv.shape
+    hq = hkv * group
+    params = (float(scaling), float(selector.tau_cov), int(selector.k_min),
+              int(min(selector.k_max, n_q)), bool(ladder.expand), float(ladder.expand_factor),
+              int(ladder.key_cap(selector.k_max, n_q)), float(value_policy.v_tol),
+              value_policy.contribution == "tight")
+    out_f = np.empty((3, hq, n), _F32)  # log_p, delta_b, delta (in [2, :, 0])
+    out_b = np.empty((2, hq, n), np.bool_)  # promoted, values wanted
+    q_norm, expanded = np.empty(hq, _F32), np.empty(hq, np.bool_)
+    delta_chan = delta_kv.reshape(hq, n)
+    _kernel(*(x.numpy() for x in (
+        l8_kv.reshape(hq, n), delta_chan, log_spread_kv.reshape(hq, n),
+        qg.reshape(hq, -1).float(), quantized, eta, value_spec, key_err)), params, int(n_q),
+        group, out_f, out_b, q_norm, expanded)
+    out_f, out_b, q_norm, expanded = (torch.from_numpy(x) for x in (out_f, out_b, q_norm,
+                                                                      expanded))
+    log_p, delta_b, promoted = out_f[0], out_f[1], out_b[0]
+    value_kv = out_b[1].view(hkv, group, n).any(dim=1)
+    need_keys = promoted.view(hkv, group, n).any(dim=1) & quantized
+    v_max, v_rad = torch.stack([v_max_kv, torch.minimum(v_rad_kv, v_max_kv)])[:, kv_of]
+    return (log_p, delta_b, out_f[2, :, 0], delta_chan, v_max, v_rad, q_norm.view(hkv, group),
+            promoted, expanded, value_kv, torch.stack([need_keys, value_kv]), ~quantized)

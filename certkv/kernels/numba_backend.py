@@ -1,0 +1,393 @@
+"""CPU backend: the PyTorch reference's two phases with their per-block softmax, value sums
+and checks as fused loop nests (numba), on the same decoded FP32 blocks (issue 24).
+
+The reference (:mod:`certkv.kernels.reference`) states Phase 1's block statistics and Phase 2
+as about 100 small PyTorch operators per layer step; on a CPU each costs microseconds of
+dispatch. Here Phase 1 keeps its logits as one BLAS product (``baddbmm``, as the reference)
+and computes every block's softmax state in one loop nest; Phase 2 is one loop nest per step:
+FP16-key logits and the canary only on the gated blocks (the reference recomputes them for
+every block), each block's softmax state (Phase 1's reused elsewhere), the per-block value
+sums, the two-level sums over blocks, the block masses, log-masses and spreads, and the
+ranking and boundary checks (eq. 17-18) in its epilogue.
+
+Every quantity takes the same FP32 operations as the reference, in an order its rounding
+chain already allows (:meth:`TorchBackend.rounding`: ``B - 1`` additions inside a block, then
+at most ``SUM_CHUNK + n / SUM_CHUNK`` over blocks; a logit's dot product in any order), so the
+arithmetic bound is the reference's. NaN follows PyTorch (``amax`` propagates it; sorting puts
+it first). ``fp64_scalars`` runs the reference itself. Covers every codec, since it reads the
+layout's decoded blocks, as the reference does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from certkv.certify.fused_cpu import AVAILABLE, jit
+from certkv.kernels.reference import (
+    LOG2E,
+    SUM_CHUNK,
+    Attended,
+    BlockSoftmax,
+    CheckInputs,
+    Scored,
+    TorchBackend,
+    block_scores,
+)
+
+_F32 = np.float32
+_LOG2E = _F32(LOG2E)
+_F32_MIN = _F32(np.finfo(np.float32).min)
+_CANARY_REL = _F32(1e-5)  # certify.checks.canary_violations' rounding allowance
+
+
+@jit
+def _amax(x):
+    """``x.amax()`` of a 1-D FP32 array as PyTorch computes it: NaN if any element is."""
+    m = _F32(-np.inf)
+    for v in x:
+        m = v if (v > m or v != v) else m  # NaN, once met, stays (v > NaN is false)
+    return m
+
+
+_EXP2_TAYLOR = tuple(math.log(2.0) ** k / math.factorial(k) for k in range(12))
+_MAGIC = float(2**52)  # 2^52 + k holds the integer k in its low mantissa bits
+_MAGIC_BITS = 0x4330000000000000  # the bits of 2^52
+
+
+@jit
+def _exp2(x, out, frac, scale):
+    """``out [m] = 2^x`` for FP32 ``x [m]`` (``out`` may be ``x``), in loops that vectorize;
+    ``frac, scale [>= m]`` FP64 scratch.
+
+    ``x = k + f`` with ``k`` an integer and ``|f| <= 1/2`` (clamped to ``|x| <= 200``: FP32 results
+    there are 0 or inf either way); ``2^f`` from its Taylor series to degree 11 in FP64 (relative
+    error below 1e-11), ``2^k`` built from its exponent bits, and one rounding to FP32: within 1 u
+    of ``2^x`` for normal results, within 2^-150 below them (arith's ``EXP_ULPS = 8`` and ``TINY``
+    allow more). NaN stays NaN, ``-inf`` gives 0. ``tests/test_numba_backend.py`` checks it
+    against FP64 ``exp2``."""
+    c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11 = _EXP2_TAYLOR
+    m = x.shape[0]
+    for t in range(m):
+        xd = np.float64(x[t])
+        xc = xd if xd > -200.0 else -200.0
+        xc = xc if xc < 200.0 else 200.0
+        k = np.floor(xc + 0.5)
+        f = xc - k
+        p = ((((c11 * f + c10) * f + c9) * f + c8) * f + c7) * f + c6
+        frac[t] = (((((p * f + c5) * f + c4) * f + c3) * f + c2) * f + c1) * f + c0
+        scale[t] = k + (1023.0 + _MAGIC)
+    bits = scale.view(np.int64)
+    for t in range(m):
+        bits[t] = (bits[t] - _MAGIC_BITS) << 52
+    for t in range(m):
+        r = _F32(frac[t] * scale[t])
+        out[t] = r if x[t] == x[t] else x[t]
+
+
+@jit(fastmath={"reassoc", "contract"})
+def _sums(w):
+    """``(sum w, sum w^2)`` of FP32 weights in any order (``B - 1`` additions each, as the
+    reference's ``sum`` allows)."""
+    acc, acc2 = _F32(0.0), _F32(0.0)
+    for x in w:
+        acc += x
+        acc2 += x * x
+    return acc, acc2
+
+
+@jit
+def _row_state(s, w, m, total, total2, frac, scale):
+    """The softmax state of one head's blocks from their logits ``s [n, B]`` (``-inf`` on empty
+    slots): each block's max ``m [n]``, the weights ``w [n, B] = 2^((s - max(m_b, FP32 min))
+    log2 e)`` (C-contiguous), their sums ``total`` and sums of squares ``total2 [n]``
+    (:func:`certkv.kernels.reference.block_softmax`; the exponentials in one vectorised pass
+    over the row, :func:`_exp2` with scratch ``frac, scale [n B]``)."""
+    n, bsz = s.shape
+    for b in range(n):
+        mb = _amax(s[b])
+        m[b] = mb
+        shift = mb if (mb != mb or mb > _F32_MIN) else _F32_MIN
+        for t in range(bsz):
+            w[b, t] = (s[b, t] - shift) * _LOG2E
+    flat = w.reshape(n * bsz)
+    _exp2(flat, flat, frac, scale)
+    for b in range(n):
+        total[b], total2[b] = _sums(w[b])
+
+
+@jit
+def _block_states(s, m, w, total, total2, log_mass, log_spread):
+    """Phase 1's block statistics from logits ``s [H, n, B]``: :func:`_row_state` per head
+    into ``m, total, total2 [H, n]`` (the block's ``l``, ``l2``), ``log_mass = m + log l``,
+    ``log_spread = m + log(l2) / 2`` ``[H, n]`` and
+    ``w [H, n, B]``."""
+    hq, n, bsz = s.shape
+    frac, scale = np.empty(n * bsz), np.empty(n * bsz)
+    for h in range(hq):
+        _row_state(s[h], w[h], m[h], total[h], total2[h], frac, scale)
+        for b in range(n):
+            log_mass[h, b] = m[h, b] + np.log(total[h, b])
+            log_spread[h, b] = m[h, b] + _F32(0.5) * np.log(total2[h, b])
+
+
+@jit
+def _canary(s16, s8, delta_b, eps_guard):
+    """Whether a gated block's canary fires: some token with a finite INT8 logit ``s8 [B]`` has
+    ``|s16 - s8| > Delta_b + eps_guard + 1e-5 |s16|`` (FP16-key logits ``s16 [B]``;
+    :func:`certkv.certify.checks.canary_violations`)."""
+    fired = False
+    for t in range(s16.shape[0]):
+        x = s16[t]
+        slack = delta_b + eps_guard + _CANARY_REL * abs(x)
+        fired = fired or (abs(x - s8[t]) > slack and abs(s8[t]) < np.inf)
+    return fired
+
+
+@jit
+def _sum_blocks(x, n):
+    """``chunked_sum`` of ``x[:n]``: chunks of ``SUM_CHUNK`` then across chunks."""
+    total = _F32(0.0)
+    for c0 in range(0, n, SUM_CHUNK):
+        part = _F32(0.0)
+        for b in range(c0, min(c0 + SUM_CHUNK, n)):
+            part += x[b]
+        total += part
+    return total
+
+
+@jit
+def _attend_head(h, kv, s8, s16, state, gate, delta_b, eps_guard, values, vslot, vdata, out,
+                 rho, log_mass, spread, canary, logits, w16, o_b, part, frac, scale):
+    """Phase 2 of query head ``h`` (kv head ``kv``): where any block is gated, every block's
+    softmax state from the logits with the gated blocks' FP16-key ones in (the canary on
+    those), else Phase 1's state; then the weighted value sums over blocks
+    (:func:`certkv.kernels.reference.attend_blocks`). Scratch: ``logits, w16 [n, B]``,
+    ``o_b, part [d]``, ``frac, scale [n B]`` (:func:`_exp2`)."""
+    m8, w8, l8, l28 = state
+    n, bsz = s8.shape[1], s8.shape[2]
+    m_b, l_b, l2_b, alphas = np.empty((4, n), _F32)
+    gated = False
+    for b in range(n):
+        canary[h, b] = False
+        gated = gated or gate[h, b]
+    if gated:
+        for b in range(n):
+            if gate[h, b]:
+                canary[h, b] = _canary(s16[h, b], s8[h, b], delta_b[h, b], eps_guard)
+                logits[b] = s16[h, b]
+            else:
+                logits[b] = s8[h, b]
+        _row_state(logits, w16, m_b, l_b, l2_b, frac, scale)
+        w = w16
+    else:
+        m_b[:], l_b[:], l2_b[:] = m8[h], l8[h], l28[h]
+        w = w8[h]
+    top = _amax(m_b)
+    for b in range(n):
+        log_mass[h, b] = m_b[b] + np.log(l_b[b])
+        alphas[b] = (m_b[b] - top) * _LOG2E
+    _exp2(alphas, alphas, frac, scale)  # alpha_b = e^{m_b - m}
+    for b in range(n):  # the block masses
+        l_b[b] = alphas[b] * l_b[b]
+    total = _sum_blocks(l_b, n)
+    acc = out[h]
+    acc[:] = 0.0
+    part[:] = 0.0
+    for b in range(n):
+        alpha = alphas[b]
+        o_b[:] = 0.0
+        row = vslot[kv, b]
+        block = values[b, kv] if row < 0 else vdata[row]
+        for t in range(bsz):
+            wt = w[b, t] * alpha  # rescaled before the block's product, as the reference
+            for i in range(o_b.shape[0]):
+                o_b[i] += wt * block[t, i]
+        part += o_b
+        if (b + 1) % SUM_CHUNK == 0 or b == n - 1:
+            acc += part
+            part[:] = 0.0
+        rho[h, b] = l_b[b] / total
+        spread[h, b] = alpha * np.sqrt(l2_b[b]) / total
+    for i in range(acc.shape[0]):
+        acc[i] = acc[i] / total
+
+
+@jit
+def _before(a, i, b, j):
+    """Whether entry ``(a, i)`` precedes ``(b, j)`` in a stable descending sort (NaN first)."""
+    if a != a:
+        return b == b or i < j
+    if b != b:
+        return False
+    return a > b or (a == b and i < j)
+
+
+@jit
+def _top_r(x, members, k, idx, val):
+    """The ``k`` first blocks of a stable descending sort of ``x [n]`` with non-members at
+    ``-inf`` (:func:`certkv.certify.checks.top_r`) into ``idx, val [k]``; returns how many
+    members exist."""
+    n = x.shape[0]
+    for j in range(k):
+        best = -1
+        for b in range(n):
+            taken = False
+            for i in range(j):
+                taken = taken or idx[i] == b
+            if taken:
+                continue
+            v = x[b] if members[b] else _F32(-np.inf)
+            if best < 0 or _before(v, b, val[j], best):
+                best, val[j] = b, v
+        idx[j] = best
+    count = 0
+    for b in range(n):
+        count += members[b]
+    return count
+
+
+@jit
+def _rank_checks(h, l8, l16, delta_b, promoted, quantized, r, ranking, boundary):
+    """Eq. 17 (the top-``r`` promoted blocks agree under both log-masses) and eq. 18 (no INT8
+    tail block's ``l8 + Delta_b`` exceeds the ``r``-th FP16 log-mass) for head ``h``
+    (:func:`certkv.certify.checks.rank_checks`)."""
+    n = l8.shape[1]
+    k = min(r, n)
+    idx8, idx16 = np.empty(k, np.int64), np.empty(k, np.int64)
+    val8, val16 = np.empty(k, _F32), np.empty(k, _F32)
+    count = _top_r(l8[h], promoted[h], k, idx8, val8)
+    _top_r(l16[h], promoted[h], k, idx16, val16)
+    ok = True
+    for j in range(k):
+        ok = ok and (idx8[j] == idx16[j] or j >= count)
+    ranking[h] = ok
+    threshold = val16[k - 1] if count >= r else _F32(-np.inf)
+    ok = True
+    for b in range(n):
+        upper = l8[h, b] + delta_b[h, b] if quantized[b] and not promoted[h, b] \
+            else _F32(-np.inf)
+        ok = ok and upper <= threshold
+    boundary[h] = ok
+
+
+@jit
+def _attend(group, s8, s16, state, gate, delta_b, eps_guard, values, staged_kv, staged_blk,
+            staged, checks, out, rho, log_mass, spread, canary, flags):
+    """Phase 2 over every query head (``[H, ...]`` per head, head ``h`` reading kv head
+    ``h // group``) from the INT8 and FP16-key logits ``s8, s16 [H, n, B]`` (``s16`` read
+    where ``gate [H, n]`` is set); ``staged [m, B, d]`` FP16 values (as FP32) replace block
+    ``staged_blk[i]`` of kv head ``staged_kv[i]``; ``checks``: ``(l8, delta_b, promoted,
+    quantized, r)`` or an empty ``r < 1`` for none, flags ``[2, H]`` (ranking, boundary)."""
+    hq, n, bsz = s8.shape
+    d = out.shape[1]
+    vslot = np.full((values.shape[1], n), -1, np.int64)
+    for i in range(staged_kv.shape[0]):
+        vslot[staged_kv[i], staged_blk[i]] = i
+    l8, delta_t, promoted, quantized, r = checks
+    logits, w16 = np.empty((n, bsz), _F32), np.empty((n, bsz), _F32)
+    o_b, part = np.empty(d, _F32), np.empty(d, _F32)
+    frac, scale = np.empty(n * bsz), np.empty(n * bsz)
+    for h in range(hq):
+        _attend_head(h, h // group, s8, s16, state, gate, delta_b, eps_guard, values, vslot,
+                     staged, out, rho, log_mass, spread, canary, logits, w16, o_b, part, frac,
+                     scale)
+        if r >= 1:
+            _rank_checks(h, l8, log_mass, delta_t, promoted, quantized, r, flags[0], flags[1])
+
+
+def _np(x: torch.Tensor) -> np.ndarray:
+    """A NumPy view of a CPU tensor (strides kept)."""
+    return x.detach().numpy() if x.requires_grad else x.numpy()
+
+
+@dataclass
+class NumbaBackend(TorchBackend):
+    """The reference's phases as fused CPU loop nests (numba); the reference itself for FP64
+    softmax scalars, a store off the CPU, or where numba is missing."""
+
+    name: str = "numba"
+
+    def _fused(self, x: torch.Tensor) -> bool:
+        return AVAILABLE and not self.fp64_scalars and x.device.type == "cpu"
+
+    def phase1(self, q, lay, scaling) -> Scored:
+        """Phase 1: logits in one BLAS product (``[Hkv, G, n, B]``), each block's softmax
+        state, log-mass and log-spread in one loop nest, ``Delta_b`` (eq. 8) as the reference."""
+        if not self._fused(q):
+            return super().phase1(q, lay, scaling)
+        from certkv.certify.bounds import block_deltas
+
+        s = block_scores(q, lay.keys, lay.slot_bias, scaling)
+        state, log_mass, log_spread = _states(s)
+        return Scored(scores=s, log_mass=log_mass, delta_b=block_deltas(q, lay.key_bound, scaling),
+                      log_spread=log_spread, state=state)
+
+    def phase2(self, q, scored, lay, gate, keys, values, scaling, eps_guard,
+               checks: CheckInputs | None = None) -> Attended:
+        """Phase 2 in one loop nest (shapes as :meth:`TorchBackend.phase2`), the ranking and
+        boundary checks (``checks``) in its epilogue. Where ``keys`` were asked for, the
+        FP16-key logits come from one BLAS product with the original keys, as in the reference
+        (the canary compares them with Phase 1's from the same kind of product), and replace
+        Phase 1's where ``gate [Hkv, G, n]`` is set."""
+        if not self._fused(q):
+            return super().phase2(q, scored, lay, gate, keys, values, scaling, eps_guard,
+                                  checks)
+        hkv, group, n, bsz = scored.scores.shape
+        hq, d = hkv * group, q.shape[-1]
+        state = scored.state
+        if state is None or state.w.dtype != torch.float32:
+            state = _states(scored.scores)[0]
+        s8 = scored.scores
+        if keys is None:
+            s16, gate = s8, torch.zeros(hq, n, dtype=torch.bool)
+        else:
+            s16 = block_scores(q, lay.original_keys, lay.slot_bias, scaling)
+        out, per_block = np.empty((hq, d), _F32), np.empty((3, hq, n), _F32)
+        canary, flags = np.empty((hq, n), np.bool_), np.ones((2, hq), np.bool_)
+        _attend(group, *(_np(x.reshape(hq, n, bsz)) for x in (s8, s16)),
+                tuple(_np(x.reshape(hq, n, *x.shape[3:])) for x in state),
+                _np(gate.reshape(hq, n)), _np(scored.delta_b.reshape(hq, n)), _F32(eps_guard),
+                np.ascontiguousarray(_np(lay.values.transpose(0, 1))), *_staged(values, lay),
+                _check_args(checks, hq, n), out, *per_block, canary, flags)
+        rho, log_mass, spread = torch.from_numpy(per_block).view(3, hkv, group, n).unbind()
+        att = Attended(out=torch.from_numpy(out).view(hkv, group, d), rho=rho,
+                       log_mass=log_mass, canary=torch.from_numpy(canary).view(hkv, group, n),
+                       spread=spread)
+        if checks is not None:
+            att.ranking, att.boundary = torch.from_numpy(flags).unbind()
+        return att
+
+
+def _states(s: torch.Tensor) -> tuple[BlockSoftmax, torch.Tensor, torch.Tensor]:
+    """Each block's softmax state of logits ``s [Hkv, G, n, B]`` (FP32) with its log-mass and
+    log-spread ``[Hkv, G, n]``."""
+    *lead, n, bsz = s.shape
+    hq = math.prod(lead)
+    w, stats = np.empty((hq, n, bsz), _F32), np.empty((5, hq, n), _F32)
+    _block_states(_np(s.reshape(hq, n, bsz)), stats[0], w, *stats[1:])
+    m, total, total2, log_mass, log_spread = torch.from_numpy(stats).view(5, *lead, n).unbind()
+    return (BlockSoftmax(m, torch.from_numpy(w).view(s.shape), total, total2), log_mass,
+            log_spread)
+
+
+def _staged(values, lay) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Staged FP16 value blocks as ``(kv heads [m], blocks [m], data [m, B, d] FP32)``."""
+    if values is None:
+        store = lay.store
+        empty = np.zeros(0, np.int64)
+        return empty, empty, np.zeros((1, store.block_size, store.head_dim), _F32)
+    return (_np(values.kv_heads.long()), _np(values.blocks.long()),
+            np.ascontiguousarray(_np(values.gathered().float())))
+
+
+def _check_args(checks: CheckInputs | None, hq: int, n: int) -> tuple:
+    """The epilogue's ``(l8, delta_b, promoted, quantized, r)``; ``r = 0`` for no checks."""
+    if checks is None:
+        none = np.zeros((hq, n), _F32)
+        return none, none, np.zeros((hq, n), np.bool_), np.zeros(n, np.bool_), 0
+    return (_np(checks.l_int8.reshape(hq, n).float()), _np(checks.delta_b.reshape(hq, n)),
+            _np(checks.promoted.reshape(hq, n)), _np(checks.quantized), int(checks.r))

@@ -1,0 +1,151 @@
+"""The numba CPU backend (:mod:`certkv.kernels.numba_backend`) against the PyTorch reference
+it fuses: the same phases on the same decoded blocks, equal up to FP32 rounding in an order the
+reference's rounding chain allows, and the same checks. The contract (both against FP64
+attention) is ``test_contract.py``'s, whose scenarios draw either backend."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers import make_kv, make_query
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_contract import build, scenarios
+
+import certkv.kernels.numba_backend as nb
+from certkv import CertifiedAttention, TieredKVStore
+from certkv.errors import NonFiniteError
+from certkv.kernels.dispatch import get_backend
+from certkv.kernels.layout import StagedBlocks, StepLayout
+from certkv.kernels.reference import CheckInputs, TorchBackend, exp_weights
+
+F32_TINY = float(np.finfo(np.float32).tiny)
+
+
+def test_the_reference_stays_reachable():
+    """``torch`` is the reference; FP64 softmax scalars run it inside the numba backend
+    (``backend=auto``'s choice: ``test_triton.py``)."""
+    assert nb.AVAILABLE
+    assert get_backend("torch").name == "torch" and get_backend("numba").name == "numba"
+    assert not nb.NumbaBackend(fp64_scalars=True)._fused(torch.zeros(1))
+
+
+def test_exp2_is_within_one_ulp_of_fp64():
+    """The vectorised ``2^x`` is within 1 u (2^-24 relative) of FP64 ``exp2`` where the result
+    is a normal FP32 number and within 2^-150 below; NaN, +-inf and overflow as IEEE."""
+    x = np.concatenate([np.linspace(-160.0, 130.0, 400_001), -np.logspace(-30, 2, 2001),
+                        [0.0, -0.0, -149.0, -126.0, -150.5, 127.9999, 128.0, 1e30, -1e30]])
+    x = x.astype(np.float32)
+    got = np.empty_like(x)
+    nb._exp2(x, got, np.empty(x.size), np.empty(x.size))
+    with np.errstate(over="ignore"):
+        want = np.exp2(x.astype(np.float64))
+    normal = (want >= F32_TINY) & (want < np.finfo(np.float32).max)
+    rel = np.abs(got[normal].astype(np.float64) - want[normal]) / want[normal]
+    assert rel.max() <= 2.0**-24 * (1 + 1e-6)
+    small = want < F32_TINY
+    assert np.abs(got[small].astype(np.float64) - want[small]).max() <= 2.0**-150
+    assert np.isinf(got[want > np.finfo(np.float32).max]).all()
+    special = np.array([np.nan, -np.inf, np.inf], np.float32)
+    out = np.empty_like(special)
+    nb._exp2(special, out, np.empty(3), np.empty(3))
+    assert np.isnan(out[0]) and out[1] == 0.0 and out[2] == np.inf
+
+
+def test_block_softmax_weights_agree_with_the_reference():
+    s = torch.randn(2, 3, 5, 8) * 40
+    s[0, 0, 1] = float("-inf")  # an empty block
+    s[1, 2, 3, 4:] = float("-inf")  # a partial one
+    state, log_mass, log_spread = nb._states(s)
+    torch.testing.assert_close(log_spread, state.m + 0.5 * state.l2.log())
+    ref = exp_weights(s - s.amax(-1, keepdim=True).clamp_min(-3.4e38))
+    torch.testing.assert_close(state.w, ref, rtol=2e-6, atol=1e-38)
+    torch.testing.assert_close(log_mass, state.m + state.l.log())
+    assert torch.isneginf(log_mass[0, 0, 1]) and (state.w[0, 0, 1] == 0).all()
+
+
+def _layout(sc):
+    store, q, _ = build(sc)
+    lay = StepLayout(store)
+    hkv = store.num_kv_heads
+    return store, lay, q.float().reshape(hkv, q.shape[0] // hkv, -1)
+
+
+def _phases(backend, lay, qg, scaling, gate, staged_values, checks):
+    scored = backend.phase1(qg, lay, scaling)
+    keys = None if not gate.any() else StagedBlocks(torch.zeros(0, dtype=torch.long),
+                                                    torch.zeros(0, dtype=torch.long), None)
+    att = backend.phase2(qg, scored, lay, gate, keys, staged_values, scaling, 1e-6, checks)
+    return scored, att
+
+
+def _staged(store, lay, mask):
+    """FP16 values of the ``mask [Hkv, n]`` completed blocks, staged from Tier-2."""
+    kv, blk = mask.nonzero(as_tuple=True)
+    if kv.numel() == 0:
+        return None
+    _, v = store.fetch_originals(kv, blk, which="v")
+    return StagedBlocks(kv, blk, v)
+
+
+@settings(max_examples=120, suppress_health_check=[HealthCheck.too_slow], deadline=None)
+@given(scenarios(), st.integers(0, 99))
+def test_phases_agree_with_the_reference(sc, seed):
+    """Phase 1 and Phase 2 (gated FP16-key blocks, staged FP16 values, the checks in the
+    epilogue) give the reference's logits, log-masses, masses, spreads and output up to FP32
+    rounding, and the same canary and checks."""
+    sc = {**sc, "fp64_scalars": False}
+    store, lay, qg = _layout(sc)
+    scaling = sc["scaling"] or store.head_dim**-0.5
+    hkv, group, _ = qg.shape
+    n = lay.num_blocks
+    gen = torch.Generator().manual_seed(seed)
+    gate = (torch.rand(hkv, group, n, generator=gen) < 0.5) | ~lay.quantized
+    staged_mask = torch.rand(hkv, lay.num_completed, generator=gen) < 0.3
+    staged = _staged(store, lay, staged_mask & lay.quantized[:lay.num_completed])
+    checks = CheckInputs(torch.randn(hkv * group, n, generator=gen),
+                         torch.rand(hkv * group, n, generator=gen), gate.reshape(hkv * group, n),
+                         lay.quantized, sc["r"])
+    ref_s, ref = _phases(TorchBackend(), lay, qg, scaling, gate, staged, None)
+    got_s, got = _phases(nb.NumbaBackend(), lay, qg, scaling, gate, staged, checks)
+    for name in ("scores", "log_mass", "delta_b", "log_spread"):
+        torch.testing.assert_close(getattr(got_s, name), getattr(ref_s, name), rtol=1e-5,
+                                   atol=1e-5, equal_nan=True, msg=name)
+    scale = float(ref.out.abs().max()) if ref.out.numel() else 1.0
+    torch.testing.assert_close(got.out, ref.out, rtol=1e-4, atol=1e-5 * max(scale, 1.0),
+                               equal_nan=True)
+    for name in ("rho", "spread", "log_mass"):
+        torch.testing.assert_close(getattr(got, name), getattr(ref, name), rtol=1e-4,
+                                   atol=1e-6, equal_nan=True, msg=name)
+    assert torch.equal(got.canary, ref.canary)
+    ranking, boundary = TorchBackend().checks(*checks[:1], ref.log_mass.reshape(hkv * group, n),
+                                              *checks[1:])
+    assert torch.equal(got.ranking, ranking) and torch.equal(got.boundary, boundary)
+
+
+@pytest.mark.parametrize("peaked", [False, True])
+def test_a_step_matches_the_reference_backend(peaked):
+    """Whole certified steps: the same rungs, key sets, value promotions and checks; outputs and
+    bounds equal up to FP32 rounding (on a store with the decoded mirror, as in a model)."""
+    k, v = make_kv(3, 700, 64, seed=2, outlier_channels=3)
+    store = TieredKVStore(3, 64, block_size=16, decoded_mirror=True)
+    store.append(k, v)
+    q = make_query(k, 3, seed=4, scale=2.0, peaked=peaked)
+    results = [CertifiedAttention(backend=b)(q, store) for b in ("torch", "numba")]
+    (out_t, cert_t), (out_n, cert_n) = results
+    torch.testing.assert_close(out_n, out_t, rtol=1e-5, atol=1e-5)
+    for name in ("rung", "k_star", "value_blocks", "ranking_ok", "boundary_ok", "canary_ok"):
+        assert torch.equal(getattr(cert_n, name), getattr(cert_t, name)), name
+    torch.testing.assert_close(cert_n.bound, cert_t.bound, rtol=1e-4, atol=1e-7)
+
+
+def test_a_nonfinite_query_raises_as_on_the_reference():
+    k, v = make_kv(2, 100, 16, seed=1)
+    store = TieredKVStore(2, 16, block_size=8)
+    store.append(k, v)
+    q = make_query(k, 2, seed=1)
+    q[1, 3] = float("nan")
+    for backend in ("torch", "numba"):
+        with pytest.raises(NonFiniteError, match="NaN or Inf"):
+            CertifiedAttention(backend=backend)(q, store)
