@@ -1,20 +1,21 @@
-"""CPU backend: the PyTorch reference's two phases with their per-block softmax, value sums
-and checks as fused loop nests (numba), on the same decoded FP32 blocks (issue 24).
+"""CPU backend: the PyTorch reference's Phase 2 with its per-block softmax, value sums and
+checks as one fused loop nest (numba), on the same decoded FP32 blocks (issue 24).
 
-The reference (:mod:`certkv.kernels.reference`) states Phase 1's block statistics and Phase 2
-as about 100 small PyTorch operators per layer step; on a CPU each costs microseconds of
-dispatch. Here Phase 1 keeps its logits as one BLAS product (``baddbmm``, as the reference)
-and computes every block's softmax state in one loop nest; Phase 2 is one loop nest per step:
-FP16-key logits and the canary only on the gated blocks (the reference recomputes them for
-every block), each block's softmax state (Phase 1's reused elsewhere), the per-block value
-sums, the two-level sums over blocks, the block masses, log-masses and spreads, and the
-ranking and boundary checks (eq. 17-18) in its epilogue.
+The reference (:mod:`certkv.kernels.reference`) states Phase 2 and the checks as about 100
+small PyTorch operators per layer step; on a CPU each costs microseconds of dispatch. Here
+Phase 1 is the reference's (its ``baddbmm`` and block softmax run on torch's threads, which a
+single-threaded loop did not beat), and Phase 2 is one loop nest per step after the
+FP16-key logits' BLAS product: each gated head's block softmax (Phase 1's state reused
+elsewhere) and canary, the per-block value sums with each value block read once for the
+query heads of its kv head, the two-level sums over blocks, the block masses, log-masses and
+spreads, and the ranking and boundary checks (eq. 17-18) in its epilogue.
 
 Every quantity takes the same FP32 operations as the reference, in an order its rounding
 chain already allows (:meth:`TorchBackend.rounding`: ``B - 1`` additions inside a block, then
-at most ``SUM_CHUNK + n / SUM_CHUNK`` over blocks; a logit's dot product in any order), so the
-arithmetic bound is the reference's. NaN follows PyTorch (``amax`` propagates it; sorting puts
-it first). ``fp64_scalars`` runs the reference itself. Covers every codec, since it reads the
+at most ``SUM_CHUNK + n / SUM_CHUNK`` over blocks), so the arithmetic bound is the
+reference's; the exponentials are :func:`_exp2`'s, within the 1 u of ``2^x`` that arith's
+``EXP_ULPS`` more than allows. NaN follows PyTorch (``amax`` propagates it; sorting puts it
+first). ``fp64_scalars`` runs the reference itself. Covers every codec, since it reads the
 layout's decoded blocks, as the reference does.
 """
 
@@ -31,11 +32,10 @@ from certkv.kernels.reference import (
     LOG2E,
     SUM_CHUNK,
     Attended,
-    BlockSoftmax,
     CheckInputs,
-    Scored,
     TorchBackend,
     block_scores,
+    block_softmax,
 )
 
 _F32 = np.float32
@@ -120,21 +120,6 @@ def _row_state(s, w, m, total, total2, frac, scale):
 
 
 @jit
-def _block_states(s, m, w, total, total2, log_mass, log_spread):
-    """Phase 1's block statistics from logits ``s [H, n, B]``: :func:`_row_state` per head
-    into ``m, total, total2 [H, n]`` (the block's ``l``, ``l2``), ``log_mass = m + log l``,
-    ``log_spread = m + log(l2) / 2`` ``[H, n]`` and
-    ``w [H, n, B]``."""
-    hq, n, bsz = s.shape
-    frac, scale = np.empty(n * bsz), np.empty(n * bsz)
-    for h in range(hq):
-        _row_state(s[h], w[h], m[h], total[h], total2[h], frac, scale)
-        for b in range(n):
-            log_mass[h, b] = m[h, b] + np.log(total[h, b])
-            log_spread[h, b] = m[h, b] + _F32(0.5) * np.log(total2[h, b])
-
-
-@jit
 def _canary(s16, s8, delta_b, eps_guard):
     """Whether a gated block's canary fires: some token with a finite INT8 logit ``s8 [B]`` has
     ``|s16 - s8| > Delta_b + eps_guard + 1e-5 |s16|`` (FP16-key logits ``s16 [B]``;
@@ -160,16 +145,16 @@ def _sum_blocks(x, n):
 
 
 @jit
-def _attend_head(h, kv, s8, s16, state, gate, delta_b, eps_guard, values, vslot, vdata, out,
-                 rho, log_mass, spread, canary, logits, w16, o_b, part, frac, scale):
-    """Phase 2 of query head ``h`` (kv head ``kv``): where any block is gated, every block's
-    softmax state from the logits with the gated blocks' FP16-key ones in (the canary on
-    those), else Phase 1's state; then the weighted value sums over blocks
-    (:func:`certkv.kernels.reference.attend_blocks`). Scratch: ``logits, w16 [n, B]``,
-    ``o_b, part [d]``, ``frac, scale [n B]`` (:func:`_exp2`)."""
+def _head_weights(h, s8, s16, state, gate, delta_b, eps_guard, rho, log_mass, spread, canary,
+                  logits, w, alphas, frac, scale):
+    """Phase 2's softmax of query head ``h``: where any block is gated, every block's state from
+    the logits with the gated blocks' FP16-key ones in (the canary on those), else Phase 1's;
+    the weights into ``w [n, B]``, the rescalings ``alpha_b = e^{m_b - m}`` into ``alphas [n]``,
+    the block masses, log-masses and spreads (:func:`certkv.kernels.reference.attend_blocks`).
+    Returns the total mass. Scratch: ``logits [n, B]``, ``frac, scale [n B]``."""
     m8, w8, l8, l28 = state
-    n, bsz = s8.shape[1], s8.shape[2]
-    m_b, l_b, l2_b, alphas = np.empty((4, n), _F32)
+    n = s8.shape[1]
+    m_b, l_b, l2_b = np.empty((3, n), _F32)
     gated = False
     for b in range(n):
         canary[h, b] = False
@@ -181,39 +166,55 @@ def _attend_head(h, kv, s8, s16, state, gate, delta_b, eps_guard, values, vslot,
                 logits[b] = s16[h, b]
             else:
                 logits[b] = s8[h, b]
-        _row_state(logits, w16, m_b, l_b, l2_b, frac, scale)
-        w = w16
+        _row_state(logits, w, m_b, l_b, l2_b, frac, scale)
     else:
         m_b[:], l_b[:], l2_b[:] = m8[h], l8[h], l28[h]
-        w = w8[h]
+        w[:] = w8[h]
     top = _amax(m_b)
     for b in range(n):
         log_mass[h, b] = m_b[b] + np.log(l_b[b])
         alphas[b] = (m_b[b] - top) * _LOG2E
-    _exp2(alphas, alphas, frac, scale)  # alpha_b = e^{m_b - m}
+    _exp2(alphas, alphas, frac, scale)
     for b in range(n):  # the block masses
         l_b[b] = alphas[b] * l_b[b]
     total = _sum_blocks(l_b, n)
-    acc = out[h]
-    acc[:] = 0.0
-    part[:] = 0.0
     for b in range(n):
-        alpha = alphas[b]
-        o_b[:] = 0.0
+        rho[h, b] = l_b[b] / total
+        spread[h, b] = alphas[b] * np.sqrt(l2_b[b]) / total
+    return total
+
+
+@jit
+def _group_values(kv, group, w, alphas, total, values, vslot, vdata, out, o_b, part):
+    """The weighted value sums of kv head ``kv``'s ``group`` query heads: each value block read
+    once for all of them (block ``b`` from ``values [n, Hkv, B, d]``, or row ``vslot[kv, b]``
+    of the staged ``vdata``), each head's per-block product of ``B`` terms with its weights
+    ``w [G, n, B]`` rescaled by ``alphas [G, n]``, then summed over blocks in two levels and
+    divided by the head's ``total [G]``. Scratch: ``o_b, part [G, d]``."""
+    n, bsz = w.shape[1], w.shape[2]
+    d = o_b.shape[1]
+    part[:] = 0.0
+    for g in range(group):
+        out[kv * group + g] = 0.0
+    for b in range(n):
         row = vslot[kv, b]
         block = values[b, kv] if row < 0 else vdata[row]
-        for t in range(bsz):
-            wt = w[b, t] * alpha  # rescaled before the block's product, as the reference
-            for i in range(o_b.shape[0]):
-                o_b[i] += wt * block[t, i]
-        part += o_b
+        for g in range(group):
+            o = o_b[g]
+            o[:] = 0.0
+            alpha = alphas[g, b]
+            for t in range(bsz):
+                wt = w[g, b, t] * alpha  # rescaled before the block's product, as the reference
+                for i in range(d):
+                    o[i] += wt * block[t, i]
+            part[g] += o
         if (b + 1) % SUM_CHUNK == 0 or b == n - 1:
-            acc += part
+            for g in range(group):
+                out[kv * group + g] += part[g]
             part[:] = 0.0
-        rho[h, b] = l_b[b] / total
-        spread[h, b] = alpha * np.sqrt(l2_b[b]) / total
-    for i in range(acc.shape[0]):
-        acc[i] = acc[i] / total
+    for g in range(group):
+        for i in range(d):
+            out[kv * group + g, i] = out[kv * group + g, i] / total[g]
 
 
 @jit
@@ -276,27 +277,32 @@ def _rank_checks(h, l8, l16, delta_b, promoted, quantized, r, ranking, boundary)
 
 @jit
 def _attend(group, s8, s16, state, gate, delta_b, eps_guard, values, staged_kv, staged_blk,
-            staged, checks, out, rho, log_mass, spread, canary, flags):
+            staged, checks, out, rho, log_mass, spread, canary, flags, kv_lo, kv_hi):
     """Phase 2 over every query head (``[H, ...]`` per head, head ``h`` reading kv head
     ``h // group``) from the INT8 and FP16-key logits ``s8, s16 [H, n, B]`` (``s16`` read
     where ``gate [H, n]`` is set); ``staged [m, B, d]`` FP16 values (as FP32) replace block
     ``staged_blk[i]`` of kv head ``staged_kv[i]``; ``checks``: ``(l8, delta_b, promoted,
-    quantized, r)`` or an empty ``r < 1`` for none, flags ``[2, H]`` (ranking, boundary)."""
-    hq, n, bsz = s8.shape
+    quantized, r)`` or an empty ``r < 1`` for none, flags ``[2, H]`` (ranking, boundary), for kv
+    heads ``kv_lo`` to ``kv_hi`` (their query heads' rows only)."""
+    n, bsz = s8.shape[1], s8.shape[2]
     d = out.shape[1]
     vslot = np.full((values.shape[1], n), -1, np.int64)
     for i in range(staged_kv.shape[0]):
         vslot[staged_kv[i], staged_blk[i]] = i
-    l8, delta_t, promoted, quantized, r = checks
-    logits, w16 = np.empty((n, bsz), _F32), np.empty((n, bsz), _F32)
-    o_b, part = np.empty(d, _F32), np.empty(d, _F32)
+    logits, w = np.empty((n, bsz), _F32), np.empty((group, n, bsz), _F32)
+    alphas, total = np.empty((group, n), _F32), np.empty(group, _F32)
+    o_b, part = np.empty((group, d), _F32), np.empty((group, d), _F32)
     frac, scale = np.empty(n * bsz), np.empty(n * bsz)
-    for h in range(hq):
-        _attend_head(h, h // group, s8, s16, state, gate, delta_b, eps_guard, values, vslot,
-                     staged, out, rho, log_mass, spread, canary, logits, w16, o_b, part, frac,
-                     scale)
-        if r >= 1:
-            _rank_checks(h, l8, log_mass, delta_t, promoted, quantized, r, flags[0], flags[1])
+    l8, delta_t, promoted, quantized, r = checks
+    for kv in range(kv_lo, kv_hi):
+        for g in range(group):
+            h = kv * group + g
+            total[g] = _head_weights(h, s8, s16, state, gate, delta_b, eps_guard, rho, log_mass,
+                                     spread, canary, logits, w[g], alphas[g], frac, scale)
+            if r >= 1:
+                _rank_checks(h, l8, log_mass, delta_t, promoted, quantized, r, flags[0],
+                             flags[1])
+        _group_values(kv, group, w, alphas, total, values, vslot, staged, out, o_b, part)
 
 
 def _np(x: torch.Tensor) -> np.ndarray:
@@ -306,25 +312,13 @@ def _np(x: torch.Tensor) -> np.ndarray:
 
 @dataclass
 class NumbaBackend(TorchBackend):
-    """The reference's phases as fused CPU loop nests (numba); the reference itself for FP64
-    softmax scalars, a store off the CPU, or where numba is missing."""
+    """The reference with Phase 2 as a fused CPU loop nest (numba); the reference itself for
+    FP64 softmax scalars, a store off the CPU, or where numba is missing."""
 
     name: str = "numba"
 
     def _fused(self, x: torch.Tensor) -> bool:
         return AVAILABLE and not self.fp64_scalars and x.device.type == "cpu"
-
-    def phase1(self, q, lay, scaling) -> Scored:
-        """Phase 1: logits in one BLAS product (``[Hkv, G, n, B]``), each block's softmax
-        state, log-mass and log-spread in one loop nest, ``Delta_b`` (eq. 8) as the reference."""
-        if not self._fused(q):
-            return super().phase1(q, lay, scaling)
-        from certkv.certify.bounds import block_deltas
-
-        s = block_scores(q, lay.keys, lay.slot_bias, scaling)
-        state, log_mass, log_spread = _states(s)
-        return Scored(scores=s, log_mass=log_mass, delta_b=block_deltas(q, lay.key_bound, scaling),
-                      log_spread=log_spread, state=state)
 
     def phase2(self, q, scored, lay, gate, keys, values, scaling, eps_guard,
                checks: CheckInputs | None = None) -> Attended:
@@ -340,7 +334,7 @@ class NumbaBackend(TorchBackend):
         hq, d = hkv * group, q.shape[-1]
         state = scored.state
         if state is None or state.w.dtype != torch.float32:
-            state = _states(scored.scores)[0]
+            state = block_softmax(scored.scores)
         s8 = scored.scores
         if keys is None:
             s16, gate = s8, torch.zeros(hq, n, dtype=torch.bool)
@@ -352,7 +346,7 @@ class NumbaBackend(TorchBackend):
                 tuple(_np(x.reshape(hq, n, *x.shape[3:])) for x in state),
                 _np(gate.reshape(hq, n)), _np(scored.delta_b.reshape(hq, n)), _F32(eps_guard),
                 np.ascontiguousarray(_np(lay.values.transpose(0, 1))), *_staged(values, lay),
-                _check_args(checks, hq, n), out, *per_block, canary, flags)
+                _check_args(checks, hq, n), out, *per_block, canary, flags, 0, hkv)
         rho, log_mass, spread = torch.from_numpy(per_block).view(3, hkv, group, n).unbind()
         att = Attended(out=torch.from_numpy(out).view(hkv, group, d), rho=rho,
                        log_mass=log_mass, canary=torch.from_numpy(canary).view(hkv, group, n),
@@ -360,18 +354,6 @@ class NumbaBackend(TorchBackend):
         if checks is not None:
             att.ranking, att.boundary = torch.from_numpy(flags).unbind()
         return att
-
-
-def _states(s: torch.Tensor) -> tuple[BlockSoftmax, torch.Tensor, torch.Tensor]:
-    """Each block's softmax state of logits ``s [Hkv, G, n, B]`` (FP32) with its log-mass and
-    log-spread ``[Hkv, G, n]``."""
-    *lead, n, bsz = s.shape
-    hq = math.prod(lead)
-    w, stats = np.empty((hq, n, bsz), _F32), np.empty((5, hq, n), _F32)
-    _block_states(_np(s.reshape(hq, n, bsz)), stats[0], w, *stats[1:])
-    m, total, total2, log_mass, log_spread = torch.from_numpy(stats).view(5, *lead, n).unbind()
-    return (BlockSoftmax(m, torch.from_numpy(w).view(s.shape), total, total2), log_mass,
-            log_spread)
 
 
 def _staged(values, lay) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
