@@ -42,6 +42,7 @@ except ImportError:
     numba = None
 
 AVAILABLE = numba is not None
+prange = numba.prange if AVAILABLE else range  # a parallel loop in jit(parallel=True) kernels
 _F64_TINY, _F64_MAX = float(np.finfo(np.float64).tiny), float(np.finfo(np.float64).max)
 
 
@@ -51,6 +52,13 @@ def jit(fn=None, **flags):
     if fn is None:
         return lambda f: jit(f, **flags)
     return numba.njit(cache=True, nogil=True, **flags)(fn) if AVAILABLE else fn
+
+
+def use_threads(n: int) -> None:
+    """Let numba's parallel loops use at most ``n`` threads (pass torch's own setting, which
+    ``threads`` pins), never more than numba started."""
+    if AVAILABLE:
+        numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))
 
 
 @jit

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from certkv.certify.fused_cpu import AVAILABLE, jit
+from certkv.certify.fused_cpu import AVAILABLE, jit, prange, use_threads
 from certkv.kernels.reference import (
     LOG2E,
     SUM_CHUNK,
@@ -184,6 +184,27 @@ def _head_weights(h, s8, s16, state, gate, delta_b, eps_guard, rho, log_mass, sp
     return total
 
 
+@jit(fastmath={"contract"})
+def _block_product(w, alpha, block, o):
+    """``o [d] += sum_t (w_t alpha) v_t`` over a block's ``B`` value rows ``block [B, d]``, four
+    rows at a time (a sum of ``B`` products in some order: at most ``B - 1`` additions each, as
+    arith item 4 counts; a fused multiply-add rounds once where a product and a sum would
+    twice)."""
+    bsz, d = block.shape
+    t = 0
+    while t + 4 <= bsz:
+        w0, w1, w2, w3 = w[t] * alpha, w[t + 1] * alpha, w[t + 2] * alpha, w[t + 3] * alpha
+        v0, v1, v2, v3 = block[t], block[t + 1], block[t + 2], block[t + 3]
+        for i in range(d):
+            o[i] += (w0 * v0[i] + w1 * v1[i]) + (w2 * v2[i] + w3 * v3[i])
+        t += 4
+    while t < bsz:
+        wt = w[t] * alpha
+        for i in range(d):
+            o[i] += wt * block[t, i]
+        t += 1
+
+
 @jit
 def _group_values(kv, group, w, alphas, total, values, vslot, vdata, out, o_b, part):
     """The weighted value sums of kv head ``kv``'s ``group`` query heads: each value block read
@@ -191,7 +212,7 @@ def _group_values(kv, group, w, alphas, total, values, vslot, vdata, out, o_b, p
     of the staged ``vdata``), each head's per-block product of ``B`` terms with its weights
     ``w [G, n, B]`` rescaled by ``alphas [G, n]``, then summed over blocks in two levels and
     divided by the head's ``total [G]``. Scratch: ``o_b, part [G, d]``."""
-    n, bsz = w.shape[1], w.shape[2]
+    n = w.shape[1]
     d = o_b.shape[1]
     part[:] = 0.0
     for g in range(group):
@@ -199,15 +220,11 @@ def _group_values(kv, group, w, alphas, total, values, vslot, vdata, out, o_b, p
     for b in range(n):
         row = vslot[kv, b]
         block = values[b, kv] if row < 0 else vdata[row]
+        o_b[:] = 0.0
         for g in range(group):
-            o = o_b[g]
-            o[:] = 0.0
-            alpha = alphas[g, b]
-            for t in range(bsz):
-                wt = w[g, b, t] * alpha  # rescaled before the block's product, as the reference
-                for i in range(d):
-                    o[i] += wt * block[t, i]
-            part[g] += o
+            _block_product(w[g, b], alphas[g, b], block, o_b[g])
+        for g in range(group):
+            part[g] += o_b[g]
         if (b + 1) % SUM_CHUNK == 0 or b == n - 1:
             for g in range(group):
                 out[kv * group + g] += part[g]
@@ -275,26 +292,27 @@ def _rank_checks(h, l8, l16, delta_b, promoted, quantized, r, ranking, boundary)
     boundary[h] = ok
 
 
-@jit
+@jit(parallel=True)
 def _attend(group, s8, s16, state, gate, delta_b, eps_guard, values, staged_kv, staged_blk,
-            staged, checks, out, rho, log_mass, spread, canary, flags, kv_lo, kv_hi):
+            staged, checks, out, rho, log_mass, spread, canary, flags):
     """Phase 2 over every query head (``[H, ...]`` per head, head ``h`` reading kv head
     ``h // group``) from the INT8 and FP16-key logits ``s8, s16 [H, n, B]`` (``s16`` read
     where ``gate [H, n]`` is set); ``staged [m, B, d]`` FP16 values (as FP32) replace block
     ``staged_blk[i]`` of kv head ``staged_kv[i]``; ``checks``: ``(l8, delta_b, promoted,
-    quantized, r)`` or an empty ``r < 1`` for none, flags ``[2, H]`` (ranking, boundary), for kv
-    heads ``kv_lo`` to ``kv_hi`` (their query heads' rows only)."""
+    quantized, r)`` or an empty ``r < 1`` for none, flags ``[2, H]`` (ranking, boundary). In
+    parallel over kv heads: each writes its own query heads' rows, the same numbers in any
+    schedule."""
     n, bsz = s8.shape[1], s8.shape[2]
     d = out.shape[1]
     vslot = np.full((values.shape[1], n), -1, np.int64)
     for i in range(staged_kv.shape[0]):
         vslot[staged_kv[i], staged_blk[i]] = i
-    logits, w = np.empty((n, bsz), _F32), np.empty((group, n, bsz), _F32)
-    alphas, total = np.empty((group, n), _F32), np.empty(group, _F32)
-    o_b, part = np.empty((group, d), _F32), np.empty((group, d), _F32)
-    frac, scale = np.empty(n * bsz), np.empty(n * bsz)
     l8, delta_t, promoted, quantized, r = checks
-    for kv in range(kv_lo, kv_hi):
+    for kv in prange(s8.shape[0] // group):  # kv heads in parallel, each its own scratch
+        logits, w = np.empty((n, bsz), _F32), np.empty((group, n, bsz), _F32)
+        alphas, total = np.empty((group, n), _F32), np.empty(group, _F32)
+        o_b, part = np.empty((group, d), _F32), np.empty((group, d), _F32)
+        frac, scale = np.empty(n * bsz), np.empty(n * bsz)
         for g in range(group):
             h = kv * group + g
             total[g] = _head_weights(h, s8, s16, state, gate, delta_b, eps_guard, rho, log_mass,
@@ -342,11 +360,12 @@ class NumbaBackend(TorchBackend):
             s16 = block_scores(q, lay.original_keys, lay.slot_bias, scaling)
         out, per_block = np.empty((hq, d), _F32), np.empty((3, hq, n), _F32)
         canary, flags = np.empty((hq, n), np.bool_), np.ones((2, hq), np.bool_)
+        use_threads(torch.get_num_threads())
         _attend(group, *(_np(x.reshape(hq, n, bsz)) for x in (s8, s16)),
                 tuple(_np(x.reshape(hq, n, *x.shape[3:])) for x in state),
                 _np(gate.reshape(hq, n)), _np(scored.delta_b.reshape(hq, n)), _F32(eps_guard),
                 np.ascontiguousarray(_np(lay.values.transpose(0, 1))), *_staged(values, lay),
-                _check_args(checks, hq, n), out, *per_block, canary, flags, 0, hkv)
+                _check_args(checks, hq, n), out, *per_block, canary, flags)
         rho, log_mass, spread = torch.from_numpy(per_block).view(3, hkv, group, n).unbind()
         att = Attended(out=torch.from_numpy(out).view(hkv, group, d), rho=rho,
                        log_mass=log_mass, canary=torch.from_numpy(canary).view(hkv, group, n),
