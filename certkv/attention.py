@@ -368,7 +368,7 @@ class CertifiedAttention:
                     l8_kv=scored.log_mass, delta_kv=scored.delta_b,
                     log_spread_kv=_log_spread(scored), quantized=lay.quantized, eta=lay.eta,
                     value_spec=lay.value_spec, key_err=lay.key_err, v_max_kv=lay.v_max,
-                    v_rad_kv=lay.v_radius, kv_of=kv_of, n_q=lay.num_quantized, scaling=scaling)
+                    v_rad_kv=lay.v_radius, n_q=lay.num_quantized, scaling=scaling)
             else:
                 sel = self._segment("_select_step", q.device)(
                     qg, scored.log_mass, scored.delta_b, _log_spread(scored), lay.quantized,

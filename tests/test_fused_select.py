@@ -39,7 +39,7 @@ def both(sc):
         attn.selector, attn.ladder, attn.value_policy, qg=qg, l8_kv=scored.log_mass,
         delta_kv=scored.delta_b, log_spread_kv=log_spread, quantized=lay.quantized, eta=lay.eta,
         value_spec=lay.value_spec, key_err=lay.key_err, v_max_kv=lay.v_max,
-        v_rad_kv=lay.v_radius, kv_of=kv_of, n_q=lay.num_quantized, scaling=scaling)
+        v_rad_kv=lay.v_radius, n_q=lay.num_quantized, scaling=scaling)
     return attn, lay, scored, operators, fused
 
 
@@ -83,6 +83,9 @@ def test_fused_selection_matches_the_operators(sc):
     near = ((contribution - v_tol).abs() <= 1e-5 * v_tol) | (contribution < 1e-30)
     differs = f["value_kv"] != o["value_kv"]
     assert not (differs & ~near.any(dim=1)).any()
+    assert torch.equal(f["plan"][1], f["value_kv"])
+    if torch.equal(f["promoted"], o["promoted"]) and not differs.any():
+        assert torch.equal(f["plan"], o["plan"])
 
 
 def _value_contributions(attn, log_p, scored, lay):

@@ -153,17 +153,31 @@ def _head(h, kv, l8, delta_chan, log_spread, q, quantized, eta, value_spec, key_
 
 
 @jit
-def _kernel(l8, delta_chan, log_spread, q, quantized, eta, value_spec, key_err, params, n_q,
-            group, out_f, out_b, q_norm, expanded):
-    """:func:`_head` for every query head (head ``h`` reads kv head ``h // group``)."""
-    for h in range(l8.shape[0]):
+def _kernel(l8, delta_chan, log_spread, q, quantized, eta, value_spec, key_err, v_max, v_rad,
+            params, n_q, group, out_f, out_b, q_norm, expanded, plan, radii, exact):
+    """:func:`_head` for every query head (head ``h`` reads kv head ``h // group``), then per
+    kv head the page-in ``plan [2, Hkv, n]`` (FP16 keys any of its heads promoted among the
+    quantized blocks, FP16 values any asked for), each head's ``radii [2, Hq]`` (``V_max``,
+    ``min(R, V_max)``) and ``exact [n]``."""
+    hq, n = l8.shape
+    for h in range(hq):
         _head(h, h // group, l8, delta_chan, log_spread, q, quantized, eta, value_spec, key_err,
               params, n_q, out_f, out_b, q_norm, expanded)
+        kv = h // group
+        radii[0, h], radii[1, h] = v_max[kv], _fmin(v_rad[kv], v_max[kv])
+    for kv in range(hq // group):
+        for b in range(n):
+            keys, values = False, False
+            for h in range(kv * group, (kv + 1) * group):
+                keys = keys or out_b[0, h, b]
+                values = values or out_b[1, h, b]
+            plan[0, kv, b], plan[1, kv, b] = keys and quantized[b], values
+    for b in range(n):
+        exact[b] = not quantized[b]
 
 
 def select(selector: AdaptiveTopK, ladder, value_policy: LocalThreshold, *, qg, l8_kv, delta_kv,
-           log_spread_kv, quantized, eta, value_spec, key_err, v_max_kv, v_rad_kv, kv_of, n_q,
-           scaling):
+           log_spread_kv, quantized, eta, value_spec, key_err, v_max_kv, v_rad_kv, n_q, scaling):
     """:meth:`CertifiedAttention._select_step`'s outputs for the default policy (:func:`covers`)
     in one call on CPU tensors (shapes as there): ``log_p, delta_b [Hq, n]``, ``delta [Hq]``,
     ``delta_chan [Hq, n]``, ``v_max, v_rad [Hq]``, ``q_norm [Hkv, G]``, ``promoted [Hq, n]``,
@@ -178,16 +192,14 @@ def select(selector: AdaptiveTopK, ladder, value_policy: LocalThreshold, *, qg, 
     out_f = np.empty((3, hq, n), _F32)  # log_p, delta_b, delta (in [2, :, 0])
     out_b = np.empty((2, hq, n), np.bool_)  # promoted, values wanted
     q_norm, expanded = np.empty(hq, _F32), np.empty(hq, np.bool_)
+    plan, radii, exact = np.empty((2, hkv, n), np.bool_), np.empty((2, hq), _F32), \
+        np.empty(n, np.bool_)
     delta_chan = delta_kv.reshape(hq, n)
     _kernel(*(x.numpy() for x in (
         l8_kv.reshape(hq, n), delta_chan, log_spread_kv.reshape(hq, n),
-        qg.reshape(hq, -1).float(), quantized, eta, value_spec, key_err)), params, int(n_q),
-        group, out_f, out_b, q_norm, expanded)
-    out_f, out_b, q_norm, expanded = (torch.from_numpy(x) for x in (out_f, out_b, q_norm,
-                                                                      expanded))
-    log_p, delta_b, promoted = out_f[0], out_f[1], out_b[0]
-    value_kv = out_b[1].view(hkv, group, n).any(dim=1)
-    need_keys = promoted.view(hkv, group, n).any(dim=1) & quantized
-    v_max, v_rad = torch.stack([v_max_kv, torch.minimum(v_rad_kv, v_max_kv)])[:, kv_of]
-    return (log_p, delta_b, out_f[2, :, 0], delta_chan, v_max, v_rad, q_norm.view(hkv, group),
-            promoted, expanded, value_kv, torch.stack([need_keys, value_kv]), ~quantized)
+        qg.reshape(hq, -1).float(), quantized, eta, value_spec, key_err, v_max_kv, v_rad_kv)),
+        params, int(n_q), group, out_f, out_b, q_norm, expanded, plan, radii, exact)
+    out_f, out_b, plan, radii = (torch.from_numpy(x) for x in (out_f, out_b, plan, radii))
+    return (out_f[0], out_f[1], out_f[2, :, 0], delta_chan, radii[0], radii[1],
+            torch.from_numpy(q_norm).view(hkv, group), out_b[0], torch.from_numpy(expanded),
+            plan[1], plan, torch.from_numpy(exact))
