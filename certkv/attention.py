@@ -144,14 +144,14 @@ class CertifiedAttention:
         selector: chooses the FP16-key set (``AdaptiveTopK``).
         value_policy: chooses blocks read with FP16 values (``LocalThreshold(v_tol=0.05)``).
         ladder: rung 1-4 escalation and monitors (``Ladder``).
-        backend: ``"auto"``, ``"torch"`` or a backend object.
+        backend: ``"auto"``, ``"torch"``, ``"triton"``, ``"numba"`` or a backend object.
         mode: ``"certified"``; ``"naive"`` (same quantized store, no promotion, no ladder);
             ``"dense"`` (SDPA on the FP16 originals).
         compile: ``torch.compile`` the selection and certificate segments (dozens of small ops
-            -> a few fused kernels): ``None`` = on CUDA (on a CPU the certificate runs as one
-            numba loop nest instead, :mod:`certkv.certify.fused_cpu`), ``False`` = never
-            (the PyTorch operators everywhere: the reference), ``True`` = inductor, or a dynamo
-            backend name (tests use ``"aot_eager"``).
+            -> a few fused kernels): ``None`` = on CUDA (on a CPU they run as numba loop nests
+            instead: :mod:`certkv.certify.fused_cpu`, :mod:`certkv.certify.fused_select`),
+            ``False`` = never (the PyTorch operators everywhere: the reference), ``True`` =
+            inductor, or a dynamo backend name (tests use ``"aot_eager"``).
         device_fallback: rungs 3-4 without a host read (issue 24): one kernel recomputes the
             flagged heads from the FP16 originals in place, and non-finite inputs do not raise
             at the step but give it an invalid certificate (bound ``inf``) and raise at
@@ -437,20 +437,20 @@ class CertifiedAttention:
         return self._compiled[name, backend]
 
     def _fused_cpu(self, device: torch.device, on_device: bool) -> bool:
-        """Whether the certificate runs as one fused CPU loop nest: ``compile=None`` on a CPU
-        device with numba installed, unless the device fallback needs the segment's final
-        ``e_arith`` (``on_device``)."""
+        """Whether the certificate runs as fused CPU loop nests: ``compile=None`` on a CPU
+        device with numba installed, unless the step's fallback runs on the device (the GPU's
+        design: it needs the segment's final ``e_arith`` and never reads a tensor on the
+        host)."""
         return (self.compile is None and device.type == "cpu" and not on_device
                 and fused_cpu.AVAILABLE)
 
     def _fused_select(self, device: torch.device, draw, boost, on_device=False) -> bool:
-        """Whether selection runs as one fused CPU loop nest: ``compile=None`` on a CPU device,
-        a certified step with its fallback on the host (the device path is the GPU's design,
-        which never reads a tensor on the host) and the default policy
+        """Whether selection runs as one fused CPU loop nest: where the certificate does
+        (:meth:`_fused_cpu`), on a certified step with the default policy
         (:func:`fused_select.covers`)."""
-        return (self.compile is None and device.type == "cpu" and self.mode == "certified"
-                and not on_device and fused_select.covers(
-                    self.selector, self.ladder, self.value_policy, draw, boost))
+        return (self._fused_cpu(device, on_device) and self.mode == "certified"
+                and fused_select.covers(self.selector, self.ladder, self.value_policy, draw,
+                                        boost))
 
     def _compiler(self, device: torch.device) -> str | None:
         """The ``torch.compile`` backend of this device's segments, or None (eager)."""

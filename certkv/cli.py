@@ -157,9 +157,8 @@ bench_app = typer.Typer(no_args_is_help=True, help=(
 app.add_typer(bench_app, name="bench")
 
 
-COMPILE_HELP = ("torch.compile the selection/certificate segments: auto (on CUDA; on CPU the "
-                "certificate as one numba loop), on, off (PyTorch operators), or a dynamo "
-                "backend name")
+COMPILE_HELP = ("torch.compile the selection/certificate segments: auto (on CUDA; on CPU both "
+                "as numba loops), on, off (PyTorch operators), or a dynamo backend name")
 
 
 def _compile(name: str) -> bool | str | None:

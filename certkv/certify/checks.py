@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 NEG_INF = float("-inf")
+CANARY_REL = 1e-5  # the canary's allowance for the two logits' FP32 rounding, relative to |s|
 
 
 def top_r(log_mass: torch.Tensor, members: torch.Tensor, r: int):
@@ -85,7 +86,7 @@ def canary_violations(
     absorbs FP32 rounding of the two dot products (relative to ``|s|``). Returns bool ``[...]``.
     """
     size = s_fp16.abs()
-    slack = delta_b.unsqueeze(-1) + eps_guard + 1e-5 * size  # inf where s_fp16 is: no alarm
+    slack = delta_b.unsqueeze(-1) + eps_guard + CANARY_REL * size  # inf where s_fp16 is
     gap = (s_fp16 - s_int8).abs()
     return ((gap > slack) & (s_int8.abs() < float("inf"))).any(dim=-1)
 

@@ -252,7 +252,7 @@ def _params(spec: ArithSpec, coef: StepCoefficients, exponent: float) -> np.ndar
                      coef.spread_rel, gamma(d + 8)], dtype=np.float64)
 
 
-def _array(x: torch.Tensor) -> np.ndarray:
+def as_array(x: torch.Tensor) -> np.ndarray:
     """A contiguous NumPy view (a copy only for a strided tensor)."""
     return np.ascontiguousarray(x.numpy())
 
@@ -289,10 +289,10 @@ def certificate(spec: ArithSpec, coef: StepCoefficients, exponent: float, *, l8,
     blocks = torch.stack([l8, l16, rho, spread, log_p, delta_b, delta_chan])
     per_head = torch.stack([delta, v_max, v_rad, q_norm.reshape(-1)])
     per_kv = torch.stack([eta, value_spec, key_spec])
-    q64, out32 = _array(q.double()), _array(out)
-    res_f, res_i = _kernel(*(_array(x) for x in (
-        blocks, per_head, per_kv, promoted, exact, value_kv)), q64, _array(key_abs_max),
-        _array(eta_max_kv), out32, _params(spec, coef, exponent), _array(coef.weights))
+    q64, out32 = as_array(q.double()), as_array(out)
+    res_f, res_i = _kernel(*(as_array(x) for x in (
+        blocks, per_head, per_kv, promoted, exact, value_kv)), q64, as_array(key_abs_max),
+        as_array(eta_max_kv), out32, _params(spec, coef, exponent), as_array(coef.weights))
     ruled = _rung_arrays(*res_f[:3], res_i[1], out32, q64, q.dtype, rung_inputs)
     f, i = torch.from_numpy(res_f), torch.from_numpy(res_i)
     return (*f.unbind(), *i.unbind(), *ruled)
@@ -345,8 +345,8 @@ def rungs(ladder, certified: bool, *, e_key, e_val, e_arith, value_blocks, out, 
     """The canary ``[Hq]``, each head's rung ``[Hq]``, the flags ``[Hq + 2]`` and the returned
     E_key, E_val ``[Hq]`` (0 on rungs 3-4) of :meth:`CertifiedAttention._rungs` in one call on
     CPU tensors (``canary_blocks [Hkv, G, n]``, ``kv_bad`` 0-d; the rest as there)."""
-    return _rung_arrays(*(x.numpy() for x in (e_key, e_val, e_arith, value_blocks, out)),
-                        q.double().numpy(), q.dtype, RungInputs(
+    return _rung_arrays(*(as_array(x) for x in (e_key, e_val, e_arith, value_blocks, out)),
+                        as_array(q.double()), q.dtype, RungInputs(
                             ladder, certified, expanded, ranking, boundary, canary_blocks,
                             kv_bad))
 
@@ -358,8 +358,8 @@ def _rung_arrays(e_key, e_val, e_arith, value_blocks, out, q64, q_dtype, inputs:
     flags, returned = np.empty(hq + 2, np.bool_), np.empty((2, hq), np.float32)
     ladder = inputs.ladder
     _rungs(e_key, e_val, e_arith, value_blocks, out, q64,
-           *(x.numpy() for x in (inputs.expanded, inputs.ranking, inputs.boundary,
-                                 inputs.canary_blocks.reshape(hq, -1))),
+           *(as_array(x) for x in (inputs.expanded, inputs.ranking, inputs.boundary,
+                                   inputs.canary_blocks.reshape(hq, -1))),
            bool(inputs.kv_bad), CAST_LIMIT.get(q_dtype, math.inf), inputs.certified,
            ladder.canary, max(1.0, ladder.layer_dense_fraction * hq), canary, rung, flags,
            returned)

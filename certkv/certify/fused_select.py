@@ -23,7 +23,7 @@ import math
 import numpy as np
 import torch
 
-from certkv.certify.fused_cpu import AVAILABLE, jit
+from certkv.certify.fused_cpu import _lse, _nmin, as_array, jit
 from certkv.certify.select import AdaptiveTopK
 from certkv.certify.values import LocalThreshold
 
@@ -32,38 +32,10 @@ _F32 = np.float32
 
 def covers(selector, ladder, value_policy, draw, boost) -> bool:
     """Whether :func:`select` computes this step's selection (the default policy)."""
-    return (AVAILABLE and type(selector) is AdaptiveTopK and selector.rank == "mass"
+    return (type(selector) is AdaptiveTopK and selector.rank == "mass"
             and not selector.kv_group_union and ladder.tail_mass == "tight"
             and ladder.e_key_tol is None and draw is None and boost is None
             and type(value_policy) is LocalThreshold)
-
-
-@jit
-def _fmin(a, b):
-    """``torch.minimum`` on two FP32 numbers: NaN if either is."""
-    if a != a or b != b:
-        return a + b
-    return a if a < b else b
-
-
-@jit
-def _lse(x, skip):
-    """FP64 ``logsumexp`` of ``x [n]`` over the entries not ``skip``ped (``-inf`` if none; NaN
-    if any is NaN; ``+inf`` if any is)."""
-    top = -np.inf
-    for b in range(x.shape[0]):
-        if not skip[b]:
-            v = np.float64(x[b])
-            if v != v:
-                return v
-            top = max(top, v)
-    if top == -np.inf or top == np.inf:
-        return top
-    acc = 0.0
-    for b in range(x.shape[0]):
-        if not skip[b]:
-            acc += math.exp(np.float64(x[b]) - top)
-    return top + math.log(acc)
 
 
 @jit
@@ -109,8 +81,7 @@ def _head(h, kv, l8, delta_chan, log_spread, q, quantized, eta, value_spec, key_
     n = l8.shape[1]
     log_p, delta_b, p = out_f[0, h], out_f[1, h], np.empty(n, _F32)
     promoted, value = out_b[0, h], out_b[1, h]
-    no_skip = np.zeros(n, np.bool_)
-    lse = _lse(l8[h], no_skip)
+    lse = _lse(l8, np.ones(n, np.bool_), h)
     acc = 0.0
     for c in range(q.shape[1]):
         acc += np.float64(q[h, c]) * np.float64(q[h, c])
@@ -120,7 +91,7 @@ def _head(h, kv, l8, delta_chan, log_spread, q, quantized, eta, value_spec, key_
     for b in range(n):
         log_p[b] = _F32(np.float64(l8[h, b]) - lse)
         p[b] = np.exp(log_p[b])
-        delta_b[b] = _fmin(delta_chan[h, b], _F32(scaling) * qn * key_err[kv, b])
+        delta_b[b] = _nmin(delta_chan[h, b], _F32(scaling) * qn * key_err[kv, b])
         delta = delta_b[b] if (delta_b[b] > delta or delta_b[b] != delta_b[b]) else delta
     out_f[2, h, 0] = delta
     key = np.empty(n, _F32)
@@ -131,13 +102,13 @@ def _head(h, kv, l8, delta_chan, log_spread, q, quantized, eta, value_spec, key_
     for j in range(n):
         rank[order[j]] = j
     k = min(max(_coverage_k(p, quantized, order, n_q, tau_cov), k_min), k_cap)
-    keyed = np.empty(n, np.bool_)  # FP16 keys: exact or of rank below K*
+    tail = np.empty(n, np.bool_)  # left on INT8 keys: quantized, of rank K* or more
     delta_f = _F32(0.0)
     for b in range(n):
-        keyed[b] = not quantized[b] or rank[b] < k
-        d = delta_b[b] if keyed[b] else _F32(0.0)
+        tail[b] = quantized[b] and rank[b] >= k
+        d = _F32(0.0) if tail[b] else delta_b[b]
         delta_f = d if (d > delta_f or d != d) else delta_f
-    log_bound = np.float64(delta_f) + _lse(log_p, keyed)  # tail mass min(1, e^{Delta_F} alpha)
+    log_bound = np.float64(delta_f) + _lse(out_f[0], tail, h)  # min(1, e^{Delta_F} alpha)
     log_bound = log_bound if (log_bound != log_bound or log_bound < 0.0) else 0.0
     k_new = k
     if expand and math.exp(log_bound) > 1.0 - tau_cov:
@@ -148,7 +119,7 @@ def _head(h, kv, l8, delta_chan, log_spread, q, quantized, eta, value_spec, key_
         contribution = p[b] * eta[kv, b]
         if tight:
             spread = np.exp(log_spread[h, b] - (l8[h, b] - log_p[b]))
-            contribution = _fmin(contribution, spread * value_spec[kv, b])
+            contribution = _nmin(contribution, spread * value_spec[kv, b])
         value[b] = contribution > _F32(v_tol) and eta[kv, b] > 0
 
 
@@ -164,7 +135,7 @@ def _kernel(l8, delta_chan, log_spread, q, quantized, eta, value_spec, key_err, 
         _head(h, h // group, l8, delta_chan, log_spread, q, quantized, eta, value_spec, key_err,
               params, n_q, out_f, out_b, q_norm, expanded)
         kv = h // group
-        radii[0, h], radii[1, h] = v_max[kv], _fmin(v_rad[kv], v_max[kv])
+        radii[0, h], radii[1, h] = v_max[kv], _nmin(v_rad[kv], v_max[kv])
     for kv in range(hq // group):
         for b in range(n):
             keys, values = False, False
@@ -195,7 +166,7 @@ def select(selector: AdaptiveTopK, ladder, value_policy: LocalThreshold, *, qg, 
     plan, radii, exact = np.empty((2, hkv, n), np.bool_), np.empty((2, hq), _F32), \
         np.empty(n, np.bool_)
     delta_chan = delta_kv.reshape(hq, n)
-    _kernel(*(x.numpy() for x in (
+    _kernel(*(as_array(x) for x in (
         l8_kv.reshape(hq, n), delta_chan, log_spread_kv.reshape(hq, n),
         qg.reshape(hq, -1).float(), quantized, eta, value_spec, key_err, v_max_kv, v_rad_kv)),
         params, int(n_q), group, out_f, out_b, q_norm, expanded, plan, radii, exact)

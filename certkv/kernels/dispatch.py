@@ -24,9 +24,8 @@ BACKENDS = {"torch": TorchBackend, "triton": _triton, "numba": _numba}
 
 
 def get_backend(backend: str | object = "auto", **kwargs):
-    """Return a backend object for a name (``auto``, ``torch``, ``triton``,
-    ``numba``) or pass an
-    instance through."""
+    """Return a backend object for a name (``auto``, ``torch``, ``triton``, ``numba``) or
+    pass an instance through."""
     if not isinstance(backend, str):
         if not all(hasattr(backend, m) for m in ("phase1", "phase2", "dense")):
             raise ConfigError(f"backend={backend!r} is not a backend; use 'auto', 'torch', "

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from certkv.certify.fused_cpu import AVAILABLE, jit, prange, use_threads
+from certkv.certify.checks import CANARY_REL
+from certkv.certify.fused_cpu import AVAILABLE, as_array, jit, prange, use_threads
 from certkv.kernels.reference import (
     LOG2E,
     SUM_CHUNK,
@@ -41,7 +42,7 @@ from certkv.kernels.reference import (
 _F32 = np.float32
 _LOG2E = _F32(LOG2E)
 _F32_MIN = _F32(np.finfo(np.float32).min)
-_CANARY_REL = _F32(1e-5)  # certify.checks.canary_violations' rounding allowance
+_CANARY_REL = _F32(CANARY_REL)
 
 
 @jit
@@ -323,11 +324,6 @@ def _attend(group, s8, s16, state, gate, delta_b, eps_guard, values, staged_kv, 
         _group_values(kv, group, w, alphas, total, values, vslot, staged, out, o_b, part)
 
 
-def _np(x: torch.Tensor) -> np.ndarray:
-    """A NumPy view of a CPU tensor (strides kept)."""
-    return x.detach().numpy() if x.requires_grad else x.numpy()
-
-
 @dataclass
 class NumbaBackend(TorchBackend):
     """The reference with Phase 2 as a fused CPU loop nest (numba); the reference itself for
@@ -361,10 +357,10 @@ class NumbaBackend(TorchBackend):
         out, per_block = np.empty((hq, d), _F32), np.empty((3, hq, n), _F32)
         canary, flags = np.empty((hq, n), np.bool_), np.ones((2, hq), np.bool_)
         use_threads(torch.get_num_threads())
-        _attend(group, *(_np(x.reshape(hq, n, bsz)) for x in (s8, s16)),
-                tuple(_np(x.reshape(hq, n, *x.shape[3:])) for x in state),
-                _np(gate.reshape(hq, n)), _np(scored.delta_b.reshape(hq, n)), _F32(eps_guard),
-                np.ascontiguousarray(_np(lay.values.transpose(0, 1))), *_staged(values, lay),
+        _attend(group, *(as_array(x.reshape(hq, n, bsz)) for x in (s8, s16)),
+                tuple(as_array(x.reshape(hq, n, *x.shape[3:])) for x in state),
+                as_array(gate.reshape(hq, n)), as_array(scored.delta_b.reshape(hq, n)),
+                _F32(eps_guard), as_array(lay.values.transpose(0, 1)), *_staged(values, lay),
                 _check_args(checks, hq, n), out, *per_block, canary, flags)
         rho, log_mass, spread = torch.from_numpy(per_block).view(3, hkv, group, n).unbind()
         att = Attended(out=torch.from_numpy(out).view(hkv, group, d), rho=rho,
@@ -381,8 +377,8 @@ def _staged(values, lay) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         store = lay.store
         empty = np.zeros(0, np.int64)
         return empty, empty, np.zeros((1, store.block_size, store.head_dim), _F32)
-    return (_np(values.kv_heads.long()), _np(values.blocks.long()),
-            np.ascontiguousarray(_np(values.gathered().float())))
+    return (as_array(values.kv_heads.long()), as_array(values.blocks.long()),
+            as_array(values.gathered().float()))
 
 
 def _check_args(checks: CheckInputs | None, hq: int, n: int) -> tuple:
@@ -390,5 +386,6 @@ def _check_args(checks: CheckInputs | None, hq: int, n: int) -> tuple:
     if checks is None:
         none = np.zeros((hq, n), _F32)
         return none, none, np.zeros((hq, n), np.bool_), np.zeros(n, np.bool_), 0
-    return (_np(checks.l_int8.reshape(hq, n).float()), _np(checks.delta_b.reshape(hq, n)),
-            _np(checks.promoted.reshape(hq, n)), _np(checks.quantized), int(checks.r))
+    return (as_array(checks.l_int8.reshape(hq, n).float()),
+            as_array(checks.delta_b.reshape(hq, n)), as_array(checks.promoted.reshape(hq, n)),
+            as_array(checks.quantized), int(checks.r))
