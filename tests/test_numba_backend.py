@@ -113,9 +113,12 @@ def test_phases_agree_with_the_reference(sc, seed):
                          lay.quantized, sc["r"])
     ref_s, ref = _phases(TorchBackend(), lay, qg, scaling, gate, staged, None)
     got_s, got = _phases(nb.NumbaBackend(), lay, qg, scaling, gate, staged, checks)
-    for name in ("scores", "log_mass", "delta_b", "log_spread"):  # Phase 1 is the reference's
+    for name in ("scores", "log_mass", "delta_b", "log_spread"):  # Phase 1 (fused after BLAS)
         torch.testing.assert_close(getattr(got_s, name), getattr(ref_s, name), msg=name,
                                    equal_nan=True)
+    for name in ("m", "w", "l", "l2"):  # its softmax state, exponentials within 1 u
+        torch.testing.assert_close(getattr(got_s.state, name), getattr(ref_s.state, name),
+                                   rtol=1e-5, atol=1e-38, equal_nan=True, msg=name)
     scale = float(ref.out.abs().max()) if ref.out.numel() else 1.0
     torch.testing.assert_close(got.out, ref.out, rtol=1e-4, atol=1e-5 * max(scale, 1.0),
                                equal_nan=True)
@@ -126,6 +129,51 @@ def test_phases_agree_with_the_reference(sc, seed):
     ranking, boundary = TorchBackend().checks(*checks[:1], ref.log_mass.reshape(hkv * group, n),
                                               *checks[1:])
     assert torch.equal(got.ranking, ranking) and torch.equal(got.boundary, boundary)
+
+
+def test_gated_logits_are_the_full_products_rows():
+    """The FP16-key logits of the gated blocks only (:func:`nb._gated_logits`, one product over
+    the packed key blocks) are the full product's at those blocks, the tail block's empty slots
+    ``-inf``; ``rows`` places each gated block, -1 elsewhere."""
+    k, v = make_kv(3, 16 * 9 + 5, 32, seed=3)
+    store = TieredKVStore(3, 32, block_size=16, decoded_mirror=True)
+    store.append(k, v)
+    lay = StepLayout(store)
+    q = make_query(k, 2, seed=3).float().reshape(3, 2, -1)
+    gate = torch.zeros(3, 2, lay.num_blocks, dtype=torch.bool)
+    gate[0, 1, [2, 7]] = True
+    gate[0, 0, 7] = True
+    gate[2, 0, [0, 9]] = True  # 9: the partial tail block
+    s16, rows = nb._gated_logits(q, lay, gate, 0.2)
+    full = nb.block_scores(q, lay.original_keys, lay.slot_bias, 0.2).reshape(6, -1, 16)
+    assert s16.shape == (6, 2, 16)
+    for kv in range(3):
+        wanted = gate[kv].any(0).nonzero().flatten().tolist()
+        assert [int(rows[kv, b]) for b in wanted] == list(range(len(wanted)))
+        assert all(rows[kv, b] == -1 for b in range(lay.num_blocks) if b not in wanted)
+        for b in wanted:
+            heads = slice(2 * kv, 2 * kv + 2)
+            torch.testing.assert_close(torch.from_numpy(s16[heads, rows[kv, b]]),
+                                       full[heads, b], rtol=1e-6, atol=1e-6)
+    assert np.isinf(s16[4, 1, 5:]).all() and np.isfinite(s16[4, 1, :5]).all()
+
+
+def test_phase2_over_many_chunks_matches_the_reference():
+    """Phase 2's value sums split over (kv head, chunk of SUM_CHUNK blocks) in parallel give the
+    reference's output where the two-level sum has several chunks (300 blocks)."""
+    k, v = make_kv(3, 4 * 300 - 1, 16, seed=5)
+    store = TieredKVStore(3, 16, block_size=4, decoded_mirror=True)
+    store.append(k, v)
+    lay = StepLayout(store)
+    q = make_query(k, 3, seed=5, peaked=True)
+    qg = q.float().reshape(3, 3, -1)
+    gate = torch.zeros(3, 3, lay.num_blocks, dtype=torch.bool)
+    gate[1, 2, 250:] = True
+    staged = _staged(store, lay, torch.rand(3, lay.num_completed) < 0.2)
+    _, ref = _phases(TorchBackend(), lay, qg, 0.25, gate, staged, None)
+    _, got = _phases(nb.NumbaBackend(), lay, qg, 0.25, gate, staged, None)
+    torch.testing.assert_close(got.out, ref.out, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(got.rho, ref.rho, rtol=1e-4, atol=1e-7)
 
 
 @pytest.mark.parametrize("peaked", [False, True])

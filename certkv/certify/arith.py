@@ -102,6 +102,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import NamedTuple
 
 import torch
@@ -317,9 +318,11 @@ class StepCoefficients(NamedTuple):
     weights: torch.Tensor  # composition_weights()
 
 
+@lru_cache(maxsize=64)
 def step_coefficients(spec: ArithSpec, n_blocks: int, n_tokens: int,
                       device: torch.device | str = "cpu") -> StepCoefficients:
-    """:class:`StepCoefficients` of a quantized step over ``n_blocks`` and ``n_tokens``."""
+    """:class:`StepCoefficients` of a quantized step over ``n_blocks`` and ``n_tokens``
+    (memoised: every layer of a decode step asks for the same counts; read-only)."""
     log_n = math.log(max(n_tokens, 2))
     chained = 2 * _lse_rounding(spec.block_size, n_tokens, U32) + 2 * _lse_rounding(
         n_blocks, n_tokens, U32)

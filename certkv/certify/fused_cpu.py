@@ -148,12 +148,13 @@ def _round_up(x):
     return np.float32(x * (1.0 + ROUND_UP_REL) + ROUND_UP_ABS)
 
 
-@jit
+@jit(parallel=True)
 def _kernel(blocks, per_head, per_kv, promoted, exact, value_kv, q, key_abs_max, eta_max_kv,
             out, par, weights):
-    """Every head's terms (see :func:`certificate`): ``blocks [7, Hq, n]`` stacks ``l8, l16,
-    rho, spread, log_p, delta_b, delta_chan``; ``per_head [4, Hq]`` ``delta, v_max, v_rad,
-    q_norm``; ``per_kv [3, Hkv, n]`` ``eta, value_spec, key_spec``; ``par``: :func:`_params`."""
+    """Every head's terms (see :func:`certificate`), heads in parallel (each writes its own
+    results): ``blocks [7, Hq, n]`` stacks ``l8, l16, rho, spread, log_p, delta_b,
+    delta_chan``; ``per_head [4, Hq]`` ``delta, v_max, v_rad, q_norm``; ``per_kv [3, Hkv, n]``
+    ``eta, value_spec, key_spec``; ``par``: :func:`_params`."""
     l8, l16, rho, spread, log_p, delta_b, delta_chan = blocks
     delta, v_max, v_rad, q_norm = per_head
     eta, value_spec, key_spec = per_kv
@@ -163,10 +164,10 @@ def _kernel(blocks, per_head, per_kv, promoted, exact, value_kv, q, key_abs_max,
     f32 = np.float32
     res_f = np.empty((6, hq), dtype=np.float32)  # e_key, e_val, e_arith, tail, paper key, val
     res_i = np.empty((2, hq), dtype=np.int64)  # k_star, value_blocks
-    lanes = np.empty((8, n))  # rho, D, lam, spread as computed, then widened
-    tail = np.empty(n, dtype=np.bool_)  # the head's INT8 tail blocks
-    up = np.empty((2, n))  # upper log-masses of the tail blocks: tight, eq. 8's Delta_b
-    for h in range(hq):
+    for h in prange(hq):
+        lanes = np.empty((8, n))  # rho, D, lam, spread as computed, then widened
+        tail = np.empty(n, dtype=np.bool_)  # the head's INT8 tail blocks
+        up = np.empty((2, n))  # upper log-masses of the tail blocks: tight, eq. 8's Delta_b
         kv = h // group  # query head h reads kv head h // G
         for b in range(n):
             tail[b] = not (promoted[h, b] or exact[b])
@@ -290,6 +291,7 @@ def certificate(spec: ArithSpec, coef: StepCoefficients, exponent: float, *, l8,
     per_head = torch.stack([delta, v_max, v_rad, q_norm.reshape(-1)])
     per_kv = torch.stack([eta, value_spec, key_spec])
     q64, out32 = as_array(q.double()), as_array(out)
+    use_threads(torch.get_num_threads())
     res_f, res_i = _kernel(*(as_array(x) for x in (
         blocks, per_head, per_kv, promoted, exact, value_kv)), q64, as_array(key_abs_max),
         as_array(eta_max_kv), out32, _params(spec, coef, exponent), as_array(coef.weights))

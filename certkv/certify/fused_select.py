@@ -23,7 +23,7 @@ import math
 import numpy as np
 import torch
 
-from certkv.certify.fused_cpu import _lse, _nmin, as_array, jit
+from certkv.certify.fused_cpu import _lse, _nmin, as_array, jit, prange, use_threads
 from certkv.certify.select import AdaptiveTopK
 from certkv.certify.values import LocalThreshold
 
@@ -123,15 +123,15 @@ def _head(h, kv, l8, delta_chan, log_spread, q, quantized, eta, value_spec, key_
         value[b] = contribution > _F32(v_tol) and eta[kv, b] > 0
 
 
-@jit
+@jit(parallel=True)
 def _kernel(l8, delta_chan, log_spread, q, quantized, eta, value_spec, key_err, v_max, v_rad,
             params, n_q, group, out_f, out_b, q_norm, expanded, plan, radii, exact):
-    """:func:`_head` for every query head (head ``h`` reads kv head ``h // group``), then per
-    kv head the page-in ``plan [2, Hkv, n]`` (FP16 keys any of its heads promoted among the
-    quantized blocks, FP16 values any asked for), each head's ``radii [2, Hq]`` (``V_max``,
-    ``min(R, V_max)``) and ``exact [n]``."""
+    """:func:`_head` for every query head in parallel (head ``h`` reads kv head ``h //
+    group``; each writes its own rows), then per kv head the page-in ``plan [2, Hkv, n]``
+    (FP16 keys any of its heads promoted among the quantized blocks, FP16 values any asked
+    for), each head's ``radii [2, Hq]`` (``V_max``, ``min(R, V_max)``) and ``exact [n]``."""
     hq, n = l8.shape
-    for h in range(hq):
+    for h in prange(hq):
         _head(h, h // group, l8, delta_chan, log_spread, q, quantized, eta, value_spec, key_err,
               params, n_q, out_f, out_b, q_norm, expanded)
         kv = h // group
@@ -166,6 +166,7 @@ def select(selector: AdaptiveTopK, ladder, value_policy: LocalThreshold, *, qg, 
     plan, radii, exact = np.empty((2, hkv, n), np.bool_), np.empty((2, hq), _F32), \
         np.empty(n, np.bool_)
     delta_chan = delta_kv.reshape(hq, n)
+    use_threads(torch.get_num_threads())
     _kernel(*(as_array(x) for x in (
         l8_kv.reshape(hq, n), delta_chan, log_spread_kv.reshape(hq, n),
         qg.reshape(hq, -1).float(), quantized, eta, value_spec, key_err, v_max_kv, v_rad_kv)),

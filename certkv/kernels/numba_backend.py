@@ -1,22 +1,23 @@
-"""CPU backend: the PyTorch reference's Phase 2 with its per-block softmax, value sums and
-checks as one fused loop nest (numba), on the same decoded FP32 blocks (issue 24).
+"""CPU backend: the PyTorch reference's phases with their per-block softmax, value sums and
+checks as fused loop nests (numba), on the same decoded FP32 blocks (issue 24).
 
-The reference (:mod:`certkv.kernels.reference`) states Phase 2 and the checks as about 100
-small PyTorch operators per layer step; on a CPU each costs microseconds of dispatch. Here
-Phase 1 is the reference's (its ``baddbmm`` and block softmax run on torch's threads, which a
-single-threaded loop did not beat), and Phase 2 is one loop nest per step after the
-FP16-key logits' BLAS product: each gated head's block softmax (Phase 1's state reused
-elsewhere) and canary, the per-block value sums with each value block read once for the
-query heads of its kv head, the two-level sums over blocks, the block masses, log-masses and
-spreads, and the ranking and boundary checks (eq. 17-18) in its epilogue.
+The reference (:mod:`certkv.kernels.reference`) states the phases and the checks as about 130
+small PyTorch operators per layer step; on a CPU each costs microseconds of dispatch. Here the
+logits stay BLAS products (FP32 dot products in numba ran 2-3 times slower than the BLAS
+``baddbmm``), and everything after them is one parallel loop nest per phase: in Phase 1 the
+blocks' softmax state, log-masses, log-spreads and ``Delta_b`` (:func:`_block_states`); in
+Phase 2 each gated head's block softmax (Phase 1's state reused elsewhere) and canary, the
+per-block value sums with each value block read once for the query heads of its kv head, the
+two-level sums over blocks, the block masses, log-masses and spreads, and the ranking and
+boundary checks (eq. 17-18) in its epilogue (:func:`_attend`).
 
 Every quantity takes the same FP32 operations as the reference, in an order its rounding
 chain already allows (:meth:`TorchBackend.rounding`: ``B - 1`` additions inside a block, then
-at most ``SUM_CHUNK + n / SUM_CHUNK`` over blocks), so the arithmetic bound is the
-reference's; the exponentials are :func:`_exp2`'s, within the 1 u of ``2^x`` that arith's
-``EXP_ULPS`` more than allows. NaN follows PyTorch (``amax`` propagates it; sorting puts it
-first). ``fp64_scalars`` runs the reference itself. Covers every codec, since it reads the
-layout's decoded blocks, as the reference does.
+at most ``SUM_CHUNK + n / SUM_CHUNK`` over blocks; ``Delta_b`` and the logits' dot products in
+any order), so the arithmetic bound is the reference's; the exponentials are :func:`_exp2`'s,
+within the 1 u of ``2^x`` that arith's ``EXP_ULPS`` more than allows. NaN follows PyTorch
+(``amax`` propagates it; sorting puts it first). ``fp64_scalars`` runs the reference itself.
+Covers every codec, since it reads the layout's decoded blocks, as the reference does.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ from certkv.kernels.reference import (
     LOG2E,
     SUM_CHUNK,
     Attended,
+    BlockSoftmax,
     CheckInputs,
+    Scored,
     TorchBackend,
     block_scores,
     block_softmax,
@@ -133,6 +136,36 @@ def _canary(s16, s8, delta_b, eps_guard):
     return fired
 
 
+@jit(fastmath={"reassoc", "contract"})
+def _delta(q, bound, scaling):
+    """``Delta_b = scaling sum_c |q_c| r_c`` (eq. 8) of one query ``q [d]`` and a block's
+    channel bounds ``bound [d]``: a sum of non-negative terms in any order, as the reference's
+    ``bmm`` (:func:`certkv.certify.bounds.block_deltas`)."""
+    acc = _F32(0.0)
+    for c in range(q.shape[0]):
+        acc += abs(q[c]) * bound[c]
+    return acc * scaling
+
+
+@jit(parallel=True)
+def _block_states(group, s, q, bound, scaling, w, m, total, total2, log_mass, log_spread,
+                  delta):
+    """Phase 1 after its logits ``s [H, n, B]`` (``-inf`` on empty slots), for every query
+    head ``h`` (kv head ``h // group``) in parallel: the blocks' weights ``w [H, n, B]`` and
+    softmax state ``m, total, total2 [H, n]`` (:func:`_row_state`), log-masses ``m +
+    log(total)``, log-spreads ``m + log(total2) / 2`` and ``Delta_b`` from ``q [H, d]`` and the
+    channel bounds ``bound [Hkv, n, d]`` (:func:`certkv.kernels.reference.phase1`)."""
+    hq, n, bsz = s.shape
+    for h in prange(hq):
+        frac, scale = np.empty(n * bsz), np.empty(n * bsz)
+        _row_state(s[h], w[h], m[h], total[h], total2[h], frac, scale)
+        kv = h // group
+        for b in range(n):
+            log_mass[h, b] = m[h, b] + np.log(total[h, b])
+            log_spread[h, b] = m[h, b] + _F32(0.5) * np.log(total2[h, b])
+            delta[h, b] = _delta(q[h], bound[kv, b], scaling)
+
+
 @jit
 def _sum_blocks(x, n):
     """``chunked_sum`` of ``x[:n]``: chunks of ``SUM_CHUNK`` then across chunks."""
@@ -146,14 +179,16 @@ def _sum_blocks(x, n):
 
 
 @jit
-def _head_weights(h, s8, s16, state, gate, delta_b, eps_guard, rho, log_mass, spread, canary,
-                  logits, w, alphas, frac, scale):
+def _head_weights(h, s8, s16, rows, state, gate, delta_b, eps_guard, rho, log_mass, spread,
+                  canary, logits, w, alphas, frac, scale):
     """Phase 2's softmax of query head ``h``: where any block is gated, every block's state from
-    the logits with the gated blocks' FP16-key ones in (the canary on those), else Phase 1's;
-    the weights into ``w [n, B]``, the rescalings ``alpha_b = e^{m_b - m}`` into ``alphas [n]``,
-    the block masses, log-masses and spreads (:func:`certkv.kernels.reference.attend_blocks`).
-    Returns the total mass. Scratch: ``logits [n, B]``, ``frac, scale [n B]``."""
-    m8, w8, l8, l28 = state
+    the logits with the gated blocks' FP16-key ones in (block ``b``'s are ``s16[h, rows[b]]``;
+    the canary on those; the weights into
+    ``w [n, B]``), else Phase 1's (its weights stay where they are); the rescalings ``alpha_b =
+    e^{m_b - m}`` into ``alphas [n]``, the block masses, log-masses and spreads
+    (:func:`certkv.kernels.reference.attend_blocks`). Returns whether the head is gated and its
+    total mass. Scratch: ``logits [n, B]``, ``frac, scale [n B]``."""
+    m8, _, l8, l28 = state
     n = s8.shape[1]
     m_b, l_b, l2_b = np.empty((3, n), _F32)
     gated = False
@@ -163,14 +198,14 @@ def _head_weights(h, s8, s16, state, gate, delta_b, eps_guard, rho, log_mass, sp
     if gated:
         for b in range(n):
             if gate[h, b]:
-                canary[h, b] = _canary(s16[h, b], s8[h, b], delta_b[h, b], eps_guard)
-                logits[b] = s16[h, b]
+                s16_b = s16[h, rows[b]]
+                canary[h, b] = _canary(s16_b, s8[h, b], delta_b[h, b], eps_guard)
+                logits[b] = s16_b
             else:
                 logits[b] = s8[h, b]
         _row_state(logits, w, m_b, l_b, l2_b, frac, scale)
     else:
         m_b[:], l_b[:], l2_b[:] = m8[h], l8[h], l28[h]
-        w[:] = w8[h]
     top = _amax(m_b)
     for b in range(n):
         log_mass[h, b] = m_b[b] + np.log(l_b[b])
@@ -182,7 +217,7 @@ def _head_weights(h, s8, s16, state, gate, delta_b, eps_guard, rho, log_mass, sp
     for b in range(n):
         rho[h, b] = l_b[b] / total
         spread[h, b] = alphas[b] * np.sqrt(l2_b[b]) / total
-    return total
+    return gated, total
 
 
 @jit(fastmath={"contract"})
@@ -207,32 +242,23 @@ def _block_product(w, alpha, block, o):
 
 
 @jit
-def _group_values(kv, group, w, alphas, total, values, vslot, vdata, out, o_b, part):
-    """The weighted value sums of kv head ``kv``'s ``group`` query heads: each value block read
-    once for all of them (block ``b`` from ``values [n, Hkv, B, d]``, or row ``vslot[kv, b]``
-    of the staged ``vdata``), each head's per-block product of ``B`` terms with its weights
-    ``w [G, n, B]`` rescaled by ``alphas [G, n]``, then summed over blocks in two levels and
-    divided by the head's ``total [G]``. Scratch: ``o_b, part [G, d]``."""
-    n = w.shape[1]
-    d = o_b.shape[1]
+def _chunk_values(kv, chunk, weights, alphas, values, vslot, vdata, part, o_b):
+    """Kv head ``kv``'s share of the weighted value sums over the blocks of ``chunk`` (the
+    first level of the two-level sum over blocks: ``SUM_CHUNK`` blocks): each value block read
+    once for the ``G`` query heads of the kv head (block ``b`` from ``values [n, Hkv, B, d]``,
+    or row ``vslot[kv, b]`` of the staged ``vdata``), each head's per-block product of ``B``
+    terms with its weights ``weights[g] [n, B]`` rescaled by ``alphas [G, n]``, summed over the
+    chunk's blocks into ``part [G, d]``. Scratch: ``o_b [G, d]``."""
+    group = part.shape[0]
     part[:] = 0.0
-    for g in range(group):
-        out[kv * group + g] = 0.0
-    for b in range(n):
+    for b in range(chunk * SUM_CHUNK, min((chunk + 1) * SUM_CHUNK, vslot.shape[1])):
         row = vslot[kv, b]
         block = values[b, kv] if row < 0 else vdata[row]
         o_b[:] = 0.0
         for g in range(group):
-            _block_product(w[g, b], alphas[g, b], block, o_b[g])
+            _block_product(weights[g][b], alphas[g, b], block, o_b[g])
         for g in range(group):
             part[g] += o_b[g]
-        if (b + 1) % SUM_CHUNK == 0 or b == n - 1:
-            for g in range(group):
-                out[kv * group + g] += part[g]
-            part[:] = 0.0
-    for g in range(group):
-        for i in range(d):
-            out[kv * group + g, i] = out[kv * group + g, i] / total[g]
 
 
 @jit
@@ -294,45 +320,116 @@ def _rank_checks(h, l8, l16, delta_b, promoted, quantized, r, ranking, boundary)
 
 
 @jit(parallel=True)
-def _attend(group, s8, s16, state, gate, delta_b, eps_guard, values, staged_kv, staged_blk,
-            staged, checks, out, rho, log_mass, spread, canary, flags):
+def _gather_gated(gate, keys, bias):
+    """The key blocks any query head of a kv head gates, packed per kv head for one BLAS
+    product: from ``gate [Hkv, G, n]``, FP32 ``keys [Hkv, n, B, d]`` (any strides) and the
+    slot bias ``[n, B]``, returns ``rows [Hkv, n]`` (block ``b`` of kv head ``kv`` at row
+    ``rows[kv, b]`` of the packing, -1 if no head gates it), ``sub [Hkv, m, B, d]`` and
+    ``sub_bias [Hkv, 1, m B]`` (``-inf`` on unused rows), ``m`` the most blocks one kv head
+    gates (at least 1)."""
+    hkv, group, n = gate.shape
+    bsz, d = keys.shape[2], keys.shape[3]
+    rows = np.full((hkv, n), -1, np.int64)
+    m = 1
+    for kv in range(hkv):
+        count = 0
+        for b in range(n):
+            wanted = False
+            for g in range(group):
+                wanted = wanted or gate[kv, g, b]
+            if wanted:
+                rows[kv, b] = count
+                count += 1
+        m = max(m, count)
+    sub = np.zeros((hkv, m, bsz, d), _F32)
+    sub_bias = np.full((hkv, 1, m * bsz), -np.inf, _F32)
+    for kv in prange(hkv):
+        for b in range(n):
+            j = rows[kv, b]
+            if j >= 0:
+                sub[kv, j] = keys[kv, b]
+                sub_bias[kv, 0, j * bsz:(j + 1) * bsz] = bias[b]
+    return rows, sub, sub_bias
+
+
+@jit(parallel=True)
+def _attend(group, s8, s16, rows, state, gate, delta_b, eps_guard, values, staged_kv,
+            staged_blk, staged, checks, out, rho, log_mass, spread, canary, flags):
     """Phase 2 over every query head (``[H, ...]`` per head, head ``h`` reading kv head
-    ``h // group``) from the INT8 and FP16-key logits ``s8, s16 [H, n, B]`` (``s16`` read
-    where ``gate [H, n]`` is set); ``staged [m, B, d]`` FP16 values (as FP32) replace block
-    ``staged_blk[i]`` of kv head ``staged_kv[i]``; ``checks``: ``(l8, delta_b, promoted,
-    quantized, r)`` or an empty ``r < 1`` for none, flags ``[2, H]`` (ranking, boundary). In
-    parallel over kv heads: each writes its own query heads' rows, the same numbers in any
-    schedule."""
-    n, bsz = s8.shape[1], s8.shape[2]
-    d = out.shape[1]
-    vslot = np.full((values.shape[1], n), -1, np.int64)
+    ``h // group``) from the INT8 logits ``s8 [H, n, B]`` and, where ``gate [H, n]`` is set,
+    the FP16-key ones of the gated blocks ``s16 [H, m, B]`` (block ``b`` of kv head ``kv`` at
+    row ``rows[kv, b]``, :func:`_gather_gated`); ``staged [p, B, d]`` FP16 values (as FP32)
+    replace block ``staged_blk[i]`` of kv head ``staged_kv[i]``; ``checks``: ``(l8, delta_b,
+    promoted, quantized, r)`` or an empty ``r < 1`` for none, flags ``[2, H]`` (ranking,
+    boundary).
+
+    Three parallel loops, each writing its own rows (the same numbers in any schedule): the
+    heads' softmax and checks; the value sums of each (kv head, chunk of ``SUM_CHUNK``
+    blocks), so that two threads share out even three kv heads; then each head's chunk sums
+    added in order and divided by its total mass (the reference's two-level sum)."""
+    hq, n, bsz = s8.shape
+    hkv, d = hq // group, out.shape[1]
+    vslot = np.full((hkv, n), -1, np.int64)
     for i in range(staged_kv.shape[0]):
         vslot[staged_kv[i], staged_blk[i]] = i
     l8, delta_t, promoted, quantized, r = checks
-    for kv in prange(s8.shape[0] // group):  # kv heads in parallel, each its own scratch
-        logits, w = np.empty((n, bsz), _F32), np.empty((group, n, bsz), _F32)
-        alphas, total = np.empty((group, n), _F32), np.empty(group, _F32)
-        o_b, part = np.empty((group, d), _F32), np.empty((group, d), _F32)
+    w, alphas = np.empty((hq, n, bsz), _F32), np.empty((hq, n), _F32)
+    total, gated = np.empty(hq, _F32), np.empty(hq, np.bool_)
+    for h in prange(hq):
+        logits = np.empty((n, bsz), _F32)
         frac, scale = np.empty(n * bsz), np.empty(n * bsz)
-        for g in range(group):
-            h = kv * group + g
-            total[g] = _head_weights(h, s8, s16, state, gate, delta_b, eps_guard, rho, log_mass,
-                                     spread, canary, logits, w[g], alphas[g], frac, scale)
-            if r >= 1:
-                _rank_checks(h, l8, log_mass, delta_t, promoted, quantized, r, flags[0],
-                             flags[1])
-        _group_values(kv, group, w, alphas, total, values, vslot, staged, out, o_b, part)
+        gated[h], total[h] = _head_weights(h, s8, s16, rows[h // group], state, gate, delta_b,
+                                           eps_guard, rho, log_mass, spread, canary, logits,
+                                           w[h], alphas[h], frac, scale)
+        if r >= 1:
+            _rank_checks(h, l8, log_mass, delta_t, promoted, quantized, r, flags[0], flags[1])
+    chunks = (n + SUM_CHUNK - 1) // SUM_CHUNK
+    parts = np.empty((hkv, chunks, group, d), _F32)
+    w8 = state[1]
+    for task in prange(hkv * chunks):
+        kv, chunk = task // chunks, task % chunks
+        weights = [w[h] if gated[h] else w8[h] for h in range(kv * group, (kv + 1) * group)]
+        _chunk_values(kv, chunk, weights, alphas[kv * group:(kv + 1) * group], values, vslot,
+                      staged, parts[kv, chunk], np.empty((group, d), _F32))
+    for h in prange(hq):
+        row = out[h]
+        row[:] = 0.0
+        for chunk in range(chunks):
+            row += parts[h // group, chunk, h % group]
+        for i in range(d):
+            row[i] = row[i] / total[h]
 
 
 @dataclass
 class NumbaBackend(TorchBackend):
-    """The reference with Phase 2 as a fused CPU loop nest (numba); the reference itself for
-    FP64 softmax scalars, a store off the CPU, or where numba is missing."""
+    """The reference with each phase after its BLAS logits as a fused CPU loop nest (numba);
+    the reference itself for FP64 softmax scalars, a store off the CPU, or where numba is
+    missing."""
 
     name: str = "numba"
 
     def _fused(self, x: torch.Tensor) -> bool:
         return AVAILABLE and not self.fp64_scalars and x.device.type == "cpu"
+
+    def phase1(self, q, lay, scaling) -> Scored:
+        """Phase 1 (shapes as :func:`certkv.kernels.reference.phase1`): the logits' BLAS
+        product, then every block's softmax state, log-mass, log-spread and ``Delta_b`` in one
+        loop nest (:func:`_block_states`)."""
+        if not self._fused(q):
+            return super().phase1(q, lay, scaling)
+        s = block_scores(q, lay.keys, lay.slot_bias, scaling)
+        hkv, group, n, bsz = s.shape
+        hq = hkv * group
+        per_block, w = np.empty((6, hq, n), _F32), np.empty((hq, n, bsz), _F32)
+        s8 = as_array(s.view(hq, n, bsz))
+        use_threads(torch.get_num_threads())
+        _block_states(group, s8, as_array(q.reshape(hq, -1)), as_array(lay.key_bound),
+                      _F32(scaling), w, *per_block)
+        m, total, total2, log_mass, log_spread, delta = torch.from_numpy(per_block).view(
+            6, hkv, group, n).unbind()
+        state = BlockSoftmax(m, torch.from_numpy(w).view(hkv, group, n, bsz), total, total2)
+        return Scored(scores=s, log_mass=log_mass, delta_b=delta, log_spread=log_spread,
+                      state=state, arrays=(s8, (per_block[0], w, *per_block[1:3])))
 
     def phase2(self, q, scored, lay, gate, keys, values, scaling, eps_guard,
                checks: CheckInputs | None = None) -> Attended:
@@ -346,19 +443,16 @@ class NumbaBackend(TorchBackend):
                                   checks)
         hkv, group, n, bsz = scored.scores.shape
         hq, d = hkv * group, q.shape[-1]
-        state = scored.state
-        if state is None or state.w.dtype != torch.float32:
-            state = block_softmax(scored.scores)
-        s8 = scored.scores
+        s8, state = scored.arrays or _arrays(scored)
         if keys is None:
-            s16, gate = s8, torch.zeros(hq, n, dtype=torch.bool)
+            gate = torch.zeros(hq, n, dtype=torch.bool)
+            s16, rows = np.zeros((hq, 1, bsz), _F32), np.full((hkv, n), -1, np.int64)
         else:
-            s16 = block_scores(q, lay.original_keys, lay.slot_bias, scaling)
+            s16, rows = _gated_logits(q, lay, gate, scaling)
         out, per_block = np.empty((hq, d), _F32), np.empty((3, hq, n), _F32)
         canary, flags = np.empty((hq, n), np.bool_), np.ones((2, hq), np.bool_)
         use_threads(torch.get_num_threads())
-        _attend(group, *(as_array(x.reshape(hq, n, bsz)) for x in (s8, s16)),
-                tuple(as_array(x.reshape(hq, n, *x.shape[3:])) for x in state),
+        _attend(group, s8, s16, rows, state,
                 as_array(gate.reshape(hq, n)), as_array(scored.delta_b.reshape(hq, n)),
                 _F32(eps_guard), as_array(lay.values.transpose(0, 1)), *_staged(values, lay),
                 _check_args(checks, hq, n), out, *per_block, canary, flags)
@@ -369,6 +463,33 @@ class NumbaBackend(TorchBackend):
         if checks is not None:
             att.ranking, att.boundary = torch.from_numpy(flags).unbind()
         return att
+
+
+def _gated_logits(q, lay, gate, scaling) -> tuple[np.ndarray, np.ndarray]:
+    """The FP16-key logits of the blocks ``gate [Hkv, G, n]`` asks for, as ``(s16 [H, m, B],
+    rows [Hkv, n])`` (:func:`_gather_gated`): one ``baddbmm`` over the gathered original keys,
+    the product Phase 1 takes over all blocks (the same BLAS kernel per logit, so the canary
+    compares two products of one kind), at a fraction of its bytes."""
+    hkv, group, _ = gate.shape
+    rows, sub, sub_bias = _gather_gated(as_array(gate), lay.original_keys.numpy(),
+                                        as_array(lay.slot_bias.view(lay.num_blocks, -1)))
+    m, bsz, d = sub.shape[1:]
+    s16 = torch.baddbmm(torch.from_numpy(sub_bias), q.float(),
+                        torch.from_numpy(sub).view(hkv, m * bsz, d).transpose(1, 2),
+                        alpha=scaling)
+    return as_array(s16.view(hkv * group, m, bsz)), rows
+
+
+def _arrays(scored: Scored) -> tuple[np.ndarray, tuple]:
+    """NumPy views ``(s8 [H, n, B], (m, w, l, l2))`` of Phase-1 scores made elsewhere (the
+    reference's, or masked by naive eviction): the softmax state recomputed in FP32 where it is
+    missing or in FP64."""
+    state, s = scored.state, scored.scores
+    if state is None or state.w.dtype != torch.float32:
+        state = block_softmax(s)
+    hkv, group, n, bsz = s.shape
+    return (as_array(s.reshape(-1, n, bsz)),
+            tuple(as_array(x.reshape(hkv * group, n, *x.shape[3:])) for x in state))
 
 
 def _staged(values, lay) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

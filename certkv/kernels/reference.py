@@ -95,6 +95,7 @@ class Scored:
     delta_b: torch.Tensor
     log_spread: torch.Tensor | None = None
     state: BlockSoftmax | None = None
+    arrays: tuple | None = None  # a backend's own views of scores and state (numba: NumPy)
 
 
 class CheckInputs(NamedTuple):
