@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from test_contract import build, scenarios
 
 import certkv.kernels.numba_backend as nb
+import certkv.kernels.numba_logits as nbl
 from certkv import CertifiedAttention, TieredKVStore
 from certkv.errors import NonFiniteError
 from certkv.kernels.dispatch import get_backend
@@ -131,31 +132,67 @@ def test_phases_agree_with_the_reference(sc, seed):
     assert torch.equal(got.ranking, ranking) and torch.equal(got.boundary, boundary)
 
 
-def test_gated_logits_are_the_full_products_rows():
-    """The FP16-key logits of the gated blocks only (:func:`nb._gated_logits`, one product over
-    the packed key blocks) are the full product's at those blocks, the tail block's empty slots
-    ``-inf``; ``rows`` places each gated block, -1 elsewhere."""
+def test_logits_from_int8_codes_are_the_mirrors_products():
+    """Phase 1's logits from the INT8 codes (the exact tail block from the mirror)
+    agree with the BLAS product over the decoded mirror up to the dot products' rounding,
+    ``-inf`` on the tail's empty slots; the codes decode bitwise to the mirror's keys."""
     k, v = make_kv(3, 16 * 9 + 5, 32, seed=3)
     store = TieredKVStore(3, 32, block_size=16, decoded_mirror=True)
     store.append(k, v)
     lay = StepLayout(store)
+    codes = nbl.int8_keys(store)
+    slot, int8, scale, offset = codes
+    assert (slot[:9] >= 0).all() and slot[9] == -1  # the tail block: from the mirror
+    decoded, row = np.empty((16, 32), np.float32), slot[4]
+    nbl._decode(int8[1, row], scale[1, row], offset[1, row], decoded)
+    assert np.array_equal(decoded, lay.keys[1, 4].numpy())
     q = make_query(k, 2, seed=3).float().reshape(3, 2, -1)
+    s8 = nbl.key_logits(q, lay, 0.2, codes)
+    full = nb.block_scores(q, lay.keys, lay.slot_bias, 0.2).reshape(6, -1, 16)
+    torch.testing.assert_close(torch.from_numpy(s8), full, rtol=1e-5, atol=1e-5)
+    assert np.isinf(s8[:, 9, 5:]).all() and np.isfinite(s8[:, 9, :5]).all()
+
+
+def test_halves_convert_exactly():
+    """:func:`_decode_half` on all 65,536 FP16 bit patterns: bitwise NumPy's conversion (zeros,
+    subnormals, infinities and NaN payloads included)."""
+    bits = np.arange(65536, dtype=np.uint16).view(np.int16).reshape(256, 256)
+    out = np.empty((256, 256), np.float32)
+    nbl._decode_half(bits, out)
+    assert np.array_equal(out.view(np.int32), bits.view(np.float16).astype(np.float32)
+                          .view(np.int32))
+
+
+def test_rows_view_the_buffer_in_place():
+    """:func:`rows`: a head-major view of a wider buffer as its rows, without a copy; any other
+    layout as a contiguous copy."""
+    buffer = torch.arange(2 * 5 * 3, dtype=torch.float32).view(2, 5, 3)
+    got, width = nbl.rows(buffer[:, :4])
+    assert width == 5 and got.shape == (10, 3) and np.shares_memory(got, buffer.numpy())
+    assert np.array_equal(got[5 + 2], buffer[1, 2].numpy())
+    got, width = nbl.rows(buffer.transpose(0, 1)[:, :2])
+    assert width == 2 and np.array_equal(got[2 + 1], buffer[1, 1].numpy())
+
+
+def test_gated_logits_are_phase1s_products_on_the_originals():
+    """The FP16-key logits of the gated blocks: the full product's up to rounding, and bitwise
+    Phase 1's where a block's keys are exact (so the canary compares like with like)."""
+    k, v = make_kv(3, 16 * 9 + 5, 32, seed=4)
+    store = TieredKVStore(3, 32, block_size=16, decoded_mirror=True)
+    store.append(k, v)
+    lay = StepLayout(store)
+    q = make_query(k, 2, seed=4).float().reshape(3, 2, -1)
     gate = torch.zeros(3, 2, lay.num_blocks, dtype=torch.bool)
-    gate[0, 1, [2, 7]] = True
-    gate[0, 0, 7] = True
-    gate[2, 0, [0, 9]] = True  # 9: the partial tail block
-    s16, rows = nb._gated_logits(q, lay, gate, 0.2)
+    gate[0, 1, [0, 2, 7]] = True
+    gate[2, 0, [0, 9]] = True  # 9: the partial tail block, exact keys
+    s16 = nbl.gated_logits(q, lay, gate, 0.2)
     full = nb.block_scores(q, lay.original_keys, lay.slot_bias, 0.2).reshape(6, -1, 16)
-    assert s16.shape == (6, 2, 16)
-    for kv in range(3):
-        wanted = gate[kv].any(0).nonzero().flatten().tolist()
-        assert [int(rows[kv, b]) for b in wanted] == list(range(len(wanted)))
-        assert all(rows[kv, b] == -1 for b in range(lay.num_blocks) if b not in wanted)
-        for b in wanted:
-            heads = slice(2 * kv, 2 * kv + 2)
-            torch.testing.assert_close(torch.from_numpy(s16[heads, rows[kv, b]]),
-                                       full[heads, b], rtol=1e-6, atol=1e-6)
-    assert np.isinf(s16[4, 1, 5:]).all() and np.isfinite(s16[4, 1, :5]).all()
+    for kv, b in gate.any(1).nonzero().tolist():
+        heads = slice(2 * kv, 2 * kv + 2)
+        torch.testing.assert_close(torch.from_numpy(s16[heads, b]), full[heads, b], rtol=1e-5,
+                                   atol=1e-5)
+    s8 = nbl.key_logits(q, lay, 0.2, nbl.int8_keys(store))
+    assert np.array_equal(s16[4:6, 9], s8[4:6, 9])
 
 
 def test_phase2_over_many_chunks_matches_the_reference():

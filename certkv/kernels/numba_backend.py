@@ -30,6 +30,7 @@ import torch
 
 from certkv.certify.checks import CANARY_REL
 from certkv.certify.fused_cpu import AVAILABLE, as_array, jit, prange, use_threads
+from certkv.kernels.numba_logits import gated_logits, int8_keys, key_logits
 from certkv.kernels.reference import (
     LOG2E,
     SUM_CHUNK,
@@ -179,11 +180,10 @@ def _sum_blocks(x, n):
 
 
 @jit
-def _head_weights(h, s8, s16, rows, state, gate, delta_b, eps_guard, rho, log_mass, spread,
-                  canary, logits, w, alphas, frac, scale):
+def _head_weights(h, s8, s16, state, gate, delta_b, eps_guard, rho, log_mass, spread, canary,
+                  logits, w, alphas, frac, scale):
     """Phase 2's softmax of query head ``h``: where any block is gated, every block's state from
-    the logits with the gated blocks' FP16-key ones in (block ``b``'s are ``s16[h, rows[b]]``;
-    the canary on those; the weights into
+    the logits with the gated blocks' FP16-key ones in (the canary on those; the weights into
     ``w [n, B]``), else Phase 1's (its weights stay where they are); the rescalings ``alpha_b =
     e^{m_b - m}`` into ``alphas [n]``, the block masses, log-masses and spreads
     (:func:`certkv.kernels.reference.attend_blocks`). Returns whether the head is gated and its
@@ -198,9 +198,8 @@ def _head_weights(h, s8, s16, rows, state, gate, delta_b, eps_guard, rho, log_ma
     if gated:
         for b in range(n):
             if gate[h, b]:
-                s16_b = s16[h, rows[b]]
-                canary[h, b] = _canary(s16_b, s8[h, b], delta_b[h, b], eps_guard)
-                logits[b] = s16_b
+                canary[h, b] = _canary(s16[h, b], s8[h, b], delta_b[h, b], eps_guard)
+                logits[b] = s16[h, b]
             else:
                 logits[b] = s8[h, b]
         _row_state(logits, w, m_b, l_b, l2_b, frac, scale)
@@ -320,45 +319,11 @@ def _rank_checks(h, l8, l16, delta_b, promoted, quantized, r, ranking, boundary)
 
 
 @jit(parallel=True)
-def _gather_gated(gate, keys, bias):
-    """The key blocks any query head of a kv head gates, packed per kv head for one BLAS
-    product: from ``gate [Hkv, G, n]``, FP32 ``keys [Hkv, n, B, d]`` (any strides) and the
-    slot bias ``[n, B]``, returns ``rows [Hkv, n]`` (block ``b`` of kv head ``kv`` at row
-    ``rows[kv, b]`` of the packing, -1 if no head gates it), ``sub [Hkv, m, B, d]`` and
-    ``sub_bias [Hkv, 1, m B]`` (``-inf`` on unused rows), ``m`` the most blocks one kv head
-    gates (at least 1)."""
-    hkv, group, n = gate.shape
-    bsz, d = keys.shape[2], keys.shape[3]
-    rows = np.full((hkv, n), -1, np.int64)
-    m = 1
-    for kv in range(hkv):
-        count = 0
-        for b in range(n):
-            wanted = False
-            for g in range(group):
-                wanted = wanted or gate[kv, g, b]
-            if wanted:
-                rows[kv, b] = count
-                count += 1
-        m = max(m, count)
-    sub = np.zeros((hkv, m, bsz, d), _F32)
-    sub_bias = np.full((hkv, 1, m * bsz), -np.inf, _F32)
-    for kv in prange(hkv):
-        for b in range(n):
-            j = rows[kv, b]
-            if j >= 0:
-                sub[kv, j] = keys[kv, b]
-                sub_bias[kv, 0, j * bsz:(j + 1) * bsz] = bias[b]
-    return rows, sub, sub_bias
-
-
-@jit(parallel=True)
-def _attend(group, s8, s16, rows, state, gate, delta_b, eps_guard, values, staged_kv,
-            staged_blk, staged, checks, out, rho, log_mass, spread, canary, flags):
+def _attend(group, s8, s16, state, gate, delta_b, eps_guard, values, staged_kv, staged_blk,
+            staged, checks, out, rho, log_mass, spread, canary, flags):
     """Phase 2 over every query head (``[H, ...]`` per head, head ``h`` reading kv head
-    ``h // group``) from the INT8 logits ``s8 [H, n, B]`` and, where ``gate [H, n]`` is set,
-    the FP16-key ones of the gated blocks ``s16 [H, m, B]`` (block ``b`` of kv head ``kv`` at
-    row ``rows[kv, b]``, :func:`_gather_gated`); ``staged [p, B, d]`` FP16 values (as FP32)
+    ``h // group``) from the INT8 and FP16-key logits ``s8, s16 [H, n, B]`` (``s16`` read
+    where ``gate [H, n]`` is set); ``staged [p, B, d]`` FP16 values (as FP32)
     replace block ``staged_blk[i]`` of kv head ``staged_kv[i]``; ``checks``: ``(l8, delta_b,
     promoted, quantized, r)`` or an empty ``r < 1`` for none, flags ``[2, H]`` (ranking,
     boundary).
@@ -378,9 +343,9 @@ def _attend(group, s8, s16, rows, state, gate, delta_b, eps_guard, values, stage
     for h in prange(hq):
         logits = np.empty((n, bsz), _F32)
         frac, scale = np.empty(n * bsz), np.empty(n * bsz)
-        gated[h], total[h] = _head_weights(h, s8, s16, rows[h // group], state, gate, delta_b,
-                                           eps_guard, rho, log_mass, spread, canary, logits,
-                                           w[h], alphas[h], frac, scale)
+        gated[h], total[h] = _head_weights(h, s8, s16, state, gate, delta_b, eps_guard, rho,
+                                           log_mass, spread, canary, logits, w[h], alphas[h],
+                                           frac, scale)
         if r >= 1:
             _rank_checks(h, l8, log_mass, delta_t, promoted, quantized, r, flags[0], flags[1])
     chunks = (n + SUM_CHUNK - 1) // SUM_CHUNK
@@ -412,16 +377,21 @@ class NumbaBackend(TorchBackend):
         return AVAILABLE and not self.fp64_scalars and x.device.type == "cpu"
 
     def phase1(self, q, lay, scaling) -> Scored:
-        """Phase 1 (shapes as :func:`certkv.kernels.reference.phase1`): the logits' BLAS
-        product, then every block's softmax state, log-mass, log-spread and ``Delta_b`` in one
-        loop nest (:func:`_block_states`)."""
+        """Phase 1 (shapes as :func:`certkv.kernels.reference.phase1`): the logits from the
+        INT8 key codes and the decoded mirror (:func:`~certkv.kernels.numba_logits.key_logits`;
+        the reference's BLAS product on a store without a mirror), then every block's softmax
+        state, log-mass, log-spread and ``Delta_b`` in one loop nest (:func:`_block_states`)."""
         if not self._fused(q):
             return super().phase1(q, lay, scaling)
-        s = block_scores(q, lay.keys, lay.slot_bias, scaling)
-        hkv, group, n, bsz = s.shape
-        hq = hkv * group
+        hkv, group, _ = q.shape
+        hq, n, bsz = hkv * group, lay.num_blocks, lay.store.block_size
+        codes = int8_keys(lay.store)
+        if codes is None:  # no decoded mirror: the reference's BLAS product
+            s8 = as_array(block_scores(q, lay.keys, lay.slot_bias, scaling).view(hq, n, bsz))
+        else:
+            s8 = key_logits(q, lay, scaling, codes)
+        s = torch.from_numpy(s8).view(hkv, group, n, bsz)
         per_block, w = np.empty((6, hq, n), _F32), np.empty((hq, n, bsz), _F32)
-        s8 = as_array(s.view(hq, n, bsz))
         use_threads(torch.get_num_threads())
         _block_states(group, s8, as_array(q.reshape(hq, -1)), as_array(lay.key_bound),
                       _F32(scaling), w, *per_block)
@@ -429,30 +399,34 @@ class NumbaBackend(TorchBackend):
             6, hkv, group, n).unbind()
         state = BlockSoftmax(m, torch.from_numpy(w).view(hkv, group, n, bsz), total, total2)
         return Scored(scores=s, log_mass=log_mass, delta_b=delta, log_spread=log_spread,
-                      state=state, arrays=(s8, (per_block[0], w, *per_block[1:3])))
+                      state=state, arrays=(s8, (per_block[0], w, *per_block[1:3]),
+                                           codes is not None))
 
     def phase2(self, q, scored, lay, gate, keys, values, scaling, eps_guard,
                checks: CheckInputs | None = None) -> Attended:
         """Phase 2 in one loop nest (shapes as :meth:`TorchBackend.phase2`), the ranking and
         boundary checks (``checks``) in its epilogue. Where ``keys`` were asked for, the
-        FP16-key logits come from one BLAS product with the original keys, as in the reference
-        (the canary compares them with Phase 1's from the same kind of product), and replace
-        Phase 1's where ``gate [Hkv, G, n]`` is set."""
+        FP16-key logits of the blocks ``gate [Hkv, G, n]`` sets replace Phase 1's; they come
+        from the kind of product Phase 1's came from (the canary compares like with like): its
+        dot products over the gated blocks' originals
+        (:func:`~certkv.kernels.numba_logits.gated_logits`), or the BLAS product over all."""
         if not self._fused(q):
             return super().phase2(q, scored, lay, gate, keys, values, scaling, eps_guard,
                                   checks)
         hkv, group, n, bsz = scored.scores.shape
         hq, d = hkv * group, q.shape[-1]
-        s8, state = scored.arrays or _arrays(scored)
+        s8, state, dots = scored.arrays or _arrays(scored)
         if keys is None:
-            gate = torch.zeros(hq, n, dtype=torch.bool)
-            s16, rows = np.zeros((hq, 1, bsz), _F32), np.full((hkv, n), -1, np.int64)
-        else:
-            s16, rows = _gated_logits(q, lay, gate, scaling)
+            s16, gate = s8, torch.zeros(hq, n, dtype=torch.bool)
+        elif dots:  # Phase 1's dot products: the same loop over the FP16 originals
+            s16 = gated_logits(q, lay, gate, scaling)
+        else:  # Phase 1's BLAS product
+            s16 = as_array(block_scores(q, lay.original_keys, lay.slot_bias, scaling).view(
+                hq, n, bsz))
         out, per_block = np.empty((hq, d), _F32), np.empty((3, hq, n), _F32)
         canary, flags = np.empty((hq, n), np.bool_), np.ones((2, hq), np.bool_)
         use_threads(torch.get_num_threads())
-        _attend(group, s8, s16, rows, state,
+        _attend(group, s8, s16, state,
                 as_array(gate.reshape(hq, n)), as_array(scored.delta_b.reshape(hq, n)),
                 _F32(eps_guard), as_array(lay.values.transpose(0, 1)), *_staged(values, lay),
                 _check_args(checks, hq, n), out, *per_block, canary, flags)
@@ -465,31 +439,16 @@ class NumbaBackend(TorchBackend):
         return att
 
 
-def _gated_logits(q, lay, gate, scaling) -> tuple[np.ndarray, np.ndarray]:
-    """The FP16-key logits of the blocks ``gate [Hkv, G, n]`` asks for, as ``(s16 [H, m, B],
-    rows [Hkv, n])`` (:func:`_gather_gated`): one ``baddbmm`` over the gathered original keys,
-    the product Phase 1 takes over all blocks (the same BLAS kernel per logit, so the canary
-    compares two products of one kind), at a fraction of its bytes."""
-    hkv, group, _ = gate.shape
-    rows, sub, sub_bias = _gather_gated(as_array(gate), lay.original_keys.numpy(),
-                                        as_array(lay.slot_bias.view(lay.num_blocks, -1)))
-    m, bsz, d = sub.shape[1:]
-    s16 = torch.baddbmm(torch.from_numpy(sub_bias), q.float(),
-                        torch.from_numpy(sub).view(hkv, m * bsz, d).transpose(1, 2),
-                        alpha=scaling)
-    return as_array(s16.view(hkv * group, m, bsz)), rows
-
-
-def _arrays(scored: Scored) -> tuple[np.ndarray, tuple]:
-    """NumPy views ``(s8 [H, n, B], (m, w, l, l2))`` of Phase-1 scores made elsewhere (the
-    reference's, or masked by naive eviction): the softmax state recomputed in FP32 where it is
-    missing or in FP64."""
+def _arrays(scored: Scored) -> tuple[np.ndarray, tuple, bool]:
+    """NumPy views ``(s8 [H, n, B], (m, w, l, l2), False)`` of Phase-1 scores made elsewhere
+    (the reference's, or masked by naive eviction; their logits a BLAS product): the softmax
+    state recomputed in FP32 where it is missing or in FP64."""
     state, s = scored.state, scored.scores
     if state is None or state.w.dtype != torch.float32:
         state = block_softmax(s)
     hkv, group, n, bsz = s.shape
     return (as_array(s.reshape(-1, n, bsz)),
-            tuple(as_array(x.reshape(hkv * group, n, *x.shape[3:])) for x in state))
+            tuple(as_array(x.reshape(hkv * group, n, *x.shape[3:])) for x in state), False)
 
 
 def _staged(values, lay) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -1,0 +1,218 @@
+"""The CPU backend's logits (Alg. 1 Phase 1, and Phase 2's FP16-key logits) as numba loops
+that read INT8 key codes where the store keeps them (issue 24).
+
+Phase 1's logits were a BLAS ``baddbmm`` over the decoded FP32 mirror: 4 bytes per key
+channel, cold in memory after a layer's MLP (the mirrors of all layers exceed the caches), so
+on two cores the product ran at a few GB/s. Here a block of INT8 codes (1 byte per channel)
+is decoded into a small FP32 scratch as the mirror decodes it, ``code * scale + offset`` with
+the same two roundings (so the keys are bitwise the mirror's), and its ``G x B`` logits are dot
+products from that scratch; blocks of any other precision (FP16 windows, the tail block, other
+codecs) are copied into it from the mirror. The FP16-key logits Phase 2 needs are the same dot
+products for the blocks some head gates only, their FP16 originals read in place from Tier-2
+and converted exactly (:func:`_decode_half`), so the canary compares two logits of one kind of
+product. Every block is read as C-contiguous rows of its buffer (:func:`rows`): numba's loops
+over a strided view ran several times slower.
+
+A logit is ``scaling * (q . k)`` plus the slot bias (0, or ``-inf`` on the tail block's empty
+slots), as the reference's ``baddbmm(bias, q, k^T, alpha=scaling)``; its dot product sums
+``d`` terms in an order the vectoriser picks (reassociation allowed), which arith item 1
+covers: it counts ``d`` roundings per logit, in any order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from certkv.certify.fused_cpu import as_array, jit, prange
+from certkv.quant.int8_channel import ChannelAffineKeyCodec
+
+_F32 = np.float32
+PARTS = 2  # block ranges per kv head: two threads share out even one or three kv heads
+
+
+@jit(fastmath={"reassoc", "contract"})
+def _dots(q, keys, bias, scaling, out):
+    """``out [G, B] = scaling * q keys^T + bias`` for ``q [G, d]``, one block's FP32 keys
+    ``keys [B, d]`` (always the callers' C-contiguous scratch: one compiled loop, so the
+    INT8 and FP16-key logits of a block take the same operations) and its slot bias ``[B]``."""
+    group, d = q.shape
+    for g in range(group):
+        row = q[g]
+        for t in range(keys.shape[0]):
+            key = keys[t]
+            acc = _F32(0.0)
+            for c in range(d):
+                acc += row[c] * key[c]
+            out[g, t] = acc * scaling + bias[t]
+
+
+@jit
+def _decode(codes, scale, offset, keys):
+    """One block's INT8 keys ``codes [B, d]`` decoded into ``keys [B, d]`` as the codec (and
+    the mirror) decodes them: ``code * scale + offset`` in FP32, a product then a sum (no fused
+    multiply-add), so the result is bitwise the mirror's."""
+    for t in range(codes.shape[0]):
+        for c in range(codes.shape[1]):
+            keys[t, c] = _F32(codes[t, c]) * scale[c] + offset[c]
+
+
+_HALF_SCALE = _F32(2.0**112)  # 2^(127 - 15): a half's exponent bits placed in a float's
+
+
+@jit
+def _decode_half(bits, keys):
+    """One block of FP16 originals, as their bits ``bits [B, d]`` (int16: numba has no float16
+    arithmetic), converted exactly into FP32 ``keys [B, d]`` in three loops that vectorise: the
+    half's magnitude bits moved into a float's (``<< 13``) then scaled by ``2^112`` (exact, for
+    normal and subnormal halves alike), then infinities and NaNs (exponent 31) and the sign
+    bit set. ``tests/test_numba_backend.py`` checks all 65,536 halves."""
+    out = keys.view(np.int32)
+    bsz, d = bits.shape
+    for t in range(bsz):
+        for c in range(d):
+            out[t, c] = (np.int32(bits[t, c]) & 0x7FFF) << 13
+    for t in range(bsz):
+        for c in range(d):
+            keys[t, c] = keys[t, c] * _HALF_SCALE
+    for t in range(bsz):
+        for c in range(d):
+            h = np.int32(bits[t, c])
+            magnitude = h & 0x7FFF
+            word = out[t, c]
+            word = (0x7F800000 | ((magnitude & 0x3FF) << 13)) if magnitude >= 0x7C00 else word
+            out[t, c] = word | ((h & 0x8000) << 16)
+
+
+@jit(parallel=True)
+def _key_logits(group, q, slot, codes, scale, offset, mirror, mirror_width, bias, scaling, s):
+    """Phase 1's logits ``s [H, n, B]`` of query heads ``q [H, d]`` (head ``h`` reads kv head
+    ``h // group``): block ``b`` of kv head ``kv`` decoded from slot ``slot[b]`` of the INT8
+    ``codes [Hkv, slots, B, d]`` with ``scale, offset [Hkv, slots, d]``, or, where ``slot[b] <
+    0``, copied from the FP32 ``mirror`` rows ``[R, B, d]`` at ``kv * mirror_width + b``
+    (:func:`rows`); ``bias [n, B]``. In parallel over (kv head, range of blocks)."""
+    n, bsz = bias.shape
+    hkv, d = q.shape[0] // group, q.shape[1]
+    for task in prange(hkv * PARTS):
+        kv, part = task // PARTS, task % PARTS
+        heads = q[kv * group:(kv + 1) * group]
+        scratch, out = np.empty((bsz, d), _F32), np.empty((group, bsz), _F32)
+        for b in range(part * n // PARTS, (part + 1) * n // PARTS):
+            row = slot[b]
+            if row >= 0:
+                _decode(codes[kv, row], scale[kv, row], offset[kv, row], scratch)
+            else:
+                scratch[:] = mirror[kv * mirror_width + b]
+            _dots(heads, scratch, bias[b], scaling, out)
+            s[kv * group:(kv + 1) * group, b] = out
+
+
+@jit(parallel=True)
+def _gated_logits(group, q, gate, originals, width, completed, tail, tail_width, bias,
+                  scaling, s):
+    """The FP16-key logits ``s [H, n, B]`` of the blocks some query head of a kv head gates
+    (``gate [Hkv, G, n]``; the others are left as they are): block ``b < completed`` of kv
+    head ``kv`` from the FP16 originals' bits ``originals [R, B, d]`` at row ``kv * width +
+    b``, the partial tail block from the FP32 rows ``tail`` at ``kv * tail_width + b`` (the
+    mirror's, zero-padded); the dot products of :func:`_key_logits`."""
+    hkv, n = gate.shape[0], gate.shape[2]
+    bsz, d = bias.shape[1], q.shape[1]
+    for task in prange(hkv * PARTS):
+        kv, part = task // PARTS, task % PARTS
+        heads = q[kv * group:(kv + 1) * group]
+        scratch, out = np.empty((bsz, d), _F32), np.empty((group, bsz), _F32)
+        for b in range(part * n // PARTS, (part + 1) * n // PARTS):
+            wanted = False
+            for g in range(group):
+                wanted = wanted or gate[kv, g, b]
+            if not wanted:
+                continue
+            if b < completed:
+                _decode_half(originals[kv * width + b], scratch)
+            else:
+                scratch[:] = tail[kv * tail_width + b]
+            _dots(heads, scratch, bias[b], scaling, out)
+            s[kv * group:(kv + 1) * group, b] = out
+
+
+def rows(x: torch.Tensor) -> tuple[np.ndarray, int]:
+    """A head-major ``[Hkv, n, ...]`` view ``x`` of a ``[Hkv, W, ...]`` buffer as C-contiguous
+    rows ``[Hkv * W, ...]`` in place (block ``b`` of kv head ``h`` at row ``h W + b``) and
+    ``W``, so that numba compiles contiguous loops over each block; a contiguous copy (``W =
+    n``) where ``x`` is laid out otherwise."""
+    hkv, n, *inner = x.shape
+    strides = x.stride()
+    row = strides[1]
+    if n and row and strides[0] % row == 0 and strides[1:] == _contiguous(x.shape[1:]):
+        width = strides[0] // row
+        try:
+            return x.as_strided((hkv * width, *inner), strides[1:]).numpy(), width
+        except RuntimeError:  # the buffer ends before the last head's W rows
+            pass
+    return x.contiguous().view(hkv * n, *inner).numpy(), n
+
+
+def _contiguous(shape) -> tuple[int, ...]:
+    """The strides of a C-contiguous tensor of ``shape``."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+def int8_keys(store) -> tuple | None:
+    """What :func:`key_logits` reads besides the mirror: ``(slot [n], codes [Hkv, slots, B,
+    d], scale, offset [Hkv, slots, d])`` in place, ``slot[b]`` block ``b``'s slot in the INT8
+    key codes
+    of the one unprotected ``ChannelAffineKeyCodec(bits=8)`` precision (-1: copied from the
+    mirror: exact blocks, the tail block, other codecs, or every block where no such
+    precision holds blocks, the store protects its words or two precisions do); None without
+    a decoded mirror."""
+    if store.decoded_with_tail() is None:
+        return None
+    n = store.num_blocks + (1 if store.tail_len else 0)
+    slot, found = np.full(n, -1, np.int64), []
+    if not store.protection.enabled:
+        for precision, codes, blocks, slots in store.block_groups("key"):
+            codec = precision.key_codec
+            if type(codec) is ChannelAffineKeyCodec and codec.bits == 8:
+                slot[as_array(blocks)] = as_array(slots)
+                found.append(codes)
+    if len(found) != 1:
+        return np.full(n, -1, np.int64), *_NO_CODES
+    codes = found[0]
+    return slot, codes["codes"].numpy(), codes["scale"].numpy(), codes["offset"].numpy()
+
+
+_NO_CODES = (np.zeros((1, 1, 1, 1), np.int8), np.zeros((1, 1, 1), _F32),
+             np.zeros((1, 1, 1), _F32))
+
+
+def key_logits(q: torch.Tensor, lay, scaling: float, codes) -> np.ndarray:
+    """Phase 1's logits ``[Hkv G, n, B]`` (FP32, ``-inf`` on empty slots) of ``q [Hkv, G,
+    d]`` over the step layout's blocks, from ``codes`` (:func:`int8_keys`) and the mirror."""
+    hkv, group, d = q.shape
+    n, bsz = lay.num_blocks, lay.store.block_size
+    s = np.empty((hkv * group, n, bsz), _F32)
+    _key_logits(group, as_array(q.reshape(-1, d)), *codes, *rows(lay.keys),
+                as_array(lay.slot_bias.view(n, bsz)), _F32(scaling), s)
+    return s
+
+
+def gated_logits(q: torch.Tensor, lay, gate: torch.Tensor, scaling: float) -> np.ndarray:
+    """The FP16-key logits ``[Hkv G, n, B]`` of the blocks ``gate [Hkv, G, n]`` asks for
+    (undefined elsewhere): the completed blocks from their FP16 originals in place (Tier-2),
+    the tail block from the mirror (:func:`_gated_logits`)."""
+    hkv, group, d = q.shape
+    store, n, bsz = lay.store, lay.num_blocks, lay.store.block_size
+    s = np.empty((hkv * group, n, bsz), _F32)
+    if store.num_blocks:
+        k16, _, width = store.original_rows()
+        originals = k16.view(torch.int16).numpy()
+    else:
+        originals, width = np.zeros((1, 1, 1), np.int16), 0
+    _gated_logits(group, as_array(q.reshape(-1, d)), as_array(gate), originals, width,
+                  store.num_blocks, *rows(lay.original_keys), as_array(lay.slot_bias.view(n, bsz)),
+                  _F32(scaling), s)
+    return s
