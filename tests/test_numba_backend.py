@@ -153,16 +153,6 @@ def test_logits_from_int8_codes_are_the_mirrors_products():
     assert np.isinf(s8[:, 9, 5:]).all() and np.isfinite(s8[:, 9, :5]).all()
 
 
-def test_halves_convert_exactly():
-    """:func:`_decode_half` on all 65,536 FP16 bit patterns: bitwise NumPy's conversion (zeros,
-    subnormals, infinities and NaN payloads included)."""
-    bits = np.arange(65536, dtype=np.uint16).view(np.int16).reshape(256, 256)
-    out = np.empty((256, 256), np.float32)
-    nbl._decode_half(bits, out)
-    assert np.array_equal(out.view(np.int32), bits.view(np.float16).astype(np.float32)
-                          .view(np.int32))
-
-
 def test_rows_view_the_buffer_in_place():
     """:func:`rows`: a head-major view of a wider buffer as its rows, without a copy; any other
     layout as a contiguous copy."""

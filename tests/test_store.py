@@ -189,3 +189,41 @@ def test_a_lossless_store_keeps_its_originals_in_tier1_and_reads_them_without_co
     assert torch.equal(kk[0], k[1, 32:48].half()) and torch.equal(vv[1], v[0, :16].half())
     hk, _ = store.dense_kv(torch.tensor([1]))
     assert torch.equal(hk[0], k[1].half())
+
+
+@pytest.mark.parametrize("mirror", [True, False])
+def test_a_decode_tokens_fused_append_matches_the_torch_path(monkeypatch, mirror):
+    """One token per append on a CPU store (:mod:`certkv.cache.append_cpu`): the tail, the
+    running key and value maxima and the decoded mirror's tail row as the PyTorch path leaves
+    them, through a block completion; a NaN token raises and changes nothing."""
+    import certkv.cache.append_cpu as append_cpu
+
+    k, v = make_kv(3, 70, 32, seed=5, outlier_channels=2)
+    stores = [TieredKVStore(3, 32, block_size=16, decoded_mirror=mirror) for _ in range(2)]
+    for store in stores:
+        store.append(k[:, :37], v[:, :37])
+    fused, plain = stores
+    calls, kernel = [], append_cpu.append
+    monkeypatch.setattr(append_cpu, "append", lambda *args: calls.append(1) or kernel(*args))
+    for t in range(37, 70):
+        fused.append(k[:, t:t + 1], v[:, t:t + 1])
+        with monkeypatch.context() as patch:
+            patch.setattr(append_cpu, "covers", lambda *args: False)
+            plain.append(k[:, t:t + 1], v[:, t:t + 1])
+        assert fused.tail_len == plain.tail_len
+        for name in ("_tail_k", "_tail_v", "_key_abs_max", "_tail_maxima", "_value_maxima"):
+            assert torch.equal(getattr(fused, name), getattr(plain, name)), (t, name)
+        if mirror:
+            for got, want in zip(fused.decoded_with_tail(), plain.decoded_with_tail(),
+                                 strict=True):
+                assert torch.equal(got, want)
+            assert torch.equal(fused.original_keys(), plain.original_keys())
+            assert torch.equal(fused.slot_bias(), plain.slot_bias())
+    assert len(calls) == 33 - 2  # all but the two tokens that complete a block
+    before = fused._tail_k.clone(), fused.tail_len, fused._key_abs_max
+    bad = k[:, :1].clone()
+    bad[1, 0, 3] = float("nan")
+    with pytest.raises(NonFiniteError):
+        fused.append(bad, v[:, :1])
+    assert torch.equal(fused._tail_k, before[0]) and fused.tail_len == before[1]
+    assert fused._key_abs_max is before[2]

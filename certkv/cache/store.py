@@ -22,11 +22,14 @@ from __future__ import annotations
 import copy
 import importlib.util
 
+import numpy as np
 import torch
 
+from certkv.cache import append_cpu
 from certkv.cache.blocks import BlockTable, GrowingBlocks
 from certkv.cache.stages import Stages
 from certkv.certify.bounds import centred_radius, spectral_norm_upper
+from certkv.certify.fused_cpu import as_array
 from certkv.errors import (
     BudgetError,
     ConfigError,
@@ -228,6 +231,7 @@ class TieredKVStore:
         # blocks are being quantized during the first append
         self._layer = LayerContext()
         self._nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)
+        self._views = None  # the fused append's NumPy views (_append_views)
         self._allocate()
 
     def _allocate(self) -> None:
@@ -254,6 +258,9 @@ class TieredKVStore:
         Tier-2. Blocks whose age reached a later stage are then re-quantized from Tier-2, and
         under a budget the oldest graduate early (:meth:`_graduate`).
         """
+        self._check_shapes(k, v)
+        if self._append_token(k, v):
+            return
         k16, v16 = self._check_append(k, v)
         self._step_read, self._step_codes = None, {}
         if not self._centred:
@@ -280,6 +287,46 @@ class TieredKVStore:
             self._evictor.appended(prefill)
         if prefill:
             self._layer = self._layer._replace(prefill=False)
+
+    def _append_token(self, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """A decode step's one token on a CPU store as one numba call
+        (:mod:`certkv.cache.append_cpu`: the same tail, maxima and mirror row as the path
+        below); False, doing nothing, where it does not apply (:func:`append_cpu.covers`, the
+        first append)."""
+        if not (self._centred and self._layer.key_max is not None
+                and append_cpu.covers(k, self.device, self.tail_len, self.block_size)):
+            return False
+        k16, v16 = (x.to(device=self.device, dtype=torch.float16) for x in (k, v))
+        tails, mirror_rows = self._append_views()
+        finite, key_max, tail, value = append_cpu.append(
+            k16.view(torch.int16).numpy(), v16.view(torch.int16).numpy(), *tails,
+            self.tail_len, *(as_array(x) for x in (self._centre, self._key_abs_max,
+                                                   self._block_maxima, self._tail_maxima)),
+            _INFLATE, self._mirror is not None, *mirror_rows,
+            np.empty((2, 1, self.head_dim), np.float32))
+        require(finite, NonFiniteError, NONFINITE_KV)
+        self._step_read, self._step_codes = None, {}
+        self._key_abs_max = torch.from_numpy(key_max)
+        self._tail_maxima, self._value_maxima = torch.from_numpy(tail), torch.from_numpy(value)
+        self.tail_len += 1
+        if self.stages.last or self.quantizer.budget_bytes is not None:
+            self._graduate()
+        return True
+
+    def _append_views(self) -> tuple[tuple, tuple]:
+        """The NumPy views :meth:`_append_token` writes through: the tail buffers' bits and the
+        decoded mirror's tail row (keys, original keys, values, slot bias; placeholders without
+        a mirror), made again only when those buffers are not the ones they view."""
+        spare = self._mirror.spare_view() if self._mirror is not None else None
+        cached = self._views
+        if cached is not None and cached[0] is spare and cached[1] is self._tail_k:
+            return cached[2]
+        rows = ((spare["k"][:, 0], spare["orig_k"][:, 0], spare["v"][0, 0], spare["bias"][:, 0])
+                if spare is not None else (torch.zeros(1, 1, 1),) * 3 + (torch.zeros(1, 1),))
+        views = (tuple(x.view(torch.int16).numpy() for x in (self._tail_k, self._tail_v)),
+                 tuple(x.numpy() for x in rows))
+        self._views = (spare, self._tail_k, views)
+        return views
 
     def _commit_tail(self, k16: torch.Tensor, v16: torch.Tensor, n_full: int) -> None:
         """Append ``k16, v16 [Hkv, T, d]`` that complete ``n_full`` blocks: those are committed
@@ -317,6 +364,20 @@ class TieredKVStore:
             spare["bias"][:, 0, rows] = 0.0
 
     def _check_append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """FP16 copies of ``k, v`` (shapes checked), finite ones: NaN or Inf raises on CPU and
+        is flagged for the next attention step's host read elsewhere."""
+        k16 = k.to(device=self.device, dtype=torch.float16)
+        v16 = v.to(device=self.device, dtype=torch.float16)
+        bad = ~(torch.isfinite(k16).all() & torch.isfinite(v16).all())
+        if self.device.type == "cpu":
+            require(not bool(bad), NonFiniteError, NONFINITE_KV)
+        else:  # no device sync per token: CertifiedAttention reads the flag with its others
+            self._nonfinite = self._nonfinite | bad
+        return k16, v16
+
+    def _check_shapes(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self._shapes_fit(k) and self._shapes_fit(v) and k.shape[1] == v.shape[1]:
+            return  # the messages below are built only for a bad append
         expected = f"[num_kv_heads={self.num_kv_heads}, T, head_dim={self.head_dim}]"
         for name, x in (("k", k), ("v", v)):
             require(isinstance(x, torch.Tensor) and x.dim() == 3, ShapeError,
@@ -328,14 +389,11 @@ class TieredKVStore:
         require(k.shape[1] == v.shape[1] and k.shape[1] >= 1, ShapeError,
                 f"k and v must hold the same number T >= 1 of tokens (got {k.shape[1]} and "
                 f"{v.shape[1]}).")
-        k16 = k.to(device=self.device, dtype=torch.float16)
-        v16 = v.to(device=self.device, dtype=torch.float16)
-        bad = ~(torch.isfinite(k16).all() & torch.isfinite(v16).all())
-        if self.device.type == "cpu":
-            require(not bool(bad), NonFiniteError, NONFINITE_KV)
-        else:  # no device sync per token: CertifiedAttention reads the flag with its others
-            self._nonfinite = self._nonfinite | bad
-        return k16, v16
+
+    def _shapes_fit(self, x) -> bool:
+        return (isinstance(x, torch.Tensor) and x.dim() == 3 and x.shape[1] >= 1
+                and x.shape[0] == self.num_kv_heads and x.shape[2] == self.head_dim
+                and x.is_floating_point())
 
     def nonfinite_appended(self) -> torch.Tensor:
         """0-d bool: some appended K/V was NaN/Inf (checked at once on CPU, deferred to the
@@ -707,7 +765,7 @@ class TieredKVStore:
         """An independent copy of this store (every tier, annotation and running statistic), so
         one quantized prefill can serve several methods without quantizing it again."""
         new = copy.copy(self)
-        new._step_read, new._step_codes = None, {}
+        new._step_read, new._step_codes, new._views = None, {}, None
         for name in ("_table", "_annotations", "_health", "_tier2", "_mirror", "stages"):
             part = getattr(self, name)
             setattr(new, name, None if part is None else part.clone())

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from certkv.certify.checks import CANARY_REL
-from certkv.certify.fused_cpu import AVAILABLE, as_array, jit, prange, use_threads
+from certkv.certify.fused_cpu import AVAILABLE, as_array, decode_half, jit, prange, use_threads
 from certkv.kernels.numba_logits import gated_logits, int8_keys, key_logits
 from certkv.kernels.reference import (
     LOG2E,
@@ -241,18 +241,21 @@ def _block_product(w, alpha, block, o):
 
 
 @jit
-def _chunk_values(kv, chunk, weights, alphas, values, vslot, vdata, part, o_b):
+def _chunk_values(kv, chunk, weights, alphas, values, vslot, pool, part, o_b, block16):
     """Kv head ``kv``'s share of the weighted value sums over the blocks of ``chunk`` (the
     first level of the two-level sum over blocks: ``SUM_CHUNK`` blocks): each value block read
     once for the ``G`` query heads of the kv head (block ``b`` from ``values [n, Hkv, B, d]``,
-    or row ``vslot[kv, b]`` of the staged ``vdata``), each head's per-block product of ``B``
-    terms with its weights ``weights[g] [n, B]`` rescaled by ``alphas [G, n]``, summed over the
-    chunk's blocks into ``part [G, d]``. Scratch: ``o_b [G, d]``."""
+    or, staged, the FP16 bits at row ``vslot[kv, b]`` of ``pool [P, B, d]`` converted into
+    ``block16 [B, d]``), each head's per-block product of ``B`` terms with its weights
+    ``weights[g] [n, B]`` rescaled by ``alphas [G, n]``, summed over the chunk's blocks into
+    ``part [G, d]``. Scratch: ``o_b [G, d]``."""
     group = part.shape[0]
     part[:] = 0.0
     for b in range(chunk * SUM_CHUNK, min((chunk + 1) * SUM_CHUNK, vslot.shape[1])):
         row = vslot[kv, b]
-        block = values[b, kv] if row < 0 else vdata[row]
+        if row >= 0:
+            decode_half(pool[row], block16)
+        block = values[b, kv] if row < 0 else block16
         o_b[:] = 0.0
         for g in range(group):
             _block_product(weights[g][b], alphas[g, b], block, o_b[g])
@@ -320,11 +323,12 @@ def _rank_checks(h, l8, l16, delta_b, promoted, quantized, r, ranking, boundary)
 
 @jit(parallel=True)
 def _attend(group, s8, s16, state, gate, delta_b, eps_guard, values, staged_kv, staged_blk,
-            staged, checks, out, rho, log_mass, spread, canary, flags):
+            staged_row, pool, checks, out, rho, log_mass, spread, canary, flags):
     """Phase 2 over every query head (``[H, ...]`` per head, head ``h`` reading kv head
     ``h // group``) from the INT8 and FP16-key logits ``s8, s16 [H, n, B]`` (``s16`` read
-    where ``gate [H, n]`` is set); ``staged [p, B, d]`` FP16 values (as FP32)
-    replace block ``staged_blk[i]`` of kv head ``staged_kv[i]``; ``checks``: ``(l8, delta_b,
+    where ``gate [H, n]`` is set); the FP16 values at row ``staged_row[i]`` of ``pool [P, B,
+    d]`` (their bits, int16: the scratch cache or Tier-2 in place) replace block
+    ``staged_blk[i]`` of kv head ``staged_kv[i]``; ``checks``: ``(l8, delta_b,
     promoted, quantized, r)`` or an empty ``r < 1`` for none, flags ``[2, H]`` (ranking,
     boundary).
 
@@ -336,7 +340,7 @@ def _attend(group, s8, s16, state, gate, delta_b, eps_guard, values, staged_kv, 
     hkv, d = hq // group, out.shape[1]
     vslot = np.full((hkv, n), -1, np.int64)
     for i in range(staged_kv.shape[0]):
-        vslot[staged_kv[i], staged_blk[i]] = i
+        vslot[staged_kv[i], staged_blk[i]] = staged_row[i]
     l8, delta_t, promoted, quantized, r = checks
     w, alphas = np.empty((hq, n, bsz), _F32), np.empty((hq, n), _F32)
     total, gated = np.empty(hq, _F32), np.empty(hq, np.bool_)
@@ -355,7 +359,8 @@ def _attend(group, s8, s16, state, gate, delta_b, eps_guard, values, staged_kv, 
         kv, chunk = task // chunks, task % chunks
         weights = [w[h] if gated[h] else w8[h] for h in range(kv * group, (kv + 1) * group)]
         _chunk_values(kv, chunk, weights, alphas[kv * group:(kv + 1) * group], values, vslot,
-                      staged, parts[kv, chunk], np.empty((group, d), _F32))
+                      pool, parts[kv, chunk], np.empty((group, d), _F32),
+                      np.empty((bsz, d), _F32))
     for h in prange(hq):
         row = out[h]
         row[:] = 0.0
@@ -451,14 +456,18 @@ def _arrays(scored: Scored) -> tuple[np.ndarray, tuple, bool]:
             tuple(as_array(x.reshape(hkv * group, n, *x.shape[3:])) for x in state), False)
 
 
-def _staged(values, lay) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Staged FP16 value blocks as ``(kv heads [m], blocks [m], data [m, B, d] FP32)``."""
+def _staged(values, lay) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Staged FP16 value blocks as ``(kv heads [p], blocks [p], rows [p], pool [P, B, d])``:
+    their rows in the pool they are read from in place (the scratch cache's buffer, or the
+    staged copy), as int16 bits."""
     if values is None:
         store = lay.store
         empty = np.zeros(0, np.int64)
-        return empty, empty, np.zeros((1, store.block_size, store.head_dim), _F32)
+        return empty, empty, empty, np.zeros((1, store.block_size, store.head_dim), np.int16)
+    data = values.data
+    rows = (torch.arange(data.shape[0]) if values.rows is None else values.rows)
     return (as_array(values.kv_heads.long()), as_array(values.blocks.long()),
-            as_array(values.gathered().float()))
+            as_array(rows.long()), as_array(data.view(torch.int16)))
 
 
 def _check_args(checks: CheckInputs | None, hq: int, n: int) -> tuple:

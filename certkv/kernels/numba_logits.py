@@ -9,7 +9,7 @@ the same two roundings (so the keys are bitwise the mirror's), and its ``G x B``
 products from that scratch; blocks of any other precision (FP16 windows, the tail block, other
 codecs) are copied into it from the mirror. The FP16-key logits Phase 2 needs are the same dot
 products for the blocks some head gates only, their FP16 originals read in place from Tier-2
-and converted exactly (:func:`_decode_half`), so the canary compares two logits of one kind of
+and converted exactly (:func:`decode_half`), so the canary compares two logits of one kind of
 product. Every block is read as C-contiguous rows of its buffer (:func:`rows`): numba's loops
 over a strided view ran several times slower.
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from certkv.certify.fused_cpu import as_array, jit, prange
+from certkv.certify.fused_cpu import as_array, decode_half, jit, prange
 from certkv.quant.int8_channel import ChannelAffineKeyCodec
 
 _F32 = np.float32
@@ -55,33 +55,6 @@ def _decode(codes, scale, offset, keys):
     for t in range(codes.shape[0]):
         for c in range(codes.shape[1]):
             keys[t, c] = _F32(codes[t, c]) * scale[c] + offset[c]
-
-
-_HALF_SCALE = _F32(2.0**112)  # 2^(127 - 15): a half's exponent bits placed in a float's
-
-
-@jit
-def _decode_half(bits, keys):
-    """One block of FP16 originals, as their bits ``bits [B, d]`` (int16: numba has no float16
-    arithmetic), converted exactly into FP32 ``keys [B, d]`` in three loops that vectorise: the
-    half's magnitude bits moved into a float's (``<< 13``) then scaled by ``2^112`` (exact, for
-    normal and subnormal halves alike), then infinities and NaNs (exponent 31) and the sign
-    bit set. ``tests/test_numba_backend.py`` checks all 65,536 halves."""
-    out = keys.view(np.int32)
-    bsz, d = bits.shape
-    for t in range(bsz):
-        for c in range(d):
-            out[t, c] = (np.int32(bits[t, c]) & 0x7FFF) << 13
-    for t in range(bsz):
-        for c in range(d):
-            keys[t, c] = keys[t, c] * _HALF_SCALE
-    for t in range(bsz):
-        for c in range(d):
-            h = np.int32(bits[t, c])
-            magnitude = h & 0x7FFF
-            word = out[t, c]
-            word = (0x7F800000 | ((magnitude & 0x3FF) << 13)) if magnitude >= 0x7C00 else word
-            out[t, c] = word | ((h & 0x8000) << 16)
 
 
 @jit(parallel=True)
@@ -128,7 +101,7 @@ def _gated_logits(group, q, gate, originals, width, completed, tail, tail_width,
             if not wanted:
                 continue
             if b < completed:
-                _decode_half(originals[kv * width + b], scratch)
+                decode_half(originals[kv * width + b], scratch)
             else:
                 scratch[:] = tail[kv * tail_width + b]
             _dots(heads, scratch, bias[b], scaling, out)
