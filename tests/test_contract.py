@@ -77,6 +77,8 @@ def scenarios(draw):
         "tail_mass": draw(st.sampled_from(["tight", "paper"])),
         "fused": draw(st.booleans()),  # the certificate fused on CPU (numba) or as operators
         "backend": draw(st.sampled_from(["torch", "numba"])),  # the phases: reference or fused
+        "mirror": draw(st.booleans()),  # the decoded mirror (numba: Phase 1 from INT8 codes)
+        "decode": draw(st.integers(0, 3)),  # tokens appended one at a time, as decode does
     }
 
 
@@ -85,14 +87,19 @@ def build(sc):
         sc["hkv"], sc["d"], block_size=sc["block"],
         key_codec=ChannelAffineKeyCodec(bits=sc["key_bits"]),
         value_codec=GroupAffineValueCodec(bits=sc["value_bits"], group=sc["value_group"]),
+        decoded_mirror=sc.get("mirror", False),
     )
     k, v = make_kv(sc["hkv"], sc["tokens"], sc["d"], seed=sc["seed"],
                    outlier_channels=min(sc["outliers"], sc["d"]), heavy_tail=sc["heavy_tail"],
                    key_offset=sc["key_offset"], value_offset=sc.get("value_offset", 0.0),
                    aligned_block=sc["block"] if sc.get("aligned") else 0,
                    key_levels=sc.get("key_levels", 0))
-    for chunk_k, chunk_v in zip(k.tensor_split(sc["chunks"], 1), v.tensor_split(sc["chunks"], 1),
-                                strict=True):
+    decode = min(sc.get("decode", 0), sc["tokens"] - 1)
+    prompt = sc["tokens"] - decode
+    chunks = list(zip(k[:, :prompt].tensor_split(sc["chunks"], 1),
+                      v[:, :prompt].tensor_split(sc["chunks"], 1), strict=True))
+    chunks += [(k[:, t:t + 1], v[:, t:t + 1]) for t in range(prompt, sc["tokens"])]
+    for chunk_k, chunk_v in chunks:
         if chunk_k.shape[1]:
             store.append(chunk_k, chunk_v)
     q = make_query(k, sc["group"], seed=sc["seed"], scale=sc["q_scale"], peaked=sc["peaked"])
@@ -194,9 +201,10 @@ ADVERSARIAL = {"hkv": 2, "group": 2, "d": 32, "block": 8, "tokens": 150, "value_
 ])
 @pytest.mark.parametrize("backend", ["torch", "triton", "numba"])
 def test_contract_on_adversarial_cases_of_the_tight_bounds(name, change, backend):
-    """One case aimed at each new argument's worst case, on every backend."""
-    store, q, attn = build({**ADVERSARIAL, **change, "backend": "numba" if backend == "numba"
-                            else "torch"})
+    """One case aimed at each new argument's worst case, on every backend (numba: as in a model,
+    with the decoded mirror, Phase 1 from the INT8 codes, the last tokens appended one by one)."""
+    fused = {"backend": "numba", "mirror": True, "decode": 3} if backend == "numba" else {}
+    store, q, attn = build({**ADVERSARIAL, **change, **fused})
     if backend == "triton":  # a declared dev dependency: missing triton fails, never skips
         attn.backend = TritonBackend(split=4)
     check_contract(store, q, attn)
