@@ -17,6 +17,32 @@ import torch
 from certkv.quant import Blocks
 
 
+def head_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A head-major ``[Hkv, n, ...]`` view ``x`` of a ``[Hkv, W, ...]`` buffer (a
+    :class:`GrowingBlocks` tensor) as its rows ``[Hkv * W, ...]`` in place, contiguous, and
+    ``W``: block ``b`` of kv head ``h`` is row ``h W + b``. What kernels that index blocks by
+    row read; a contiguous copy (``W = n``) where ``x`` is laid out otherwise."""
+    hkv, n, *inner = x.shape
+    strides = x.stride()
+    row = strides[1]
+    if n and row and strides[0] % row == 0 and strides[1:] == _contiguous(x.shape[1:]):
+        width = strides[0] // row
+        try:
+            return x.as_strided((hkv * width, *inner), strides[1:]), width
+        except RuntimeError:  # the buffer ends before the last head's W rows
+            pass
+    return x.contiguous().view(hkv * n, *inner), n
+
+
+def _contiguous(shape) -> tuple[int, ...]:
+    """The strides of a C-contiguous tensor of ``shape``."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
 class GrowingBlocks:
     """Tensors that grow along dim 1 (the block axis) with amortised doubling.
 

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from certkv.cache import append_cpu
-from certkv.cache.blocks import BlockTable, GrowingBlocks
+from certkv.cache.blocks import BlockTable, GrowingBlocks, head_rows
 from certkv.cache.stages import Stages
 from certkv.certify.bounds import centred_radius, spectral_norm_upper
 from certkv.certify.fused_cpu import as_array
@@ -1044,10 +1044,8 @@ class TieredKVStore:
         """The completed blocks' FP16 originals as row views ``k, v: [Hkv * W, B, d]`` of the
         buffers in place (pinned host memory on CUDA) and ``W``: block ``b`` of kv head ``h``
         is row ``h * W + b``. What kernels that page in on the device read."""
-        k, v = (self._originals()[name] for name in ("k", "v"))
-        width = k.stride(0) // k.stride(1)
-        shape, strides = (k.shape[0] * width, *k.shape[2:]), k.stride()[1:]
-        return k.as_strided(shape, strides), v.as_strided(shape, strides), width
+        (k, width), (v, _) = (head_rows(self._originals()[name]) for name in ("k", "v"))
+        return k, v, width
 
     def fetch_originals(
         self, kv_heads: torch.Tensor, blocks: torch.Tensor, which: str = "kv"

@@ -1,5 +1,5 @@
 """Backend choice: ``torch`` (reference, any device), ``triton`` (fused kernels), ``numba``
-(the reference with Phase 2 fused on CPU), ``auto`` (Triton on CUDA when available, else
+(the reference with its phases fused on CPU), ``auto`` (Triton on CUDA when available, else
 numba where it is installed, else the reference)."""
 
 from __future__ import annotations

@@ -1,15 +1,16 @@
-"""CPU backend: the PyTorch reference's phases with their per-block softmax, value sums and
-checks as fused loop nests (numba), on the same decoded FP32 blocks (issue 24).
+"""CPU backend: the PyTorch reference's phases with their logits, per-block softmax, value
+sums and checks as fused loop nests (numba) (issue 24).
 
 The reference (:mod:`certkv.kernels.reference`) states the phases and the checks as about 130
-small PyTorch operators per layer step; on a CPU each costs microseconds of dispatch. Here the
-logits stay BLAS products (FP32 dot products in numba ran 2-3 times slower than the BLAS
-``baddbmm``), and everything after them is one parallel loop nest per phase: in Phase 1 the
-blocks' softmax state, log-masses, log-spreads and ``Delta_b`` (:func:`_block_states`); in
-Phase 2 each gated head's block softmax (Phase 1's state reused elsewhere) and canary, the
-per-block value sums with each value block read once for the query heads of its kv head, the
-two-level sums over blocks, the block masses, log-masses and spreads, and the ranking and
-boundary checks (eq. 17-18) in its epilogue (:func:`_attend`).
+small PyTorch operators per layer step; on a CPU each costs microseconds of dispatch. Here each
+phase is a few parallel loop nests: in Phase 1 the logits from the INT8 key codes and the
+decoded mirror (:mod:`certkv.kernels.numba_logits`; a store without a mirror keeps the BLAS
+product), then the blocks' softmax state, log-masses, log-spreads and ``Delta_b``
+(:func:`_block_states`); in Phase 2 the FP16-key logits of the gated blocks (the same dot
+products over the originals), each gated head's block softmax (Phase 1's state reused
+elsewhere) and canary, the per-block value sums with each value block read once for the query
+heads of its kv head, the two-level sums over blocks, the block masses, log-masses and spreads,
+and the ranking and boundary checks (eq. 17-18) in its epilogue (:func:`_attend`).
 
 Every quantity takes the same FP32 operations as the reference, in an order its rounding
 chain already allows (:meth:`TorchBackend.rounding`: ``B - 1`` additions inside a block, then
@@ -17,7 +18,7 @@ at most ``SUM_CHUNK + n / SUM_CHUNK`` over blocks; ``Delta_b`` and the logits' d
 any order), so the arithmetic bound is the reference's; the exponentials are :func:`_exp2`'s,
 within the 1 u of ``2^x`` that arith's ``EXP_ULPS`` more than allows. NaN follows PyTorch
 (``amax`` propagates it; sorting puts it first). ``fp64_scalars`` runs the reference itself.
-Covers every codec, since it reads the layout's decoded blocks, as the reference does.
+Covers every codec: blocks without INT8 key codes are read from the decoded mirror.
 """
 
 from __future__ import annotations
@@ -372,9 +373,8 @@ def _attend(group, s8, s16, state, gate, delta_b, eps_guard, values, staged_kv, 
 
 @dataclass
 class NumbaBackend(TorchBackend):
-    """The reference with each phase after its BLAS logits as a fused CPU loop nest (numba);
-    the reference itself for FP64 softmax scalars, a store off the CPU, or where numba is
-    missing."""
+    """The reference with each phase as fused CPU loop nests (numba); the reference itself for
+    FP64 softmax scalars, a store off the CPU, or where numba is missing."""
 
     name: str = "numba"
 

@@ -11,8 +11,8 @@ products from that scratch; blocks of any other precision (FP16 windows, the tai
 codecs) are copied into it from the mirror. The FP16-key logits Phase 2 needs are the same dot
 products for the blocks some head gates only, their FP16 originals read in place from Tier-2
 and converted exactly (:func:`decode_half`), so the canary compares two logits of one kind of
-product. Every block is read as C-contiguous rows of its buffer (:func:`rows`): numba's loops
-over a strided view ran several times slower.
+product. Every block is read as C-contiguous rows of its buffer (:func:`rows`, as the
+store's Tier-2 rows): numba's loops over a strided view ran several times slower.
 
 A logit is ``scaling * (q . k)`` plus the slot bias (0, or ``-inf`` on the tail block's empty
 slots), as the reference's ``baddbmm(bias, q, k^T, alpha=scaling)``; its dot product sums
@@ -25,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from certkv.cache.blocks import head_rows
 from certkv.certify.fused_cpu import as_array, decode_half, jit, prange
 from certkv.quant.int8_channel import ChannelAffineKeyCodec
 
@@ -110,29 +111,10 @@ def _gated_logits(group, q, gate, originals, width, completed, tail, tail_width,
 
 
 def rows(x: torch.Tensor) -> tuple[np.ndarray, int]:
-    """A head-major ``[Hkv, n, ...]`` view ``x`` of a ``[Hkv, W, ...]`` buffer as C-contiguous
-    rows ``[Hkv * W, ...]`` in place (block ``b`` of kv head ``h`` at row ``h W + b``) and
-    ``W``, so that numba compiles contiguous loops over each block; a contiguous copy (``W =
-    n``) where ``x`` is laid out otherwise."""
-    hkv, n, *inner = x.shape
-    strides = x.stride()
-    row = strides[1]
-    if n and row and strides[0] % row == 0 and strides[1:] == _contiguous(x.shape[1:]):
-        width = strides[0] // row
-        try:
-            return x.as_strided((hkv * width, *inner), strides[1:]).numpy(), width
-        except RuntimeError:  # the buffer ends before the last head's W rows
-            pass
-    return x.contiguous().view(hkv * n, *inner).numpy(), n
-
-
-def _contiguous(shape) -> tuple[int, ...]:
-    """The strides of a C-contiguous tensor of ``shape``."""
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= size
-    return tuple(reversed(strides))
+    """:func:`~certkv.cache.blocks.head_rows` as NumPy: C-contiguous rows, so that numba
+    compiles contiguous loops over each block."""
+    flat, width = head_rows(x)
+    return flat.numpy(), width
 
 
 def int8_keys(store) -> tuple | None:
