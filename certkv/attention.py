@@ -726,8 +726,9 @@ class CertifiedAttention:
     def _page_in(self, stage, record, lay, plan):
         """Stage the FP16 keys and values the ``plan [2, Hkv, n]`` asks for (``stage``: the
         scratch cache, read in place by the kernels, or Tier-2). A backend that reads FP16 keys
-        from the originals in place (``keys_in_place``: the PyTorch reference) gets the key
-        blocks without data, and the scratch cache only counts them (``record``).
+        or values from the originals in place (its ``in_place``: keys for the PyTorch reference,
+        both on the numba backend, where Tier-2 is the same memory) gets those blocks without
+        data, and the scratch cache only counts them (``record``).
 
         The plan is read to the host once (the step's first host read: Tier-2 lives in host
         memory, so the host must know what to copy). Returns two :class:`StagedBlocks` (or
@@ -738,15 +739,15 @@ class CertifiedAttention:
         store = lay.store
         dev, host = store.device, to_host(plan)
         paged = int(_paged_evicted(store, host))
-        in_place = getattr(self.backend, "keys_in_place", False)
+        in_place = self.backend.in_place(store)
         for which, mask in zip(("k", "v"), host, strict=True):
             kv_idx, blk_idx = mask.nonzero(as_tuple=True)  # host tensors
             if kv_idx.numel() == 0:
                 staged.append(None)
                 continue
-            if which == "k" and in_place:
+            if which in in_place:
                 if record is not None:
-                    record(kv_idx, blk_idx, which)
+                    record(mask, which)
                 data, rows = None, None
             else:
                 data, rows = stage(kv_idx, blk_idx, which)

@@ -133,6 +133,27 @@ def test_phases_agree_with_the_reference(sc, seed):
     assert torch.equal(got.ranking, ranking) and torch.equal(got.boundary, boundary)
 
 
+def test_values_read_in_place_are_the_staged_values():
+    """The numba backend reads promoted FP16 values from Tier-2 in place (``in_place``): the
+    same output, bit for bit, as from the same blocks staged into a pool."""
+    k, v = make_kv(2, 16 * 20 + 5, 32, seed=3, outlier_channels=2)
+    store = TieredKVStore(2, 32, decoded_mirror=True)
+    store.append(k, v)
+    lay = StepLayout(store)
+    qg = make_query(k, 2, seed=3, peaked=True).float().reshape(2, 2, -1)
+    gate = torch.zeros(2, 2, lay.num_blocks, dtype=torch.bool)
+    mask = torch.zeros(2, lay.num_completed, dtype=torch.bool)
+    mask[0, ::3], mask[1, 5] = True, True
+    staged = _staged(store, lay, mask)
+    in_place = StagedBlocks(staged.kv_heads, staged.blocks, None)
+    backend = nb.NumbaBackend()
+    assert backend.in_place(store) == "kv" and TorchBackend().in_place(store) == "k"
+    _, want = _phases(backend, lay, qg, 0.2, gate, staged, None)
+    _, got = _phases(backend, lay, qg, 0.2, gate, in_place, None)
+    _, none = _phases(backend, lay, qg, 0.2, gate, None, None)
+    assert torch.equal(got.out, want.out) and not torch.equal(got.out, none.out)
+
+
 def test_logits_from_int8_codes_are_the_mirrors_products():
     """Phase 1's logits from the INT8 codes (the exact tail block from the mirror)
     agree with the BLAS product over the decoded mirror up to the dot products' rounding,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from certkv.cache.device_scratch import DeviceLRU
@@ -37,37 +38,44 @@ class ScratchStats:
 class _LRUBlocks:
     """Up to ``capacity`` FP16 slots ``[B, d]`` for one kind (keys or values), LRU by use stamp.
 
-    The bookkeeping is on the host (``slot_of[kv, block]`` -> slot or -1, each slot's ``owner``
-    and ``stamp``): page-in indices are host tensors already, so lookups and evictions never
-    wait for the device; only the FP16 ``buffer`` lives in device memory.
+    The bookkeeping is host NumPy arrays (``slot_of[kv, block]`` -> slot or -1, each slot's
+    ``owner`` and ``stamp``): page-in indices are host tensors already, so lookups and evictions
+    never wait for the device, and a step's lookup is a few NumPy calls rather than a dozen
+    small PyTorch operators; only the FP16 ``buffer`` lives in device memory.
     """
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.clock = 0
-        self.buffer = self.owner = self.stamp = self.slot_of = None
+        self.buffer = None
+        self.owner = np.full((0, 2), -1, np.int64)
+        self.stamp = np.full(0, -1, np.int64)
+        self.slot_of = np.full((0, 0), -1, np.int64)  # rows: kv heads, once sized
 
-    def _ensure(self, store, data: bool = True) -> None:
+    def _ensure(self, store, data: bool = True, width: int = 0) -> None:
         """Size the pool to what the store can use (one slot per ``(kv head, block)`` pair, at
         most ``capacity``), growing it by doubling as the context grows; slots keep their
-        indices. The tables are never inference tensors (updated in place, they must serve
-        steps inside and outside ``torch.inference_mode`` alike). Without ``data`` only the
+        indices; ``slot_of`` covers at least ``width`` blocks. Without ``data`` only the
         bookkeeping grows (:meth:`record`)."""
-        with torch.inference_mode(False):
-            self._size(store, data)
-
-    def _size(self, store, data: bool) -> None:
         want = min(self.capacity, store.num_kv_heads * store.num_blocks)
-        if self.stamp is None:
-            self.owner = torch.full((0, 2), -1, dtype=torch.long)
-            self.stamp = torch.full((0,), -1, dtype=torch.long)
-            self.slot_of = torch.full((store.num_kv_heads, 0), -1, dtype=torch.long)
         size = self.stamp.shape[0]
         if size < want:
             extra = min(self.capacity, max(2 * size, want)) - size
-            self.owner = torch.cat([self.owner, torch.full((extra, 2), -1, dtype=torch.long)])
-            self.stamp = torch.cat([self.stamp, torch.full((extra,), -1, dtype=torch.long)])
+            self.owner = np.concatenate([self.owner, np.full((extra, 2), -1, np.int64)])
+            self.stamp = np.concatenate([self.stamp, np.full(extra, -1, np.int64)])
         if data:
+            self._ensure_buffer(store)
+        have, want = self.slot_of.shape[1], max(store.num_blocks, width)
+        if have < want:  # one layer's cache: its kv heads never change
+            grown = np.full((store.num_kv_heads, max(2 * have, want)), -1, np.int64)
+            if have:
+                grown[:, :have] = self.slot_of
+            self.slot_of = grown
+
+    def _ensure_buffer(self, store) -> None:
+        """The FP16 pool, one ``[B, d]`` slot per bookkept slot (never an inference tensor:
+        filled in place, it serves steps inside and outside ``torch.inference_mode``)."""
+        with torch.inference_mode(False):
             if self.buffer is None:
                 self.buffer = torch.empty(0, store.block_size, store.head_dim,
                                           dtype=torch.float16, device=store.device)
@@ -75,38 +83,28 @@ class _LRUBlocks:
             if extra > 0:
                 self.buffer = torch.cat([self.buffer, self.buffer.new_empty(
                     extra, *self.buffer.shape[1:])])
-        if self.slot_of.shape[1] < store.num_blocks:
-            grown = torch.full((store.num_kv_heads, max(2 * self.slot_of.shape[1],
-                                                        store.num_blocks)), -1, dtype=torch.long)
-            grown[:, : self.slot_of.shape[1]] = self.slot_of
-            self.slot_of = grown
 
-    def _track(self, store, kv: torch.Tensor, blk: torch.Tensor, stats, data: bool):
-        """The LRU's bookkeeping for one step's request of ``(kv[i], blk[i])`` (host indices):
-        stamps the hits, counts hits and misses, and returns ``(slots, miss)``: each block's
-        slot (-1 for a miss) and the misses' positions (empty when everything hit)."""
-        self._ensure(store, data)
+    def _track(self, store, slots: np.ndarray, stats) -> np.ndarray:
+        """The LRU's bookkeeping for one step's request of blocks whose slots (-1: not cached)
+        are ``slots``: stamps the hits, counts hits and misses (FP16 bytes paged in), and
+        returns the misses' positions (empty when everything hit)."""
         self.clock += 1
-        slots = self.slot_of[kv, blk]
         hit = slots >= 0
-        if bool(hit.all()):  # the steady state: nothing to page in
-            self.stamp[slots] = self.clock
-            stats.hits += kv.numel()
-            return slots, hit.new_zeros(0, dtype=torch.long)
         self.stamp[slots[hit]] = self.clock
-        miss = (~hit).nonzero(as_tuple=True)[0]
-        stats.hits += kv.numel() - miss.numel()
-        stats.misses += miss.numel()
-        stats.h2d_bytes += miss.numel() * store.block_size * store.head_dim * 2  # FP16
-        return slots, miss
+        miss = np.flatnonzero(~hit)
+        stats.hits += slots.size - miss.size
+        stats.misses += miss.size
+        stats.h2d_bytes += miss.size * store.block_size * store.head_dim * 2  # FP16
+        return miss
 
-    def record(self, store, kv: torch.Tensor, blk: torch.Tensor, stats) -> None:
-        """The bookkeeping of :meth:`stage` without moving data: what a device would have
-        paged in, for a backend that reads Tier-2 in place (hits, misses and bytes count
-        alike)."""
-        kv, blk = kv.cpu(), blk.cpu()
-        _, miss = self._track(store, kv, blk, stats, data=False)
-        if miss.numel():
+    def record(self, store, mask: np.ndarray, stats) -> None:
+        """The bookkeeping of :meth:`stage` without moving data, for the blocks ``mask [Hkv,
+        n]`` (bool) sets: what a device would have paged in, for a backend that reads Tier-2 in
+        place (hits, misses and bytes count alike)."""
+        self._ensure(store, data=False, width=mask.shape[1])
+        miss = self._track(store, self.slot_of[:, : mask.shape[1]][mask], stats)
+        if miss.size:
+            kv, blk = np.nonzero(mask)
             self._insert(kv[miss], blk[miss])
 
     def stage(self, store, kind: str, kv: torch.Tensor, blk: torch.Tensor, stats):
@@ -118,43 +116,46 @@ class _LRUBlocks:
         than free slots) the blocks gathered into a new ``[P, B, d]`` tensor and None.
         """
         dev = store.device
-        kv, blk = kv.cpu(), blk.cpu()
-        slots, miss = self._track(store, kv, blk, stats, data=True)
-        if not miss.numel():
-            return self.buffer, slots.to(dev, non_blocking=True)
-        k, v = store.fetch_originals(kv[miss], blk[miss], which=kind)
+        kv, blk = (x.cpu().numpy().astype(np.int64, copy=False) for x in (kv, blk))
+        self._ensure(store, data=True)
+        slots = self.slot_of[kv, blk]
+        miss = self._track(store, slots, stats)
+        if not miss.size:
+            return self.buffer, torch.from_numpy(slots).to(dev, non_blocking=True)
+        k, v = store.fetch_originals(torch.from_numpy(kv[miss]), torch.from_numpy(blk[miss]),
+                                     which=kind)
         fetched = k if kind == "k" else v
         self._insert(kv[miss], blk[miss], fetched)
         slots = self.slot_of[kv, blk]  # the inserted ones now have slots
-        if bool((slots >= 0).all()):  # host tensor
-            return self.buffer, slots.to(dev, non_blocking=True)
-        out = torch.empty(kv.numel(), store.block_size, store.head_dim, dtype=torch.float16,
+        if bool((slots >= 0).all()):
+            return self.buffer, torch.from_numpy(slots).to(dev, non_blocking=True)
+        out = torch.empty(kv.size, store.block_size, store.head_dim, dtype=torch.float16,
                           device=dev)
-        hit_at = (slots >= 0).nonzero(as_tuple=True)[0]  # resident from the buffer, the rest
-        resident = hit_at[~torch.isin(hit_at, miss)]  # ... as fetched
-        out[resident.to(dev, non_blocking=True)] = self.buffer[
-            slots[resident].to(dev, non_blocking=True)]
-        out[miss.to(dev, non_blocking=True)] = fetched
+        resident = np.setdiff1d(np.flatnonzero(slots >= 0), miss)  # from the buffer, the rest
+        out[torch.from_numpy(resident).to(dev, non_blocking=True)] = self.buffer[  # as fetched
+            torch.from_numpy(slots[resident]).to(dev, non_blocking=True)]
+        out[torch.from_numpy(miss).to(dev, non_blocking=True)] = fetched
         return out, None
 
-    def _insert(self, kv: torch.Tensor, blk: torch.Tensor,
+    def _insert(self, kv: np.ndarray, blk: np.ndarray,
                 blocks: torch.Tensor | None = None) -> None:
         """Cache fetched blocks in free or least recently used slots not used this step; blocks
         that do not fit are served uncached (the paper's split-K fallback). ``blocks`` None:
         bookkeeping only."""
-        free = (self.stamp < self.clock).nonzero(as_tuple=True)[0]
-        take = min(free.numel(), kv.numel())
+        free = np.flatnonzero(self.stamp < self.clock)
+        take = min(free.size, kv.size)
         if take == 0:
             return
-        victims = free[torch.argsort(self.stamp[free], stable=True)[:take]]
+        victims = free[np.argsort(self.stamp[free], kind="stable")[:take]]
         old = self.owner[victims]
         evicted = old[:, 0] >= 0
         self.slot_of[old[evicted, 0], old[evicted, 1]] = -1
         self.slot_of[kv[:take], blk[:take]] = victims
-        self.owner[victims] = torch.stack([kv[:take], blk[:take]], dim=1)
+        self.owner[victims] = np.stack([kv[:take], blk[:take]], axis=1)
         self.stamp[victims] = self.clock
         if blocks is not None:
-            self.buffer[victims.to(blocks.device, non_blocking=True)] = blocks[:take]
+            self.buffer[torch.from_numpy(victims).to(blocks.device, non_blocking=True)] = \
+                blocks[:take]
 
 
 @dataclass
@@ -190,10 +191,11 @@ class ScratchCache:
         ``(kv_heads[i], blocks[i])`` (host indices): see :meth:`_LRUBlocks.stage`."""
         return self._lru[which].stage(store, which, kv_heads, blocks, self._host)
 
-    def record(self, store, kv_heads: torch.Tensor, blocks: torch.Tensor, which: str) -> None:
-        """Count a request the backend serves from Tier-2 in place (no copy): see
-        :meth:`_LRUBlocks.record`."""
-        self._lru[which].record(store, kv_heads, blocks, self._host)
+    def record(self, store, mask: torch.Tensor, which: str) -> None:
+        """Count a request of keys (``which="k"``) or values (``"v"``) for the blocks ``mask
+        [Hkv, n]`` (a host bool tensor) sets that the backend serves from Tier-2 in place (no
+        copy): see :meth:`_LRUBlocks.record`."""
+        self._lru[which].record(store, mask.numpy(), self._host)
 
     def device_lru(self, which: str) -> DeviceLRU:
         """The device bookkeeping of keys (``which="k"``) or values (``"v"``): a step updates

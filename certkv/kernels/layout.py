@@ -22,7 +22,7 @@ class StagedBlocks:
     """FP16 blocks paged in for this step: block ``blocks[i]`` of kv head ``kv_heads[i]`` is
     ``data[rows[i]]`` (``data`` a pool such as the scratch cache, read in place) or ``data[i]``
     when ``rows`` is None; ``data: [P, B, d]``, or None for blocks the backend reads from the
-    originals itself (``keys_in_place``)."""
+    originals itself (the backend's ``in_place``)."""
 
     kv_heads: torch.Tensor
     blocks: torch.Tensor

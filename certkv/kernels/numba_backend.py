@@ -378,8 +378,16 @@ class NumbaBackend(TorchBackend):
 
     name: str = "numba"
 
-    def _fused(self, x: torch.Tensor) -> bool:
-        return AVAILABLE and not self.fp64_scalars and x.device.type == "cpu"
+    def _fused(self, x: torch.Tensor | torch.device) -> bool:
+        """Whether the loop nests run for tensors on ``x`` (a tensor or its device)."""
+        device = x if isinstance(x, torch.device) else x.device
+        return AVAILABLE and not self.fp64_scalars and device.type == "cpu"
+
+    def in_place(self, store) -> str:
+        """Keys and values (``"kv"``) where the loop nests run: Phase 2 reads both kinds of
+        FP16 originals from Tier-2 in place (on a CPU store the same memory a scratch cache
+        would copy them into; the cache still counts them); else the reference's."""
+        return "kv" if self._fused(store.device) else super().in_place(store)
 
     def phase1(self, q, lay, scaling) -> Scored:
         """Phase 1 (shapes as :func:`certkv.kernels.reference.phase1`): the logits from the
@@ -433,7 +441,7 @@ class NumbaBackend(TorchBackend):
         use_threads(torch.get_num_threads())
         _attend(group, s8, s16, state,
                 as_array(gate.reshape(hq, n)), as_array(scored.delta_b.reshape(hq, n)),
-                _F32(eps_guard), as_array(lay.values.transpose(0, 1)), *_staged(values, lay),
+                _F32(eps_guard), as_array(lay.values.transpose(0, 1)), *_staged(values, lay.store),
                 _check_args(checks, hq, n), out, *per_block, canary, flags)
         rho, log_mass, spread = torch.from_numpy(per_block).view(3, hkv, group, n).unbind()
         att = Attended(out=torch.from_numpy(out).view(hkv, group, d), rho=rho,
@@ -456,18 +464,23 @@ def _arrays(scored: Scored) -> tuple[np.ndarray, tuple, bool]:
             tuple(as_array(x.reshape(hkv * group, n, *x.shape[3:])) for x in state), False)
 
 
-def _staged(values, lay) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Staged FP16 value blocks as ``(kv heads [p], blocks [p], rows [p], pool [P, B, d])``:
-    their rows in the pool they are read from in place (the scratch cache's buffer, or the
-    staged copy), as int16 bits."""
+def _staged(values, store) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Promoted FP16 value blocks as ``(kv heads [p], blocks [p], rows [p], pool [P, B, d])``:
+    their rows in the pool they are read from in place, as int16 bits: Tier-2's originals
+    (:meth:`in_place`: block ``b`` of kv head ``h`` at row ``h W + b``), or a pool staged by
+    the caller (the scratch cache's buffer, or a staged copy)."""
     if values is None:
-        store = lay.store
         empty = np.zeros(0, np.int64)
         return empty, empty, empty, np.zeros((1, store.block_size, store.head_dim), np.int16)
-    data = values.data
-    rows = (torch.arange(data.shape[0]) if values.rows is None else values.rows)
-    return (as_array(values.kv_heads.long()), as_array(values.blocks.long()),
-            as_array(rows.long()), as_array(data.view(torch.int16)))
+    kv, blk = as_array(values.kv_heads.long()), as_array(values.blocks.long())
+    if values.data is None:
+        _, pool, width = store.original_rows()
+        rows = kv * width + blk
+    else:
+        pool = values.data
+        rows = as_array(torch.arange(pool.shape[0]) if values.rows is None
+                        else values.rows.long())
+    return kv, blk, rows, as_array(pool.view(torch.int16))
 
 
 def _check_args(checks: CheckInputs | None, hq: int, n: int) -> tuple:

@@ -300,12 +300,16 @@ class TorchBackend:
 
     fp64_scalars: bool = False
     name: str = "torch"
-    keys_in_place = True  # Phase 2 computes FP16-key logits from the originals itself
 
     @property
     def scalar(self) -> torch.dtype:
         """The softmax scalars' dtype (paper 9.10)."""
         return torch.float64 if self.fp64_scalars else torch.float32
+
+    def in_place(self, store) -> str:
+        """Which FP16 originals Phase 2 reads from Tier-2 itself rather than from staged
+        blocks: ``"k"`` (keys: their logits come from one product with the originals)."""
+        return "k"
 
     def phase1(self, q, lay, scaling) -> Scored:
         return phase1(q, lay, scaling, self.scalar)

@@ -106,6 +106,11 @@ class TritonBackend:
         return attend_blocks(scored, q, gate, key_slot, key_data, sources, value_slot,
                              value_data, scaling, eps_guard, self.split, tier2, checks)
 
+    def in_place(self, store) -> str:
+        """Which FP16 originals a host page-in leaves to Phase 2 (none: its kernels read
+        staged blocks, :meth:`pages_in_on_device`)."""
+        return ""
+
     def pages_in_on_device(self, lay: StepLayout) -> bool:
         """Whether Phase 2 runs the kernels for this store (so that it can read slot maps the
         host never saw, :class:`SlotMap`); the reference needs the page-in on the host."""
