@@ -232,6 +232,7 @@ class TieredKVStore:
         self._layer = LayerContext()
         self._nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)
         self._views = None  # the fused append's NumPy views (_append_views)
+        self._rows = None  # original_rows' views, with the originals' views they were made of
         self._allocate()
 
     def _allocate(self) -> None:
@@ -765,7 +766,7 @@ class TieredKVStore:
         """An independent copy of this store (every tier, annotation and running statistic), so
         one quantized prefill can serve several methods without quantizing it again."""
         new = copy.copy(self)
-        new._step_read, new._step_codes, new._views = None, {}, None
+        new._step_read, new._step_codes, new._views, new._rows = None, {}, None, None
         for name in ("_table", "_annotations", "_health", "_tier2", "_mirror", "stages"):
             part = getattr(self, name)
             setattr(new, name, None if part is None else part.clone())
@@ -1043,9 +1044,13 @@ class TieredKVStore:
     def original_rows(self) -> tuple[torch.Tensor, torch.Tensor, int]:
         """The completed blocks' FP16 originals as row views ``k, v: [Hkv * W, B, d]`` of the
         buffers in place (pinned host memory on CUDA) and ``W``: block ``b`` of kv head ``h``
-        is row ``h * W + b``. What kernels that page in on the device read."""
-        (k, width), (v, _) = (head_rows(self._originals()[name]) for name in ("k", "v"))
-        return k, v, width
+        is row ``h * W + b``. What kernels that page in on the device read (made again only
+        when the originals' views change: every block completion)."""
+        originals = self._originals()
+        if self._rows is None or self._rows[0] is not originals:
+            (k, width), (v, _) = (head_rows(originals[name]) for name in ("k", "v"))
+            self._rows = (originals, (k, v, width))
+        return self._rows[1]
 
     def fetch_originals(
         self, kv_heads: torch.Tensor, blocks: torch.Tensor, which: str = "kv"

@@ -131,14 +131,20 @@ class Certificate:
         names = [f.name for f in fields(cls) if f.name not in _SUMMED
                  and isinstance(getattr(certs[0], f.name), torch.Tensor)]
         device = getattr(certs[0], names[0]).device
-        joined = [torch.cat([getattr(c, name).to(device) for c in certs]) for name in names]
-        # counts: ints, or 0-d device tensors from steps that never read the host
-        joined += [torch.stack([torch.as_tensor(getattr(c, name), device=device).reshape(())
-                                for c in certs]) for name in _SUMMED]
+        joined = [torch.cat([_on(getattr(c, name), device) for c in certs]) for name in names]
+        # counts: ints, summed here, or 0-d device tensors from steps that never read the host
+        counts = {name: [getattr(c, name) for c in certs] for name in _SUMMED}
+        on_device = [name for name, values in counts.items()
+                     if any(isinstance(x, torch.Tensor) for x in values)]
+        joined += [torch.stack([torch.as_tensor(x, device=device).reshape(())
+                                for x in counts[name]]) for name in on_device]
         packed = torch.cat([t.double() for t in joined]).to("cpu")  # exact for every field
-        for name, t, part in zip([*names, *_SUMMED], joined,
+        for name, t, part in zip([*names, *on_device], joined,
                                  packed.split([t.numel() for t in joined]), strict=True):
             merged[name] = int(part.sum()) if name in _SUMMED else part.to(t.dtype)
+        for name in _SUMMED:
+            if name not in on_device:
+                merged[name] = int(sum(counts[name]))
         for f in fields(cls):
             values = [getattr(c, f.name) for c in certs]
             if f.name in _SUMMED or isinstance(values[0], torch.Tensor):
@@ -179,6 +185,11 @@ class Certificate:
         out["tol_escalated"] = int((self.tol_level > 0).sum())
         out["tol_dense"] = int((self.tol_level >= 3).sum())
         return out
+
+
+def _on(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``x`` on ``device`` (no call where it is there already: a step's log joins hundreds)."""
+    return x if x.device == device else x.to(device)
 
 
 class CertificateLog:

@@ -18,6 +18,7 @@ picks), so a head whose bound is not finite here is one whose bound is not finit
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from typing import NamedTuple
 
 import numpy as np
@@ -152,9 +153,9 @@ def _round_up(x):
 def _kernel(blocks, per_head, per_kv, promoted, exact, value_kv, q, key_abs_max, eta_max_kv,
             out, par, weights):
     """Every head's terms (see :func:`certificate`), heads in parallel (each writes its own
-    results): ``blocks [7, Hq, n]`` stacks ``l8, l16, rho, spread, log_p, delta_b,
-    delta_chan``; ``per_head [4, Hq]`` ``delta, v_max, v_rad, q_norm``; ``per_kv [3, Hkv, n]``
-    ``eta, value_spec, key_spec``; ``par``: :func:`_params`."""
+    results): ``blocks`` the ``[Hq, n]`` arrays ``l8, l16, rho, spread, log_p, delta_b,
+    delta_chan``; ``per_head`` the ``[Hq]`` arrays ``delta, v_max, v_rad, q_norm``; ``per_kv``
+    the ``[Hkv, n]`` arrays ``eta, value_spec, key_spec``; ``par, weights``: :func:`_params`."""
     l8, l16, rho, spread, log_p, delta_b, delta_chan = blocks
     delta, v_max, v_rad, q_norm = per_head
     eta, value_spec, key_spec = per_kv
@@ -244,13 +245,16 @@ def _kernel(blocks, per_head, per_kv, promoted, exact, value_kv, q, key_abs_max,
     return res_f, res_i
 
 
-def _params(spec: ArithSpec, coef: StepCoefficients, exponent: float) -> np.ndarray:
-    """The step's scalars in the order :func:`_kernel` unpacks them."""
+@lru_cache(maxsize=64)
+def _params(spec: ArithSpec, coef: StepCoefficients, exponent: float) -> tuple:
+    """The step's scalars in the order :func:`_kernel` unpacks them, and the linear form's
+    weights (memoised: ``coef`` is :func:`~certkv.certify.arith.step_coefficients`', shared by
+    every layer of a step)."""
     d = spec.head_dim
     eps_a, eps_b, eps_c = logit_rounding_form(spec.rounding.logit_gamma(d), spec.scaling, d)
     return np.array([spec.scaling, exponent, eps_a, eps_b, eps_c,
                      magnitude_factor(spec.scaling, d), coef.kappa, coef.rho_rel,
-                     coef.spread_rel, gamma(d + 8)], dtype=np.float64)
+                     coef.spread_rel, gamma(d + 8)], dtype=np.float64), as_array(coef.weights)
 
 
 _HALF_SCALE = np.float32(2.0**112)  # 2^(127 - 15): a half's exponent bits placed in a float's
@@ -314,14 +318,14 @@ def certificate(spec: ArithSpec, coef: StepCoefficients, exponent: float, *, l8,
     Returns: FP32 ``e_key, e_val, e_arith, tail_mass, paper_key, paper_val``, int64
     ``k_star, value_blocks``, each ``[Hq]``, then :func:`rungs`' four results.
     """
-    blocks = torch.stack([l8, l16, rho, spread, log_p, delta_b, delta_chan])
-    per_head = torch.stack([delta, v_max, v_rad, q_norm.reshape(-1)])
-    per_kv = torch.stack([eta, value_spec, key_spec])
     q64, out32 = as_array(q.double()), as_array(out)
     use_threads(torch.get_num_threads())
-    res_f, res_i = _kernel(*(as_array(x) for x in (
-        blocks, per_head, per_kv, promoted, exact, value_kv)), q64, as_array(key_abs_max),
-        as_array(eta_max_kv), out32, _params(spec, coef, exponent), as_array(coef.weights))
+    res_f, res_i = _kernel(
+        tuple(as_array(x) for x in (l8, l16, rho, spread, log_p, delta_b, delta_chan)),
+        tuple(as_array(x) for x in (delta, v_max, v_rad, q_norm.reshape(-1))),
+        tuple(as_array(x) for x in (eta, value_spec, key_spec)),
+        *(as_array(x) for x in (promoted, exact, value_kv)), q64, as_array(key_abs_max),
+        as_array(eta_max_kv), out32, *_params(spec, coef, exponent))
     ruled = _rung_arrays(*res_f[:3], res_i[1], out32, q64, q.dtype, rung_inputs)
     f, i = torch.from_numpy(res_f), torch.from_numpy(res_i)
     return (*f.unbind(), *i.unbind(), *ruled)
