@@ -153,9 +153,9 @@ def _round_up(x):
 def _kernel(blocks, per_head, per_kv, promoted, exact, value_kv, q, key_abs_max, eta_max_kv,
             out, par, weights):
     """Every head's terms (see :func:`certificate`), heads in parallel (each writes its own
-    results): ``blocks`` the ``[Hq, n]`` arrays ``l8, l16, rho, spread, log_p, delta_b,
-    delta_chan``; ``per_head`` the ``[Hq]`` arrays ``delta, v_max, v_rad, q_norm``; ``per_kv``
-    the ``[Hkv, n]`` arrays ``eta, value_spec, key_spec``; ``par, weights``: :func:`_params`."""
+    results): ``blocks [7, Hq, n]`` stacks ``l8, l16, rho, spread, log_p, delta_b,
+    delta_chan``; ``per_head [4, Hq]`` ``delta, v_max, v_rad, q_norm``; ``per_kv [3, Hkv, n]``
+    ``eta, value_spec, key_spec``; ``par, weights``: :func:`_params`."""
     l8, l16, rho, spread, log_p, delta_b, delta_chan = blocks
     delta, v_max, v_rad, q_norm = per_head
     eta, value_spec, key_spec = per_kv
@@ -318,13 +318,13 @@ def certificate(spec: ArithSpec, coef: StepCoefficients, exponent: float, *, l8,
     Returns: FP32 ``e_key, e_val, e_arith, tail_mass, paper_key, paper_val``, int64
     ``k_star, value_blocks``, each ``[Hq]``, then :func:`rungs`' four results.
     """
+    blocks = torch.stack([l8, l16, rho, spread, log_p, delta_b, delta_chan])
+    per_head = torch.stack([delta, v_max, v_rad, q_norm.reshape(-1)])
+    per_kv = torch.stack([eta, value_spec, key_spec])
     q64, out32 = as_array(q.double()), as_array(out)
     use_threads(torch.get_num_threads())
-    res_f, res_i = _kernel(
-        tuple(as_array(x) for x in (l8, l16, rho, spread, log_p, delta_b, delta_chan)),
-        tuple(as_array(x) for x in (delta, v_max, v_rad, q_norm.reshape(-1))),
-        tuple(as_array(x) for x in (eta, value_spec, key_spec)),
-        *(as_array(x) for x in (promoted, exact, value_kv)), q64, as_array(key_abs_max),
+    res_f, res_i = _kernel(*(as_array(x) for x in (
+        blocks, per_head, per_kv, promoted, exact, value_kv)), q64, as_array(key_abs_max),
         as_array(eta_max_kv), out32, *_params(spec, coef, exponent))
     ruled = _rung_arrays(*res_f[:3], res_i[1], out32, q64, q.dtype, rung_inputs)
     f, i = torch.from_numpy(res_f), torch.from_numpy(res_i)

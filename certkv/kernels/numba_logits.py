@@ -22,6 +22,8 @@ covers: it counts ``d`` roundings per logit, in any order.
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import torch
 
@@ -110,26 +112,54 @@ def _gated_logits(group, q, gate, originals, width, completed, tail, tail_width,
             s[kv * group:(kv + 1) * group, b] = out
 
 
+_ROWS: dict[int, tuple] = {}  # id(view) -> (weak reference to the view, its rows)
+
+
 def rows(x: torch.Tensor) -> tuple[np.ndarray, int]:
     """:func:`~certkv.cache.blocks.head_rows` as NumPy: C-contiguous rows, so that numba
-    compiles contiguous loops over each block."""
+    compiles contiguous loops over each block. Made once per view: the store's views are the
+    same objects until its buffers change (the entry goes with the view)."""
+    hit = _ROWS.get(id(x))
+    if hit is not None and hit[0]() is x:
+        return hit[1]
     flat, width = head_rows(x)
-    return flat.numpy(), width
+    key = id(x)
+    _ROWS[key] = (weakref.ref(x, lambda _: _ROWS.pop(key, None)), (flat.numpy(), width))
+    return _ROWS[key][1]
+
+
+_CODES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # store -> (inputs, codes)
 
 
 def int8_keys(store) -> tuple | None:
+    """:func:`_int8_keys`, or None without a decoded mirror; made again only when what it
+    reads changes: the block count, the tail block, protection or any of the store's key
+    groups (compared by identity: the store replaces them on every change of its table or
+    buffers)."""
+    if store.decoded_with_tail() is None:
+        return None
+    groups = [] if store.protection.enabled else store.block_groups("key")
+    inputs = (store.num_blocks, store.tail_len > 0, *(x for group in groups for x in group))
+    cached = _CODES.get(store)
+    if cached is None or len(cached[0]) != len(inputs) or any(
+            a is not b for a, b in zip(cached[0][2:], inputs[2:], strict=True)) \
+            or cached[0][:2] != inputs[:2]:
+        cached = (inputs, _int8_keys(store, groups))
+        _CODES[store] = cached
+    return cached[1]
+
+
+def _int8_keys(store, groups) -> tuple:
     """What :func:`key_logits` reads besides the mirror: ``(slot [n], codes [Hkv, slots, B,
     d], scale, offset [Hkv, slots, d])`` in place, ``slot[b]`` block ``b``'s slot in the INT8
     key codes of the one unprotected ``ChannelAffineKeyCodec(bits=8)`` precision (-1: copied
     from the mirror: exact blocks, the tail block, other codecs, or every block where no such
-    precision holds blocks, the store protects its words or two precisions do); None without
-    a decoded mirror."""
-    if store.decoded_with_tail() is None:
-        return None
+    precision holds blocks, the store protects its words or two precisions do), from the
+    store's key ``groups`` (:meth:`~certkv.cache.store.TieredKVStore.block_groups`)."""
     n = store.num_blocks + (1 if store.tail_len else 0)
     slot, found = np.full(n, -1, np.int64), []
     if not store.protection.enabled:
-        for precision, codes, blocks, slots in store.block_groups("key"):
+        for precision, codes, blocks, slots in groups:
             codec = precision.key_codec
             if type(codec) is ChannelAffineKeyCodec and codec.bits == 8:
                 slot[as_array(blocks)] = as_array(slots)
