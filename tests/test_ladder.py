@@ -183,6 +183,31 @@ def test_summary_is_plain_numbers():
     assert math.isfinite(summary["e_key_max"])
 
 
+def test_a_steps_summary_is_each_fields_mean_maximum_and_counts():
+    """The step summary (a few stacked reductions) and the join of several layers'
+    certificates say what each field says on its own."""
+    from certkv.certify.certificate import Certificate
+
+    store, k = store_with()
+    attn = CertifiedAttention(ladder=Ladder(r=1))
+    certs = [attn(make_query(k, 2, seed=seed, peaked=bool(seed % 2)), store)[1]
+             for seed in range(3)]
+    certs[1].rung = torch.tensor([0, 1, 3, 4])
+    certs[2].value_promotions = torch.tensor(5)  # a count from a step that never read the host
+    joined = Certificate.cat(certs)
+    summary = joined.summary()
+    for name in ("e_key", "bound", "tail_mass", "paper_e_val"):
+        values = torch.cat([getattr(c, name) for c in certs]).double()
+        assert summary[f"{name}_mean"] == pytest.approx(float(values.mean()), rel=1e-12)
+        assert summary[f"{name}_max"] == float(values.max())
+    rungs = torch.cat([c.rung for c in certs])
+    assert [summary[f"rung{r}"] for r in range(5)] == [int((rungs == r).sum()) for r in range(5)]
+    ranking = torch.cat([c.ranking_ok for c in certs])
+    assert summary["ranking_fail"] == int((~ranking).sum())
+    assert summary["value_promotions"] == sum(int(c.value_promotions) for c in certs)
+    assert summary["heads"] == 12 and summary["tol_escalated"] == summary["tol_dense"] == 0
+
+
 @pytest.mark.parametrize(("kwargs", "match"), [
     ({"expand_factor": 0.5}, "expand_factor=0.5"),
     ({"r": 0}, "r=0 must be a positive integer"),

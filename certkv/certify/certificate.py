@@ -41,6 +41,10 @@ class BlockStats:
         return self.mass * share * self.quantized
 
 
+_AVERAGED = ("candidate_e_key", "candidate_e_val", "e_key", "e_val", "e_arith", "bound",
+             "delta", "tail_mass", "paper_e_key", "paper_e_val")
+"""Per-head terms a step summary reports as a mean and a maximum."""
+
 _SUMMED = ("value_promotions", "corrected_words", "erased_words", "corrupted_blocks",
            "violations", "paged_evicted")
 """Per-step counts that add up over layers."""
@@ -131,7 +135,9 @@ class Certificate:
         names = [f.name for f in fields(cls) if f.name not in _SUMMED
                  and isinstance(getattr(certs[0], f.name), torch.Tensor)]
         device = getattr(certs[0], names[0]).device
-        joined = [torch.cat([_on(getattr(c, name), device) for c in certs]) for name in names]
+        moved = any(c.e_key.device != device for c in certs)  # a step's layers: one device
+        joined = [torch.cat([getattr(c, name).to(device) if moved else getattr(c, name)
+                             for c in certs]) for name in names]
         # counts: ints, summed here, or 0-d device tensors from steps that never read the host
         counts = {name: [getattr(c, name) for c in certs] for name in _SUMMED}
         on_device = [name for name, values in counts.items()
@@ -146,9 +152,9 @@ class Certificate:
             if name not in on_device:
                 merged[name] = int(sum(counts[name]))
         for f in fields(cls):
-            values = [getattr(c, f.name) for c in certs]
-            if f.name in _SUMMED or isinstance(values[0], torch.Tensor):
+            if f.name in merged:
                 continue
+            values = [getattr(c, f.name) for c in certs]
             if f.name == "num_blocks":
                 merged[f.name] = max(values)
             elif f.name == "blocks":
@@ -168,28 +174,26 @@ class Certificate:
         """Plain-number summary of the step (means and maxima over heads, rung counts)."""
         out: dict[str, float | int | str] = {"mode": self.mode, "heads": self.num_heads,
                                              "num_blocks": self.num_blocks}
-        for name in ("candidate_e_key", "candidate_e_val", "e_key", "e_val", "e_arith", "bound",
-                     "delta", "tail_mass", "paper_e_key", "paper_e_val"):
-            values = getattr(self, name).double()
-            out[f"{name}_mean"] = float(values.mean())
-            out[f"{name}_max"] = float(values.max())
+        # every statistic in a few operators (a run summarises every decode step)
+        terms = torch.stack([getattr(self, name).double() for name in _AVERAGED])
+        means, maxima = terms.mean(dim=1).tolist(), terms.amax(dim=1).tolist()
+        for name, mean, top in zip(_AVERAGED, means, maxima, strict=True):
+            out[f"{name}_mean"] = mean
+            out[f"{name}_max"] = top
         out["k_star_mean"] = float(self.k_star.double().mean())
+        rungs = torch.bincount(self.rung.flatten().long(), minlength=len(RUNG_NAMES)).tolist()
         for rung in RUNG_NAMES:
-            out[f"rung{rung}"] = int((self.rung == rung).sum())
-        out["ranking_fail"] = int((~self.ranking_ok).sum())
-        out["boundary_fail"] = int((~self.boundary_ok).sum())
-        out["canary_fail"] = int((~self.canary_ok).sum())
+            out[f"rung{rung}"] = rungs[rung]
+        fails = torch.stack([~self.ranking_ok, ~self.boundary_ok, ~self.canary_ok,
+                             self.tol_level > 0, self.tol_level >= 3]).sum(dim=1).tolist()
+        for name, count in zip(("ranking_fail", "boundary_fail", "canary_fail"), fails,
+                               strict=False):
+            out[name] = count
         for name in _SUMMED:  # ints, or 0-d tensors from a device step
             out[name] = int(getattr(self, name))
         out["audited"] = self.audited
-        out["tol_escalated"] = int((self.tol_level > 0).sum())
-        out["tol_dense"] = int((self.tol_level >= 3).sum())
+        out["tol_escalated"], out["tol_dense"] = fails[3:]
         return out
-
-
-def _on(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``x`` on ``device`` (no call where it is there already: a step's log joins hundreds)."""
-    return x if x.device == device else x.to(device)
 
 
 class CertificateLog:
