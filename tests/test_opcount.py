@@ -18,10 +18,11 @@ CERTIFIED_4K_CEILING = 500
 # The same step on the default CPU path called 362 with the certificate as one numba loop nest
 # (certkv.certify.fused_cpu: the certificate phase's 217 operators became 96), and 337 since
 # Phase 2 with the checks (backend=numba), the selection and the rungs run as numba loops too,
-# and 307-313 since Phase 1 runs as numba loops over the INT8 key codes: most of what is left
-# is the loops' NumPy views of their inputs (4 aten operators each: detach, to, resolve_conj,
-# resolve_neg, together about 0.6 us) and each phase's few reshapes.
-FUSED_4K_CEILING = 320
+# 307-313 since Phase 1 runs as numba loops over the INT8 key codes, and 299 since the numba
+# backend reads promoted FP16 values from Tier-2 in place (the page-in stages nothing): most of
+# what is left is the loops' NumPy views of their inputs (4 aten operators each: detach, to,
+# resolve_conj, resolve_neg, together about 0.6 us) and each phase's few reshapes.
+FUSED_4K_CEILING = 305
 # The Triton path's certified layer step with a partial tail block (device page-in with a
 # scratch cache, device fallback) launched 5 Triton kernels (Phase 1 and Phase 2, the tail block
 # carried by their last launch; the scratch fill of keys and values; the merge, the checks in
