@@ -186,7 +186,12 @@ class BlockTable:
         the end of its buffers."""
         size = self._keys[pid].size
         old, new = slots < size, slots >= size
-        for store, blocks in ((self._keys[pid], keys), (self._values[pid], values)):
+        pairs = ((self._keys[pid], keys), (self._values[pid], values))
+        if not bool(old.any()):  # the usual case: every block at the end of its buffers
+            for store, blocks in pairs:
+                store.extend(blocks)
+            return
+        for store, blocks in pairs:
             if old.any():
                 store.put(slots[old], {k: t[:, old.to(t.device)] for k, t in blocks.items()})
             if new.any():

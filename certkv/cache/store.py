@@ -99,22 +99,27 @@ def block_annotations(k16: torch.Tensor, v16: torch.Tensor, key_codec: KeyCodec,
       (``||sigma||`` per token, ``||Sigma||_2 <= ||Sigma||_F <= sqrt(B) ||sigma||`` per block).
     """
     v64, k64 = v16.double(), k16.double()
-    lossless_v = isinstance(value_codec, FP16ValueCodec)
-    lossless_k = isinstance(key_codec, FP16KeyCodec)
     zeros = torch.zeros(v64.shape[:2], dtype=torch.float64, device=v64.device)
-    eta, value_spec = (zeros, zeros) if lossless_v else _error_norms(
-        value_codec.decode(value_blocks).double() - v64)
-    if lossless_k:
-        key_err = key_spec = zeros
-    else:
-        key_err, key_spec = _error_norms(key_codec.decode(key_blocks).double() - k64)
+    errors = {}  # the lossy ones' error blocks, measured in one batch
+    if not isinstance(value_codec, FP16ValueCodec):
+        errors["v"] = value_codec.decode(value_blocks).double() - v64
+    if not isinstance(key_codec, FP16KeyCodec):
+        errors["k"] = key_codec.decode(key_blocks).double() - k64
+    measured = {}
+    if errors:
+        per_token, spectral = _error_norms(torch.stack(list(errors.values())))
+        measured = {name: (per_token[i], spectral[i]) for i, name in enumerate(errors)}
+    eta, value_spec = measured.get("v", (zeros, zeros))
+    key_err, key_spec = measured.get("k", (zeros, zeros))
+    if "k" in errors:
         slack = key_codec.decode_slack(key_blocks).double().norm(dim=-1)  # [Hkv, n]
         key_err = key_err + slack
         key_spec = key_spec + slack * k64.shape[2] ** 0.5
     found = {"eta": eta, "nu": v64.norm(dim=-1).amax(dim=-1), "value_spec": value_spec,
              "key_err": key_err, "key_spec": key_spec,
              "v_radius": centred_radius(v64, centre.unsqueeze(1))}
-    return {name: round_up_fp32(found[name] * _INFLATE) for name in ANNOTATIONS}
+    rounded = round_up_fp32(torch.stack([found[name] for name in ANNOTATIONS]) * _INFLATE)
+    return dict(zip(ANNOTATIONS, rounded.unbind(), strict=True))
 
 
 class TieredKVStore:
