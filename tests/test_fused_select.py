@@ -58,6 +58,19 @@ def _near_coverage_tie(log_p, quantized, tau, k_a, k_b):
 @settings(max_examples=150, suppress_health_check=[HealthCheck.too_slow], deadline=None)
 @given(scenarios())
 def test_fused_selection_matches_the_operators(sc):
+    check_selections(sc)
+
+
+def covered(sc) -> bool:
+    """Whether the scenario's certified steps select with the fused loop nest (the default
+    policy, :func:`fused_select.covers`) when ``fused``."""
+    return all(sc.get(key) == value for key, value in DEFAULT.items())
+
+
+def check_selections(sc) -> bool:
+    """Assert that the scenario's selection by the operators and fused agree up to FP32
+    rounding, and return whether every decision is the same (False: a coverage, expansion or
+    value threshold fell within that rounding, so the two steps go on with different sets)."""
     attn, lay, scored, ops, fused = both(sc)
     names = ("log_p", "delta_b", "delta", "delta_chan", "v_max", "v_rad", "q_norm", "promoted",
              "expanded", "value_kv", "plan", "exact")
@@ -84,8 +97,10 @@ def test_fused_selection_matches_the_operators(sc):
     differs = f["value_kv"] != o["value_kv"]
     assert not (differs & ~near.any(dim=1)).any()
     assert torch.equal(f["plan"][1], f["value_kv"])
-    if torch.equal(f["promoted"], o["promoted"]) and not differs.any():
+    same = torch.equal(f["promoted"], o["promoted"]) and not differs.any()
+    if same:
         assert torch.equal(f["plan"], o["plan"])
+    return same and torch.equal(f["expanded"], o["expanded"])
 
 
 def _value_contributions(attn, log_p, scored, lay):
