@@ -4,9 +4,10 @@
   dense FP16 SDPA on a resident FP16 cache (the production baseline), naive quantized, and
   certified with each phase timed; achieved GB/s (bytes each method must read / time), and
   memory per tier.
-* ``decode``: one whole-model decode step (random weights: timing does not depend on them) for
-  a model config at several contexts, dense vs certified, with the phase breakdown of the
-  paper's Table 16 (attention phases summed over layers; the rest is non-attention work).
+* ``decode``: one whole-model decode step (the model's own weights on a book's text where they
+  are installed, else random) for a model at several contexts, dense vs certified, one step of
+  each in turn, with the phase breakdown of the paper's Table 16 (attention phases summed over
+  layers; the rest is non-attention work).
 
 Timing: warm-up, then ``repeats`` timed runs (CUDA-synchronised on GPU), reported as min /
 median / max; a case whose runs disagree by more than 20% of the median is flagged (the machine
@@ -70,17 +71,34 @@ def device_info() -> dict:
             "commit": source_commit()}
 
 
+def _call_ms(fn) -> float:
+    """Milliseconds of one (synchronised) call of ``fn()``."""
+    _sync()
+    start = time.perf_counter()
+    fn()
+    _sync()
+    return 1e3 * (time.perf_counter() - start)
+
+
 def timings(fn, repeats: int, warmup: int = 2) -> list[float]:
     """Milliseconds of each of ``repeats`` calls of ``fn()``, after ``warmup`` untimed calls."""
     for _ in range(warmup):
         fn()
-    times = []
+    return [_call_ms(fn) for _ in range(repeats)]
+
+
+def interleaved_timings(fns: dict[str, Callable[[], object]], repeats: int,
+                        warmup: int = 2) -> dict[str, list[float]]:
+    """:func:`timings` of several functions called in turn (one call of each per round, after
+    ``warmup`` untimed rounds), so that a slow spell of the machine falls on every one of
+    them rather than on whichever happened to run then."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
-        _sync()
-        start = time.perf_counter()
-        fn()
-        _sync()
-        times.append(1e3 * (time.perf_counter() - start))
+        for name, fn in fns.items():
+            times[name].append(_call_ms(fn))
     return times
 
 
@@ -743,26 +761,31 @@ def bench_decode(model: str, contexts: list[int], device: torch.device, repeats:
         row = {"model": model, "weights": used, "context": context,
                "label": f"{model} N={context}", "short_label": f"N={tokens(context)}",
                "ms": {}, "ms_stats": {}, "phases_ms": {}, "phases_ms_stats": {}}
-        shared = Prefill(lm, ids[:-1])
-        for mode in ("dense", "certified"):
-            update(f"N={tokens(context)}: {mode}")
-            _time_decode_mode(row, shared, mode, ids[-1], repeats, compile)
-            update(f"N={tokens(context)}: {mode}", advance=1)
+        _time_decode(row, Prefill(lm, ids[:-1]), ids[-1], repeats, compile, update)
         records.append(_decode_ratios(row))
     return records
 
 
-def _time_decode_mode(row: dict, shared, mode: str, token: int, repeats: int,
-                      compile: bool | str | None) -> None:
-    """Fill ``row``'s step times and phase breakdown (separate synchronised steps) of ``mode``."""
+def _time_decode(row: dict, shared, token: int, repeats: int, compile: bool | str | None,
+                 update: Update) -> None:
+    """Fill ``row``'s step times of dense and certified, one step of each in turn (the
+    machine's slow spells fall on both), then each one's phase breakdown (separate
+    synchronised steps)."""
     from certkv.eval.decode import Method
 
-    method = Method.build(mode, mode, compile=compile)
-    decoder = shared.session(method).decoder()
-    row["ms_stats"][mode] = stats(timings(lambda: decoder.step(token), repeats))
-    row["ms"][mode] = row["ms_stats"][mode]["median"]
-    row["phases_ms_stats"][mode] = phase_stats(lambda: decoder.step(token), method.attention)
-    row["phases_ms"][mode] = medians(row["phases_ms_stats"][mode])
+    label = f"N={tokens(row['context'])}"
+    update(f"{label}: dense and certified steps in turn")
+    methods = {mode: Method.build(mode, mode, compile=compile) for mode in ("dense", "certified")}
+    steps = {mode: partial(shared.session(method).decoder().step, token)
+             for mode, method in methods.items()}
+    for mode, runs in interleaved_timings(steps, repeats).items():
+        row["ms_stats"][mode] = stats(runs)
+        row["ms"][mode] = row["ms_stats"][mode]["median"]
+    for mode, method in methods.items():
+        update(f"{label}: {mode} phases")
+        row["phases_ms_stats"][mode] = phase_stats(steps[mode], method.attention)
+        row["phases_ms"][mode] = medians(row["phases_ms_stats"][mode])
+        update(f"{label}: {mode} phases", advance=1)
 
 
 def _decode_ratios(row: dict) -> dict:

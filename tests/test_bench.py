@@ -59,6 +59,14 @@ def test_timed_keeps_warmup_then_repeats():
     assert bench.timed(lambda: None, repeats=1) == pytest.approx(0.0, abs=50.0)
 
 
+def test_interleaved_timings_call_each_function_in_turn():
+    calls = []
+    times = bench.interleaved_timings({"a": lambda: calls.append("a"),
+                                       "b": lambda: calls.append("b")}, repeats=3, warmup=1)
+    assert calls == ["a", "b"] * 4 and [len(t) for t in times.values()] == [3, 3]
+    assert list(times) == ["a", "b"]
+
+
 def test_spread_warning_exactly_above_20_percent():
     def case(runs):
         return {"dense": bench.stats([100.0, 100.0, 100.0]), "certified": bench.stats(runs)}
@@ -184,7 +192,8 @@ def test_bench_decode_command_writes_report(tmp_path, monkeypatch):
     texts = [text for text, _ in calls[1:]]
     assert calls[0] == ("total", 2) and sum(advance for _, advance in calls[1:]) == 2
     assert texts[0].startswith("smollm2_135m: building the model")
-    assert "N=64: dense prefill" in texts and "N=64: certified" in texts
+    assert "N=64: dense prefill" in texts and "N=64: dense and certified steps in turn" in texts
+    assert "N=64: certified phases" in texts
     assert "| N | method | min | med | max | ×dense |" in (
         tmp_path / "decode_smollm2_135m_cpu.md").read_text()
 
