@@ -182,8 +182,13 @@ def test_rows_view_the_buffer_in_place():
     got, width = nbl.rows(buffer[:, :4])
     assert width == 5 and got.shape == (10, 3) and np.shares_memory(got, buffer.numpy())
     assert np.array_equal(got[5 + 2], buffer[1, 2].numpy())
-    got, width = nbl.rows(buffer.transpose(0, 1)[:, :2])
+    copied = buffer.transpose(0, 1)[:, :2]
+    got, width = nbl.rows(copied)
     assert width == 2 and np.array_equal(got[2 + 1], buffer[1, 1].numpy())
+    view = buffer[:, :4]
+    assert nbl.rows(view)[0] is nbl.rows(view)[0]  # made once per view
+    buffer[1, 1] = -1.0  # a write into the buffer: the view's rows show it, a copy is remade
+    assert (nbl.rows(view)[0][5 + 1] == -1.0).all() and (nbl.rows(copied)[0][2 + 1] == -1.0).all()
 
 
 def test_gated_logits_are_phase1s_products_on_the_originals():

@@ -117,15 +117,18 @@ _ROWS: dict[int, tuple] = {}  # id(view) -> (weak reference to the view, its row
 
 def rows(x: torch.Tensor) -> tuple[np.ndarray, int]:
     """:func:`~certkv.cache.blocks.head_rows` as NumPy: C-contiguous rows, so that numba
-    compiles contiguous loops over each block. Made once per view: the store's views are the
-    same objects until its buffers change (the entry goes with the view)."""
+    compiles contiguous loops over each block. Rows that view ``x``'s memory are made once per
+    view (the store's views are the same objects until its buffers change, and writes into
+    them show through; the entry goes with the view); a contiguous copy is made every call."""
     hit = _ROWS.get(id(x))
     if hit is not None and hit[0]() is x:
         return hit[1]
     flat, width = head_rows(x)
-    key = id(x)
-    _ROWS[key] = (weakref.ref(x, lambda _: _ROWS.pop(key, None)), (flat.numpy(), width))
-    return _ROWS[key][1]
+    made = (flat.numpy(), width)
+    if flat.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():  # a view
+        key = id(x)
+        _ROWS[key] = (weakref.ref(x, lambda _: _ROWS.pop(key, None)), made)
+    return made
 
 
 _CODES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # store -> (inputs, codes)
