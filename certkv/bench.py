@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import platform
 import statistics
@@ -648,7 +649,9 @@ def plot_launches(records: list[dict], path: Path) -> None:
 def plot_attention(records: list[dict], path: Path) -> None:
     """Median step time (min-max bars) against context: colour = method, line style and marker
     = shape (head dim, GQA ratio)."""
-    from matplotlib.ticker import LogFormatter
+    from matplotlib.ticker import FuncFormatter
+
+    from certkv.report.plots import tick_label
 
     plt, fig, ax = _figure((8, 4.2))
     shapes = sorted({(r["case"]["head_dim"], r["case"]["group"]) for r in records})
@@ -661,8 +664,12 @@ def plot_attention(records: list[dict], path: Path) -> None:
             _series(ax, ctx, [r["ms_stats"][method] for r in rows], method, style, marker)
         legend.append((f"d={d} GQA {g}:1", style, marker))
     ax.set_yscale("log")
-    ax.yaxis.set_major_formatter(LogFormatter())  # 50, 200 rather than 5x10^1, 2x10^2
-    ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False))
+    # plain numbers (0.6, 2, 50 rather than 6e-01 or 5x10^1); minor ticks at 2, 3 and 5 times a
+    # power of ten (more would overlap)
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: tick_label(y)))
+    ax.yaxis.set_minor_formatter(FuncFormatter(
+        lambda y, _: tick_label(y) if round(y / 10 ** math.floor(math.log10(y))) in (2, 3, 5)
+        else ""))
     ax.set_ylabel("ms per decode step (one layer)")
     _context_axis(ax, [r["case"]["context"] for r in records])
     _legends(ax, methods, legend)
