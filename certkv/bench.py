@@ -9,12 +9,10 @@
   each in turn, with the phase breakdown of the paper's Table 16 (attention phases summed over
   layers; the rest is non-attention work).
 
-Timing: the methods of a case called in turn (one call each per round, so a slow spell of the
-machine falls on all of them), warm-up rounds, then ``repeats`` timed runs (CUDA-synchronised
-on GPU), reported as min / median / max; a case whose runs disagree by more than 20% of the
-median is flagged (the machine was busy). Each invocation writes markdown + JSON + a plot,
-with the device, versions and command, to a new ``runs/bench/<name>-<YYYYmmdd-HHMMSS>/`` (or
-to ``--out DIR``).
+Timing: warm-up, then ``repeats`` timed runs (CUDA-synchronised on GPU), reported as min /
+median / max; a case whose runs disagree by more than 20% of the median is flagged (the machine
+was busy). Each invocation writes markdown + JSON + a plot, with the device, versions and
+command, to a new ``runs/bench/<name>-<YYYYmmdd-HHMMSS>/`` (or to ``--out DIR``).
 """
 
 from __future__ import annotations
@@ -228,18 +226,17 @@ def bench_attention_case(case: AttentionCase, device: torch.device, repeats: int
     with its page-in plan and fallback flags read on the host (``device_fallback=False``), the
     A/B of issue 24's host round-trips in one process.
 
-    ``ms`` holds each method's median step time, ``ms_stats`` its min / median / max and runs
-    (the methods called in turn, one step each per round: :func:`interleaved_timings`).
+    ``ms`` holds each method's median step time, ``ms_stats`` its min / median / max and runs.
     Whole-step times are taken without the phase timer (its per-phase synchronisation would
     inflate them); the phase breakdown (``phases_ms``: medians) comes from separate runs.
     """
     store, steps, methods = layer_steps(case, device, compile, backend)
     certified = methods["certified"]
-    label = f"{case.short_label}: {', '.join(steps)} in turn"
-    update(label)
-    ms_stats = {method: stats(runs)
-                for method, runs in interleaved_timings(steps, repeats).items()}
-    update(label, advance=len(steps))
+    ms_stats = {}
+    for method, step in steps.items():
+        update(f"{case.short_label}: {method}")
+        ms_stats[method] = stats(timings(step, repeats))
+        update(f"{case.short_label}: {method}", advance=1)
     phase_ms = phase_stats(steps["certified"], certified)
     _, cert = steps["certified"]()
     dispatch = {m: count_step(steps[m], a) for m, a in methods.items()}
