@@ -370,8 +370,9 @@ class TieredKVStore:
             spare["bias"][:, 0, rows] = 0.0
 
     def _check_append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """FP16 copies of ``k, v`` (shapes checked), finite ones: NaN or Inf raises on CPU and
-        is flagged for the next attention step's host read elsewhere."""
+        """FP16 copies of ``k, v`` (their shapes checked by :meth:`_check_shapes`), finite ones:
+        NaN or Inf raises on CPU and is flagged for the next attention step's host read
+        elsewhere."""
         k16 = k.to(device=self.device, dtype=torch.float16)
         v16 = v.to(device=self.device, dtype=torch.float16)
         bad = ~(torch.isfinite(k16).all() & torch.isfinite(v16).all())

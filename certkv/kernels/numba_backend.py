@@ -378,9 +378,8 @@ class NumbaBackend(TorchBackend):
 
     name: str = "numba"
 
-    def _fused(self, x: torch.Tensor | torch.device) -> bool:
-        """Whether the loop nests run for tensors on ``x`` (a tensor or its device)."""
-        device = x if isinstance(x, torch.device) else x.device
+    def _fused(self, device: torch.device) -> bool:
+        """Whether the loop nests run for tensors on ``device``."""
         return AVAILABLE and not self.fp64_scalars and device.type == "cpu"
 
     def in_place(self, store) -> str:
@@ -394,7 +393,7 @@ class NumbaBackend(TorchBackend):
         INT8 key codes and the decoded mirror (:func:`~certkv.kernels.numba_logits.key_logits`;
         the reference's BLAS product on a store without a mirror), then every block's softmax
         state, log-mass, log-spread and ``Delta_b`` in one loop nest (:func:`_block_states`)."""
-        if not self._fused(q):
+        if not self._fused(q.device):
             return super().phase1(q, lay, scaling)
         hkv, group, _ = q.shape
         hq, n, bsz = hkv * group, lay.num_blocks, lay.store.block_size
@@ -423,7 +422,7 @@ class NumbaBackend(TorchBackend):
         from the kind of product Phase 1's came from (the canary compares like with like): its
         dot products over the gated blocks' originals
         (:func:`~certkv.kernels.numba_logits.gated_logits`), or the BLAS product over all."""
-        if not self._fused(q):
+        if not self._fused(q.device):
             return super().phase2(q, scored, lay, gate, keys, values, scaling, eps_guard,
                                   checks)
         hkv, group, n, bsz = scored.scores.shape

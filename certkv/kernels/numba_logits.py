@@ -131,7 +131,7 @@ def rows(x: torch.Tensor) -> tuple[np.ndarray, int]:
     return made
 
 
-_CODES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # store -> (inputs, codes)
+_CODES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # store -> (counts, parts, codes)
 
 
 def int8_keys(store) -> tuple | None:
@@ -142,14 +142,19 @@ def int8_keys(store) -> tuple | None:
     if store.decoded_with_tail() is None:
         return None
     groups = [] if store.protection.enabled else store.block_groups("key")
-    inputs = (store.num_blocks, store.tail_len > 0, *(x for group in groups for x in group))
+    counts = (store.num_blocks, store.tail_len > 0)
+    parts = tuple(x for group in groups for x in group)  # precisions, codes, blocks, slots
     cached = _CODES.get(store)
-    if cached is None or len(cached[0]) != len(inputs) or any(
-            a is not b for a, b in zip(cached[0][2:], inputs[2:], strict=True)) \
-            or cached[0][:2] != inputs[:2]:
-        cached = (inputs, _int8_keys(store, groups))
+    if cached is None or cached[0] != counts or not _same_objects(cached[1], parts):
+        cached = (counts, parts, _int8_keys(store, groups))
         _CODES[store] = cached
-    return cached[1]
+    return cached[2]
+
+
+def _same_objects(a: tuple, b: tuple) -> bool:
+    """Whether ``a`` and ``b`` hold the same objects in the same order (identity, not ``==``:
+    tensors compare elementwise)."""
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
 
 
 def _int8_keys(store, groups) -> tuple:
