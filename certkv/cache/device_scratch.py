@@ -34,6 +34,10 @@ class DeviceLRU:
         """Size the tables to the store (host-known sizes only): ``pool [S, B, d]``,
         ``stamp, owner [S + 1]`` (the last entry a dummy that absorbs masked scatters) and
         ``slot_of [Hkv * W + 1]`` (the last cell a dummy), growing by doubling."""
+        with torch.inference_mode(False):  # updated in place by steps inside and outside it
+            self._size(store)
+
+    def _size(self, store) -> None:
         hkv, n, dev = store.num_kv_heads, store.num_blocks, store.device
         if self.pool is None:
             self.pool = torch.empty(0, store.block_size, store.head_dim, dtype=torch.float16,
@@ -72,12 +76,16 @@ class DeviceLRU:
     def tables(self, store) -> LRUTables:
         """The bookkeeping a step's :func:`lru_step` updates, sized to ``store`` first."""
         self._ensure(store)
-        return LRUTables(self.stamp, self.owner, self.slot_of, self.clock, self.tally)
+        return self._tables()
 
     def update(self, tables: LRUTables) -> None:
         """Keep a step's updated ``tables`` (fill the slots it took with
-        :func:`~certkv.kernels.triton_pagein.fill_slots`)."""
-        self.stamp, self.owner, self.slot_of, self.clock, self.tally = tables
+        :func:`~certkv.kernels.triton_pagein.fill_slots`); :func:`lru_step` wrote them into
+        this LRU's own tensors, so this only checks that they are those."""
+        assert all(new is mine for new, mine in zip(tables, self._tables(), strict=True))
+
+    def _tables(self) -> LRUTables:
+        return LRUTables(self.stamp, self.owner, self.slot_of, self.clock, self.tally)
 
     def counts(self) -> tuple[int, int, int]:
         """``(hits, misses, direct reads)`` so far (one host read)."""
@@ -102,20 +110,21 @@ class LRUTables(NamedTuple):
 
 
 def lru_step(tables: LRUTables, want: torch.Tensor, rows: torch.Tensor):
-    """One step of the device-side LRU, as fixed-shape tensor operations (no host read; pure,
-    so that it can be compiled into a few kernels).
+    """One step of the device-side LRU, as fixed-shape tensor operations (no host read; it can
+    be compiled into a few kernels). The tables are updated in place (their storage is what a
+    step captured in a graph replays on, :mod:`certkv.graphs`).
 
     Args:
         tables: :class:`LRUTables` before the step; want: bool ``[Hkv, n]``; rows: int64
             ``[Hkv, n]`` Tier-2 rows.
-    Returns ``(tables, need [S] int8, src [S] int64, slot [Hkv, n] int32)``: the updated
-    tables (clock advanced, this step's hits, misses and direct reads tallied), the slots to
-    fill with Tier-2 rows and the slot map (:func:`slot_maps`). Hits keep their slot
-    (stamped); misses take, in (kv head, block) order, the least recently used slots not used
-    this step, as the host LRU does; the rest are read from Tier-2 in place.
+    Returns ``(tables, need [S] int8, src [S] int64, slot [Hkv, n] int32)``: the tables
+    (the same tensors, updated: clock advanced, this step's hits, misses and direct reads
+    tallied), the slots to fill with Tier-2 rows and the slot map (:func:`slot_maps`). Hits
+    keep their slot (stamped); misses take, in (kv head, block) order, the least recently used
+    slots not used this step, as the host LRU does; the rest are read from Tier-2 in place.
     """
     stamp, owner, slot_of, clock, tally = tables
-    clock = clock + 1  # out of place: a table made under inference mode stays usable outside
+    clock = clock + 1
     hkv, n = want.shape
     size, dummy_cell = stamp.shape[0] - 1, slot_of.shape[0] - 1
     width = dummy_cell // hkv
@@ -145,8 +154,9 @@ def lru_step(tables: LRUTables, want: torch.Tensor, rows: torch.Tensor):
     direct = wanted & (after < 0)
     slot = torch.where(wanted, torch.where(after >= 0, after, -2 - flat_rows), NOT_STAGED)
     tally = tally + torch.stack([hit.sum(), take.sum(), direct.sum()])
-    return (LRUTables(stamp, owner, slot_of, clock, tally), need[:size], src[:size],
-            slot.int().view(hkv, n))
+    for kept, new in zip(tables, (stamp, owner, slot_of, clock, tally), strict=True):
+        kept.copy_(new)
+    return tables, need[:size], src[:size], slot.int().view(hkv, n)
 
 
 def slot_maps(plan: torch.Tensor, num_completed: int, width: int,

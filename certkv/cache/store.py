@@ -218,6 +218,7 @@ class TieredKVStore:
         tail_shape = (num_kv_heads, block_size, head_dim)
         self._tail_k = torch.zeros(tail_shape, dtype=torch.float16, device=self.device)
         self._tail_v = torch.zeros(tail_shape, dtype=torch.float16, device=self.device)
+        self._tail_count = torch.zeros(1, dtype=torch.int32, device=self.device)
         self.tail_len = 0
         # running maxima of the blocks' nu_b and v_radius_b ([2, Hkv]), of eta_b ([Hkv])
         self._block_maxima = torch.zeros(2, num_kv_heads, device=self.device)
@@ -273,7 +274,7 @@ class TieredKVStore:
             vf = v16.float()
             self._centre = (vf.amax(dim=1) + vf.amin(dim=1)) / 2
             self._centred = True
-        self._key_abs_max = torch.maximum(self._key_abs_max, k16.abs().amax(dim=1).float())
+        torch.maximum(self._key_abs_max, k16.abs().amax(dim=1).float(), out=self._key_abs_max)
         prefill = self._layer.key_max is None
         if prefill:
             self._layer = LayerContext(self._key_abs_max.clone(), prefill=True)
@@ -312,8 +313,9 @@ class TieredKVStore:
             np.empty((2, 1, self.head_dim), np.float32))
         require(finite, NonFiniteError, NONFINITE_KV)
         self._step_read, self._step_codes = None, {}
-        self._key_abs_max = torch.from_numpy(key_max)
-        self._tail_maxima, self._value_maxima = torch.from_numpy(tail), torch.from_numpy(value)
+        for kept, new in ((self._key_abs_max, key_max), (self._tail_maxima, tail),
+                          (self._value_maxima, value)):
+            as_array(kept)[...] = new
         self.tail_len += 1
         if self.stages.last or self.quantizer.budget_bytes is not None:
             self._graduate()
@@ -360,8 +362,11 @@ class TieredKVStore:
                 v64.norm(dim=-1).amax(dim=-1), centred_radius(v64, self._centre) * _INFLATE]))
         else:
             maxima = torch.zeros(2, self.num_kv_heads, device=self.device)
-        self._tail_maxima = maxima if restarted else torch.maximum(self._tail_maxima, maxima)
-        self._value_maxima = torch.maximum(self._block_maxima, self._tail_maxima)
+        if restarted:
+            self._tail_maxima.copy_(maxima)
+        else:
+            torch.maximum(self._tail_maxima, maxima, out=self._tail_maxima)
+        torch.maximum(self._block_maxima, self._tail_maxima, out=self._value_maxima)
         if self._mirror is not None and self.tail_len > start:
             spare = self._mirror.spare_view()
             spare["k"][:, 0, rows] = self._tail_k[:, rows]
@@ -379,7 +384,7 @@ class TieredKVStore:
         if self.device.type == "cpu":
             require(not bool(bad), NonFiniteError, NONFINITE_KV)
         else:  # no device sync per token: CertifiedAttention reads the flag with its others
-            self._nonfinite = self._nonfinite | bad
+            self._nonfinite |= bad  # in place: a captured step reads this tensor
         return k16, v16
 
     def _check_shapes(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -560,9 +565,9 @@ class TieredKVStore:
         """Fold new annotations into the running maxima (``[Hkv]`` each)."""
         if next(iter(notes.values())).shape[1]:
             new = torch.stack([notes["nu"].amax(dim=1), notes["v_radius"].amax(dim=1)])
-            self._block_maxima = torch.maximum(self._block_maxima, new)
-            self._eta_max = torch.maximum(self._eta_max, notes["eta"].amax(dim=1))
-            self._value_maxima = torch.maximum(self._block_maxima, self._tail_maxima)
+            torch.maximum(self._block_maxima, new, out=self._block_maxima)
+            torch.maximum(self._eta_max, notes["eta"].amax(dim=1), out=self._eta_max)
+            torch.maximum(self._block_maxima, self._tail_maxima, out=self._value_maxima)
 
     @staticmethod
     def _mirror_rows(rows: Blocks) -> Blocks:
@@ -783,7 +788,8 @@ class TieredKVStore:
         new._fault_rng = torch.Generator()
         new._fault_rng.set_state(self._fault_rng.get_state())
         for name in ("_tail_k", "_tail_v", "_block_maxima", "_eta_max", "_centre",
-                     "_tail_maxima", "_value_maxima", "_key_abs_max", "_nonfinite"):
+                     "_tail_maxima", "_value_maxima", "_key_abs_max", "_nonfinite",
+                     "_tail_count"):
             setattr(new, name, getattr(self, name).clone())
         return new
 
@@ -799,8 +805,33 @@ class TieredKVStore:
         return self._table.num_blocks
 
     @property
+    def tail_len(self) -> int:
+        """Tokens in the partial tail block (host); :meth:`tail_count` holds it on the device."""
+        return self._tail_len
+
+    @tail_len.setter
+    def tail_len(self, value: int) -> None:
+        self._tail_len = value
+        self._tail_count.fill_(value)
+
+    def tail_count(self) -> torch.Tensor:
+        """int32 ``[1]`` on the store's device: :attr:`tail_len`, which the kernels read (a
+        step captured in a graph replays while the tail fills, :mod:`certkv.graphs`)."""
+        return self._tail_count
+
+    @property
     def num_tokens(self) -> int:
         return self.num_blocks * self.block_size + self.tail_len
+
+    def graph_signature(self) -> tuple | None:
+        """What a captured step over this store depends on besides device memory: the
+        completed blocks and whether a tail block is open (:mod:`certkv.graphs`); None for a
+        store whose layout can change at any append (age stages, a byte budget, eviction,
+        protection: their steps run eagerly)."""
+        if (self.stages.last or self.quantizer.budget_bytes is not None
+                or self._evictor is not None or self.protection.enabled):
+            return None
+        return self.num_blocks, self.tail_len > 0
 
     def single_precision(self) -> Precision | None:
         """The precision holding every completed block, in block order (what the fused kernels

@@ -364,8 +364,10 @@ def composition_weights(spec: ArithSpec, val_rel: float, val_abs: float,
             f * (c0 * (1 + acc) + b) + TINY * (1 + c0)]  # 1
 
 
+@lru_cache(maxsize=64)
 def as_tensors(coef: StepCoefficients, device) -> StepCoefficients:
-    """The scalar coefficients as FP64 0-d tensors on ``device`` (one non-blocking copy)."""
+    """The scalar coefficients as FP64 0-d tensors on ``device`` (one non-blocking copy, made
+    once per memoised ``coef``: a step captured in a graph makes no host-to-device copy)."""
     packed = torch.tensor(coef[:-1], dtype=torch.float64).to(device, non_blocking=True)
     return StepCoefficients(*packed.unbind(), weights=coef.weights)
 

@@ -118,6 +118,18 @@ class Certificate:
     def num_heads(self) -> int:
         return int(self.rung.numel())
 
+    def copy(self) -> Certificate:
+        """A copy whose tensors (the block statistics' included) are new: what a replayed
+        graph returns, since its next replay overwrites the captured ones."""
+        copied = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name, value in copied.items():
+            if isinstance(value, torch.Tensor):
+                copied[name] = value.clone()
+        if self.blocks is not None:
+            copied["blocks"] = BlockStats(*(getattr(self.blocks, f.name).clone()
+                                            for f in fields(BlockStats)))
+        return Certificate(**copied)
+
     def to(self, device: str | torch.device) -> Certificate:
         """A copy with every tensor on ``device``."""
         moved = {f.name: getattr(self, f.name) for f in fields(self)}

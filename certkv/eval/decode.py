@@ -35,6 +35,7 @@ from certkv.certify.select import AdaptiveTopK
 from certkv.certify.values import LocalThreshold
 from certkv.errors import CertKVError, ConfigError, require
 from certkv.evict.base import EvictionPolicy
+from certkv.graphs import GraphedAttention
 from certkv.models.hook import cache_kwargs, recording_prompt_queries
 from certkv.models.loading import LoadedModel
 from certkv.models.rope import rope_spec
@@ -67,11 +68,15 @@ class Method:
               quantizer: KVQuantizer | None = None, selector: AdaptiveTopK | None = None,
               value_policy: object | None = None, ladder: Ladder | None = None,
               backend: object = "auto", compile: bool | str | None = None,
-              protect: Protection | None = None, evict: EvictionPolicy | None = None) -> Method:
-        """A method with the paper's defaults (Table 2) for anything not given."""
+              protect: Protection | None = None, evict: EvictionPolicy | None = None,
+              graphs: bool = False) -> Method:
+        """A method with the paper's defaults (Table 2) for anything not given; ``graphs``:
+        each layer's step captured in a CUDA graph (:class:`~certkv.graphs.GraphedAttention`)."""
         attention = CertifiedAttention(selector or AdaptiveTopK(),
                                        value_policy or LocalThreshold(), ladder or Ladder(),
                                        backend, mode, compile=compile)
+        if graphs:
+            attention = GraphedAttention(attention)
         return cls(name, mode, attention, quantizer or KVQuantizer(), protect, evict)
 
 

@@ -35,6 +35,7 @@ from certkv.errors import CertKVError, ConfigError, require
 from certkv.eval.decode import Method, Prefill
 from certkv.eval.results import RunDir, read_jsonl
 from certkv.files import exclusive_dir
+from certkv.graphs import GraphedAttention
 from certkv.models.loading import ModelSpec, check_source, load_model
 from certkv.provenance import environment
 
@@ -105,6 +106,8 @@ def build_variants(cfg: DictConfig) -> list[Method]:
         attention = CertifiedAttention(parts["selector"], parts["value_policy"], parts["ladder"],
                                        backend, mode, compile=cfg.get("compile"),
                                        audit=bool(cfg.get("audit", False)))
+        if cfg.get("graphs", False):
+            attention = GraphedAttention(attention)
         variants.append(Method(name, mode, attention, parts["quantizer"], parts["protect"],
                                parts["evict"]))
         names.add(name)

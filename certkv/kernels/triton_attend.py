@@ -36,6 +36,7 @@ from certkv.kernels.triton_score import (
     carried_tail,
     channel_dot,
     entry,
+    filled_rows,
     load_codes,
     load_group_queries,
 )
@@ -50,7 +51,7 @@ def _attend_kernel(s_ptr, q_ptr, kslot_ptr, kstaged_ptr, gate_ptr, delta_ptr,
                    s_sk, s_sg, s_sn, s_qk, s_qg, s_ck, s_cn, s_ct, s_vk, s_vn, s_vt, s_lk,
                    s_kp, s_kt, s_pp, s_pt, s_2p, s_2t, s_tk, s_tt, s_bk, s_bg, s_mk, s_mg,
                    s_ak, s_ag, s_as,
-                   n_entries, n_live, split_base, tail_blk, n_rows, tail_rows, scaling,
+                   n_entries, n_live, split_base, tail_blk, fill_ptr, scaling,
                    eps_guard, G: tl.constexpr, BLOCK_G: tl.constexpr, B: tl.constexpr,
                    D: tl.constexpr, DOT_C: tl.constexpr, GROUP: tl.constexpr,
                    SPLIT: tl.constexpr, FP16: tl.constexpr, BITS: tl.constexpr,
@@ -66,6 +67,7 @@ def _attend_kernel(s_ptr, q_ptr, kslot_ptr, kstaged_ptr, gate_ptr, delta_ptr,
     lsum = tl.zeros((BLOCK_G,), tl.float32)
     acc = tl.zeros((BLOCK_G, D), tl.float32)
     zero_bd = t[:, None] * 0 + c[None, :] * 0  # [B, D] int zeros: broadcast scalars to masks
+    n_rows, tail_rows = filled_rows(fill_ptr, B, TAIL)
     for i in range(SPLIT):
         e = split * SPLIT + i
         blk, slot = entry(blk_ptr, slot_ptr, e, n_entries, tail_blk, TAIL)
@@ -301,7 +303,7 @@ def _launch_attend(src, tail, base, shared, n, scaling, eps_guard, split) -> Non
         k2.stride(0), k2.stride(1), tail_v.stride(0), tail_v.stride(2),
         m_b.stride(0), m_b.stride(1), m.stride(0), m.stride(1),
         acc.stride(0), acc.stride(1), acc.stride(2),
-        src.count, live, base, n - 1, src.rows(bsz), 0 if tail is None else tail.tail_len,
+        src.count, live, base, n - 1, src.fill,
         float(scaling), float(eps_guard),
         G=g, BLOCK_G=triton.next_power_of_2(g), B=bsz, D=d, DOT_C=dot_chunk(d),
         GROUP=lay.group, SPLIT=split, FP16=lay.fp16, BITS=lay.bits, TAIL=src.is_tail,

@@ -132,7 +132,7 @@ class TritonBackend:
         from certkv.kernels.triton_fallback import dense_flagged
 
         return dense_flagged(q, flags, store.originals(), store.num_blocks,
-                             store.tail_buffers(), store.tail_len, out, scaling)
+                             store.tail_buffers(), store.tail_count(), out, scaling)
 
     def fallback_rounding(self, store) -> Rounding:
         """The rounding chain of :meth:`dense_flagged` (arith item 4)."""

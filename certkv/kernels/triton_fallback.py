@@ -62,7 +62,7 @@ def _online_block(qs, f, k, v, live, m, den, acc, scaling):
 
 @triton.jit
 def _dense_flagged_kernel(q_ptr, flag_ptr, k2_ptr, v2_ptr, tk_ptr, tv_ptr, out_ptr,
-                          n_blocks, tail_len, group, scaling,
+                          n_blocks, fill_ptr, group, scaling,
                           s2_h, s2_b, s2_t, st_h, st_t,
                           B: tl.constexpr, D: tl.constexpr, GP: tl.constexpr):
     kv = tl.program_id(0).to(tl.int64)  # offsets past 2^31 elements at long contexts
@@ -85,7 +85,7 @@ def _dense_flagged_kernel(q_ptr, flag_ptr, k2_ptr, v2_ptr, tk_ptr, tv_ptr, out_p
             k = tl.load(k2_ptr + base).to(tl.float32)
             v = tl.load(v2_ptr + base).to(tl.float32)
             m, den, acc = _online_block(qs, f, k, v, always, m, den, acc, scaling)
-        live = t < tail_len  # the partial tail block: device memory
+        live = t < tl.load(fill_ptr)  # the partial tail block: device memory
         base = kv * st_h + t[:, None] * st_t + dim[None, :]
         k = tl.load(tk_ptr + base, mask=live[:, None], other=0.0).to(tl.float32)
         v = tl.load(tv_ptr + base, mask=live[:, None], other=0.0).to(tl.float32)
@@ -96,7 +96,7 @@ def _dense_flagged_kernel(q_ptr, flag_ptr, k2_ptr, v2_ptr, tk_ptr, tv_ptr, out_p
 
 
 def dense_flagged(q: torch.Tensor, flags: torch.Tensor, originals: dict, n_blocks: int,
-                  tail: tuple[torch.Tensor, torch.Tensor], tail_len: int, out: torch.Tensor,
+                  tail: tuple[torch.Tensor, torch.Tensor], fill: torch.Tensor, out: torch.Tensor,
                   scaling: float) -> torch.Tensor:
     """Write dense attention into the rows of ``out`` whose ``flags`` are set.
 
@@ -106,7 +106,8 @@ def dense_flagged(q: torch.Tensor, flags: torch.Tensor, originals: dict, n_block
         originals: ``{"k", "v"}: [Hkv, capacity, B, D]`` FP16 completed blocks, in Tier-2 (host
             memory, pinned on CUDA) or Tier-1 (a lossless store); the first ``n_blocks`` count.
         tail: ``(k, v)``, each ``[Hkv, B, D]`` FP16 tail buffers on the device, of which the
-            first ``tail_len`` rows are live.
+            first ``fill`` rows are live (int32 ``[1]`` on the device: the store's
+            :meth:`~certkv.cache.store.TieredKVStore.tail_count`).
         out: ``[Hq, D]`` FP32 on the device, written in place for flagged heads.
     Returns ``out``. One launch; no host read.
     """
@@ -123,7 +124,7 @@ def dense_flagged(q: torch.Tensor, flags: torch.Tensor, originals: dict, n_block
     group = hq // hkv
     _dense_flagged_kernel[(hkv,)](
         q.float().contiguous(), flags.contiguous(), k2, v2, tail_k, tail_v, out,
-        n_blocks, tail_len, group, float(scaling),
+        n_blocks, fill, group, float(scaling),
         k2.stride(0), k2.stride(1), k2.stride(2), tail_k.stride(0), tail_k.stride(1),
         B=block, D=d, GP=triton.next_power_of_2(group))
     return out

@@ -89,10 +89,22 @@ def carried_tail(e, n_entries, WITH_TAIL: tl.constexpr):
 
 
 @triton.jit
+def filled_rows(fill_ptr, B: tl.constexpr, TAIL: tl.constexpr):
+    """``(n_rows, tail_rows)``: the filled token slots of a launch's blocks (``B``, or the
+    tail block's fill for the tail launch) and of the tail block, read from ``fill_ptr``."""
+    tail_rows = tl.load(fill_ptr)
+    if TAIL:  # noqa: SIM108 (a compile-time branch of the kernel, not an expression)
+        n_rows = tail_rows
+    else:
+        n_rows = tail_rows * 0 + B
+    return n_rows, tail_rows
+
+
+@triton.jit
 def _score_kernel(q_ptr, code_ptr, scale_ptr, offset_ptr, blk_ptr, slot_ptr, tk_ptr,
                   s_out, l_out, d_out, ls_out,
                   s_qk, s_qg, s_ck, s_cn, s_ct, s_sk, s_sn, s_ok, s_og, s_on, s_lk, s_lg,
-                  s_tk, s_tt, n_entries, n_live, tail_blk, n_rows, tail_rows, scaling, bound_a,
+                  s_tk, s_tt, n_entries, n_live, tail_blk, fill_ptr, scaling, bound_a,
                   bound_b, G: tl.constexpr, BLOCK_G: tl.constexpr, B: tl.constexpr,
                   D: tl.constexpr, DOT_C: tl.constexpr, SPLIT: tl.constexpr, FP16: tl.constexpr,
                   BITS: tl.constexpr, BIAS: tl.constexpr, TAIL: tl.constexpr,
@@ -104,6 +116,7 @@ def _score_kernel(q_ptr, code_ptr, scale_ptr, offset_ptr, blk_ptr, slot_ptr, tk_
     gmask = g < G
     q = load_group_queries(q_ptr, kv, s_qk, s_qg, G, BLOCK_G, D)
     q_abs = tl.abs(q)
+    n_rows, tail_rows = filled_rows(fill_ptr, B, TAIL)
     for i in range(SPLIT):
         e = tl.program_id(1) * SPLIT + i
         blk, slot = entry(blk_ptr, slot_ptr, e, n_entries, tail_blk, TAIL)
@@ -188,8 +201,7 @@ def _launch_scores(q, src, tail, out, n, scaling, split) -> None:
         q.stride(0), q.stride(1), data.stride(0), data.stride(1), data.stride(2),
         scale.stride(0), scale.stride(1),
         s.stride(0), s.stride(1), s.stride(2), log_mass.stride(0), log_mass.stride(1),
-        tail_k.stride(0), tail_k.stride(2), src.count, live, n - 1, src.rows(s.shape[3]),
-        0 if tail is None else tail.tail_len, float(scaling),
+        tail_k.stride(0), tail_k.stride(2), src.count, live, n - 1, src.fill, float(scaling),
         float(lay.bound[0]), float(lay.bound[1]),
         G=group, BLOCK_G=triton.next_power_of_2(group), B=s.shape[3], D=d, DOT_C=dot_chunk(d),
         SPLIT=split, FP16=lay.fp16, BITS=lay.bits, BIAS=lay.bias, TAIL=src.is_tail,

@@ -94,8 +94,10 @@ class BlockSource:
     ``data``: FP16 originals ``[Hkv, slots, B, d]`` or codes ``[Hkv, slots, B, d * bits / 8]``;
     ``scale``/``offset``: keys ``[Hkv, slots, d]``, values ``[Hkv, slots, B, d / group]`` (None
     for FP16); ``blocks``/``slots``: device int64 ``[m]``, the block indices and their rows in
-    ``data``, or None for the tail block (``data [Hkv, 1, B, d]``, ``tail_len`` valid rows, at
-    block index ``num_completed``).
+    ``data``, or None for the tail block (``data [Hkv, 1, B, d]``, at block index
+    ``num_completed``); ``fill``: int32 ``[1]``, the store's tail block fill in device memory
+    (:meth:`~certkv.cache.store.TieredKVStore.tail_count`: kernels read it there, so a step
+    captured in a graph replays as the tail fills).
     """
 
     layout: CodeLayout
@@ -105,7 +107,7 @@ class BlockSource:
     blocks: torch.Tensor | None
     slots: torch.Tensor | None
     count: int  # blocks in this launch (host)
-    tail_len: int = 0  # valid rows of the tail block
+    fill: torch.Tensor  # int32 [1]: valid rows of the tail block (device)
 
     @property
     def is_tail(self) -> bool:
@@ -121,10 +123,6 @@ class BlockSource:
         if self.is_tail:
             return data, scale, offset, data, data
         return data, scale, offset, self.blocks, self.slots
-
-    def rows(self, block_size: int) -> int:
-        """Filled token slots of each block: ``tail_len`` on the tail block, else ``B``."""
-        return self.tail_len if self.is_tail else block_size
 
 
 def block_sources(store, which: str) -> list[BlockSource] | None:
@@ -149,11 +147,11 @@ def block_sources(store, which: str) -> list[BlockSource] | None:
             codes = _summary_codes(codes, store.block_size)
         data = codes["data"] if layout.fp16 else codes["codes"]
         sources.append(BlockSource(layout, data, codes.get("scale"), codes.get("offset"),
-                                   blocks, slots, blocks.shape[0]))
+                                   blocks, slots, blocks.shape[0], store.tail_count()))
     if store.tail_len:
         tail = store.tail_buffers()[0 if which == "key" else 1]
         sources.append(BlockSource(CodeLayout(fp16=True), tail.unsqueeze(1), None, None, None,
-                                   None, 1, store.tail_len))
+                                   None, 1, store.tail_count()))
     return sources
 
 

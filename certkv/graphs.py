@@ -1,0 +1,254 @@
+"""Certified decode steps captured once and replayed (issue 24: static shapes, CUDA graphs).
+
+A layer's certified step on the device path reads no host value (``tests/test_host_reads``), so its
+launches can be captured once and replayed while the store's layout stays the same: between two
+block completions only the tail block's fill changes, and every kernel reads that from device memory
+(:meth:`~certkv.cache.store.TieredKVStore.tail_count`), the store, the scratch cache's tables and
+the non-finite flags are updated in place, and the arithmetic bound's coefficients are those of the
+layout's ``n B`` token slots (valid for any fill: :func:`certkv.certify.arith.step_coefficients`
+grows with both counts). :class:`GraphedAttention` captures each layer's step the second time it
+meets a layout and replays it until the layout changes (a block completes).
+
+Two graphs with one protocol (``capture(fn) -> outputs``, ``replay()``):
+
+* :class:`CudaGraph`: ``torch.cuda.CUDAGraph`` (one memory pool shared by every layer's graph).
+* :class:`RecordedGraph`: the same semantics on any device, for tests and the Triton
+  interpreter: capture runs ``fn`` once and records its aten operators and Triton launches;
+  replay re-runs them on the tensors captured (results copied into the captured outputs),
+  with every Python value baked in as captured. A step that passed a per-step Python value
+  (a fill count, a token count) to a kernel replays stale, and comparing a replay with an
+  eager step shows it on a CPU. Host reads during capture raise, as on CUDA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from certkv.errors import ConfigError, require
+
+# aten operators that wait for the device (a value or a data-dependent shape read on the host)
+_HOST_READS = frozenset({torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default,
+                         torch.ops.aten.nonzero.default})
+
+
+class GraphCaptureError(RuntimeError):
+    """The step cannot be replayed as captured: it read the host, or a replayed operator's
+    output changed shape (a data-dependent shape)."""
+
+
+class _Recorder(TorchDispatchMode):
+    """Appends every top-level aten operator (outside Triton launches) to ``tape`` as
+    ``(func, args, kwargs, outputs)``."""
+
+    def __init__(self, tape: list) -> None:
+        super().__init__()
+        self.tape = tape
+        self.inside_kernel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.inside_kernel:
+            return func(*args, **kwargs)
+        if func in _HOST_READS:
+            raise GraphCaptureError(f"a captured step made a host read ({func}); a CUDA "
+                                    f"graph cannot hold one.")
+        out = func(*args, **kwargs)
+        self.tape.append(("aten", func, args, kwargs, out))
+        return out
+
+
+class RecordedGraph:
+    """CUDA-graph semantics on any device (see the module): :meth:`capture` runs ``fn`` once,
+    recording it; :meth:`replay` repeats what it recorded on the same tensors."""
+
+    def __init__(self) -> None:
+        self.tape: list = []
+
+    def capture(self, fn: Callable):
+        import certkv.attention as module
+
+        recorder = _Recorder(self.tape)
+        restore, read = _record_triton(recorder), module.to_host
+
+        def refused(x):  # on a CPU a host read is no aten operator: the step's one gateway
+            raise GraphCaptureError("a captured step made a host read (certkv.attention."
+                                    "to_host); a CUDA graph cannot hold one.")
+
+        module.to_host = refused
+        try:
+            with recorder:
+                return fn()
+        finally:
+            restore()
+            module.to_host = read
+
+    def replay(self) -> None:
+        for kind, fn, args, kwargs, out in self.tape:
+            if kind == "triton":
+                fn(*args, **kwargs)
+                continue
+            fresh = fn(*args, **kwargs)
+            _copy_into(out, fresh, args, fn)
+
+
+def _copy_into(captured, fresh, args, fn) -> None:
+    """Write a replayed operator's ``fresh`` outputs into the ``captured`` ones (their storage
+    is what later operators read), except outputs that share storage with an input: views and
+    in-place results, which replaying already updated."""
+    inputs = {t.untyped_storage().data_ptr() for t in tree_leaves(args)
+              if isinstance(t, torch.Tensor)}
+    for old, new in zip(tree_leaves(captured), tree_leaves(fresh), strict=True):
+        if not isinstance(old, torch.Tensor) or old.untyped_storage().data_ptr() in inputs:
+            continue
+        if old.numel() != new.numel():  # (a later in-place view op may reshape ``old``)
+            raise GraphCaptureError(f"{fn} returned shape {tuple(new.shape)} on replay, "
+                                    f"{tuple(old.shape)} when captured (a data-dependent shape).")
+        old.copy_(new.reshape(old.shape))
+
+
+def _record_triton(recorder: _Recorder):
+    """Patch Triton's launch methods so that each launch is recorded (and the interpreter's own
+    aten operators inside it are not); returns the function that restores them."""
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return lambda: None
+    saved = {cls: cls.run for cls in (JITFunction, InterpretedFunction)}
+
+    def patched(cls):
+        def run(fn, *args, **kwargs):
+            def launch(*a, **k):
+                recorder.inside_kernel += 1
+                try:
+                    return saved[cls](fn, *a, **k)
+                finally:
+                    recorder.inside_kernel -= 1
+            recorder.tape.append(("triton", launch, args, kwargs, None))
+            return launch(*args, **kwargs)
+        return run
+
+    for cls in saved:
+        cls.run = patched(cls)
+
+    def restore():
+        for cls, run in saved.items():
+            cls.run = run
+    return restore
+
+
+class CudaGraph:
+    """``torch.cuda.CUDAGraph`` in the protocol above; graphs made with one ``pool`` share
+    their memory (one layer's step runs at a time)."""
+
+    def __init__(self, pool, generators=()) -> None:
+        self.graph, self.pool = torch.cuda.CUDAGraph(), pool
+        for generator in generators:  # draws advance on every replay
+            self.graph.register_generator_state(generator)
+
+    def capture(self, fn: Callable):
+        with torch.cuda.graph(self.graph, pool=self.pool):
+            out = fn()
+        self.graph.replay()  # capture only records: this step's results come from a replay
+        return out
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+@dataclasses.dataclass
+class _Captured:
+    signature: tuple
+    graph: object | None = None
+    q: torch.Tensor | None = None
+    outputs: tuple | None = None
+
+
+class GraphedAttention:
+    """A :class:`~certkv.CertifiedAttention` whose steps are captured per store and layout
+    and replayed (see the module). Call it as the attention itself; everything else (``mode``,
+    ``synchronize``, ...) is the wrapped attention's.
+
+    Args:
+        attention: the wrapped attention; its steps must run on the device path
+            (:meth:`CertifiedAttention.graph_ready`).
+        graph: the graph class: :class:`CudaGraph` on CUDA (default), :class:`RecordedGraph`
+            elsewhere (tests).
+    """
+
+    def __init__(self, attention, graph: Callable | None = None) -> None:
+        self.attention = attention
+        self.graph = graph
+        self._steps: dict[int, _Captured] = {}
+        self._pool = None
+        self._failed = False
+        self.captures = self.replays = 0
+
+    def __getattr__(self, name):
+        return getattr(self.attention, name)
+
+    @property
+    def timer(self):
+        """The wrapped attention's phase timer; while one is set, steps run eagerly (a timed
+        phase synchronises, which a graph cannot hold, and a replay has no phases)."""
+        return self.attention.timer
+
+    @timer.setter
+    def timer(self, timer) -> None:
+        self.attention.timer = timer
+
+    def __call__(self, q, store, scaling=None, scratch=None):
+        attention = self.attention
+        require(self.graph is not None or q.device.type == "cuda", ConfigError,
+                "graphs capture CUDA graphs and need a CUDA device; set graphs=false "
+                "(certkv bench decode: --graphs off).")
+        key = store.graph_signature() if not self._failed else None
+        if key is None or attention.timer is not None or not attention.graph_ready(q, store):
+            return attention(q, store, scaling, scratch)
+        step = self._steps.get(id(store))
+        if step is None or step.signature != key:  # the layout changed: run it once eagerly
+            self._steps[id(store)] = _Captured(key)
+            return attention(q, store, scaling, scratch)
+        if step.graph is None:
+            return self._capture(step, q, store, scaling, scratch)
+        step.q.copy_(q)
+        step.graph.replay()
+        self.replays += 1
+        return _copied(step.outputs)
+
+    def _capture(self, step: _Captured, q, store, scaling, scratch):
+        graph = self._new_graph(q.device)
+        step.q = q.detach().clone()
+        try:
+            step.outputs = graph.capture(
+                lambda: self.attention(step.q, store, scaling, scratch))
+        except (GraphCaptureError, RuntimeError) as err:  # run eagerly from now on
+            self._failed = True
+            warnings.warn(f"capturing a certified step failed ({err}); graphs are off for "
+                          f"this run, steps run eagerly.", RuntimeWarning, stacklevel=3)
+            return self.attention(q, store, scaling, scratch)
+        step.graph = graph
+        self.captures += 1
+        return _copied(step.outputs)
+
+    def _new_graph(self, device: torch.device):
+        if self.graph is not None:
+            return self.graph()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        generators = [g for g in getattr(self.attention.ladder, "_generators", {}).values()
+                      if g.device.type == "cuda"]
+        return CudaGraph(self._pool, generators)
+
+
+def _copied(outputs: tuple) -> tuple:
+    """``(out, Certificate)`` of a replayed step, copied out of the graph's static outputs
+    (the next replay overwrites them)."""
+    out, cert = outputs
+    return out.clone(), cert.copy()

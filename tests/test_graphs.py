@@ -1,0 +1,128 @@
+"""A certified step captured once replays as an eager step would (issue 24's CUDA graphs).
+
+On a CPU the capture is :class:`~certkv.graphs.RecordedGraph`: the step's aten operators and
+Triton launches (the interpreter here) re-run on the captured tensors with every Python value
+as captured, which is what a CUDA graph replays. Each replay below follows appends that change
+everything a step reads (the tail block's fill, the value norms and key maxima, the scratch
+cache's tables) and must equal the eager step bitwise, certificate included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import make_kv, make_query
+
+from certkv import CertifiedAttention, TieredKVStore
+from certkv.cache.scratch import ScratchCache
+from certkv.errors import ConfigError
+from certkv.graphs import GraphCaptureError, GraphedAttention, RecordedGraph
+
+B, D = 16, 32
+
+
+def setup(n=100, hkv=2, group=2, seed=0, scratch=True):
+    """Two identical stores (eager and graphed) and their scratch caches, with ``n`` tokens."""
+    k, v = make_kv(hkv, n, D, seed=seed, outlier_channels=2)
+    stores = [TieredKVStore(hkv, D, block_size=B) for _ in range(2)]
+    for store in stores:
+        store.append(k, v)
+    caches = [ScratchCache(4, 4) if scratch else None for _ in range(2)]
+    return stores, caches, make_query(k, group, seed=seed, peaked=True)
+
+
+def grown(q, step, hkv=2):
+    """The ``step``-th appended token (larger norms every step: the store's maxima change)
+    and the next query."""
+    gen = torch.Generator().manual_seed(100 + step)
+    k = torch.randn(hkv, 1, D, generator=gen) * (1 + step)
+    v = torch.randn(hkv, 1, D, generator=gen) * (1 + step)
+    return k.half(), v.half(), q + 0.1 * torch.randn(q.shape, generator=gen)
+
+
+def assert_same(a, b):
+    (out_a, cert_a), (out_b, cert_b) = a, b
+    assert torch.equal(out_a, out_b)
+    for name in ("e_key", "e_val", "e_arith", "k_star", "rung", "tail_mass", "value_blocks",
+                 "ranking_ok", "boundary_ok", "canary_ok", "candidate_e_key"):
+        assert torch.equal(getattr(cert_a, name), getattr(cert_b, name)), name
+    assert int(cert_a.value_promotions) == int(cert_b.value_promotions)
+    assert cert_a.num_blocks == cert_b.num_blocks
+
+
+@pytest.mark.parametrize("scratch", [True, False])
+def test_replayed_steps_equal_eager_steps_while_the_tail_fills(scratch):
+    (eager_store, graph_store), (eager_cache, graph_cache), q = setup(scratch=scratch)
+    eager = CertifiedAttention(backend="triton", compile=False)
+    graphed = GraphedAttention(CertifiedAttention(backend="triton", compile=False),
+                               graph=RecordedGraph)
+    for step in range(B + 4):  # through a block completion: a new layout, a new capture
+        k, v, q = grown(q, step)
+        for store in (eager_store, graph_store):
+            store.append(k, v)
+        assert_same(eager(q, eager_store, scratch=eager_cache),
+                    graphed(q, graph_store, scratch=graph_cache))
+    assert graphed.captures >= 2 and graphed.replays >= B - 4
+    if scratch:
+        assert eager_cache.stats == graph_cache.stats
+
+
+def test_a_replayed_step_with_nonfinite_values_is_invalid_and_raises_at_synchronize():
+    (_, store), (_, cache), q = setup()
+    attn = CertifiedAttention(backend="triton", compile=False)
+    graphed = GraphedAttention(attn, graph=RecordedGraph)
+    for step in range(3):
+        k, v, q = grown(q, step)
+        store.append(k, v)
+        graphed(q, store, scratch=cache)
+        attn.synchronize()
+    assert graphed.replays == 1
+    k, v, q = grown(q, 3)
+    store.append(k, v)
+    _, cert = graphed(q.masked_fill(torch.arange(q.shape[0])[:, None] == 0, float("nan")),
+                      store, scratch=cache)
+    assert graphed.replays == 2 and torch.isinf(cert.bound).all()
+    with pytest.raises(Exception, match="NaN or Inf"):
+        attn.synchronize()
+
+
+def test_a_step_that_reads_the_host_cannot_be_captured():
+    (_, store), (_, cache), q = setup()
+    host = CertifiedAttention(backend="torch", compile=False)  # reads the flags on the host
+    with pytest.raises(GraphCaptureError, match="host read"):
+        RecordedGraph().capture(lambda: host(q, store, scratch=cache))
+
+
+def test_graphs_on_a_cpu_name_the_fix():
+    (_, store), (_, cache), q = setup()
+    graphed = GraphedAttention(CertifiedAttention(backend="triton", compile=False))
+    for _ in range(2):
+        k, v, q = grown(q, 0)
+        store.append(k, v)
+        with pytest.raises(ConfigError, match="graphs=false"):
+            graphed(q, store, scratch=cache)
+
+
+def test_a_model_decodes_the_same_with_its_steps_replayed():
+    """generate() with every layer's step captured and replayed (prompt of 60 tokens, B = 16:
+    the layout changes once, so two captures per layer) gives the eager run's tokens, step
+    log and scratch counters."""
+    from models import tiny_model
+
+    from certkv.cache.hf import CacheSpec, TieredCache
+    from certkv.models import cache_kwargs
+
+    _, model = tiny_model()
+    ids = torch.randint(0, 512, (1, 60), generator=torch.Generator().manual_seed(0))
+    runs, graphed = [], None
+    for graph in (None, RecordedGraph):
+        attn = CertifiedAttention(backend="triton", compile=False)
+        if graph is not None:
+            attn = graphed = GraphedAttention(attn, graph=graph)
+        cache = TieredCache(2, attn, spec=CacheSpec(scratch_key_blocks=4, scratch_value_blocks=4))
+        out = model.generate(ids, max_new_tokens=9, do_sample=False, **cache_kwargs(model, cache))
+        cache.log.flush()
+        runs.append((out, cache.log.steps, cache.scratch_stats()))
+    (out_e, steps_e, stats_e), (out_g, steps_g, stats_g) = runs
+    assert torch.equal(out_e, out_g) and stats_e == stats_g
+    assert steps_e == steps_g
+    assert graphed.captures == 2 * 2 and graphed.replays == 2 * 3
