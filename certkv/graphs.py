@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -185,7 +186,9 @@ class GraphedAttention:
     def __init__(self, attention, graph: Callable | None = None) -> None:
         self.attention = attention
         self.graph = graph
-        self._steps: dict[int, _Captured] = {}
+        # per store (a store freed with its cache takes its graph along; a new store never
+        # meets another's graph)
+        self._steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._pool = None
         self._failed = False
         self.captures = self.replays = 0
@@ -209,11 +212,12 @@ class GraphedAttention:
                 "graphs capture CUDA graphs and need a CUDA device; set graphs=false "
                 "(certkv bench decode: --graphs off).")
         key = store.graph_signature() if not self._failed else None
+        key = None if key is None else (*key, id(scratch))
         if key is None or attention.timer is not None or not attention.graph_ready(q, store):
             return attention(q, store, scaling, scratch)
-        step = self._steps.get(id(store))
+        step = self._steps.get(store)
         if step is None or step.signature != key:  # the layout changed: run it once eagerly
-            self._steps[id(store)] = _Captured(key)
+            self._steps[store] = _Captured(key)
             return attention(q, store, scaling, scratch)
         if step.graph is None:
             return self._capture(step, q, store, scaling, scratch)
