@@ -280,8 +280,10 @@ class CertifiedAttention:
         key set at the ladder's cap, then also with FP16 values for its promoted blocks, then the
         head goes dense (:attr:`Certificate.tol_level` says how far each head went)."""
         timer = self.timer or NULL_TIMER
+        boost, tolerant = None, self.mode == "certified" and self.ladder.bound_tolerance
+        on_device = self._on_device(q, tolerant)  # no host read: flags, and page-in if covered
         with timer.phase("layout"):
-            lay = StepLayout(store)
+            lay = self._layout(store, on_device)
         hkv = store.num_kv_heads
         qg = q.float().reshape(hkv, q.shape[0] // hkv, -1)
 
@@ -289,8 +291,6 @@ class CertifiedAttention:
         with timer.phase("phase1"):
             scored = self.backend.phase1(qg, lay, scaling)
         scored, e_drop = self._drop_evicted(q, store, lay, scored, scaling)
-        boost, tolerant = None, self.mode == "certified" and self.ladder.bound_tolerance
-        on_device = self._on_device(q, tolerant)  # no host read: flags, and page-in if covered
         if on_device and self.backend.pages_in_on_device(lay):
             pager = partial(self._page_in_on_device, scratch)
         else:  # the host stages from the scratch cache or straight from Tier-2
@@ -333,6 +333,26 @@ class CertifiedAttention:
             cert.erased_words = counts["erased_words"]
             cert.corrupted_blocks = counts["corrupted_blocks"]
         return out, cert
+
+    def _layout(self, store: TieredKVStore, on_device: bool) -> StepLayout:
+        """The step's layout: on the device path with the kernels running both phases, a tail
+        block column always (empty right after a block completes), so that the launches change
+        only when a block completes (:meth:`graph_layout`)."""
+        lay = StepLayout(store)
+        if on_device and not store.tail_len and _takes_empty_tail(self.backend, lay):
+            lay = StepLayout(store, empty_tail=True)
+        return lay
+
+    def graph_layout(self, store: TieredKVStore) -> tuple | None:
+        """What a captured step over ``store`` depends on besides device memory (a graph is
+        replayed while it stays the same, :mod:`certkv.graphs`): the store's completed blocks
+        (:meth:`TieredKVStore.graph_signature`) and, where the kernels do not take an empty
+        tail block, whether the tail holds tokens; None for a store that is not graphable."""
+        signature = store.graph_signature()
+        if signature is None:
+            return None
+        return signature, bool(store.tail_len) or _takes_empty_tail(self.backend,
+                                                                     StepLayout(store))
 
     def _drop_evicted(self, q, store, lay, scored, scaling):
         """Naive eviction, as kvpress does it: a naive step leaves evicted blocks out of
@@ -910,6 +930,12 @@ def _device_arith(flags, e_arith, e_dense):
     hq = e_arith.shape[0]
     e_arith = torch.where(flags[:hq], e_dense, e_arith)
     return torch.where(flags[hq:].any(), math.inf, e_arith)
+
+
+def _takes_empty_tail(backend, lay: StepLayout) -> bool:
+    """Whether ``backend``'s phases take a tail block with no token (the Triton kernels')."""
+    takes = getattr(backend, "takes_empty_tail", None)
+    return takes is not None and takes(lay)
 
 
 def _counted_tokens(lay: StepLayout, on_device: bool) -> int:

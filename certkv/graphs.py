@@ -6,8 +6,11 @@ block completions only the tail block's fill changes, and every kernel reads tha
 (:meth:`~certkv.cache.store.TieredKVStore.tail_count`), the store, the scratch cache's tables and
 the non-finite flags are updated in place, and the arithmetic bound's coefficients are those of the
 layout's ``n B`` token slots (valid for any fill: :func:`certkv.certify.arith.step_coefficients`
-grows with both counts). :class:`GraphedAttention` captures each layer's step the second time it
-meets a layout and replays it until the layout changes (a block completes).
+grows with both counts). The layout keeps a tail block column even while the tail is empty, so it
+changes only when a block completes. :class:`GraphedAttention` captures each layer's step when it
+meets a new layout (the very first layout of a run, and any after a failed capture, runs once
+eagerly first: kernel compiles happen there, not in a capture) and replays it until a block
+completes.
 
 Two graphs with one protocol (``capture(fn) -> outputs``, ``replay()``):
 
@@ -166,6 +169,7 @@ class CudaGraph:
 @dataclasses.dataclass
 class _Captured:
     signature: tuple
+    warmed: bool = False  # an eager step ran with this layout
     graph: object | None = None
     q: torch.Tensor | None = None
     outputs: tuple | None = None
@@ -191,6 +195,7 @@ class GraphedAttention:
         self._steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._pool = None
         self._failed = False
+        self._warm = False  # a capture succeeded: a new layout is captured at once
         self.captures = self.replays = 0
 
     def __getattr__(self, name):
@@ -211,14 +216,18 @@ class GraphedAttention:
         require(self.graph is not None or q.device.type == "cuda", ConfigError,
                 "graphs capture CUDA graphs and need a CUDA device; set graphs=false "
                 "(certkv bench decode: --graphs off).")
-        key = store.graph_signature() if not self._failed else None
-        key = None if key is None else (*key, id(scratch))
-        if key is None or attention.timer is not None or not attention.graph_ready(q, store):
+        if self._failed or attention.timer is not None or not attention.graph_ready(q, store):
             return attention(q, store, scaling, scratch)
+        key = attention.graph_layout(store)
+        if key is None:
+            return attention(q, store, scaling, scratch)
+        key = (*key, id(scratch))
         step = self._steps.get(store)
-        if step is None or step.signature != key:  # the layout changed: run it once eagerly
-            self._steps[store] = _Captured(key)
-            return attention(q, store, scaling, scratch)
+        if step is None or step.signature != key:  # a new layout (a block completed)
+            step = self._steps[store] = _Captured(key)
+            if not self._warm:  # first-use work (kernel compiles) in an eager step
+                step.warmed = True
+                return attention(q, store, scaling, scratch)
         if step.graph is None:
             return self._capture(step, q, store, scaling, scratch)
         step.q.copy_(q)
@@ -232,12 +241,15 @@ class GraphedAttention:
         try:
             step.outputs = graph.capture(
                 lambda: self.attention(step.q, store, scaling, scratch))
-        except (GraphCaptureError, RuntimeError) as err:  # run eagerly from now on
-            self._failed = True
-            warnings.warn(f"capturing a certified step failed ({err}); graphs are off for "
-                          f"this run, steps run eagerly.", RuntimeWarning, stacklevel=3)
+        except (GraphCaptureError, RuntimeError) as err:
+            if isinstance(err, GraphCaptureError) or step.warmed:  # eager from now on
+                self._failed = True
+                warnings.warn(f"capturing a certified step failed ({err}); graphs are off for "
+                              f"this run, steps run eagerly.", RuntimeWarning, stacklevel=3)
+            step.warmed = True  # this step runs eagerly: the next one is captured
+            self._warm = False  # and later layouts run once eagerly before their capture
             return self.attention(q, store, scaling, scratch)
-        step.graph = graph
+        step.graph, self._warm = graph, True
         self.captures += 1
         return _copied(step.outputs)
 

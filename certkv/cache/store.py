@@ -823,15 +823,15 @@ class TieredKVStore:
     def num_tokens(self) -> int:
         return self.num_blocks * self.block_size + self.tail_len
 
-    def graph_signature(self) -> tuple | None:
-        """What a captured step over this store depends on besides device memory: the
-        completed blocks and whether a tail block is open (:mod:`certkv.graphs`); None for a
-        store whose layout can change at any append (age stages, a byte budget, eviction,
-        protection: their steps run eagerly)."""
+    def graph_signature(self) -> int | None:
+        """What a captured step over this store's blocks depends on besides device memory: the
+        completed blocks (:mod:`certkv.graphs`); None for a store whose layout can change at
+        any append (age stages, a byte budget, eviction, protection: their steps run
+        eagerly)."""
         if (self.stages.last or self.quantizer.budget_bytes is not None
                 or self._evictor is not None or self.protection.enabled):
             return None
-        return self.num_blocks, self.tail_len > 0
+        return self.num_blocks
 
     def single_precision(self) -> Precision | None:
         """The precision holding every completed block, in block order (what the fused kernels

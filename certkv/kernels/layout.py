@@ -45,14 +45,18 @@ class SlotMap:
 
 
 class StepLayout:
-    """Masks and annotations of one step over ``n`` blocks of a store."""
+    """Masks and annotations of one step over ``n`` blocks of a store. ``empty_tail``: a
+    tail block column even when the tail holds no token (its slots all empty), so that the
+    layout changes only when a block completes (the device path's kernels, which read the
+    tail block's fill from device memory: a step captured in a graph replays over it,
+    :mod:`certkv.graphs`)."""
 
-    def __init__(self, store: TieredKVStore) -> None:
+    def __init__(self, store: TieredKVStore, empty_tail: bool = False) -> None:
         store.refresh_reads()  # transient faults: this step's read of Tier-1
         self.store = store
         self._sources: dict[str, list[BlockSource] | None] = {}
         nc, t = store.num_blocks, store.tail_len
-        extra = 1 if t else 0  # the exact tail block, last
+        extra = 1 if t or empty_tail else 0  # the exact tail block, last
         self.num_completed = nc
         self.num_quantized = store.num_quantized()  # lossy blocks (host count)
         self.num_blocks = nc + extra  # n
@@ -76,7 +80,8 @@ class StepLayout:
         codes: :func:`~certkv.kernels.triton_sources.block_sources`, built once per step (a
         phase and the rounding chain both ask)."""
         if which not in self._sources:
-            self._sources[which] = block_sources(self.store, which)
+            self._sources[which] = block_sources(self.store, which,
+                                                 self.num_blocks > self.num_completed)
         return self._sources[which]
 
     @cached_property

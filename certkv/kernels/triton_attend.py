@@ -38,6 +38,7 @@ from certkv.kernels.triton_score import (
     entry,
     filled_rows,
     load_codes,
+    log_or_minus_inf,
     load_group_queries,
 )
 from certkv.kernels.triton_sources import entries, launches
@@ -181,7 +182,7 @@ def _reduce_kernel(mb_ptr, lb_ptr, sb_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, rho_p
         scale = tl.exp(mb - top)
         tl.store(rho_ptr + h * s_h + b, scale * lb / total, mask=live)
         tl.store(sp_ptr + h * s_h + b, scale * tl.sqrt_rn(sb) / total, mask=live)
-        tl.store(lm_ptr + h * s_h + b, mb + tl.log(lb), mask=live)
+        tl.store(lm_ptr + h * s_h + b, mb + log_or_minus_inf(lb), mask=live)
     if CHECKS:  # the epilogue reads back the log-masses this program just wrote
         tl.debug_barrier()
         check_head(l8_ptr, lm_ptr, dt_ptr, prom_ptr, quant_ptr, rank_ptr, bound_ptr, h,

@@ -116,6 +116,12 @@ class TritonBackend:
         host never saw, :class:`SlotMap`); the reference needs the page-in on the host."""
         return lay.kernel_sources("value") is not None
 
+    def takes_empty_tail(self, lay: StepLayout) -> bool:
+        """Whether both phases run the kernels over this store, which take a tail block with
+        no token (:class:`StepLayout`'s ``empty_tail``; the reference's would not)."""
+        return (lay.kernel_sources("key") is not None
+                and lay.kernel_sources("value") is not None)
+
     def checks(self, l_int8, l_fp16, delta_b, promoted, quantized, r):
         """Ranking (eq. 17) and boundary (eq. 18) flags ``[Hq]`` in one tiny kernel."""
         from certkv.kernels.triton_checks import ranking_and_boundary

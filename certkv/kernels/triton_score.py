@@ -89,6 +89,15 @@ def carried_tail(e, n_entries, WITH_TAIL: tl.constexpr):
 
 
 @triton.jit
+def log_or_minus_inf(total):
+    """``log(total)`` of a block's summed weights (NaN stays NaN), and ``-inf`` for a block
+    with no filled slot (an empty tail block) without taking ``log(0)`` (which the
+    interpreter warns of)."""
+    empty = total == 0
+    return tl.where(empty, float("-inf"), tl.log(tl.where(empty, 1.0, total)))
+
+
+@triton.jit
 def filled_rows(fill_ptr, B: tl.constexpr, TAIL: tl.constexpr):
     """``(n_rows, tail_rows)``: the filled token slots of a launch's blocks (``B``, or the
     tail block's fill for the tail launch) and of the tail block, read from ``fill_ptr``."""
@@ -147,8 +156,8 @@ def _score_kernel(q_ptr, code_ptr, scale_ptr, offset_ptr, blk_ptr, slot_ptr, tk_
         m = tl.max(s, axis=1)
         m = tl.where(m == float("-inf"), 0.0, m)  # no finite logit (non-finite inputs)
         w = tl.exp(s - m[:, None])
-        log_mass = m + tl.log(tl.sum(w, axis=1))
-        log_spread = m + 0.5 * tl.log(tl.sum(w * w, axis=1))
+        log_mass = m + log_or_minus_inf(tl.sum(w, axis=1))
+        log_spread = m + 0.5 * log_or_minus_inf(tl.sum(w * w, axis=1))
         tl.store(l_out + kv * s_lk + g * s_lg + blk, log_mass, mask=live_g)
         tl.store(d_out + kv * s_lk + g * s_lg + blk, delta, mask=live_g)
         tl.store(ls_out + kv * s_lk + g * s_lg + blk, log_spread, mask=live_g)

@@ -125,10 +125,11 @@ class BlockSource:
         return data, scale, offset, self.blocks, self.slots
 
 
-def block_sources(store, which: str) -> list[BlockSource] | None:
+def block_sources(store, which: str, tail: bool | None = None) -> list[BlockSource] | None:
     """The launches of one phase over ``store``: one per precision holding blocks (``which``:
-    ``"key"`` or ``"value"`` codes), then the exact tail block if any; None when a precision
-    is not covered or ``B``/``d`` is not a power of two."""
+    ``"key"`` or ``"value"`` codes), then the exact tail block if any (``tail``: whether to
+    add it, even empty; default: when it holds tokens); None when a precision is not covered
+    or ``B``/``d`` is not a power of two."""
     if not (_pow2(store.block_size) and _pow2(store.head_dim)):
         return None
     sources = []
@@ -148,7 +149,7 @@ def block_sources(store, which: str) -> list[BlockSource] | None:
         data = codes["data"] if layout.fp16 else codes["codes"]
         sources.append(BlockSource(layout, data, codes.get("scale"), codes.get("offset"),
                                    blocks, slots, blocks.shape[0], store.tail_count()))
-    if store.tail_len:
+    if store.tail_len if tail is None else tail:
         tail = store.tail_buffers()[0 if which == "key" else 1]
         sources.append(BlockSource(CodeLayout(fp16=True), tail.unsqueeze(1), None, None, None,
                                    None, 1, store.tail_count()))
