@@ -35,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from certkv.errors import ConfigError, require
+from certkv.opcount import wrap_triton_launches
 
 # aten operators that wait for the device (a value or a data-dependent shape read on the host)
 _HOST_READS = frozenset({torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default,
@@ -117,34 +118,18 @@ def _copy_into(captured, fresh, args, fn) -> None:
 
 
 def _record_triton(recorder: _Recorder):
-    """Patch Triton's launch methods so that each launch is recorded (and the interpreter's own
-    aten operators inside it are not); returns the function that restores them."""
-    try:
-        from triton.runtime.interpreter import InterpretedFunction
-        from triton.runtime.jit import JITFunction
-    except ImportError:
-        return lambda: None
-    saved = {cls: cls.run for cls in (JITFunction, InterpretedFunction)}
-
-    def patched(cls):
-        def run(fn, *args, **kwargs):
-            def launch(*a, **k):
-                recorder.inside_kernel += 1
-                try:
-                    return saved[cls](fn, *a, **k)
-                finally:
-                    recorder.inside_kernel -= 1
-            recorder.tape.append(("triton", launch, args, kwargs, None))
-            return launch(*args, **kwargs)
-        return run
-
-    for cls in saved:
-        cls.run = patched(cls)
-
-    def restore():
-        for cls, run in saved.items():
-            cls.run = run
-    return restore
+    """Record each Triton launch (and not the interpreter's own aten operators inside it);
+    returns the function that restores Triton's launch methods."""
+    def recorded(kernel, launch, args, kwargs):
+        def run(*a, **k):
+            recorder.inside_kernel += 1
+            try:
+                return launch(*a, **k)
+            finally:
+                recorder.inside_kernel -= 1
+        recorder.tape.append(("triton", run, args, kwargs, None))
+        return run(*args, **kwargs)
+    return wrap_triton_launches(recorded)
 
 
 class CudaGraph:

@@ -126,30 +126,14 @@ class StepCounter:
         return labelled
 
     def _label_kernels(self):
-        """Count Triton launches under a profiler label (the JIT and the interpreter's launch
-        methods patched); returns the function that restores them."""
-        try:
-            from triton.runtime.interpreter import InterpretedFunction
-            from triton.runtime.jit import JITFunction
-        except ImportError:
-            return lambda: None
-        saved = {cls: cls.run for cls in (JITFunction, InterpretedFunction)}
-
-        def patched(cls):
-            def run(fn, *args, **kwargs):
-                name = getattr(getattr(fn, "fn", None), "__name__", "kernel")
-                self.kernels[name] += 1
-                with record_function(KERNEL + name):
-                    return saved[cls](fn, *args, **kwargs)
-            return run
-
-        for cls in saved:
-            cls.run = patched(cls)
-
-        def restore():
-            for cls, run in saved.items():
-                cls.run = run
-        return restore
+        """Count Triton launches under a profiler label; returns the function that restores
+        Triton's launch methods (:func:`wrap_triton_launches`)."""
+        def labelled(fn, launch, args, kwargs):
+            name = getattr(getattr(fn, "fn", None), "__name__", "kernel")
+            self.kernels[name] += 1
+            with record_function(KERNEL + name):
+                return launch(*args, **kwargs)
+        return wrap_triton_launches(labelled)
 
     def _tally(self, events, launches: bool) -> None:
         """Top-level aten events by the phase label above them (none inside a Triton launch:
@@ -180,6 +164,31 @@ class StepCounter:
                 "top_ops": dict(self.by_op.most_common(10)),
                 "kernels": sum(self.kernels.values()), "segments": sum(self.segments.values()),
                 "eager_launches": self.eager_launches}
+
+
+def wrap_triton_launches(wrap):
+    """Route every Triton launch (the JIT's and the interpreter's launch methods patched)
+    through ``wrap(kernel, launch, args, kwargs)``, where ``launch(*args, **kwargs)`` runs it;
+    returns the function that restores the methods (nothing to patch without Triton)."""
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return lambda: None
+    saved = {cls: cls.run for cls in (JITFunction, InterpretedFunction)}
+
+    def patched(cls):
+        def run(fn, *args, **kwargs):
+            return wrap(fn, lambda *a, **k: saved[cls](fn, *a, **k), args, kwargs)
+        return run
+
+    for cls in saved:
+        cls.run = patched(cls)
+
+    def restore():
+        for cls, run in saved.items():
+            cls.run = run
+    return restore
 
 
 def _launches(event, op: str) -> bool:

@@ -38,8 +38,8 @@ from certkv.kernels.triton_score import (
     entry,
     filled_rows,
     load_codes,
-    log_or_minus_inf,
     load_group_queries,
+    log_or_minus_inf,
 )
 from certkv.kernels.triton_sources import entries, launches
 
