@@ -66,6 +66,19 @@ def test_replayed_steps_equal_eager_steps_while_the_tail_fills(scratch):
         assert eager_cache.stats == graph_cache.stats
 
 
+def test_a_layout_changes_only_when_a_block_completes():
+    """The device path keeps the tail block's column while the tail is empty, so one capture
+    serves a block's ``B`` steps (the tail holding 0 to ``B - 1`` tokens)."""
+    (_, store), _, q = setup(n=6 * B)  # the tail empty
+    attn = CertifiedAttention(backend="triton", compile=False)
+    layouts = []
+    for step in range(B + 1):
+        layouts.append(attn.graph_layout(store))
+        k, v, q = grown(q, step)
+        store.append(k, v)
+    assert len(set(layouts[:B])) == 1 and layouts[B] != layouts[0]
+
+
 def test_a_replayed_step_with_nonfinite_values_is_invalid_and_raises_at_synchronize():
     (_, store), (_, cache), q = setup()
     attn = CertifiedAttention(backend="triton", compile=False)
