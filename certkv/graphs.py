@@ -7,10 +7,11 @@ block completions only the tail block's fill changes, and every kernel reads tha
 the non-finite flags are updated in place, and the arithmetic bound's coefficients are those of the
 layout's ``n B`` token slots (valid for any fill: :func:`certkv.certify.arith.step_coefficients`
 grows with both counts). The layout keeps a tail block column even while the tail is empty, so it
-changes only when a block completes. :class:`GraphedAttention` captures each layer's step when it
-meets a new layout (the very first layout of a run, and any after a failed capture, runs once
-eagerly first: kernel compiles happen there, not in a capture) and replays it until a block
-completes.
+changes only when a block completes. :class:`GraphedAttention` runs each layer's first step of a
+layout eagerly, captures the second and replays the step until a block completes. The eager step
+does what a layout does once and keeps (kernel compiles, memoised coefficients copied to the
+device, the scratch cache's device tables resized): inside a capture that work would be recorded
+and every replay would redo it, restoring the tables as they were (a test shows it).
 
 Two graphs with one protocol (``capture(fn) -> outputs``, ``replay()``):
 
@@ -154,7 +155,6 @@ class CudaGraph:
 @dataclasses.dataclass
 class _Captured:
     signature: tuple
-    warmed: bool = False  # an eager step ran with this layout
     graph: object | None = None
     q: torch.Tensor | None = None
     outputs: tuple | None = None
@@ -180,7 +180,6 @@ class GraphedAttention:
         self._steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._pool = None
         self._failed = False
-        self._warm = False  # a capture succeeded: a new layout is captured at once
         self.captures = self.replays = 0
 
     def __getattr__(self, name):
@@ -208,11 +207,9 @@ class GraphedAttention:
             return attention(q, store, scaling, scratch)
         key = (*key, id(scratch))
         step = self._steps.get(store)
-        if step is None or step.signature != key:  # a new layout (a block completed)
-            step = self._steps[store] = _Captured(key)
-            if not self._warm:  # first-use work (kernel compiles) in an eager step
-                step.warmed = True
-                return attention(q, store, scaling, scratch)
+        if step is None or step.signature != key:  # a new layout: one eager step first
+            self._steps[store] = _Captured(key)
+            return attention(q, store, scaling, scratch)
         if step.graph is None:
             return self._capture(step, q, store, scaling, scratch)
         step.q.copy_(q)
@@ -226,15 +223,12 @@ class GraphedAttention:
         try:
             step.outputs = graph.capture(
                 lambda: self.attention(step.q, store, scaling, scratch))
-        except (GraphCaptureError, RuntimeError) as err:
-            if isinstance(err, GraphCaptureError) or step.warmed:  # eager from now on
-                self._failed = True
-                warnings.warn(f"capturing a certified step failed ({err}); graphs are off for "
-                              f"this run, steps run eagerly.", RuntimeWarning, stacklevel=3)
-            step.warmed = True  # this step runs eagerly: the next one is captured
-            self._warm = False  # and later layouts run once eagerly before their capture
+        except (GraphCaptureError, RuntimeError) as err:  # run eagerly from now on
+            self._failed = True
+            warnings.warn(f"capturing a certified step failed ({err}); graphs are off for "
+                          f"this run, steps run eagerly.", RuntimeWarning, stacklevel=3)
             return self.attention(q, store, scaling, scratch)
-        step.graph, self._warm = graph, True
+        step.graph = graph
         self.captures += 1
         return _copied(step.outputs)
 
