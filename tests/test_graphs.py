@@ -153,3 +153,20 @@ def test_a_model_decodes_the_same_with_its_steps_replayed():
     assert torch.equal(out_e, out_g) and stats_e == stats_g
     assert steps_e == steps_g
     assert graphed.captures == 2 * 2 and graphed.replays == 2 * 4
+
+
+def test_stores_whose_layout_changes_at_any_step_are_not_graphed():
+    """SmartKV's adaptive widths and eviction change which blocks a step reads between block
+    completions: their steps run eagerly (no graph signature)."""
+    from certkv.evict import HeavyHitterEviction
+    from certkv.quant import KVQuantizer, SmartKVQuantizer
+
+    k, v = make_kv(2, 40, D, seed=0)
+    for quantizer in (SmartKVQuantizer(block_size=B),
+                      KVQuantizer().with_eviction(HeavyHitterEviction(budget=0.6, recent=16))):
+        store = TieredKVStore(2, D, quantizer=quantizer)
+        store.append(k, v)
+        assert store.graph_signature() is None
+    plain = TieredKVStore(2, D)
+    plain.append(k, v)
+    assert plain.graph_signature() == 2

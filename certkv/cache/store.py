@@ -826,10 +826,11 @@ class TieredKVStore:
     def graph_signature(self) -> int | None:
         """What a captured step over this store's blocks depends on besides device memory: the
         completed blocks (:mod:`certkv.graphs`); None for a store whose layout can change at
-        any append (age stages, a byte budget, eviction, protection: their steps run
-        eagerly)."""
+        any step (age stages, a byte budget, eviction, protection, a tracker that adapts the
+        precisions to the certificates: their steps run eagerly)."""
         if (self.stages.last or self.quantizer.budget_bytes is not None
-                or self._evictor is not None or self.protection.enabled):
+                or self._evictor is not None or self.protection.enabled
+                or self._tracker is not None):
             return None
         return self.num_blocks
 
