@@ -824,9 +824,20 @@ def decode_tables(records: list[dict]) -> list[Table]:
     return [step_table(records, f"{model} whole model, {weights} weights", key), shares]
 
 
+def decode_notes(records: list[dict]) -> list[str]:
+    """``bench decode``'s notes under its tables: the spread warnings and, for a run with
+    ``--graphs on``, what was replayed and what the phase shares measured."""
+    notes = spread_warnings(records)
+    if records and records[0].get("graphs"):
+        notes.append("graphs on: each layer's certified step replayed as a CUDA graph (a "
+                     "block's first step eager, its second captured); the phase shares come "
+                     "from eager steps (a replay has no phases).")
+    return notes
+
+
 def decode_table(records: list[dict]) -> list[str]:
     """The report's markdown body for ``bench decode``."""
-    return markdown(decode_tables(records), spread_warnings(records))
+    return markdown(decode_tables(records), decode_notes(records))
 
 
 def plot_decode(records: list[dict], path: Path) -> None:

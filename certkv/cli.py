@@ -355,7 +355,7 @@ def bench_decode(
     with bench.progress(2 * len(contexts), "bench decode") as update, _user_errors():
         records = bench.bench_decode(model, contexts, dev, repeats, torch_dtype,
                                      _compile(compile), update, weights, graphs == "on")
-    tables, notes = bench.decode_tables(records), bench.spread_warnings(records)
+    tables, notes = bench.decode_tables(records), bench.decode_notes(records)
     path = report.write(records, bench.markdown(tables, notes),
                         lambda p: bench.plot_decode(records, p))
     bench.show(tables, notes, path)

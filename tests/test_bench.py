@@ -196,6 +196,9 @@ def test_bench_decode_command_writes_report(tmp_path, monkeypatch):
     assert "N=64: certified phases" in texts
     assert "| N | method | min | med | max | ×dense |" in (
         tmp_path / "decode_smollm2_135m_cpu.md").read_text()
+    assert row["graphs"] is False
+    assert not any("CUDA graph" in note for note in bench.decode_notes(data["records"]))
+    assert "replayed as a CUDA graph" in bench.decode_notes([{**row, "graphs": True}])[-1]
 
 
 def test_bench_decode_defaults_to_the_installed_weights_on_a_book(tmp_path):
