@@ -166,8 +166,9 @@ class GraphedAttention:
     ``synchronize``, ...) is the wrapped attention's.
 
     Args:
-        attention: the wrapped attention; its steps must run on the device path
-            (:meth:`CertifiedAttention.graph_ready`).
+        attention: the wrapped attention; a step it cannot capture (off the device path,
+            :meth:`CertifiedAttention.graph_ready`; a store whose layout can change at any
+            step, :meth:`CertifiedAttention.graph_layout`) runs eagerly.
         graph: the graph class: :class:`CudaGraph` on CUDA (default), :class:`RecordedGraph`
             elsewhere (tests).
     """
