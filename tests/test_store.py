@@ -220,10 +220,10 @@ def test_a_decode_tokens_fused_append_matches_the_torch_path(monkeypatch, mirror
             assert torch.equal(fused.original_keys(), plain.original_keys())
             assert torch.equal(fused.slot_bias(), plain.slot_bias())
     assert len(calls) == 33 - 2  # all but the two tokens that complete a block
-    before = fused._tail_k.clone(), fused.tail_len, fused._key_abs_max
+    before = fused._tail_k.clone(), fused.tail_len, fused._key_abs_max.clone()
     bad = k[:, :1].clone()
     bad[1, 0, 3] = float("nan")
     with pytest.raises(NonFiniteError):
         fused.append(bad, v[:, :1])
     assert torch.equal(fused._tail_k, before[0]) and fused.tail_len == before[1]
-    assert fused._key_abs_max is before[2]
+    assert torch.equal(fused._key_abs_max, before[2])

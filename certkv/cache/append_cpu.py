@@ -39,24 +39,21 @@ def covers(k: torch.Tensor, device: torch.device, tail_len: int, block_size: int
 
 @jit
 def append(k_bits, v_bits, tail_k, tail_v, pos, centre, key_abs_max, block_maxima,
-            tail_maxima, inflate, mirror, mirror_k, mirror_orig, mirror_v, mirror_bias,
-            scratch):
+            tail_maxima, value_maxima, inflate, mirror, mirror_k, mirror_orig, mirror_v,
+            mirror_bias, scratch):
     """One token ``k_bits, v_bits [Hkv, 1, d]`` (FP16 bits) into row ``pos`` of the tail
     buffers ``tail_k, tail_v [Hkv, B, d]`` (bits), unless some element is NaN or infinite
-    (then nothing is written and False returned). Returns ``(finite, key_abs_max [Hkv, d],
-    tail_maxima, value_maxima [2, Hkv])``, new arrays: the running ``|k|`` maximum, the tail's
-    maxima of ``||v_t||`` and ``||v_t - c|| (1 + 1e-12)`` (FP64, rounded up) and their maxima
-    with ``block_maxima``; with ``mirror``, the token also lands in the decoded mirror's tail
-    row (keys and original keys ``[Hkv, B, d]``, values, slot bias ``[B]`` set to 0).
-    ``scratch [2, 1, d]`` FP32."""
+    (then nothing is written and False returned). Updates in place the running ``|k|``
+    maximum ``key_abs_max [Hkv, d]``, the tail's maxima ``tail_maxima [2, Hkv]`` of
+    ``||v_t||`` and ``||v_t - c|| (1 + 1e-12)`` (FP64, rounded up) and ``value_maxima [2,
+    Hkv]``, their maxima with ``block_maxima``; with ``mirror``, the token also lands in the
+    decoded mirror's tail row (keys and original keys ``[Hkv, B, d]``, values, slot bias
+    ``[B]`` set to 0). ``scratch [2, 1, d]`` FP32. Returns whether the token was finite."""
     hkv, _, d = k_bits.shape
     for h in range(hkv):
         for c in range(d):  # exponent bits all ones: infinite or NaN
             if (k_bits[h, 0, c] & 0x7C00) == 0x7C00 or (v_bits[h, 0, c] & 0x7C00) == 0x7C00:
-                return False, key_abs_max, tail_maxima, tail_maxima
-    new_max = key_abs_max.copy()
-    new_tail = np.empty_like(tail_maxima)
-    new_value = np.empty_like(tail_maxima)
+                return False
     k32, v32 = scratch[0], scratch[1]
     for h in range(hkv):
         decode_half(k_bits[h], k32)
@@ -64,15 +61,15 @@ def append(k_bits, v_bits, tail_k, tail_v, pos, centre, key_abs_max, block_maxim
         norm2, radius2 = 0.0, 0.0
         for c in range(d):
             tail_k[h, pos, c], tail_v[h, pos, c] = k_bits[h, 0, c], v_bits[h, 0, c]
-            new_max[h, c] = max(new_max[h, c], abs(k32[0, c]))
+            key_abs_max[h, c] = max(key_abs_max[h, c], abs(k32[0, c]))
             x = np.float64(v32[0, c])
             norm2 += x * x
             dev = x - np.float64(centre[h, c])
             radius2 += dev * dev
-        new_tail[0, h] = max(tail_maxima[0, h], _round_up(math.sqrt(norm2)))
-        new_tail[1, h] = max(tail_maxima[1, h], _round_up(math.sqrt(radius2) * inflate))
-        new_value[0, h] = max(block_maxima[0, h], new_tail[0, h])
-        new_value[1, h] = max(block_maxima[1, h], new_tail[1, h])
+        tail_maxima[0, h] = max(tail_maxima[0, h], _round_up(math.sqrt(norm2)))
+        tail_maxima[1, h] = max(tail_maxima[1, h], _round_up(math.sqrt(radius2) * inflate))
+        value_maxima[0, h] = max(block_maxima[0, h], tail_maxima[0, h])
+        value_maxima[1, h] = max(block_maxima[1, h], tail_maxima[1, h])
         if mirror:
             for c in range(d):
                 mirror_k[h, pos, c] = k32[0, c]
@@ -81,4 +78,4 @@ def append(k_bits, v_bits, tail_k, tail_v, pos, centre, key_abs_max, block_maxim
     if mirror:
         for row in range(mirror_bias.shape[0]):
             mirror_bias[row, pos] = 0.0
-    return True, new_max, new_tail, new_value
+    return True

@@ -29,7 +29,6 @@ from certkv.cache import append_cpu
 from certkv.cache.blocks import BlockTable, GrowingBlocks, head_rows
 from certkv.cache.stages import Stages
 from certkv.certify.bounds import centred_radius, spectral_norm_upper
-from certkv.certify.fused_cpu import as_array
 from certkv.errors import (
     BudgetError,
     ConfigError,
@@ -305,17 +304,15 @@ class TieredKVStore:
             return False
         k16, v16 = (x.to(device=self.device, dtype=torch.float16) for x in (k, v))
         tails, mirror_rows = self._append_views()
-        finite, key_max, tail, value = append_cpu.append(
+        finite = append_cpu.append(  # the maxima updated in place (NumPy views of them)
             k16.view(torch.int16).numpy(), v16.view(torch.int16).numpy(), *tails,
-            self.tail_len, *(as_array(x) for x in (self._centre, self._key_abs_max,
-                                                   self._block_maxima, self._tail_maxima)),
+            self.tail_len, *(x.numpy() for x in (self._centre, self._key_abs_max,
+                                                 self._block_maxima, self._tail_maxima,
+                                                 self._value_maxima)),
             _INFLATE, self._mirror is not None, *mirror_rows,
             np.empty((2, 1, self.head_dim), np.float32))
         require(finite, NonFiniteError, NONFINITE_KV)
         self._step_read, self._step_codes = None, {}
-        for kept, new in ((self._key_abs_max, key_max), (self._tail_maxima, tail),
-                          (self._value_maxima, value)):
-            as_array(kept)[...] = new
         self.tail_len += 1
         if self.stages.last or self.quantizer.budget_bytes is not None:
             self._graduate()
