@@ -803,14 +803,11 @@ class CertifiedAttention:
             plan, nc, width, *tables)
         if scratch is None:
             pools = [self._no_pool(store)] * 2
-        else:  # keep the tables, fill both pools' new slots in one launch
+        else:  # the tables updated in place: fill both pools' new slots in one launch
             from certkv.kernels.triton_pagein import fill_slots
 
-            fills = []
-            for lru, (tables, need, src), tier2 in zip(lrus, steps, (k2, v2), strict=True):
-                lru.update(tables)
-                fills.append((need, src, tier2, lru.pool))
-            fill_slots(fills)
+            fill_slots([(need, src, tier2, lru.pool) for lru, (_, need, src), tier2
+                        in zip(lrus, steps, (k2, v2), strict=True)])
             pools = [lru.pool for lru in lrus]
         return (SlotMap(maps[0], pools[0]), SlotMap(maps[1], pools[1]),
                 _paged_evicted(store, plan), promotions)

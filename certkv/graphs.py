@@ -50,7 +50,8 @@ class GraphCaptureError(RuntimeError):
 
 class _Recorder(TorchDispatchMode):
     """Appends every top-level aten operator (outside Triton launches) to ``tape`` as
-    ``(func, args, kwargs, outputs)``."""
+    ``("aten", func, args, kwargs, outputs)`` (:func:`_record_triton` adds the launches as
+    ``("triton", launch, args, kwargs, None)``)."""
 
     def __init__(self, tape: list) -> None:
         super().__init__()

@@ -24,14 +24,13 @@ def served(lru: DeviceLRU, slot: torch.Tensor, tier2: torch.Tensor, h: int, b: i
 
 def page_in_keys(lru: DeviceLRU, store, want: torch.Tensor):
     """One step's key page-in as the attention step runs it (:func:`slot_maps` on the LRU's
-    tables, the tables kept, one fill launch): ``(slot map [Hkv, n], Tier-2 rows)``."""
+    tables, updated in place, one fill launch): ``(slot map [Hkv, n], Tier-2 rows)``."""
     from certkv.kernels.triton_pagein import fill_slots
 
     k2, _, width = store.original_rows()
     plan = torch.stack([want, torch.zeros_like(want)])
-    maps, _, (tables, need, src), _ = slot_maps(plan, store.num_blocks, width,
-                                                lru.tables(store), None)
-    lru.update(tables)
+    maps, _, (_, need, src), _ = slot_maps(plan, store.num_blocks, width, lru.tables(store),
+                                           None)
     fill_slots([(need, src, k2, lru.pool)])
     return maps[0], k2
 

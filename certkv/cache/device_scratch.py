@@ -74,17 +74,10 @@ class DeviceLRU:
 
     # -------------------------------------------------------------------- step
     def tables(self, store) -> LRUTables:
-        """The bookkeeping a step's :func:`lru_step` updates, sized to ``store`` first."""
+        """The bookkeeping a step's :func:`lru_step` updates in place, sized to ``store``
+        first (then fill the slots it took with
+        :func:`~certkv.kernels.triton_pagein.fill_slots`)."""
         self._ensure(store)
-        return self._tables()
-
-    def update(self, tables: LRUTables) -> None:
-        """Keep a step's updated ``tables`` (fill the slots it took with
-        :func:`~certkv.kernels.triton_pagein.fill_slots`); :func:`lru_step` wrote them into
-        this LRU's own tensors, so this only checks that they are those."""
-        assert all(new is mine for new, mine in zip(tables, self._tables(), strict=True))
-
-    def _tables(self) -> LRUTables:
         return LRUTables(self.stamp, self.owner, self.slot_of, self.clock, self.tally)
 
     def counts(self) -> tuple[int, int, int]:

@@ -118,25 +118,24 @@ class Certificate:
     def num_heads(self) -> int:
         return int(self.rung.numel())
 
+    def _mapped(self, fn) -> Certificate:
+        """A copy with ``fn`` applied to every per-head tensor field."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return Certificate(**{name: fn(value) if isinstance(value, torch.Tensor) else value
+                              for name, value in values.items()})
+
     def copy(self) -> Certificate:
         """A copy whose tensors (the block statistics' included) are new: what a replayed
         graph returns, since its next replay overwrites the captured ones."""
-        copied = {f.name: getattr(self, f.name) for f in fields(self)}
-        for name, value in copied.items():
-            if isinstance(value, torch.Tensor):
-                copied[name] = value.clone()
+        copied = self._mapped(torch.clone)
         if self.blocks is not None:
-            copied["blocks"] = BlockStats(*(getattr(self.blocks, f.name).clone()
-                                            for f in fields(BlockStats)))
-        return Certificate(**copied)
+            copied.blocks = BlockStats(*(getattr(self.blocks, f.name).clone()
+                                         for f in fields(BlockStats)))
+        return copied
 
     def to(self, device: str | torch.device) -> Certificate:
         """A copy with every tensor on ``device``."""
-        moved = {f.name: getattr(self, f.name) for f in fields(self)}
-        for name, value in moved.items():
-            if isinstance(value, torch.Tensor):
-                moved[name] = value.to(device)
-        return Certificate(**moved)
+        return self._mapped(lambda t: t.to(device))
 
     @classmethod
     def cat(cls, certs: list[Certificate]) -> Certificate:
