@@ -125,3 +125,31 @@ def test_counting_in_place_reads_matches_staging_them(capacity):
         assert all(np.array_equal(getattr(lrus[0], name), getattr(lrus[1], name))
                    for name in ("owner", "stamp"))
         assert np.array_equal(*(lru.slot_of[:, : s.num_blocks] for lru in lrus))
+
+
+@pytest.mark.parametrize("capacity", [1, 5, 12, 64])
+def test_compiled_bookkeeping_matches_the_numpy_one_step_by_step(monkeypatch, capacity):
+    """:func:`certkv.cache.scratch._record` (one compiled call) keeps the same slots, stamps,
+    owners and counts as the NumPy :meth:`_track` and :meth:`_insert` over 40 steps of random
+    requests, as the context grows, with more misses than free slots and none at all."""
+    pytest.importorskip("numba")
+    import certkv.cache.scratch as scratch_module
+
+    s, _ = store(64)
+    k2, v2 = make_kv(2, 256, 32, seed=1)
+    rng = np.random.default_rng(capacity)
+    caches = [ScratchCache(key_blocks=capacity, value_blocks=capacity) for _ in range(2)]
+    for step in range(40):
+        if step % 10 == 9:  # four more blocks per kv head
+            s.append(k2[:, step * 6 : step * 6 + 64], v2[:, step * 6 : step * 6 + 64])
+        mask = torch.from_numpy(rng.random((2, s.num_blocks)) < rng.choice([0.0, 0.2, 0.7]))
+        caches[0].record(s, mask, "k")
+        with monkeypatch.context() as patch:
+            patch.setattr(scratch_module, "AVAILABLE", False)
+            caches[1].record(s, mask, "k")
+        lrus = [cache._lru["k"] for cache in caches]
+        for name in ("owner", "stamp", "clock"):
+            assert np.array_equal(getattr(lrus[0], name), getattr(lrus[1], name)), (step, name)
+        assert np.array_equal(*(lru.slot_of[:, : s.num_blocks] for lru in lrus))
+        assert caches[0].stats == caches[1].stats
+    assert caches[0].stats.misses > 0 and caches[0].stats.hits > 0
