@@ -155,10 +155,14 @@ class Certificate:
                      if any(isinstance(x, torch.Tensor) for x in values)]
         joined += [torch.stack([torch.as_tensor(x, device=device).reshape(())
                                 for x in counts[name]]) for name in on_device]
-        packed = torch.cat([t.double() for t in joined]).to("cpu")  # exact for every field
-        for name, t, part in zip([*names, *on_device], joined,
-                                 packed.split([t.numel() for t in joined]), strict=True):
-            merged[name] = int(part.sum()) if name in _SUMMED else part.to(t.dtype)
+        if device.type == "cpu":  # on the host already: nothing to transfer
+            parts = joined
+        else:  # one transfer, exact for every field
+            packed = torch.cat([t.double() for t in joined]).to("cpu")
+            parts = [part.to(t.dtype) for t, part in
+                     zip(joined, packed.split([t.numel() for t in joined]), strict=True)]
+        for name, part in zip([*names, *on_device], parts, strict=True):
+            merged[name] = int(part.sum()) if name in _SUMMED else part
         for name in _SUMMED:
             if name not in on_device:
                 merged[name] = int(sum(counts[name]))
