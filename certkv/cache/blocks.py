@@ -43,6 +43,19 @@ def _contiguous(shape) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+def _run(blocks: torch.Tensor) -> tuple[int, int] | None:
+    """``(first, stop)`` when the host block indices ``blocks [m]`` (``m >= 1``) are ``first,
+    first + 1, ..., stop - 1``, else None."""
+    if not len(blocks):
+        return None
+    first, last = int(blocks[0]), int(blocks[-1])
+    if last - first != len(blocks) - 1:
+        return None
+    if len(blocks) > 2 and not bool((blocks[1:] - blocks[:-1] == 1).all()):
+        return None
+    return first, last + 1
+
+
 class GrowingBlocks:
     """Tensors that grow along dim 1 (the block axis) with amortised doubling.
 
@@ -83,7 +96,7 @@ class GrowingBlocks:
                 if name in self._data:
                     grown[:, : self.size].copy_(self._data[name][:, : self.size])
                 self._data[name] = grown
-        self.put(torch.arange(self.size, self.size + n), blocks)
+        self._write_at(self.size, blocks)
         self.size += n
         self._views = {}
         for name, value in (self.fill or {}).items():
@@ -94,14 +107,26 @@ class GrowingBlocks:
         (host int64, each below the capacity)."""
         if not len(index):
             return
+        run = _run(index)
+        if run:
+            self._write_at(run[0], blocks)
+            return
         self._wait()
-        contiguous = bool((index[1:] - index[:-1] == 1).all()) if len(index) > 1 else True
         for name, new in blocks.items():
-            if contiguous:
-                first = int(index[0])
-                self._data[name][:, first : first + len(index)].copy_(new, non_blocking=self.pin)
-            else:
-                self._data[name][:, index.to(self.device)] = new.to(self.device)
+            self._data[name][:, index.to(self.device)] = new.to(self.device)
+        self._note_copy(blocks)
+
+    def _write_at(self, first: int, blocks: Blocks) -> None:
+        """Write ``blocks`` (leading dims ``[Hkv, m]``) at block positions ``first ..
+        first + m - 1``."""
+        self._wait()
+        for name, new in blocks.items():
+            self._data[name][:, first : first + new.shape[1]].copy_(new, non_blocking=self.pin)
+        self._note_copy(blocks)
+
+    def _note_copy(self, blocks: Blocks) -> None:
+        """After a write into pinned memory from the device: an event the next host read of
+        the buffers waits for (:meth:`_wait`)."""
         if self.pin and next(iter(blocks.values())).is_cuda:
             self._copied = torch.cuda.Event()
             self._copied.record()
@@ -260,11 +285,15 @@ class BlockTable:
         """``fn(codec, codes)`` (a tensor ``[Hkv, m, ...]``) for ``blocks`` (host; all by
         default), each with its precision's codec, in the order of ``blocks``. A single
         precision whose slots are in block order is read without a gather."""
-        if blocks is None and self._single is not None and self.num_blocks:
+        if self._single is not None and self.num_blocks:
             buffers = (self._keys if which == "key" else self._values)[self._single]
-            if buffers.size == self.num_blocks:  # no freed slots: the buffer is the table
-                return fn(getattr(self.precisions[self._single], f"{which}_codec"),
-                          buffers.view())
+            run = None if blocks is None else _run(blocks)
+            if buffers.size == self.num_blocks and (blocks is None or run):
+                # no freed slots: the buffer is the table, a run of blocks a slice of it
+                view = buffers.view()
+                if run:
+                    view = {k: t[:, run[0] : run[1]] for k, t in view.items()}
+                return fn(getattr(self.precisions[self._single], f"{which}_codec"), view)
         groups = self._all_groups if blocks is None else self._groups(blocks)
         count = self.num_blocks if blocks is None else len(blocks)
         out = None

@@ -522,6 +522,16 @@ class TieredKVStore:
             else:
                 storage.put(blocks, part)
 
+    def _merged_notes(self, parts: list, n: int) -> dict[str, torch.Tensor]:
+        """The annotations ``[Hkv, n]`` of ``n`` new blocks from ``parts``: ``(positions
+        (device), notes)`` per precision they were quantized at."""
+        notes = {name: torch.empty(self.num_kv_heads, n, dtype=t.dtype, device=self.device)
+                 for name, t in parts[0][1].items()}
+        for dev, note in parts:
+            for name, t in note.items():
+                notes[name][:, dev] = t
+        return notes
+
     def _starts(self, blocks: torch.Tensor) -> torch.Tensor:
         """First token position ``[m]`` of each block (block ``b`` starts at ``b B``)."""
         return blocks * self.block_size
@@ -544,11 +554,7 @@ class TieredKVStore:
             values.append(v)
             parts.append((dev, note))
         self._table.add(pids, keys, values)
-        notes = {name: torch.empty(self.num_kv_heads, n, dtype=t.dtype, device=self.device)
-                 for name, t in parts[0][1].items()}
-        for dev, note in parts:
-            for name, t in note.items():
-                notes[name][:, dev] = t
+        notes = parts[0][1] if len(parts) == 1 else self._merged_notes(parts, n)
         self._keep_notes(notes)
         self._note_maxima(notes)
         if self.keep_originals and not self.lossless:
