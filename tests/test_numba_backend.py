@@ -158,21 +158,28 @@ def test_logits_from_int8_codes_are_the_mirrors_products():
     """Phase 1's logits from the INT8 codes (the exact tail block from the mirror)
     agree with the BLAS product over the decoded mirror up to the dot products' rounding,
     ``-inf`` on the tail's empty slots; the codes decode bitwise to the mirror's keys."""
-    k, v = make_kv(3, 16 * 9 + 5, 32, seed=3)
+    k, v = make_kv(3, 16 * 10 + 5, 32, seed=3)
     store = TieredKVStore(3, 32, block_size=16, decoded_mirror=True)
-    store.append(k, v)
+    store.append(k[:, :-16], v[:, :-16])
+    store.append(k[:, -16:], v[:, -16:])  # a tenth block: the code buffers grow past it
     lay = StepLayout(store)
     codes = nbl.int8_keys(store)
-    slot, int8, scale, offset = codes
-    assert (slot[:9] >= 0).all() and slot[9] == -1  # the tail block: from the mirror
-    decoded, row = np.empty((16, 32), np.float32), slot[4]
-    nbl._decode(int8[1, row], scale[1, row], offset[1, row], decoded)
+    slot, int8, scale, offset, width = codes
+    assert (slot[:10] >= 0).all() and slot[10] == -1  # the tail block: from the mirror
+    # C-contiguous rows of the store's buffers in place, though the buffers hold room for
+    # more blocks (numba compiles a strided view's loops to scalar code)
+    buffer = store.block_groups("key")[0][1]["codes"]
+    assert not buffer.is_contiguous() and width > 10
+    assert all(x.flags.c_contiguous for x in (int8, scale, offset))
+    assert np.shares_memory(int8, buffer.numpy())
+    decoded, row = np.empty((16, 32), np.float32), width + slot[4]
+    nbl._decode(int8[row], scale[row], offset[row], decoded)
     assert np.array_equal(decoded, lay.keys[1, 4].numpy())
     q = make_query(k, 2, seed=3).float().reshape(3, 2, -1)
     s8 = nbl.key_logits(q, lay, 0.2, codes)
     full = nb.block_scores(q, lay.keys, lay.slot_bias, 0.2).reshape(6, -1, 16)
     torch.testing.assert_close(torch.from_numpy(s8), full, rtol=1e-5, atol=1e-5)
-    assert np.isinf(s8[:, 9, 5:]).all() and np.isfinite(s8[:, 9, :5]).all()
+    assert np.isinf(s8[:, 10, 5:]).all() and np.isfinite(s8[:, 10, :5]).all()
 
 
 def test_rows_view_the_buffer_in_place():

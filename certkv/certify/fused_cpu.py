@@ -18,6 +18,7 @@ picks), so a head whose bound is not finite here is one whose bound is not finit
 from __future__ import annotations
 
 import math
+import threading
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -55,11 +56,16 @@ def jit(fn=None, **flags):
     return numba.njit(cache=True, nogil=True, **flags)(fn) if AVAILABLE else fn
 
 
+_THREADS = threading.local()  # the count this thread last gave numba (numba's is per thread)
+
+
 def use_threads(n: int) -> None:
     """Let numba's parallel loops use at most ``n`` threads (pass torch's own setting, which
-    ``threads`` pins), never more than numba started."""
-    if AVAILABLE:
+    ``threads`` pins), never more than numba started; set only when it changes (a decode step
+    asks before every loop nest, and the call costs a microsecond)."""
+    if AVAILABLE and getattr(_THREADS, "n", None) != n:
         numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))
+        _THREADS.n = n
 
 
 @jit

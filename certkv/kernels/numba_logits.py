@@ -62,12 +62,14 @@ def _decode(codes, scale, offset, keys):
 
 
 @jit(parallel=True)
-def _key_logits(group, q, slot, codes, scale, offset, mirror, mirror_width, bias, scaling, s):
+def _key_logits(group, q, slot, codes, scale, offset, width, mirror, mirror_width, bias,
+                scaling, s):
     """Phase 1's logits ``s [H, n, B]`` of query heads ``q [H, d]`` (head ``h`` reads kv head
     ``h // group``): block ``b`` of kv head ``kv`` decoded from slot ``slot[b]`` of the INT8
-    ``codes [Hkv, slots, B, d]`` with ``scale, offset [Hkv, slots, d]``, or, where ``slot[b] <
-    0``, copied from the FP32 ``mirror`` rows ``[R, B, d]`` at ``kv * mirror_width + b``
-    (:func:`rows`); ``bias [n, B]``. In parallel over (kv head, range of blocks)."""
+    code rows ``codes [R, B, d]`` with ``scale, offset [R, d]`` at row ``kv * width +
+    slot[b]``, or, where ``slot[b] < 0``, copied from the FP32 ``mirror`` rows ``[R', B, d]``
+    at ``kv * mirror_width + b`` (:func:`rows`); ``bias [n, B]``. In parallel over (kv head,
+    range of blocks)."""
     n, bsz = bias.shape
     hkv, d = q.shape[0] // group, q.shape[1]
     for task in prange(hkv * PARTS):
@@ -75,9 +77,9 @@ def _key_logits(group, q, slot, codes, scale, offset, mirror, mirror_width, bias
         heads = q[kv * group:(kv + 1) * group]
         scratch, out = np.empty((bsz, d), _F32), np.empty((group, bsz), _F32)
         for b in range(part * n // PARTS, (part + 1) * n // PARTS):
-            row = slot[b]
-            if row >= 0:
-                _decode(codes[kv, row], scale[kv, row], offset[kv, row], scratch)
+            if slot[b] >= 0:
+                row = kv * width + slot[b]
+                _decode(codes[row], scale[row], offset[row], scratch)
             else:
                 scratch[:] = mirror[kv * mirror_width + b]
             _dots(heads, scratch, bias[b], scaling, out)
@@ -158,12 +160,15 @@ def _same_objects(a: tuple, b: tuple) -> bool:
 
 
 def _int8_keys(store, groups) -> tuple:
-    """What :func:`key_logits` reads besides the mirror: ``(slot [n], codes [Hkv, slots, B,
-    d], scale, offset [Hkv, slots, d])`` in place, ``slot[b]`` block ``b``'s slot in the INT8
-    key codes of the one unprotected ``ChannelAffineKeyCodec(bits=8)`` precision (-1: copied
-    from the mirror: exact blocks, the tail block, other codecs, or every block where no such
-    precision holds blocks, the store protects its words or two precisions do), from the
-    store's key ``groups`` (:meth:`~certkv.cache.store.TieredKVStore.block_groups`)."""
+    """What :func:`key_logits` reads besides the mirror: ``(slot [n], codes [R, B, d], scale,
+    offset [R, d], W)``, ``slot[b]`` block ``b``'s slot in the INT8 key codes of the one
+    unprotected ``ChannelAffineKeyCodec(bits=8)`` precision (-1: copied from the mirror: exact
+    blocks, the tail block, other codecs, or every block where no such precision holds blocks,
+    the store protects its words or two precisions do), from the store's key ``groups``
+    (:meth:`~certkv.cache.store.TieredKVStore.block_groups`). The codes are C-contiguous rows
+    of their buffers in place (slot ``j`` of kv head ``h`` at row ``h W + j``, as
+    :func:`rows`): numba compiles a strided view's loops without vector instructions (about 3x
+    slower on SmolLM2's 2K stores, whose code buffers have spare capacity)."""
     n = store.num_blocks + (1 if store.tail_len else 0)
     slot, found = np.full(n, -1, np.int64), []
     if not store.protection.enabled:
@@ -174,12 +179,12 @@ def _int8_keys(store, groups) -> tuple:
                 found.append(codes)
     if len(found) != 1:
         return np.full(n, -1, np.int64), *_NO_CODES
-    codes = found[0]
-    return slot, codes["codes"].numpy(), codes["scale"].numpy(), codes["offset"].numpy()
+    (codes, width), (scale, _), (offset, _) = (
+        head_rows(found[0][name]) for name in ("codes", "scale", "offset"))
+    return slot, codes.numpy(), scale.numpy(), offset.numpy(), width
 
 
-_NO_CODES = (np.zeros((1, 1, 1, 1), np.int8), np.zeros((1, 1, 1), _F32),
-             np.zeros((1, 1, 1), _F32))
+_NO_CODES = (np.zeros((1, 1, 1), np.int8), np.zeros((1, 1), _F32), np.zeros((1, 1), _F32), 0)
 
 
 def key_logits(q: torch.Tensor, lay, scaling: float, codes) -> np.ndarray:
