@@ -93,9 +93,7 @@ class _LRUBlocks:
         hit = slots >= 0
         self.stamp[slots[hit]] = self.clock
         miss = np.flatnonzero(~hit)
-        stats.hits += slots.size - miss.size
-        stats.misses += miss.size
-        stats.h2d_bytes += miss.size * store.block_size * store.head_dim * 2  # FP16
+        _count(stats, store, slots.size - miss.size, miss.size)
         return miss
 
     def record(self, store, mask: np.ndarray, stats) -> None:
@@ -112,10 +110,7 @@ class _LRUBlocks:
                 self._insert(kv[miss], blk[miss])
             return
         self.clock += 1
-        hits, misses = _record(mask, self.slot_of, self.stamp, self.owner, self.clock)
-        stats.hits += hits
-        stats.misses += misses
-        stats.h2d_bytes += misses * store.block_size * store.head_dim * 2  # FP16
+        _count(stats, store, *_record(mask, self.slot_of, self.stamp, self.owner, self.clock))
 
     def stage(self, store, kind: str, kv: torch.Tensor, blk: torch.Tensor, stats):
         """FP16 blocks of ``(kv[i], blk[i])`` (host indices): hits from slots, misses from
@@ -166,6 +161,14 @@ class _LRUBlocks:
         if blocks is not None:
             self.buffer[torch.from_numpy(victims).to(blocks.device, non_blocking=True)] = \
                 blocks[:take]
+
+
+def _count(stats: ScratchStats, store, hits: int, misses: int) -> None:
+    """Add one step's ``hits`` and ``misses`` to ``stats``, each miss the FP16 bytes of one
+    ``[B, d]`` block paged in."""
+    stats.hits += hits
+    stats.misses += misses
+    stats.h2d_bytes += misses * store.block_size * store.head_dim * 2
 
 
 @jit
