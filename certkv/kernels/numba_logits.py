@@ -179,8 +179,11 @@ def _int8_keys(store, groups) -> tuple:
                 found.append(codes)
     if len(found) != 1:
         return np.full(n, -1, np.int64), *_NO_CODES
-    (codes, width), (scale, _), (offset, _) = (
-        head_rows(found[0][name]) for name in ("codes", "scale", "offset"))
+    names = ("codes", "scale", "offset")
+    parts = [head_rows(found[0][name]) for name in names]
+    if len({width for _, width in parts}) > 1:  # the kernel indexes all three with one width
+        parts = [head_rows(found[0][name].contiguous()) for name in names]
+    (codes, width), (scale, _), (offset, _) = parts
     return slot, codes.numpy(), scale.numpy(), offset.numpy(), width
 
 
