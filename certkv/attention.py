@@ -203,6 +203,15 @@ class CertifiedAttention:
             cert.audited = True
         return out, cert
 
+    def decoded_mirror(self, device: torch.device) -> bool | str:
+        """The ``decoded_mirror`` of a store this attention reads on ``device``
+        (:class:`TieredKVStore`): none in dense mode (it reads the FP16 originals), else its
+        backend's (the whole mirror on a CPU; ``"lean"`` where the numba loops run)."""
+        if self.mode == "dense":
+            return False
+        pick = getattr(self.backend, "decoded_mirror", None)
+        return pick(device) if pick is not None else device.type == "cpu"
+
     def graph_ready(self, q: torch.Tensor, store: TieredKVStore) -> bool:
         """Whether a step of ``q`` over ``store`` reads no host value, so that it can be
         captured in a graph and replayed (:mod:`certkv.graphs`): a quantized mode whose

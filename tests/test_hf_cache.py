@@ -29,6 +29,9 @@ class ContractChecker:
     def mode(self) -> str:
         return self.inner.mode
 
+    def decoded_mirror(self, device):
+        return self.inner.decoded_mirror(device)
+
     def __call__(self, q, store, scaling=None, scratch=None):
         out, cert = self.inner(q, store, scaling, scratch=scratch)
         check_heads(out, cert, q, store, scaling)
@@ -56,6 +59,22 @@ def test_generate_with_every_mode(model_type):
         assert attn.head_steps == 11 * 2 * 4
         if mode == "dense":  # FP16 KV vs the model's FP32 KV: same greedy tokens here
             assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize(("backend", "mode", "kept"), [
+    ("numba", "certified", ("v", "bound", "bias")), ("torch", "naive", ("k", "v", "bound",
+                                                                         "orig_k", "bias")),
+    ("numba", "dense", ())])
+def test_the_stores_keep_the_mirror_their_attention_reads(backend, mode, kept):
+    """On a CPU a model's stores keep what their attention reads decoded
+    (:meth:`CertifiedAttention.decoded_mirror`): a lean mirror for the numba loops, the whole
+    one for the PyTorch reference, none in dense mode."""
+    _, model = tiny_model()
+    cache = TieredCache(2, CertifiedAttention(backend=backend, mode=mode))
+    out = model.generate(prompt(), max_new_tokens=4, do_sample=False,
+                         **cache_kwargs(model, cache))
+    assert out.shape[1] == 44
+    assert all(store._mirror_fields == kept for store in cache.stores())
 
 
 def test_cache_kwargs_names_the_argument_this_transformers_takes_without_a_warning():

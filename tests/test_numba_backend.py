@@ -5,6 +5,8 @@ attention) is ``test_contract.py``'s, whose scenarios draw either backend."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -289,3 +291,44 @@ def test_a_nonfinite_query_raises_as_on_the_reference():
     for backend in ("torch", "numba"):
         with pytest.raises(NonFiniteError, match="NaN or Inf"):
             CertifiedAttention(backend=backend)(q, store)
+
+
+def _same(a, b) -> bool:
+    """Bitwise equality of certificates and their parts (NaN equal to NaN)."""
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b) or (a.is_floating_point() and torch.equal(a.nan_to_num(),
+                                                                           b.nan_to_num()))
+    if dataclasses.is_dataclass(a):
+        return all(_same(getattr(a, f.name), getattr(b, f.name))
+                   for f in dataclasses.fields(a))
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b or (a != a and b != b)
+
+
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+def test_a_lean_mirror_gives_the_whole_mirrors_steps(backend):
+    """A store with a lean decoded mirror (no decoded or FP32 original keys: Phase 1 reads
+    the exact sink and residual windows' keys from Tier-2, the tail's from its buffer) gives
+    every step of the whole mirror's, output and certificate bit for bit, as decode tokens
+    fill the tail, complete a block and age one out of the window; the reference decodes what
+    the lean mirror leaves out."""
+    from certkv.cache.scratch import ScratchCache
+    from certkv.quant import KVQuantizer
+
+    k, v = make_kv(2, 16 * 14 + 12, 32, seed=7, outlier_channels=2)
+    stores = {kind: TieredKVStore(2, 32, quantizer=KVQuantizer(sink=16, residual=32),
+                                  decoded_mirror=kind)
+              for kind in (True, "lean")}
+    for store in stores.values():
+        store.append(k[:, :-20], v[:, :-20])
+    attn = CertifiedAttention(backend=backend)
+    for t in range(k.shape[1] - 20, k.shape[1]):
+        q = make_query(k[:, :t], 3, seed=t, peaked=True)
+        steps = [attn(q, store, scratch=ScratchCache(4, 4)) for store in stores.values()]
+        assert torch.equal(steps[0][0], steps[1][0]), t
+        assert _same(steps[0][1], steps[1][1]), t
+        for store in stores.values():
+            store.append(k[:, t:t + 1], v[:, t:t + 1])
+    assert stores["lean"].num_blocks == 14 and stores["lean"]._table.held() == [0, 1]
+    assert stores["lean"]._mirror_fields == ("v", "bound", "bias")

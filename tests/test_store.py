@@ -191,7 +191,7 @@ def test_a_lossless_store_keeps_its_originals_in_tier1_and_reads_them_without_co
     assert torch.equal(hk[0], k[1].half())
 
 
-@pytest.mark.parametrize("mirror", [True, False])
+@pytest.mark.parametrize("mirror", [True, "lean", False])
 def test_a_decode_tokens_fused_append_matches_the_torch_path(monkeypatch, mirror):
     """One token per append on a CPU store (:mod:`certkv.cache.append_cpu`): the tail, the
     running key and value maxima and the decoded mirror's tail row as the PyTorch path leaves
@@ -216,7 +216,7 @@ def test_a_decode_tokens_fused_append_matches_the_torch_path(monkeypatch, mirror
         if mirror:
             for got, want in zip(fused.decoded_with_tail(), plain.decoded_with_tail(),
                                  strict=True):
-                assert torch.equal(got, want)
+                assert got is want is None or torch.equal(got, want)  # lean: no keys
             assert torch.equal(fused.original_keys(), plain.original_keys())
             assert torch.equal(fused.slot_bias(), plain.slot_bias())
     assert len(calls) == 33 - 2  # all but the two tokens that complete a block
@@ -227,3 +227,34 @@ def test_a_decode_tokens_fused_append_matches_the_torch_path(monkeypatch, mirror
         fused.append(bad, v[:, :1])
     assert torch.equal(fused._tail_k, before[0]) and fused.tail_len == before[1]
     assert torch.equal(fused._key_abs_max, before[2])
+
+
+def test_a_lean_mirror_keeps_what_the_cpu_loops_read():
+    """``decoded_mirror="lean"`` keeps the values, key bounds and slot bias where every block's
+    keys are the one INT8 precision's codes or exact windows (the CPU loops decode the codes
+    and read FP16 originals in place): about a third of the whole mirror. Other key codecs,
+    protected words or a store without Tier-2 keep the decoded keys too; an unknown kind and
+    dropping the originals a lean mirror reads name the fix."""
+    from certkv.quant import KVQuantizer
+    from certkv.quant.protect.protection import Protection
+
+    k, v = make_kv(2, 16 * 12 + 5, 32, seed=2)
+    sizes = {}
+    for kind in (True, "lean"):
+        store = TieredKVStore(2, 32, quantizer=KVQuantizer(sink=16, residual=32),
+                              decoded_mirror=kind)
+        store.append(k, v)
+        sizes[kind] = store.workspace_bytes()
+        assert len(store.decoded_with_tail()) == 2
+    assert store._mirror_fields == ("v", "bound", "bias")
+    assert store.decoded_with_tail()[0] is None
+    assert torch.equal(store.original_keys()[:, :12],
+                       k[:, :192].half().float().view(2, 12, 16, 32))
+    assert sizes["lean"] < 0.36 * sizes[True]
+    for kwargs in ({"key_codec": ChannelAffineKeyCodec(bits=4)}, {"keep_originals": False},
+                   {"quantizer": KVQuantizer().with_protection(Protection("hamming84"))}):
+        assert "k" in TieredKVStore(2, 32, decoded_mirror="lean", **kwargs)._mirror_fields
+    with pytest.raises(ConfigError, match="use True, False or 'lean'"):
+        TieredKVStore(2, 32, decoded_mirror="half")
+    with pytest.raises(ConfigError, match="decoded_mirror=True to drop the originals"):
+        store.drop_originals()

@@ -83,8 +83,8 @@ class TieredLayer(DynamicLayer):
         self.dtype, self.device = key_states.dtype, key_states.device
         _, hkv, _, d = key_states.shape
         self.store = TieredKVStore(hkv, d, device=key_states.device,
-                                   decoded_mirror=key_states.device.type == "cpu"
-                                   and self.cache.attention.mode != "dense",
+                                   decoded_mirror=self.cache.attention.decoded_mirror(
+                                       key_states.device),
                                    **self.cache.quantizer.store_kwargs())
         self.store.join(self.cache.board, self.layer_idx)
         if self.layer_idx in self.cache._loaded:
@@ -118,7 +118,8 @@ class TieredCache(Cache):
 
     Args:
         num_layers: decoder layers of the model.
-        attention: the certified attention (its ``mode`` picks dense / naive / certified).
+        attention: the certified attention (its ``mode`` picks dense / naive / certified,
+            its ``decoded_mirror(device)`` what the stores keep decoded).
         quantizer: Tier-1 codecs and block size.
         spec: scratch capacities and telemetry level.
     """

@@ -48,6 +48,7 @@ from certkv.quant import (
     ValueCodec,
 )
 from certkv.quant.base import round_up_fp32
+from certkv.quant.int8_channel import is_int8
 from certkv.quant.kv import KVQuantizer, Precision, exact_precision
 from certkv.quant.protect.protection import Protection, protected
 from certkv.quant.summary import evicted_precision
@@ -121,6 +122,32 @@ def block_annotations(k16: torch.Tensor, v16: torch.Tensor, key_codec: KeyCodec,
     return dict(zip(ANNOTATIONS, rounded.unbind(), strict=True))
 
 
+#: The decoded mirror's tensors (:class:`TieredKVStore`'s ``decoded_mirror``) and the value of
+#: its spare (tail) block's empty slots: decoded keys, values block-major, per-channel key
+#: bounds, the original keys in FP32 and the slot bias.
+MIRROR_FILL = {"k": 0.0, "v": 0.0, "bound": 0.0, "orig_k": 0.0, "bias": float("-inf")}
+
+
+def mirror_fields(kind: bool | str, precisions: list[Precision], protected: bool,
+                  originals: bool) -> tuple[str, ...]:
+    """The tensors a decoded mirror of ``kind`` keeps (:class:`TieredKVStore`'s
+    ``decoded_mirror``): none, all of :data:`MIRROR_FILL`, or, ``"lean"``, the values, key
+    bounds and slot bias, and the decoded keys too unless every block's keys are either the
+    one INT8 precision's codes (which the CPU loops decode in place) or exact windows (read
+    from their FP16 originals: ``originals``, the store keeps Tier-2), unprotected."""
+    if kind is False or kind is None:
+        return ()
+    if kind is True:
+        return tuple(MIRROR_FILL)
+    require(kind == "lean", ConfigError,
+            f"decoded_mirror={kind!r} is not a mirror; use True, False or 'lean'.")
+    codecs = [p.key_codec for p in precisions]
+    keys_elsewhere = (originals and not protected and sum(map(is_int8, codecs)) == 1
+                      and all(is_int8(c) or p.exact for c, p in zip(codecs, precisions,
+                                                                     strict=True)))
+    return ("v", "bound", "bias") if keys_elsewhere else ("k", "v", "bound", "bias")
+
+
 class TieredKVStore:
     """One layer's KV cache: FP16 tail, Tier-1 quantized blocks, Tier-2 FP16 originals.
 
@@ -140,6 +167,11 @@ class TieredKVStore:
             by :meth:`append`. The PyTorch reference path then reads it instead of decoding
             Tier-1 or converting Tier-2 every step (a CPU speed aid: about 3x the FP16 cache;
             the values are bit-identical to decoding the codes; :meth:`workspace_bytes`).
+            ``"lean"``: only what the CPU loops (the numba backend) read of it: the values,
+            key bounds and slot bias, and the decoded keys only where some blocks' keys are
+            not the one INT8 codec's (the loops decode INT8 codes in place and read FP16
+            originals from Tier-2 and the tail buffer): about a third of the full mirror.
+            Readers of what a lean mirror leaves out decode or convert it per step.
         fused_encode: quantize completed blocks with the Triton kernel
             (``certkv.kernels.triton_quantize``); ``None`` = on CUDA when the codecs are the
             defaults (INT8 keys, INT4 values) and B, d are powers of two.
@@ -155,7 +187,7 @@ class TieredKVStore:
         key_codec: KeyCodec | None = None,
         value_codec: ValueCodec | None = None,
         keep_originals: bool = True,
-        decoded_mirror: bool = False,
+        decoded_mirror: bool | str = False,
         fused_encode: bool | None = None,
         quantizer: KVQuantizer | None = None,
     ) -> None:
@@ -211,9 +243,11 @@ class TieredKVStore:
         # the decoded mirror (k, v, bound), the original keys in FP32 (orig_k) and the slot
         # bias (0 on a token, -inf on an empty slot), with the partial tail block kept in the
         # spare row by append()
+        self._mirror_fields = mirror_fields(decoded_mirror, self.precisions,
+                                            self.protection.enabled, keep_originals)
         self._mirror = GrowingBlocks(self.device, spare=1, fill={
-            "k": 0.0, "v": 0.0, "bound": 0.0, "orig_k": 0.0, "bias": float("-inf")}
-        ) if decoded_mirror else None
+            name: MIRROR_FILL[name] for name in self._mirror_fields}
+        ) if self._mirror_fields else None
         tail_shape = (num_kv_heads, block_size, head_dim)
         self._tail_k = torch.zeros(tail_shape, dtype=torch.float16, device=self.device)
         self._tail_v = torch.zeros(tail_shape, dtype=torch.float16, device=self.device)
@@ -251,9 +285,7 @@ class TieredKVStore:
         self._table.allocate(pid, keys, values)
         self._keep_notes(notes)
         if self._mirror is not None:
-            self._mirror.extend({**self._mirror_rows(self._decoded(none, bias=True)),
-                                 "orig_k": torch.zeros(self.num_kv_heads, 0, self.block_size,
-                                                       self.head_dim, device=self.device)})
+            self._mirror.extend(self._mirror_rows(self._decoded(none, bias=True), empty))
 
     # ------------------------------------------------------------------ writing
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -326,7 +358,9 @@ class TieredKVStore:
         cached = self._views
         if cached is not None and cached[0] is spare and cached[1] is self._tail_k:
             return cached[2]
-        rows = ((spare["k"][:, 0], spare["orig_k"][:, 0], spare["v"][0, 0], spare["bias"][:, 0])
+        unused = torch.zeros(self.num_kv_heads, self.block_size, self.head_dim)  # written only
+        rows = ((*(spare[name][:, 0] if name in spare else unused for name in ("k", "orig_k")),
+                 spare["v"][0, 0], spare["bias"][:, 0])
                 if spare is not None else (torch.zeros(1, 1, 1),) * 3 + (torch.zeros(1, 1),))
         views = (tuple(x.view(torch.int16).numpy() for x in (self._tail_k, self._tail_v)),
                  tuple(x.numpy() for x in rows))
@@ -366,8 +400,9 @@ class TieredKVStore:
         torch.maximum(self._block_maxima, self._tail_maxima, out=self._value_maxima)
         if self._mirror is not None and self.tail_len > start:
             spare = self._mirror.spare_view()
-            spare["k"][:, 0, rows] = self._tail_k[:, rows]
-            spare["orig_k"][:, 0, rows] = self._tail_k[:, rows]
+            for name in ("k", "orig_k"):
+                if name in spare:
+                    spare[name][:, 0, rows] = self._tail_k[:, rows]
             spare["v"][0, 0, :, rows] = new_v
             spare["bias"][:, 0, rows] = 0.0
 
@@ -560,9 +595,8 @@ class TieredKVStore:
         if self.keep_originals and not self.lossless:
             self._tier2.extend({"k": k16, "v": v16})
         if self._mirror is not None:
-            self._mirror.extend({**self._mirror_rows(self._decoded(torch.arange(first, first + n),
-                                                                   bias=True)),
-                                 "orig_k": k16.float()})
+            self._mirror.extend(self._mirror_rows(
+                self._decoded(torch.arange(first, first + n), bias=True), k16))
 
     def _note_maxima(self, notes: dict[str, torch.Tensor]) -> None:
         """Fold new annotations into the running maxima (``[Hkv]`` each)."""
@@ -572,22 +606,26 @@ class TieredKVStore:
             torch.maximum(self._eta_max, notes["eta"].amax(dim=1), out=self._eta_max)
             torch.maximum(self._block_maxima, self._tail_maxima, out=self._value_maxima)
 
-    @staticmethod
-    def _mirror_rows(rows: Blocks) -> Blocks:
-        """Decoded rows in the mirror's layout: values block-major ``[1, m, Hkv, B, d]`` (the
-        reference's per-block value products read every (block, kv head) as one batch), the
-        rest as decoded (``[Hkv, m, ...]``)."""
+    def _mirror_rows(self, rows: Blocks, originals: torch.Tensor | None = None) -> Blocks:
+        """Decoded rows in the mirror's layout, the fields it keeps: values block-major ``[1,
+        m, Hkv, B, d]`` (the reference's per-block value products read every (block, kv head)
+        as one batch), the rest as decoded (``[Hkv, m, ...]``), and the new blocks' FP16
+        ``originals [Hkv, m, B, d]`` in FP32 where given."""
         if "v" in rows:
             rows = {**rows, "v": rows["v"].transpose(0, 1).unsqueeze(0)}
-        return rows
+        if originals is not None:
+            rows["orig_k"] = originals.float()
+        return {name: x for name, x in rows.items() if name in self._mirror_fields}
 
     def _decoded(self, blocks: torch.Tensor, bias: bool = False) -> Blocks:
-        """The decoded mirror's rows of ``blocks [m]`` (host): ``k, v [Hkv, m, B, d]`` and
-        ``bound [Hkv, m, d]``; with ``bias`` also the slot bias ``[1, m, B]`` (0: completed
-        blocks have every slot)."""
-        rows = self._serve_corrupted(
-            {"k": self._table.decode("key", blocks), "v": self._table.decode("value", blocks),
-             "bound": self._table.channel_bound(blocks)}, blocks)
+        """The decoded mirror's rows of ``blocks [m]`` (host): ``k, v [Hkv, m, B, d]`` (keys
+        only where the mirror keeps them) and ``bound [Hkv, m, d]``; with ``bias`` also the
+        slot bias ``[1, m, B]`` (0: completed blocks have every slot)."""
+        rows = {"v": self._table.decode("value", blocks),
+                "bound": self._table.channel_bound(blocks)}
+        if "k" in self._mirror_fields:
+            rows["k"] = self._table.decode("key", blocks)
+        rows = self._serve_corrupted(rows, blocks)
         if bias:
             rows["bias"] = torch.zeros(1, len(blocks), self.block_size, device=self.device)
         return rows
@@ -798,6 +836,9 @@ class TieredKVStore:
 
     def drop_originals(self) -> None:
         """Release Tier-2 (e.g. host memory is exhausted); promotion and fallback then raise."""
+        require(self._mirror is None or "k" in self._mirror_fields, ConfigError,
+                "this store's lean decoded mirror reads exact windows' keys from Tier-2; build "
+                "it with decoded_mirror=True to drop the originals.")
         self.keep_originals = False
         self._tier2.clear()
 
@@ -1002,11 +1043,12 @@ class TieredKVStore:
     def decoded_with_tail(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """FP32 keys and values ``[Hkv, n, B, d]`` of every block with the partial tail block
         (zero-padded) last, from the decoded mirror (no copy: the values a view of its
-        block-major ``[n, Hkv, B, d]``); ``None`` without a mirror."""
+        block-major ``[n, Hkv, B, d]``; the keys None where a lean mirror keeps none);
+        ``None`` without a mirror."""
         if self._mirror is None:
             return None
         view = self._mirror.view(1 if self.tail_len else 0)
-        return view["k"], view["v"][0].transpose(0, 1)  # values kept block-major
+        return view.get("k"), view["v"][0].transpose(0, 1)  # values kept block-major
 
     def original_keys(self) -> torch.Tensor:
         """FP32 ``[Hkv, n, B, d]``: the FP16 original keys of every block with the partial tail
@@ -1014,7 +1056,7 @@ class TieredKVStore:
         converted from Tier-2 now. What the PyTorch reference computes FP16-key logits from."""
         require(self.keep_originals or self.lossless, Tier2UnavailableError, _TIER2_MISSING)
         extra = 1 if self.tail_len else 0
-        if self._mirror is not None:
+        if "orig_k" in self._mirror_fields:
             return self._mirror.view(extra)["orig_k"]
         keys = self._originals()["k"].float() if self.num_blocks else torch.zeros(
             self.num_kv_heads, 0, self.block_size, self.head_dim, device=self.device)

@@ -189,7 +189,8 @@ class Prefill:
         """A fresh cache holding the prefill for ``method``: the model's own cache for the dense
         method, a :class:`TieredCache` of the FP16 originals for the others (quantized once for a
         run of methods with the same quantizer, keyed by its ``repr``, and copied for each
-        method: :meth:`TieredCache.copy_for`; only the last quantizer's is kept). The quantizer
+        method: :meth:`TieredCache.copy_for`; only the last quantizer's is kept; by decoded
+        mirror too, :meth:`CertifiedAttention.decoded_mirror`). The quantizer
         gets the model's rotary embedding (:meth:`KVQuantizer.with_rope`)."""
         if method.mode == "dense":
             cache = DynamicCache()
@@ -199,7 +200,9 @@ class Prefill:
                         cache.update(state[0].clone(), state[1].clone(), i)
             return cache
         quantizer = method.quantizer.with_rope(self.rope)
-        key = repr(quantizer)
+        # the stores' decoded mirror is the attention backend's choice (a lean one for the
+        # numba loops): a template serves the methods that keep the same one
+        key = f"{quantizer!r} {method.attention.decoded_mirror(self.lm.device)!r}"
         if key not in self._templates:
             # one template at a time: a run's variants of one quantizer come together, and
             # every template of a long prompt held at once would not fit in memory

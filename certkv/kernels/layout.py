@@ -108,27 +108,30 @@ class StepLayout:
         return self.store.key_channel_bound(self.num_blocks - self.num_completed)
 
     @cached_property
-    def _decoded(self) -> tuple[torch.Tensor, torch.Tensor]:
-        store = self.store
-        mirrored = store.decoded_with_tail()
-        if mirrored is not None:
-            return mirrored
-        keys, values = store.dequantized_keys(), store.dequantized_values()
-        if store.tail_len:
-            tail_k, tail_v = store.tail()
-            keys = torch.cat([keys, pad_block(tail_k, store.block_size)], dim=1)
-            values = torch.cat([values, pad_block(tail_v, store.block_size)], dim=1)
-        return keys, values
-
-    @property
     def keys(self) -> torch.Tensor:
-        """FP32 ``[Hkv, n, B, d]`` reconstructed keys (exact tail block last)."""
-        return self._decoded[0]
+        """FP32 ``[Hkv, n, B, d]`` reconstructed keys (exact tail block last): the decoded
+        mirror's, else decoded now."""
+        mirrored = self.store.decoded_with_tail()
+        if mirrored is not None and mirrored[0] is not None:
+            return mirrored[0]
+        return self._with_tail(self.store.dequantized_keys(), 0)
 
-    @property
+    @cached_property
     def values(self) -> torch.Tensor:
-        """FP32 ``[Hkv, n, B, d]`` reconstructed values (exact tail block last)."""
-        return self._decoded[1]
+        """FP32 ``[Hkv, n, B, d]`` reconstructed values (exact tail block last): the decoded
+        mirror's, else decoded now."""
+        mirrored = self.store.decoded_with_tail()
+        if mirrored is not None:
+            return mirrored[1]
+        return self._with_tail(self.store.dequantized_values(), 1)
+
+    def _with_tail(self, blocks: torch.Tensor, which: int) -> torch.Tensor:
+        """``blocks [Hkv, n_c, B, d]`` with the zero-padded tail block's keys (``which`` 0) or
+        values (1) appended where the store has a tail."""
+        store = self.store
+        if not store.tail_len:
+            return blocks
+        return torch.cat([blocks, pad_block(store.tail()[which], store.block_size)], dim=1)
 
 
 def pad_block(x: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -388,6 +388,12 @@ class NumbaBackend(TorchBackend):
         would copy them into; the cache still counts them); else the reference's."""
         return "kv" if self._fused(store.device) else super().in_place(store)
 
+    def decoded_mirror(self, device: torch.device) -> bool | str:
+        """``"lean"`` where the loop nests run: they decode INT8 key codes and read the FP16
+        originals (Tier-2, the tail buffer) in place, so the mirror keeps the values, key
+        bounds and slot bias only (:func:`~certkv.cache.store.mirror_fields`)."""
+        return "lean" if self._fused(device) else super().decoded_mirror(device)
+
     def phase1(self, q, lay, scaling) -> Scored:
         """Phase 1 (shapes as :func:`certkv.kernels.reference.phase1`): the logits from the
         INT8 key codes and the decoded mirror (:func:`~certkv.kernels.numba_logits.key_logits`;

@@ -29,7 +29,7 @@ import torch
 
 from certkv.cache.blocks import head_rows
 from certkv.certify.fused_cpu import as_array, decode_half, jit, prange
-from certkv.quant.int8_channel import ChannelAffineKeyCodec
+from certkv.quant.int8_channel import is_int8
 
 _F32 = np.float32
 PARTS = 2  # block ranges per kv head: two threads share out even one or three kv heads
@@ -61,17 +61,31 @@ def _decode(codes, scale, offset, keys):
             keys[t, c] = _F32(codes[t, c]) * scale[c] + offset[c]
 
 
+@jit
+def _tail_keys(tail, fill, keys):
+    """The partial tail block's keys: the FP16 tail buffer's bits ``tail [B, d]`` converted
+    exactly into ``keys [B, d]``, its ``fill`` tokens, zeros on the empty slots (as the
+    mirror's zero-padded tail row; their logits are the slot bias's ``-inf``)."""
+    decode_half(tail, keys)
+    keys[fill:] = 0.0
+
+
 @jit(parallel=True)
-def _key_logits(group, q, slot, codes, scale, offset, width, mirror, mirror_width, bias,
-                scaling, s):
+def _key_logits(group, q, slot, codes, scale, offset, width, mirror, mirror_width, originals,
+                originals_width, tail, fill, bias, scaling, s):
     """Phase 1's logits ``s [H, n, B]`` of query heads ``q [H, d]`` (head ``h`` reads kv head
     ``h // group``): block ``b`` of kv head ``kv`` decoded from slot ``slot[b]`` of the INT8
     code rows ``codes [R, B, d]`` with ``scale, offset [R, d]`` at row ``kv * width +
-    slot[b]``, or, where ``slot[b] < 0``, copied from the FP32 ``mirror`` rows ``[R', B, d]``
-    at ``kv * mirror_width + b`` (:func:`rows`); ``bias [n, B]``. In parallel over (kv head,
-    range of blocks)."""
+    slot[b]``; the partial tail block (``fill > 0`` tokens, last) from the FP16 tail buffer's
+    bits ``tail [Hkv, B, d]`` (:func:`_tail_keys`); any other block from the FP32 ``mirror``
+    rows ``[R', B, d]`` at ``kv * mirror_width + b`` (:func:`rows`), or, where the mirror
+    keeps no keys (``mirror_width`` 0: a lean mirror, whose other blocks are exact windows),
+    converted from the bits of their FP16 originals ``originals [R'', B, d]`` at row ``kv *
+    originals_width + b`` (Tier-2); ``bias [n, B]``. In parallel over (kv head, range of
+    blocks)."""
     n, bsz = bias.shape
     hkv, d = q.shape[0] // group, q.shape[1]
+    completed = n - 1 if fill else n
     for task in prange(hkv * PARTS):
         kv, part = task // PARTS, task % PARTS
         heads = q[kv * group:(kv + 1) * group]
@@ -80,20 +94,23 @@ def _key_logits(group, q, slot, codes, scale, offset, width, mirror, mirror_widt
             if slot[b] >= 0:
                 row = kv * width + slot[b]
                 _decode(codes[row], scale[row], offset[row], scratch)
-            else:
+            elif b >= completed:
+                _tail_keys(tail[kv], fill, scratch)
+            elif mirror_width:
                 scratch[:] = mirror[kv * mirror_width + b]
+            else:
+                decode_half(originals[kv * originals_width + b], scratch)
             _dots(heads, scratch, bias[b], scaling, out)
             s[kv * group:(kv + 1) * group, b] = out
 
 
 @jit(parallel=True)
-def _gated_logits(group, q, gate, originals, width, completed, tail, tail_width, bias,
-                  scaling, s):
+def _gated_logits(group, q, gate, originals, width, completed, tail, fill, bias, scaling, s):
     """The FP16-key logits ``s [H, n, B]`` of the blocks some query head of a kv head gates
     (``gate [Hkv, G, n]``; the others are left as they are): block ``b < completed`` of kv
     head ``kv`` from the FP16 originals' bits ``originals [R, B, d]`` at row ``kv * width +
-    b``, the partial tail block from the FP32 rows ``tail`` at ``kv * tail_width + b`` (the
-    mirror's, zero-padded); the dot products of :func:`_key_logits`."""
+    b``, the partial tail block from the tail buffer's bits ``tail [Hkv, B, d]`` (``fill``
+    tokens, :func:`_tail_keys`); the dot products of :func:`_key_logits`."""
     hkv, n = gate.shape[0], gate.shape[2]
     bsz, d = bias.shape[1], q.shape[1]
     for task in prange(hkv * PARTS):
@@ -109,7 +126,7 @@ def _gated_logits(group, q, gate, originals, width, completed, tail, tail_width,
             if b < completed:
                 decode_half(originals[kv * width + b], scratch)
             else:
-                scratch[:] = tail[kv * tail_width + b]
+                _tail_keys(tail[kv], fill, scratch)
             _dots(heads, scratch, bias[b], scaling, out)
             s[kv * group:(kv + 1) * group, b] = out
 
@@ -173,8 +190,7 @@ def _int8_keys(store, groups) -> tuple:
     slot, found = np.full(n, -1, np.int64), []
     if not store.protection.enabled:
         for precision, codes, blocks, slots in groups:
-            codec = precision.key_codec
-            if type(codec) is ChannelAffineKeyCodec and codec.bits == 8:
+            if is_int8(precision.key_codec):
                 slot[as_array(blocks)] = as_array(slots)
                 found.append(codes)
     if len(found) != 1:
@@ -192,19 +208,44 @@ _NO_CODES = (np.zeros((1, 1, 1), np.int8), np.zeros((1, 1), _F32), np.zeros((1, 
 
 def key_logits(q: torch.Tensor, lay, scaling: float, codes) -> np.ndarray:
     """Phase 1's logits ``[Hkv G, n, B]`` (FP32, ``-inf`` on empty slots) of ``q [Hkv, G,
-    d]`` over the step layout's blocks, from ``codes`` (:func:`int8_keys`) and the mirror."""
+    d]`` over the step layout's blocks, from ``codes`` (:func:`int8_keys`), the tail buffer
+    and the mirror."""
     hkv, group, d = q.shape
-    n, bsz = lay.num_blocks, lay.store.block_size
+    store, n, bsz = lay.store, lay.num_blocks, lay.store.block_size
     s = np.empty((hkv * group, n, bsz), _F32)
-    _key_logits(group, as_array(q.reshape(-1, d)), *codes, *rows(lay.keys),
-                as_array(lay.slot_bias.view(n, bsz)), _F32(scaling), s)
+    _key_logits(group, as_array(q.reshape(-1, d)), *codes, *_other_keys(store),
+                *_tail(store), as_array(lay.slot_bias.view(n, bsz)), _F32(scaling), s)
     return s
+
+
+def _other_keys(store) -> tuple[np.ndarray, int, np.ndarray, int]:
+    """Where :func:`_key_logits` reads the completed blocks that have no INT8 codes: the
+    decoded mirror's key rows (:func:`rows`) and a placeholder, or, where a lean mirror keeps
+    no keys (its store's other blocks are exact windows:
+    :func:`~certkv.cache.store.mirror_fields`), a placeholder and the FP16 originals' bits
+    (Tier-2 rows in place, as :meth:`~certkv.cache.store.TieredKVStore.original_rows`)."""
+    keys = store.decoded_with_tail()[0]
+    if keys is not None:
+        return *rows(keys), *_NO_ORIGINALS
+    if not store.num_blocks:
+        return *_NO_MIRROR, *_NO_ORIGINALS
+    k16, _, width = store.original_rows()
+    return *_NO_MIRROR, k16.view(torch.int16).numpy(), width
+
+
+_NO_MIRROR = (np.zeros((1, 1, 1), _F32), 0)
+_NO_ORIGINALS = (np.zeros((1, 1, 1), np.int16), 0)
+
+
+def _tail(store) -> tuple[np.ndarray, int]:
+    """The FP16 tail buffer's bits ``[Hkv, B, d]`` (int16) and its fill."""
+    return store.tail_buffers()[0].view(torch.int16).numpy(), store.tail_len
 
 
 def gated_logits(q: torch.Tensor, lay, gate: torch.Tensor, scaling: float) -> np.ndarray:
     """The FP16-key logits ``[Hkv G, n, B]`` of the blocks ``gate [Hkv, G, n]`` asks for
     (undefined elsewhere): the completed blocks from their FP16 originals in place (Tier-2),
-    the tail block from the mirror (:func:`_gated_logits`)."""
+    the tail block from the tail buffer (:func:`_gated_logits`)."""
     hkv, group, d = q.shape
     store, n, bsz = lay.store, lay.num_blocks, lay.store.block_size
     s = np.empty((hkv * group, n, bsz), _F32)
@@ -214,6 +255,6 @@ def gated_logits(q: torch.Tensor, lay, gate: torch.Tensor, scaling: float) -> np
     else:
         originals, width = np.zeros((1, 1, 1), np.int16), 0
     _gated_logits(group, as_array(q.reshape(-1, d)), as_array(gate), originals, width,
-                  store.num_blocks, *rows(lay.original_keys), as_array(lay.slot_bias.view(n, bsz)),
+                  store.num_blocks, *_tail(store), as_array(lay.slot_bias.view(n, bsz)),
                   _F32(scaling), s)
     return s

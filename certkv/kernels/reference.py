@@ -311,6 +311,12 @@ class TorchBackend:
         blocks: ``"k"`` (keys: their logits come from one product with the originals)."""
         return "k"
 
+    def decoded_mirror(self, device: torch.device) -> bool | str:
+        """What a store this backend attends should keep decoded (:class:`TieredKVStore`'s
+        ``decoded_mirror``): on a CPU the whole mirror (the reference's products read decoded
+        keys and values and the FP32 originals every step), nothing elsewhere."""
+        return device.type == "cpu"
+
     def phase1(self, q, lay, scaling) -> Scored:
         return phase1(q, lay, scaling, self.scalar)
 

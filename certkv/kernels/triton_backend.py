@@ -106,6 +106,11 @@ class TritonBackend:
         return attend_blocks(scored, q, gate, key_slot, key_data, sources, value_slot,
                              value_data, scaling, eps_guard, self.split, tier2, checks)
 
+    def decoded_mirror(self, device: torch.device) -> bool | str:
+        """The reference's (:meth:`TorchBackend.decoded_mirror`): it runs every phase the
+        kernels do not cover."""
+        return self.reference.decoded_mirror(device)
+
     def in_place(self, store) -> str:
         """Which FP16 originals a host page-in leaves to Phase 2 (none: its kernels read
         staged blocks, :meth:`pages_in_on_device`)."""

@@ -91,3 +91,9 @@ class ChannelAffineKeyCodec(KeyCodec):
         a, b = self.bound_coefficients()
         bound = a * scale + b * offset.abs()
         return torch.where(scale > 0, bound, torch.zeros_like(bound))  # constant channel: exact
+
+
+def is_int8(codec) -> bool:
+    """Whether ``codec`` is the default INT8 key codec (what the CPU loops decode in place:
+    :mod:`certkv.kernels.numba_logits`; a lean decoded mirror keeps no decoded keys for it)."""
+    return type(codec) is ChannelAffineKeyCodec and codec.bits == 8
