@@ -204,14 +204,17 @@ class AttentionCase:
         """For tables: ``N=4K d=128 4:1`` (context, head dim, query heads per kv head)."""
         return f"N={tokens(self.context)} d={self.head_dim} {self.group}:1"
 
-    def build(self, device: torch.device):
+    def build(self, device: torch.device, decoded_mirror: bool | str = False):
+        """``(store, q, k16, v16)``: the case's keys and values in a store (with
+        ``decoded_mirror``, :class:`TieredKVStore`), a query, and the keys and values in
+        FP16."""
         gen = torch.Generator().manual_seed(self.seed)
         shape = (self.kv_heads, self.context, self.head_dim)
         k = torch.randn(shape, generator=gen)
         k[..., : max(1, self.head_dim // 32)] *= 20  # outlier channels
         v = torch.randn(shape, generator=gen)
         store = TieredKVStore(self.kv_heads, self.head_dim, device=device,
-                              decoded_mirror=device.type == "cpu")
+                              decoded_mirror=decoded_mirror)
         store.append(k.to(device), v.to(device))
         q = torch.randn(self.kv_heads * self.group, self.head_dim, generator=gen) * 2
         return store, q.to(device), k.to(device, torch.float16), v.to(device, torch.float16)
@@ -252,12 +255,12 @@ def layer_steps(case: AttentionCase, device: torch.device, compile: bool | str |
     ``certified`` uses a scratch cache; where the backend keeps the step on the device
     (Triton), ``certified-host`` is the same step with its page-in plan and fallback flags
     read on the host (``device_fallback=False``)."""
-    store, q, k16, v16 = case.build(device)
+    naive = CertifiedAttention(mode="naive", compile=compile, backend=backend)
+    certified = CertifiedAttention(compile=compile, backend=backend)
+    store, q, k16, v16 = case.build(device, certified.decoded_mirror(device))
     scaling = case.head_dim ** -0.5
     dtype = _dense_dtype(device)
     qd, kd, vd = q.to(dtype), k16.to(dtype), v16.to(dtype)
-    naive = CertifiedAttention(mode="naive", compile=compile, backend=backend)
-    certified = CertifiedAttention(compile=compile, backend=backend)
     steps = {"dense": partial(dense_attention, qd, kd, vd, scaling),
              "naive": partial(naive, q, store),
              "certified": partial(certified, q, store, scratch=ScratchCache())}
@@ -470,13 +473,15 @@ def attention_tables(records: list[dict], peak_gbps: float | None = None) -> lis
         CASE, ("ph2/d", "phase 2 / dense step"), ("ph2 GB/s", "phase 2 bytes / phase 2 time"),
         *([("% peak", "phase 2 GB/s / the device's peak")] if peak_gbps else []),
         ("chk %", "checks' share of the step"), ("K*", "mean FP16-key blocks per head"),
-        ("T1/d", "Tier-1 bytes / dense FP16 bytes")])
+        ("T1/d", "Tier-1 bytes / dense FP16 bytes"),
+        ("mir/d", "decoded mirror bytes (a CPU speed aid) / dense FP16 bytes")])
     for r in records:
         p2, mem = r["phase2"], r["memory_bytes"]
         summary.rows.append([r["short_label"], short(p2["ratio_vs_dense"]), short(p2["gbps"]),
                              *([f"{100 * p2['gbps'] / peak_gbps:.0f}"] if peak_gbps else []),
                              short(100 * r["checks_share"]), short(r["k_star_mean"]),
-                             short(mem["tier1"] / mem["dense"])])
+                             short(mem["tier1"] / mem["dense"]),
+                             short(mem.get("workspace", 0) / mem["dense"])])
     tables = [step_table(records, "One layer", CASE), phases, summary,
               *dispatch_tables(records)]
     target = target_table(records, peak_gbps)
@@ -786,11 +791,12 @@ def _time_decode(row: dict, shared, token: int, repeats: int, compile: bool | st
     update(f"{label}: dense and certified steps in turn")
     methods = {mode: Method.build(mode, mode, compile=compile, graphs=graphs)
                for mode in ("dense", "certified")}
-    steps = {mode: partial(shared.session(method).decoder().step, token)
-             for mode, method in methods.items()}
+    decoders = {mode: shared.session(method).decoder() for mode, method in methods.items()}
+    steps = {mode: partial(decoder.step, token) for mode, decoder in decoders.items()}
     for mode, runs in interleaved_timings(steps, repeats).items():
         row["ms_stats"][mode] = stats(runs)
         row["ms"][mode] = row["ms_stats"][mode]["median"]
+    row["memory_bytes"] = decoders["certified"].cache.bytes()  # every layer's store
     for mode, method in methods.items():
         update(f"{label}: {mode} phases")
         row["phases_ms_stats"][mode] = phase_stats(steps[mode], method.attention)
@@ -821,7 +827,26 @@ def decode_tables(records: list[dict]) -> list[Table]:
                                                 for p in ("non_attention",
                                                           *(p for _, p, _ in PHASES)))])
     weights = records[0].get("weights", "random") if records else "random"
-    return [step_table(records, f"{model} whole model, {weights} weights", key), shares]
+    return [step_table(records, f"{model} whole model, {weights} weights", key), shares,
+            *memory_table(records, key)]
+
+
+def memory_table(records: list[dict], key: tuple[str, str]) -> list[Table]:
+    """The certified cache's memory over every layer, MB, against a dense FP16 cache of the
+    same tokens (none for records made before it was kept)."""
+    records = [r for r in records if "memory_bytes" in r]
+    if not records:
+        return []
+    table = result_table("Certified KV cache, all layers: MB", [
+        key, ("dense", "a dense FP16 cache of the same tokens"),
+        ("Tier-1", "codes and metadata (device)"), ("notes", "per-block annotations"),
+        ("Tier-2", "FP16 originals (host memory)"),
+        ("mirror", "decoded mirror (a CPU speed aid, lean on the numba backend)")])
+    for r in records:
+        mem = r["memory_bytes"]
+        table.rows.append([r["short_label"], *(short(mem.get(name, 0) / 2**20) for name in (
+            "dense", "tier1", "annotation", "tier2", "workspace"))])
+    return [table]
 
 
 def decode_notes(records: list[dict]) -> list[str]:

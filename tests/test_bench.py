@@ -39,6 +39,8 @@ def test_attention_case_record():
     assert_ordered(record["phases_ms_stats"], runs=bench.PHASE_RUNS)
     assert record["phases_ms"] == {p: s["median"] for p, s in record["phases_ms_stats"].items()}
     assert record["memory_bytes"]["tier1"] / record["memory_bytes"]["dense"] == 144 / 128 * 0.5
+    # the numba backend's lean mirror: FP32 values (2x the FP16 values), key bounds, bias
+    assert 1.0 < record["memory_bytes"]["workspace"] / record["memory_bytes"]["dense"] < 1.2
 
 
 def test_attention_case_times_the_host_round_trips_beside_the_device_step():
@@ -194,8 +196,12 @@ def test_bench_decode_command_writes_report(tmp_path, monkeypatch):
     assert texts[0].startswith("smollm2_135m: building the model")
     assert "N=64: dense prefill" in texts and "N=64: dense and certified steps in turn" in texts
     assert "N=64: certified phases" in texts
-    assert "| N | method | min | med | max | ×dense |" in (
-        tmp_path / "decode_smollm2_135m_cpu.md").read_text()
+    report = (tmp_path / "decode_smollm2_135m_cpu.md").read_text()
+    assert "| N | method | min | med | max | ×dense |" in report
+    memory, token = row["memory_bytes"], 30 * 2 * 2 * 3 * 64  # a token's FP16 K and V
+    assert memory["dense"] % token == 0 and memory["dense"] // token > 64  # every layer
+    assert 0 < memory["tier1"] < memory["dense"] < memory["workspace"] < 1.2 * memory["dense"]
+    assert "| N | dense | Tier-1 | notes | Tier-2 | mirror |" in report
     assert row["graphs"] is False
     assert not any("CUDA graph" in note for note in bench.decode_notes(data["records"]))
     assert "replayed as a CUDA graph" in bench.decode_notes([{**row, "graphs": True}])[-1]
