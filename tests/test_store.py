@@ -233,8 +233,9 @@ def test_a_lean_mirror_keeps_what_the_cpu_loops_read():
     """``decoded_mirror="lean"`` keeps the values, key bounds and slot bias where every block's
     keys are the one INT8 precision's codes or exact windows (the CPU loops decode the codes
     and read FP16 originals in place): about a third of the whole mirror. Other key codecs,
-    protected words or a store without Tier-2 keep the decoded keys too; an unknown kind and
-    dropping the originals a lean mirror reads name the fix."""
+    protected words, eviction or a store without Tier-2 keep the whole mirror; an unknown kind
+    and dropping the originals a lean mirror reads name the fix."""
+    from certkv.evict import SnapKVEviction
     from certkv.quant import KVQuantizer
     from certkv.quant.protect.protection import Protection
 
@@ -252,8 +253,10 @@ def test_a_lean_mirror_keeps_what_the_cpu_loops_read():
                        k[:, :192].half().float().view(2, 12, 16, 32))
     assert sizes["lean"] < 0.36 * sizes[True]
     for kwargs in ({"key_codec": ChannelAffineKeyCodec(bits=4)}, {"keep_originals": False},
-                   {"quantizer": KVQuantizer().with_protection(Protection("hamming84"))}):
-        assert "k" in TieredKVStore(2, 32, decoded_mirror="lean", **kwargs)._mirror_fields
+                   {"quantizer": KVQuantizer().with_protection(Protection("hamming84"))},
+                   {"quantizer": KVQuantizer().with_eviction(SnapKVEviction(budget=0.3))}):
+        lean = TieredKVStore(2, 32, decoded_mirror="lean", **kwargs)
+        assert lean._mirror_fields == TieredKVStore(2, 32, decoded_mirror=True)._mirror_fields
     with pytest.raises(ConfigError, match="use True, False or 'lean'"):
         TieredKVStore(2, 32, decoded_mirror="half")
     with pytest.raises(ConfigError, match="decoded_mirror=True to drop the originals"):

@@ -132,9 +132,11 @@ def mirror_fields(kind: bool | str, precisions: list[Precision], protected: bool
                   originals: bool) -> tuple[str, ...]:
     """The tensors a decoded mirror of ``kind`` keeps (:class:`TieredKVStore`'s
     ``decoded_mirror``): none, all of :data:`MIRROR_FILL`, or, ``"lean"``, the values, key
-    bounds and slot bias, and the decoded keys too unless every block's keys are either the
-    one INT8 precision's codes (which the CPU loops decode in place) or exact windows (read
-    from their FP16 originals: ``originals``, the store keeps Tier-2), unprotected."""
+    bounds and slot bias only where every block's keys are either the one INT8 precision's
+    codes (which the CPU loops decode in place) or exact windows (read from their FP16
+    originals: ``originals``, the store keeps Tier-2), unprotected; all of them elsewhere
+    (other key codecs, and evicted blocks' summaries, whose naive steps take the reference's
+    products over the decoded and original keys)."""
     if kind is False or kind is None:
         return ()
     if kind is True:
@@ -145,7 +147,7 @@ def mirror_fields(kind: bool | str, precisions: list[Precision], protected: bool
     keys_elsewhere = (originals and not protected and sum(map(is_int8, codecs)) == 1
                       and all(is_int8(c) or p.exact for c, p in zip(codecs, precisions,
                                                                      strict=True)))
-    return ("v", "bound", "bias") if keys_elsewhere else ("k", "v", "bound", "bias")
+    return ("v", "bound", "bias") if keys_elsewhere else tuple(MIRROR_FILL)
 
 
 class TieredKVStore:
@@ -167,11 +169,12 @@ class TieredKVStore:
             by :meth:`append`. The PyTorch reference path then reads it instead of decoding
             Tier-1 or converting Tier-2 every step (a CPU speed aid: about 3x the FP16 cache;
             the values are bit-identical to decoding the codes; :meth:`workspace_bytes`).
-            ``"lean"``: only what the CPU loops (the numba backend) read of it: the values,
-            key bounds and slot bias, and the decoded keys only where some blocks' keys are
-            not the one INT8 codec's (the loops decode INT8 codes in place and read FP16
-            originals from Tier-2 and the tail buffer): about a third of the full mirror.
-            Readers of what a lean mirror leaves out decode or convert it per step.
+            ``"lean"``: only what the CPU loops (the numba backend) read of it where every
+            block's keys are the one INT8 codec's or exact (the loops decode INT8 codes in
+            place and read FP16 originals from Tier-2 and the tail buffer): the values, key
+            bounds and slot bias, about a third of the whole mirror (the whole one for other
+            stores, :func:`mirror_fields`). Readers of what a lean mirror leaves out decode or
+            convert it per step.
         fused_encode: quantize completed blocks with the Triton kernel
             (``certkv.kernels.triton_quantize``); ``None`` = on CUDA when the codecs are the
             defaults (INT8 keys, INT4 values) and B, d are powers of two.
