@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -260,3 +261,17 @@ def step_draws(draw, max_tokens: int, per_step: list[int]) -> dict:
         "q_dtype": draw(st.sampled_from(["float32", "float16", "bfloat16"])),
         "seed": draw(st.integers(0, 2**16)),
     }
+
+
+def same_values(a, b) -> bool:
+    """Bitwise equality of certificates, their block statistics and tuples of them (tensors
+    equal with NaN equal to NaN; other fields ``==``)."""
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b) or (a.is_floating_point() and torch.equal(a.nan_to_num(),
+                                                                           b.nan_to_num()))
+    if dataclasses.is_dataclass(a):
+        return all(same_values(getattr(a, f.name), getattr(b, f.name))
+                   for f in dataclasses.fields(a))
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(same_values(x, y) for x, y in zip(a, b, strict=True))
+    return a == b or (a != a and b != b)

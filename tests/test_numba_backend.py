@@ -5,12 +5,10 @@ attention) is ``test_contract.py``'s, whose scenarios draw either backend."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 import torch
-from helpers import make_kv, make_query
+from helpers import make_kv, make_query, same_values
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_contract import build, scenarios
@@ -293,19 +291,6 @@ def test_a_nonfinite_query_raises_as_on_the_reference():
             CertifiedAttention(backend=backend)(q, store)
 
 
-def _same(a, b) -> bool:
-    """Bitwise equality of certificates and their parts (NaN equal to NaN)."""
-    if isinstance(a, torch.Tensor):
-        return torch.equal(a, b) or (a.is_floating_point() and torch.equal(a.nan_to_num(),
-                                                                           b.nan_to_num()))
-    if dataclasses.is_dataclass(a):
-        return all(_same(getattr(a, f.name), getattr(b, f.name))
-                   for f in dataclasses.fields(a))
-    if isinstance(a, (tuple, list)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    return a == b or (a != a and b != b)
-
-
 @pytest.mark.parametrize("backend", ["numba", "torch"])
 def test_a_lean_mirror_gives_the_whole_mirrors_steps(backend):
     """A store with a lean decoded mirror (no decoded or FP32 original keys: Phase 1 reads
@@ -327,7 +312,7 @@ def test_a_lean_mirror_gives_the_whole_mirrors_steps(backend):
         q = make_query(k[:, :t], 3, seed=t, peaked=True)
         steps = [attn(q, store, scratch=ScratchCache(4, 4)) for store in stores.values()]
         assert torch.equal(steps[0][0], steps[1][0]), t
-        assert _same(steps[0][1], steps[1][1]), t
+        assert same_values(steps[0][1], steps[1][1]), t
         for store in stores.values():
             store.append(k[:, t:t + 1], v[:, t:t + 1])
     assert stores["lean"].num_blocks == 14 and stores["lean"]._table.held() == [0, 1]
