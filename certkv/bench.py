@@ -88,8 +88,11 @@ def timings(fn, repeats: int, warmup: int = 2) -> list[float]:
     return [_call_ms(fn) for _ in range(repeats)]
 
 
+WARMUP = 2  # untimed rounds before the timed ones (compiles, first-touch allocations)
+
+
 def interleaved_timings(fns: dict[str, Callable[[], object]], repeats: int,
-                        warmup: int = 2) -> dict[str, list[float]]:
+                        warmup: int = WARMUP) -> dict[str, list[float]]:
     """:func:`timings` of several functions called in turn (one call of each per round, after
     ``warmup`` untimed rounds), so that a slow spell of the machine falls on every one of
     them rather than on whichever happened to run then."""
@@ -797,6 +800,10 @@ def _time_decode(row: dict, shared, token: int, repeats: int, compile: bool | st
         row["ms_stats"][mode] = stats(runs)
         row["ms"][mode] = row["ms_stats"][mode]["median"]
     row["memory_bytes"] = decoders["certified"].cache.bytes()  # every layer's store
+    graphed = methods["certified"].attention
+    if graphs:  # layer steps over the warm-up and timed steps: how many replayed
+        row["graph_steps"] = {"captures": graphed.captures, "replays": graphed.replays,
+                              "layer_steps": (repeats + WARMUP) * shared.lm.num_layers}
     for mode, method in methods.items():
         update(f"{label}: {mode} phases")
         row["phases_ms_stats"][mode] = phase_stats(steps[mode], method.attention)
@@ -857,6 +864,9 @@ def decode_notes(records: list[dict]) -> list[str]:
         notes.append("graphs on: each layer's certified step replayed as a CUDA graph (a "
                      "block's first step eager, its second captured); the phase shares come "
                      "from eager steps (a replay has no phases).")
+        notes += [f"{r['short_label']}: {g['replays']} of {g['layer_steps']} layer steps "
+                  f"replayed, {g['captures']} captured, the rest eager."
+                  for r in records if (g := r.get("graph_steps"))]
     return notes
 
 
