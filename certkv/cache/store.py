@@ -1215,7 +1215,8 @@ class TieredKVStore:
         return 2 * 2 * self.num_kv_heads * self.tail_len * self.head_dim
 
     def device_bytes(self) -> int:
-        """Everything this store keeps in device memory: Tier-1, annotations, tail."""
+        """What this store keeps in device memory for the step: Tier-1, annotations, tail (the
+        decoded mirror, a CPU speed aid, is :meth:`workspace_bytes`)."""
         return self.tier1_bytes() + self.annotation_bytes() + self.tail_bytes()
 
     def tier2_bytes(self) -> int:
