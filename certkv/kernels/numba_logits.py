@@ -177,11 +177,11 @@ def _same_objects(a: tuple, b: tuple) -> bool:
 
 
 def _int8_keys(store, groups) -> tuple:
-    """What :func:`key_logits` reads besides the mirror: ``(slot [n], codes [R, B, d], scale,
-    offset [R, d], W)``, ``slot[b]`` block ``b``'s slot in the INT8 key codes of the one
-    unprotected ``ChannelAffineKeyCodec(bits=8)`` precision (-1: copied from the mirror: exact
-    blocks, the tail block, other codecs, or every block where no such precision holds blocks,
-    the store protects its words or two precisions do), from the store's key ``groups``
+    """The INT8 codes :func:`key_logits` reads: ``(slot [n], codes [R, B, d], scale, offset
+    [R, d], W)``, ``slot[b]`` block ``b``'s slot in the INT8 key codes of the one unprotected
+    ``ChannelAffineKeyCodec(bits=8)`` precision (-1: read elsewhere, :func:`_key_logits`: the
+    tail block, exact blocks, other codecs, or every block where no such precision holds
+    blocks, the store protects its words or two precisions do), from the store's key ``groups``
     (:meth:`~certkv.cache.store.TieredKVStore.block_groups`). The codes are C-contiguous rows
     of their buffers in place (slot ``j`` of kv head ``h`` at row ``h W + j``, as
     :func:`rows`): numba compiles a strided view's loops without vector instructions (about 3x
