@@ -614,8 +614,9 @@ class TieredKVStore:
         m, Hkv, B, d]`` (the reference's per-block value products read every (block, kv head)
         as one batch), the rest as decoded (``[Hkv, m, ...]``), and the new blocks' FP16
         ``originals [Hkv, m, B, d]`` in FP32 where given."""
+        rows = dict(rows)
         if "v" in rows:
-            rows = {**rows, "v": rows["v"].transpose(0, 1).unsqueeze(0)}
+            rows["v"] = rows["v"].transpose(0, 1).unsqueeze(0)
         if originals is not None:
             rows["orig_k"] = originals.float()
         return {name: x for name, x in rows.items() if name in self._mirror_fields}
