@@ -227,14 +227,21 @@ def _other_keys(store) -> tuple[np.ndarray, int, np.ndarray, int]:
     keys = store.decoded_with_tail()[0]
     if keys is not None:
         return *rows(keys), *_NO_ORIGINALS
-    if not store.num_blocks:
-        return *_NO_MIRROR, *_NO_ORIGINALS
-    k16, _, width = store.original_rows()
-    return *_NO_MIRROR, k16.view(torch.int16).numpy(), width
+    return *_NO_MIRROR, *_original_keys(store)
 
 
 _NO_MIRROR = (np.zeros((1, 1, 1), _F32), 0)
 _NO_ORIGINALS = (np.zeros((1, 1, 1), np.int16), 0)
+
+
+def _original_keys(store) -> tuple[np.ndarray, int]:
+    """The completed blocks' FP16 original keys as their bits ``[Hkv W, B, d]`` (int16,
+    Tier-2 rows in place: :meth:`~certkv.cache.store.TieredKVStore.original_rows`) and ``W``;
+    a placeholder before any block completes."""
+    if not store.num_blocks:
+        return _NO_ORIGINALS
+    k16, _, width = store.original_rows()
+    return k16.view(torch.int16).numpy(), width
 
 
 def _tail(store) -> tuple[np.ndarray, int]:
@@ -249,12 +256,7 @@ def gated_logits(q: torch.Tensor, lay, gate: torch.Tensor, scaling: float) -> np
     hkv, group, d = q.shape
     store, n, bsz = lay.store, lay.num_blocks, lay.store.block_size
     s = np.empty((hkv * group, n, bsz), _F32)
-    if store.num_blocks:
-        k16, _, width = store.original_rows()
-        originals = k16.view(torch.int16).numpy()
-    else:
-        originals, width = np.zeros((1, 1, 1), np.int16), 0
-    _gated_logits(group, as_array(q.reshape(-1, d)), as_array(gate), originals, width,
+    _gated_logits(group, as_array(q.reshape(-1, d)), as_array(gate), *_original_keys(store),
                   store.num_blocks, *_tail(store), as_array(lay.slot_bias.view(n, bsz)),
                   _F32(scaling), s)
     return s
