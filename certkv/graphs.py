@@ -217,7 +217,7 @@ class GraphedAttention:
         step.q.copy_(q)
         step.graph.replay()
         self.replays += 1
-        return _copied(step.outputs)
+        return step.outputs.copied()
 
     def _capture(self, step: _Captured, q, store, scaling, scratch):
         graph = self._new_graph(q.device)
@@ -232,7 +232,7 @@ class GraphedAttention:
             return self.attention(q, store, scaling, scratch)
         step.graph = graph
         self.captures += 1
-        return _copied(step.outputs)
+        return step.outputs.copied()
 
     def _new_graph(self, device: torch.device):
         if self.graph is not None:
@@ -251,44 +251,21 @@ class _Packed:
     25 launches per layer step on a GPU), and unpacked as views of the copies."""
 
     def __init__(self, outputs: tuple) -> None:
-        out, cert = outputs
-        self.cert = cert  # the non-tensor fields, as captured (a layout's constants)
-        self.tensors = [("out", None, out), *_cert_tensors(cert)]
+        self.out, self.cert = outputs  # the certificate's other fields: a layout's constants
+        self.tensors = [self.out, *self.cert.tensors()]
         groups: dict[torch.dtype, list[torch.Tensor]] = {}
-        for _, _, t in self.tensors:
+        for t in self.tensors:
             groups.setdefault(t.dtype, []).append(t.reshape(-1))
         self.buffers = {dtype: torch.cat(parts) for dtype, parts in groups.items()}
 
     def copied(self) -> tuple:
-        """``(out, Certificate)`` as new tensors: views of one copy of each buffer."""
+        """``(out, Certificate)`` of a replayed step as new tensors: views of one copy of
+        each buffer."""
         buffers = {dtype: buffer.clone() for dtype, buffer in self.buffers.items()}
         offsets = dict.fromkeys(buffers, 0)
-        values: dict[tuple, torch.Tensor] = {}
-        for name, part, t in self.tensors:
+        views: dict[int, torch.Tensor] = {}  # id of a captured tensor -> its copy
+        for t in self.tensors:
             start = offsets[t.dtype]
             offsets[t.dtype] = start + t.numel()
-            values[name, part] = buffers[t.dtype][start:offsets[t.dtype]].view(t.shape)
-        cert = dataclasses.replace(self.cert, **{name: value for (name, part), value
-                                                 in values.items() if part is None
-                                                 and name != "out"})
-        if self.cert.blocks is not None:
-            cert.blocks = dataclasses.replace(self.cert.blocks, **{
-                part: value for (name, part), value in values.items() if name == "blocks"})
-        return values["out", None], cert
-
-
-def _cert_tensors(cert) -> list[tuple[str, str | None, torch.Tensor]]:
-    """``(field, None, tensor)`` for each tensor field of a certificate and ``("blocks",
-    field, tensor)`` for its block statistics'."""
-    found = [(f.name, None, getattr(cert, f.name)) for f in dataclasses.fields(cert)
-             if isinstance(getattr(cert, f.name), torch.Tensor)]
-    if cert.blocks is not None:
-        found += [("blocks", f.name, getattr(cert.blocks, f.name))
-                  for f in dataclasses.fields(cert.blocks)]
-    return found
-
-
-def _copied(outputs: _Packed) -> tuple:
-    """``(out, Certificate)`` of a replayed step, copied out of the graph's static outputs
-    (the next replay overwrites them)."""
-    return outputs.copied()
+            views[id(t)] = buffers[t.dtype][start:offsets[t.dtype]].view(t.shape)
+        return views[id(self.out)], self.cert.mapped(lambda t: views[id(t)], blocks=True)

@@ -118,24 +118,33 @@ class Certificate:
     def num_heads(self) -> int:
         return int(self.rung.numel())
 
-    def _mapped(self, fn) -> Certificate:
-        """A copy with ``fn`` applied to every per-head tensor field."""
-        values = {f.name: getattr(self, f.name) for f in fields(self)}
-        return Certificate(**{name: fn(value) if isinstance(value, torch.Tensor) else value
-                              for name, value in values.items()})
-
-    def copy(self) -> Certificate:
-        """A copy whose tensors (the block statistics' included) are new: what a replayed
-        graph returns, since its next replay overwrites the captured ones."""
-        copied = self._mapped(torch.clone)
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor of this certificate: the per-head fields', then the block
+        statistics' (what :meth:`mapped` with ``blocks`` maps)."""
+        found = [x for x in (getattr(self, f.name) for f in fields(self))
+                 if isinstance(x, torch.Tensor)]
         if self.blocks is not None:
-            copied.blocks = BlockStats(*(getattr(self.blocks, f.name).clone()
+            found += [getattr(self.blocks, f.name) for f in fields(BlockStats)]
+        return found
+
+    def mapped(self, fn, blocks: bool = False) -> Certificate:
+        """A copy with ``fn`` applied to every per-head tensor field and, with ``blocks``, to
+        the block statistics' tensors (else they are shared)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        copied = Certificate(**{name: fn(value) if isinstance(value, torch.Tensor) else value
+                                for name, value in values.items()})
+        if blocks and self.blocks is not None:
+            copied.blocks = BlockStats(*(fn(getattr(self.blocks, f.name))
                                          for f in fields(BlockStats)))
         return copied
 
+    def copy(self) -> Certificate:
+        """A copy whose tensors (the block statistics' included) are new."""
+        return self.mapped(torch.clone, blocks=True)
+
     def to(self, device: str | torch.device) -> Certificate:
-        """A copy with every tensor on ``device``."""
-        return self._mapped(lambda t: t.to(device))
+        """A copy with every per-head tensor on ``device``."""
+        return self.mapped(lambda t: t.to(device))
 
     @classmethod
     def cat(cls, certs: list[Certificate]) -> Certificate:
