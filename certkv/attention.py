@@ -349,7 +349,7 @@ class CertifiedAttention:
         only when a block completes (:meth:`graph_layout`)."""
         lay = StepLayout(store)
         if on_device and not store.tail_len and _takes_empty_tail(self.backend, lay):
-            lay = StepLayout(store, empty_tail=True)
+            lay = StepLayout(store, empty_tail=True, read=False)  # the words just checked
         return lay
 
     def graph_layout(self, store: TieredKVStore) -> tuple | None:

@@ -279,6 +279,28 @@ def test_contract_under_faults_with_the_integrity_check(backend, device, sc):
     check_steps(store, CertifiedAttention(backend=backend()), k, v, sc)
 
 
+def test_a_step_right_after_a_block_completes_reads_tier1_once(monkeypatch):
+    """On the device path a step whose tail is empty builds its layout twice (the second with
+    an empty tail block column); under transient faults both must see the step's one read of
+    Tier-1. A second read drew other faults, the value phase fell back to the reference and
+    the two phases disagreed on the block count (found by the contract test above: a prompt
+    of 103 tokens, B = 8, one decode token)."""
+    from certkv.kernels.triton_backend import TritonBackend
+
+    sc = {"code": "hamming74", "erasure": "zero", "p": 0.001, "metadata": True,
+          "transient": True, "block": 8, "value_bits": 2, "symmetric_values": True,
+          "mirror": False, "hkv": 1, "gqa": 1, "tokens": 103, "steps": 1, "per_step": 1,
+          "outliers": 0, "heavy_tail": False, "key_offset": 0.0, "q_scale": 0.001,
+          "peaked": False, "q_dtype": "float32", "seed": 344}
+    store = faulty_store(sc)
+    reads, read = [], store.refresh_reads
+    monkeypatch.setattr(store, "refresh_reads", lambda: reads.append(1) or read())
+    k, v = make_kv(1, 103, 32, seed=344)
+    check_steps(store, CertifiedAttention(backend=TritonBackend()), k, v, sc)
+    assert store.num_tokens == 104 and not store.tail_len  # the last step's tail: empty
+    assert len(reads) == 2  # one read per step
+
+
 def test_without_the_integrity_check_a_flipped_bit_can_break_the_bound():
     """The risk certification removes: faults on codes and scales with the check off leave some
     head's error above its bound (rarely: the score canary, the ranking checks and value

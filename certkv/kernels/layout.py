@@ -49,10 +49,13 @@ class StepLayout:
     tail block column even when the tail holds no token (its slots all empty), so that the
     layout changes only when a block completes (the device path's kernels, which read the
     tail block's fill from device memory: a step captured in a graph replays over it,
-    :mod:`certkv.graphs`)."""
+    :mod:`certkv.graphs`). ``read``: make the step's read of Tier-1 (transient faults:
+    :meth:`~certkv.cache.store.TieredKVStore.refresh_reads`); False for a second layout of a
+    step that made it already, which must see the same words as the first."""
 
-    def __init__(self, store: TieredKVStore, empty_tail: bool = False) -> None:
-        store.refresh_reads()  # transient faults: this step's read of Tier-1
+    def __init__(self, store: TieredKVStore, empty_tail: bool = False, read: bool = True) -> None:
+        if read:
+            store.refresh_reads()  # transient faults: this step's read of Tier-1
         self.store = store
         self._sources: dict[str, list[BlockSource] | None] = {}
         nc, t = store.num_blocks, store.tail_len
