@@ -55,6 +55,7 @@ from certkv.certify.ladder import Ladder
 from certkv.certify.select import AdaptiveTopK
 from certkv.certify.values import LocalThreshold
 from certkv.errors import ConfigError, EmptyStoreError, NonFiniteError, ShapeError, require
+from certkv.kernels import numba_step
 from certkv.kernels.dispatch import get_backend
 from certkv.kernels.layout import SlotMap, StagedBlocks, StepLayout
 from certkv.kernels.reference import CheckInputs, dense_rounding, without_blocks
@@ -287,15 +288,45 @@ class CertifiedAttention:
         """Naive and certified steps. With ``ladder.bound_tol`` / ``bound_rtol`` set, a head
         whose returned bound exceeds its tolerance escalates: the pass is redone with that head's
         key set at the ladder's cap, then also with FP16 values for its promoted blocks, then the
-        head goes dense (:attr:`Certificate.tol_level` says how far each head went)."""
+        head goes dense (:attr:`Certificate.tol_level` says how far each head went). The numba
+        backend runs the default certified step as one compiled call (:meth:`_one_call`)."""
         timer = self.timer or NULL_TIMER
-        boost, tolerant = None, self.mode == "certified" and self.ladder.bound_tolerance
+        tolerant = self.mode == "certified" and self.ladder.bound_tolerance
         on_device = self._on_device(q, tolerant)  # no host read: flags, and page-in if covered
         with timer.phase("layout"):
             lay = self._layout(store, on_device)
         hkv = store.num_kv_heads
         qg = q.float().reshape(hkv, q.shape[0] // hkv, -1)
+        if numba_step.covers(self, q, store, on_device, tolerant):
+            step, boost, e_drop = self._one_call(q, qg, lay, scaling, scratch, timer), None, None
+            dense_heads = self._host_flags(step.flags)[0]
+        else:
+            step, boost, e_drop, dense_heads = self._passes(q, qg, store, lay, scaling, scratch,
+                                                            timer, on_device, tolerant)
+        with timer.phase("fallback"):
+            if on_device:
+                out, e_arith = self._fallback_on_device(q, store, step, scaling)
+            else:
+                out, e_arith = self._fallback(q, store, step.out, dense_heads, scaling,
+                                              step.spec, step.e_arith)
+        if e_drop is not None:  # naive eviction's dropped mass joins the returned E_key
+            step.e_key = step.e_key + e_drop
+            step.returned = _returned(step.rung, step.e_key, step.e_val)
+        cert = step.certificate(e_arith, self.mode, boost)
+        if store.protection.enabled:
+            counts = store.fault_counts()
+            cert.corrected_words = counts["corrected_words"]
+            cert.erased_words = counts["erased_words"]
+            cert.corrupted_blocks = counts["corrupted_blocks"]
+        return out, cert
 
+    def _passes(self, q, qg, store, lay, scaling, scratch, timer, on_device, tolerant):
+        """Phase 1 and the passes of a quantized step, phase by phase: one pass, or with a
+        bound tolerance (``tolerant``) up to :data:`TOL_LEVELS` escalations of the heads over
+        it (see :meth:`_quantized_step`). Returns ``(_Pass, boost [Hq] or None, e_drop [Hq] or
+        None, dense heads)`` (the host indices of the heads for the host fallback; None on the
+        device path)."""
+        boost, dense_heads = None, None
         # Phase 1: INT8 logits, block log-masses, Delta_b (eq. 8).
         with timer.phase("phase1"):
             scored = self.backend.phase1(qg, lay, scaling)
@@ -326,22 +357,27 @@ class CertifiedAttention:
             step.rung[over_dev] = step.rung[over_dev].clamp(min=3)
             step.returned = _returned(step.rung, step.e_key, step.e_val)
             dense_heads = torch.unique(torch.cat([dense_heads, over_heads]))
-        with timer.phase("fallback"):
-            if on_device:
-                out, e_arith = self._fallback_on_device(q, store, step, scaling)
-            else:
-                out, e_arith = self._fallback(q, store, step.out, dense_heads, scaling,
-                                              step.spec, step.e_arith)
-        if e_drop is not None:  # naive eviction's dropped mass joins the returned E_key
-            step.e_key = step.e_key + e_drop
-            step.returned = _returned(step.rung, step.e_key, step.e_val)
-        cert = step.certificate(e_arith, self.mode, boost)
-        if store.protection.enabled:
-            counts = store.fault_counts()
-            cert.corrected_words = counts["corrected_words"]
-            cert.erased_words = counts["erased_words"]
-            cert.corrupted_blocks = counts["corrupted_blocks"]
-        return out, cert
+        return step, boost, e_drop, dense_heads
+
+    def _one_call(self, q, qg, lay, scaling, scratch, timer) -> _Pass:
+        """Phase 1 and one certified pass as one compiled call on the numba backend
+        (:mod:`certkv.kernels.numba_step`: the phase-by-phase step's numbers, bit for bit); the
+        scratch cache counts the FP16 blocks read from Tier-2 in place as :meth:`_page_in`
+        has it do."""
+        store = lay.store
+        spec = self._arith_spec(q, store, scaling, lay)
+        coef = step_coefficients(spec, lay.num_blocks, store.num_tokens, q.device)
+        with timer.phase("step"):
+            f = numba_step.run(self, q, qg, lay, scaling, spec, coef)
+        if scratch is not None:
+            for which, mask in zip("kv", f.plan, strict=True):
+                if mask.any():
+                    scratch.record(store, mask, which)
+        blocks = BlockStats(f.rho, lay.eta, f.delta_b, f.v_rad, lay.quantized)
+        return _Pass(f.out, spec, f.flags, f.e_key, f.e_val, f.e_arith, f.delta, f.tail_mass,
+                     f.k_star, f.rung, f.ranking, f.boundary, f.canary, f.value_blocks,
+                     int(f.plan[1].sum()), lay.num_quantized, f.paper_key, f.paper_val, blocks,
+                     0, f.returned)
 
     def _layout(self, store: TieredKVStore, on_device: bool) -> StepLayout:
         """The step's layout: on the device path with the kernels running both phases, a tail

@@ -10,7 +10,12 @@ import torch
 
 
 class PhaseTimer:
-    """Accumulates milliseconds per phase name; synchronises CUDA around each phase."""
+    """Accumulates milliseconds per phase name; synchronises CUDA around each phase.
+
+    ``per_phase``: a step timed by this timer runs its phases one call each (the numba
+    backend's one-call step, :mod:`certkv.kernels.numba_step`, has no phases to time inside)."""
+
+    per_phase = True
 
     def __init__(self) -> None:
         self.ms: dict[str, float] = defaultdict(float)

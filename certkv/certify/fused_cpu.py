@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import math
 import threading
+import weakref
+from collections.abc import Callable
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -293,6 +295,37 @@ def decode_half(bits, keys):
 def as_array(x: torch.Tensor) -> np.ndarray:
     """A contiguous NumPy view (a copy only for a strided tensor)."""
     return np.ascontiguousarray(x.numpy())
+
+
+_KEPT: dict[tuple[int, str], tuple] = {}  # (id(tensor), kind) -> (weak reference, made)
+
+
+def kept(x: torch.Tensor, kind: str, make: Callable[[torch.Tensor], tuple]):
+    """``make(x) -> (made, view)``, memoised per live tensor object and ``kind`` where
+    ``view`` says ``made`` views ``x``'s memory: NumPy views of the tensors a store keeps
+    between steps are made once (writes into them show through; the entry goes with the
+    tensor), copies every call. ``made`` must not reference ``x`` itself (view a
+    ``x.detach()``), or ``x`` would live as long as its entry."""
+    key = (id(x), kind)
+    hit = _KEPT.get(key)
+    if hit is not None and hit[0]() is x:
+        return hit[1]
+    made, view = make(x)
+    if view:
+        _KEPT[key] = (weakref.ref(x, lambda _: _KEPT.pop(key, None)), made)
+    return made
+
+
+def kept_array(x: torch.Tensor) -> np.ndarray:
+    """:func:`as_array` of a tensor a store keeps between steps, made once per tensor where it
+    is a view (:func:`kept`)."""
+    return kept(x, "array", lambda t: (as_array(t.detach()), t.is_contiguous()))
+
+
+def kept_bits(x: torch.Tensor) -> np.ndarray:
+    """The bits (int16) of an FP16 tensor a store keeps between steps, as a NumPy view made
+    once per tensor (:func:`kept`)."""
+    return kept(x, "bits", lambda t: (t.detach().view(torch.int16).numpy(), True))
 
 
 class RungInputs(NamedTuple):

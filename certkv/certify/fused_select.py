@@ -147,6 +147,15 @@ def _kernel(l8, delta_chan, log_spread, q, quantized, eta, value_spec, key_err, 
         exact[b] = not quantized[b]
 
 
+def params(selector: AdaptiveTopK, ladder, value_policy: LocalThreshold, scaling: float,
+           n_q: int) -> tuple:
+    """:func:`_head`'s scalars for a step over ``n_q`` quantized blocks."""
+    return (float(scaling), float(selector.tau_cov), int(selector.k_min),
+            int(min(selector.k_max, n_q)), bool(ladder.expand), float(ladder.expand_factor),
+            int(ladder.key_cap(selector.k_max, n_q)), float(value_policy.v_tol),
+            value_policy.contribution == "tight")
+
+
 def select(selector: AdaptiveTopK, ladder, value_policy: LocalThreshold, *, qg, l8_kv, delta_kv,
            log_spread_kv, quantized, eta, value_spec, key_err, v_max_kv, v_rad_kv, n_q, scaling):
     """:meth:`CertifiedAttention._select_step`'s outputs for the default policy (:func:`covers`)
@@ -156,10 +165,6 @@ def select(selector: AdaptiveTopK, ladder, value_policy: LocalThreshold, *, qg, 
     ``exact [n]``."""
     hkv, group, n = l8_kv.shape
     hq = hkv * group
-    params = (float(scaling), float(selector.tau_cov), int(selector.k_min),
-              int(min(selector.k_max, n_q)), bool(ladder.expand), float(ladder.expand_factor),
-              int(ladder.key_cap(selector.k_max, n_q)), float(value_policy.v_tol),
-              value_policy.contribution == "tight")
     out_f = np.empty((3, hq, n), _F32)  # log_p, delta_b, delta (in [2, :, 0])
     out_b = np.empty((2, hq, n), np.bool_)  # promoted, values wanted
     q_norm, expanded = np.empty(hq, _F32), np.empty(hq, np.bool_)
@@ -170,7 +175,8 @@ def select(selector: AdaptiveTopK, ladder, value_policy: LocalThreshold, *, qg, 
     _kernel(*(as_array(x) for x in (
         l8_kv.reshape(hq, n), delta_chan, log_spread_kv.reshape(hq, n),
         qg.reshape(hq, -1).float(), quantized, eta, value_spec, key_err, v_max_kv, v_rad_kv)),
-        params, int(n_q), group, out_f, out_b, q_norm, expanded, plan, radii, exact)
+        params(selector, ladder, value_policy, scaling, n_q), int(n_q), group, out_f, out_b,
+        q_norm, expanded, plan, radii, exact)
     out_f, out_b, plan, radii = (torch.from_numpy(x) for x in (out_f, out_b, plan, radii))
     return (out_f[0], out_f[1], out_f[2, :, 0], delta_chan, radii[0], radii[1],
             torch.from_numpy(q_norm).view(hkv, group), out_b[0], torch.from_numpy(expanded),

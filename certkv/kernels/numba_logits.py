@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from certkv.cache.blocks import head_rows
-from certkv.certify.fused_cpu import as_array, decode_half, jit, prange
+from certkv.certify.fused_cpu import as_array, decode_half, jit, kept, kept_bits, prange
 from certkv.quant.int8_channel import is_int8
 
 _F32 = np.float32
@@ -131,23 +131,19 @@ def _gated_logits(group, q, gate, originals, width, completed, tail, fill, bias,
             s[kv * group:(kv + 1) * group, b] = out
 
 
-_ROWS: dict[int, tuple] = {}  # id(view) -> (weak reference to the view, its rows)
-
-
 def rows(x: torch.Tensor) -> tuple[np.ndarray, int]:
     """:func:`~certkv.cache.blocks.head_rows` as NumPy: C-contiguous rows, so that numba
     compiles contiguous loops over each block. Rows that view ``x``'s memory are made once per
     view (the store's views are the same objects until its buffers change, and writes into
-    them show through; the entry goes with the view); a contiguous copy is made every call."""
-    hit = _ROWS.get(id(x))
-    if hit is not None and hit[0]() is x:
-        return hit[1]
+    them show through: :func:`~certkv.certify.fused_cpu.kept`); a contiguous copy is made
+    every call."""
+    return kept(x, "rows", _rows)
+
+
+def _rows(x: torch.Tensor) -> tuple[tuple[np.ndarray, int], bool]:
     flat, width = head_rows(x)
-    made = (flat.numpy(), width)
-    if flat.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():  # a view
-        key = id(x)
-        _ROWS[key] = (weakref.ref(x, lambda _: _ROWS.pop(key, None)), made)
-    return made
+    return (flat.numpy(), width), flat.untyped_storage().data_ptr() == \
+        x.untyped_storage().data_ptr()
 
 
 _CODES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # store -> (counts, parts, codes)
@@ -241,12 +237,12 @@ def _original_keys(store) -> tuple[np.ndarray, int]:
     if not store.num_blocks:
         return _NO_ORIGINALS
     k16, _, width = store.original_rows()
-    return k16.view(torch.int16).numpy(), width
+    return kept_bits(k16), width
 
 
 def _tail(store) -> tuple[np.ndarray, int]:
     """The FP16 tail buffer's bits ``[Hkv, B, d]`` (int16) and its fill."""
-    return store.tail_buffers()[0].view(torch.int16).numpy(), store.tail_len
+    return kept_bits(store.tail_buffers()[0]), store.tail_len
 
 
 def gated_logits(q: torch.Tensor, lay, gate: torch.Tensor, scaling: float) -> np.ndarray:

@@ -1,0 +1,189 @@
+"""The CPU backend's certified step as one compiled call (issue 24: a few fused loops, not
+hundreds of small operators).
+
+The numba backend runs a certified step as seven loop nests: Phase 1's logits and block
+states (:mod:`~certkv.kernels.numba_logits`, :mod:`~certkv.kernels.numba_backend`), the
+selection (:mod:`certkv.certify.fused_select`), Phase 2's FP16-key logits and its attention with
+the checks in its epilogue, the certificate and the rungs (:mod:`certkv.certify.fused_cpu`).
+Called one by one from Python, a SmolLM2 layer step spent about as long between them (NumPy
+views of torch tensors, the phases' result objects, about 300 aten operators) as inside them.
+:func:`run` hands them the step's arrays once and runs them in one compiled call
+(:func:`_step`): the same kernels in the same order on the same inputs, so every number is the
+phase-by-phase step's, bit for bit (``tests/test_numba_step.py`` compares them over decode
+steps). What needs Python stays with the caller: the scratch cache's counters, the fallback
+(rungs 3-4) and the certificate object.
+
+:func:`covers` says which steps it runs: certified steps of the numba backend on a CPU store
+with a decoded mirror, without protection, eviction, exploration or a bound tolerance, with the
+default selection (:func:`certkv.certify.fused_select.covers`), a query in FP16, BF16 or FP32
+and no phase timer (a :class:`~certkv.timing.PhaseTimer` times the phases one call each).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from certkv.certify import fused_cpu, fused_select
+from certkv.certify.fused_cpu import as_array, jit, kept_array, kept_bits, use_threads
+from certkv.kernels import numba_backend as nb
+from certkv.kernels import numba_logits as nl
+
+_F32 = np.float32
+QUERY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # exact in FP32 and FP64
+
+
+def covers(attention, q: torch.Tensor, store, on_device: bool, tolerant: bool) -> bool:
+    """Whether :func:`run` computes this step of ``attention`` (see the module)."""
+    ladder, timer = attention.ladder, attention.timer
+    return (attention.mode == "certified" and not on_device and not tolerant
+            and isinstance(attention.backend, nb.NumbaBackend)
+            and attention._fused_cpu(q.device, on_device)
+            and attention.backend._fused(q.device) and q.dtype in QUERY_DTYPES
+            and not getattr(timer, "per_phase", False)
+            and fused_select.covers(attention.selector, ladder, attention.value_policy,
+                                    None if ladder.exploration <= 0 else True, None)
+            and store.evicted_pid is None and not store.protection.enabled
+            and store.decoded_with_tail() is not None)  # what numba_logits.int8_keys reads
+
+
+class Fused(NamedTuple):
+    """What :func:`run` returns (CPU tensors; ``[Hq]`` unless noted), named as in
+    :meth:`CertifiedAttention._certify_step`."""
+
+    out: torch.Tensor  # [Hq, d] FP32, before the fallback
+    e_key: torch.Tensor
+    e_val: torch.Tensor
+    e_arith: torch.Tensor
+    tail_mass: torch.Tensor
+    paper_key: torch.Tensor
+    paper_val: torch.Tensor
+    k_star: torch.Tensor
+    value_blocks: torch.Tensor
+    delta: torch.Tensor
+    v_rad: torch.Tensor
+    rung: torch.Tensor
+    ranking: torch.Tensor
+    boundary: torch.Tensor
+    canary: torch.Tensor
+    flags: torch.Tensor  # [Hq + 2]
+    returned: tuple  # E_key, E_val as returned (0 on rungs 3-4)
+    rho: torch.Tensor  # [Hq, n] Phase 2's block masses
+    delta_b: torch.Tensor  # [Hq, n] tightened
+    plan: torch.Tensor  # [2, Hkv, n] FP16 keys, FP16 values wanted
+
+
+def run(attention, q: torch.Tensor, qg: torch.Tensor, lay, scaling: float, spec,
+        coef) -> Fused:
+    """One certified pass of ``attention`` (:func:`covers`) over the step layout ``lay``:
+    ``q [Hq, d]`` in the caller's dtype, ``qg [Hkv, G, d]`` its FP32 copy; ``spec, coef``:
+    the arithmetic bound's facts and step coefficients."""
+    store, ladder = lay.store, attention.ladder
+    hkv, group, d = qg.shape
+    hq, n = hkv * group, lay.num_blocks
+    checks = ladder.r if (ladder.ranking_check or ladder.boundary_check) else 0
+    per_kv = np.stack([kept_array(x) for x in (lay.eta, lay.value_spec, lay.key_err,
+                                               lay.key_spec)])
+    _, v16, width = store.original_rows() if store.num_blocks else (None, None, 0)
+    pool = np.zeros((1, store.block_size, d), np.int16) if v16 is None else kept_bits(v16)
+    use_threads(torch.get_num_threads())
+    res = _step(
+        group, as_array(qg.reshape(hq, d)), _F32(scaling),
+        (*nl.int8_keys(store), *nl._other_keys(store), *nl._tail(store)),
+        as_array(lay.slot_bias.view(n, store.block_size)), kept_array(lay.key_bound),
+        kept_array(lay.quantized), per_kv, as_array(lay.v_max), as_array(lay.v_radius),
+        fused_select.params(attention.selector, ladder, attention.value_policy, scaling,
+                            lay.num_quantized), int(lay.num_quantized),
+        (*nl._original_keys(store), store.num_blocks), as_array(lay.values.transpose(0, 1)),
+        pool, width, _F32(ladder.eps_guard), checks,
+        (ladder.ranking_check, ladder.boundary_check),
+        kept_array(store.key_abs_max()), kept_array(store.value_error_max()),
+        *fused_cpu._params(spec, coef, attention.selector.mass_inflation),
+        (bool(store.nonfinite_appended()), fused_cpu.CAST_LIMIT.get(q.dtype, math.inf),
+         ladder.canary, max(1.0, ladder.layer_dense_fraction * hq)))
+    out, blocks, res_f, res_i, per_head, ranked, canary, rung, flags, returned, plan = (
+        torch.from_numpy(x) for x in res)
+    return Fused(out, *res_f.unbind(), *res_i.unbind(), per_head[0], per_head[2], rung,
+                 ranked[0], ranked[1], canary, flags, tuple(returned.unbind()), blocks[2],
+                 blocks[5], plan)
+
+
+@jit
+def _step(group, q, scaling, keys, bias, bound, quantized, per_kv, v_max, v_rad, sel_params,
+          n_q, originals, values, pool, width, eps_guard, r, wanted, key_abs_max, eta_max,
+          par, weights, rung_par):
+    """Phase 1, the selection, Phase 2 with its checks, the certificate and the rungs of a
+    certified step in one call (:func:`run`; each kernel's docstring gives its shapes).
+
+    ``q [Hq, d]`` FP32 (head ``h`` reads kv head ``h // group``); ``keys``: Phase 1's key
+    sources (:func:`numba_logits._key_logits` from ``slot`` to ``fill``); ``bias [n, B]``;
+    ``bound [Hkv, n, d]``; ``quantized [n]``; ``per_kv [4, Hkv, n]``: ``eta, value_spec,
+    key_err, key_spec``; ``v_max, v_rad [Hkv]``; ``originals``: the FP16 original keys'
+    bits ``[R, B, d]``, their row width and the completed block count; ``values [n, Hkv, B,
+    d]`` the decoded mirror's; ``pool [R, B, d]`` the FP16 original values' bits at row
+    ``kv * width + b``; ``r`` the checks' top-``r`` (0: none), ``wanted`` (ranking, boundary);
+    ``key_abs_max [Hkv, d]``, ``eta_max [Hkv]``; ``par, weights``: the certificate's scalars;
+    ``rung_par``: (non-finite appended K/V, the output dtype's cast limit, the canary on,
+    the layer-dense head count).
+    """
+    hq, d = q.shape
+    hkv = hq // group
+    n, bsz = bias.shape
+    eta, value_spec, key_err, key_spec = per_kv[0], per_kv[1], per_kv[2], per_kv[3]
+    slot, codes, scale, offset, cwidth, mirror, mwidth, okeys, owidth, tail, fill = keys
+    orig, orig_width, completed = originals
+    # Phase 1: INT8 logits, block softmax states, log-masses, log-spreads, Delta_b (eq. 8)
+    s8 = np.empty((hq, n, bsz), _F32)
+    nl._key_logits(group, q, slot, codes, scale, offset, cwidth, mirror, mwidth, okeys,
+                   owidth, tail, fill, bias, scaling, s8)
+    # the certificate's block inputs: l8, l16, rho, spread, log_p, delta_b, delta_chan
+    blocks = np.empty((7, hq, n), _F32)
+    state, w = np.empty((4, hq, n), _F32), np.empty((hq, n, bsz), _F32)
+    nb._block_states(group, s8, q, bound, scaling, w, state[0], state[1], state[2],
+                     blocks[0], state[3], blocks[6])
+    # selection, rung 1 and value promotion (rung 2)
+    sel_f, sel_b = np.empty((3, hq, n), _F32), np.empty((2, hq, n), np.bool_)
+    q_norm, expanded = np.empty(hq, _F32), np.empty(hq, np.bool_)
+    plan, radii, exact = (np.empty((2, hkv, n), np.bool_), np.empty((2, hq), _F32),
+                          np.empty(n, np.bool_))
+    fused_select._kernel(blocks[0], blocks[6], state[3], q, quantized, eta, value_spec, key_err,
+                         v_max, v_rad, sel_params, n_q, group, sel_f, sel_b, q_norm, expanded,
+                         plan, radii, exact)
+    blocks[4], blocks[5] = sel_f[0], sel_f[1]
+    promoted = sel_b[0]
+    # Phase 2: the promoted blocks' FP16-key logits (where any key block is paged in), the
+    # promoted FP16 values read from Tier-2 in place, the checks (eq. 17-18) in its epilogue
+    gate, s16 = np.zeros((hq, n), np.bool_), s8
+    if plan[0].any():
+        gate, s16 = promoted, np.empty((hq, n, bsz), _F32)
+        nl._gated_logits(group, q, gate.reshape(hkv, group, n), orig, orig_width, completed,
+                         tail, fill, bias, scaling, s16)
+    staged = np.argwhere(plan[1])
+    out, canary = np.empty((hq, d), _F32), np.empty((hq, n), np.bool_)
+    ranked = np.ones((2, hq), np.bool_)
+    nb._attend(group, s8, s16, (state[0], w, state[1], state[2]), gate, blocks[6], eps_guard,
+               values, staged[:, 0].copy(), staged[:, 1].copy(),
+               staged[:, 0] * width + staged[:, 1], pool,
+               (blocks[0], blocks[5], promoted, quantized, r), out, blocks[2], blocks[1],
+               blocks[3], canary, ranked)
+    for i in range(2):
+        if not wanted[i]:
+            ranked[i] = True
+    # the certificate (eq. 15, Cor. 4.2, E_arith) and the rungs
+    per_head = np.empty((4, hq), _F32)
+    per_head[0], per_head[1], per_head[2], per_head[3] = sel_f[2, :, 0], radii[0], radii[1], \
+        q_norm
+    q64 = q.astype(np.float64)
+    res_f, res_i = fused_cpu._kernel(blocks, per_head, np.stack((eta, value_spec, key_spec)),
+                                     promoted, exact, plan[1], q64, key_abs_max, eta_max, out,
+                                     par, weights)
+    kv_bad, limit, use_canary, least = rung_par
+    canary_ok, rung = np.empty(hq, np.bool_), np.empty(hq, np.int64)
+    flags, returned = np.empty(hq + 2, np.bool_), np.empty((2, hq), _F32)
+    fused_cpu._rungs(res_f[0], res_f[1], res_f[2], res_i[1], out, q64, expanded, ranked[0],
+                     ranked[1], canary, kv_bad, limit, True, use_canary, least, canary_ok, rung,
+                     flags, returned)
+    return out, blocks, res_f, res_i, per_head, ranked, canary_ok, rung, flags, returned, plan
