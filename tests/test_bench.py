@@ -191,6 +191,8 @@ def test_bench_decode_command_writes_report(tmp_path, monkeypatch):
     assert row["ratio"] == row["ms_stats"]["certified"]["median"] / row["ms"]["dense"]
     assert "non_attention" in row["phases_ms"]["certified"]
     assert_ordered(row["phases_ms_stats"]["certified"], runs=bench.PHASE_RUNS)
+    assert sum(row["phases_ms"]["certified"].values()) == pytest.approx(
+        row["phase_steps_ms"]["certified"])  # the phase runs' own steps, split
     texts = [text for text, _ in calls[1:]]
     assert calls[0] == ("total", 2) and sum(advance for _, advance in calls[1:]) == 2
     assert texts[0].startswith("smollm2_135m: building the model")
