@@ -41,6 +41,10 @@ def test_attention_case_record():
     assert record["memory_bytes"]["tier1"] / record["memory_bytes"]["dense"] == 144 / 128 * 0.5
     # the numba backend's lean mirror: FP32 values (2x the FP16 values), key bounds, bias
     assert 1.0 < record["memory_bytes"]["workspace"] / record["memory_bytes"]["dense"] < 1.2
+    # timed phase by phase; dispatched as the default step runs it, in one numba call
+    assert record["dispatch"]["certified"]["by_phase"]["step"] > 0
+    table = bench.dispatch_tables([record])[1]
+    assert table.head[-2] == "one" and table.rows[0][-2] != "0"
 
 
 def test_attention_case_times_the_host_round_trips_beside_the_device_step():
