@@ -163,3 +163,21 @@ def test_halves_convert_exactly():
     fused_cpu.decode_half(bits, out)
     assert np.array_equal(out.view(np.int32), bits.view(np.float16).astype(np.float32)
                           .view(np.int32))
+
+
+def test_kept_views_follow_their_tensor():
+    """A NumPy view of a tensor a store keeps is made once and shows writes into it; a strided
+    tensor is copied every call; an entry goes with its tensor."""
+    import gc
+
+    x = torch.zeros(3, 4)
+    view = fused_cpu.kept_array(x)
+    assert fused_cpu.kept_array(x) is view
+    x[1, 2] = 5.0
+    assert view[1, 2] == 5.0
+    strided = x.t()
+    assert fused_cpu.kept_array(strided) is not fused_cpu.kept_array(strided)
+    held = len(fused_cpu._KEPT)
+    del x, strided
+    gc.collect()
+    assert len(fused_cpu._KEPT) == held - 1 and view[1, 2] == 5.0
