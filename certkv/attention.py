@@ -366,7 +366,7 @@ class CertifiedAttention:
         has it do."""
         store = lay.store
         spec = self._arith_spec(q, store, scaling, lay)
-        coef = step_coefficients(spec, lay.num_blocks, store.num_tokens, q.device)
+        coef = step_coefficients(spec, lay.num_blocks, _counted_tokens(lay, False), q.device)
         with timer.phase("step"):
             f = numba_step.run(self, q, qg, lay, scaling, spec, coef)
         if scratch is not None:

@@ -38,14 +38,11 @@ QUERY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # exact in FP32 a
 
 def covers(attention, q: torch.Tensor, store, on_device: bool, tolerant: bool) -> bool:
     """Whether :func:`run` computes this step of ``attention`` (see the module)."""
-    ladder, timer = attention.ladder, attention.timer
-    return (attention.mode == "certified" and not on_device and not tolerant
-            and isinstance(attention.backend, nb.NumbaBackend)
-            and attention._fused_cpu(q.device, on_device)
-            and attention.backend._fused(q.device) and q.dtype in QUERY_DTYPES
-            and not getattr(timer, "per_phase", False)
-            and fused_select.covers(attention.selector, ladder, attention.value_policy,
-                                    None if ladder.exploration <= 0 else True, None)
+    backend = attention.backend
+    return (not tolerant and attention.ladder.exploration <= 0  # no draw, no escalation
+            and attention._fused_select(q.device, None, None, on_device)
+            and isinstance(backend, nb.NumbaBackend) and backend._fused(q.device)
+            and q.dtype in QUERY_DTYPES and not getattr(attention.timer, "per_phase", False)
             and store.evicted_pid is None and not store.protection.enabled
             and store.decoded_with_tail() is not None)  # what numba_logits.int8_keys reads
 
