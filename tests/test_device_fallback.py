@@ -38,8 +38,8 @@ def test_the_kernel_is_dense_attention_on_flagged_heads_and_leaves_the_others(to
     q = q.to(dtype)
     flags = torch.tensor([True, False, False, False, True, True])  # one group partly flagged
     out = torch.full((6, 32), 7.0)
-    dense_flagged(q, flags, store.originals(), store.num_blocks, store.tail_buffers(),
-                  store.tail_count(), out, SCALING)
+    dense_flagged(q, flags, store.originals(), store.tail_buffers(),
+                  store.block_counts(), out, SCALING)
     k, v = store.dense_kv()
     want = prescaled_attention(q.float(), k, v, SCALING)
     assert torch.allclose(out[flags], want[flags], rtol=1e-5, atol=1e-6)
@@ -50,8 +50,8 @@ def test_huge_queries_do_not_overflow_the_kernel():
     store, q = layer(75, seed=1)
     q = q * 1e30  # |q . k| beyond FP32 without the prescaling
     out = torch.zeros(6, 32)
-    dense_flagged(q, torch.ones(6, dtype=torch.bool), store.originals(), store.num_blocks,
-                  store.tail_buffers(), store.tail_count(), out, SCALING)
+    dense_flagged(q, torch.ones(6, dtype=torch.bool), store.originals(),
+                  store.tail_buffers(), store.block_counts(), out, SCALING)
     k, v = store.dense_kv()
     assert torch.isfinite(out).all()
     assert torch.allclose(out, prescaled_attention(q, k, v, SCALING), rtol=1e-4, atol=1e-5)

@@ -23,9 +23,11 @@ from certkv.kernels import triton_attend, triton_score
 from certkv.kernels.dispatch import get_backend
 from certkv.kernels.layout import StagedBlocks, StepLayout
 from certkv.kernels.reference import Attended, Scored, TorchBackend, block_products
-from certkv.kernels.triton_backend import TritonBackend
+from certkv.kernels.triton_attend import attend_blocks
+from certkv.kernels.triton_backend import TritonBackend, slot_map
 from certkv.kernels.triton_checks import ranking_and_boundary
-from certkv.kernels.triton_sources import KERNEL_BITS
+from certkv.kernels.triton_score import score_blocks
+from certkv.kernels.triton_sources import KERNEL_BITS, block_sources
 from certkv.quant import GroupAffineValueCodec, KiviKeyCodec, TieredQuantizer
 
 ATOL = 1e-6
@@ -203,6 +205,60 @@ def test_phases_read_every_precision_of_a_mixed_store(device):
         torch.testing.assert_close(getattr(attended, name), getattr(expected, name),
                                    rtol=1e-5, atol=1e-6)
     assert torch.equal(attended.canary, expected.canary) and not attended.canary.any()
+
+
+def _phases_at(store, qg, n, gate, keys, values):
+    """Phase 1 and Phase 2 kernels over ``n`` block columns (the store's blocks, its tail
+    block, and empty blocks after it), promoted blocks as the first columns' slot maps."""
+    scaling = store.head_dim**-0.5
+    lay = StepLayout(store, empty_tail=True)
+    pad = n - lay.num_blocks
+    key_src, value_src = (block_sources(store, which, True) for which in ("key", "value"))
+    s, log_mass, delta, log_spread = score_blocks(qg, key_src, n, store.block_size, scaling, 2)
+    scored = Scored(scores=s, log_mass=log_mass, delta_b=delta, log_spread=log_spread)
+    shape = (store.num_kv_heads, lay.num_blocks)
+    padded = [torch.nn.functional.pad(slot_map(staged, shape, lay)[0], (0, pad), value=-1)
+              for staged in (keys, values)]
+    pools = [slot_map(staged, shape, lay)[1] for staged in (keys, values)]
+    gate = torch.nn.functional.pad(gate, (0, pad))
+    attended = attend_blocks(scored, qg, gate, padded[0], pools[0], value_src, padded[1],
+                             pools[1], scaling, 1e-6, 2)
+    return scored, attended
+
+
+@pytest.mark.parametrize("case_name", ["blocks_and_tail", "empty_tail", "tail_only", "mixed"])
+def test_padded_columns_are_empty_blocks_and_leave_the_others_as_they_were(case_name):
+    """A layout padded with empty blocks after the tail block (issue 24's bucketed block
+    counts: launches that stay the same while blocks complete): the kernels give those
+    columns an empty block's values (no mass, ``-inf`` log-masses, ``Delta_b = 0``, no canary)
+    and every other column the unpadded launch's numbers, bit for bit per block; the merged
+    output only gains splits with no mass (FP32 reassociation of the merge at most)."""
+    if case_name == "mixed":
+        store, qg = mixed_case(seed=2)
+    else:
+        tokens = {"blocks_and_tail": 100, "empty_tail": 96, "tail_only": 5}[case_name]
+        store, qg = case(seed=3, tokens=tokens)
+    n = store.num_blocks + 1
+    gate = torch.zeros(store.num_kv_heads, qg.shape[1], n, dtype=torch.bool)
+    keys = values = None
+    if store.num_blocks >= 3:
+        keys, values = staged(store, [0, 1], [1, 2], "k"), staged(store, [1], [0], "v")
+        gate[0, :, 1] = gate[1, 0, 2] = True
+    base_scored, base = _phases_at(store, qg, n, gate, keys, values)
+    scored, att = _phases_at(store, qg, n + 5, gate, keys, values)
+    for name in ("scores", "log_mass", "delta_b", "log_spread"):
+        assert torch.equal(getattr(scored, name)[:, :, :n], getattr(base_scored, name)), name
+    assert (scored.scores[:, :, n:] == float("-inf")).all()
+    assert (scored.log_mass[..., n:] == float("-inf")).all()
+    assert (scored.log_spread[..., n:] == float("-inf")).all()
+    assert (scored.delta_b[..., n:] == 0).all()
+    assert torch.equal(att.log_mass[..., :n], base.log_mass)
+    assert torch.equal(att.canary[..., :n], base.canary) and not att.canary[..., n:].any()
+    assert (att.log_mass[..., n:] == float("-inf")).all()
+    assert (att.rho[..., n:] == 0).all() and (att.spread[..., n:] == 0).all()
+    for name in ("out", "rho", "spread"):
+        torch.testing.assert_close(getattr(att, name)[..., :n] if name != "out" else att.out,
+                                   getattr(base, name), rtol=1e-6, atol=0)
 
 
 def test_phase2_canary_flags_a_staged_block_that_disagrees_with_its_codes():

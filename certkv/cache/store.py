@@ -254,7 +254,9 @@ class TieredKVStore:
         tail_shape = (num_kv_heads, block_size, head_dim)
         self._tail_k = torch.zeros(tail_shape, dtype=torch.float16, device=self.device)
         self._tail_v = torch.zeros(tail_shape, dtype=torch.float16, device=self.device)
-        self._tail_count = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self._counts = torch.zeros(2, dtype=torch.int32, device=self.device)  # blocks, tail
+        self._count_views()
+        self._counted_blocks = 0
         self.tail_len = 0
         # running maxima of the blocks' nu_b and v_radius_b ([2, Hkv]), of eta_b ([Hkv])
         self._block_maxima = torch.zeros(2, num_kv_heads, device=self.device)
@@ -833,9 +835,9 @@ class TieredKVStore:
         new._fault_rng = torch.Generator()
         new._fault_rng.set_state(self._fault_rng.get_state())
         for name in ("_tail_k", "_tail_v", "_block_maxima", "_eta_max", "_centre",
-                     "_tail_maxima", "_value_maxima", "_key_abs_max", "_nonfinite",
-                     "_tail_count"):
+                     "_tail_maxima", "_value_maxima", "_key_abs_max", "_nonfinite", "_counts"):
             setattr(new, name, getattr(self, name).clone())
+        new._count_views()
         return new
 
     def drop_originals(self) -> None:
@@ -861,11 +863,24 @@ class TieredKVStore:
     def tail_len(self, value: int) -> None:
         self._tail_len = value
         self._tail_count.fill_(value)
+        if self._counted_blocks != self.num_blocks:  # set with the tail after a completion
+            self._counted_blocks = self.num_blocks
+            self._completed_count.fill_(self.num_blocks)
+
+    def _count_views(self) -> None:
+        """Views of ``_counts`` the kernels read (made once: no operator per step)."""
+        self._completed_count, self._tail_count = self._counts[:1], self._counts[1:]
 
     def tail_count(self) -> torch.Tensor:
         """int32 ``[1]`` on the store's device: :attr:`tail_len`, which the kernels read (a
         step captured in a graph replays while the tail fills, :mod:`certkv.graphs`)."""
         return self._tail_count
+
+    def block_counts(self) -> torch.Tensor:
+        """int32 ``[2]`` on the store's device: ``(num_blocks, tail_len)``, where the kernels
+        read the tail block's column and fill (a layout padded with empty blocks keeps its
+        launches while blocks complete)."""
+        return self._counts
 
     @property
     def num_tokens(self) -> int:

@@ -33,15 +33,13 @@ from certkv.kernels.reference import Attended, CheckInputs, Scored
 from certkv.kernels.triton_checks import check_head
 from certkv.kernels.triton_score import (
     blocks_per_program,
-    carried_tail,
     channel_dot,
     entry,
-    filled_rows,
     load_codes,
     load_group_queries,
     log_or_minus_inf,
 )
-from certkv.kernels.triton_sources import entries, launches
+from certkv.kernels.triton_sources import carries_tail, launches
 
 
 @triton.jit
@@ -52,11 +50,11 @@ def _attend_kernel(s_ptr, q_ptr, kslot_ptr, kstaged_ptr, gate_ptr, delta_ptr,
                    s_sk, s_sg, s_sn, s_qk, s_qg, s_ck, s_cn, s_ct, s_vk, s_vn, s_vt, s_lk,
                    s_kp, s_kt, s_pp, s_pt, s_2p, s_2t, s_tk, s_tt, s_bk, s_bg, s_mk, s_mg,
                    s_ak, s_ag, s_as,
-                   n_entries, n_live, split_base, tail_blk, fill_ptr, scaling,
+                   cnt_ptr, n_live, split_base, counts_ptr, scaling,
                    eps_guard, G: tl.constexpr, BLOCK_G: tl.constexpr, B: tl.constexpr,
                    D: tl.constexpr, DOT_C: tl.constexpr, GROUP: tl.constexpr,
                    SPLIT: tl.constexpr, FP16: tl.constexpr, BITS: tl.constexpr,
-                   TAIL: tl.constexpr, WITH_TAIL: tl.constexpr):
+                   TAIL: tl.constexpr, CARRIES: tl.constexpr):
     kv = tl.program_id(0)
     split = tl.program_id(1)
     g = tl.arange(0, BLOCK_G)
@@ -68,14 +66,11 @@ def _attend_kernel(s_ptr, q_ptr, kslot_ptr, kstaged_ptr, gate_ptr, delta_ptr,
     lsum = tl.zeros((BLOCK_G,), tl.float32)
     acc = tl.zeros((BLOCK_G, D), tl.float32)
     zero_bd = t[:, None] * 0 + c[None, :] * 0  # [B, D] int zeros: broadcast scalars to masks
-    n_rows, tail_rows = filled_rows(fill_ptr, B, TAIL)
     for i in range(SPLIT):
         e = split * SPLIT + i
-        blk, slot = entry(blk_ptr, slot_ptr, e, n_entries, tail_blk, TAIL)
-        at_tail = carried_tail(e, n_entries, WITH_TAIL)
-        blk = tl.where(at_tail, tail_blk, blk)
-        # [B, D]: filled token slots (tail_len on the tail block, else B)
-        rows = (t[:, None] + zero_bd) < tl.where(at_tail, tail_rows, n_rows)
+        blk, slot, beyond, filled = entry(blk_ptr, slot_ptr, cnt_ptr, counts_ptr, e, n_live,
+                                          B, TAIL, CARRIES)
+        rows = (t[:, None] + zero_bd) < filled  # [B, D]: filled token slots
         live = e < n_live
         live_g = gmask & ((g * 0 + e) < n_live)
         row = kv * s_bk + g * s_bg + blk  # offset of (kv, g, blk) in the [Hkv, G, n] tensors
@@ -114,7 +109,7 @@ def _attend_kernel(s_ptr, q_ptr, kslot_ptr, kstaged_ptr, gate_ptr, delta_ptr,
             vs = tl.load(vs_ptr + grp, mask=read, other=0.0).to(tl.float32)
             vo = tl.load(vo_ptr + grp, mask=read, other=0.0).to(tl.float32)
             v = code * vs + vo
-        if at_tail:  # FP16 values from the store's tail buffer
+        if beyond:  # the tail block (FP16 values from the store's tail buffer) or an empty one
             v = tl.load(tv_ptr + kv * s_tk + t[:, None] * s_tt + c[None, :], mask=read,
                         other=0.0).to(tl.float32)
         v16 = tl.load(vstaged_ptr + tl.maximum(vslot, 0).to(tl.int64) * s_pp + t[:, None] * s_pt
@@ -256,9 +251,10 @@ def attend_blocks(scored: Scored, q: torch.Tensor, gate: torch.Tensor,
     hkv, g, n, _ = scores.shape
     d = q.shape[-1]
     split = split or blocks_per_program(n, hkv, scores.device)
+    plan = launches(sources, n)
     bases = [0]
-    for src, tail in launches(sources):
-        bases.append(bases[-1] + triton.cdiv(entries(src, tail), split))
+    for _, _, live in plan:
+        bases.append(bases[-1] + triton.cdiv(live, split))
     dev = scores.device
     m_b = torch.empty(hkv, g, n, device=dev)
     l_b, l2_b = torch.empty_like(m_b), torch.empty_like(m_b)
@@ -273,16 +269,17 @@ def attend_blocks(scored: Scored, q: torch.Tensor, gate: torch.Tensor,
     shared = (scores, q.float().contiguous(), key_slot.contiguous(), key_data,
               gate, delta, value_slot.contiguous(), value_data, tier2,
               (m_b, l_b, l2_b, canary), (m, lsum, acc))
-    for (src, tail), base in zip(launches(sources), bases, strict=False):
-        _launch_attend(src, tail, base, shared, n, scaling, eps_guard, split)
+    for (src, tail, live), base in zip(plan, bases, strict=False):
+        _launch_attend(src, tail, live, base, shared, scaling, eps_guard, split)
     att = reduce_splits(m_b, l_b, m, lsum, acc, l2_b, checks)
     att.canary = canary
     return att
 
 
-def _launch_attend(src, tail, base, shared, n, scaling, eps_guard, split) -> None:
+def _launch_attend(src, tail, live, base, shared, scaling, eps_guard, split) -> None:
     """One Phase-2 launch over ``src``'s blocks (and the ``tail`` source it carries, or
-    None): block statistics at their indices, split states from split ``base`` on."""
+    None; ``live`` entries): block statistics at their indices, split states from split
+    ``base`` on."""
     (scores, q, key_slot, key_data, gate, delta, value_slot, value_data, (k2, v2), blocks_out,
      state) = shared
     m_b, l_b, l2_b, canary = blocks_out
@@ -292,7 +289,6 @@ def _launch_attend(src, tail, base, shared, n, scaling, eps_guard, split) -> Non
     lay = src.layout
     data, vscale, voffset, blocks, slots = src.pointers()
     tail_v = data if tail is None else tail.data  # [Hkv, 1, B, d] FP16 (never read if None)
-    live = entries(src, tail)
     _attend_kernel[(hkv, triton.cdiv(live, split))](
         scores, q, key_slot, key_data, gate, delta,
         data, vscale, voffset, blocks, slots, value_slot, value_data, k2, v2, tail_v,
@@ -304,8 +300,8 @@ def _launch_attend(src, tail, base, shared, n, scaling, eps_guard, split) -> Non
         k2.stride(0), k2.stride(1), tail_v.stride(0), tail_v.stride(2),
         m_b.stride(0), m_b.stride(1), m.stride(0), m.stride(1),
         acc.stride(0), acc.stride(1), acc.stride(2),
-        src.count, live, base, n - 1, src.fill,
+        src.entries, live, base, src.counts,
         float(scaling), float(eps_guard),
         G=g, BLOCK_G=triton.next_power_of_2(g), B=bsz, D=d, DOT_C=dot_chunk(d),
         GROUP=lay.group, SPLIT=split, FP16=lay.fp16, BITS=lay.bits, TAIL=src.is_tail,
-        WITH_TAIL=tail is not None)
+        CARRIES=carries_tail(src, tail))

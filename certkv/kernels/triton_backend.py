@@ -142,8 +142,8 @@ class TritonBackend:
         ``out [Hq, d]`` (FP32) whose ``flags [Hq]`` are set."""
         from certkv.kernels.triton_fallback import dense_flagged
 
-        return dense_flagged(q, flags, store.originals(), store.num_blocks,
-                             store.tail_buffers(), store.tail_count(), out, scaling)
+        return dense_flagged(q, flags, store.originals(), store.tail_buffers(),
+                             store.block_counts(), out, scaling)
 
     def fallback_rounding(self, store) -> Rounding:
         """The rounding chain of :meth:`dense_flagged` (arith item 4)."""

@@ -62,7 +62,7 @@ def _online_block(qs, f, k, v, live, m, den, acc, scaling):
 
 @triton.jit
 def _dense_flagged_kernel(q_ptr, flag_ptr, k2_ptr, v2_ptr, tk_ptr, tv_ptr, out_ptr,
-                          n_blocks, fill_ptr, group, scaling,
+                          counts_ptr, group, scaling,
                           s2_h, s2_b, s2_t, st_h, st_t,
                           B: tl.constexpr, D: tl.constexpr, GP: tl.constexpr):
     kv = tl.program_id(0).to(tl.int64)  # offsets past 2^31 elements at long contexts
@@ -80,12 +80,12 @@ def _dense_flagged_kernel(q_ptr, flag_ptr, k2_ptr, v2_ptr, tk_ptr, tv_ptr, out_p
         acc = tl.zeros((GP, D), tl.float32)
         t = tl.arange(0, B)
         always = t < B
-        for b in range(n_blocks):  # completed blocks: Tier-2 (host memory on CUDA)
+        for b in range(tl.load(counts_ptr)):  # completed blocks: Tier-2 (host memory on CUDA)
             base = kv * s2_h + b * s2_b + t[:, None] * s2_t + dim[None, :]
             k = tl.load(k2_ptr + base).to(tl.float32)
             v = tl.load(v2_ptr + base).to(tl.float32)
             m, den, acc = _online_block(qs, f, k, v, always, m, den, acc, scaling)
-        live = t < tl.load(fill_ptr)  # the partial tail block: device memory
+        live = t < tl.load(counts_ptr + 1)  # the partial tail block: device memory
         base = kv * st_h + t[:, None] * st_t + dim[None, :]
         k = tl.load(tk_ptr + base, mask=live[:, None], other=0.0).to(tl.float32)
         v = tl.load(tv_ptr + base, mask=live[:, None], other=0.0).to(tl.float32)
@@ -95,26 +95,27 @@ def _dense_flagged_kernel(q_ptr, flag_ptr, k2_ptr, v2_ptr, tk_ptr, tv_ptr, out_p
                  mask=(member & flagged)[:, None])
 
 
-def dense_flagged(q: torch.Tensor, flags: torch.Tensor, originals: dict, n_blocks: int,
-                  tail: tuple[torch.Tensor, torch.Tensor], fill: torch.Tensor, out: torch.Tensor,
-                  scaling: float) -> torch.Tensor:
+def dense_flagged(q: torch.Tensor, flags: torch.Tensor, originals: dict,
+                  tail: tuple[torch.Tensor, torch.Tensor], counts: torch.Tensor,
+                  out: torch.Tensor, scaling: float) -> torch.Tensor:
     """Write dense attention into the rows of ``out`` whose ``flags`` are set.
 
     Args:
         q: ``[Hq, D]`` queries (any float dtype up to FP32), on the device.
         flags: bool ``[Hq]`` on the device: the heads to recompute (rungs 3-4).
         originals: ``{"k", "v"}: [Hkv, capacity, B, D]`` FP16 completed blocks, in Tier-2 (host
-            memory, pinned on CUDA) or Tier-1 (a lossless store); the first ``n_blocks`` count.
-        tail: ``(k, v)``, each ``[Hkv, B, D]`` FP16 tail buffers on the device, of which the
-            first ``fill`` rows are live (int32 ``[1]`` on the device: the store's
-            :meth:`~certkv.cache.store.TieredKVStore.tail_count`).
+            memory, pinned on CUDA) or Tier-1 (a lossless store); empty before the first.
+        tail: ``(k, v)``, each ``[Hkv, B, D]`` FP16 tail buffers on the device.
+        counts: int32 ``[2]`` on the device: how many completed blocks count and how many
+            rows of the tail buffers are live (the store's
+            :meth:`~certkv.cache.store.TieredKVStore.block_counts`).
         out: ``[Hq, D]`` FP32 on the device, written in place for flagged heads.
     Returns ``out``. One launch; no host read.
     """
     hq, d = q.shape
     tail_k, tail_v = tail
     hkv, block = tail_k.shape[0], tail_k.shape[1]
-    if n_blocks == 0:  # no completed block yet: a valid pointer the loop never reads
+    if not originals:  # no completed block yet: a valid pointer the loop never reads
         k2 = v2 = tail_k[:, None]
     else:
         k2, v2 = originals["k"], originals["v"]
@@ -124,7 +125,7 @@ def dense_flagged(q: torch.Tensor, flags: torch.Tensor, originals: dict, n_block
     group = hq // hkv
     _dense_flagged_kernel[(hkv,)](
         q.float().contiguous(), flags.contiguous(), k2, v2, tail_k, tail_v, out,
-        n_blocks, fill, group, float(scaling),
+        counts, group, float(scaling),
         k2.stride(0), k2.stride(1), k2.stride(2), tail_k.stride(0), tail_k.stride(1),
         B=block, D=d, GP=triton.next_power_of_2(group))
     return out

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from certkv.certify.arith import dot_chunk
-from certkv.kernels.triton_sources import entries, launches
+from certkv.kernels.triton_sources import carries_tail, launches
 
 
 @triton.jit
@@ -65,27 +65,37 @@ def load_codes(ptr, base, t, c, s_t, mask, BITS: tl.constexpr):
 
 
 @triton.jit
-def entry(blk_ptr, slot_ptr, e, n_entries, tail_blk, TAIL: tl.constexpr):
-    """``(block index, slot)`` of entry ``e`` of a launch; past the last entry it reads the last
-    one again (in bounds; the caller stores nothing). The tail launch has one entry, slot 0."""
+def entry(blk_ptr, slot_ptr, cnt_ptr, counts_ptr, e, n_live, B: tl.constexpr,
+          TAIL: tl.constexpr, CARRIES: tl.constexpr):
+    """``(block index, slot, beyond, filled)`` of entry ``e`` of a launch. The launch's blocks
+    come first (``cnt_ptr[0]`` of them, through the index lists); a launch that ``CARRIES``
+    the tail block (or is the tail launch, ``TAIL``) walks it next, at column ``counts[0]``
+    (the store's completed blocks), then the empty blocks after it (a padded layout):
+    ``beyond`` marks those entries, read from the tail buffer; ``filled``: the block's token
+    slots in use (``counts[1]`` on the tail block, none after it, ``B`` on a completed one).
+    An entry past the launch's ``n_live`` is its last one again (in bounds; the caller
+    stores nothing for it)."""
+    e = tl.minimum(e, n_live - 1)
+    if TAIL:  # noqa: SIM108 (a compile-time branch of the kernel, not an expression)
+        n_entries = 0 * e
+    else:
+        n_entries = tl.load(cnt_ptr) + 0 * e
+    tail_blk = tl.load(counts_ptr)
+    tail_rows = tl.load(counts_ptr + 1)
     if TAIL:
-        blk = tail_blk + 0 * e
+        blk = tail_blk + e
         slot = 0 * e
     else:
-        last = tl.minimum(e, n_entries - 1)
+        last = tl.maximum(tl.minimum(e, n_entries - 1), 0)
         blk = tl.load(blk_ptr + last)
         slot = tl.load(slot_ptr + last)
-    return blk, slot
-
-
-@triton.jit
-def carried_tail(e, n_entries, WITH_TAIL: tl.constexpr):
-    """Whether entry ``e`` is the tail block a launch carries (entry ``n_entries``)."""
-    if WITH_TAIL:  # noqa: SIM108 (a compile-time branch of the kernel, not an expression)
-        at_tail = e == n_entries
+    if CARRIES:  # noqa: SIM108 (a compile-time branch of the kernel, not an expression)
+        beyond = e >= n_entries
     else:
-        at_tail = e < 0  # never
-    return at_tail
+        beyond = e < 0  # never
+    blk = tl.where(beyond, tail_blk + e - n_entries, blk)
+    filled = tl.where(beyond, tl.where(e == n_entries, tail_rows, 0), B)
+    return blk, slot, beyond, filled
 
 
 @triton.jit
@@ -98,26 +108,14 @@ def log_or_minus_inf(total):
 
 
 @triton.jit
-def filled_rows(fill_ptr, B: tl.constexpr, TAIL: tl.constexpr):
-    """``(n_rows, tail_rows)``: the filled token slots of a launch's blocks (``B``, or the
-    tail block's fill for the tail launch) and of the tail block, read from ``fill_ptr``."""
-    tail_rows = tl.load(fill_ptr)
-    if TAIL:  # noqa: SIM108 (a compile-time branch of the kernel, not an expression)
-        n_rows = tail_rows
-    else:
-        n_rows = tail_rows * 0 + B
-    return n_rows, tail_rows
-
-
-@triton.jit
 def _score_kernel(q_ptr, code_ptr, scale_ptr, offset_ptr, blk_ptr, slot_ptr, tk_ptr,
                   s_out, l_out, d_out, ls_out,
                   s_qk, s_qg, s_ck, s_cn, s_ct, s_sk, s_sn, s_ok, s_og, s_on, s_lk, s_lg,
-                  s_tk, s_tt, n_entries, n_live, tail_blk, fill_ptr, scaling, bound_a,
+                  s_tk, s_tt, cnt_ptr, n_live, counts_ptr, scaling, bound_a,
                   bound_b, G: tl.constexpr, BLOCK_G: tl.constexpr, B: tl.constexpr,
                   D: tl.constexpr, DOT_C: tl.constexpr, SPLIT: tl.constexpr, FP16: tl.constexpr,
                   BITS: tl.constexpr, BIAS: tl.constexpr, TAIL: tl.constexpr,
-                  WITH_TAIL: tl.constexpr):
+                  CARRIES: tl.constexpr):
     kv = tl.program_id(0)
     g = tl.arange(0, BLOCK_G)
     t = tl.arange(0, B)
@@ -125,13 +123,11 @@ def _score_kernel(q_ptr, code_ptr, scale_ptr, offset_ptr, blk_ptr, slot_ptr, tk_
     gmask = g < G
     q = load_group_queries(q_ptr, kv, s_qk, s_qg, G, BLOCK_G, D)
     q_abs = tl.abs(q)
-    n_rows, tail_rows = filled_rows(fill_ptr, B, TAIL)
     for i in range(SPLIT):
         e = tl.program_id(1) * SPLIT + i
-        blk, slot = entry(blk_ptr, slot_ptr, e, n_entries, tail_blk, TAIL)
-        at_tail = carried_tail(e, n_entries, WITH_TAIL)
-        blk = tl.where(at_tail, tail_blk, blk)
-        rows = t < tl.where(at_tail, tail_rows, n_rows)  # [B]: filled token slots
+        blk, slot, beyond, filled = entry(blk_ptr, slot_ptr, cnt_ptr, counts_ptr, e, n_live, B,
+                                          TAIL, CARRIES)
+        rows = t < filled  # [B]: filled token slots
         base = kv * s_ck + slot * s_cn
         if FP16:  # an exact block: the originals, Delta_b = 0
             k = tl.load(code_ptr + base + t[:, None] * s_ct + c[None, :], mask=rows[:, None],
@@ -144,7 +140,7 @@ def _score_kernel(q_ptr, code_ptr, scale_ptr, offset_ptr, blk_ptr, slot_ptr, tk_
             k = (code - BIAS) * scale[None, :] + offset[None, :]  # eq. 3, in registers
             bound = tl.where(scale > 0, bound_a * scale + bound_b * tl.abs(offset), 0.0)  # r_c
             delta = tl.sum(q_abs * bound[None, :], axis=1) * scaling  # eq. 8
-        if at_tail:  # FP16 keys from the store's tail buffer, Delta_b = 0
+        if beyond:  # the tail block (FP16 keys from the store's tail buffer) or an empty one
             k = tl.load(tk_ptr + kv * s_tk + t[:, None] * s_tt + c[None, :],
                         mask=rows[:, None], other=0.0).to(tl.float32)
             delta = tl.zeros((BLOCK_G,), tl.float32)
@@ -182,7 +178,9 @@ def score_blocks(q: torch.Tensor, sources: list, n: int, block_size: int, scalin
     blocks per program (``None``: :func:`blocks_per_program`).
 
     Returns ``(s [Hkv, G, n, B], log_mass, delta_b, log_spread [Hkv, G, n])``, all FP32, with
-    ``-inf`` logits on empty tail slots and ``Delta_b = 0`` on exact blocks.
+    ``-inf`` logits on empty tail slots and ``Delta_b = 0`` on exact blocks. Columns after the
+    tail block's (``n`` above the store's blocks and tail: a padded layout) are empty blocks:
+    ``-inf`` logits, log-mass and log-spread, ``Delta_b = 0``.
     """
     hkv, group, _ = q.shape
     q = q.float().contiguous()
@@ -191,27 +189,26 @@ def score_blocks(q: torch.Tensor, sources: list, n: int, block_size: int, scalin
     delta = torch.empty_like(log_mass)
     log_spread = torch.empty_like(log_mass)
     split = split or blocks_per_program(n, hkv, q.device)
-    for src, tail in launches(sources):
-        _launch_scores(q, src, tail, (s, log_mass, delta, log_spread), n, scaling, split)
+    for src, tail, live in launches(sources, n):
+        _launch_scores(q, src, tail, live, (s, log_mass, delta, log_spread), scaling, split)
     return s, log_mass, delta, log_spread
 
 
-def _launch_scores(q, src, tail, out, n, scaling, split) -> None:
+def _launch_scores(q, src, tail, live, out, scaling, split) -> None:
     """One Phase-1 launch over ``src``'s blocks (and the ``tail`` source it carries, or
-    None), writing into ``out`` at their indices."""
+    None; ``live`` entries), writing into ``out`` at their indices."""
     s, log_mass, delta, log_spread = out
     hkv, group, d = q.shape
     lay = src.layout
     data, scale, offset, blocks, slots = src.pointers()
     tail_k = data if tail is None else tail.data  # [Hkv, 1, B, d] FP16 (never read if None)
-    live = entries(src, tail)
     _score_kernel[(hkv, triton.cdiv(live, split))](
         q, data, scale, offset, blocks, slots, tail_k, s, log_mass, delta, log_spread,
         q.stride(0), q.stride(1), data.stride(0), data.stride(1), data.stride(2),
         scale.stride(0), scale.stride(1),
         s.stride(0), s.stride(1), s.stride(2), log_mass.stride(0), log_mass.stride(1),
-        tail_k.stride(0), tail_k.stride(2), src.count, live, n - 1, src.fill, float(scaling),
+        tail_k.stride(0), tail_k.stride(2), src.entries, live, src.counts, float(scaling),
         float(lay.bound[0]), float(lay.bound[1]),
         G=group, BLOCK_G=triton.next_power_of_2(group), B=s.shape[3], D=d, DOT_C=dot_chunk(d),
         SPLIT=split, FP16=lay.fp16, BITS=lay.bits, BIAS=lay.bias, TAIL=src.is_tail,
-        WITH_TAIL=tail is not None)
+        CARRIES=carries_tail(src, tail))
