@@ -179,6 +179,11 @@ class CertifiedAttention:
         self._constants: dict = {}  # per-shape constants: kv_of (_kv_of), _no_pool
         self._specs: dict[ArithSpec, ArithSpec] = {}
         self._nonfinite: torch.Tensor | None = None  # [2] q, K/V since the last synchronize()
+        # issue 24's bucketed block counts, in progress: pad the device path's layout to the
+        # store's block capacity (StepLayout's width). Eager steps are certified as they are
+        # (tests/test_triton.py); graphs do not use it yet (selection, page-in and
+        # certificate still take host counts that change when a block completes).
+        self._pad_layout = False
 
     # ----------------------------------------------------------------- entry
     def __call__(
@@ -384,8 +389,11 @@ class CertifiedAttention:
         block column always (empty right after a block completes), so that the launches change
         only when a block completes (:meth:`graph_layout`)."""
         lay = StepLayout(store)
-        if on_device and not store.tail_len and _takes_empty_tail(self.backend, lay):
-            lay = StepLayout(store, empty_tail=True, read=False)  # the words just checked
+        if on_device and _takes_empty_tail(self.backend, lay):
+            if self._pad_layout and store.num_blocks:
+                return StepLayout(store, read=False, width=store.block_capacity())
+            if not store.tail_len:
+                lay = StepLayout(store, empty_tail=True, read=False)  # the words just checked
         return lay
 
     def graph_layout(self, store: TieredKVStore) -> tuple | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_kv, make_query, same_values
+from helpers import check_heads, make_kv, make_query, same_values
 
 from certkv import CertifiedAttention, TieredKVStore
 from certkv.cache.scratch import ScratchCache
@@ -74,6 +74,42 @@ def test_replayed_steps_equal_eager_steps_while_the_tail_fills(scratch):
     assert graphed.captures >= 2 and graphed.replays >= B - 4
     if scratch:
         assert eager_cache.stats == graph_cache.stats
+
+
+@pytest.mark.parametrize("scratch", [4, None])
+def test_steps_over_a_padded_layout_are_the_unpadded_steps(scratch):
+    """Issue 24's bucketed block counts, the step itself: over a layout padded to the store's
+    block capacity (empty blocks after the tail block's column) every decode step through
+    block completions and a growth of the buffers returns the unpadded step's output, rungs,
+    key and value sets and key/value errors; ``e_arith`` counts the padded token slots (a
+    little larger, never smaller), and the contract holds on every head."""
+    (plain_store, padded_store), (plain_cache, padded_cache), _ = setup(n=100, scratch=scratch)
+    keys = plain_store.dense_kv()[0].float()
+    plain = CertifiedAttention(backend="triton", compile=False)
+    padded = CertifiedAttention(backend="triton", compile=False)
+    padded._pad_layout = True
+    widths = set()
+    for step in range(2 * B + 2):  # blocks 6 -> 8: the capacity grows from 8 to 16
+        k, v, _ = grown(None, step)
+        q = make_query(keys, 2, seed=step, peaked=True)
+        for store in (plain_store, padded_store):
+            store.append(k, v)
+        out_a, cert_a = plain(q, plain_store, scratch=plain_cache)
+        out_b, cert_b = padded(q, padded_store, scratch=padded_cache)
+        widths.add(padded._layout(padded_store, True).num_blocks)
+        torch.testing.assert_close(out_b, out_a, rtol=1e-6, atol=1e-7)
+        for name in ("rung", "k_star", "value_blocks", "ranking_ok", "boundary_ok",
+                     "canary_ok"):
+            assert torch.equal(getattr(cert_a, name), getattr(cert_b, name)), (step, name)
+        for name in ("e_key", "e_val", "tail_mass"):
+            torch.testing.assert_close(getattr(cert_b, name), getattr(cert_a, name),
+                                       rtol=1e-5, atol=1e-30)
+        assert (cert_b.e_arith >= cert_a.e_arith).all()
+        assert (cert_b.e_arith <= 1.5 * cert_a.e_arith).all()
+        check_heads(out_b, cert_b, q, padded_store)
+    assert widths == {8, 16}
+    if scratch:
+        assert plain_cache.stats == padded_cache.stats
 
 
 def test_a_replay_copies_its_results_out_once_per_dtype():

@@ -87,8 +87,9 @@ class GrowingBlocks:
 
     def extend(self, blocks: Blocks) -> None:
         n = next(iter(blocks.values())).shape[1]
-        capacity = next(iter(self._data.values())).shape[1] if self._data else 0
-        if self.size + n + self.spare > capacity or not self._data:
+        capacity = self.capacity
+        grow = self.size + n + self.spare > capacity or not self._data
+        if grow:
             self._wait()  # growing copies the old buffer on the host
             new_capacity = max(2 * capacity, self.size + n + self.spare, 4)
             for name, new in blocks.items():
@@ -99,8 +100,15 @@ class GrowingBlocks:
         self._write_at(self.size, blocks)
         self.size += n
         self._views = {}
+        # the spare blocks (a new buffer: every block after size, which later extends keep)
+        end = self.capacity if grow else self.size + self.spare
         for name, value in (self.fill or {}).items():
-            self._data[name][:, self.size : self.size + self.spare].fill_(value)
+            self._data[name][:, self.size : end].fill_(value)
+
+    @property
+    def capacity(self) -> int:
+        """Blocks the buffers hold before the next growth (0 before the first extend)."""
+        return next(iter(self._data.values())).shape[1] if self._data else 0
 
     def put(self, index: torch.Tensor, blocks: Blocks) -> None:
         """Write ``blocks`` (leading dims ``[Hkv, len(index)]``) at block positions ``index``
@@ -132,8 +140,9 @@ class GrowingBlocks:
             self._copied.record()
 
     def view(self, extra: int = 0) -> Blocks:
-        """The first ``size + extra`` blocks (``extra <= spare``) of each tensor, no copy (the
-        same view objects until the next :meth:`extend`: a decode step slices nothing)."""
+        """The first ``size + extra`` blocks (``extra <= capacity - size``; blocks after ``size``
+        hold ``fill`` where it is set) of each tensor, no copy (the same view objects until the
+        next :meth:`extend`: a decode step slices nothing)."""
         self._wait()
         if extra not in self._views:
             self._views[extra] = {name: t[:, : self.size + extra]
@@ -260,8 +269,8 @@ class BlockTable:
         in_order = torch.equal(self.slot, torch.arange(self.num_blocks))
         self._single = pid if same and in_order else None
         self._all_groups = self._groups(torch.arange(self.num_blocks))
-        self._mask = lossy.to(self.device)
-        self._mask_tail = torch.cat([lossy, torch.zeros(1, dtype=torch.bool)]).to(self.device)
+        self._masks = {0: lossy.to(self.device),
+                       1: torch.cat([lossy, torch.zeros(1, dtype=torch.bool)]).to(self.device)}
 
     def allocate(self, pid: int, keys: Blocks, values: Blocks) -> None:
         """Allocate precision ``pid``'s buffers from empty codes (leading dims ``[Hkv, 0]``), so
@@ -339,9 +348,13 @@ class BlockTable:
         return (self._keys if which == "key" else self._values)[pid].view(extra)
 
     def quantized(self, extra: int = 0) -> torch.Tensor:
-        """Bool ``[n]`` on the device: the block is held by a lossy precision (not an exact
-        window); ``extra=1`` appends one False (the exact tail block)."""
-        return self._mask_tail if extra else self._mask
+        """Bool ``[n + extra]`` on the device: the block is held by a lossy precision (not an
+        exact window); the ``extra`` appended entries are False (the exact tail block, and the
+        empty blocks of a padded layout). Made once per change of the table."""
+        if extra not in self._masks:
+            self._masks[extra] = torch.cat([self._masks[0],
+                                            self._masks[0].new_zeros(extra)])
+        return self._masks[extra]
 
     def held(self) -> list[int]:
         """Precision ids holding blocks now (an empty table: the one new blocks start at)."""
@@ -365,4 +378,5 @@ class BlockTable:
         new._free = [list(f) for f in self._free]
         new.precision, new.slot = self.precision.clone(), self.slot.clone()
         new._held = list(self._held)
+        new._masks = dict(self._masks)
         return new

@@ -871,6 +871,11 @@ class TieredKVStore:
         """Views of ``_counts`` the kernels read (made once: no operator per step)."""
         self._completed_count, self._tail_count = self._counts[:1], self._counts[1:]
 
+    def block_capacity(self) -> int:
+        """Block columns a padded step layout may have before the store's buffers grow (the
+        annotations' capacity: the blocks after the completed ones read 0)."""
+        return self._annotations.capacity
+
     def tail_count(self) -> torch.Tensor:
         """int32 ``[1]`` on the store's device: :attr:`tail_len`, which the kernels read (a
         step captured in a graph replays while the tail fills, :mod:`certkv.graphs`)."""

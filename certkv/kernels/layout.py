@@ -51,15 +51,24 @@ class StepLayout:
     tail block's fill from device memory: a step captured in a graph replays over it,
     :mod:`certkv.graphs`). ``read``: make the step's read of Tier-1 (transient faults:
     :meth:`~certkv.cache.store.TieredKVStore.refresh_reads`); False for a second layout of a
-    step that made it already, which must see the same words as the first."""
+    step that made it already, which must see the same words as the first. ``width``: the
+    device path's layout padded to that many block columns (more than the completed blocks,
+    at most :meth:`~certkv.cache.store.TieredKVStore.block_capacity`): the tail block's
+    column, then empty blocks (no token, not quantized, every annotation 0), so that the
+    launches stay the same while blocks complete (issue 24's bucketed block counts; the
+    kernels read the counts from device memory, :mod:`certkv.kernels.triton_sources`)."""
 
-    def __init__(self, store: TieredKVStore, empty_tail: bool = False, read: bool = True) -> None:
+    def __init__(self, store: TieredKVStore, empty_tail: bool = False, read: bool = True,
+                 width: int | None = None) -> None:
         if read:
             store.refresh_reads()  # transient faults: this step's read of Tier-1
         self.store = store
         self._sources: dict[str, list[BlockSource] | None] = {}
         nc, t = store.num_blocks, store.tail_len
         extra = 1 if t or empty_tail else 0  # the exact tail block, last
+        if width is not None:  # the tail block, then empty blocks up to a fixed width
+            assert nc < width <= store.block_capacity(), (nc, width)
+            extra = width - nc
         self.num_completed = nc
         self.num_quantized = store.num_quantized()  # lossy blocks (host count)
         self.num_blocks = nc + extra  # n
