@@ -3,7 +3,7 @@
 A layer's certified step on the device path reads no host value (``tests/test_host_reads``), so its
 launches can be captured once and replayed while the store's layout stays the same: between two
 block completions only the tail block's fill changes, and every kernel reads that from device memory
-(:meth:`~certkv.cache.store.TieredKVStore.tail_count`), the store, the scratch cache's tables and
+(:meth:`~certkv.cache.store.TieredKVStore.block_counts`), the store, the scratch cache's tables and
 the non-finite flags are updated in place, and the arithmetic bound's coefficients are those of the
 layout's ``n B`` token slots (valid for any fill: :func:`certkv.certify.arith.step_coefficients`
 grows with both counts). The layout keeps a tail block column even while the tail is empty, so it

@@ -256,7 +256,6 @@ class TieredKVStore:
         self._tail_v = torch.zeros(tail_shape, dtype=torch.float16, device=self.device)
         self._counts = torch.zeros(2, dtype=torch.int32, device=self.device)  # blocks, tail
         self._count_views()
-        self._counted_blocks = 0
         self.tail_len = 0
         # running maxima of the blocks' nu_b and v_radius_b ([2, Hkv]), of eta_b ([Hkv])
         self._block_maxima = torch.zeros(2, num_kv_heads, device=self.device)
@@ -594,6 +593,7 @@ class TieredKVStore:
             values.append(v)
             parts.append((dev, note))
         self._table.add(pids, keys, values)
+        self._completed_count.fill_(self.num_blocks)
         notes = parts[0][1] if len(parts) == 1 else self._merged_notes(parts, n)
         self._keep_notes(notes)
         self._note_maxima(notes)
@@ -856,16 +856,14 @@ class TieredKVStore:
 
     @property
     def tail_len(self) -> int:
-        """Tokens in the partial tail block (host); :meth:`tail_count` holds it on the device."""
+        """Tokens in the partial tail block (host); :meth:`block_counts` holds it on the
+        device."""
         return self._tail_len
 
     @tail_len.setter
     def tail_len(self, value: int) -> None:
         self._tail_len = value
         self._tail_count.fill_(value)
-        if self._counted_blocks != self.num_blocks:  # set with the tail after a completion
-            self._counted_blocks = self.num_blocks
-            self._completed_count.fill_(self.num_blocks)
 
     def _count_views(self) -> None:
         """Views of ``_counts`` the kernels read (made once: no operator per step)."""
@@ -876,15 +874,11 @@ class TieredKVStore:
         annotations' capacity: the blocks after the completed ones read 0)."""
         return self._annotations.capacity
 
-    def tail_count(self) -> torch.Tensor:
-        """int32 ``[1]`` on the store's device: :attr:`tail_len`, which the kernels read (a
-        step captured in a graph replays while the tail fills, :mod:`certkv.graphs`)."""
-        return self._tail_count
-
     def block_counts(self) -> torch.Tensor:
         """int32 ``[2]`` on the store's device: ``(num_blocks, tail_len)``, where the kernels
-        read the tail block's column and fill (a layout padded with empty blocks keeps its
-        launches while blocks complete)."""
+        read the tail block's column and fill (a step captured in a graph replays as the tail
+        fills, :mod:`certkv.graphs`; a layout padded with empty blocks keeps its launches while
+        blocks complete)."""
         return self._counts
 
     @property

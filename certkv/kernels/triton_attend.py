@@ -50,7 +50,7 @@ def _attend_kernel(s_ptr, q_ptr, kslot_ptr, kstaged_ptr, gate_ptr, delta_ptr,
                    s_sk, s_sg, s_sn, s_qk, s_qg, s_ck, s_cn, s_ct, s_vk, s_vn, s_vt, s_lk,
                    s_kp, s_kt, s_pp, s_pt, s_2p, s_2t, s_tk, s_tt, s_bk, s_bg, s_mk, s_mg,
                    s_ak, s_ag, s_as,
-                   cnt_ptr, n_live, split_base, counts_ptr, scaling,
+                   n_live, walked, split_base, counts_ptr, scaling,
                    eps_guard, G: tl.constexpr, BLOCK_G: tl.constexpr, B: tl.constexpr,
                    D: tl.constexpr, DOT_C: tl.constexpr, GROUP: tl.constexpr,
                    SPLIT: tl.constexpr, FP16: tl.constexpr, BITS: tl.constexpr,
@@ -68,7 +68,7 @@ def _attend_kernel(s_ptr, q_ptr, kslot_ptr, kstaged_ptr, gate_ptr, delta_ptr,
     zero_bd = t[:, None] * 0 + c[None, :] * 0  # [B, D] int zeros: broadcast scalars to masks
     for i in range(SPLIT):
         e = split * SPLIT + i
-        blk, slot, beyond, filled = entry(blk_ptr, slot_ptr, cnt_ptr, counts_ptr, e, n_live,
+        blk, slot, beyond, filled = entry(blk_ptr, slot_ptr, counts_ptr, e, n_live, walked,
                                           B, TAIL, CARRIES)
         rows = (t[:, None] + zero_bd) < filled  # [B, D]: filled token slots
         live = e < n_live
@@ -253,7 +253,7 @@ def attend_blocks(scored: Scored, q: torch.Tensor, gate: torch.Tensor,
     split = split or blocks_per_program(n, hkv, scores.device)
     plan = launches(sources, n)
     bases = [0]
-    for _, _, live in plan:
+    for _, _, live, _ in plan:
         bases.append(bases[-1] + triton.cdiv(live, split))
     dev = scores.device
     m_b = torch.empty(hkv, g, n, device=dev)
@@ -269,17 +269,19 @@ def attend_blocks(scored: Scored, q: torch.Tensor, gate: torch.Tensor,
     shared = (scores, q.float().contiguous(), key_slot.contiguous(), key_data,
               gate, delta, value_slot.contiguous(), value_data, tier2,
               (m_b, l_b, l2_b, canary), (m, lsum, acc))
-    for (src, tail, live), base in zip(plan, bases, strict=False):
-        _launch_attend(src, tail, live, base, shared, scaling, eps_guard, split)
+    for (src, tail, live, walked), base in zip(plan, bases, strict=False):
+        _launch_attend(src, tail, (live, walked), base, shared, scaling, eps_guard, split)
     att = reduce_splits(m_b, l_b, m, lsum, acc, l2_b, checks)
     att.canary = canary
     return att
 
 
-def _launch_attend(src, tail, live, base, shared, scaling, eps_guard, split) -> None:
+def _launch_attend(src, tail, entries, base, shared, scaling, eps_guard, split) -> None:
     """One Phase-2 launch over ``src``'s blocks (and the ``tail`` source it carries, or
-    None; ``live`` entries): block statistics at their indices, split states from split
-    ``base`` on."""
+    None; ``entries``: what it walks and the blocks earlier launches walked,
+    :func:`~certkv.kernels.triton_sources.launches`): block statistics at their indices,
+    split states from split ``base`` on."""
+    live, walked = entries
     (scores, q, key_slot, key_data, gate, delta, value_slot, value_data, (k2, v2), blocks_out,
      state) = shared
     m_b, l_b, l2_b, canary = blocks_out
@@ -300,7 +302,7 @@ def _launch_attend(src, tail, live, base, shared, scaling, eps_guard, split) -> 
         k2.stride(0), k2.stride(1), tail_v.stride(0), tail_v.stride(2),
         m_b.stride(0), m_b.stride(1), m.stride(0), m.stride(1),
         acc.stride(0), acc.stride(1), acc.stride(2),
-        src.entries, live, base, src.counts,
+        live, walked, base, src.counts,
         float(scaling), float(eps_guard),
         G=g, BLOCK_G=triton.next_power_of_2(g), B=bsz, D=d, DOT_C=dot_chunk(d),
         GROUP=lay.group, SPLIT=split, FP16=lay.fp16, BITS=lay.bits, TAIL=src.is_tail,

@@ -65,22 +65,23 @@ def load_codes(ptr, base, t, c, s_t, mask, BITS: tl.constexpr):
 
 
 @triton.jit
-def entry(blk_ptr, slot_ptr, cnt_ptr, counts_ptr, e, n_live, B: tl.constexpr,
+def entry(blk_ptr, slot_ptr, counts_ptr, e, n_live, walked, B: tl.constexpr,
           TAIL: tl.constexpr, CARRIES: tl.constexpr):
     """``(block index, slot, beyond, filled)`` of entry ``e`` of a launch. The launch's blocks
-    come first (``cnt_ptr[0]`` of them, through the index lists); a launch that ``CARRIES``
-    the tail block (or is the tail launch, ``TAIL``) walks it next, at column ``counts[0]``
-    (the store's completed blocks), then the empty blocks after it (a padded layout):
+    come first, through the index lists: ``n_live`` of them, or, where the launch ``CARRIES``
+    the tail block (or is the tail launch, ``TAIL``), the store's completed blocks
+    ``counts[0]`` less the ``walked`` ones of earlier launches; such a launch walks the tail
+    block next, at column ``counts[0]``, then the empty blocks after it (a padded layout):
     ``beyond`` marks those entries, read from the tail buffer; ``filled``: the block's token
     slots in use (``counts[1]`` on the tail block, none after it, ``B`` on a completed one).
     An entry past the launch's ``n_live`` is its last one again (in bounds; the caller
     stores nothing for it)."""
     e = tl.minimum(e, n_live - 1)
-    if TAIL:  # noqa: SIM108 (a compile-time branch of the kernel, not an expression)
-        n_entries = 0 * e
-    else:
-        n_entries = tl.load(cnt_ptr) + 0 * e
     tail_blk = tl.load(counts_ptr)
+    if CARRIES:  # noqa: SIM108 (a compile-time branch of the kernel, not an expression)
+        n_entries = tail_blk - walked + 0 * e
+    else:
+        n_entries = n_live + 0 * e
     tail_rows = tl.load(counts_ptr + 1)
     if TAIL:
         blk = tail_blk + e
@@ -89,10 +90,7 @@ def entry(blk_ptr, slot_ptr, cnt_ptr, counts_ptr, e, n_live, B: tl.constexpr,
         last = tl.maximum(tl.minimum(e, n_entries - 1), 0)
         blk = tl.load(blk_ptr + last)
         slot = tl.load(slot_ptr + last)
-    if CARRIES:  # noqa: SIM108 (a compile-time branch of the kernel, not an expression)
-        beyond = e >= n_entries
-    else:
-        beyond = e < 0  # never
+    beyond = e >= n_entries  # never where the launch does not carry the tail
     blk = tl.where(beyond, tail_blk + e - n_entries, blk)
     filled = tl.where(beyond, tl.where(e == n_entries, tail_rows, 0), B)
     return blk, slot, beyond, filled
@@ -111,7 +109,7 @@ def log_or_minus_inf(total):
 def _score_kernel(q_ptr, code_ptr, scale_ptr, offset_ptr, blk_ptr, slot_ptr, tk_ptr,
                   s_out, l_out, d_out, ls_out,
                   s_qk, s_qg, s_ck, s_cn, s_ct, s_sk, s_sn, s_ok, s_og, s_on, s_lk, s_lg,
-                  s_tk, s_tt, cnt_ptr, n_live, counts_ptr, scaling, bound_a,
+                  s_tk, s_tt, n_live, walked, counts_ptr, scaling, bound_a,
                   bound_b, G: tl.constexpr, BLOCK_G: tl.constexpr, B: tl.constexpr,
                   D: tl.constexpr, DOT_C: tl.constexpr, SPLIT: tl.constexpr, FP16: tl.constexpr,
                   BITS: tl.constexpr, BIAS: tl.constexpr, TAIL: tl.constexpr,
@@ -125,8 +123,8 @@ def _score_kernel(q_ptr, code_ptr, scale_ptr, offset_ptr, blk_ptr, slot_ptr, tk_
     q_abs = tl.abs(q)
     for i in range(SPLIT):
         e = tl.program_id(1) * SPLIT + i
-        blk, slot, beyond, filled = entry(blk_ptr, slot_ptr, cnt_ptr, counts_ptr, e, n_live, B,
-                                          TAIL, CARRIES)
+        blk, slot, beyond, filled = entry(blk_ptr, slot_ptr, counts_ptr, e, n_live, walked,
+                                          B, TAIL, CARRIES)
         rows = t < filled  # [B]: filled token slots
         base = kv * s_ck + slot * s_cn
         if FP16:  # an exact block: the originals, Delta_b = 0
@@ -189,14 +187,17 @@ def score_blocks(q: torch.Tensor, sources: list, n: int, block_size: int, scalin
     delta = torch.empty_like(log_mass)
     log_spread = torch.empty_like(log_mass)
     split = split or blocks_per_program(n, hkv, q.device)
-    for src, tail, live in launches(sources, n):
-        _launch_scores(q, src, tail, live, (s, log_mass, delta, log_spread), scaling, split)
+    for src, tail, live, walked in launches(sources, n):
+        _launch_scores(q, src, tail, (live, walked), (s, log_mass, delta, log_spread), scaling,
+                       split)
     return s, log_mass, delta, log_spread
 
 
-def _launch_scores(q, src, tail, live, out, scaling, split) -> None:
+def _launch_scores(q, src, tail, entries, out, scaling, split) -> None:
     """One Phase-1 launch over ``src``'s blocks (and the ``tail`` source it carries, or
-    None; ``live`` entries), writing into ``out`` at their indices."""
+    None; ``entries``: what it walks and the blocks earlier launches walked,
+    :func:`~certkv.kernels.triton_sources.launches`), writing into ``out`` at their indices."""
+    live, walked = entries
     s, log_mass, delta, log_spread = out
     hkv, group, d = q.shape
     lay = src.layout
@@ -207,7 +208,7 @@ def _launch_scores(q, src, tail, live, out, scaling, split) -> None:
         q.stride(0), q.stride(1), data.stride(0), data.stride(1), data.stride(2),
         scale.stride(0), scale.stride(1),
         s.stride(0), s.stride(1), s.stride(2), log_mass.stride(0), log_mass.stride(1),
-        tail_k.stride(0), tail_k.stride(2), src.entries, live, src.counts, float(scaling),
+        tail_k.stride(0), tail_k.stride(2), live, walked, src.counts, float(scaling),
         float(lay.bound[0]), float(lay.bound[1]),
         G=group, BLOCK_G=triton.next_power_of_2(group), B=s.shape[3], D=d, DOT_C=dot_chunk(d),
         SPLIT=split, FP16=lay.fp16, BITS=lay.bits, BIAS=lay.bias, TAIL=src.is_tail,

@@ -95,11 +95,10 @@ class BlockSource:
     ``scale``/``offset``: keys ``[Hkv, slots, d]``, values ``[Hkv, slots, B, d / group]`` (None
     for FP16); ``blocks``/``slots``: device int64 ``[m]``, the block indices and their rows in
     ``data``, or None for the tail block (``data [Hkv, 1, B, d]``, at block index
-    ``num_completed``). Device counts, which the kernels read (so that a step captured in a
-    graph replays as the tail fills, :mod:`certkv.graphs`): ``entries``, int32 whose first
-    element is ``count``; ``counts``, int32 ``[2]``: the store's completed blocks (the tail
-    block's column) and tail block fill
-    (:meth:`~certkv.cache.store.TieredKVStore.block_counts`).
+    ``num_completed``); ``counts``: int32 ``[2]``, the store's completed blocks (the tail
+    block's column) and tail block fill in device memory
+    (:meth:`~certkv.cache.store.TieredKVStore.block_counts`: kernels read them there, so a
+    step captured in a graph replays as the tail fills).
     """
 
     layout: CodeLayout
@@ -109,7 +108,6 @@ class BlockSource:
     blocks: torch.Tensor | None
     slots: torch.Tensor | None
     count: int  # blocks in this launch (host)
-    entries: torch.Tensor  # int32, [0] = count (device)
     counts: torch.Tensor  # int32 [2]: (completed blocks, tail fill) of the store (device)
 
     @property
@@ -137,8 +135,7 @@ def block_sources(store, which: str, tail: bool | None = None) -> list[BlockSour
         return None
     sources = []
     counts = store.block_counts()
-    groups = store.block_groups(which)
-    for precision, codes, blocks, slots in groups:
+    for precision, codes, blocks, slots in store.block_groups(which):
         codec = getattr(precision, f"{which}_codec")
         wrapped = protected(codec)
         if wrapped is not None:  # ECC words: decoded to the inner codec's codes first
@@ -152,45 +149,42 @@ def block_sources(store, which: str, tail: bool | None = None) -> list[BlockSour
         if type(codec) in (SummaryKeyCodec, SummaryValueCodec):
             codes = _summary_codes(codes, store.block_size)
         data = codes["data"] if layout.fp16 else codes["codes"]
-        # one precision walks every completed block: the store's own count (kept in place)
-        entries = counts if len(groups) == 1 else _device_count(blocks)
         sources.append(BlockSource(layout, data, codes.get("scale"), codes.get("offset"),
-                                   blocks, slots, blocks.shape[0], entries, counts))
+                                   blocks, slots, blocks.shape[0], counts))
     if store.tail_len if tail is None else tail:
         tail = store.tail_buffers()[0 if which == "key" else 1]
         sources.append(BlockSource(CodeLayout(fp16=True), tail.unsqueeze(1), None, None, None,
-                                   None, 0, counts, counts))
+                                   None, 0, counts))
     return sources
 
 
 def launches(sources: list[BlockSource], n: int
-             ) -> list[tuple[BlockSource, BlockSource | None, int]]:
-    """``(source, tail, entries)`` per kernel launch over a layout of ``n`` block columns: the
-    exact tail block rides along with the last precision's launch as one more entry (one launch
-    fewer per phase), and gets a launch of its own only when no block is completed.
-    ``entries`` (host): what the launch walks, its blocks and, for the launch with the tail,
-    every column from the tail block's on: the columns after it are empty blocks (a layout
-    padded to a fixed width, whose launches stay the same while blocks complete), which the
-    kernels give a block's neutral values (no token: ``-inf`` logits, no mass, ``Delta_b =
-    0``)."""
+             ) -> list[tuple[BlockSource, BlockSource | None, int, int]]:
+    """``(source, tail, entries, walked)`` per kernel launch over a layout of ``n`` block
+    columns: the exact tail block rides along with the last precision's launch as one more
+    entry (one launch fewer per phase), and gets a launch of its own only when no block is
+    completed. ``entries`` (host): what the launch walks, its blocks and, for the launch with
+    the tail, every column from the tail block's on: the columns after it are empty blocks (a
+    layout padded to a fixed width, whose launches stay the same while blocks complete), which
+    the kernels give a block's neutral values (no token: ``-inf`` logits, no mass, ``Delta_b =
+    0``). ``walked`` (host): the blocks of the launches before it, so that the launch with the
+    tail counts its own blocks on the device as the store's completed blocks less those (the
+    launches partition the completed blocks)."""
     if len(sources) > 1 and sources[-1].is_tail:
         pairs = [(src, None) for src in sources[:-2]] + [(sources[-2], sources[-1])]
     else:
         pairs = [(src, None) for src in sources]
-    walked = sum(src.count for src, _ in pairs[:-1])
-    plan = [(src, tail, src.count) for src, tail in pairs[:-1]]
-    src, tail = pairs[-1]
-    return [*plan, (src, tail, n - walked if carries_tail(src, tail) else src.count)]
+    plan, walked = [], 0
+    for src, tail in pairs:
+        carries = carries_tail(src, tail)
+        plan.append((src, tail, n - walked if carries else src.count, walked))
+        walked += src.count
+    return plan
 
 
 def carries_tail(src: BlockSource, tail: BlockSource | None) -> bool:
     """Whether a launch walks the tail block (and the empty blocks after it)."""
     return tail is not None or src.is_tail
-
-
-def _device_count(blocks: torch.Tensor) -> torch.Tensor:
-    """int32 ``[1]`` on ``blocks``' device: how many there are (a launch's ``entries``)."""
-    return torch.full((1,), blocks.shape[0], dtype=torch.int32, device=blocks.device)
 
 
 def _summary_codes(codes, block_size: int) -> dict:
