@@ -159,6 +159,12 @@ class CertifiedAttention:
             :meth:`synchronize` (which the transformers cache's log reaches at every step
             boundary). ``None``: where the backend has the kernel (``triton``) and neither an
             FP64 query nor ``ladder.bound_tol`` needs the host; ``False``: read the flags.
+
+    Attributes:
+        pad_layout: on the device path, pad each step's layout to the store's block capacity
+            (:class:`~certkv.kernels.layout.StepLayout`'s ``width``) so that its launches and
+            shapes stay the same while blocks complete; ``e_arith`` then counts the padded
+            token slots. :class:`~certkv.graphs.GraphedAttention` turns it on (default off).
     """
 
     selector: AdaptiveTopK = field(default_factory=AdaptiveTopK)
@@ -179,11 +185,7 @@ class CertifiedAttention:
         self._constants: dict = {}  # per-shape constants: kv_of (_kv_of), _no_pool
         self._specs: dict[ArithSpec, ArithSpec] = {}
         self._nonfinite: torch.Tensor | None = None  # [2] q, K/V since the last synchronize()
-        # issue 24's bucketed block counts, in progress: pad the device path's layout to the
-        # store's block capacity (StepLayout's width). Eager steps are certified as they are
-        # (tests/test_triton.py); graphs do not use it yet (selection, page-in and
-        # certificate still take host counts that change when a block completes).
-        self._pad_layout = False
+        self.pad_layout = False  # (issue 24's bucketed block counts, class docstring)
 
     # ----------------------------------------------------------------- entry
     def __call__(
@@ -390,7 +392,7 @@ class CertifiedAttention:
         only when a block completes (:meth:`graph_layout`)."""
         lay = StepLayout(store)
         if on_device and _takes_empty_tail(self.backend, lay):
-            if self._pad_layout and store.num_blocks:
+            if self.pad_layout and store.num_blocks:
                 return StepLayout(store, read=False, width=store.block_capacity())
             if not store.tail_len:
                 lay = StepLayout(store, empty_tail=True, read=False)  # the words just checked
@@ -398,14 +400,18 @@ class CertifiedAttention:
 
     def graph_layout(self, store: TieredKVStore) -> tuple | None:
         """What a captured step over ``store`` depends on besides device memory (a graph is
-        replayed while it stays the same, :mod:`certkv.graphs`): the store's completed blocks
-        (:meth:`TieredKVStore.graph_signature`) and, where the kernels do not take an empty
-        tail block, whether the tail holds tokens; None for a store that is not graphable."""
+        replayed while it stays the same, :mod:`certkv.graphs`): the store's buffers
+        (:meth:`TieredKVStore.graph_signature`), whether it has completed blocks, the completed
+        blocks themselves unless the layout is padded (:attr:`pad_layout`, where the kernels
+        take an empty tail block) and, where they do not, whether the tail holds tokens; None
+        for a store that is not graphable."""
         signature = store.graph_signature()
         if signature is None:
             return None
-        return signature, bool(store.tail_len) or _takes_empty_tail(self.backend,
-                                                                     StepLayout(store))
+        takes_empty = _takes_empty_tail(self.backend, StepLayout(store))
+        padded = self.pad_layout and takes_empty
+        return (signature, bool(store.num_blocks), None if padded else store.num_blocks,
+                bool(store.tail_len) or takes_empty)
 
     def _drop_evicted(self, q, store, lay, scored, scaling):
         """Naive eviction, as kvpress does it: a naive step leaves evicted blocks out of
@@ -438,7 +444,9 @@ class CertifiedAttention:
         group = hq // hkv
         certified = self.mode == "certified"
 
-        # Selection (paper 3.3), rung 1, value promotion (rung 2): device tensors only.
+        # Selection (paper 3.3), rung 1, value promotion (rung 2): device tensors only (on the
+        # device path the quantized block count too, which changes in place as blocks complete)
+        n_q = lay.quantized_count if on_device else lay.num_quantized
         with timer.phase("select"):
             draw = self.ladder.exploration_draw((hq, lay.quantized.numel()), q.device) \
                 if certified else None
@@ -449,12 +457,12 @@ class CertifiedAttention:
                     l8_kv=scored.log_mass, delta_kv=scored.delta_b,
                     log_spread_kv=_log_spread(scored), quantized=lay.quantized, eta=lay.eta,
                     value_spec=lay.value_spec, key_err=lay.key_err, v_max_kv=lay.v_max,
-                    v_rad_kv=lay.v_radius, n_q=lay.num_quantized, scaling=scaling)
+                    v_rad_kv=lay.v_radius, n_q=n_q, scaling=scaling)
             else:
                 sel = self._segment("_select_step", q.device)(
                     qg, scored.log_mass, scored.delta_b, _log_spread(scored), lay.quantized,
                     lay.eta, lay.value_spec, lay.key_err, lay.v_max, lay.v_radius,
-                    kv_of, draw, lay.num_quantized, scaling, boost)
+                    kv_of, draw, n_q, scaling, boost)
             (log_p, delta_b, delta, delta_chan, v_max, v_rad, q_norm, promoted, expanded,
              value_kv, plan, exact) = sel
 
@@ -554,7 +562,8 @@ class CertifiedAttention:
                 and log-spreads ``[Hkv, G, n]``.
             quantized: ``[n]``; eta, value_spec, key_err: ``[Hkv, n]``;
             v_max_kv, v_rad_kv: ``[Hkv]``; kv_of: ``[Hq]`` each head's kv head.
-            draw: uniform ``[Hq, n]`` for exploration, or None; n_q: quantized block count;
+            draw: uniform ``[Hq, n]`` for exploration, or None; n_q: quantized block count
+                (a host int, or a 0-d device tensor on the device path);
             scaling: the softmax scale; boost: ``[Hq]`` bound-tolerance escalation level (1:
             key set at the ladder's cap, 2: also FP16 values of the promoted blocks) or None.
         Returns:
@@ -744,8 +753,8 @@ class CertifiedAttention:
         need = self.ladder.needs_expansion(tail_bound, sel.tau_cov, e_key)
         k_new = torch.where(need, self.ladder.expanded_k(k, sel.k_max, n_q), k)
         if boost is not None:  # bound-tolerance escalation: the widest key set the ladder allows
-            cap = torch.full_like(k, self.ladder.key_cap(sel.k_max, n_q))
-            k_new = torch.where(boost >= 1, torch.maximum(k_new, cap), k_new)
+            cap = self.ladder.key_cap(sel.k_max, n_q)
+            k_new = torch.where(boost >= 1, k_new.clamp(min=cap), k_new)
         expanded = k_new > k
         promoted = sel.promoted(rank, k_new, exact, group)  # all tensor ops, no host sync
         if draw is not None:
@@ -846,14 +855,14 @@ class CertifiedAttention:
         bookkeeping (misses of keys and values copied from Tier-2 by one kernel, blocks without
         a free slot read by Phase 2 from Tier-2 in place) or, without a scratch cache, every wanted
         block read from Tier-2 in place. Counts stay on the device (0-d)."""
-        store, nc = lay.store, lay.num_completed
-        if nc == 0:
+        store = lay.store
+        if lay.num_completed == 0:
             return None, None, 0, 0
         k2, v2, width = store.original_rows()
         lrus = [None if scratch is None else scratch.device_lru(which) for which in "kv"]
-        tables = [None if lru is None else lru.tables(store) for lru in lrus]
+        tables = [None if lru is None else lru.tables(store, lay.num_blocks) for lru in lrus]
         maps, promotions, *steps = self._segment("_slot_maps", store.device)(
-            plan, nc, width, *tables)
+            plan, width, *tables)
         if scratch is None:
             pools = [self._no_pool(store)] * 2
         else:  # the tables updated in place: fill both pools' new slots in one launch

@@ -1,17 +1,23 @@
 """Certified decode steps captured once and replayed (issue 24: static shapes, CUDA graphs).
 
 A layer's certified step on the device path reads no host value (``tests/test_host_reads``), so its
-launches can be captured once and replayed while the store's layout stays the same: between two
-block completions only the tail block's fill changes, and every kernel reads that from device memory
-(:meth:`~certkv.cache.store.TieredKVStore.block_counts`), the store, the scratch cache's tables and
-the non-finite flags are updated in place, and the arithmetic bound's coefficients are those of the
-layout's ``n B`` token slots (valid for any fill: :func:`certkv.certify.arith.step_coefficients`
-grows with both counts). The layout keeps a tail block column even while the tail is empty, so it
-changes only when a block completes. :class:`GraphedAttention` runs each layer's first step of a
-layout eagerly, captures the second and replays the step until a block completes. The eager step
-does what a layout does once and keeps (kernel compiles, memoised coefficients copied to the
-device, the scratch cache's device tables resized): inside a capture that work would be recorded
-and every replay would redo it, restoring the tables as they were (a test shows it).
+launches can be captured once and replayed while nothing it takes from the host changes.
+:class:`GraphedAttention` pads its steps' layouts to the store's block capacity
+(:attr:`CertifiedAttention.pad_layout`: the tail block's column, then empty blocks), so that a
+step's launches and shapes stay the same while the tail fills and blocks complete, until one of
+the store's buffers grows: a bucket (:meth:`~certkv.cache.store.TieredKVStore.graph_signature`).
+Inside a bucket every kernel reads the completed-block count and the tail block's fill from
+device memory (:meth:`~certkv.cache.store.TieredKVStore.block_counts`), selection reads the
+quantized-block count there, the store (its mask, block lists, maxima), the scratch cache's
+tables and the non-finite flags are updated in place, and the arithmetic bound's coefficients
+are those of the layout's ``n B`` token slots (valid for any fill:
+:func:`certkv.certify.arith.step_coefficients` grows with both counts). A replayed certificate
+gets the one host field that changes inside a bucket, the quantized block count, from the store.
+Each layer's first step of a bucket runs eagerly, the second is captured and the rest replay.
+The eager step does what a bucket does once and keeps (kernel compiles, memoised coefficients
+copied to the device, the scratch cache's device tables resized): inside a capture that work
+would be recorded and every replay would redo it, restoring the tables as they were (a test
+shows it).
 
 Two graphs with one protocol (``capture(fn) -> outputs``, ``replay()``):
 
@@ -162,8 +168,9 @@ class _Captured:
 
 
 class GraphedAttention:
-    """A :class:`~certkv.CertifiedAttention` whose steps are captured per store and layout
-    and replayed (see the module). Call it as the attention itself; everything else (``mode``,
+    """A :class:`~certkv.CertifiedAttention` whose steps are captured per store and bucket
+    and replayed (see the module); it turns the attention's :attr:`pad_layout` on. Call it
+    as the attention itself; everything else (``mode``,
     ``synchronize``, ...) is the wrapped attention's.
 
     Args:
@@ -176,6 +183,7 @@ class GraphedAttention:
 
     def __init__(self, attention, graph: Callable | None = None) -> None:
         self.attention = attention
+        attention.pad_layout = True  # one capture per bucket of block counts, not per block
         self.graph = graph
         # per store (a store freed with its cache takes its graph along; a new store never
         # meets another's graph)
@@ -209,7 +217,7 @@ class GraphedAttention:
             return attention(q, store, scaling, scratch)
         key = (*key, id(scratch))
         step = self._steps.get(store)
-        if step is None or step.signature != key:  # a new layout: one eager step first
+        if step is None or step.signature != key:  # a new bucket: one eager step first
             self._steps[store] = _Captured(key)
             return attention(q, store, scaling, scratch)
         if step.graph is None:
@@ -217,7 +225,9 @@ class GraphedAttention:
         step.q.copy_(q)
         step.graph.replay()
         self.replays += 1
-        return step.outputs.copied()
+        out, cert = step.outputs.copied()
+        cert.num_blocks = store.num_quantized()  # its one host field that changes in a bucket
+        return out, cert
 
     def _capture(self, step: _Captured, q, store, scaling, scratch):
         graph = self._new_graph(q.device)
@@ -251,7 +261,7 @@ class _Packed:
     25 launches per layer step on a GPU), and unpacked as views of the copies."""
 
     def __init__(self, outputs: tuple) -> None:
-        self.out, self.cert = outputs  # the certificate's other fields: a layout's constants
+        self.out, self.cert = outputs  # the certificate's other fields: a bucket's constants
         self.tensors = [self.out, *self.cert.tensors()]
         groups: dict[torch.dtype, list[torch.Tensor]] = {}
         for t in self.tensors:

@@ -45,16 +45,21 @@ def test_a_segment_that_cannot_compile_runs_eagerly_with_one_warning():
 def test_a_growing_cache_under_inference_mode_compiles_each_segment_once():
     """On SmolLM2 (GPU, 4K RULER) the segments recompiled until dynamo's limit of 8 and then
     ran eagerly: views of growing buffers change stride with their capacity, and tensors made
-    before the first step are not inference tensors. Both now keep the first graph."""
+    before the first step are not inference tensors. Both now keep the first graph, also where
+    an earlier step outside inference mode memoised the arithmetic coefficients of a count."""
     from torch._dynamo.utils import counters
 
     k, v = make_kv(2, 700, 32, seed=2, outlier_channels=2)
+    earlier = TieredKVStore(2, 32, value_group=8)
+    earlier.append(k[:, :300], v[:, :300])
+    CertifiedAttention(compile="eager")(make_query(k[:, :300], 3, seed=0, scale=3.0), earlier)
     store = TieredKVStore(2, 32, value_group=8)
-    store.append(k[:, :40], v[:, :40])  # made outside inference mode, like a prefill
+    store.append(k[:, :70], v[:, :70])  # made outside inference mode, like a prefill
     attention = CertifiedAttention(compile="eager")
     graphs = []
-    with torch.inference_mode():
-        for step, end in enumerate([41, 42, 97, 160, 161, 300, 555, 700]):
+    with torch.inference_mode():  # (n = 5 blocks at first: no size equals the group's, 3,
+        # which dynamo's duck sizing would tie to it and recompile for when n grows)
+        for step, end in enumerate([71, 72, 97, 160, 161, 300, 555, 700]):
             store.append(k[:, store.num_tokens:end], v[:, store.num_tokens:end])
             attention(make_query(k[:, :end], 3, seed=step, scale=3.0), store)
             graphs.append(counters["stats"]["unique_graphs"])

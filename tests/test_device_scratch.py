@@ -29,8 +29,7 @@ def page_in_keys(lru: DeviceLRU, store, want: torch.Tensor):
 
     k2, _, width = store.original_rows()
     plan = torch.stack([want, torch.zeros_like(want)])
-    maps, _, (_, need, src), _ = slot_maps(plan, store.num_blocks, width, lru.tables(store),
-                                           None)
+    maps, _, (_, need, src), _ = slot_maps(plan, width, lru.tables(store, want.shape[1]), None)
     fill_slots([(need, src, k2, lru.pool)])
     return maps[0], k2
 

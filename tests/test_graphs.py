@@ -49,17 +49,22 @@ def assert_same(a, b):
 
 
 @pytest.mark.parametrize("scratch", [4, 64, None])
-def test_replayed_steps_equal_eager_steps_while_the_tail_fills(scratch):
+def test_replays_equal_eager_steps_through_block_completions(scratch):
     """Small and large scratch caches (blocks evicted every step, or kept and hit later) and
-    none, each step's query peaked on other keys (the blocks it wants change); the device
-    LRU's own tables compared too, so that state a replay would restore stale (e.g. tables
-    resized inside a capture) shows."""
-    (eager_store, graph_store), (eager_cache, graph_cache), _ = setup(scratch=scratch)
+    none, each step's query peaked on other keys (the blocks it wants change). A graphed
+    attention pads its layouts to the store's block capacity and captures one step per bucket
+    (a length of the store's buffers), whose replays run on through block completions: every
+    step equals the eager step over the same padded layout bit for bit, certificate and its
+    quantized block count included. The device LRU's own tables are compared too, so that state
+    a replay would restore stale (e.g. tables resized inside a capture) shows."""
+    (eager_store, graph_store), (eager_cache, graph_cache), _ = setup(n=100, scratch=scratch)
     keys = eager_store.dense_kv()[0].float()
     eager = CertifiedAttention(backend="triton", compile=False)
+    eager.pad_layout = True
     graphed = GraphedAttention(CertifiedAttention(backend="triton", compile=False),
                                graph=RecordedGraph)
-    for step in range(B + 4):  # through a block completion: a new layout, a new capture
+    buckets: dict = {}  # graph signature -> block counts replayed under it
+    for step in range(2 * B + 10):  # blocks 6 -> 8: completions inside and across buckets
         k, v, _ = grown(None, step)
         q = make_query(keys, 2, seed=step, peaked=True)
         for store in (eager_store, graph_store):
@@ -71,7 +76,10 @@ def test_replayed_steps_equal_eager_steps_while_the_tail_fills(scratch):
                 tables = [c.device_lru(which).tables(s) for c, s in
                           ((eager_cache, eager_store), (graph_cache, graph_store))]
                 assert all(torch.equal(a, b) for a, b in zip(*tables, strict=True)), step
-    assert graphed.captures >= 2 and graphed.replays >= B - 4
+        buckets.setdefault(graph_store.graph_signature(), set()).add(graph_store.num_blocks)
+    assert graphed.captures == len(buckets) >= 2  # one per bucket, not per block count
+    assert max(len(blocks) for blocks in buckets.values()) >= 2  # replayed through completions
+    assert graphed.replays == 2 * B + 10 - 2 * len(buckets)
     if scratch:
         assert eager_cache.stats == graph_cache.stats
 
@@ -87,7 +95,7 @@ def test_steps_over_a_padded_layout_are_the_unpadded_steps(scratch):
     keys = plain_store.dense_kv()[0].float()
     plain = CertifiedAttention(backend="triton", compile=False)
     padded = CertifiedAttention(backend="triton", compile=False)
-    padded._pad_layout = True
+    padded.pad_layout = True
     widths = set()
     for step in range(2 * B + 2):  # blocks 6 -> 8: the capacity grows from 8 to 16
         k, v, _ = grown(None, step)
@@ -208,6 +216,7 @@ def test_a_model_decodes_the_same_with_its_steps_replayed():
     runs, graphed = [], None
     for graph in (None, RecordedGraph):
         attn = CertifiedAttention(backend="triton", compile=False)
+        attn.pad_layout = True  # as the graphed attention pads its layouts
         if graph is not None:
             attn = graphed = GraphedAttention(attn, graph=graph)
         cache = TieredCache(2, attn, spec=CacheSpec(scratch_key_blocks=4, scratch_value_blocks=4))
@@ -234,4 +243,9 @@ def test_stores_whose_layout_changes_at_any_step_are_not_graphed():
         assert store.graph_signature() is None
     plain = TieredKVStore(2, D)
     plain.append(k, v)
-    assert plain.graph_signature() == 2
+    signature, more = plain.graph_signature(), make_kv(2, 24, D, seed=1)
+    assert signature is not None
+    plain.append(more[0][:, :8], more[1][:, :8])  # block 3 completes in the buffers' room
+    assert plain.num_blocks == 3 and plain.graph_signature() == signature
+    plain.append(more[0][:, 8:], more[1][:, 8:])  # block 4: the buffers grow
+    assert plain.graph_signature() != signature

@@ -46,6 +46,33 @@ def test_coverage_reached_or_k_max_hit(seed, n, tau, k_min, k_max, peaked, has_t
             assert chosen.min() >= rest.max()
 
 
+@given(seed=st.integers(0, 10_000), n=st.integers(1, 48), pad=st.integers(0, 8),
+       tau=st.sampled_from([0.0, 0.5, 0.9, 0.995, 1.0]), k_min=st.integers(0, 3),
+       k_max=st.integers(0, 40), exact=st.floats(0.0, 0.5), cap=st.sampled_from([None, 3]))
+def test_a_device_count_chooses_as_the_host_count(seed, n, pad, tau, k_min, k_max, exact,
+                                                  cap):
+    """K* and rung 1's widened K* from the quantized count as a 0-d tensor (what a step
+    captured in a graph reads, no host value) equal those from the host count, with exact
+    windows among the blocks and the empty blocks of a padded layout after them (mass 0, not
+    quantized)."""
+    from certkv.certify.ladder import Ladder
+
+    k_min = min(k_min, k_max)
+    gen = torch.Generator().manual_seed(seed)
+    p = torch.cat([masses(seed, 3, n, peaked=seed % 2 == 0), torch.zeros(3, pad)], dim=-1)
+    quantized = torch.cat([torch.rand(n, generator=gen) >= exact,
+                           torch.zeros(pad, dtype=torch.bool)])
+    n_q = int(quantized.sum())
+    sel, ladder = AdaptiveTopK(tau_cov=tau, k_min=k_min, k_max=k_max), Ladder(k_max=cap)
+    order = rank_blocks(p, quantized)
+    host = sel.choose_k(p, quantized, order, n_q)
+    device = sel.choose_k(p, quantized, order, torch.tensor(n_q))
+    assert torch.equal(host, device)
+    assert torch.equal(ladder.expanded_k(host, k_max, n_q),
+                       ladder.expanded_k(device, k_max, torch.tensor(n_q)))
+    assert ladder.key_cap(k_max, n_q) == int(ladder.key_cap(k_max, torch.tensor(n_q)))
+
+
 def test_minimal_k_for_coverage():
     p = torch.tensor([[0.6, 0.3, 0.06, 0.04]])
     quantized = torch.ones(4, dtype=torch.bool)

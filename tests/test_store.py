@@ -123,6 +123,27 @@ def test_clone_is_independent():
     assert torch.equal(store.decoded_with_tail()[0][:, :5], copy.decoded_with_tail()[0][:, :5])
 
 
+def test_what_a_step_reads_in_place_stays_in_place_until_the_buffers_grow():
+    """What a step over a padded layout reads (issue 24's bucketed block counts: a step
+    captured in a graph replays on it): the quantized mask over the store's block capacity and
+    the quantized-block count on the device follow the completions in place, and every buffer
+    grows with the annotations, so the graph signature changes exactly when the capacity
+    does."""
+    k, v = make_kv(2, 160, 16, seed=3)
+    store = TieredKVStore(2, 16, block_size=8, value_group=8)
+    store.append(k[:, :20], v[:, :20])
+    seen = {}
+    for end in range(21, 161):
+        store.append(k[:, end - 1 : end], v[:, end - 1 : end])
+        n, width = store.num_blocks, store.block_capacity()
+        mask = store.quantized_mask(width - n)
+        assert torch.equal(mask, torch.arange(width) < n)
+        assert int(store.quantized_count()) == store.num_quantized() == n
+        ptr = seen.setdefault((width, store.graph_signature()), mask.data_ptr())
+        assert ptr == mask.data_ptr()  # in place while the signature holds
+    assert {width for width, _ in seen} == {4, 8, 16, 32} and len(seen) == 4
+
+
 @pytest.mark.parametrize(("d", "per_token"), [(128, 288), (64, 144)])
 def test_byte_accounting_matches_table_13(d, per_token):
     k, v = make_kv(2, 160, d, seed=5)

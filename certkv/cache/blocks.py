@@ -90,13 +90,7 @@ class GrowingBlocks:
         capacity = self.capacity
         grow = self.size + n + self.spare > capacity or not self._data
         if grow:
-            self._wait()  # growing copies the old buffer on the host
-            new_capacity = max(2 * capacity, self.size + n + self.spare, 4)
-            for name, new in blocks.items():
-                grown = self._allocate(new, new_capacity)
-                if name in self._data:
-                    grown[:, : self.size].copy_(self._data[name][:, : self.size])
-                self._data[name] = grown
+            self._grow(blocks, max(2 * capacity, self.size + n + self.spare, 4))
         self._write_at(self.size, blocks)
         self.size += n
         self._views = {}
@@ -104,6 +98,27 @@ class GrowingBlocks:
         end = self.capacity if grow else self.size + self.spare
         for name, value in (self.fill or {}).items():
             self._data[name][:, self.size : end].fill_(value)
+
+    def _grow(self, like: Blocks, capacity: int) -> None:
+        """New buffers of ``capacity`` blocks (shaped and typed as ``like``'s tensors) holding
+        the first ``size`` blocks."""
+        self._wait()  # growing copies the old buffer on the host
+        for name, new in like.items():
+            grown = self._allocate(new, capacity)
+            if name in self._data:
+                grown[:, : self.size].copy_(self._data[name][:, : self.size])
+            self._data[name] = grown
+
+    def reserve(self, capacity: int) -> None:
+        """Grow to at least ``capacity`` blocks now (buffers that grow together keep their
+        views in place together: a step captured in a graph, :mod:`certkv.graphs`); blocks
+        after ``size`` hold ``fill`` where it is set."""
+        if not self._data or capacity <= self.capacity:
+            return
+        self._grow(self._data, capacity)
+        self._views = {}
+        for name, value in (self.fill or {}).items():
+            self._data[name][:, self.size :].fill_(value)
 
     @property
     def capacity(self) -> int:
@@ -199,6 +214,13 @@ class BlockTable:
         self.precision = torch.zeros(0, dtype=torch.long)  # [n] host: precision id per block
         self.slot = torch.zeros(0, dtype=torch.long)  # [n] host: slot in that precision
         self._first = 0  # the precision of an empty table (where new blocks start)
+        # device buffers a step reads in place (a step captured in a graph replays on them
+        # while blocks complete, :mod:`certkv.graphs`): the lossy mask (False after the
+        # blocks), 0..len-1 (the block and slot lists of one precision in block order), and
+        # the lossy count (0-d int64)
+        self._lossy = torch.zeros(0, dtype=torch.bool, device=device)
+        self._arange = torch.arange(0, device=device)
+        self._lossy_count = torch.zeros((), dtype=torch.long, device=device)
         self._refresh()
 
     @property
@@ -268,9 +290,39 @@ class BlockTable:
         same = bool((self.precision == pid).all())
         in_order = torch.equal(self.slot, torch.arange(self.num_blocks))
         self._single = pid if same and in_order else None
-        self._all_groups = self._groups(torch.arange(self.num_blocks))
-        self._masks = {0: lossy.to(self.device),
-                       1: torch.cat([lossy, torch.zeros(1, dtype=torch.bool)]).to(self.device)}
+        self._lossy_count.fill_(self._num_quantized)
+        self._write_lossy(lossy)
+        if self._single is None:
+            self._all_groups = self._groups(torch.arange(self.num_blocks))
+        else:  # one group: every block, in its slot (views of one buffer, kept in place)
+            n = self.num_blocks
+            self._reserve(n)
+            every, on_device = torch.arange(n), self._arange[:n]
+            self._all_groups = [(self._single, every, every, on_device, on_device)] if n else []
+
+    def reserve(self, length: int) -> None:
+        """Grow every buffer to at least ``length`` blocks now: the codes of each precision
+        holding blocks, and the device buffers :meth:`quantized` and :meth:`groups` view (a
+        growth makes new buffers, which :meth:`capacities` reports)."""
+        for buffers in self._keys + self._values:
+            buffers.reserve(length)
+        self._reserve(length)
+
+    def _reserve(self, length: int) -> None:
+        """Grow the device buffers :meth:`quantized` and :meth:`groups` view to at least
+        ``length`` entries (exactly: the store reserves its block capacity, :meth:`reserve`)."""
+        if length <= self._lossy.numel():
+            return
+        grown = torch.zeros(length, dtype=torch.bool, device=self.device)
+        grown[: self._lossy.numel()] = self._lossy
+        self._lossy, self._arange = grown, torch.arange(length, device=self.device)
+
+    def _write_lossy(self, lossy: torch.Tensor) -> None:
+        """The lossy mask (host ``[n]``) into the device buffer, False after it, in place."""
+        self._reserve(len(lossy) + 1)
+        padded = torch.zeros(self._lossy.numel(), dtype=torch.bool)
+        padded[: len(lossy)] = lossy
+        self._lossy.copy_(padded, non_blocking=True)
 
     def allocate(self, pid: int, keys: Blocks, values: Blocks) -> None:
         """Allocate precision ``pid``'s buffers from empty codes (leading dims ``[Hkv, 0]``), so
@@ -350,11 +402,19 @@ class BlockTable:
     def quantized(self, extra: int = 0) -> torch.Tensor:
         """Bool ``[n + extra]`` on the device: the block is held by a lossy precision (not an
         exact window); the ``extra`` appended entries are False (the exact tail block, and the
-        empty blocks of a padded layout). Made once per change of the table."""
-        if extra not in self._masks:
-            self._masks[extra] = torch.cat([self._masks[0],
-                                            self._masks[0].new_zeros(extra)])
-        return self._masks[extra]
+        empty blocks of a padded layout). A view of one buffer, written in place at every
+        change of the table."""
+        self._reserve(self.num_blocks + extra)
+        return self._lossy[: self.num_blocks + extra]
+
+    def quantized_count(self) -> torch.Tensor:
+        """0-d int64 on the device: :meth:`num_quantized`, written in place."""
+        return self._lossy_count
+
+    def capacities(self) -> tuple[int, ...]:
+        """The lengths of every device buffer a step reads in place (codes of each
+        precision, the mask and block lists): any growth reallocates, and changes them."""
+        return (self._lossy.numel(), *(b.capacity for b in self._keys + self._values))
 
     def held(self) -> list[int]:
         """Precision ids holding blocks now (an empty table: the one new blocks start at)."""
@@ -378,5 +438,5 @@ class BlockTable:
         new._free = [list(f) for f in self._free]
         new.precision, new.slot = self.precision.clone(), self.slot.clone()
         new._held = list(self._held)
-        new._masks = dict(self._masks)
+        new._lossy, new._lossy_count = self._lossy.clone(), self._lossy_count.clone()
         return new

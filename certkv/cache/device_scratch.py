@@ -30,15 +30,15 @@ class DeviceLRU:
         self.tally = None  # int64 [3] device counters: hits, misses, direct reads
 
     # ------------------------------------------------------------------ sizing
-    def _ensure(self, store) -> None:
-        """Size the tables to the store (host-known sizes only): ``pool [S, B, d]``,
-        ``stamp, owner [S + 1]`` (the last entry a dummy that absorbs masked scatters) and
-        ``slot_of [Hkv * W + 1]`` (the last cell a dummy), growing by doubling."""
+    def _ensure(self, store, n: int) -> None:
+        """Size the tables to ``n`` blocks of the store (host-known sizes only): ``pool [S, B,
+        d]``, ``stamp, owner [S + 1]`` (the last entry a dummy that absorbs masked scatters)
+        and ``slot_of [Hkv * W + 1]`` (the last cell a dummy), growing by doubling."""
         with torch.inference_mode(False):  # updated in place by steps inside and outside it
-            self._size(store)
+            self._size(store, n)
 
-    def _size(self, store) -> None:
-        hkv, n, dev = store.num_kv_heads, store.num_blocks, store.device
+    def _size(self, store, n: int) -> None:
+        hkv, dev = store.num_kv_heads, store.device
         if self.pool is None:
             self.pool = torch.empty(0, store.block_size, store.head_dim, dtype=torch.float16,
                                     device=dev)
@@ -73,11 +73,12 @@ class DeviceLRU:
         self.owner = torch.cat([self.owner[:-1], self.owner.new_full((extra + 1,), dummy)])
 
     # -------------------------------------------------------------------- step
-    def tables(self, store) -> LRUTables:
-        """The bookkeeping a step's :func:`lru_step` updates in place, sized to ``store``
-        first (then fill the slots it took with
-        :func:`~certkv.kernels.triton_pagein.fill_slots`)."""
-        self._ensure(store)
+    def tables(self, store, n: int | None = None) -> LRUTables:
+        """The bookkeeping a step's :func:`lru_step` updates in place, sized first to ``n``
+        block columns of ``store`` (its completed blocks by default; a padded layout's width,
+        so that the tables keep their size while blocks complete), then fill the slots it took
+        with :func:`~certkv.kernels.triton_pagein.fill_slots`."""
+        self._ensure(store, store.num_blocks if n is None else n)
         return LRUTables(self.stamp, self.owner, self.slot_of, self.clock, self.tally)
 
     def counts(self) -> tuple[int, int, int]:
@@ -152,26 +153,26 @@ def lru_step(tables: LRUTables, want: torch.Tensor, rows: torch.Tensor):
     return tables, need[:size], src[:size], slot.int().view(hkv, n)
 
 
-def slot_maps(plan: torch.Tensor, num_completed: int, width: int,
-              key_tables: LRUTables | None, value_tables: LRUTables | None):
+def slot_maps(plan: torch.Tensor, width: int, key_tables: LRUTables | None,
+              value_tables: LRUTables | None):
     """A step's page-in on the device, keys and values in one pure segment.
 
     Args:
-        plan: bool ``[2, Hkv, n]`` (FP16 keys, FP16 values wanted); num_completed: blocks
-            with originals in Tier-2 (the first ones); width: Tier-2 rows per kv head (block
-            ``b`` of kv head ``h`` is row ``h * width + b``).
-        key_tables / value_tables: each LRU's :class:`LRUTables`, or None (no scratch cache:
-            every wanted block is read from Tier-2 in place).
+        plan: bool ``[2, Hkv, n]`` (FP16 keys, FP16 values wanted; only completed blocks,
+            whose originals are in Tier-2, are ever wanted: the plan is False on the exact
+            tail block and the empty blocks of a padded layout); width: Tier-2 rows per kv
+            head (block ``b`` of kv head ``h`` is row ``h * width + b``).
+        key_tables / value_tables: each LRU's :class:`LRUTables` (over at least ``n`` blocks),
+            or None (no scratch cache: every wanted block is read from Tier-2 in place).
     Returns ``(maps [2, Hkv, n] int32, value_promotions (0-d), key_step, value_step)``: the
-    slot maps (-1 past the completed blocks), how many value blocks were wanted, and per LRU
+    slot maps (-1 where not wanted), how many value blocks were wanted, and per LRU
     ``(tables, need, src)`` of :func:`lru_step` or None.
     """
     hkv, n = plan.shape[1], plan.shape[2]
-    want = plan[:, :, :num_completed]
     rows = (torch.arange(hkv, device=plan.device)[:, None] * width
-            + torch.arange(num_completed, device=plan.device))
+            + torch.arange(n, device=plan.device))
     maps, steps = [], []
-    for wanted, tables in zip(want.unbind(), (key_tables, value_tables), strict=True):
+    for wanted, tables in zip(plan.unbind(), (key_tables, value_tables), strict=True):
         if tables is None:
             maps.append(torch.where(wanted, -2 - rows, NOT_STAGED))
             steps.append(None)
@@ -179,5 +180,4 @@ def slot_maps(plan: torch.Tensor, num_completed: int, width: int,
             tables, need, src, slot = lru_step(tables, wanted, rows)
             maps.append(slot.long())
             steps.append((tables, need, src))
-    maps = torch.nn.functional.pad(torch.stack(maps), (0, n - num_completed), value=NOT_STAGED)
-    return maps.int(), want[1].sum(), steps[0], steps[1]
+    return torch.stack(maps).int(), plan[1].sum(), steps[0], steps[1]

@@ -602,6 +602,11 @@ class TieredKVStore:
         if self._mirror is not None:
             self._mirror.extend(self._mirror_rows(
                 self._decoded(torch.arange(first, first + n), bias=True), k16))
+        # every buffer a step reads in place grows with the annotations (one bucket of block
+        # counts per doubling for a step captured in a graph: graph_signature)
+        capacity = self.block_capacity()
+        self._table.reserve(capacity)
+        self._tier2.reserve(capacity)
 
     def _note_maxima(self, notes: dict[str, torch.Tensor]) -> None:
         """Fold new annotations into the running maxima (``[Hkv]`` each)."""
@@ -885,16 +890,20 @@ class TieredKVStore:
     def num_tokens(self) -> int:
         return self.num_blocks * self.block_size + self.tail_len
 
-    def graph_signature(self) -> int | None:
-        """What a captured step over this store's blocks depends on besides device memory: the
-        completed blocks (:mod:`certkv.graphs`); None for a store whose layout can change at
-        any step (age stages, a byte budget, eviction, protection, a tracker that adapts the
-        precisions to the certificates: their steps run eagerly)."""
+    def graph_signature(self) -> tuple | None:
+        """What a captured step over this store depends on besides device memory (the step's
+        layout padded to :meth:`block_capacity`, :mod:`certkv.graphs`): the lengths of the
+        buffers it reads in place (any growth reallocates one) and, for a store of several
+        precisions, the completed blocks (each precision's block list changes with every
+        completion); None for a store whose layout can change at any step (age stages, a byte
+        budget, eviction, protection, a tracker that adapts the precisions to the certificates:
+        their steps run eagerly)."""
         if (self.stages.last or self.quantizer.budget_bytes is not None
                 or self._evictor is not None or self.protection.enabled
                 or self._tracker is not None):
             return None
-        return self.num_blocks
+        sizes = (self._annotations.capacity, self._tier2.capacity, *self._table.capacities())
+        return sizes if self._table.single() is not None else (self.num_blocks, *sizes)
 
     def single_precision(self) -> Precision | None:
         """The precision holding every completed block, in block order (what the fused kernels
@@ -919,6 +928,13 @@ class TieredKVStore:
         if self._health is None:
             return self._table.num_quantized()
         return int(self.quantized_mask().sum())
+
+    def quantized_count(self) -> torch.Tensor:
+        """:meth:`num_quantized` as a 0-d int64 tensor on the device, no host read (written in
+        place where the table changes, so that a step captured in a graph reads it anew)."""
+        if self._health is None:
+            return self._table.quantized_count()
+        return self.quantized_mask().sum()
 
     def corrupted_mask(self) -> torch.Tensor:
         """Bool ``[n_blocks]`` on the device: the block's codes failed the integrity check when

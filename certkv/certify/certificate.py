@@ -17,7 +17,9 @@ RUNG_NAMES = {0: "fast path", 1: "K* expanded", 2: "values promoted", 3: "head d
 class BlockStats:
     """Per-block signals of one step for quantizers that adapt to attention (SmartKV), read
     from what the step computed anyway; columns: the store's blocks, then the exact tail block
-    if any.
+    if any (and the empty blocks of a padded layout). ``eta`` and ``quantized`` are views of
+    the store's buffers, whose columns after the completed blocks the next completion writes:
+    read them before it, or keep :meth:`Certificate.copy`.
 
     Attributes:
         mass: ``rho_b [Hq, n]``, the step's attention mass of block ``b`` (Phase 2's).

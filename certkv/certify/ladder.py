@@ -103,9 +103,13 @@ class Ladder:
         tol = (self.bound_tol or 0.0) + (self.bound_rtol or 0.0) * out_norm.double()
         return ~(bound.double() <= tol)
 
-    def key_cap(self, selector_k_max: int, n_quantized: int) -> int:
-        """The most blocks rung 1 may read with FP16 keys: ``k_max`` or ``2 K_max``."""
-        return min(2 * selector_k_max if self.k_max is None else self.k_max, n_quantized)
+    def key_cap(self, selector_k_max: int, n_quantized: int | torch.Tensor) -> int | torch.Tensor:
+        """The most blocks rung 1 may read with FP16 keys: ``k_max`` or ``2 K_max``, at most
+        ``n_quantized`` (a host int, or a 0-d device tensor: then a tensor)."""
+        cap = 2 * selector_k_max if self.k_max is None else self.k_max
+        if isinstance(n_quantized, torch.Tensor):
+            return n_quantized.clamp(max=cap)
+        return min(cap, n_quantized)
 
     def needs_expansion(
         self, tail_bound: torch.Tensor, tau_cov: float, e_key: torch.Tensor
@@ -117,7 +121,8 @@ class Ladder:
             need = need | (e_key > self.e_key_tol)
         return need if self.expand else torch.zeros_like(need)
 
-    def expanded_k(self, k: torch.Tensor, selector_k_max: int, n_quantized: int) -> torch.Tensor:
+    def expanded_k(self, k: torch.Tensor, selector_k_max: int,
+                   n_quantized: int | torch.Tensor) -> torch.Tensor:
         """Rung 1: ``K* -> min(max(ceil(factor K*), K* + 1), cap, n_quantized)``."""
         cap = self.key_cap(selector_k_max, n_quantized)
         f = self.expand_factor

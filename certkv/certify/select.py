@@ -22,15 +22,22 @@ def rank_blocks(p: torch.Tensor, quantized: torch.Tensor) -> torch.Tensor:
 
 
 def coverage_k(p: torch.Tensor, quantized: torch.Tensor, order: torch.Tensor, tau_cov: float,
-               n_quantized: int):
+               n_quantized: int | torch.Tensor):
     """Smallest ``K`` with ``C_K >= tau_cov`` (paper 3.3 step 3), per head: ``[Hq]`` int64.
 
     Coverage counts the exact (non-quantized) mass as already covered, then adds quantized
     blocks in rank order (the ``n_quantized`` quantized blocks rank first); a block is needed
-    while the mass covered before it is below target.
+    while the mass covered before it is below target. ``n_quantized`` a host int slices the
+    order; a 0-d device tensor (no host read: a step captured in a graph) masks the blocks
+    ranked after the quantized ones instead (the same ``K``).
     """
     total = p.sum(dim=-1, keepdim=True)
     exact = p.masked_fill(quantized, 0.0).sum(dim=-1, keepdim=True)
+    if isinstance(n_quantized, torch.Tensor):
+        lossy = quantized[order]  # True on the first n_quantized of each order
+        ranked = p.gather(-1, order) * lossy
+        before = exact + ranked.cumsum(dim=-1) - ranked
+        return ((before < tau_cov * total) & lossy).sum(dim=-1)
     ranked = p.gather(-1, order[:, :n_quantized])
     before = exact + ranked.cumsum(dim=-1) - ranked
     return (before < tau_cov * total).sum(dim=-1)
@@ -93,12 +100,14 @@ class AdaptiveTopK:
         return rank_blocks(upper, quantized)
 
     def choose_k(self, p: torch.Tensor, quantized: torch.Tensor, order: torch.Tensor,
-                 n_quantized: int | None = None):
+                 n_quantized: int | torch.Tensor | None = None):
         """``K* = clamp(min{K : C_K >= tau_cov}, K_min, K_max)``, at most the quantized count
-        (pass ``n_quantized`` when known to avoid a device sync)."""
+        (pass ``n_quantized``, a host int or a 0-d device tensor, to avoid a device sync)."""
         if n_quantized is None:
             n_quantized = int(quantized.sum())
         k = coverage_k(p, quantized, order, self.tau_cov, n_quantized)
+        if isinstance(n_quantized, torch.Tensor):
+            return torch.minimum(k.clamp(self.k_min, self.k_max), n_quantized)
         return k.clamp(self.k_min, min(self.k_max, n_quantized))
 
     @staticmethod

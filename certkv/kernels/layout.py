@@ -71,6 +71,7 @@ class StepLayout:
             extra = width - nc
         self.num_completed = nc
         self.num_quantized = store.num_quantized()  # lossy blocks (host count)
+        self.quantized_count = store.quantized_count()  # the same, 0-d on the device
         self.num_blocks = nc + extra  # n
         # views the store keeps (a zero column for the tail block): no work per step
         self.quantized = store.quantized_mask(extra)  # [n] (exact: windows, the tail block)
