@@ -389,7 +389,8 @@ class CertifiedAttention:
     def _layout(self, store: TieredKVStore, on_device: bool) -> StepLayout:
         """The step's layout: on the device path with the kernels running both phases, a tail
         block column always (empty right after a block completes), so that the launches change
-        only when a block completes (:meth:`graph_layout`)."""
+        only when a block completes, and with :attr:`pad_layout` empty blocks up to the store's
+        block capacity, so that they change only when its buffers grow (:meth:`graph_layout`)."""
         lay = StepLayout(store)
         if on_device and _takes_empty_tail(self.backend, lay):
             if self.pad_layout and store.num_blocks:

@@ -296,7 +296,6 @@ class BlockTable:
             self._all_groups = self._groups(torch.arange(self.num_blocks))
         else:  # one group: every block, in its slot (views of one buffer, kept in place)
             n = self.num_blocks
-            self._reserve(n)
             every, on_device = torch.arange(n), self._arange[:n]
             self._all_groups = [(self._single, every, every, on_device, on_device)] if n else []
 
