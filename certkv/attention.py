@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -186,6 +187,9 @@ class CertifiedAttention:
         self._specs: dict[ArithSpec, ArithSpec] = {}
         self._nonfinite: torch.Tensor | None = None  # [2] q, K/V since the last synchronize()
         self.pad_layout = False  # (issue 24's bucketed block counts, class docstring)
+        # per store: (graph signature, whether the kernels take its empty tail block), asked by
+        # graph_layout at every graphed step and the same while the signature holds
+        self._empty_tail: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     # ----------------------------------------------------------------- entry
     def __call__(
@@ -409,7 +413,11 @@ class CertifiedAttention:
         signature = store.graph_signature()
         if signature is None:
             return None
-        takes_empty = _takes_empty_tail(self.backend, StepLayout(store))
+        known = self._empty_tail.get(store)
+        if known is None or known[0] != signature:  # which precisions the kernels read changed
+            known = signature, _takes_empty_tail(self.backend, StepLayout(store, read=False))
+            self._empty_tail[store] = known
+        takes_empty = known[1]
         padded = self.pad_layout and takes_empty
         return (signature, bool(store.num_blocks), None if padded else store.num_blocks,
                 bool(store.tail_len) or takes_empty)
