@@ -94,31 +94,32 @@ class GrowingBlocks:
         self._write_at(self.size, blocks)
         self.size += n
         self._views = {}
-        # the spare blocks (a new buffer: every block after size, which later extends keep)
-        end = self.capacity if grow else self.size + self.spare
-        for name, value in (self.fill or {}).items():
-            self._data[name][:, self.size : end].fill_(value)
+        # the spare blocks again (a step may have written into them, e.g. the mirror's tail)
+        self._fill_after(self.size + self.spare)
 
     def _grow(self, like: Blocks, capacity: int) -> None:
         """New buffers of ``capacity`` blocks (shaped and typed as ``like``'s tensors) holding
-        the first ``size`` blocks."""
+        the first ``size`` blocks, ``fill`` after them where it is set."""
         self._wait()  # growing copies the old buffer on the host
         for name, new in like.items():
             grown = self._allocate(new, capacity)
             if name in self._data:
                 grown[:, : self.size].copy_(self._data[name][:, : self.size])
             self._data[name] = grown
+        self._views = {}
+        self._fill_after(capacity)
+
+    def _fill_after(self, end: int) -> None:
+        """``fill`` into the blocks from ``size`` to ``end`` (where ``fill`` is set)."""
+        for name, value in (self.fill or {}).items():
+            self._data[name][:, self.size : end].fill_(value)
 
     def reserve(self, capacity: int) -> None:
         """Grow to at least ``capacity`` blocks now (buffers that grow together keep their
         views in place together: a step captured in a graph, :mod:`certkv.graphs`); blocks
         after ``size`` hold ``fill`` where it is set."""
-        if not self._data or capacity <= self.capacity:
-            return
-        self._grow(self._data, capacity)
-        self._views = {}
-        for name, value in (self.fill or {}).items():
-            self._data[name][:, self.size :].fill_(value)
+        if self._data and capacity > self.capacity:
+            self._grow(self._data, capacity)
 
     @property
     def capacity(self) -> int:
