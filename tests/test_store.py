@@ -126,9 +126,11 @@ def test_clone_is_independent():
 def test_what_a_step_reads_in_place_stays_in_place_until_the_buffers_grow():
     """What a step over a padded layout reads (issue 24's bucketed block counts: a step
     captured in a graph replays on it): the quantized mask over the store's block capacity and
-    the quantized-block count on the device follow the completions in place, and every buffer
-    grows with the annotations, so the graph signature changes exactly when the capacity
-    does."""
+    the quantized-block count on the device follow the completions in place, the kernels'
+    block and slot lists are views of one buffer that holds the capacity (a kernel reads them
+    up to the device count; a list made before its buffer grew would end early), and every
+    buffer grows with the annotations, so the graph signature changes exactly when the
+    capacity does."""
     k, v = make_kv(2, 160, 16, seed=3)
     store = TieredKVStore(2, 16, block_size=8, value_group=8)
     store.append(k[:, :20], v[:, :20])
@@ -141,6 +143,9 @@ def test_what_a_step_reads_in_place_stays_in_place_until_the_buffers_grow():
         assert int(store.quantized_count()) == store.num_quantized() == n
         ptr = seen.setdefault((width, store.graph_signature()), mask.data_ptr())
         assert ptr == mask.data_ptr()  # in place while the signature holds
+        ((_, _, blocks, slots),) = store.block_groups("key")
+        for ids in (blocks, slots):
+            assert ids.untyped_storage().nbytes() >= 8 * width
     assert {width for width, _ in seen} == {4, 8, 16, 32} and len(seen) == 4
 
 

@@ -165,6 +165,10 @@ class GrowingBlocks:
                                   for name, t in self._data.items()}
         return self._views[extra]
 
+    def buffers(self) -> Blocks:
+        """Each tensor over its whole capacity, no copy (the same tensors until a growth)."""
+        return self._data
+
     def spare_view(self) -> Blocks:
         """The spare blocks after ``size`` (``[Hkv, spare, ...]`` each), no copy (the same view
         objects until the next :meth:`extend`)."""
@@ -222,6 +226,7 @@ class BlockTable:
         self._lossy = torch.zeros(0, dtype=torch.bool, device=device)
         self._arange = torch.arange(0, device=device)
         self._lossy_count = torch.zeros((), dtype=torch.long, device=device)
+        self._single: int | None = None
         self._refresh()
 
     @property
@@ -295,10 +300,15 @@ class BlockTable:
         self._write_lossy(lossy)
         if self._single is None:
             self._all_groups = self._groups(torch.arange(self.num_blocks))
-        else:  # one group: every block, in its slot (views of one buffer, kept in place)
-            n = self.num_blocks
-            every, on_device = torch.arange(n), self._arange[:n]
-            self._all_groups = [(self._single, every, every, on_device, on_device)] if n else []
+        else:
+            self._single_group()
+
+    def _single_group(self) -> None:
+        """One group: every block, in its slot (views of one buffer, kept in place until
+        :meth:`_reserve` grows it, which makes them again)."""
+        n = self.num_blocks
+        every, on_device = torch.arange(n), self._arange[:n]
+        self._all_groups = [(self._single, every, every, on_device, on_device)] if n else []
 
     def reserve(self, length: int) -> None:
         """Grow every buffer to at least ``length`` blocks now: the codes of each precision
@@ -316,6 +326,8 @@ class BlockTable:
         grown = torch.zeros(length, dtype=torch.bool, device=self.device)
         grown[: self._lossy.numel()] = self._lossy
         self._lossy, self._arange = grown, torch.arange(length, device=self.device)
+        if self._single is not None:  # (a captured step must not keep the old buffer's views)
+            self._single_group()
 
     def _write_lossy(self, lossy: torch.Tensor) -> None:
         """The lossy mask (host ``[n]``) into the device buffer, False after it, in place."""
