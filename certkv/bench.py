@@ -769,8 +769,8 @@ def bench_decode(model: str, contexts: list[int], device: torch.device, repeats:
     wheel) or its config with random weights and random tokens (whose flat attention
     understates promotion and rung rates). Dense is the model's own cache and SDPA in its dtype
     (what a user would run instead). ``update`` hears each stage (model load, prefill, each
-    method) and advances once per method. ``graphs``: the certified steps captured in CUDA
-    graphs (:class:`~certkv.graphs.GraphedAttention`)."""
+    method) and advances once per method. ``graphs``: the certified decode steps captured
+    whole in CUDA graphs (:class:`~certkv.graphs.GraphedDecode`)."""
     update(f"{model}: building the model ({weights} weights)")
     from certkv.eval.decode import Prefill
 
@@ -804,10 +804,10 @@ def _time_decode(row: dict, shared, token: int, repeats: int, compile: bool | st
         row["ms_stats"][mode] = stats(runs)
         row["ms"][mode] = row["ms_stats"][mode]["median"]
     row["memory_bytes"] = decoders["certified"].cache.bytes()  # every layer's store
-    graphed = methods["certified"].attention
-    if graphs:  # layer steps over the warm-up and timed steps: how many replayed
-        row["graph_steps"] = {"captures": graphed.captures, "replays": graphed.replays,
-                              "layer_steps": (repeats + WARMUP) * shared.lm.num_layers}
+    graph = decoders["certified"].graph
+    if graph is not None:  # decode steps over the warm-up and timed steps: how many replayed
+        row["graph_steps"] = {"captures": graph.captures, "replays": graph.replays,
+                              "steps": graph.steps}
     row["phase_steps_ms"] = {}
     for mode, method in methods.items():
         update(f"{label}: {mode} phases")
@@ -878,10 +878,11 @@ def decode_notes(records: list[dict]) -> list[str]:
     ``--graphs on``, what was replayed and what the phase shares measured."""
     notes = spread_warnings(records)
     if records and records[0].get("graphs"):
-        notes.append("graphs on: each layer's certified step replayed as a CUDA graph (a "
-                     "block's first step eager, its second captured); the phase shares come "
+        notes.append("graphs on: each certified decode step, the whole model, replayed as a "
+                     "CUDA graph (per bucket of block counts, a first step eager and the second "
+                     "captured; a step that completes a block eager); the phase shares come "
                      "from eager steps (a replay has no phases).")
-        notes += [f"{r['short_label']}: {g['replays']} of {g['layer_steps']} layer steps "
+        notes += [f"{r['short_label']}: {g['replays']} of {g['steps']} decode steps "
                   f"replayed, {g['captures']} captured, the rest eager."
                   for r in records if (g := r.get("graph_steps"))]
     return notes

@@ -319,8 +319,8 @@ def bench_decode(
              "wheel) with a book's text, else random; real (a hub id downloads); random")] = (
         "auto"),
     graphs: Annotated[str, typer.Option(
-        help="on: capture each layer's certified step in a CUDA graph and replay it until a "
-             "block completes (CUDA only); off")] = "off",
+        help="on: capture each whole certified decode step in a CUDA graph and replay it "
+             "until the cache's buffers grow (CUDA only); off")] = "off",
 ) -> None:
     """Whole-model decode step, dense vs certified, Table 16 phase shares: the model's real
     weights on a book's text where installed (attention as in use), else random weights.

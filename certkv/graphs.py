@@ -19,6 +19,11 @@ copied to the device, the scratch cache's device tables resized): inside a captu
 would be recorded and every replay would redo it, restoring the tables as they were (a test
 shows it).
 
+:class:`GraphedDecode` captures a model's whole decode step the same way: every layer's
+projections and MLP around the step, and the token's append, which writes at positions read from
+device memory (:meth:`~certkv.cache.store.TieredKVStore.append_in_place`), so that only the
+steps whose token completes a block run eagerly.
+
 Two graphs with one protocol (``capture(fn) -> outputs``, ``replay()``):
 
 * :class:`CudaGraph`: ``torch.cuda.CUDAGraph`` (one memory pool shared by every layer's graph).
@@ -163,8 +168,28 @@ class CudaGraph:
 class _Captured:
     signature: tuple
     graph: object | None = None
-    q: torch.Tensor | None = None
-    outputs: tuple | None = None
+    inputs: tuple = ()  # the tensors a replay's inputs are copied into
+    outputs: _Packed | None = None
+    layers: tuple = ()  # GraphedDecode: the layer of each captured certificate
+
+
+def _new_graph(graph: Callable | None, attention, pool_owner) -> object:
+    """A graph to capture into: ``graph()`` where a graph class is given, else a
+    :class:`CudaGraph` in ``pool_owner``'s memory pool (made at the first capture) that also
+    advances ``attention``'s CUDA draws (the ladder's exploration) at every replay."""
+    if graph is not None:
+        return graph()
+    if pool_owner._pool is None:
+        pool_owner._pool = torch.cuda.graph_pool_handle()
+    generators = [g for g in getattr(attention.ladder, "_generators", {}).values()
+                  if g.device.type == "cuda"]
+    return CudaGraph(pool_owner._pool, generators)
+
+
+def _needs_cuda(graph, device: torch.device) -> None:
+    require(graph is not None or device.type == "cuda", ConfigError,
+            "graphs capture CUDA graphs and need a CUDA device; set graphs=false "
+            "(certkv bench decode: --graphs off).")
 
 
 class GraphedAttention:
@@ -207,9 +232,7 @@ class GraphedAttention:
 
     def __call__(self, q, store, scaling=None, scratch=None):
         attention = self.attention
-        require(self.graph is not None or q.device.type == "cuda", ConfigError,
-                "graphs capture CUDA graphs and need a CUDA device; set graphs=false "
-                "(certkv bench decode: --graphs off).")
+        _needs_cuda(self.graph, q.device)
         if self._failed or attention.timer is not None or not attention.graph_ready(q, store):
             return attention(q, store, scaling, scratch)
         key = attention.graph_layout(store)
@@ -222,55 +245,47 @@ class GraphedAttention:
             return attention(q, store, scaling, scratch)
         if step.graph is None:
             return self._capture(step, q, store, scaling, scratch)
-        step.q.copy_(q)
+        step.inputs[0].copy_(q)
         step.graph.replay()
         self.replays += 1
-        out, cert = step.outputs.copied()
+        out, (cert,) = step.outputs.copied()
         cert.num_blocks = store.num_quantized()  # its one host field that changes in a bucket
         return out, cert
 
     def _capture(self, step: _Captured, q, store, scaling, scratch):
-        graph = self._new_graph(q.device)
-        step.q = q.detach().clone()
+        graph = _new_graph(self.graph, self.attention, self)
+        static_q = q.detach().clone()
         try:
             step.outputs = graph.capture(
-                lambda: _Packed(self.attention(step.q, store, scaling, scratch)))
+                lambda: _Packed(*self.attention(static_q, store, scaling, scratch)))
         except (GraphCaptureError, RuntimeError) as err:  # run eagerly from now on
             self._failed = True
             warnings.warn(f"capturing a certified step failed ({err}); graphs are off for "
                           f"this run, steps run eagerly.", RuntimeWarning, stacklevel=3)
             return self.attention(q, store, scaling, scratch)
-        step.graph = graph
+        step.graph, step.inputs = graph, (static_q,)
         self.captures += 1
-        return step.outputs.copied()
-
-    def _new_graph(self, device: torch.device):
-        if self.graph is not None:
-            return self.graph()
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        generators = [g for g in getattr(self.attention.ladder, "_generators", {}).values()
-                      if g.device.type == "cuda"]
-        return CudaGraph(self._pool, generators)
+        out, (cert,) = step.outputs.copied()
+        return out, cert
 
 
 class _Packed:
-    """A step's ``(out, Certificate)`` packed, inside the captured step, into one flat buffer
-    per dtype: a replay's results are then copied out of the graph (whose next replay
+    """A step's output and certificates packed, inside the captured step, into one flat
+    buffer per dtype: a replay's results are then copied out of the graph (whose next replay
     overwrites them) in one copy per dtype (three or four) instead of one per tensor (about
     25 launches per layer step on a GPU), and unpacked as views of the copies."""
 
-    def __init__(self, outputs: tuple) -> None:
-        self.out, self.cert = outputs  # the certificate's other fields: a bucket's constants
-        self.tensors = [self.out, *self.cert.tensors()]
+    def __init__(self, out: torch.Tensor, *certs) -> None:
+        self.out, self.certs = out, certs  # the certificates' other fields: bucket constants
+        self.tensors = [out, *(t for cert in certs for t in cert.tensors())]
         groups: dict[torch.dtype, list[torch.Tensor]] = {}
         for t in self.tensors:
             groups.setdefault(t.dtype, []).append(t.reshape(-1))
         self.buffers = {dtype: torch.cat(parts) for dtype, parts in groups.items()}
 
     def copied(self) -> tuple:
-        """``(out, Certificate)`` of a replayed step as new tensors: views of one copy of
-        each buffer."""
+        """``(out, [Certificate, ...])`` of a replayed step as new tensors: views of one copy
+        of each buffer."""
         buffers = {dtype: buffer.clone() for dtype, buffer in self.buffers.items()}
         offsets = dict.fromkeys(buffers, 0)
         views: dict[int, torch.Tensor] = {}  # id of a captured tensor -> its copy
@@ -278,4 +293,137 @@ class _Packed:
             start = offsets[t.dtype]
             offsets[t.dtype] = start + t.numel()
             views[id(t)] = buffers[t.dtype][start:offsets[t.dtype]].view(t.shape)
-        return views[id(self.out)], self.cert.mapped(lambda t: views[id(t)], blocks=True)
+        return views[id(self.out)], [cert.mapped(lambda t: views[id(t)], blocks=True)
+                                     for cert in self.certs]
+
+
+class _Collected:
+    """Stands in for a cache's :class:`~certkv.certify.certificate.CertificateLog` while a
+    decode step is captured: keeps each layer's certificate (the replays log their copies)."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple[int, object]] = []
+
+    def record(self, layer_idx: int, cert) -> None:
+        self.records.append((layer_idx, cert))
+
+
+class GraphedDecode:
+    """A transformers model's decode step over a :class:`~certkv.cache.hf.TieredCache`
+    captured whole, once per bucket, and replayed: every layer's projections, the token's
+    append, the certified attention and the MLP, then the logits (issue 24: a whole-model
+    decode step in one graph; see the module for the buckets).
+
+    A step is captured when every layer's store is graphable and its attention step reads
+    no host value (:meth:`CertifiedAttention.graph_layout`, :meth:`~CertifiedAttention.
+    graph_ready`) and the token does not complete a block: each layer then writes the token's
+    keys and values at positions read from device memory
+    (:meth:`~certkv.cache.store.TieredKVStore.append_in_place`), the position comes from a
+    device buffer and the attention mask is left out (a certified decode step attends to every
+    cached token; certkv's attention never reads a decode step's mask). The other steps run
+    eagerly: a bucket's first step, each step whose token completes a block (one in ``B``),
+    and every step while the attention has a phase timer. A replay then logs each layer's
+    certificate, as the eager step does.
+
+    Args:
+        model: the model, with the certkv attention (:func:`certkv.models.enable`).
+        cache: its cache; its attention (a :class:`GraphedAttention`'s wrapped one, which
+            becomes the cache's: one layer's step is not captured inside another capture) pads
+            its layouts (:attr:`CertifiedAttention.pad_layout`).
+        graph: the graph class: :class:`CudaGraph` on CUDA (default), :class:`RecordedGraph`
+            elsewhere (tests).
+    """
+
+    def __init__(self, model, cache, graph: Callable | None = None) -> None:
+        self.model, self.cache, self.graph = model, cache, graph
+        attention = cache.attention
+        self.attention = attention.attention if isinstance(attention, GraphedAttention) \
+            else attention
+        self.attention.pad_layout = True
+        cache.attention = self.attention
+        self._step: _Captured | None = None
+        self._pool = None
+        self.captures = self.replays = self.steps = 0
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        """Logits ``[1, 1, vocab]`` of decoding ``ids [1, 1]`` (int64 token ids on the model's
+        device) with the cache, which takes the token."""
+        _needs_cuda(self.graph, ids.device)
+        self.steps += 1
+        key = self._signature(ids)
+        step = self._step
+        if key is None:
+            return self._forward(ids)
+        if step is None or step.signature != key:  # a new bucket: one eager step first
+            self._step = _Captured(key)
+            return self._forward(ids)
+        if step.graph is None:
+            return self._capture(step, ids)
+        step.inputs[0].copy_(ids)
+        step.inputs[1].fill_(self.cache.get_seq_length())
+        step.graph.replay()
+        self.replays += 1
+        for store in self._stores():
+            store.advance_tail()
+        return self._logged(step)
+
+    def _stores(self) -> list:
+        return [layer.store for layer in self.cache.layers]
+
+    def _signature(self, ids: torch.Tensor) -> tuple | None:
+        """What the step's capture depends on (every layer's :meth:`CertifiedAttention.
+        graph_layout`), or None for a step that runs eagerly."""
+        attention, stores = self.attention, self._stores()
+        if attention.timer is not None or ids.shape != (1, 1) \
+                or any(store is None for store in stores):
+            return None
+        probe = torch.empty(0, dtype=self.model.dtype, device=ids.device)  # the queries' dtype
+        if any(store.tail_len + 1 >= store.block_size or not attention.graph_ready(probe, store)
+               for store in stores):
+            return None
+        layouts = tuple(attention.graph_layout(store) for store in stores)
+        return None if None in layouts else (layouts, ids.device)
+
+    def _forward(self, ids: torch.Tensor, **kwargs):
+        from certkv.models import cache_kwargs
+
+        return self.model(input_ids=ids, use_cache=True, **cache_kwargs(self.model, self.cache),
+                          **kwargs).logits
+
+    def _capture(self, step: _Captured, ids: torch.Tensor) -> torch.Tensor:
+        cache = self.cache
+        static_ids = ids.clone()
+        position = torch.full((1,), cache.get_seq_length(), dtype=torch.long, device=ids.device)
+        graph = _new_graph(self.graph, self.attention, self)
+        collected = _Collected()
+
+        def decode() -> _Packed:
+            log, cache.log, cache.in_place_appends = cache.log, collected, True
+            try:
+                logits = self._forward(static_ids, position_ids=position.view(1, 1),
+                                       cache_position=position)
+            finally:
+                cache.log, cache.in_place_appends = log, False
+            return _Packed(logits, *(cert for _, cert in collected.records))
+
+        try:
+            step.outputs = graph.capture(decode)
+        except (GraphCaptureError, RuntimeError) as err:
+            raise GraphCaptureError(
+                f"capturing a decode step failed ({err}); the cache now holds the token in "
+                f"part: decode this sequence again with graphs=false.") from err
+        step.graph, step.inputs = graph, (static_ids, position)
+        step.layers = tuple(layer for layer, _ in collected.records)
+        self.captures += 1
+        return self._logged(step)
+
+    def _logged(self, step: _Captured) -> torch.Tensor:
+        """The captured step's logits and certificates as new tensors, the certificates
+        logged as the eager step logs them."""
+        logits, certs = step.outputs.copied()
+        for layer, cert in zip(step.layers, certs, strict=True):
+            store = self.cache.layers[layer].store
+            cert.num_blocks = store.num_quantized()  # the one host field a bucket changes
+            self.cache.log.record(layer, cert)
+            store.observe(cert)
+        return logits

@@ -212,9 +212,9 @@ def test_bench_decode_command_writes_report(tmp_path, monkeypatch):
     assert not any("CUDA graph" in note for note in bench.decode_notes(data["records"]))
     assert "replayed as a CUDA graph" in bench.decode_notes([{**row, "graphs": True}])[-1]
     graphed = {**row, "graphs": True,
-               "graph_steps": {"captures": 4, "replays": 50, "layer_steps": 60}}
+               "graph_steps": {"captures": 2, "replays": 50, "steps": 60}}
     assert bench.decode_notes([graphed])[-1] == (
-        "N=64: 50 of 60 layer steps replayed, 4 captured, the rest eager.")
+        "N=64: 50 of 60 decode steps replayed, 2 captured, the rest eager.")
 
 
 def test_bench_decode_defaults_to_the_installed_weights_on_a_book(tmp_path):

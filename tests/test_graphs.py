@@ -14,7 +14,7 @@ from helpers import check_heads, make_kv, make_query, same_values
 
 from certkv import CertifiedAttention, TieredKVStore
 from certkv.cache.scratch import ScratchCache
-from certkv.errors import ConfigError
+from certkv.errors import ConfigError, ShapeError
 from certkv.graphs import GraphCaptureError, GraphedAttention, RecordedGraph
 
 B, D = 16, 32
@@ -143,7 +143,7 @@ def test_a_replay_copies_its_results_out_once_per_dtype():
     with Copies() as copies:  # what a replay does after the graph's own launch
         copied = packed.copied()
     assert copies.count == len(packed.buffers) <= 4  # float32, int64, bool (and q's dtype)
-    assert torch.equal(copied[0], out) and same_values(copied[1], cert)
+    assert torch.equal(copied[0], out) and same_values(copied[1][0], cert)
     kept = cert.copy(), out.clone()
     k, v, q = grown(q, 0)
     store.append(k, v)
@@ -227,6 +227,100 @@ def test_a_model_decodes_the_same_with_its_steps_replayed():
     assert torch.equal(out_e, out_g) and stats_e == stats_g
     assert steps_e == steps_g
     assert graphed.captures == 2 * 2 and graphed.replays == 2 * 4
+
+
+def store_state(store):
+    """Everything a token's append writes: the tail and its counts, the maxima, the decoded
+    mirror's tail row and the non-finite flag."""
+    return (*store.tail_buffers(), store.block_counts(), store.value_norm_max(),
+            store.value_radius(), store.key_abs_max(), *store.decoded_with_tail(),
+            store.slot_bias(), store.original_keys(), store.nonfinite_appended())
+
+
+def test_an_append_captured_once_writes_each_replayed_token_where_it_belongs():
+    """The in-place append (what a captured decode step runs) reads the tail's fill and the
+    completed-block count from device memory: replayed with each new token copied into its
+    inputs, through a block completion (an eager append in between), it leaves the store
+    (tail, counts, maxima, decoded mirror) as plain appends do, bit for bit. Non-finite K/V
+    is flagged for the attention step, not raised; a token that completes a block is refused
+    with the fix named."""
+    stores = [TieredKVStore(2, D, block_size=B, decoded_mirror=True) for _ in range(2)]
+    k, v = make_kv(2, 4 * B + 5, D, seed=4)
+    for store in stores:
+        store.append(k, v)
+    plain, captured = stores
+    signature = captured.graph_signature()  # buffers of 8 blocks: no growth below
+    token = [torch.zeros(2, 1, D, dtype=torch.float16) for _ in range(2)]  # graph inputs
+    graph = RecordedGraph()
+    graph.capture(lambda: captured.append_in_place(*token))
+    plain.append(*token)
+    for step in range(2 * B):
+        k, v, _ = grown(None, step)
+        plain.append(k, v)
+        if captured.tail_len + 1 == B:  # completes a block: the eager path
+            captured.append(k, v)
+        else:
+            token[0].copy_(k)
+            token[1].copy_(v)
+            graph.replay()
+            captured.advance_tail()
+        assert captured.tail_len == plain.tail_len
+        assert all(torch.equal(a, b) for a, b in zip(store_state(plain),
+                                                     store_state(captured), strict=True)), step
+    assert captured.num_blocks == 6 and captured.graph_signature() == signature
+    token[0].fill_(float("nan"))
+    graph.replay()  # no raise: the flag the attention step reads
+    assert bool(captured.nonfinite_appended())
+    captured.advance_tail()
+    while captured.tail_len + 1 < B:
+        captured.append(k, v)
+    with pytest.raises(ShapeError, match="use append"):
+        captured.append_in_place(k, v)
+
+
+@pytest.mark.slow
+def test_a_model_decodes_the_same_with_its_whole_steps_replayed():
+    """A model's whole decode step captured once per bucket (GraphedDecode: every layer's
+    projections, the token's in-place append, the certified attention, the MLP and the logits)
+    and replayed gives the eager steps' logits bit for bit, and their step log and scratch
+    counters. Prompt of 27 tokens, B = 8, 22 steps: a bucket of 4 blocks, then one of 8
+    replayed through two block completions (a block list made before its buffer grew would
+    end early there), each completing step eager."""
+    from models import tiny_model
+
+    from certkv.cache.hf import CacheSpec, TieredCache
+    from certkv.graphs import GraphedDecode
+    from certkv.models import cache_kwargs
+    from certkv.quant import KVQuantizer
+
+    _, model = tiny_model()
+    ids = torch.randint(0, 512, (1, 27), generator=torch.Generator().manual_seed(0))
+    runs = []
+    for graphed in (False, True):
+        attn = CertifiedAttention(backend="triton", compile=False)
+        attn.pad_layout = True  # as the graphed decode pads the layouts
+        if graphed:
+            attn = GraphedAttention(attn, graph=RecordedGraph)  # unwrapped by GraphedDecode
+        cache = TieredCache(2, attn, KVQuantizer(block_size=8),
+                            CacheSpec(scratch_key_blocks=4, scratch_value_blocks=4))
+        kwargs = cache_kwargs(model, cache)
+        decode = GraphedDecode(model, cache, RecordedGraph) if graphed else \
+            (lambda token, kwargs=kwargs: model(input_ids=token, **kwargs).logits)
+        logits, token = [], ids[:, -1:]
+        with torch.inference_mode():
+            model(input_ids=ids[:, :-1], **kwargs)
+            for _ in range(22):
+                logits.append(decode(token))
+                token = logits[-1][:, -1:].argmax(dim=-1)
+        cache.log.flush()
+        runs.append((torch.cat(logits), cache.log.steps, cache.scratch_stats(),
+                     store_state(cache.layers[1].store)))
+    (logits_e, steps_e, stats_e, state_e), (logits_g, steps_g, stats_g, state_g) = runs
+    assert torch.equal(logits_e, logits_g)
+    assert steps_e == steps_g and stats_e == stats_g
+    assert all(torch.equal(a, b) for a, b in zip(state_e, state_g, strict=True))
+    assert cache.layers[1].store.num_blocks == 6
+    assert (decode.captures, decode.replays, decode.steps) == (2, 22 - 2 * 2 - 3, 22)
 
 
 def test_stores_whose_layout_changes_at_any_step_are_not_graphed():

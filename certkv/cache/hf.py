@@ -95,7 +95,9 @@ class TieredLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         require(key_states.shape[0] == 1, CertKVError, _BATCH.format(n=key_states.shape[0]))
-        self.store.append(key_states[0], value_states[0])
+        cache = self.cache
+        append = self.store.append_in_place if cache.in_place_appends else self.store.append
+        append(key_states[0], value_states[0])
         handle = StoreHandle(self, key_states, value_states)
         return handle, handle
 
@@ -132,6 +134,9 @@ class TieredCache(Cache):
         self.log = CertificateLog(self.spec.records)
         self._loaded: dict[int, list[int]] = {}  # boundaries for stores made later
         self.board = ImportanceBoard()  # SmartKV's cross-layer state (unused by the others)
+        # decode tokens written at device positions (TieredKVStore.append_in_place): set by
+        # certkv.graphs.GraphedDecode while it captures a step
+        self.in_place_appends = False
         super().__init__(layers=[TieredLayer(self, i) for i in range(num_layers)])
 
     def clone_as(self, attention: CertifiedAttention, quantizer: KVQuantizer | None = None,

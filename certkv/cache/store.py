@@ -391,12 +391,7 @@ class TieredKVStore:
         go), so that a step reads both as they are."""
         rows = slice(start, self.tail_len)
         new_v = self._tail_v[:, rows]
-        if new_v.shape[1]:  # their norms and centred radii (FP64), rounded up together
-            v64 = new_v.double()
-            maxima = round_up_fp32(torch.stack([
-                v64.norm(dim=-1).amax(dim=-1), centred_radius(v64, self._centre) * _INFLATE]))
-        else:
-            maxima = torch.zeros(2, self.num_kv_heads, device=self.device)
+        maxima = self._token_maxima(new_v)
         if restarted:
             self._tail_maxima.copy_(maxima)
         else:
@@ -409,6 +404,53 @@ class TieredKVStore:
                     spare[name][:, 0, rows] = self._tail_k[:, rows]
             spare["v"][0, 0, :, rows] = new_v
             spare["bias"][:, 0, rows] = 0.0
+
+    def append_in_place(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append one decode token ``k, v: [Hkv, 1, d]`` that does not complete the tail block,
+        writing every buffer in place at positions read from device memory (the tail block's
+        fill and the completed-block count, :meth:`block_counts`): a model's decode step
+        captured in a graph appends each replay's token where it belongs (:mod:`certkv.graphs`,
+        :class:`~certkv.graphs.GraphedDecode`). The store ends as :meth:`append` leaves it,
+        except that non-finite K/V is flagged for the attention step
+        (:meth:`nonfinite_appended`) rather than raised, on every device. The host half,
+        the tail's token count, is :meth:`advance_tail` (which a replay calls alone)."""
+        require(k.shape[1:] == (1, self.head_dim) and v.shape == k.shape
+                and self._centred and self.tail_len + 1 < self.block_size, ShapeError,
+                "append_in_place takes one token [num_kv_heads, 1, head_dim] that does not "
+                "complete the tail block, after the prompt; use append() for the others.")
+        k16, v16 = (x.to(device=self.device, dtype=torch.float16) for x in (k, v))
+        self._nonfinite |= ~(torch.isfinite(k16).all() & torch.isfinite(v16).all())
+        torch.maximum(self._key_abs_max, k16.abs().amax(dim=1).float(), out=self._key_abs_max)
+        slot = self._tail_count.long()
+        self._tail_k.index_copy_(1, slot, k16)
+        self._tail_v.index_copy_(1, slot, v16)
+        torch.maximum(self._tail_maxima, self._token_maxima(v16), out=self._tail_maxima)
+        torch.maximum(self._block_maxima, self._tail_maxima, out=self._value_maxima)
+        if self._mirror is not None:  # the tail's row: after the completed blocks
+            rows = self._mirror.buffers()
+            at = (self._completed_count.long(), slot)
+            for name in ("k", "orig_k"):
+                if name in rows:
+                    rows[name][(slice(None), *at)] = k16.to(rows[name].dtype)
+            rows["v"][0].transpose(0, 1)[(slice(None), *at)] = v16.to(rows["v"].dtype)
+            rows["bias"][(slice(None), *at)] = 0.0
+        self._tail_count.add_(1)
+        self.advance_tail()
+
+    def advance_tail(self) -> None:
+        """Count one token more in the tail block on the host (:meth:`append_in_place` counted
+        it on the device)."""
+        self._tail_len += 1
+        self._step_read, self._step_codes = None, {}
+
+    def _token_maxima(self, new_v: torch.Tensor) -> torch.Tensor:
+        """``[2, Hkv]``: the largest norm and centred radius of the tail tokens ``new_v [Hkv,
+        t, d]`` (FP64, rounded up together; 0 where ``t`` is 0)."""
+        if not new_v.shape[1]:
+            return torch.zeros(2, self.num_kv_heads, device=self.device)
+        v64 = new_v.double()
+        return round_up_fp32(torch.stack([
+            v64.norm(dim=-1).amax(dim=-1), centred_radius(v64, self._centre) * _INFLATE]))
 
     def _check_append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """FP16 copies of ``k, v`` (their shapes checked by :meth:`_check_shapes`), finite ones:
@@ -607,6 +649,8 @@ class TieredKVStore:
         capacity = self.block_capacity()
         self._table.reserve(capacity)
         self._tier2.reserve(capacity)
+        if self._mirror is not None:
+            self._mirror.reserve(capacity)
 
     def _note_maxima(self, notes: dict[str, torch.Tensor]) -> None:
         """Fold new annotations into the running maxima (``[Hkv]`` each)."""
@@ -902,7 +946,8 @@ class TieredKVStore:
                 or self._evictor is not None or self.protection.enabled
                 or self._tracker is not None):
             return None
-        sizes = (self._annotations.capacity, self._tier2.capacity, *self._table.capacities())
+        sizes = (self._annotations.capacity, self._tier2.capacity, *self._table.capacities(),
+                 0 if self._mirror is None else self._mirror.capacity)
         return sizes if self._table.single() is not None else (self.num_blocks, *sizes)
 
     def single_precision(self) -> Precision | None:

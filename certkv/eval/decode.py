@@ -35,7 +35,7 @@ from certkv.certify.select import AdaptiveTopK
 from certkv.certify.values import LocalThreshold
 from certkv.errors import CertKVError, ConfigError, require
 from certkv.evict.base import EvictionPolicy
-from certkv.graphs import GraphedAttention
+from certkv.graphs import GraphedAttention, GraphedDecode
 from certkv.models.hook import cache_kwargs, recording_prompt_queries
 from certkv.models.loading import LoadedModel
 from certkv.models.rope import rope_spec
@@ -71,7 +71,8 @@ class Method:
               protect: Protection | None = None, evict: EvictionPolicy | None = None,
               graphs: bool = False) -> Method:
         """A method with the paper's defaults (Table 2) for anything not given; ``graphs``:
-        each layer's step captured in a CUDA graph (:class:`~certkv.graphs.GraphedAttention`)."""
+        each layer's step captured in a CUDA graph (:class:`~certkv.graphs.GraphedAttention`),
+        and a :class:`Decoder`'s whole decode steps (:class:`~certkv.graphs.GraphedDecode`)."""
         attention = CertifiedAttention(selector or AdaptiveTopK(),
                                        value_policy or LocalThreshold(), ladder or Ladder(),
                                        backend, mode, compile=compile)
@@ -89,6 +90,10 @@ class Decoder:
 
     def __init__(self, lm: LoadedModel, cache) -> None:
         self.lm, self.cache, self.tokenizer = lm, cache, lm.tokenizer
+        attention = getattr(cache, "attention", None)
+        # a method with graphs: its whole decode steps captured and replayed
+        self.graph = GraphedDecode(lm.model, cache, attention.graph) \
+            if isinstance(attention, GraphedAttention) else None
         self.step_ms: list[float] = []
         self.telemetry: CacheTelemetry | None = None
 
@@ -126,10 +131,10 @@ class Decoder:
         ids = self._ids([[token]])
         _sync(self.lm.device)
         start = time.perf_counter()
-        out = self._forward(ids)
+        logits = self._forward(ids).logits if self.graph is None else self.graph(ids)
         _sync(self.lm.device)
         self.step_ms.append(1e3 * (time.perf_counter() - start))
-        return out.logits[0, -1].float()
+        return logits[0, -1].float()
 
     @torch.inference_mode()
     def feed(self, ids: list[int]) -> None:
