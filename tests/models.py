@@ -27,3 +27,23 @@ def tiny_model(model_type: str = "llama", seed: int = 0, peaked: float = 4.0):
     certkv_model = copy.deepcopy(model)
     enable(certkv_model)
     return model, certkv_model
+
+
+def greedy_decode(model, cache, ids: torch.Tensor, steps: int, decode=None) -> torch.Tensor:
+    """Prefill ``ids[:, :-1]`` into ``cache``, then decode ``steps`` greedy tokens from the
+    last one with ``decode(token [1, 1]) -> logits [1, 1, V]`` (default: the model's forward
+    with the cache); returns every step's logits ``[steps, 1, V]``. The cache's log is flushed."""
+    from certkv.models import cache_kwargs
+
+    kwargs = cache_kwargs(model, cache)
+    if decode is None:
+        def decode(token):
+            return model(input_ids=token, **kwargs).logits
+    logits, token = [], ids[:, -1:]
+    with torch.inference_mode():
+        model(input_ids=ids[:, :-1], **kwargs)
+        for _ in range(steps):
+            logits.append(decode(token))
+            token = logits[-1][:, -1:].argmax(dim=-1)
+    cache.log.flush()
+    return torch.cat(logits)

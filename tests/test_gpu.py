@@ -149,11 +149,10 @@ def test_a_model_decode_step_captured_whole_in_a_cuda_graph_replays_as_eager():
     """Issue 24's whole-model capture on CUDA (GraphedDecode with CudaGraph): a tiny model's
     decode steps, each captured once per bucket and replayed through block completions, give
     the eager padded steps' logits and step log."""
-    from models import tiny_model
+    from models import greedy_decode, tiny_model
 
     from certkv.cache.hf import CacheSpec, TieredCache
     from certkv.graphs import GraphedAttention, GraphedDecode
-    from certkv.models import cache_kwargs
     from certkv.quant import KVQuantizer
 
     _, model = tiny_model()
@@ -165,16 +164,7 @@ def test_a_model_decode_step_captured_whole_in_a_cuda_graph_replays_as_eager():
         attn.pad_layout = True
         cache = TieredCache(2, GraphedAttention(attn) if graphed else attn,
                             KVQuantizer(block_size=8), CacheSpec(4, 4))
-        kwargs = cache_kwargs(model, cache)
-        decode = GraphedDecode(model, cache) if graphed else \
-            (lambda token, kwargs=kwargs: model(input_ids=token, **kwargs).logits)
-        logits, token = [], ids[:, -1:]
-        with torch.inference_mode():
-            model(input_ids=ids[:, :-1], **kwargs)
-            for _ in range(40):
-                logits.append(decode(token))
-                token = logits[-1][:, -1:].argmax(dim=-1)
-        cache.log.flush()
-        runs.append((torch.cat(logits), cache.log.steps))
+        decode = GraphedDecode(model, cache) if graphed else None
+        runs.append((greedy_decode(model, cache, ids, 40, decode), cache.log.steps))
     assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1] == runs[1][1]
     assert decode.captures >= 2 and decode.replays >= 40 - 2 * decode.captures - 5

@@ -286,11 +286,10 @@ def test_a_model_decodes_the_same_with_its_whole_steps_replayed():
     counters. Prompt of 27 tokens, B = 8, 22 steps: a bucket of 4 blocks, then one of 8
     replayed through two block completions (a block list made before its buffer grew would
     end early there), each completing step eager."""
-    from models import tiny_model
+    from models import greedy_decode, tiny_model
 
     from certkv.cache.hf import CacheSpec, TieredCache
     from certkv.graphs import GraphedDecode
-    from certkv.models import cache_kwargs
     from certkv.quant import KVQuantizer
 
     _, model = tiny_model()
@@ -303,17 +302,9 @@ def test_a_model_decodes_the_same_with_its_whole_steps_replayed():
             attn = GraphedAttention(attn, graph=RecordedGraph)  # unwrapped by GraphedDecode
         cache = TieredCache(2, attn, KVQuantizer(block_size=8),
                             CacheSpec(scratch_key_blocks=4, scratch_value_blocks=4))
-        kwargs = cache_kwargs(model, cache)
-        decode = GraphedDecode(model, cache, RecordedGraph) if graphed else \
-            (lambda token, kwargs=kwargs: model(input_ids=token, **kwargs).logits)
-        logits, token = [], ids[:, -1:]
-        with torch.inference_mode():
-            model(input_ids=ids[:, :-1], **kwargs)
-            for _ in range(22):
-                logits.append(decode(token))
-                token = logits[-1][:, -1:].argmax(dim=-1)
-        cache.log.flush()
-        runs.append((torch.cat(logits), cache.log.steps, cache.scratch_stats(),
+        decode = GraphedDecode(model, cache, RecordedGraph) if graphed else None
+        logits = greedy_decode(model, cache, ids, 22, decode)
+        runs.append((logits, cache.log.steps, cache.scratch_stats(),
                      store_state(cache.layers[1].store)))
     (logits_e, steps_e, stats_e, state_e), (logits_g, steps_g, stats_g, state_g) = runs
     assert torch.equal(logits_e, logits_g)
