@@ -297,17 +297,6 @@ class _Packed:
                                      for cert in self.certs]
 
 
-class _Collected:
-    """Stands in for a cache's :class:`~certkv.certify.certificate.CertificateLog` while a
-    decode step is captured: keeps each layer's certificate (the replays log their copies)."""
-
-    def __init__(self) -> None:
-        self.records: list[tuple[int, object]] = []
-
-    def record(self, layer_idx: int, cert) -> None:
-        self.records.append((layer_idx, cert))
-
-
 class GraphedDecode:
     """A transformers model's decode step over a :class:`~certkv.cache.hf.TieredCache`
     captured whole, once per bucket, and replayed: every layer's projections, the token's
@@ -395,16 +384,16 @@ class GraphedDecode:
         static_ids = ids.clone()
         position = torch.full((1,), cache.get_seq_length(), dtype=torch.long, device=ids.device)
         graph = _new_graph(self.graph, self.attention, self)
-        collected = _Collected()
+        collected: list = []
 
         def decode() -> _Packed:
-            log, cache.log, cache.in_place_appends = cache.log, collected, True
+            cache.captured = collected
             try:
                 logits = self._forward(static_ids, position_ids=position.view(1, 1),
                                        cache_position=position)
             finally:
-                cache.log, cache.in_place_appends = log, False
-            return _Packed(logits, *(cert for _, cert in collected.records))
+                cache.captured = None
+            return _Packed(logits, *(cert for _, cert in collected))
 
         try:
             step.outputs = graph.capture(decode)
@@ -413,7 +402,7 @@ class GraphedDecode:
                 f"capturing a decode step failed ({err}); the cache now holds the token in "
                 f"part: decode this sequence again with graphs=false.") from err
         step.graph, step.inputs = graph, (static_ids, position)
-        step.layers = tuple(layer for layer, _ in collected.records)
+        step.layers = tuple(layer for layer, _ in collected)
         self.captures += 1
         return self._logged(step)
 
@@ -421,9 +410,8 @@ class GraphedDecode:
         """The captured step's logits and certificates as new tensors, the certificates
         logged as the eager step logs them."""
         logits, certs = step.outputs.copied()
-        for layer, cert in zip(step.layers, certs, strict=True):
-            store = self.cache.layers[layer].store
-            cert.num_blocks = store.num_quantized()  # the one host field a bucket changes
-            self.cache.log.record(layer, cert)
-            store.observe(cert)
+        for index, cert in zip(step.layers, certs, strict=True):
+            layer = self.cache.layers[index]
+            cert.num_blocks = layer.store.num_quantized()  # the one host field a bucket changes
+            layer.record(cert)
         return logits

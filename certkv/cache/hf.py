@@ -95,11 +95,22 @@ class TieredLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         require(key_states.shape[0] == 1, CertKVError, _BATCH.format(n=key_states.shape[0]))
-        cache = self.cache
-        append = self.store.append_in_place if cache.in_place_appends else self.store.append
+        capturing = self.cache.captured is not None
+        append = self.store.append_in_place if capturing else self.store.append
         append(key_states[0], value_states[0])
         handle = StoreHandle(self, key_states, value_states)
         return handle, handle
+
+    def record(self, cert) -> None:
+        """Log this layer's decode-step certificate and let its store observe it; while a
+        step is being captured (:class:`~certkv.graphs.GraphedDecode`), keep it in the
+        cache's ``captured`` instead (each replay records its copy)."""
+        cache = self.cache
+        if cache.captured is not None:
+            cache.captured.append((self.layer_idx, cert))
+            return
+        cache.log.record(self.layer_idx, cert)
+        self.store.observe(cert)
 
     @property
     def cache(self) -> TieredCache:
@@ -134,9 +145,9 @@ class TieredCache(Cache):
         self.log = CertificateLog(self.spec.records)
         self._loaded: dict[int, list[int]] = {}  # boundaries for stores made later
         self.board = ImportanceBoard()  # SmartKV's cross-layer state (unused by the others)
-        # decode tokens written at device positions (TieredKVStore.append_in_place): set by
-        # certkv.graphs.GraphedDecode while it captures a step
-        self.in_place_appends = False
+        # (layer, certificate) of the step certkv.graphs.GraphedDecode is capturing, or None;
+        # while set, decode tokens are written at device positions (append_in_place)
+        self.captured: list | None = None
         super().__init__(layers=[TieredLayer(self, i) for i in range(num_layers)])
 
     def clone_as(self, attention: CertifiedAttention, quantizer: KVQuantizer | None = None,

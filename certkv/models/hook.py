@@ -63,8 +63,7 @@ def certkv_attention(module, query, key, value, attention_mask, scaling=None, dr
         return _prefill(module, query, key, attention_mask, scaling, dropout, **kwargs)
     cache = layer.cache
     out, cert = cache.attention(query[0, :, 0, :], layer.store, scaling, scratch=layer.scratch)
-    cache.log.record(layer.layer_idx, cert)
-    layer.store.observe(cert)
+    layer.record(cert)
     return out.view(1, 1, hq, d).to(query.dtype), None
 
 
