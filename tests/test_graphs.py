@@ -57,14 +57,15 @@ def test_replays_equal_eager_steps_through_block_completions(scratch):
     step equals the eager step over the same padded layout bit for bit, certificate and its
     quantized block count included. The device LRU's own tables are compared too, so that state
     a replay would restore stale (e.g. tables resized inside a capture) shows."""
-    (eager_store, graph_store), (eager_cache, graph_cache), _ = setup(n=108, scratch=scratch)
+    (eager_store, graph_store), (eager_cache, graph_cache), _ = setup(n=6 * B + 13,
+                                                                      scratch=scratch)
     keys = eager_store.dense_kv()[0].float()
     eager = CertifiedAttention(backend="triton", compile=False)
     eager.pad_layout = True
     graphed = GraphedAttention(CertifiedAttention(backend="triton", compile=False),
                                graph=RecordedGraph)
     buckets: dict = {}  # graph signature -> block counts replayed under it
-    for step in range(B + 8):  # blocks 6 -> 8: completions inside and across buckets
+    for step in range(B + 5):  # blocks 6 -> 8 (at steps 2 and 18): inside and across buckets
         k, v, _ = grown(None, step)
         q = make_query(keys, 2, seed=step, peaked=True)
         for store in (eager_store, graph_store):
@@ -79,7 +80,7 @@ def test_replays_equal_eager_steps_through_block_completions(scratch):
         buckets.setdefault(graph_store.graph_signature(), set()).add(graph_store.num_blocks)
     assert graphed.captures == len(buckets) >= 2  # one per bucket, not per block count
     assert max(len(blocks) for blocks in buckets.values()) >= 2  # replayed through completions
-    assert graphed.replays == B + 8 - 2 * len(buckets)
+    assert graphed.replays == B + 5 - 2 * len(buckets)
     if scratch:
         assert eager_cache.stats == graph_cache.stats
 
@@ -91,13 +92,14 @@ def test_steps_over_a_padded_layout_are_the_unpadded_steps(scratch):
     block completions and a growth of the buffers returns the unpadded step's output, rungs,
     key and value sets and key/value errors; ``e_arith`` counts the padded token slots (a
     little larger, never smaller), and the contract holds on every head."""
-    (plain_store, padded_store), (plain_cache, padded_cache), _ = setup(n=100, scratch=scratch)
+    (plain_store, padded_store), (plain_cache, padded_cache), _ = setup(n=6 * B + 13,
+                                                                        scratch=scratch)
     keys = plain_store.dense_kv()[0].float()
     plain = CertifiedAttention(backend="triton", compile=False)
     padded = CertifiedAttention(backend="triton", compile=False)
     padded.pad_layout = True
     widths = set()
-    for step in range(2 * B + 2):  # blocks 6 -> 8: the capacity grows from 8 to 16
+    for step in range(B + 5):  # blocks 6 -> 8 (at steps 2 and 18): the capacity grows 8 -> 16
         k, v, _ = grown(None, step)
         q = make_query(keys, 2, seed=step, peaked=True)
         for store in (plain_store, padded_store):

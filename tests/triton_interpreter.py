@@ -1,0 +1,71 @@
+"""A faster Triton interpreter for the tests (``TRITON_INTERPRET=1``, every CPU run).
+
+Triton's interpreter (3.4 to 3.9 at least) patches ``triton.language`` at every launch, which is
+needed, and again at every call of a ``@triton.jit`` helper from inside a kernel, which repeats
+the launch's own patch: the same builtins wrapped the same way, at about 1.7 ms a call. certkv's
+kernels call their helpers (code unpacking, two-level dot products) once per block, so on the
+test shapes that repeated patch was about a third of an interpreted decode step.
+
+:func:`install` keeps the patch of a helper only where its module reaches a language module
+the launch has not patched yet (helpers of ``triton.language.standard`` use ``core``, which a
+kernel importing ``triton.language as tl`` does not patch): the kernels run the same
+interpreted code on the same patched builtins. Where Triton's interpreter lacks the pieces this
+relies on, nothing is installed and the tests run at the interpreter's own speed.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+_INSTALLED = False
+
+
+def install() -> bool:
+    """Skip the interpreter's repeated language patch in nested helper calls (idempotent);
+    True where installed."""
+    global _INSTALLED
+    if _INSTALLED:
+        return True
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter as interp
+    except ImportError:
+        return False
+    grid, helper = getattr(interp, "GridExecutor", None), getattr(interp, "InterpretedFunction",
+                                                                  None)
+    if grid is None or helper is None or not hasattr(interp, "_patch_lang") \
+            or not hasattr(helper, "rewrite"):
+        return False
+    launches: list[set[int]] = []  # per launch in progress: the language modules it patched
+    seen: dict = {}  # function -> the language modules its globals reach
+
+    def languages(fn) -> frozenset[int]:
+        if fn not in seen:
+            seen[fn] = frozenset(id(value) for value in fn.__globals__.values()
+                                 if inspect.ismodule(value) and value in (tl, tl.core))
+        return seen[fn]
+
+    launch = grid.__call__
+
+    def launched(self, *args, **kwargs):
+        launches.append(set(languages(self.fn)))
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            launches.pop()
+
+    def called(self, *args, **kwargs):  # InterpretedFunction.__call__: a nested helper
+        wanted = languages(self.fn)
+        if not launches or not wanted <= launches[-1]:
+            interp._patch_lang(self.fn)
+            if launches:
+                launches[-1] |= wanted
+        fn = self.rewrite()
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            raise interp.InterpreterError(repr(e)) from e
+
+    grid.__call__, helper.__call__ = launched, called
+    _INSTALLED = True
+    return True
