@@ -880,8 +880,9 @@ def decode_notes(records: list[dict]) -> list[str]:
     if records and records[0].get("graphs"):
         notes.append("graphs on: each certified decode step, the whole model, replayed as a "
                      "CUDA graph (per bucket of block counts, a first step eager and the second "
-                     "captured; a step that completes a block eager); the phase shares come "
-                     "from eager steps (a replay has no phases).")
+                     "captured; a block a token fills is quantized before the next step, "
+                     "eagerly, inside that step's time); the phase shares come from eager "
+                     "steps (a replay has no phases).")
         notes += [f"{r['short_label']}: {g['replays']} of {g['steps']} decode steps "
                   f"replayed, {g['captures']} captured, the rest eager."
                   for r in records if (g := r.get("graph_steps"))]

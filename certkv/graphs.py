@@ -21,8 +21,10 @@ shows it).
 
 :class:`GraphedDecode` captures a model's whole decode step the same way: every layer's
 projections and MLP around the step, and the token's append, which writes at positions read from
-device memory (:meth:`~certkv.cache.store.TieredKVStore.append_in_place`), so that only the
-steps whose token completes a block run eagerly.
+device memory (:meth:`~certkv.cache.store.TieredKVStore.append_in_place`). A token that fills the
+tail block leaves it full (the stores' ``defer_commit``), and the block is quantized between
+steps, before the next one (:meth:`~certkv.cache.store.TieredKVStore.flush_tail`, on the host),
+so that every step of a bucket after its first two replays.
 
 Two graphs with one protocol (``capture(fn) -> outputs``, ``replay()``):
 
@@ -305,20 +307,23 @@ class GraphedDecode:
 
     A step is captured when every layer's store is graphable and its attention step reads
     no host value (:meth:`CertifiedAttention.graph_layout`, :meth:`~CertifiedAttention.
-    graph_ready`) and the token does not complete a block: each layer then writes the token's
-    keys and values at positions read from device memory
-    (:meth:`~certkv.cache.store.TieredKVStore.append_in_place`), the position comes from a
-    device buffer and the attention mask is left out (a certified decode step attends to every
-    cached token; certkv's attention never reads a decode step's mask). The other steps run
-    eagerly: a bucket's first step, each step whose token completes a block (one in ``B``),
-    and every step while the attention has a phase timer. A replay then logs each layer's
-    certificate, as the eager step does.
+    graph_ready`): each layer then writes the token's keys and values at positions read from
+    device memory (:meth:`~certkv.cache.store.TieredKVStore.append_in_place`), the position
+    comes from a device buffer and the attention mask is left out (a certified decode step
+    attends to every cached token; certkv's attention never reads a decode step's mask). The
+    cache's stores keep a tail block that fills until the next step (``defer_commit``), which
+    quantizes it before its forward (:meth:`~certkv.cache.store.TieredKVStore.flush_tail`,
+    eager host work once in ``B`` steps per layer), so the step whose token fills a block
+    replays too. The other steps run eagerly: a bucket's first step, and every step while the
+    attention has a phase timer. A replay then logs each layer's certificate, as the eager
+    step does.
 
     Args:
         model: the model, with the certkv attention (:func:`certkv.models.enable`).
         cache: its cache; its attention (a :class:`GraphedAttention`'s wrapped one, which
             becomes the cache's: one layer's step is not captured inside another capture) pads
-            its layouts (:attr:`CertifiedAttention.pad_layout`).
+            its layouts (:attr:`CertifiedAttention.pad_layout`), and its stores defer their
+            commits (:attr:`~certkv.cache.hf.TieredCache.defer_commit`).
         graph: the graph class: :class:`CudaGraph` on CUDA (default), :class:`RecordedGraph`
             elsewhere (tests).
     """
@@ -330,6 +335,7 @@ class GraphedDecode:
             else attention
         self.attention.pad_layout = True
         cache.attention = self.attention
+        cache.defer_commit = True  # an in-place append never quantizes a block
         self._step: _Captured | None = None
         self._pool = None
         self.captures = self.replays = self.steps = 0
@@ -339,6 +345,9 @@ class GraphedDecode:
         device) with the cache, which takes the token."""
         _needs_cuda(self.graph, ids.device)
         self.steps += 1
+        for store in self._stores():  # the block the last token filled, quantized now
+            if store is not None:
+                store.flush_tail()
         key = self._signature(ids)
         step = self._step
         if key is None:
@@ -367,8 +376,7 @@ class GraphedDecode:
                 or any(store is None for store in stores):
             return None
         probe = torch.empty(0, dtype=self.model.dtype, device=ids.device)  # the queries' dtype
-        if any(store.tail_len + 1 >= store.block_size or not attention.graph_ready(probe, store)
-               for store in stores):
+        if not all(attention.graph_ready(probe, store) for store in stores):
             return None
         layouts = tuple(attention.graph_layout(store) for store in stores)
         return None if None in layouts else (layouts, ids.device)

@@ -263,6 +263,23 @@ def step_draws(draw, max_tokens: int, per_step: list[int]) -> dict:
     }
 
 
+def store_contents(store: TieredKVStore) -> list[torch.Tensor]:
+    """Everything a one-precision store holds that a step or a later commit reads: Tier-1
+    codes and metadata, the annotations, Tier-2, the tail's tokens and counts, the running
+    maxima, the decoded mirror (where kept), the quantized mask and count, the non-finite
+    flag."""
+    from certkv.cache.store import ANNOTATIONS
+
+    blocks = [t for side in (store.key_blocks(), store.value_blocks()) for t in side.values()]
+    decoded = store.decoded_with_tail()
+    mirror = [] if decoded is None else [t for t in (*decoded, store.slot_bias(),
+                                                      store.original_keys()) if t is not None]
+    return [*blocks, *(store.annotation(name) for name in ANNOTATIONS), *store.dense_kv(),
+            *store.tail(), store.block_counts(), store.value_norm_max(),
+            store.value_radius(), store.value_error_max(), store.key_abs_max(), *mirror,
+            store.quantized_mask(), store.quantized_count(), store.nonfinite_appended()]
+
+
 def same_values(a, b) -> bool:
     """Bitwise equality of certificates, their block statistics and tuples of them (tensors
     equal with NaN equal to NaN; other fields ``==``)."""

@@ -80,6 +80,7 @@ def scenarios(draw):
         # the decoded mirror (numba: Phase 1 from INT8 codes), whole or lean (no keys kept)
         "mirror": draw(st.sampled_from([False, True, "lean"])),
         "decode": draw(st.integers(0, 3)),  # tokens appended one at a time, as decode does
+        "defer": draw(st.booleans()),  # a tail block that fills stays the (full) tail
     }
 
 
@@ -90,6 +91,7 @@ def build(sc):
         value_codec=GroupAffineValueCodec(bits=sc["value_bits"], group=sc["value_group"]),
         decoded_mirror=sc.get("mirror", False),
     )
+    store.defer_commit = sc.get("defer", False)
     k, v = make_kv(sc["hkv"], sc["tokens"], sc["d"], seed=sc["seed"],
                    outlier_channels=min(sc["outliers"], sc["d"]), heavy_tail=sc["heavy_tail"],
                    key_offset=sc["key_offset"], value_offset=sc.get("value_offset", 0.0),
@@ -197,6 +199,7 @@ ADVERSARIAL = {"hkv": 2, "group": 2, "d": 32, "block": 8, "tokens": 150, "value_
     ("one_token", {"peaked": True, "q_scale": 1e3}),  # attention on a single token: spread = mass
     ("one_token_naive", {"peaked": True, "q_scale": 30.0, "mode": "naive"}),
     ("flat_int2", {"q_scale": 1e-3, "key_bits": 2, "mode": "naive"}),  # every token perturbed
+    ("full_tail", {"defer": True, "tokens": 152}),  # 18 blocks and a full tail of 8 exact tokens
     ("paper_rules", {"contribution": "paper", "tail_mass": "paper", "v_tol": 0.01}),
     ("tight_rules", {"contribution": "tight", "tail_mass": "tight", "v_tol": 0.01}),
 ])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import check_heads, make_kv, make_query, same_values
+from helpers import check_heads, make_kv, make_query, same_values, store_contents
 
 from certkv import CertifiedAttention, TieredKVStore
 from certkv.cache.scratch import ScratchCache
@@ -280,14 +280,45 @@ def test_an_append_captured_once_writes_each_replayed_token_where_it_belongs():
         captured.append_in_place(k, v)
 
 
+def test_with_deferred_commits_a_captured_append_replays_every_token():
+    """``defer_commit`` (what GraphedDecode sets): the in-place append takes the token that
+    fills the tail too, so one capture serves every token; the full block is committed between
+    replays (``flush_tail``). Through two completions the store holds what plain appends of a
+    deferring store leave, bit for bit (codes, annotations, Tier-2, tail, counts, maxima,
+    mirror), and its buffers never grow (one bucket)."""
+    stores = [TieredKVStore(2, D, block_size=B, decoded_mirror=True) for _ in range(2)]
+    k, v = make_kv(2, 4 * B + 5, D, seed=5)
+    for store in stores:
+        store.defer_commit = True
+        store.append(k, v)
+    plain, captured = stores
+    signature = captured.graph_signature()  # buffers of 8 blocks: no growth below
+    token = [torch.zeros(2, 1, D, dtype=torch.float16) for _ in range(2)]
+    graph = RecordedGraph()
+    graph.capture(lambda: captured.append_in_place(*token))
+    plain.append(*token)
+    for step in range(2 * B + 2):
+        k, v, _ = grown(None, step)
+        plain.append(k, v)
+        captured.flush_tail()
+        token[0].copy_(k)
+        token[1].copy_(v)
+        graph.replay()
+        captured.advance_tail()
+        assert all(torch.equal(a, b) for a, b in zip(store_contents(plain),
+                                                     store_contents(captured), strict=True)), step
+    assert captured.num_blocks == 6 and captured.graph_signature() == signature
+
+
 @pytest.mark.slow
 def test_a_model_decodes_the_same_with_its_whole_steps_replayed():
     """A model's whole decode step captured once per bucket (GraphedDecode: every layer's
     projections, the token's in-place append, the certified attention, the MLP and the logits)
     and replayed gives the eager steps' logits bit for bit, and their step log and scratch
-    counters. Prompt of 27 tokens, B = 8, 22 steps: a bucket of 4 blocks, then one of 8
-    replayed through two block completions (a block list made before its buffer grew would
-    end early there), each completing step eager."""
+    counters, the eager run's stores deferring their commits as GraphedDecode's do. Prompt of
+    27 tokens, B = 8, 22 steps: a bucket of 4 blocks, then one of 8 replayed through two block
+    completions (a block list made before its buffer grew would end early there); only each
+    bucket's first two steps run eagerly, those whose token fills a block replay."""
     from models import greedy_decode, tiny_model
 
     from certkv.cache.hf import CacheSpec, TieredCache
@@ -304,6 +335,7 @@ def test_a_model_decodes_the_same_with_its_whole_steps_replayed():
             attn = GraphedAttention(attn, graph=RecordedGraph)  # unwrapped by GraphedDecode
         cache = TieredCache(2, attn, KVQuantizer(block_size=8),
                             CacheSpec(scratch_key_blocks=4, scratch_value_blocks=4))
+        cache.defer_commit = True  # as GraphedDecode sets it
         decode = GraphedDecode(model, cache, RecordedGraph) if graphed else None
         logits = greedy_decode(model, cache, ids, 22, decode)
         runs.append((logits, cache.log.steps, cache.scratch_stats(),
@@ -312,8 +344,9 @@ def test_a_model_decodes_the_same_with_its_whole_steps_replayed():
     assert torch.equal(logits_e, logits_g)
     assert steps_e == steps_g and stats_e == stats_g
     assert all(torch.equal(a, b) for a, b in zip(state_e, state_g, strict=True))
-    assert cache.layers[1].store.num_blocks == 6
-    assert (decode.captures, decode.replays, decode.steps) == (2, 22 - 2 * 2 - 3, 22)
+    store = cache.layers[1].store
+    assert (store.num_blocks, store.tail_len) == (5, 8)  # the sixth block full, kept as the tail
+    assert (decode.captures, decode.replays, decode.steps) == (2, 22 - 2 * 2, 22)
 
 
 def test_stores_whose_layout_changes_at_any_step_are_not_graphed():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_kv
+from helpers import make_kv, store_contents
 
 from certkv import ChannelAffineKeyCodec, GroupAffineValueCodec, TieredKVStore
 from certkv.errors import ConfigError, NonFiniteError, ShapeError, Tier2UnavailableError
@@ -32,6 +32,37 @@ def test_streaming_append_equals_bulk_append():
         assert torch.equal(bulk.eta, other.eta) and torch.equal(bulk.nu, other.nu)
         for x, y in zip(bulk.dense_kv(), other.dense_kv(), strict=True):
             assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("mirror", [False, True, "lean"])
+def test_a_deferred_commit_keeps_the_full_tail_until_the_next_token(mirror):
+    """``defer_commit`` (the stores of a graphed decode): a tail block that fills stays the
+    tail, full and exact, and the next token (or ``flush_tail``) commits it; the store then
+    holds what a store committing at once holds, bit for bit (codes, annotations, Tier-2,
+    tail, counts, maxima, mirror). A prompt of whole blocks keeps its last one as the tail."""
+    k, v = make_kv(2, 75, 32, seed=2, outlier_channels=1)
+    plain, deferred = (TieredKVStore(2, 32, block_size=8, value_group=8, decoded_mirror=mirror)
+                       for _ in range(2))
+    deferred.defer_commit = True
+    for store in (plain, deferred):
+        store.append(k[:, :32], v[:, :32])
+    assert (deferred.num_blocks, deferred.tail_len) == (3, 8) and plain.tail_len == 0
+    flushed = 0
+    for t in range(32, 75):
+        for store in (plain, deferred):
+            store.append(k[:, t : t + 1], v[:, t : t + 1])
+        full = deferred.tail_len == 8
+        assert deferred.num_blocks == plain.num_blocks - full
+        if full and t % 16 == 15:  # every other full tail committed by flush_tail
+            deferred.flush_tail()
+            flushed += 1
+        if deferred.num_blocks == plain.num_blocks:
+            assert all(torch.equal(a, b) for a, b in zip(store_contents(plain),
+                                                         store_contents(deferred),
+                                                         strict=True)), t
+    assert flushed == 2 and deferred.num_blocks == plain.num_blocks == 9
+    deferred.flush_tail()  # a partial tail: nothing to commit
+    assert deferred.tail_len == 3
 
 
 def test_blocks_are_quantized_from_their_own_tokens_and_never_updated():

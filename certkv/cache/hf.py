@@ -87,6 +87,7 @@ class TieredLayer(DynamicLayer):
                                        key_states.device),
                                    **self.cache.quantizer.store_kwargs())
         self.store.join(self.cache.board, self.layer_idx)
+        self.store.defer_commit = self.cache.defer_commit
         if self.layer_idx in self.cache._loaded:
             self.store.boundaries = self.cache._loaded[self.layer_idx]
         self.is_initialized = True
@@ -148,7 +149,21 @@ class TieredCache(Cache):
         # (layer, certificate) of the step certkv.graphs.GraphedDecode is capturing, or None;
         # while set, decode tokens are written at device positions (append_in_place)
         self.captured: list | None = None
+        self._defer_commit = False
         super().__init__(layers=[TieredLayer(self, i) for i in range(num_layers)])
+
+    @property
+    def defer_commit(self) -> bool:
+        """Every store's :attr:`TieredKVStore.defer_commit` (a full tail block kept until the
+        next token; :class:`~certkv.graphs.GraphedDecode` sets it): the stores now, and those
+        made later."""
+        return self._defer_commit
+
+    @defer_commit.setter
+    def defer_commit(self, value: bool) -> None:
+        self._defer_commit = value
+        for store in self.stores():
+            store.defer_commit = value
 
     def clone_as(self, attention: CertifiedAttention, quantizer: KVQuantizer | None = None,
                  spec: CacheSpec | None = None) -> TieredCache:

@@ -178,6 +178,14 @@ class TieredKVStore:
         fused_encode: quantize completed blocks with the Triton kernel
             (``certkv.kernels.triton_quantize``); ``None`` = on CUDA when the codecs are the
             defaults (INT8 keys, INT4 values) and B, d are powers of two.
+
+    Attributes:
+        defer_commit: keep a tail block that fills as the tail, full and exact, until the next
+            token arrives (or :meth:`flush_tail`), and commit it then; off by default (a block
+            is committed as it fills). A whole decode step captured in a graph
+            (:class:`~certkv.graphs.GraphedDecode`) appends its token in place, which cannot
+            quantize a block, so it sets this and commits between steps: a step then attends
+            to a tail of 1 to ``B`` exact tokens instead of 0 to ``B - 1``.
     """
 
     def __init__(
@@ -276,6 +284,7 @@ class TieredKVStore:
         self._nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)
         self._views = None  # the fused append's NumPy views (_append_views)
         self._rows = None  # original_rows' views, with the originals' views they were made of
+        self.defer_commit = False
         self._allocate()
 
     def _allocate(self) -> None:
@@ -296,15 +305,15 @@ class TieredKVStore:
         """Append ``k, v: [Hkv, T, d]`` (post-RoPE, any float dtype, ``T >= 1``).
 
         Tokens join the FP16 tail; every block that fills is quantized at once (Tier-1) at the
-        precision of its stage, its annotations are measured and its FP16 originals move to
-        Tier-2. Blocks whose age reached a later stage are then re-quantized from Tier-2, and
-        under a budget the oldest graduate early (:meth:`_graduate`).
+        precision of its stage (with :attr:`defer_commit`, when the next token arrives), its
+        annotations are measured and its FP16 originals move to Tier-2. Blocks whose age
+        reached a later stage are then re-quantized from Tier-2, and under a budget the oldest
+        graduate early (:meth:`_graduate`).
         """
         self._check_shapes(k, v)
         if self._append_token(k, v):
             return
         k16, v16 = self._check_append(k, v)
-        self._step_read, self._step_codes = None, {}
         if not self._centred:
             vf = v16.float()
             self._centre = (vf.amax(dim=1) + vf.amin(dim=1)) / 2
@@ -313,7 +322,24 @@ class TieredKVStore:
         prefill = self._layer.key_max is None
         if prefill:
             self._layer = LayerContext(self._key_abs_max.clone(), prefill=True)
-        n_full = (self.tail_len + k16.shape[1]) // self.block_size
+        # blocks the tokens complete; with defer_commit the last one stays the tail, full
+        n_full = (self.tail_len + k16.shape[1] - int(self.defer_commit)) // self.block_size
+        self._add(k16, v16, n_full, prefill)
+        if prefill:
+            self._layer = self._layer._replace(prefill=False)
+
+    def flush_tail(self) -> None:
+        """Commit a full tail block now (``defer_commit`` keeps one until the next token), as
+        the next :meth:`append` would; nothing otherwise."""
+        if self.tail_len == self.block_size:
+            none = self._tail_k[:, :0]
+            self._add(none, none, 1, prefill=False)
+
+    def _add(self, k16: torch.Tensor, v16: torch.Tensor, n_full: int, prefill: bool) -> None:
+        """Append checked FP16 tokens ``k16, v16 [Hkv, T, d]`` that complete ``n_full`` blocks
+        (the tail's tokens first), then what follows a commit: later stages, the budget, the
+        precision tracker and eviction."""
+        self._step_read, self._step_codes = None, {}
         if n_full:
             self._commit_tail(k16, v16, n_full)
         else:  # the tokens join the tail block in place (a decode step: one token)
@@ -327,8 +353,6 @@ class TieredKVStore:
             self._tracker.appended(prefill)
         if n_full and self._evictor is not None:
             self._evictor.appended(prefill)
-        if prefill:
-            self._layer = self._layer._replace(prefill=False)
 
     def _append_token(self, k: torch.Tensor, v: torch.Tensor) -> bool:
         """A decode step's one token on a CPU store as one numba call
@@ -406,18 +430,20 @@ class TieredKVStore:
             spare["bias"][:, 0, rows] = 0.0
 
     def append_in_place(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Append one decode token ``k, v: [Hkv, 1, d]`` that does not complete the tail block,
-        writing every buffer in place at positions read from device memory (the tail block's
-        fill and the completed-block count, :meth:`block_counts`): a model's decode step
-        captured in a graph appends each replay's token where it belongs (:mod:`certkv.graphs`,
-        :class:`~certkv.graphs.GraphedDecode`). The store ends as :meth:`append` leaves it,
-        except that non-finite K/V is flagged for the attention step
-        (:meth:`nonfinite_appended`) rather than raised, on every device. The host half,
-        the tail's token count, is :meth:`advance_tail` (which a replay calls alone)."""
+        """Append one decode token ``k, v: [Hkv, 1, d]`` that commits no block (the tail has
+        room for it, and it does not complete the tail block unless ``defer_commit`` keeps a
+        full one), writing every buffer in place at positions read from device memory (the tail
+        block's fill and the completed-block count, :meth:`block_counts`): a model's decode
+        step captured in a graph appends each replay's token where it belongs
+        (:mod:`certkv.graphs`, :class:`~certkv.graphs.GraphedDecode`). The store ends as
+        :meth:`append` leaves it, except that non-finite K/V is flagged for the attention step
+        (:meth:`nonfinite_appended`) rather than raised, on every device. The host half, the
+        tail's token count, is :meth:`advance_tail` (which a replay calls alone)."""
+        room = self.tail_len + 1 < self.block_size + int(self.defer_commit)
         require(k.shape[1:] == (1, self.head_dim) and v.shape == k.shape
-                and self._centred and self.tail_len + 1 < self.block_size, ShapeError,
-                "append_in_place takes one token [num_kv_heads, 1, head_dim] that does not "
-                "complete the tail block, after the prompt; use append() for the others.")
+                and self._centred and room, ShapeError,
+                "append_in_place takes one token [num_kv_heads, 1, head_dim] that commits no "
+                "block, after the prompt; use append() for the others (or flush_tail() first).")
         k16, v16 = (x.to(device=self.device, dtype=torch.float16) for x in (k, v))
         self._nonfinite |= ~(torch.isfinite(k16).all() & torch.isfinite(v16).all())
         torch.maximum(self._key_abs_max, k16.abs().amax(dim=1).float(), out=self._key_abs_max)
