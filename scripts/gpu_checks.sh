@@ -31,7 +31,7 @@ fi
   --repeats 50 --out "$OUTDIR" --force
 "$PY" -m certkv.cli bench decode --model llama31_8b --context 8192 --context 32768 \
   --context 65536 --repeats 10 --out "$OUTDIR" --force
-# the same whole-model steps with each layer's certified step captured in a CUDA graph
+# the same whole-model steps, each decode step captured whole in a CUDA graph (GraphedDecode)
 "$PY" -m certkv.cli bench decode --model llama31_8b --context 8192 --context 32768 \
   --context 65536 --repeats 10 --graphs on --out "$OUTDIR/graphs" --force
 # A/B: the same 64K attention step with the selection/certificate segments left eager

@@ -113,6 +113,35 @@ def test_model_loop_equals_generate_and_matches_native_logits():
     assert gen[0, ids.shape[1]:].tolist() == tokens
 
 
+@pytest.mark.parametrize("quantizer", [None, "tiers"])
+def test_a_prompt_prefilled_under_inference_mode_decodes_under_no_grad(quantizer):
+    """A cache filled under ``torch.inference_mode()`` (its stores then hold inference tensors,
+    which PyTorch lets nothing update in place outside that mode) serves ``generate()``, which
+    runs under ``no_grad``: the same tokens and certificates as a run kept in inference mode
+    (the tiers also move blocks between precisions in place as they age)."""
+    from certkv.quant import GroupAffineValueCodec, KiviKeyCodec, Precision, TieredQuantizer
+    from certkv.quant.tiers import ARCHIVES
+
+    def tiers():  # hot 16 tokens, warm 4-bit to 48, then a 2-bit archive (head_dim 16)
+        archive = Precision(KiviKeyCodec(bits=2), GroupAffineValueCodec(bits=2, group=16))
+        return TieredQuantizer(KiviKeyCodec(bits=4), GroupAffineValueCodec(bits=4, group=16), 8,
+                               hot=16, stale=48, archive="kivi2",
+                               archives=dict.fromkeys(ARCHIVES, archive))
+
+    _, model = tiny_model(seed=1)
+    ids = prompt(70, seed=1)
+    runs = []
+    for inside in (True, False):
+        cache = TieredCache(2, CertifiedAttention(), None if quantizer is None else tiers())
+        with torch.inference_mode():
+            model(ids[:, :-1], past_key_values=cache)
+        with torch.inference_mode(inside):
+            out = model.generate(ids, max_new_tokens=20, do_sample=False, past_key_values=cache)
+        cache.log.flush()
+        runs.append((out, cache.log.steps))
+    assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1] == runs[1][1]
+
+
 def test_full_promotion_equals_dense():
     _, model = tiny_model(seed=3)
     ids = prompt(70, seed=3)

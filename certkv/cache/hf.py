@@ -77,6 +77,7 @@ class TieredLayer(DynamicLayer):
         self.layer_idx = layer_idx
         self.store: TieredKVStore | None = None
         self.scratch = ScratchCache(cache.spec.scratch_key_blocks, cache.spec.scratch_value_blocks)
+        self._inference = False  # the store was made or written under torch.inference_mode()
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         require(key_states.shape[0] == 1, CertKVError, _BATCH.format(n=key_states.shape[0]))
@@ -96,11 +97,24 @@ class TieredLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         require(key_states.shape[0] == 1, CertKVError, _BATCH.format(n=key_states.shape[0]))
+        self._writable()
         capturing = self.cache.captured is not None
         append = self.store.append_in_place if capturing else self.store.append
         append(key_states[0], value_states[0])
         handle = StoreHandle(self, key_states, value_states)
         return handle, handle
+
+    def _writable(self) -> None:
+        """A store made or written under ``torch.inference_mode()`` holds inference tensors,
+        which PyTorch lets nothing update in place outside that mode: the first update outside
+        it after one inside (a prompt prefilled under ``inference_mode``, then ``generate()``,
+        which runs under ``no_grad``) swaps in a copy made outside it
+        (:meth:`TieredKVStore.clone`, once)."""
+        inside = torch.is_inference_mode_enabled()
+        if self._inference and not inside:
+            self.store = self.store.clone()
+            self.store.join(self.cache.board, self.layer_idx)
+        self._inference = inside
 
     def record(self, cert) -> None:
         """Log this layer's decode-step certificate and let its store observe it; while a
@@ -190,6 +204,7 @@ class TieredCache(Cache):
                 mine.store.join(cache.board, mine.layer_idx)
                 mine.dtype, mine.device = theirs.dtype, theirs.device
                 mine.is_initialized = True
+                mine._inference = torch.is_inference_mode_enabled()
         return cache
 
     @classmethod
