@@ -10,7 +10,8 @@ test shapes that repeated patch was about a third of an interpreted decode step.
 the launch has not patched yet (helpers of ``triton.language.standard`` use ``core``, which a
 kernel importing ``triton.language as tl`` does not patch): the kernels run the same
 interpreted code on the same patched builtins. Where Triton's interpreter lacks the pieces this
-relies on, nothing is installed and the tests run at the interpreter's own speed.
+relies on, or its helper call is not the one this replaces (:func:`_replaceable`), nothing is
+installed and the tests run at the interpreter's own speed.
 """
 
 from __future__ import annotations
@@ -18,6 +19,19 @@ from __future__ import annotations
 import inspect
 
 _INSTALLED = False
+
+
+def _replaceable(call) -> bool:
+    """Whether ``InterpretedFunction.__call__`` is the one this replaces: patch the language,
+    rewrite the function, call it, wrap its errors (a Triton that changed it keeps its own)."""
+    try:
+        lines = [line.strip() for line in inspect.getsource(call).splitlines()]
+    except (OSError, TypeError):
+        return False
+    body = [line for line in lines if line and not line.startswith(("#", "def ", "@"))]
+    return body == ["_patch_lang(self.fn)", "fn = self.rewrite()", "try:",
+                    "return fn(*args, **kwargs)", "except Exception as e:",
+                    "raise InterpreterError(repr(e)) from e"]
 
 
 def install() -> bool:
@@ -34,7 +48,7 @@ def install() -> bool:
     grid, helper = getattr(interp, "GridExecutor", None), getattr(interp, "InterpretedFunction",
                                                                   None)
     if grid is None or helper is None or not hasattr(interp, "_patch_lang") \
-            or not hasattr(helper, "rewrite"):
+            or not hasattr(helper, "rewrite") or not _replaceable(helper.__call__):
         return False
     launches: list[set[int]] = []  # per launch in progress: the language modules it patched
     seen: dict = {}  # function -> the language modules its globals reach
