@@ -223,6 +223,19 @@ def test_bad_append_gives_one_clear_sentence(k, v, error, match):
     assert store.num_tokens == 0
 
 
+def test_a_store_made_under_inference_mode_names_the_fix_outside_it():
+    k, v = make_kv(2, 20, 32, seed=0)
+    with torch.inference_mode():
+        store = TieredKVStore(2, 32, block_size=8, value_group=8, decoded_mirror="lean")
+        store.append(k, v)
+    for append in (store.append, store.append_in_place):
+        with pytest.raises(ConfigError, match=r"inference_mode too, or continue on store\.clone"):
+            append(k[:, :1], v[:, :1])
+    copy = store.clone()  # made outside the mode: writable there
+    copy.append(k[:, :5], v[:, :5])
+    assert copy.num_tokens == 25 and store.num_tokens == 20
+
+
 def test_bad_store_configuration_names_the_fix():
     with pytest.raises(ConfigError, match="does not divide head_dim=24"):
         TieredKVStore(1, 24, value_group=16)

@@ -311,6 +311,7 @@ class TieredKVStore:
         graduate early (:meth:`_graduate`).
         """
         self._check_shapes(k, v)
+        self._check_mode()
         if self._append_token(k, v):
             return
         k16, v16 = self._check_append(k, v)
@@ -444,6 +445,7 @@ class TieredKVStore:
                 and self._centred and room, ShapeError,
                 "append_in_place takes one token [num_kv_heads, 1, head_dim] that commits no "
                 "block, after the prompt; use append() for the others (or flush_tail() first).")
+        self._check_mode()
         k16, v16 = (x.to(device=self.device, dtype=torch.float16) for x in (k, v))
         self._nonfinite |= ~(torch.isfinite(k16).all() & torch.isfinite(v16).all())
         torch.maximum(self._key_abs_max, k16.abs().amax(dim=1).float(), out=self._key_abs_max)
@@ -505,6 +507,16 @@ class TieredKVStore:
         require(k.shape[1] == v.shape[1] and k.shape[1] >= 1, ShapeError,
                 f"k and v must hold the same number T >= 1 of tokens (got {k.shape[1]} and "
                 f"{v.shape[1]}).")
+
+    def _check_mode(self) -> None:
+        """A store made under ``torch.inference_mode()`` holds inference tensors, which PyTorch
+        lets nothing update in place outside that mode: one sentence naming the fix instead of
+        PyTorch's error deep inside an append (or, on the CPU's fused path, a tail written
+        through NumPy that a later commit could not follow)."""
+        require(torch.is_inference_mode_enabled() or not self._tail_k.is_inference(),
+                ConfigError, "this store was made under torch.inference_mode(); append to it "
+                "inside inference_mode too, or continue on store.clone() made outside it "
+                "(certkv's transformers cache does that itself).")
 
     def _shapes_fit(self, x) -> bool:
         return (isinstance(x, torch.Tensor) and x.dim() == 3 and x.shape[1] >= 1
