@@ -333,6 +333,7 @@ class TieredKVStore:
         """Commit a full tail block now (``defer_commit`` keeps one until the next token), as
         the next :meth:`append` would; nothing otherwise."""
         if self.tail_len == self.block_size:
+            self._check_mode()
             none = self._tail_k[:, :0]
             self._add(none, none, 1, prefill=False)
 
