@@ -232,11 +232,9 @@ def test_a_model_decodes_the_same_with_its_steps_replayed():
 
 
 def store_state(store):
-    """Everything a token's append writes: the tail and its counts, the maxima, the decoded
-    mirror's tail row and the non-finite flag."""
-    return (*store.tail_buffers(), store.block_counts(), store.value_norm_max(),
-            store.value_radius(), store.key_abs_max(), *store.decoded_with_tail(),
-            store.slot_bias(), store.original_keys(), store.nonfinite_appended())
+    """Everything the store holds (:func:`helpers.store_contents`) and the whole tail buffers,
+    rows past the tail's tokens included (an in-place append writes where a plain one does)."""
+    return [*store_contents(store), *store.tail_buffers()]
 
 
 def test_an_append_captured_once_writes_each_replayed_token_where_it_belongs():
