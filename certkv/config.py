@@ -130,10 +130,74 @@ def compose_config(overrides: list[str]):
         with initialize_config_dir(str(CONF_DIR), version_base=None):
             return compose("config", overrides=overrides)
     except (HydraException, OmegaConfBaseException, ValueError) as exc:
-        groups = "; ".join(f"{g}: {', '.join(o)}" for g, o in config_groups().items())
-        message = str(exc).strip() or str(exc.__cause__).strip()
-        raise ConfigError(f"{message}\nValid config groups and options: {groups}. "
-                          "Print the composed config with `certkv run --cfg job`.") from exc
+        raise ConfigError(_explain(exc, overrides)) from exc
+
+
+_MISSING_OPTION = re.compile(r"Could not find '([^'/]+)/([^']+)'")
+_MISSING_KEY = re.compile(r"Could not override '([^']+)'")
+
+
+def _explain(exc: Exception, overrides: list[str]) -> str:
+    """One message for a failed composition: an unknown option of a config group or an unknown
+    field with the closest valid name, else Hydra's message and the valid options."""
+    message = str(exc).strip() or str(exc.__cause__).strip()
+    option = _MISSING_OPTION.search(message)
+    groups = config_groups()
+    if option and option[1] in groups:
+        return _unknown_option(option[1], option[2], groups[option[1]])
+    key = _MISSING_KEY.search(message)
+    if key:
+        valid = [o for o in overrides if override_key(o) != key[1]]
+        hint = _unknown_field(key[1], valid)
+        if hint:
+            return hint
+    listed = "; ".join(f"{g}: {', '.join(o)}" for g, o in groups.items())
+    return (f"{message}\nValid config groups and options: {listed}. "
+            "Print the composed config with `certkv run --cfg job`.")
+
+
+def _closest(word: str, choices) -> str | None:
+    """The choice most like ``word`` (a typo's fix), or None."""
+    import difflib
+
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.5)
+    return close[0] if close else None
+
+
+def _unknown_option(group: str, option: str, options: list[str]) -> str:
+    """``experiment=ruler_8kk`` -> which options ``experiment`` has, the closest first."""
+    close = _closest(option, options)
+    guess = f"; did you mean {group}={close}?" if close else "."
+    return (f"{group}={option} is not one of the {group} configs{guess} "
+            f"Choose one of: {', '.join(options)}.")
+
+
+def _unknown_field(key: str, overrides: list[str]) -> str | None:
+    """``selector.kmax`` -> the nearest existing field (``selector.k_max``) in the config the
+    other ``overrides`` compose (None where that fails too). Hydra's own advice, ``+key``,
+    would only add a field no component takes."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import DictConfig
+
+    try:
+        with initialize_config_dir(str(CONF_DIR), version_base=None):
+            node = compose("config", overrides=overrides)
+    except Exception:  # the other overrides are bad too: Hydra's message says which
+        return None
+    parts, known = key.split("."), []
+    for i, part in enumerate(parts):
+        if not isinstance(node, DictConfig):
+            return None
+        if part not in node:
+            fields = [k for k in node if not str(k).startswith("_")]
+            where = ".".join(known) or "the config"
+            close = _closest(part, fields)
+            fixed = ".".join([*known, str(close), *parts[i + 1:]])
+            guess = f"; did you mean {fixed}?" if close else "."
+            return (f"{key} is not a field of {where}{guess} Its fields: {', '.join(fields)} "
+                    "(print the whole config with `certkv run --cfg job`).")
+        node, known = node[part], [*known, part]
+    return None
 
 
 def check_types(node, path: str) -> None:
@@ -150,10 +214,16 @@ def check_types(node, path: str) -> None:
         node = OmegaConf.to_container(node, resolve=True)
     if not isinstance(node, dict) or "_target_" not in node:
         return
-    hints, defaults = _signature(node["_target_"])
+    hints, defaults, fields = _signature(node["_target_"])
     for key, value in node.items():
         if key.startswith("_"):
             continue
+        if fields is not None and key not in fields:
+            close = _closest(key, fields)
+            guess = f"; did you mean {path}.{close}?" if close else "."
+            raise ConfigError(f"{path}.{key} is not a field of {path} "
+                              f"({node['_target_'].rsplit('.', 1)[-1]}){guess} "
+                              f"Its fields: {', '.join(fields)}.")
         if isinstance(value, dict) and "_target_" in value:
             check_types(value, f"{path}.{key}")
             continue
@@ -164,8 +234,9 @@ def check_types(node, path: str) -> None:
             raise ConfigError(f"{path}.{key}={value!r} must be {_describe(hint)}{shown}.")
 
 
-def _signature(target: str) -> tuple[dict, dict]:
-    """``(annotations, defaults)`` of the class or function ``target`` names."""
+def _signature(target: str) -> tuple[dict, dict, list[str] | None]:
+    """``(annotations, defaults, parameter names)`` of the class or function ``target`` names
+    (names None where it takes any keyword, or cannot be inspected)."""
     import dataclasses
     import inspect
     import typing
@@ -175,19 +246,22 @@ def _signature(target: str) -> tuple[dict, dict]:
     try:
         obj = get_object(target)
     except Exception:  # an unknown target fails later with Hydra's own message
-        return {}, {}
+        return {}, {}, None
     fn = obj.__init__ if inspect.isclass(obj) and not dataclasses.is_dataclass(obj) else obj
     try:
         hints = typing.get_type_hints(fn)
     except Exception:  # annotations that do not resolve: nothing to check against
-        return {}, {}
+        return {}, {}, None
     try:
-        params = inspect.signature(obj).parameters.values()
+        params = list(inspect.signature(obj).parameters.values())
     except (TypeError, ValueError):
-        params = []
+        return hints, {}, None
     defaults = {p.name: p.default for p in params
                 if p.default is not inspect.Parameter.empty and p.default is not None}
-    return hints, defaults
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    names = None if takes_any else [p.name for p in params
+                                      if p.kind is not inspect.Parameter.VAR_POSITIONAL]
+    return hints, defaults, names
 
 
 def _matches(value, hint) -> bool:

@@ -220,8 +220,13 @@ def test_read_only_outputs_as_root_too(two_runs, tmp_path):
     (["run", *TINY, "selector.tau_cov=abc"], ["selector.tau_cov='abc' must be a number"]),
     (["run", *TINY, "selector.tau_cov=2"], ["tau_cov"]),
     (["run", *TINY, "ladder.bound_tol=-1"], ["ladder.bound_tol=-1", "null"]),
-    (["run", *TINY, "model=nope"], ["Valid config groups and options"]),
-    (["run", *TINY, "nope=1"], ["nope", "Valid config groups and options"]),
+    (["run", *TINY, "model=nope"], ["model=nope is not one of the model configs",
+                                    "Choose one of: llama31_70b"]),
+    (["run", *TINY, "nope=1"], ["nope is not a field of the config", "selector"]),
+    (["run", *TINY, "selector.kmax=64"], ["did you mean selector.k_max?"]),
+    (["run", *TINY, "+selector.kmax=64"], ["did you mean selector.k_max?"]),
+    (["run", "+experiment=ruler_8kk"], ["did you mean experiment=ruler_8k?"]),
+    (["run", *TINY, "selector.k_max=-5"], ["k_max=-5 must be >= 0"]),
     (["run", *TINY, "task.niah.trials=x"], ["task.niah.trials='x' must be an integer"]),
     (["run", *TINY, "cache.records=everything"], ["cache.records='everything' is unknown"]),
     (["run", *TINY, "logger=wandb", "logger.mode=loud"], ["logger.mode='loud' is unknown"]),
@@ -237,13 +242,12 @@ def test_read_only_outputs_as_root_too(two_runs, tmp_path):
     (["lm-eval", "--model_args", "model=tiny_random,temperature=1", "--tasks", "x"],
      ["unknown model argument(s) ['temperature']"]),
     (["lm-eval", "--model_args", "model=/no/such/model", "--tasks", "x"],
-     ["model.path='/no/such/model' does not exist"]),
+     ["model='/no/such/model' in --model_args is not a directory"]),
     (["lm-eval", "--certkv_context", "many", "--tasks", "x"], ["--certkv_context 'many'"]),
 ])
 def test_every_commands_bad_input_is_one_sentence(args, needles, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    hydra_lists_options = "Valid config groups and options" in needles
-    one_sentence(runner.invoke(app, args), *needles, lines=24 if hydra_lists_options else 6)
+    one_sentence(runner.invoke(app, args), *needles)
     assert not (tmp_path / "runs").exists()  # nothing left behind
 
 

@@ -85,6 +85,8 @@ class AdaptiveTopK:
         require(0.0 <= self.tau_cov <= 1.0, ConfigError,
                 f"tau_cov={self.tau_cov} must lie in [0, 1], e.g. 0.995.")
         require(self.k_min >= 0, ConfigError, f"k_min={self.k_min} must be >= 0, e.g. 2.")
+        require(self.k_max >= 0, ConfigError,
+                f"k_max={self.k_max} must be >= 0 (FP16 key blocks per head), e.g. 128.")
         require(self.k_min <= self.k_max, ConfigError,
                 f"k_min={self.k_min} exceeds k_max={self.k_max}; raise k_max or lower k_min.")
         require(self.mass_inflation >= 2.0, ConfigError,

@@ -54,6 +54,10 @@ def _model_overrides(model: str) -> list[str]:
 
     if model in config_groups()["model"]:
         return [f"model={model}"]
+    require(not model.startswith((".", "/", "~")) or Path(model).expanduser().exists(),
+            ConfigError, f"model={model!r} in --model_args is not a directory here; pass a "
+            f"model directory, a hub id such as HuggingFaceTB/SmolLM2-135M or one of "
+            f"{config_groups()['model']}.")
     return [f"model.path={model}"]  # any model config takes a path (named after it)
 
 
