@@ -193,7 +193,8 @@ def bench_attention(
     = False,
     compile: Annotated[str, typer.Option(help=COMPILE_HELP)] = "auto",
 ) -> None:
-    """One decode step of one layer: dense FP16 SDPA vs naive vs certified (phases, GB/s).
+    """One decode step of one layer: dense (FP16 SDPA on GPU, the FP32 path on CPU) vs naive
+    vs certified (phases, GB/s).
 
     Prints min / median / max step times (and warns when they spread more than 20%)."""
     from certkv import bench

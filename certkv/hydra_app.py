@@ -49,7 +49,7 @@ def main(cfg: DictConfig) -> None:
         _discard_if_empty(Path(out_dir), Path(cfg.out_dir))
         console.print(f"[bold red]error:[/] {message}", highlight=False)
         sys.exit(2)
-    instantiate(cfg.logger).log(report, summary, out_dir)
+    instantiate(cfg.logger).log(report, summary, out_dir, brief=multirun)
 
 
 INVOCATION = "CERTKV_INVOCATION"  # the command the user typed (set by the CLI for sweeps)

@@ -78,6 +78,13 @@ def test_a_failing_point_is_recorded_and_the_others_run(tmp_path):
     assert [r[:2] for r in rows] == [["group=8", "naive"], ["group=8", "certified"],
                                      ["group=32", "failed"]]
     assert "2 points (1 failed)" in result.output
+    # the point that ran shows its quality table and where its full report is, not all of it
+    text = " ".join(result.output.split())
+    assert text.count("Quality against dense") >= 1 and "full report:" in text
+    assert "Certificates (" not in text and "Ladder, cache and speed" not in text
+    (listed,) = [line for line in (root / "README.md").read_text().splitlines()
+                 if "failed:" in line]
+    assert "does not divide head_dim=16" in listed and "`?`" not in listed  # nothing ran
 
 
 def test_custom_axes_through_submitit_with_the_aggregate_on_wandb(tmp_path, monkeypatch):

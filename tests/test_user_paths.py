@@ -126,7 +126,7 @@ def test_logger_wandb_reuses_the_run_and_a_rerun_says_it_resumes(two_runs, monke
     assert {p.parent for p in out.rglob("samples.jsonl")} == dirs  # no recompute elsewhere
     text = " ".join(again.output.split())
     assert "resuming" in text and "6 of 6 records done" in text
-    assert "W&B offline run:" in text and "wandb sync" in text
+    assert "W&B offline run written; upload it with: wandb sync" in text
     assert list((run_dir / "wandb").glob("offline-run-*"))
 
 

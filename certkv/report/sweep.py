@@ -211,10 +211,13 @@ def _write(report: SweepReport, points: list[Point], out: Path) -> None:
     provenance, listed = [], []
     for p in points:
         m = p.run.meta if p.run else {}
-        state = f"failed: {p.error}" if p.run is None else \
-            f"{m.get('records', len(p.run.samples))}/{m.get('planned', '?')} records"
-        provenance.append(f"* `{p.label}` (`{' '.join(p.overrides)}`): {state}; commit "
-                          f"`{m.get('commit', '?')}`; {m.get('device', '?')}; `{p.root}`")
+        if p.run is None:  # nothing ran: no commit or device to state
+            provenance.append(f"* `{p.label}` (`{' '.join(p.overrides)}`): failed: "
+                              f"{p.error.rstrip('.')}; `{p.root}`")
+        else:
+            done = f"{m.get('records', len(p.run.samples))}/{m.get('planned', '?')} records"
+            provenance.append(f"* `{p.label}` (`{' '.join(p.overrides)}`): {done}; commit "
+                              f"`{m.get('commit', '?')}`; {m.get('device', '?')}; `{p.root}`")
         listed.append({"label": p.label, "overrides": list(p.overrides), "dir": str(p.root),
                        "error": p.error, "command": m.get("command")})
     shared = " ".join(report.common) or "none"

@@ -38,8 +38,8 @@ class WandbLogger:
         require(self.mode in MODES, ConfigError,
                 f"logger.mode={self.mode!r} is unknown; use one of {list(MODES)}.")
 
-    def log(self, report, summary: dict, run_dir: str) -> None:
-        ConsoleLogger().log(report, summary, run_dir)
+    def log(self, report, summary: dict, run_dir: str, brief: bool = False) -> None:
+        ConsoleLogger().log(report, summary, run_dir, brief)
         wandb = _wandb()
         run_data = report.runs[0]
         run = wandb.init(project=self.project, entity=self.entity, mode=self.mode,
@@ -100,7 +100,8 @@ class WandbLogger:
             from rich.console import Console
 
             Console(stderr=True, soft_wrap=True).print(
-                f"W&B offline run: {where} (upload: wandb sync {where})", highlight=False)
+                f"W&B offline run written; upload it with: wandb sync {_shown(where)}",
+                highlight=False)
 
     @staticmethod
     def _certificates(run, data) -> None:
@@ -179,3 +180,11 @@ def _wandb():
 
 def _cell(value):
     return json.dumps(value) if isinstance(value, list | dict) else value
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the working directory where it lies below it (a shorter line)."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
