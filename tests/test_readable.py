@@ -217,6 +217,16 @@ def test_sweep_figure_puts_perplexity_and_accuracy_deltas_on_their_own_axes(tiny
     plots._pyplot().close(fig)
 
 
+def test_a_failed_sweep_point_is_marked_on_the_figure(tiny_data, tiny_run):
+    rows = point_rows(Point("v_tol=0.02", tiny_run, tiny_data, None))
+    rows += point_rows(Point("v_tol=9", tiny_run, None, "v_tol=9 is too large."))
+    fig = plots.sweep_panels("vtol", rows)
+    ax = next(ax for ax in fig.axes if ax.get_visible())
+    ticks = {t.get_text(): t.get_color() for t in ax.get_xticklabels()}
+    assert ticks["v_tol=9 (failed)"] == "tab:red" and ticks["v_tol=0.02"] != "tab:red"
+    plots._pyplot().close(fig)
+
+
 def test_each_variant_keeps_one_distinct_style_in_every_figure(tiny_data, tmp_path):
     looks = [tuple(plots.style(k).values()) for k in range(len(tiny_data.variants))]
     assert len(set(looks)) == len(looks)

@@ -282,13 +282,15 @@ def sweep_panels(name: str, rows: list[dict]):
     """The sweep aggregate against the swept point, one panel per quantity with its unit on
     the y axis: the perplexity delta and the accuracy delta (95% CIs) on panels of their own,
     fallback rate, K*, value promotions, Tier-1 bytes and step time. One colour and line
-    style per method, one marker per task; None when no point finished."""
+    style per method, one marker per task; a failed point's tick says so in red; None when no
+    point finished."""
     from matplotlib.lines import Line2D
 
     done = [r for r in rows if r["error"] is None]
     if not done:
         return None
     labels = list(dict.fromkeys(r["point"] for r in rows))
+    failed = {r["point"] for r in rows} - {r["point"] for r in done}  # no result: a red tick
     methods = list(dict.fromkeys(r["method"] for r in done))
     tasks = list(dict.fromkeys(t for r in done for t in r["quality"]))
     metrics = dict.fromkeys(r["quality"][t]["metric"] for r in done for t in r["quality"])
@@ -312,7 +314,11 @@ def sweep_panels(name: str, rows: list[dict]):
             ax.axhline(0, color="grey", lw=0.8)
         ax.set_title(SWEEP_PANELS[field], fontsize=10)
         ax.set_ylabel(SWEEP_UNITS[field], fontsize=9)
-        ax.set_xticks(range(len(labels)), labels, rotation=20, ha="right", fontsize=8)
+        ax.set_xticks(range(len(labels)), [f"{x} (failed)" if x in failed else x
+                                           for x in labels], rotation=20, ha="right", fontsize=8)
+        for tick, label in zip(ax.get_xticklabels(), labels, strict=True):
+            if label in failed:
+                tick.set_color("tab:red")
         ax.set_xlim(-0.5, len(labels) - 0.5)
     handles = [Line2D([], [], color=style(k)["color"], linestyle=style(k)["linestyle"])
                for k in range(len(methods))]
