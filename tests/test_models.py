@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from certkv.errors import CertKVError, ConfigError
-from certkv.models import load_model
+from certkv.models import load_model, loading
 
 SMALL = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
@@ -24,6 +24,45 @@ def test_missing_weights_package_names_the_fix():
 def test_unreachable_hub_id_names_the_offline_default():
     with pytest.raises(CertKVError, match="model=smollm2_135m"):
         load_model({"name": "x", "path": "certkv-test/definitely-not-a-model"})
+
+
+def offline_hub(monkeypatch, reachable: bool) -> list[dict]:
+    """The hub reachable or not (no connection tried); returns the kwargs every tokenizer
+    load gets (each load then fails as an uncached model does)."""
+    calls: list[dict] = []
+
+    def tokenizer(path, **kwargs):
+        calls.append(kwargs)
+        raise OSError("not cached")
+
+    loading.hub_unreachable.cache_clear()
+    monkeypatch.setattr(loading, "_connects", lambda *a: reachable)
+    monkeypatch.setattr(loading.AutoTokenizer, "from_pretrained", tokenizer)
+    for name in (*loading.PROXY_VARIABLES, "HF_HUB_OFFLINE", "HF_ENDPOINT"):
+        monkeypatch.delenv(name, raising=False)
+    return calls
+
+
+def test_a_hub_id_without_the_hub_reads_the_local_cache_and_says_why_it_failed(monkeypatch):
+    calls = offline_hub(monkeypatch, reachable=False)
+    with pytest.raises(CertKVError, match="hub cannot be reached from this machine and the "
+                                          "model is not in its local cache; use model=smollm2"):
+        load_model({"name": "x", "path": "certkv-test/definitely-not-a-model"})
+    assert calls == [{"local_files_only": True}]  # no retries against a hub that is not there
+    loading.hub_unreachable.cache_clear()
+
+
+def test_a_reachable_hub_or_a_proxy_leaves_the_hub_library_to_decide(monkeypatch):
+    calls = offline_hub(monkeypatch, reachable=True)
+    with pytest.raises(CertKVError, match="check the path, or the network"):
+        load_model({"name": "x", "path": "certkv-test/definitely-not-a-model"})
+    loading.hub_unreachable.cache_clear()
+    monkeypatch.setattr(loading, "_connects", lambda *a: pytest.fail("tried behind a proxy"))
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.example:3128")
+    with pytest.raises(CertKVError, match="check the path, or the network"):
+        load_model({"name": "x", "path": "certkv-test/definitely-not-a-model"})
+    assert calls == [{}, {}]
+    loading.hub_unreachable.cache_clear()
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])

@@ -19,9 +19,13 @@ import hashlib
 import importlib.util
 import os
 import shutil
+import socket
 import tempfile
+import threading
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -154,9 +158,51 @@ def check_source(spec: ModelSpec) -> None:
         _source(spec)
 
 
+HUB_TIMEOUT_S = 3.0  # how long the hub may take to accept a connection before it counts as down
+PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY",
+                   "all_proxy")
+
+
+@lru_cache(maxsize=1)
+def hub_unreachable() -> bool:
+    """Whether this machine cannot open a connection to the Hugging Face hub (no network, no
+    DNS), tried once per process within :data:`HUB_TIMEOUT_S`. A hub id then loads from the
+    local Hugging Face cache or fails at once, instead of after huggingface_hub's retries
+    (about 25 s per file, twice per model). Behind a proxy, or with ``HF_HUB_OFFLINE`` set, the
+    hub library decides alone (False)."""
+    if any(os.environ.get(v) for v in PROXY_VARIABLES) or \
+            os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return False
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    port = endpoint.port or (80 if endpoint.scheme == "http" else 443)
+    return not _connects(endpoint.hostname or "huggingface.co", port, HUB_TIMEOUT_S)
+
+
+def _connects(host: str, port: int, timeout: float) -> bool:
+    """Whether a TCP connection to ``host:port`` opens within ``timeout`` seconds (name
+    resolution included: it runs in a thread that is abandoned, not waited for)."""
+    opened: list[bool] = []
+
+    def attempt() -> None:
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            opened.append(True)
+        except OSError:
+            opened.append(False)
+
+    thread = threading.Thread(target=attempt, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return bool(opened and opened[0])
+
+
 def _resolved_source(spec: ModelSpec) -> tuple[str, dict, Path | None]:
-    """Like :func:`_source`, but prefer the converted copy of a GGUF model when it exists."""
+    """Like :func:`_source`, but prefer the converted copy of a GGUF model when it exists, and
+    read a hub id from the local Hugging Face cache only where the hub cannot be reached
+    (:func:`hub_unreachable`)."""
     path, kwargs = _source(spec)
+    if not spec.package and not Path(path).exists() and hub_unreachable():
+        kwargs = {**kwargs, "local_files_only": True}
     cached = data_dir() / "models" / _cache_name(spec, path) if kwargs else None
     if cached is not None and (cached / "config.json").exists():
         return str(cached), {}, None
@@ -194,6 +240,11 @@ def _load_pretrained(spec: ModelSpec, dtype: torch.dtype):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs, **placement)
     except OSError as exc:
         what = spec.path or spec.package
+        if kwargs.get("local_files_only"):
+            raise CertKVError(f"could not load model {what!r}: the Hugging Face hub cannot be "
+                              "reached from this machine and the model is not in its local "
+                              "cache; use model=smollm2_135m (offline) or a local directory "
+                              "(model.path=DIR).") from None
         raise CertKVError(f"could not load model {what!r} ({exc.__class__.__name__}); check the "
                           "path, or the network for a hub id, or use model=smollm2_135m "
                           "(offline).") from None
