@@ -49,6 +49,8 @@ def test_a_hub_id_without_the_hub_reads_the_local_cache_and_says_why_it_failed(m
                                           "model is not in its local cache; use model=smollm2"):
         load_model({"name": "x", "path": "certkv-test/definitely-not-a-model"})
     assert calls == [{"local_files_only": True}]  # no retries against a hub that is not there
+    spec = loading.ModelSpec(name="x", path="certkv-test/definitely-not-a-model")
+    assert loading._resolved_source(spec)[2] is None  # no converted copy: not a GGUF model
     loading.hub_unreachable.cache_clear()
 
 

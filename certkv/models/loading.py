@@ -201,11 +201,11 @@ def _resolved_source(spec: ModelSpec) -> tuple[str, dict, Path | None]:
     read a hub id from the local Hugging Face cache only where the hub cannot be reached
     (:func:`hub_unreachable`)."""
     path, kwargs = _source(spec)
-    if not spec.package and not Path(path).exists() and hub_unreachable():
-        kwargs = {**kwargs, "local_files_only": True}
-    cached = data_dir() / "models" / _cache_name(spec, path) if kwargs else None
+    cached = data_dir() / "models" / _cache_name(spec, path) if kwargs else None  # GGUF only
     if cached is not None and (cached / "config.json").exists():
         return str(cached), {}, None
+    if not spec.package and not Path(path).exists() and hub_unreachable():
+        kwargs = {**kwargs, "local_files_only": True}
     return path, kwargs, cached
 
 
