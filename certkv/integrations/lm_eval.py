@@ -51,12 +51,13 @@ MODES = ("dense", "naive", "certified")
 def _model_overrides(model: str) -> list[str]:
     """Hydra overrides that pick ``model``: a ``conf/model`` name, or a hub id / directory."""
     from certkv.config import config_groups
+    from certkv.models.loading import missing_local_path
 
     if model in config_groups()["model"]:
         return [f"model={model}"]
-    require(not model.startswith((".", "/", "~")) or Path(model).expanduser().exists(),
-            ConfigError, f"model={model!r} in --model_args is not a directory here; pass a "
-            f"model directory, a hub id such as HuggingFaceTB/SmolLM2-135M or one of "
+    require(not missing_local_path(model), ConfigError,
+            f"model={model!r} in --model_args is not a directory here; pass a model "
+            f"directory, a hub id such as HuggingFaceTB/SmolLM2-135M or one of "
             f"{config_groups()['model']}.")
     return [f"model.path={model}"]  # any model config takes a path (named after it)
 

@@ -132,6 +132,13 @@ def _package_dir(package: str) -> Path:
     return Path(spec.submodule_search_locations[0])
 
 
+def missing_local_path(path: str) -> bool:
+    """Whether ``path`` names a local directory (it starts with ``.``, ``/`` or ``~``, or has
+    more ``/`` than a hub id ``org/name``) that does not exist."""
+    return not Path(path).expanduser().exists() and (
+        path.startswith((".", "/", "~")) or path.count("/") > 1)
+
+
 def _source(spec: ModelSpec) -> tuple[str, dict]:
     """``(path, from_pretrained kwargs)`` of a pretrained model, GGUF included."""
     if spec.package:
@@ -144,7 +151,7 @@ def _source(spec: ModelSpec) -> tuple[str, dict]:
         local = Path(path).expanduser()
         if local.exists():
             path = str(local)
-        elif path.startswith((".", "/", "~")) or path.count("/") > 1:
+        elif missing_local_path(path):
             raise CertKVError(f"model.path={spec.path!r} does not exist; point it at a model "
                               "directory or use a hub id such as HuggingFaceTB/SmolLM2-135M.")
     kwargs = {"gguf_file": spec.gguf_file} if spec.gguf_file else {}
