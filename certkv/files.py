@@ -19,6 +19,13 @@ def data_dir() -> Path:
     return Path(os.environ.get("CERTKV_DATA") or Path.home() / ".cache" / "certkv")
 
 
+def below_cwd(path: str | Path) -> Path:
+    """``path`` relative to the working directory where it lies below it, else as given (a
+    shorter path to print or paste)."""
+    path, cwd = Path(path), Path.cwd()
+    return path.relative_to(cwd) if path.is_absolute() and cwd in path.parents else path
+
+
 def write_atomic(path: Path, text: str) -> None:
     """Write UTF-8 ``text`` to ``path`` via a temporary file in the same folder and a rename,
     so readers never see a half-written file."""

@@ -17,6 +17,7 @@ from rich.console import Console
 
 from certkv.config import CONF_DIR, register_resolvers
 from certkv.errors import CertKVError
+from certkv.files import below_cwd
 
 register_resolvers()
 
@@ -73,10 +74,8 @@ def point_command(out_dir: str, multirun: bool) -> str:
     point, its directory."""
     overrides = list(HydraConfig.get().overrides.task)
     if multirun:
-        where = Path(out_dir)
-        if where.is_absolute() and Path.cwd() in where.parents:
-            where = where.relative_to(Path.cwd())
-        overrides.append(f'hydra.run.dir="{where}"')  # quoted: a point's name holds = and ,
+        # quoted: a point's name holds = and ,
+        overrides.append(f'hydra.run.dir="{below_cwd(out_dir)}"')
     else:
         overrides += [o for o in HydraConfig.get().overrides.hydra
                       if o.startswith("hydra.run.dir=")]

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from certkv.errors import ConfigError, require
+from certkv.files import below_cwd
 from certkv.report.console import ConsoleLogger
 from certkv.report.tables import quality_delta
 
@@ -100,7 +101,7 @@ class WandbLogger:
             from rich.console import Console
 
             Console(stderr=True, soft_wrap=True).print(
-                f"W&B offline run written; upload it with: wandb sync {_shown(where)}",
+                f"W&B offline run written; upload it with: wandb sync {below_cwd(where)}",
                 highlight=False)
 
     @staticmethod
@@ -181,10 +182,3 @@ def _wandb():
 def _cell(value):
     return json.dumps(value) if isinstance(value, list | dict) else value
 
-
-def _shown(path: Path) -> str:
-    """``path`` relative to the working directory where it lies below it (a shorter line)."""
-    try:
-        return str(path.resolve().relative_to(Path.cwd().resolve()))
-    except ValueError:
-        return str(path)
