@@ -345,9 +345,8 @@ class GraphedDecode:
         device) with the cache, which takes the token."""
         _needs_cuda(self.graph, ids.device)
         self.steps += 1
-        for store in self._stores():  # the block the last token filled, quantized now
-            if store is not None:
-                store.flush_tail()
+        for store in self.cache.stores():  # the block the last token filled, quantized now
+            store.flush_tail()
         key = self._signature(ids)
         step = self._step
         if key is None:
