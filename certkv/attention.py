@@ -114,6 +114,17 @@ class _Pass:
             blocks=self.blocks, paged_evicted=self.paged_evicted)
 
 
+def _dense_where_unbounded(step: _Pass, e_drop: torch.Tensor) -> None:
+    """A naive step's heads whose dropped-mass bound ``e_drop [Hq]`` is not finite (evicted
+    blocks' summaries corrupted by faults) go dense, as a head whose own bound is not finite
+    does (:meth:`CertifiedAttention._rungs`): never a NaN or infinite bound on rungs 0-2."""
+    unbounded = ~(e_drop < math.inf)
+    step.rung = torch.where(unbounded, step.rung.clamp(min=3), step.rung)
+    hq = unbounded.numel()
+    step.flags = torch.cat([step.flags[:hq] | unbounded, step.flags[hq:]])
+    step.returned = _returned(step.rung, step.e_key, step.e_val)
+
+
 def _returned(rung, e_key, e_val) -> tuple[torch.Tensor, torch.Tensor]:
     """E_key and E_val ``[Hq]`` as a head returns them: 0 on rungs 3-4 (dense heads)."""
     fast = rung < 3
@@ -351,6 +362,8 @@ class CertifiedAttention:
         for _ in range(TOL_LEVELS):
             step = self._pass(q, qg, store, lay, scored, scaling, pager, boost, timer,
                               on_device)
+            if e_drop is not None:
+                _dense_where_unbounded(step, e_drop)
             if on_device:  # never tolerant: one pass
                 break
             over = self.ladder.over_tolerance(step.bound, step.out.norm(dim=-1)) \

@@ -16,6 +16,7 @@ from helpers import (
     DEVICES,
     check_heads,
     check_steps,
+    examples,
     make_kv,
     make_query,
     reference_fp64,
@@ -27,6 +28,7 @@ from hypothesis import strategies as st
 
 from certkv import CertifiedAttention, TieredKVStore
 from certkv.errors import ConfigError
+from certkv.evict import StreamingEviction
 from certkv.kernels.reference import TorchBackend
 from certkv.quant import (
     ChannelAffineKeyCodec,
@@ -268,7 +270,7 @@ def faulty_store(sc, d=32, device="cpu"):
 
 
 @pytest.mark.parametrize(("backend", "device"), BACKENDS)
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(sc=scenarios())
 def test_contract_under_faults_with_the_integrity_check(backend, device, sc):
     """Every head of every step within its bound against FP64 attention on the originals, for
@@ -350,3 +352,22 @@ def test_faults_report_end_to_end_on_a_tiny_model(tmp_path):
     redone = redone[redone.index("## Storage faults"):]
     assert "| h84-naive |" not in redone.split("Left out")[0]
     assert "Left out, no longer in the run's plan" in " ".join(redone.split())
+
+
+@pytest.mark.parametrize("integrity", [True, False])
+@pytest.mark.parametrize("seed", [33, 35, 36])  # each drew NaN bounds on rung 0 before the fix
+def test_a_naive_step_over_corrupted_summaries_never_returns_an_unbounded_head(seed, integrity):
+    """Naive eviction bounds the dropped blocks' mass from their Tier-1 summaries; metadata
+    faults can make that bound NaN. Such a head goes dense (rung 3) instead of returning a NaN
+    bound on rung 0, and every head keeps the contract."""
+    faults = FaultModel(p=1e-2, seed=seed, metadata=True)
+    quantizer = KVQuantizer(block_size=16).with_protection(
+        Protection(code="hamming84", integrity=integrity, faults=faults)).with_eviction(
+        StreamingEviction(budget=0.3))
+    store = TieredKVStore(2, 32, **quantizer.store_kwargs())
+    k, v = make_kv(2, 300, 32, seed=seed)
+    store.append(k, v)
+    q = make_query(k, 2, seed=seed)
+    out, cert = CertifiedAttention(mode="naive")(q, store)
+    assert bool((cert.bound[cert.rung < 3] < float("inf")).all())
+    check_heads(out, cert, q, store)
