@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_kv, make_query, same_values
+from helpers import examples, make_kv, make_query, same_values
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_contract import build, check_contract, scenarios
@@ -98,7 +98,7 @@ def test_one_call_falls_back_to_dense_heads_like_the_phases(one_calls):
 
 def layer(mirror="lean", protect=False):
     k, v = make_kv(2, 100, 16, seed=1)
-    quantizer = KVQuantizer(protection=Protection("hamming74")) if protect else None
+    quantizer = KVQuantizer(block_size=8, protection=Protection("hamming74")) if protect else None
     store = TieredKVStore(2, 16, block_size=8, decoded_mirror=mirror, quantizer=quantizer)
     store.append(k, v)
     return store, make_query(k, 2, seed=1)
@@ -150,7 +150,7 @@ def covered(draw):
             "q_dtype": draw(st.sampled_from(["float32", "float16", "bfloat16"]))}
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(covered())
 def test_contract_holds_on_the_one_call(sc):
     """The certificate contract against FP64 attention on every head, on steps the one call

@@ -8,7 +8,8 @@ from helpers import make_kv, store_contents
 
 from certkv import ChannelAffineKeyCodec, GroupAffineValueCodec, TieredKVStore
 from certkv.errors import ConfigError, NonFiniteError, ShapeError, Tier2UnavailableError
-from certkv.quant import FP16KeyCodec, FP16ValueCodec
+from certkv.evict import AgeEviction, SnapKVEviction
+from certkv.quant import FP16KeyCodec, FP16ValueCodec, KVQuantizer
 
 
 def test_streaming_append_equals_bulk_append():
@@ -331,3 +332,26 @@ def test_a_lean_mirror_keeps_what_the_cpu_loops_read():
         TieredKVStore(2, 32, decoded_mirror="half")
     with pytest.raises(ConfigError, match="decoded_mirror=True to drop the originals"):
         store.drop_originals()
+
+
+def test_a_quantizer_made_for_another_block_size_is_refused():
+    """Before: a store of B=16 holding a quantizer made for 32 ran every step on rung 4."""
+    with pytest.raises(ConfigError, match="block_size=16 differs from the quantizer's "
+                                          "block_size=32"):
+        TieredKVStore(1, 32, block_size=16, quantizer=KVQuantizer(block_size=32))
+    assert TieredKVStore(1, 32, quantizer=KVQuantizer(block_size=32)).block_size == 32
+
+
+@pytest.mark.parametrize("policy", [AgeEviction(budget=0.5, min_materialized=16),
+                                    SnapKVEviction(budget=0.5, window=8)])
+def test_observing_no_certificate_or_misshapen_prompt_queries_is_one_sentence(policy):
+    quantizer = KVQuantizer(block_size=8).with_eviction(policy)
+    store = TieredKVStore(2, 16, **quantizer.store_kwargs())
+    store.append(*make_kv(2, 40, 16))
+    with pytest.raises(ConfigError, match=r"store\.observe takes the Certificate a step returned"):
+        store.observe(None)
+    if store.wants_prompt:
+        for bad in (torch.randn(3, 8, 16), torch.randn(2, 8, 12), torch.randn(2, 16)):
+            with pytest.raises(ConfigError, match=r"observe_prompt takes queries \[Hq, T, d\]"):
+                store.observe_prompt(bad)
+        store.observe_prompt(torch.randn(4, 8, 16))  # Hq = 2 x Hkv: accepted

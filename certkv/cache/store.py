@@ -156,7 +156,8 @@ class TieredKVStore:
     Args:
         num_kv_heads: ``Hkv``.
         head_dim: ``d``.
-        block_size: ``B`` tokens per block (paper default 16).
+        block_size: ``B`` tokens per block (paper default 16; default: the quantizer's, 16 without
+            one; a quantizer made for another block size is refused).
         value_group: ``g`` channels per value group of the default value codec (paper 16).
         device: where the tail and Tier-1 live; Tier-2 is always host memory (a store with FP16
             passthrough codecs is lossless: its Tier-1 holds the originals, no Tier-2 copy).
@@ -192,7 +193,7 @@ class TieredKVStore:
         self,
         num_kv_heads: int,
         head_dim: int,
-        block_size: int = 16,
+        block_size: int | None = None,
         value_group: int = 16,
         device: str | torch.device = "cpu",
         key_codec: KeyCodec | None = None,
@@ -202,12 +203,18 @@ class TieredKVStore:
         fused_encode: bool | None = None,
         quantizer: KVQuantizer | None = None,
     ) -> None:
+        if block_size is None:  # the quantizer's (16 without one)
+            block_size = 16 if quantizer is None else quantizer.block_size
         for name, value in (("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                             ("block_size", block_size)):
             require(isinstance(value, int) and value >= 1, ConfigError,
                     f"{name}={value!r} must be a positive integer.")
         require(quantizer is None or (key_codec is None and value_codec is None), ConfigError,
                 "pass either a quantizer or key_codec / value_codec, not both.")
+        require(quantizer is None or quantizer.block_size == block_size, ConfigError,
+                f"block_size={block_size} differs from the quantizer's block_size="
+                f"{getattr(quantizer, 'block_size', None)}; pass **quantizer.store_kwargs() (or "
+                "the quantizer's block_size).")
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.block_size = block_size
@@ -224,8 +231,9 @@ class TieredKVStore:
         if eviction is not None and eviction.enabled:
             self.precisions.append(evicted_precision())
             self.evicted_pid = len(self.precisions) - 1
-        for precision in self.precisions:
-            precision.validate(head_dim, block_size)
+        for pid, precision in enumerate(self.precisions):
+            if pid == self.evicted_pid or self.quantizer.may_hold(pid):
+                precision.validate(head_dim, block_size)
         self.keep_originals = keep_originals
         self.stages = Stages(self.quantizer.stage_ages(), block_size, self.quantizer.sink)
         self._tracker = self._new_tracker()
@@ -860,6 +868,9 @@ class TieredKVStore:
 
     def observe(self, certificate) -> None:
         """Feed a decode step's certificate to the tracker and the eviction policy (if any)."""
+        require(certificate is not None and hasattr(certificate, "rung"), ConfigError,
+                f"store.observe takes the Certificate a step returned, not {certificate!r}; "
+                "pass `cert` from `out, cert = attention(q, store)`.")
         if self._tracker is not None:
             self._tracker.observe(certificate)
         if self._evictor is not None:
@@ -876,6 +887,12 @@ class TieredKVStore:
         evicts once it has seen them; a no-op otherwise. ``scaling``: the model's softmax
         scale (default ``1 / sqrt(d)``)."""
         if self.wants_prompt:
+            shape = tuple(getattr(queries, "shape", ()))
+            require(len(shape) == 3 and shape[2] == self.head_dim and shape[1] >= 1
+                    and shape[0] % self.num_kv_heads == 0, ConfigError,
+                    f"observe_prompt takes queries [Hq, T, d] with Hq a multiple of "
+                    f"{self.num_kv_heads} kv heads and d={self.head_dim}, not {list(shape)}; "
+                    "pass the prompt's last queries after RoPE, heads first.")
             scale = self.head_dim**-0.5 if scaling is None else scaling
             self._evictor.observe_prompt(queries, scale)
 

@@ -74,6 +74,13 @@ class KeyCodec(ABC):
     def encode(self, k: torch.Tensor) -> Blocks:
         """FP16 keys ``[Hkv, n, B, d]`` -> codes and metadata (leading dims ``[Hkv, n]``)."""
 
+    def stored_layout(self, block_size: int, head_dim: int) -> Blocks:
+        """What one block of zeros is stored as (codes and metadata ``[1, 1, ...]``): how a
+        wrapper (protection) learns the layout of the codes it covers. Codecs that cannot
+        :meth:`encode` without more context (pre-RoPE keys: positions) answer for what they
+        store."""
+        return self.encode(torch.zeros(1, 1, block_size, head_dim, dtype=torch.float16))
+
     def encode_at(self, k: torch.Tensor, start: torch.Tensor,
                   layer: LayerContext | None = None) -> Blocks:
         """:meth:`encode` for blocks whose first tokens sit at sequence positions ``start [n]``
@@ -110,6 +117,10 @@ class ValueCodec(ABC):
     @abstractmethod
     def encode(self, v: torch.Tensor) -> Blocks:
         """FP16 values ``[Hkv, n, B, d]`` -> codes and metadata (leading dims ``[Hkv, n]``)."""
+
+    def stored_layout(self, block_size: int, head_dim: int) -> Blocks:
+        """What one block of zeros is stored as (see :meth:`KeyCodec.stored_layout`)."""
+        return self.encode(torch.zeros(1, 1, block_size, head_dim, dtype=torch.float16))
 
     def encode_at(self, v: torch.Tensor, layer: LayerContext | None = None) -> Blocks:
         """:meth:`encode` in a layer described by ``layer`` (what the store calls; only codecs

@@ -140,10 +140,16 @@ class KVQuantizer:
     def observe(self, certificate, layer: int | None = None) -> None:
         """Hook for quantizers that adapt to the measured certificates (none here)."""
 
+    def may_hold(self, pid: int) -> bool:
+        """Whether a block may ever be held at precision ``pid`` (of :meth:`precisions`); only
+        those must be storable (validated, e.g. under an error-correcting code)."""
+        return True
+
     def validate(self, head_dim: int) -> None:
         """Fail (one sentence naming the fix) if a layer of ``head_dim`` cannot be stored."""
-        for precision in self.precisions():
-            precision.validate(head_dim, self.block_size)
+        for pid, precision in enumerate(self.precisions()):
+            if self.may_hold(pid):
+                precision.validate(head_dim, self.block_size)
 
     def store_kwargs(self) -> dict:
         """Keyword arguments for ``TieredKVStore``."""

@@ -151,6 +151,10 @@ class PreRoPEKeyCodec(KeyCodec):
                           "on them); call encode_at(k, start) with each block's first position, "
                           "as the store does.")
 
+    def stored_layout(self, block_size: int, head_dim: int) -> Blocks:
+        """The inner codec's layout: pre-RoPE keys are stored as it stores keys."""
+        return self.inner.stored_layout(block_size, head_dim)
+
     def encode_at(self, k: torch.Tensor, start: torch.Tensor,
                   layer: LayerContext | None = None) -> Blocks:
         """FP16 post-RoPE keys ``[Hkv, n, B, d]`` whose blocks start at positions ``start [n]``

@@ -76,6 +76,11 @@ class TieredQuantizer(KVQuantizer):
     def stage_ages(self) -> list[int]:
         return [self.hot, self.stale]
 
+    def may_hold(self, pid: int) -> bool:
+        """Exact and warm, and the archives :meth:`archive_for` can choose (a fixed archive: only
+        it, so protection codes compose with ``archive=kivi2`` or ``rotation``)."""
+        return pid < 2 or self.archive == "auto" or pid == 2 + ARCHIVES.index(self.archive)
+
     def archive_for(self, seq_len: int) -> str:
         """The archive a block graduating at ``seq_len`` tokens gets."""
         if self.archive != "auto":

@@ -73,7 +73,7 @@ class ProtectedCodec:
 
     def validate(self, head_dim: int, block_size: int) -> None:
         self.inner.validate(head_dim, block_size)
-        probe = self.inner.encode(torch.zeros(1, 1, block_size, head_dim, dtype=torch.float16))
+        probe = self.inner.stored_layout(block_size, head_dim)
         codes = probe.get("codes")
         aligned = (self.inner.bits in (2, 4, 8) and codes is not None and codes.dim() == 4
                    and codes.element_size() == 1
