@@ -5,23 +5,40 @@ Every head of every decode step returns its output with a runtime bound
 FP16 originals (quantized attention), or dense attention with ``E_key = E_val = 0``.
 """
 
-from certkv.attention import MODES, CertifiedAttention
-from certkv.cache.store import TieredKVStore
-from certkv.certify import (
-    AdaptiveTopK,
-    Certificate,
-    GreedyBudget,
-    Ladder,
-    LocalThreshold,
-    NoValuePromotion,
-)
-from certkv.errors import CertKVError
-from certkv.quant import (
-    ChannelAffineKeyCodec,
-    FP16KeyCodec,
-    FP16ValueCodec,
-    GroupAffineValueCodec,
-)
+import importlib
+
+# the public names, imported on first use: `import certkv` (and so the CLI, which must answer a
+# config typo at once) does not load torch, the kernels and transformers until something needs
+# them
+_EXPORTS = {
+    "MODES": "certkv.attention",
+    "CertifiedAttention": "certkv.attention",
+    "TieredKVStore": "certkv.cache.store",
+    "AdaptiveTopK": "certkv.certify",
+    "Certificate": "certkv.certify",
+    "GreedyBudget": "certkv.certify",
+    "Ladder": "certkv.certify",
+    "LocalThreshold": "certkv.certify",
+    "NoValuePromotion": "certkv.certify",
+    "CertKVError": "certkv.errors",
+    "ChannelAffineKeyCodec": "certkv.quant",
+    "FP16KeyCodec": "certkv.quant",
+    "FP16ValueCodec": "certkv.quant",
+    "GroupAffineValueCodec": "certkv.quant",
+}
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'certkv' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
 
 __version__ = "0.1.0"
 

@@ -53,10 +53,10 @@ def _validated_or_fail(overrides: list[str], writes: bool = True):
     built and checked (:func:`certkv.eval.runner.validate`) and, when the command ``writes``,
     its ``out_dir`` writable; anything wrong exits with one sentence before a directory exists.
     """
-    from certkv.eval.runner import validate
-
     with _user_errors():
-        cfg = compose_config(first_choices(overrides))
+        cfg = compose_config(first_choices(overrides))  # typos end here, before torch loads
+        from certkv.eval.runner import validate
+
         validate(cfg)
         if writes:
             writable_dir(cfg.out_dir, "out_dir=DIR")
@@ -65,10 +65,6 @@ def _validated_or_fail(overrides: list[str], writes: bool = True):
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def run(ctx: typer.Context) -> None:
-    """Run an experiment: certkv run +experiment=NAME group=option key=value (-m, --cfg job).
-
-    Without +experiment the `smoke` experiment runs (SmolLM2 on CPU, a few minutes).
-    """
     args = with_experiment(ctx.args)
     overrides = [a for a in args if "=" in a and not a.startswith("-")]
     shows = [a for a in args if a in ("--cfg", "-c", "--info", "-i", "--help", "-h")]
@@ -76,10 +72,57 @@ def run(ctx: typer.Context) -> None:
         _fail(f"{shows[0]} shows one job and -m runs a sweep; drop -m to see the first point's "
               "config, or preview a sweep with `certkv sweep ... --cfg job`.")
     _validated_or_fail(overrides, writes=not shows)
+    from certkv.hydra_app import FAILED_POINTS
     from certkv.hydra_app import main as hydra_main
 
     sys.argv = ["certkv run", *args]
-    hydra_main()
+    FAILED_POINTS.clear()  # this command's points only (a process may run several)
+    with _interrupted_says_resume():
+        hydra_main()
+    _exit_if_points_failed(len(FAILED_POINTS), ", ".join(FAILED_POINTS))
+
+
+def _run_help() -> str:
+    """``certkv run --help``: the form, the experiments and every group's options (read from
+    ``conf/``), and where to look further."""
+    groups = config_groups()
+    listed = "\n\n".join(f"{group}: {', '.join(options)}" for group, options in groups.items()
+                          if group != "experiment")
+    return (
+        "Run an experiment: certkv run +experiment=NAME group=option key=value (-m for a "
+        "sweep, --cfg job to print the composed config).\n\n"
+        "Without +experiment the `smoke` experiment runs (SmolLM2 on CPU, a few minutes); "
+        "+experiment=tiny runs in seconds. A rerun of the same command resumes.\n\n"
+        f"Experiments: {', '.join(groups.get('experiment', []))}.\n\n"
+        f"Config groups (group=option):\n\n{listed}\n\n"
+        "Fields of a group: certkv run +experiment=tiny --cfg job. Versions and the device: "
+        "certkv info.")
+
+
+run.__doc__ = _run_help()
+
+
+@contextmanager
+def _interrupted_says_resume():
+    """Ctrl-C ends the run with one line saying that what finished is kept and the same
+    command resumes (exit 130, the shell's code for an interrupt)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        Console(stderr=True).print("\n[bold]interrupted:[/] every finished record is kept; "
+                                   "run the same command again to resume.", highlight=False)
+        raise typer.Exit(130) from None
+
+
+def _exit_if_points_failed(count: int, where: str) -> None:
+    """A sweep whose points failed exits 1 after its other points ran, saying where they are
+    (``where``: the failed points' directories, or the aggregate that lists them)."""
+    if count:
+        Console(stderr=True).print(
+            f"[bold red]{count} sweep point(s) failed[/] (each says why in its failed.json): "
+            f"{where}; fix the cause and run the same command again (finished points are "
+            "skipped).", highlight=False)
+        raise typer.Exit(1)
 
 
 @app.command()
@@ -430,12 +473,15 @@ def _run_sweep(ctx: typer.Context, knob: str, axes: dict[str, list[str]],
         return
     with _user_errors():
         writable_dir(out or root, "--out DIR" if out else "out_dir=DIR")
+    from certkv.hydra_app import FAILED_POINTS
     from certkv.hydra_app import main as hydra_main
 
     os.environ[INVOCATION] = invocation(knob, axes, ctx.args, str(out) if out else None)
     sys.argv = ["certkv sweep", *args]
+    FAILED_POINTS.clear()  # this command's points only (a process may run several)
     try:
-        hydra_main()
+        with _interrupted_says_resume():
+            hydra_main()
     finally:
         os.environ.pop(INVOCATION, None)
     from certkv.report.sweep import build_sweep_report
@@ -450,6 +496,9 @@ def _run_sweep(ctx: typer.Context, knob: str, axes: dict[str, list[str]],
                     f"sets: {' '.join(report.common) or 'nothing else'}; aggregate: "
                     f"{(out or root) / 'README.md'}")
     _log_sweep(cfg, report)
+    # a launcher that ran the points in other processes leaves FAILED_POINTS empty
+    _exit_if_points_failed(report.failed, ", ".join(FAILED_POINTS)
+                           or f"listed in {(out or root) / 'README.md'}")
 
 
 def _log_sweep(cfg, report) -> None:

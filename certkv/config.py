@@ -128,9 +128,27 @@ def compose_config(overrides: list[str]):
     register_resolvers()
     try:
         with initialize_config_dir(str(CONF_DIR), version_base=None):
-            return compose("config", overrides=overrides)
+            cfg = compose("config", overrides=overrides)
     except (HydraException, OmegaConfBaseException, ValueError) as exc:
         raise ConfigError(_explain(exc, overrides)) from exc
+    drop_unused_task_settings(cfg, overrides)
+    return cfg
+
+
+def drop_unused_task_settings(cfg, overrides) -> None:
+    """Remove (in place) the settings an experiment gives tasks the run does not run:
+    ``+experiment=tiny task=niah`` runs tiny's NIAH, and tiny's perplexity settings, which
+    name no task, go. Settings the user typed (``task.perplexity.context=512``) for a task
+    left out stay, so that validation names them."""
+    from omegaconf import DictConfig, open_dict
+
+    typed = {override_key(str(o)).split(".")[1] for o in overrides
+             if override_key(str(o)).startswith("task.")}
+    with open_dict(cfg):
+        for name in list(cfg.get("task") or {}):
+            node = cfg.task[name]
+            if isinstance(node, DictConfig) and "_target_" not in node and name not in typed:
+                del cfg.task[name]
 
 
 _MISSING_OPTION = re.compile(r"Could not find '([^'/]+)/([^']+)'")
@@ -156,18 +174,29 @@ def _explain(exc: Exception, overrides: list[str]) -> str:
             "Print the composed config with `certkv run --cfg job`.")
 
 
-def _closest(word: str, choices) -> str | None:
-    """The choice most like ``word`` (a typo's fix), or None."""
+def _closest(word: str, choices) -> list[str]:
+    """The choices most like ``word`` (a typo's fix): every one tied at the best similarity
+    (``int9`` -> the three ``int*`` quantizers, ``kivi3`` -> ``kivi2`` and ``kivi4``), or none
+    when nothing is close."""
     import difflib
 
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.5)
-    return close[0] if close else None
+    choices = [str(c) for c in choices]
+    scores = {c: difflib.SequenceMatcher(None, word, c).ratio() for c in choices}
+    best = max(scores.values(), default=0.0)
+    return [c for c in choices if scores[c] == best] if best >= 0.45 else []
+
+
+def _did_you_mean(names: list[str]) -> str:
+    """``; did you mean a?`` / ``; did you mean one of a, b?`` / ``.`` for no guess."""
+    if not names:
+        return "."
+    return f"; did you mean {names[0]}?" if len(names) == 1 else \
+        f"; did you mean one of {', '.join(names)}?"
 
 
 def _unknown_option(group: str, option: str, options: list[str]) -> str:
     """``experiment=ruler_8kk`` -> which options ``experiment`` has, the closest first."""
-    close = _closest(option, options)
-    guess = f"; did you mean {group}={close}?" if close else "."
+    guess = _did_you_mean([f"{group}={c}" for c in _closest(option, options)])
     return (f"{group}={option} is not one of the {group} configs{guess} "
             f"Choose one of: {', '.join(options)}.")
 
@@ -191,9 +220,8 @@ def _unknown_field(key: str, overrides: list[str]) -> str | None:
         if part not in node:
             fields = [k for k in node if not str(k).startswith("_")]
             where = ".".join(known) or "the config"
-            close = _closest(part, fields)
-            fixed = ".".join([*known, str(close), *parts[i + 1:]])
-            guess = f"; did you mean {fixed}?" if close else "."
+            guess = _did_you_mean([".".join([*known, c, *parts[i + 1:]])
+                                   for c in _closest(part, fields)])
             return (f"{key} is not a field of {where}{guess} Its fields: {', '.join(fields)} "
                     "(print the whole config with `certkv run --cfg job`).")
         node, known = node[part], [*known, part]
@@ -219,8 +247,7 @@ def check_types(node, path: str) -> None:
         if key.startswith("_"):
             continue
         if fields is not None and key not in fields:
-            close = _closest(key, fields)
-            guess = f"; did you mean {path}.{close}?" if close else "."
+            guess = _did_you_mean([f"{path}.{c}" for c in _closest(key, fields)])
             raise ConfigError(f"{path}.{key} is not a field of {path} "
                               f"({node['_target_'].rsplit('.', 1)[-1]}){guess} "
                               f"Its fields: {', '.join(fields)}.")

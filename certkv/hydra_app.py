@@ -15,7 +15,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
-from certkv.config import CONF_DIR, register_resolvers
+from certkv.config import CONF_DIR, drop_unused_task_settings, register_resolvers
 from certkv.errors import CertKVError
 from certkv.files import below_cwd
 
@@ -27,6 +27,7 @@ def main(cfg: DictConfig) -> None:
     from certkv.eval.results import RunDir
     from certkv.eval.runner import run_experiment
 
+    drop_unused_task_settings(cfg, HydraConfig.get().overrides.task)
     out_dir = HydraConfig.get().runtime.output_dir
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     console = Console(stderr=True)
@@ -45,6 +46,7 @@ def main(cfg: DictConfig) -> None:
         message = _user_error(exc, out_dir)
         if multirun:  # one failed point of a sweep: record it and let Hydra go on
             RunDir.record_failure(out_dir, message)
+            FAILED_POINTS.append(str(below_cwd(out_dir)))
             console.print(f"[bold red]point failed:[/] {out_dir}: {message}", highlight=False)
             return
         _discard_if_empty(Path(out_dir), Path(cfg.out_dir))
@@ -53,6 +55,8 @@ def main(cfg: DictConfig) -> None:
     instantiate(cfg.logger).log(report, summary, out_dir, brief=multirun)
 
 
+# the points of this process's sweep that failed (the CLI exits non-zero after the sweep)
+FAILED_POINTS: list[str] = []
 INVOCATION = "CERTKV_INVOCATION"  # the command the user typed (set by the CLI for sweeps)
 
 

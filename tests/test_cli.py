@@ -11,7 +11,8 @@ from typer.testing import CliRunner
 
 import certkv.eval.runner as runner_module
 from certkv.cli import app
-from certkv.config import CONF_DIR
+from certkv.config import CONF_DIR, compose_config
+from certkv.eval.runner import validate
 from certkv.report.markdown import summary_markdown
 
 # runs read the offline books (the tiny experiment's NIAH): skip with a reason without them
@@ -181,13 +182,24 @@ def test_runtime_config_error_is_one_sentence(out):
     assert "Traceback" not in result.output
 
 
-def test_a_task_list_without_the_experiments_tasks_is_one_sentence(out):
+def test_typed_settings_of_a_task_left_out_are_one_sentence(out):
     result = runner.invoke(app, ["run", "+experiment=methods_4k", "task=[ruler]",
-                                 f"out_dir={out}"])
+                                 "task.niah.trials=2", f"out_dir={out}"])
     assert result.exit_code == 2
     assert "task.niah has settings but no task" in " ".join(result.output.split())
     assert "~task.niah" in result.output and "Traceback" not in result.output
     assert not out.exists() or not any(out.iterdir())  # nothing written
+
+
+@pytest.mark.parametrize("task", ["niah", "perplexity", "ruler", "smoke"])
+def test_an_experiment_runs_any_task_option_with_its_own_settings(task):
+    """``+experiment=tiny task=niah`` runs NIAH at tiny's settings; tiny's settings of the
+    tasks left out (which name no task) are dropped instead of refused."""
+    cfg = compose_config(["+experiment=tiny", f"task={task}"])
+    names = {"smoke": ["perplexity", "niah"]}.get(task, [task])
+    assert sorted(cfg.task) == sorted(names)
+    assert all(node.context == 2048 for node in cfg.task.values())
+    validate(cfg)
 
 
 def test_info_lists_groups_and_versions():
@@ -242,14 +254,9 @@ def test_a_long_override_gets_a_short_run_directory(out):
 def test_every_experiment_builds_its_variants(experiment):
     """Each committed experiment composes, validates and instantiates every variant (a typo
     in a long variants list fails here, not hours into a run)."""
-    from hydra import compose, initialize_config_dir
+    from certkv.eval.runner import build_variants
 
-    from certkv.config import register_resolvers
-    from certkv.eval.runner import build_variants, validate
-
-    register_resolvers()  # what the CLI does at import; this test composes without it
-    with initialize_config_dir(str(CONF_DIR), version_base=None):
-        cfg = compose("config", overrides=[f"+experiment={experiment}"])
+    cfg = compose_config([f"+experiment={experiment}"])
     validate(cfg)
     variants = build_variants(cfg)
     assert variants and len({v.name for v in variants}) == len(variants)

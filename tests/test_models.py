@@ -119,3 +119,14 @@ def test_device_map_is_handed_to_accelerate_and_the_model_stays_where_it_put_it(
     assert lm.model is placed and lm.spec.device_map == "auto"
     assert lm.model.config._attn_implementation == "certkv" and not lm.model.training
     assert lm.num_layers == 1 and lm.tokenizer is tiny.tokenizer
+
+
+def test_a_tokenizer_is_read_once_per_process_and_each_caller_gets_its_own_copy():
+    from certkv.models import loading
+
+    first = loading.load_tokenizer()
+    second = loading.load_tokenizer()
+    assert first is not second and first.get_vocab() == second.get_vocab()
+    first.add_special_tokens({"pad_token": "<certkv-test-pad>"})  # a caller's change stays its own
+    assert "<certkv-test-pad>" not in second.get_vocab()
+    assert "<certkv-test-pad>" not in loading.load_tokenizer().get_vocab()

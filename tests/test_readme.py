@@ -64,6 +64,7 @@ def first_point(args: list[str]) -> list[str]:
                          ids=lambda c: " ".join(c)[:60])
 def test_readme_run_lines_compose_and_validate(args, tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WANDB_API_KEY", "0" * 40)  # the online W&B line assumes `wandb login`
     args = local_paths(first_point(args) if "-m" in args else args, tiny_model_dir)
     if "--cfg" not in args:
         args = [*args, "--cfg", "job"]

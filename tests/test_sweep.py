@@ -67,16 +67,17 @@ def test_vtol_sweep_with_two_joblib_workers_then_skips_finished_points(tmp_path)
 
 
 def test_a_failing_point_is_recorded_and_the_others_run(tmp_path):
-    result = sweep("group", *TINY, f"out_dir={tmp_path}", "--values", "8,32")
-    assert result.exit_code == 0, result.output
+    result = sweep("group", *TINY, f"out_dir={tmp_path}", "--values", "8,64")
+    assert result.exit_code == 1, result.output  # after every point ran, naming the failed one
     root = tmp_path / "sweeps" / "group" / "tiny"
-    (point,) = root.glob("quantizer.value_codec.group=32*")
+    (point,) = root.glob("quantizer.value_codec.group=64*")
     failed = json.loads((point / "failed.json").read_text())
-    assert "does not divide head_dim=16" in failed["error"]
+    assert "does not divide head_dim=32" in failed["error"]
+    assert "1 sweep point(s) failed" in " ".join(result.output.split())
     assert not (point / "samples.jsonl").exists()
     rows = aggregate(root)["rows"]
     assert [r[:2] for r in rows] == [["group=8", "naive"], ["group=8", "certified"],
-                                     ["group=32", "failed"]]
+                                     ["group=64", "failed"]]
     assert "2 points (1 failed)" in result.output
     # the point that ran shows its quality table and where its full report is, not all of it
     text = " ".join(result.output.split())
@@ -84,7 +85,7 @@ def test_a_failing_point_is_recorded_and_the_others_run(tmp_path):
     assert "Certificates (" not in text and "Ladder, cache and speed" not in text
     (listed,) = [line for line in (root / "README.md").read_text().splitlines()
                  if "failed:" in line]
-    assert "does not divide head_dim=16" in listed and "`?`" not in listed  # nothing ran
+    assert "does not divide head_dim=32" in listed and "`?`" not in listed  # nothing ran
 
 
 def test_custom_axes_through_submitit_with_the_aggregate_on_wandb(tmp_path, monkeypatch):

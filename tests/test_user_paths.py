@@ -132,8 +132,8 @@ def test_logger_wandb_reuses_the_run_and_a_rerun_says_it_resumes(two_runs, monke
 
 def test_a_run_that_fails_after_starting_leaves_no_directory(tmp_path):
     out = tmp_path / "runs"
-    one_sentence(cli("run", *TINY, f"out_dir={out}", "quantizer.value_codec.group=32"),
-                 "does not divide head_dim=16")
+    one_sentence(cli("run", *TINY, f"out_dir={out}", "quantizer.value_codec.group=64"),
+                 "does not divide head_dim=32")
     assert not any(p.is_dir() for p in out.rglob("*"))  # not even an empty runs/tiny/
 
 

@@ -88,8 +88,9 @@ class Decoder:
     times, certificate log, bytes, scratch counters): a task that asks many questions of one
     document holds one cache at a time instead of one per question."""
 
-    def __init__(self, lm: LoadedModel, cache) -> None:
+    def __init__(self, lm: LoadedModel, cache, on_step=None) -> None:
         self.lm, self.cache, self.tokenizer = lm, cache, lm.tokenizer
+        self.on_step = on_step  # called after every decode step (a run's progress)
         attention = getattr(cache, "attention", None)
         # a method with graphs: its whole decode steps captured and replayed
         self.graph = GraphedDecode(lm.model, cache, attention.graph) \
@@ -134,6 +135,8 @@ class Decoder:
         logits = self._forward(ids).logits if self.graph is None else self.graph(ids)
         _sync(self.lm.device)
         self.step_ms.append(1e3 * (time.perf_counter() - start))
+        if self.on_step is not None:
+            self.on_step()
         return logits[0, -1].float()
 
     @torch.inference_mode()
@@ -229,9 +232,11 @@ class Session:
     def __init__(self, prefill: Prefill, method: Method, spec: CacheSpec) -> None:
         self.prefill, self.method, self.spec = prefill, method, spec
         self.decoders: list[Decoder] = []
+        self.on_step = None  # given to every decoder (a run's progress)
 
     def decoder(self) -> Decoder:
-        decoder = Decoder(self.prefill.lm, self.prefill.cache_for(self.method, self.spec))
+        decoder = Decoder(self.prefill.lm, self.prefill.cache_for(self.method, self.spec),
+                          self.on_step)
         self.decoders.append(decoder)
         return decoder
 

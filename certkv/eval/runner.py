@@ -19,21 +19,15 @@ import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
 
 from certkv.attention import MODES, CertifiedAttention
 from certkv.cache.hf import CacheSpec
 from certkv.config import check_types
 from certkv.errors import CertKVError, ConfigError, require
 from certkv.eval.decode import Method, Prefill
+from certkv.eval.progress import RunProgress, announce_compile
 from certkv.eval.results import RunDir, read_jsonl
+from certkv.evict.feasible import check_budget
 from certkv.files import exclusive_dir
 from certkv.graphs import GraphedAttention
 from certkv.models.loading import ModelSpec, check_source, load_model
@@ -74,6 +68,7 @@ def validate(cfg: DictConfig) -> Experiment:
     """Build and check every component of ``cfg`` (types, values, a model path that exists)
     without loading the model: a bad config fails here with one sentence, before any run
     directory exists."""
+    check_run_fields(cfg)
     variants = build_variants(cfg)
     cache = build(cfg.cache, "cache")
     for name, node in cfg.task.items():
@@ -86,6 +81,29 @@ def validate(cfg: DictConfig) -> Experiment:
     model = build(cfg.model, "model")
     check_source(model)
     return Experiment(variants, cache, tasks, model)
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# the run's own fields (conf/config.yaml): (accepts, what it must be, an example)
+RUN_FIELDS = {
+    "threads": (lambda x: x is None or (_whole(x) and x > 0),
+                "a positive number of CPU threads, or null for torch's default", "threads=2"),
+    "seed": (_whole, "an integer", "seed=0"),
+    "graphs": (lambda x: isinstance(x, bool), "true or false", "graphs=true"),
+    "audit": (lambda x: isinstance(x, bool), "true or false", "audit=true"),
+}
+
+
+def check_run_fields(cfg: DictConfig) -> None:
+    """The run's own fields (``threads``, ``seed``, ``graphs``, ``audit``) hold what they
+    must (``threads=two`` or ``threads=0`` is one sentence, not a traceback or a silent
+    default)."""
+    for name, (accepts, what, example) in RUN_FIELDS.items():
+        value = cfg.get(name)
+        require(accepts(value), ConfigError, f"{name}={value!r} must be {what}; e.g. {example}.")
 
 
 def build_variants(cfg: DictConfig) -> list[Method]:
@@ -221,6 +239,9 @@ def _run_validated(cfg: DictConfig, built: Experiment, out_dir: str, progress: b
     for variant in variants:  # before anything is recorded: a sweep point fails whole
         variant.quantizer.validate(lm.head_dim)
     plan = [(task, s) for task in tasks for s in task.samples(lm.tokenizer, lm.max_context)]
+    shortest = min((len(s.prefix) for _, s in plan), default=0)
+    for variant in variants:
+        check_budget(variant.name, variant.quantizer, lm.num_kv_heads, lm.head_dim, shortest)
     run = RunDir(out_dir)
     run.write_config(OmegaConf.to_yaml(cfg, resolve=True))
     planned = len(plan) * len(variants)
@@ -236,21 +257,20 @@ def _run_validated(cfg: DictConfig, built: Experiment, out_dir: str, progress: b
 
     def progress_meta() -> None:  # after every record: an interrupted session still counts
         run.write_meta({"wall_s": earlier + time.time() - started, "records": len(run.samples)})
-    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn())
-    with Progress(*columns, disable=not progress) as bar:
-        job = bar.add_task("samples x methods", total=len(plan) * len(variants))
+    if progress and any(v.mode != "dense" for v in variants) and lm.device.type == "cpu":
+        announce_compile()
+    with RunProgress(planned, enabled=progress) as shown:
         for task, sample in plan:
             todo = [v for v in variants if not run.done(task.name, sample.index, v.name)]
-            bar.advance(job, len(variants) - len(todo))
+            shown.skip(len(variants) - len(todo))
             if not todo:
                 continue
             shared = Prefill(lm, sample.prefix, prompt_window(variants))
             for variant in todo:
-                bar.update(job, description=f"{task.name} #{sample.index} {variant.name}")
-                _run_one(run, task, sample, variant, shared, spec)
+                shown.start(f"{task.name} #{sample.index} {variant.name}")
+                _run_one(run, task, sample, variant, shared, spec, shown.step)
                 progress_meta()
-                bar.advance(job)
+                shown.finish()
     summary = summarize(run.samples, run.certificates, tasks, variants, cfg)
     run.write_summary(summary)
     progress_meta()
@@ -258,8 +278,9 @@ def _run_validated(cfg: DictConfig, built: Experiment, out_dir: str, progress: b
 
 
 def _run_one(run: RunDir, task, sample, variant: Method, shared: Prefill,
-             spec: CacheSpec) -> None:
+             spec: CacheSpec, on_step=None) -> None:
     session = shared.session(variant, spec)
+    session.on_step = on_step
     metrics = task.evaluate(session, sample)
     key = {"task": task.name, "sample": sample.index, "variant": variant.name}
     ms = session.step_ms

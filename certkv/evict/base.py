@@ -40,9 +40,9 @@ class EvictionPolicy:
     restores: ClassVar[bool] = False  # may an evicted block come back (re-encoded from Tier-2)?
 
     def __post_init__(self) -> None:
-        require(isinstance(self.budget, (int, float)) and self.budget > 0, ConfigError,
-                f"evict.budget={self.budget!r} must be a positive fraction of the dense FP16 "
-                "bytes, e.g. 0.25.")
+        require(isinstance(self.budget, (int, float)) and 0 < self.budget <= 1, ConfigError,
+                f"evict.budget={self.budget!r} must be a fraction in (0, 1] of the dense FP16 "
+                "bytes (1 keeps every block), e.g. 0.25.")
         require(isinstance(self.memory_threshold, (int, float))
                 and 0 < self.memory_threshold <= 1, ConfigError,
                 f"evict.memory_threshold={self.memory_threshold!r} must be in (0, 1], e.g. 0.9.")

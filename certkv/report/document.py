@@ -45,6 +45,18 @@ class Report:
         return lines
 
 
+    def partial(self) -> list[str]:
+        """One sentence per run holding fewer records than it planned (interrupted, or still
+        running): its tables cover only what is recorded."""
+        lines = []
+        for run in self.runs:
+            planned, done = run.meta.get("planned"), len(run.samples)
+            if planned and done < planned:
+                lines.append(f"`{run.label}` is partial: {done} of {planned} records, and its "
+                             "tables cover only those; its command (below) resumes it.")
+        return lines
+
+
 def _environment(meta: dict) -> str:
     """Commit, machine, threads and versions; a run resumed in another environment lists each
     session's with the record it started at."""
@@ -82,7 +94,9 @@ def write_report(report: Report, out_dir: str | Path) -> Path:
     """Write ``README.md``, ``figures/*.png`` and ``report.json`` under ``out_dir``; returns
     the README's path. Figures need matplotlib (skipped, and said so, without it)."""
     out = Path(out_dir)
-    lines = [f"# {report.title}", "", *[f"* {line}" for line in report.provenance()], ""]
+    partial = [f"> **Partial.** {line}" for line in report.partial()]
+    lines = [f"# {report.title}", "", *partial, *([""] if partial else []),
+             *[f"* {line}" for line in report.provenance()], ""]
     for table in report.tables:
         lines += markdown_table(table)
     figures = []
@@ -123,4 +137,7 @@ def print_report(report: Report, console: Console | None = None) -> None:
     """The tables on the console, each fitted to its width (see :func:`print_tables`)."""
     console = console or make_console()
     console.print(Text(report.title, style="bold"))
+    for line in report.partial():
+        console.print(f"[bold yellow]partial:[/] {line.replace('(below)', '(in README.md)')}",
+                      highlight=False)
     print_tables(report.tables, console)

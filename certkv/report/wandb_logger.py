@@ -24,6 +24,23 @@ MODES = ("offline", "online", "disabled")
 MAX_POINTS = 2000  # per-step points logged per method (longer runs are strided)
 
 
+def has_api_key() -> bool:
+    """Whether W&B has a key to log in with: ``WANDB_API_KEY`` or the netrc entry that
+    ``wandb login`` writes for the server (``WANDB_BASE_URL``, default api.wandb.ai). Checked
+    before a run starts, so an online run without one fails at once, not after the run."""
+    import netrc
+    import os
+    from urllib.parse import urlparse
+
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname
+    try:
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
 @dataclass
 class WandbLogger:
     """Console report plus one W&B run (``mode``: offline, online or disabled)."""
@@ -38,6 +55,9 @@ class WandbLogger:
     def __post_init__(self) -> None:
         require(self.mode in MODES, ConfigError,
                 f"logger.mode={self.mode!r} is unknown; use one of {list(MODES)}.")
+        require(self.mode != "online" or has_api_key(), ConfigError,
+                "logger.mode=online needs a W&B API key and none is set; run `wandb login` "
+                "(or set WANDB_API_KEY), or use logger.mode=offline and `wandb sync` later.")
 
     def log(self, report, summary: dict, run_dir: str, brief: bool = False) -> None:
         ConsoleLogger().log(report, summary, run_dir, brief)

@@ -1,0 +1,71 @@
+"""Before a run: the smallest eviction budget a policy can meet (issue 52).
+
+A policy never evicts the blocks it protects (the newest ``min_materialized`` tokens for age,
+the prompt's window for SnapKV, ...), so below some budget no eviction can bring Tier-1 under
+it and the run would stop at its first certified step with a
+:class:`~certkv.errors.BudgetError`, after the records before it were written. The runner asks
+:func:`smallest_budget` for every variant before anything is recorded and refuses a budget
+under it in one sentence that names the value that works.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import torch
+
+from certkv.errors import BudgetError, ConfigError, require
+
+
+def smallest_budget(quantizer, num_kv_heads: int, head_dim: int, tokens: int,
+                    decode_tokens: int = 0) -> float:
+    """The smallest ``evict.budget`` at which ``quantizer``'s eviction policy holds a
+    ``tokens``-token prompt and the ``decode_tokens`` after it (at least the block the prompt's
+    last tokens complete: a policy that protects the prompt's end, SnapKV, protects it).
+
+    At each length it is Tier-1's bytes (:meth:`TieredKVStore.tier1_bytes`) with every block the
+    policy protects at its own precision and every other one at its summary, over the completed
+    blocks' dense FP16 bytes (the budget's denominator, :meth:`EvictionTracker.limit`); the
+    largest over the lengths. Byte counts do not depend on the values, so the store is filled
+    with random ones; a policy that ranks by the prompt's queries gets random queries. 0 when
+    no block completes."""
+    from certkv.cache.store import TieredKVStore
+
+    policy = quantizer.eviction
+    probe = quantizer.with_eviction(replace(policy, budget=1e-12, memory_threshold=1.0))
+    store = TieredKVStore(num_kv_heads, head_dim, **probe.store_kwargs())
+    gen = torch.Generator().manual_seed(0)
+    block = store.block_size
+    end = tokens + max(decode_tokens, block)
+    chunks = [tokens] + [block] * math.ceil((end - tokens) / block)
+    need = 0.0
+    for i, n in enumerate(chunks):
+        k, v = (torch.randn(num_kv_heads, n, head_dim, generator=gen) for _ in range(2))
+        try:  # every unprotected block is evicted, then the tiny budget raises
+            store.append(k, v)
+            if i == 0 and policy.prompt_window:
+                window = min(policy.prompt_window, tokens)
+                queries = torch.randn(num_kv_heads, window, head_dim, generator=gen)
+                store.observe_prompt(queries, head_dim ** -0.5)
+        except BudgetError:
+            pass
+        dense = 4 * num_kv_heads * store.num_blocks * block * head_dim
+        need = max(need, store.tier1_bytes() / dense if dense else 0.0)
+    return need
+
+
+def check_budget(name: str, quantizer, num_kv_heads: int, head_dim: int, tokens: int) -> None:
+    """Refuse (one sentence naming the budget that works) a variant ``name`` whose eviction
+    budget its policy cannot meet on a ``tokens``-token prompt (the shortest of the run: the
+    protected share of Tier-1 shrinks as a sequence grows)."""
+    policy = getattr(quantizer, "eviction", None)
+    if policy is None:
+        return
+    need = smallest_budget(quantizer, num_kv_heads, head_dim, tokens)
+    works = math.ceil(need * 100) / 100
+    require(policy.budget >= need, ConfigError,
+            f"evict.budget={policy.budget:g} is below what {policy.name} eviction can reach on "
+            f"this run's {tokens}-token prompts (variant {name!r}: the blocks it never evicts "
+            f"and the summaries of the others take {need:.3f} of the dense bytes); use "
+            f"evict.budget={works:g} or more, or a policy that protects fewer tokens.")
