@@ -21,9 +21,14 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
     install()  # nested kernel helpers skip the interpreter's repeated patch (a third faster)
 
-# No example database: nothing of hypothesis lands in the checkout (failures print their blob).
-settings.register_profile("ci", deadline=None, print_blob=True, database=None)
-settings.load_profile("ci")
+# Hypothesis profiles. `ci` (the default): derandomized, so every run draws the same examples
+# and a failure reproduces; no example database, so nothing lands in the checkout (failures
+# print their blob). `deep` (CERTKV_HYPOTHESIS=deep): fresh random draws, and every property
+# test ten times its examples (helpers.examples), for long local runs.
+settings.register_profile("ci", deadline=None, print_blob=True, database=None,
+                          derandomize=True)
+settings.register_profile("deep", deadline=None, print_blob=True, database=None)
+settings.load_profile(os.environ.get("CERTKV_HYPOTHESIS", "ci"))
 
 # Where W&B puts a run without an explicit dir (its root dir is fixed at the first wandb.init
 # of the process: the checkout, before this) and its caches and settings.
@@ -50,6 +55,17 @@ def pytest_unconfigure(config):
 @pytest.fixture(scope="session")
 def hypothesis_home(pytestconfig) -> Path:
     return pytestconfig.stash[HYPOTHESIS_HOME]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def oracle_witness():
+    """Every store keeps the test's own FP16 copy of what was appended to it, which the
+    contract's oracle reads instead of the store (:func:`helpers.install_witness`)."""
+    from helpers import install_witness
+
+    with pytest.MonkeyPatch.context() as mp:
+        install_witness(mp)
+        yield
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
+import weakref
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -11,7 +15,7 @@ from hypothesis import strategies as st
 
 from certkv import TieredKVStore
 from certkv.certify import audit
-from certkv.kernels.reference import TorchBackend, dense_attention, exact_attention
+from certkv.kernels.reference import TorchBackend, dense_attention
 from certkv.kernels.triton_backend import TritonBackend
 
 # Where a contract test runs: both backends on the CPU (Triton in its interpreter, as in CI) and
@@ -21,6 +25,12 @@ BACKENDS = [pytest.param(TorchBackend, "cpu", id="torch"),
             pytest.param(TritonBackend, "cpu", id="triton"),
             pytest.param(TritonBackend, "cuda", id="triton-cuda", marks=pytest.mark.gpu)]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def examples(n: int) -> int:
+    """A property test's example count: ``n`` in CI, ten times that in the ``deep`` profile
+    (``CERTKV_HYPOTHESIS=deep``, conftest)."""
+    return n * (10 if os.environ.get("CERTKV_HYPOTHESIS") == "deep" else 1)
 
 
 def fetch_books(names=None, cache_dir=None) -> Path:
@@ -118,19 +128,64 @@ def cuda_layer(hkv, n, d, group, seed=1):
     return store, make_query(k, group, seed=seed + 1, scale=2.0, peaked=True).cuda()
 
 
+# ---------------------------------------------------------------- the oracle's own data
+# The contract's oracle is computed from the test's own copy of everything appended, never from
+# the store under test: a store that kept wrong originals (decode appends, deferred commits, the
+# lean mirror, re-quantized tiers, a clone) would otherwise move the oracle with it. conftest
+# wraps TieredKVStore.append / append_in_place / clone (:func:`install_witness`): each append
+# keeps an FP16 copy of the caller's tensors (the same rounding the store applies on entry) beside
+# the store, a clone gets a copy of its source's list.
+_WITNESS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def install_witness(monkeypatch) -> None:
+    """Wrap the store's append paths and clone so :func:`originals` can answer from the test's
+    own copy (``monkeypatch``: the session's, undone at its end)."""
+    def witnessed(append):
+        @functools.wraps(append)
+        def wrapper(store, k, v):
+            append(store, k, v)  # an append that raises records nothing
+            ks, vs = _WITNESS.setdefault(store, ([], []))
+            ks.append(k.detach().to("cpu", torch.float16, copy=True))
+            vs.append(v.detach().to("cpu", torch.float16, copy=True))
+        return wrapper
+
+    def cloned(clone):
+        @functools.wraps(clone)
+        def wrapper(store):
+            new = clone(store)
+            if store in _WITNESS:
+                ks, vs = _WITNESS[store]
+                _WITNESS[new] = (list(ks), list(vs))
+            return new
+        return wrapper
+
+    for name in ("append", "append_in_place"):
+        monkeypatch.setattr(TieredKVStore, name, witnessed(getattr(TieredKVStore, name)))
+    monkeypatch.setattr(TieredKVStore, "clone", cloned(TieredKVStore.clone))
+
+
 def originals(store: TieredKVStore):
-    """FP16 originals ``[Hkv, N, d]`` of every token in the store (Tier-2 + tail)."""
-    return store.dense_kv()
+    """FP16 originals ``[Hkv, N, d]`` (CPU) of every token appended to ``store``: the test's own
+    copy (see :func:`install_witness`), checked to hold as many tokens as the store says."""
+    assert store in _WITNESS, "the store was filled without TieredKVStore.append: no oracle"
+    ks, vs = _WITNESS[store]
+    k, v = torch.cat(ks, dim=1), torch.cat(vs, dim=1)
+    assert k.shape[1] == store.num_tokens, (
+        f"the store holds {store.num_tokens} tokens but {k.shape[1]} were appended")
+    return k, v
 
 
 def reference_fp64(q, store, scaling=None):
     """O_ref: softmax attention on the original K/V, computed in FP64 -> ``[Hq, d]``."""
-    return exact_attention(q, store, scaling)
+    k, v = originals(store)
+    scaling = store.head_dim**-0.5 if scaling is None else scaling
+    return audit.reference_fp64(q.cpu(), k, v, scaling)
 
 
 def dense_reference(q, store, scaling=None):
     """The dense path on the FP16 originals (rungs 3-4, mode=dense) -> ``[Hq, d]``."""
-    k, v = originals(store)
+    k, v = (x.to(q.device) for x in originals(store))
     scaling = store.head_dim**-0.5 if scaling is None else scaling
     return dense_attention(q, k, v, scaling)
 
@@ -140,7 +195,7 @@ def reference_slack(q, store, scaling=None):
     :func:`certkv.certify.audit.reference_slack`)."""
     k, v = originals(store)
     scaling = store.head_dim**-0.5 if scaling is None else scaling
-    return audit.reference_slack(q, k, v, scaling)
+    return audit.reference_slack(q.cpu(), k, v, scaling)
 
 
 def check_heads(out, cert, q, store, scaling=None):
@@ -148,9 +203,9 @@ def check_heads(out, cert, q, store, scaling=None):
     ``||out - O_ref|| <= cert.bound`` (FP64 ``O_ref`` on the originals); dense heads (rungs 3-4)
     report ``e_key = e_val = 0`` and are the dense path: within ``2 e_arith`` of
     :func:`dense_reference` (both within ``e_arith`` of ``O_ref``). Returns ``(err, bound)``."""
-    err = (out.double() - reference_fp64(q, store, scaling)).norm(dim=-1)
+    err = (out.double().cpu() - reference_fp64(q, store, scaling)).norm(dim=-1)
     slack = reference_slack(q, store, scaling)
-    bound = cert.bound.double()
+    bound = cert.bound.double().cpu()
     assert torch.isfinite(bound).all() and torch.isfinite(out).all()
     assert (cert.e_arith > 0).all()
     violated = err > bound + slack
@@ -162,7 +217,7 @@ def check_heads(out, cert, q, store, scaling=None):
     dense = cert.rung >= 3
     if dense.any():
         assert (cert.e_key[dense] == 0).all() and (cert.e_val[dense] == 0).all()
-        gap = (out.double() - dense_reference(q, store, scaling).double()).norm(dim=-1)
+        gap = (out.double() - dense_reference(q, store, scaling).double()).norm(dim=-1).cpu()
         assert (gap[dense] <= 2 * (bound + slack)[dense]).all()
     return err, bound
 
@@ -292,3 +347,29 @@ def same_values(a, b) -> bool:
     if isinstance(a, (tuple, list)):
         return len(a) == len(b) and all(same_values(x, y) for x, y in zip(a, b, strict=True))
     return a == b or (a != a and b != b)
+
+
+# ---------------------------------------------------------------- Triton launches
+@contextmanager
+def kernel_launches():
+    """``{"phase1": n, "phase2": n}``: how often the Triton backend launched its Phase 1 / Phase 2
+    kernels while the block ran (a phase that falls back to the reference launches none)."""
+    from certkv.kernels import triton_attend, triton_score
+
+    launches = {"phase1": 0, "phase2": 0}
+    with pytest.MonkeyPatch.context() as mp:
+        for phase, module, name in (("phase1", triton_score, "score_blocks"),
+                                    ("phase2", triton_attend, "attend_blocks")):
+            mp.setattr(module, name, counting(getattr(module, name), launches, phase))
+        yield launches
+
+
+def counting(kernel, launches, phase):
+    def counted(*args, **kwargs):
+        if isinstance(launches, list):
+            launches.append(phase)
+        else:
+            launches[phase] += 1
+        return kernel(*args, **kwargs)
+
+    return counted

@@ -12,6 +12,7 @@ from helpers import (
     assert_keys_within_bound,
     assert_values_within_bound,
     check_heads,
+    examples,
     make_kv,
     make_query,
     tier1_bytes,
@@ -32,7 +33,7 @@ from certkv.quant.packing import check_packable, pack_bits, unpack_bits
 from certkv.quant.rotation import MAX_HEAD_DIM, fwht, hadamard
 
 U = 2.0**-24
-FAST = settings(max_examples=50, deadline=None)
+FAST = settings(max_examples=examples(50), deadline=None)
 
 
 # ---------------------------------------------------------------- 3-bit packing

@@ -13,7 +13,7 @@ import math
 
 import pytest
 import torch
-from helpers import check_heads, make_kv, make_query
+from helpers import check_heads, examples, make_kv, make_query
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -140,7 +140,7 @@ def check_contract(store, q, attn, scaling=None, scratch=None):
     return bound[fast], err[fast]
 
 
-@settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(400), suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_contract_holds_on_every_head(sc):
     store, q, attn = build(sc)
@@ -167,7 +167,10 @@ def test_default_policy_is_tight_enough_to_be_useful():
     store.append(k, v)
     q = make_query(k, 3, seed=5, scale=1.5, peaked=True)
     bound, _ = check_contract(store, q, CertifiedAttention())
-    assert float(bound.max()) < 1.0  # bounded relative to V_max ~ 8: the certificate is informative
+    v_max = float(v.norm(dim=-1).max())  # 10.7 here
+    # measured: the largest returned bound is 0.036, 0.33% of V_max (the actual errors reach
+    # 0.013); a bound over 1% of V_max means the certificate lost most of its information
+    assert float(bound.max()) < 0.01 * v_max
 
 
 def test_underflowing_tail_mass_still_certified():

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_kv
+from helpers import examples, make_kv
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -34,7 +34,7 @@ def page_in_keys(lru: DeviceLRU, store, want: torch.Tensor):
     return maps[0], k2
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(seed=st.integers(0, 10_000), capacity=st.integers(0, 12), hkv=st.integers(1, 3),
        steps=st.integers(1, 6), density=st.floats(0.05, 0.9))
 def test_device_lru_serves_every_block_and_counts_like_the_host_lru(seed, capacity, hkv,

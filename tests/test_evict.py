@@ -11,6 +11,7 @@ from helpers import (
     DEVICES,
     check_heads,
     check_steps,
+    examples,
     make_kv,
     make_query,
     step_draws,
@@ -209,7 +210,7 @@ def drawn_store(sc, device="cpu") -> TieredKVStore:
 
 
 @pytest.mark.parametrize(("backend", "device"), BACKENDS)
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(sc=scenarios())
 @example(sc={"policy": "snapkv", "kind": "int8_int4", "fill": 0.3, "protect": 0, "block": 16,
              "mode": "certified", "hkv": 1, "gqa": 1, "tokens": 48, "steps": 1, "per_step": 1,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_kv, make_query
+from helpers import examples, make_kv, make_query
 from hypothesis import HealthCheck, given, settings
 from test_contract import build, scenarios
 
@@ -55,7 +55,7 @@ def _near_coverage_tie(log_p, quantized, tau, k_a, k_b):
     return bool((gap <= 1e-5 * total + 1e-30).any())
 
 
-@settings(max_examples=150, suppress_health_check=[HealthCheck.too_slow], deadline=None)
+@settings(max_examples=examples(150), suppress_health_check=[HealthCheck.too_slow], deadline=None)
 @given(scenarios())
 def test_fused_selection_matches_the_operators(sc):
     check_selections(sc)

@@ -14,7 +14,7 @@ from helpers import check_heads, make_kv, make_query, same_values, store_content
 
 from certkv import CertifiedAttention, TieredKVStore
 from certkv.cache.scratch import ScratchCache
-from certkv.errors import ConfigError, ShapeError
+from certkv.errors import ConfigError, NonFiniteError, ShapeError
 from certkv.graphs import GraphCaptureError, GraphedAttention, RecordedGraph
 
 B, D = 16, 32
@@ -182,7 +182,7 @@ def test_a_replayed_step_with_nonfinite_values_is_invalid_and_raises_at_synchron
     _, cert = graphed(q.masked_fill(torch.arange(q.shape[0])[:, None] == 0, float("nan")),
                       store, scratch=cache)
     assert graphed.replays == 2 and torch.isinf(cert.bound).all()
-    with pytest.raises(Exception, match="NaN or Inf"):
+    with pytest.raises(NonFiniteError, match="NaN or Inf"):
         attn.synchronize()
 
 

@@ -11,6 +11,7 @@ from helpers import (
     assert_keys_within_bound,
     assert_values_within_bound,
     check_steps,
+    examples,
     make_kv,
     make_query,
     step_draws,
@@ -208,7 +209,7 @@ def scenarios(draw):
     }
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_contract_with_innerq(sc):
     """Every head of every step within its bound against FP64 attention on the originals:

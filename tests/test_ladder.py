@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from helpers import check_heads, dense_reference, make_kv, make_query
+from helpers import check_heads, dense_reference, examples, make_kv, make_query
 from test_contract import check_contract
 
 from certkv import (
@@ -319,7 +319,7 @@ def test_bound_tol_holds_on_adversarial_layers():
     from hypothesis import strategies as st
     from test_contract import build, scenarios
 
-    @settings(max_examples=80, suppress_health_check=[HealthCheck.too_slow])
+    @settings(max_examples=examples(80), suppress_health_check=[HealthCheck.too_slow])
     @given(scenarios(), st.sampled_from([(0.0, None), (1e-3, None), (0.05, None), (1.0, None),
                                          (None, 0.01), (None, 0.2), (0.01, 0.05)]))
     def check(sc, tolerance):

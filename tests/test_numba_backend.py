@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import make_kv, make_query, same_values
+from helpers import examples, make_kv, make_query, same_values
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_contract import build, scenarios
@@ -94,7 +94,7 @@ def _staged(store, lay, mask):
     return StagedBlocks(kv, blk, v)
 
 
-@settings(max_examples=120, suppress_health_check=[HealthCheck.too_slow], deadline=None)
+@settings(max_examples=examples(120), suppress_health_check=[HealthCheck.too_slow], deadline=None)
 @given(scenarios(), st.integers(0, 99))
 def test_phases_agree_with_the_reference(sc, seed):
     """Phase 2 (gated FP16-key blocks, staged FP16 values, the checks in the epilogue) gives
@@ -237,7 +237,7 @@ def test_phase2_over_many_chunks_matches_the_reference():
     torch.testing.assert_close(got.rho, ref.rho, rtol=1e-4, atol=1e-7)
 
 
-@settings(max_examples=120, suppress_health_check=[HealthCheck.too_slow], deadline=None)
+@settings(max_examples=examples(120), suppress_health_check=[HealthCheck.too_slow], deadline=None)
 @given(scenarios())
 def test_phase1_from_int8_codes_is_the_reference_within_its_rounding(sc):
     """With the decoded mirror, Phase 1's logits come from the INT8 codes by dot products in

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from helpers import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
@@ -90,7 +91,7 @@ def test_pre_rope_round_trip_within_channel_bound(inner, scale, scaling):
     assert ((other - codec.decode(enc).double()).abs() <= slack.unsqueeze(-2)).all()
 
 
-@settings(max_examples=25)
+@settings(max_examples=examples(25))
 @given(seed=st.integers(0, 10_000), bits=st.sampled_from([2, 4, 8]),
        scale=st.sampled_from([1e-6, 1e-3, 1.0, 1e3, 2e4]),
        start=st.integers(0, 100_000), block=st.sampled_from([1, 2, 16]))

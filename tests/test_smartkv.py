@@ -12,6 +12,7 @@ from helpers import (
     assert_keys_within_bound,
     assert_values_within_bound,
     check_heads,
+    examples,
     make_kv,
     make_query,
     tier1_bytes,
@@ -264,7 +265,7 @@ def scenarios(draw):
     }
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_contract_with_smartkv_reallocating_mid_decode(sc):
     d = 32

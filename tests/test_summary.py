@@ -11,6 +11,7 @@ from helpers import (
     KINDS,
     adversarial,
     check_steps,
+    examples,
     make_kv,
     step_draws,
     tier1_bytes,
@@ -74,7 +75,7 @@ def scenarios(draw):
 
 
 @pytest.mark.parametrize(("backend", "device"), BACKENDS)
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(20), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(sc=scenarios())
 def test_a_store_of_nothing_but_summaries_is_still_certified(backend, device, sc):
     """Every completed block evicted to its summary: every head within its bound against FP64

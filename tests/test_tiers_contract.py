@@ -12,7 +12,7 @@ from __future__ import annotations
 import warnings
 
 import pytest
-from helpers import check_heads, check_steps, make_kv, make_query, step_draws
+from helpers import check_heads, check_steps, examples, make_kv, make_query, step_draws
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -78,7 +78,7 @@ def scenarios(draw):
     }
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_contract_over_mixed_precision_stores(sc):
     store = TieredKVStore(sc["hkv"], D, block_size=sc["block"], quantizer=quantizer(sc),
@@ -112,14 +112,14 @@ def check_mixed_triton_contract(sc, device):
 
 
 @pytest.mark.skipif(not triton_available(), reason="needs triton (TRITON_INTERPRET=1 on CPU)")
-@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(5), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios().map(covered))
 def test_contract_over_mixed_stores_with_the_triton_kernels(sc):
     check_mixed_triton_contract(sc, "cpu")
 
 
 @pytest.mark.gpu
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios().map(lambda sc: {**covered(sc), "tokens": sc["tokens"], "steps": sc["steps"]}))
 def test_contract_over_mixed_stores_with_the_compiled_kernels(sc):
     """The same on CUDA, compiled (what the interpreter accepts the compiler may not), at the

@@ -5,12 +5,19 @@ full sizes on CUDA."""
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import pytest
 import torch
 import triton  # noqa: F401 (a declared dev dependency: without it these tests fail, never skip)
-from helpers import DEVICES, check_heads, cuda_layer, make_kv, make_query
+from helpers import (
+    DEVICES,
+    check_heads,
+    counting,
+    cuda_layer,
+    examples,
+    kernel_launches,
+    make_kv,
+    make_query,
+)
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from test_contract import ADVERSARIAL, build, check_contract, scenarios
@@ -181,7 +188,7 @@ def test_phases_read_every_precision_of_a_mixed_store(device):
     launches = []
     with pytest.MonkeyPatch.context() as mp:
         for module, name in ((triton_score, "_launch_scores"), (triton_attend, "_launch_attend")):
-            mp.setattr(module, name, _counting(getattr(module, name), launches, name))
+            mp.setattr(module, name, counting(getattr(module, name), launches, name))
         kernel = TritonBackend(split=2).phase1(qg, lay, scaling)
         gate = torch.zeros(kernel.log_mass.shape, dtype=torch.bool, device=device)
         keys = staged(store, [0, 1], [2, 6], "k")
@@ -334,29 +341,6 @@ def test_phase2_merge_runs_the_checks_in_its_epilogue(r, n):
     assert torch.equal(att.ranking, ref[0]) and torch.equal(att.boundary, ref[1])
 
 
-@contextmanager
-def kernel_launches():
-    """``{"phase1": n, "phase2": n}``: how often the Triton backend launched its Phase 1 / Phase 2
-    kernels while the block ran (a phase that falls back to the reference launches none)."""
-    launches = {"phase1": 0, "phase2": 0}
-    with pytest.MonkeyPatch.context() as mp:
-        for phase, module, name in (("phase1", triton_score, "score_blocks"),
-                                    ("phase2", triton_attend, "attend_blocks")):
-            mp.setattr(module, name, _counting(getattr(module, name), launches, phase))
-        yield launches
-
-
-def _counting(kernel, launches, phase):
-    def counted(*args, **kwargs):
-        if isinstance(launches, list):
-            launches.append(phase)
-        else:
-            launches[phase] += 1
-        return kernel(*args, **kwargs)
-
-    return counted
-
-
 @st.composite
 def triton_scenarios(draw):
     """The contract's scenarios (every key and value width they draw, 2/4/8 bits, is one the
@@ -374,7 +358,7 @@ def triton_scenarios(draw):
 FALLBACK = {**ADVERSARIAL, "tokens": 40, "scaling": None}
 
 
-@settings(max_examples=14, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(14), suppress_health_check=[HealthCheck.too_slow])
 @given(sc=triton_scenarios())
 @example(sc={**FALLBACK, "key_bits": 8, "value_bits": 3})  # Phase 2 falls back
 @example(sc={**FALLBACK, "key_bits": 3, "value_bits": 4, "mode": "naive"})  # Phase 1 falls back
