@@ -868,7 +868,7 @@ class TieredKVStore:
 
     def observe(self, certificate) -> None:
         """Feed a decode step's certificate to the tracker and the eviction policy (if any)."""
-        require(certificate is not None and hasattr(certificate, "rung"), ConfigError,
+        require(certificate is not None, ConfigError,
                 f"store.observe takes the Certificate a step returned, not {certificate!r}; "
                 "pass `cert` from `out, cert = attention(q, store)`.")
         if self._tracker is not None:
