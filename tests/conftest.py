@@ -17,7 +17,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 if os.environ.get("TRITON_INTERPRET") == "1":
-    from triton_interpreter import install
+    from helpers.triton_interpreter import install
 
     install()  # nested kernel helpers skip the interpreter's repeated patch (a third faster)
 
@@ -150,3 +150,26 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def audit(monkeypatch):
+    """``(auditor, reads)``: a :class:`helpers.host_reads.HostReadAudit` and the shapes that
+    ``certkv.attention.to_host`` read, with every read marked on the host."""
+    from helpers.host_reads import HostReadAudit
+
+    import certkv.attention as attention_module
+
+    auditor = HostReadAudit()
+    reads = []
+    original = attention_module.to_host
+
+    def counted(x):
+        reads.append(tuple(x.shape))
+        with torch.overrides._pop_mode_temporarily():
+            out = original(x)
+        auditor.mark_host(out)
+        return out
+
+    monkeypatch.setattr(attention_module, "to_host", counted)
+    return auditor, reads

@@ -11,7 +11,6 @@ import math
 import pytest
 import torch
 from helpers import check_heads, make_kv, make_query
-from test_host_reads import audit  # noqa: F401 (fixture)
 
 from certkv import CertifiedAttention, TieredKVStore
 from certkv.cache.scratch import ScratchCache
@@ -76,7 +75,7 @@ def test_the_contract_holds_with_dense_heads_recomputed_on_the_device(seed, r):
     assert torch.allclose(out, out_host, rtol=1e-5, atol=1e-6)
 
 
-def test_a_step_with_dense_heads_and_scratch_misses_never_reads_the_host(audit):  # noqa: F811
+def test_a_step_with_dense_heads_and_scratch_misses_never_reads_the_host(audit):
     """Issue 24's target: page-in plan, scratch bookkeeping and fallback flags all stay on the
     device (0 reads, no operation that would wait for it)."""
     auditor, reads = audit

@@ -120,8 +120,7 @@ def test_snapkv_without_the_prompt_queries_is_one_sentence():
 def test_snapkv_inside_a_model_evicts_after_the_prefill():
     """generate() with a TieredCache: the hook hands each layer's prompt queries to the store,
     which evicts before the first decode step; the steps stay within their bounds."""
-    from models import tiny_model
-    from test_hf_cache import ContractChecker
+    from helpers.models import ContractChecker, tiny_model
 
     from certkv.cache.hf import TieredCache
 
@@ -338,7 +337,7 @@ def test_run_with_an_eviction_policy_records_its_evictions(tmp_path, option):
     certificate record counts the evicted blocks."""
     import json
 
-    from test_cli import TINY, run, run_dir_of
+    from helpers.cli import TINY, run, run_dir_of
 
     policy = ["evict=streaming", option] if option.startswith("evict.") else [option]
     result = run(*TINY, *policy, "evict.budget=0.3", "task.perplexity.context=160",
@@ -357,7 +356,7 @@ def test_eviction_report_end_to_end_on_a_tiny_model(tmp_path):
     """`certkv run` with eviction variants: the report's eviction table (policy, budget,
     quality deltas, page-in share) and its quality / page-in figure, which draws a policy's
     certified runs with and without a bound tolerance at the same budget as two lines."""
-    from test_cli import tiny_report
+    from helpers.cli import tiny_report
 
     stream = "{_target_: certkv.evict.StreamingEviction, budget: 0.3, sink: 0}"
     snap = "{_target_: certkv.evict.SnapKVEviction, budget: 0.5, window: 16}"

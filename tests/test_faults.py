@@ -334,7 +334,7 @@ def test_faults_report_end_to_end_on_a_tiny_model(tmp_path):
     table and its perplexity-vs-p figure; a variant dropped from the plan is left out of the
     table, its records kept."""
     import yaml
-    from test_cli import app, runner, tiny_report
+    from helpers.cli import app, runner, tiny_report
 
     variants = ("variants=[{name: dense, mode: dense}, {name: h84-naive, mode: naive, protect: "
                 "{code: hamming84, faults: {p: 0.01}}}, {name: h84-check, mode: certified, "

@@ -10,16 +10,12 @@ import subprocess
 import sys
 
 import pytest
+from helpers.cli import TINY, runner
 from rich.console import Console
-from typer.testing import CliRunner
 
 from certkv.cli import app
 from certkv.eval import progress
 from certkv.eval.progress import RunProgress
-
-runner = CliRunner()
-TINY = ["+experiment=tiny", "task.perplexity.decode_tokens=3", "task.niah.trials=1",
-        "task.niah.max_new_tokens=2"]
 
 
 def cli(*args):

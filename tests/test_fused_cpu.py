@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 from helpers import examples, make_kv, make_query
+from helpers.contract import ADVERSARIAL, build, scenarios
+from helpers.select import check_selections, covered
 from hypothesis import HealthCheck, assume, given, settings
-from test_contract import ADVERSARIAL, build, scenarios
-from test_fused_select import check_selections, covered
 
 import certkv.certify.fused_cpu as fused_cpu
 from certkv import CertifiedAttention, TieredKVStore

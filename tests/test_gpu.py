@@ -150,7 +150,7 @@ def test_a_model_decode_step_captured_whole_in_a_cuda_graph_replays_as_eager():
     decode steps, each captured once per bucket and replayed through block completions (the
     commits deferred to between steps), give the eager padded, deferring steps' logits and
     step log."""
-    from models import greedy_decode, tiny_model
+    from helpers.models import greedy_decode, tiny_model
 
     from certkv.cache.hf import CacheSpec, TieredCache
     from certkv.graphs import GraphedAttention, GraphedDecode

@@ -208,7 +208,7 @@ def test_a_model_decodes_the_same_with_its_steps_replayed():
     8 decode steps: the layout changes once, at the first step with an empty tail block, so
     per layer two eager steps, two captures and four replays) gives the eager run's tokens,
     step log and scratch counters."""
-    from models import tiny_model
+    from helpers.models import tiny_model
 
     from certkv.cache.hf import CacheSpec, TieredCache
     from certkv.models import cache_kwargs
@@ -317,7 +317,7 @@ def test_a_model_decodes_the_same_with_its_whole_steps_replayed():
     27 tokens, B = 8, 22 steps: a bucket of 4 blocks, then one of 8 replayed through two block
     completions (a block list made before its buffer grew would end early there); only each
     bucket's first two steps run eagerly, those whose token fills a block replay."""
-    from models import greedy_decode, tiny_model
+    from helpers.models import greedy_decode, tiny_model
 
     from certkv.cache.hf import CacheSpec, TieredCache
     from certkv.graphs import GraphedDecode

@@ -7,36 +7,14 @@ import warnings
 
 import pytest
 import torch
-from helpers import check_heads, make_kv
-from models import tiny_model
+from helpers import make_kv
+from helpers.models import ContractChecker, tiny_model
 from transformers import DynamicCache
 
 from certkv import AdaptiveTopK, CertifiedAttention, Ladder, LocalThreshold
 from certkv.cache.hf import CacheSpec, TieredCache
 from certkv.errors import CertKVError
 from certkv.models import cache_kwargs
-
-
-class ContractChecker:
-    """Wraps a CertifiedAttention and checks every head of every call against FP64
-    (:func:`helpers.check_heads`: no allowance beyond the reference's own rounding)."""
-
-    def __init__(self, inner: CertifiedAttention) -> None:
-        self.inner = inner
-        self.head_steps = 0
-
-    @property
-    def mode(self) -> str:
-        return self.inner.mode
-
-    def decoded_mirror(self, device):
-        return self.inner.decoded_mirror(device)
-
-    def __call__(self, q, store, scaling=None, scratch=None):
-        out, cert = self.inner(q, store, scaling, scratch=scratch)
-        check_heads(out, cert, q, store, scaling)
-        self.head_steps += q.shape[0]
-        return out, cert
 
 
 def prompt(n=40, seed=0):

@@ -68,3 +68,11 @@ def test_hypothesis_keeps_nothing_in_the_checkout(hypothesis_home):
     where = storage_directory("constants", intent_to_write=False).path.resolve()
     assert where.is_relative_to(hypothesis_home.resolve())
     assert not where.is_relative_to(REPO) and not where.is_relative_to(Path.cwd())
+
+
+def test_test_modules_share_code_only_through_helpers():
+    """A test module imports no other test module: what two tests share lives in
+    ``tests/helpers/`` (fixtures in ``conftest.py``)."""
+    pattern = re.compile(r"^\s*(from|import)\s+test_\w+", re.M)
+    offenders = [p.name for p in (REPO / "tests").rglob("*.py") if pattern.search(p.read_text())]
+    assert offenders == []

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 from helpers import check_heads, dense_reference, examples, make_kv, make_query
-from test_contract import check_contract
+from helpers.contract import check_contract
 
 from certkv import (
     AdaptiveTopK,
@@ -315,9 +315,9 @@ def test_bound_tol_holds_on_adversarial_layers():
     query norms, 16-bit queries, degenerate policies) with a tolerance drawn per example."""
     import dataclasses
 
+    from helpers.contract import build, scenarios
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
-    from test_contract import build, scenarios
 
     @settings(max_examples=examples(80), suppress_health_check=[HealthCheck.too_slow])
     @given(scenarios(), st.sampled_from([(0.0, None), (1e-3, None), (0.05, None), (1.0, None),

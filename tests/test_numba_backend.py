@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 from helpers import examples, make_kv, make_query, same_values
+from helpers.contract import build, scenarios
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_contract import build, scenarios
 
 import certkv.kernels.numba_backend as nb
 import certkv.kernels.numba_logits as nbl

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import examples, make_kv, make_query, same_values
+from helpers.contract import build, check_contract, scenarios
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_contract import build, check_contract, scenarios
 
 from certkv import CertifiedAttention, TieredKVStore
 from certkv.cache.scratch import ScratchCache

@@ -10,8 +10,8 @@ import itertools
 import re
 
 import pytest
+from helpers.report import ruler_run
 from rich.console import Console
-from test_report import ruler_run
 from typer.testing import CliRunner
 
 import certkv.demo as demo

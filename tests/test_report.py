@@ -6,7 +6,7 @@ import json
 import math
 
 import pytest
-import yaml
+from helpers.report import rec, ruler_run, write_run
 from typer.testing import CliRunner
 
 from certkv.cli import app
@@ -14,62 +14,6 @@ from certkv.eval import stats
 from certkv.eval.results import RunDir
 from certkv.report.document import build_report, write_report
 from certkv.report.tables import RunData, quality_delta
-
-STEP = {"e_key_step_mean": [0.01, 0.02], "e_key_step_max": [0.1, 0.2],
-        "e_val_step_mean": [0.03, 0.04], "e_val_step_max": [0.3, 0.4],
-        "e_arith_step_mean": [1e-3, 2e-3], "e_arith_step_max": [1e-2, 2e-2],
-        "bound_step_mean": [0.05, 0.06], "bound_step_max": [0.5, 0.6],
-        "candidate_e_key_step_mean": [0.01, 0.02], "candidate_e_key_step_max": [0.1, 0.2],
-        "candidate_e_val_step_mean": [0.03, 0.04], "candidate_e_val_step_max": [0.3, 0.4],
-        "steps": 2, "head_steps": 20, "rung0": 10, "rung1": 2, "rung2": 6, "rung3": 2,
-        "rung4": 0, "ranking_fail": 1, "boundary_fail": 1, "canary_fail": 0,
-        "value_promotions": 4, "k_star_mean": 3.0, "tier1_over_dense": 0.56,
-        "scratch_hit_rate": 0.5, "h2d_bytes": 2**20, "device_bytes": 1, "tier2_bytes": 1,
-        "dense_bytes": 2}
-NO_STEPS = {"steps": 0, "head_steps": 1, **{f"rung{k}": 0 for k in range(5)},
-            "ranking_fail": 0, "boundary_fail": 0, "canary_fail": 0, "value_promotions": 0,
-            "k_star_mean": 0.0, "tier1_over_dense": 0.0, "scratch_hit_rate": 0.0,
-            "h2d_bytes": 0}
-
-
-def write_run(root, experiment, samples, variants=("dense", "certified")):
-    """A run directory as `certkv run` writes it (config, run.json, JSONL records)."""
-    root.mkdir(parents=True)
-    modes = {v: "dense" if v == "dense" else "certified" for v in variants}
-    config = {"experiment": experiment, "model": {"name": "toy"},
-              "task": {"ruler": {"context": 4096}, "niah": {"context": 4096},
-                       "perplexity": {"context": 4096}},
-              "variants": [{"name": v, "mode": modes[v]} for v in variants]}
-    (root / "config.yaml").write_text(yaml.safe_dump(config))
-    (root / "run.json").write_text(json.dumps({"experiment": experiment, "model": "toy",
-                                               "command": "certkv run", "commit": "abc",
-                                               "threads": 2, "wall_s": 60.0}))
-    certs = [{"task": s["task"], "sample": s["sample"], "variant": s["variant"],
-              **(NO_STEPS if s["variant"] == "dense" else STEP)} for s in samples]
-    for name, rows in (("samples.jsonl", samples), ("certificates.jsonl", certs)):
-        (root / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return root
-
-
-def rec(task, sample, variant, **fields):
-    return {"task": task, "sample": sample, "variant": variant,
-            "mode": "dense" if variant == "dense" else "certified", "decode_steps": 2,
-            "ms_per_step": 10.0 if variant == "dense" else 25.0, **fields}
-
-
-def ruler_run(tmp_path, drop_last=False):
-    """2 slices x 2 subtasks; certified misses one vt answer in slice 1."""
-    samples = []
-    for slice_ in range(2):
-        for j, subtask in enumerate(("niah_single", "vt")):
-            index = 2 * slice_ + j
-            for variant in ("dense", "certified"):
-                score = 0.0 if (variant, slice_, subtask) == ("certified", 1, "vt") else 1.0
-                samples.append(rec("ruler", index, variant, subtask=subtask, slice=slice_,
-                                   score=score, **{"pass": score == 1.0}))
-    if drop_last:
-        samples = samples[:-1]  # a partial run: the last sample of certified is missing
-    return write_run(tmp_path / "ruler_4k", "ruler_4k", samples)
 
 
 def test_ruler_tables_from_a_run_directory(tmp_path):

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from test_hf_cache import ContractChecker
+from helpers.models import ContractChecker
 from transformers import DynamicCache
 
 from certkv import AdaptiveTopK, CertifiedAttention, LocalThreshold

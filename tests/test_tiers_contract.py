@@ -13,6 +13,7 @@ import warnings
 
 import pytest
 from helpers import check_heads, check_steps, examples, make_kv, make_query, step_draws
+from helpers.contract import archives
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -26,25 +27,10 @@ from certkv.quant import (
     GroupAffineValueCodec,
     KiviKeyCodec,
     KVQuantizer,
-    OutlierValueCodec,
-    Precision,
-    PreRoPEKeyCodec,
-    RotatedKeyCodec,
-    RotatedValueCodec,
     TieredQuantizer,
 )
 
 D = 32
-
-
-def archives(group: int, key_mode: str) -> dict[str, Precision]:
-    return {
-        "kivi2": Precision(KiviKeyCodec(bits=2), GroupAffineValueCodec(bits=2, group=group)),
-        "rotation": Precision(RotatedKeyCodec(bits=2, subspaces=4),
-                              RotatedValueCodec(bits=2, subspaces=4)),
-        "kvquant": Precision(PreRoPEKeyCodec(inner=KiviKeyCodec(bits=3), key_mode=key_mode),
-                             OutlierValueCodec(bits=3, group=group, levels="nonuniform")),
-    }
 
 
 def quantizer(sc) -> KVQuantizer:

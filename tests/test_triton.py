@@ -18,10 +18,9 @@ from helpers import (
     make_kv,
     make_query,
 )
+from helpers.contract import ADVERSARIAL, archives, build, check_contract, scenarios
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from test_contract import ADVERSARIAL, build, check_contract, scenarios
-from test_tiers_contract import archives
 
 from certkv import CertifiedAttention, ChannelAffineKeyCodec, TieredKVStore
 from certkv.cache.scratch import ScratchCache

@@ -7,7 +7,9 @@ import copy
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from certkv import CertifiedAttention
 from certkv.models import enable
+from helpers import check_heads
 
 SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
@@ -47,3 +49,25 @@ def greedy_decode(model, cache, ids: torch.Tensor, steps: int, decode=None) -> t
             token = logits[-1][:, -1:].argmax(dim=-1)
     cache.log.flush()
     return torch.cat(logits)
+
+
+class ContractChecker:
+    """Wraps a CertifiedAttention and checks every head of every call against FP64
+    (:func:`helpers.check_heads`: no allowance beyond the reference's own rounding)."""
+
+    def __init__(self, inner: CertifiedAttention) -> None:
+        self.inner = inner
+        self.head_steps = 0
+
+    @property
+    def mode(self) -> str:
+        return self.inner.mode
+
+    def decoded_mirror(self, device):
+        return self.inner.decoded_mirror(device)
+
+    def __call__(self, q, store, scaling=None, scratch=None):
+        out, cert = self.inner(q, store, scaling, scratch=scratch)
+        check_heads(out, cert, q, store, scaling)
+        self.head_steps += q.shape[0]
+        return out, cert
