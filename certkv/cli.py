@@ -573,6 +573,16 @@ LM_EVAL = {"context_settings": {"allow_extra_args": True, "ignore_unknown_option
                                 "help_option_names": []}}
 
 
+
+LM_EVAL_OPTIONS = (
+    "certkv lm-eval: lm-eval's own CLI with --model certkv (its options below), and certkv's:\n"
+    "  --certkv_context N   context of certkv's offline tasks (certkv_ruler, certkv_niah, ...;"
+    " default 4096)\n"
+    "  --certkv_samples N   samples of each of those tasks (default 5)\n"
+    "  --model_args model=smollm2_135m,mode=certified,quantizer=kivi2,...   the model and any"
+    " certkv config override\n")
+
+
 @app.command("lm-eval", **LM_EVAL)
 def lm_eval_command(ctx: typer.Context) -> None:
     """lm-evaluation-harness with the `certkv` model: certkv lm-eval --model_args ... --tasks ...
@@ -596,6 +606,8 @@ def lm_eval_command(ctx: typer.Context) -> None:
     args = list(ctx.args)
     context, samples = _int_option(args, "certkv_context", 4096), \
         _int_option(args, "certkv_samples", 5)
+    if "-h" in args or "--help" in args:  # certkv's own options first, then lm-eval's
+        Console().print(LM_EVAL_OPTIONS, highlight=False, soft_wrap=True)
     if "-h" in args or "--help" in args or args[:1] == ["validate"] or (
             args[:1] == ["ls"] and "--include_path" in args):
         sys.argv = ["lm_eval", *args]

@@ -137,3 +137,10 @@ def test_a_report_of_a_partial_run_says_it_is_partial(tmp_path):
     assert result.exit_code == 0, result.output
     assert "is partial: 1 of 6 records" in " ".join(result.output.split())
     assert "**Partial.**" in (tmp_path / "report" / "README.md").read_text()
+
+
+def test_lm_eval_help_names_certkvs_own_options_before_lm_evals():
+    result = runner.invoke(app, ["lm-eval", "--help"])
+    text = " ".join(result.output.split())
+    assert "--certkv_context N" in text and "--certkv_samples N" in text
+    assert text.index("--certkv_context") < text.index("--tasks")  # lm-eval's help follows
