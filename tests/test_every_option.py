@@ -28,12 +28,28 @@ NOT_ON_TINY = {
 }
 OPTIONS = [f"{group}={option}" for group, options in config_groups().items()
            if group not in NOT_COMPONENTS for option in options]
-# fewer samples than tiny's own (one needle trial, four decode steps): every code path of the
-# run is still taken, at a third of the cost
-FEWER = ["task.niah.trials=1", "task.niah.max_new_tokens=2", "task.perplexity.decode_tokens=4"]
-# the Triton interpreter takes about 6 ms per program tile: 512-token prompts (tiny's 2048 take
-# about five minutes on two cores)
-SHORTER = {"backend=triton": ["task.perplexity.context=512", "task.niah.context=512"]}
+# A component's option runs tiny's perplexity task alone at its smallest (four decode steps of
+# every method; the task options run NIAH, RULER and the smoke pair), at 512 tokens (past every
+# config's exact windows) where nothing needs more: eviction keeps tiny's 2048, which its
+# policies' default protection needs to leave their budgets room. This keeps every code path
+# of a run at a quarter of the cost of tiny's defaults.
+SMALLEST = ["task=perplexity", "task.perplexity.decode_tokens=4"]
+SHORT = ["task.perplexity.context=512"]
+# the Triton interpreter takes about 6 ms per program tile: 256 tokens
+SHORTER = ["task.perplexity.context=256"]
+
+
+def overrides(option: str) -> list[str]:
+    """What the test adds to ``+experiment=tiny OPTION`` (see above)."""
+    group = option.split("=")[0]
+    if group == "task":
+        return []
+    if group == "logger":
+        return ["task.niah.trials=1", "task.niah.max_new_tokens=2",
+                "task.perplexity.decode_tokens=4"]
+    if option == "backend=triton":
+        return [*SMALLEST, *SHORTER]
+    return SMALLEST if group == "evict" else [*SMALLEST, *SHORT]
 
 
 def test_the_options_left_out_exist_and_say_why():
@@ -49,9 +65,8 @@ def test_every_option_runs_on_tiny_with_no_head_over_its_bound(option, tmp_path,
     (test_cli.py, test_report.py), here they would triple the cost."""
     monkeypatch.setenv("WANDB_MODE", "offline")  # logger=wandb: a run written, nothing sent
     monkeypatch.setenv("WANDB_SILENT", "true")
-    extra = [] if option.startswith("task=") else FEWER  # a task option: its tiny settings
-    cfg = compose_config(["+experiment=tiny", option, *extra, *SHORTER.get(option, []),
-                          "audit=true", f"out_dir={tmp_path}"])
+    cfg = compose_config(["+experiment=tiny", option, *overrides(option), "audit=true",
+                          f"out_dir={tmp_path}"])
     run = tmp_path / "run"
     summary = run_experiment(cfg, str(run), progress=False)
     instantiate(cfg.logger).log(build_report([run]), summary, str(run), brief=True)
