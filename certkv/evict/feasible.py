@@ -52,7 +52,9 @@ def smallest_budget(quantizer, num_kv_heads: int, head_dim: int, tokens: int,
             pass
         dense = 4 * num_kv_heads * store.num_blocks * block * head_dim
         need = max(need, store.tier1_bytes() / dense if dense else 0.0)
-    return need
+    # a relative 1e-9 above the ratio: the budget times the dense bytes, rounded in floating
+    # point, must not fall below the bytes (at equality a BudgetError was raised)
+    return need * (1 + 1e-9)
 
 
 def check_budget(name: str, quantizer, num_kv_heads: int, head_dim: int, tokens: int) -> None:
