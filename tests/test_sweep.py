@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from typer.testing import CliRunner
+from helpers.cli import TINY, runner
 
 from certkv.cli import app
 from certkv.errors import ConfigError
@@ -14,9 +14,6 @@ from certkv.sweep import KNOBS, knob_axes, multirun_args, parse_axis
 
 # runs read the offline books (the tiny experiment's NIAH): skip with a reason without them
 pytestmark = pytest.mark.usefixtures("books")
-runner = CliRunner()
-TINY = ["+experiment=tiny", "task.perplexity.decode_tokens=3", "task.niah.trials=1",
-        "task.niah.max_new_tokens=2"]
 
 
 def sweep(*args):

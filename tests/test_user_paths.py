@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from typer.testing import CliRunner
+from helpers.cli import TINY, runner
 
 from certkv.cli import app
 from certkv.config import compose_config, run_dirname
@@ -22,9 +22,6 @@ from certkv.models.loading import ModelSpec
 
 # runs read the offline books (the tiny experiment's NIAH): skip with a reason without them
 pytestmark = pytest.mark.usefixtures("books")
-runner = CliRunner()
-TINY = ["+experiment=tiny", "task.perplexity.decode_tokens=3", "task.niah.trials=1",
-        "task.niah.max_new_tokens=2"]
 
 
 def cli(*args):
