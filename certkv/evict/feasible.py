@@ -16,6 +16,7 @@ from dataclasses import replace
 import torch
 
 from certkv.errors import BudgetError, ConfigError, require
+from certkv.evict.tracker import completed_dense_bytes
 
 
 def smallest_budget(quantizer, num_kv_heads: int, head_dim: int, tokens: int,
@@ -50,7 +51,7 @@ def smallest_budget(quantizer, num_kv_heads: int, head_dim: int, tokens: int,
                 store.observe_prompt(queries, head_dim ** -0.5)
         except BudgetError:
             pass
-        dense = 4 * num_kv_heads * store.num_blocks * block * head_dim
+        dense = completed_dense_bytes(store)
         need = max(need, store.tier1_bytes() / dense if dense else 0.0)
     # a relative 1e-9 above the ratio: the budget times the dense bytes, rounded in floating
     # point, must not fall below the bytes (at equality a BudgetError was raised)

@@ -19,6 +19,11 @@ import torch
 from certkv.errors import BudgetError, require
 
 
+def completed_dense_bytes(store) -> int:
+    """The budget's denominator: the dense FP16 bytes of ``store``'s completed blocks."""
+    return 4 * store.num_kv_heads * store.num_blocks * store.block_size * store.head_dim
+
+
 class EvictionTracker:
     """One layer's eviction (module docstring); ``mass [n]``: attention received per block,
     summed over steps and averaged over query heads (for :class:`HeavyHitterEviction`)."""
@@ -84,8 +89,7 @@ class EvictionTracker:
     # ------------------------------------------------------------------ budget
     def limit(self) -> float:
         """The budget in bytes: ``budget x`` the completed blocks' dense FP16 bytes."""
-        s = self.store
-        return self.policy.budget * 4 * s.num_kv_heads * s.num_blocks * s.block_size * s.head_dim
+        return self.policy.budget * completed_dense_bytes(self.store)
 
     def rebalance(self) -> None:
         """Evict (and, for a restoring policy, bring back) blocks so that Tier-1 is within
