@@ -573,7 +573,6 @@ LM_EVAL = {"context_settings": {"allow_extra_args": True, "ignore_unknown_option
                                 "help_option_names": []}}
 
 
-
 LM_EVAL_OPTIONS = (
     "certkv lm-eval: lm-eval's own CLI with --model certkv (its options below), and certkv's:\n"
     "  --certkv_context N   context of certkv's offline tasks (certkv_ruler, certkv_niah, ...;"
@@ -606,9 +605,10 @@ def lm_eval_command(ctx: typer.Context) -> None:
     args = list(ctx.args)
     context, samples = _int_option(args, "certkv_context", 4096), \
         _int_option(args, "certkv_samples", 5)
-    if "-h" in args or "--help" in args:  # certkv's own options first, then lm-eval's
+    wants_help = "-h" in args or "--help" in args
+    if wants_help:  # certkv's own options first, then lm-eval's
         Console().print(LM_EVAL_OPTIONS, highlight=False, soft_wrap=True)
-    if "-h" in args or "--help" in args or args[:1] == ["validate"] or (
+    if wants_help or args[:1] == ["validate"] or (
             args[:1] == ["ls"] and "--include_path" in args):
         sys.argv = ["lm_eval", *args]
         cli_evaluate()
