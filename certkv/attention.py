@@ -340,6 +340,7 @@ class CertifiedAttention:
             cert.corrected_words = counts["corrected_words"]
             cert.erased_words = counts["erased_words"]
             cert.corrupted_blocks = counts["corrupted_blocks"]
+            cert.faults_covered = store.protection.covers_faults
         return out, cert
 
     def _passes(self, q, qg, store, lay, scaling, scratch, timer, on_device, tolerant):

@@ -229,7 +229,7 @@ class TieredKVStore:
         eviction = getattr(self.quantizer, "eviction", None)
         self.evicted_pid: int | None = None  # the summary precision of evicted blocks (last)
         if eviction is not None and eviction.enabled:
-            self.precisions.append(evicted_precision())
+            self.precisions.append(self.protection.wrap(evicted_precision()))
             self.evicted_pid = len(self.precisions) - 1
         for pid, precision in enumerate(self.precisions):
             if pid == self.evicted_pid or self.quantizer.may_hold(pid):

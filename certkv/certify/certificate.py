@@ -96,6 +96,10 @@ class Certificate:
     corrected_words: int = 0
     erased_words: int = 0
     corrupted_blocks: int = 0
+    # False when faults can flip stored bits that no integrity check covers (``protect`` with
+    # faults and ``integrity=false``): the bounds of heads on rungs 0-2 then assume Tier-1 reads
+    # back as written and certify nothing (dense heads read the FP16 originals and still hold)
+    faults_covered: bool = True
     # with ``audit`` (:mod:`certkv.certify.audit`): heads whose error against FP64 attention on
     # the originals exceeded their bound (0 whenever the certificate's preconditions hold)
     violations: int = 0
@@ -185,6 +189,8 @@ class Certificate:
                 merged[f.name] = max(values)
             elif f.name == "blocks":
                 merged[f.name] = None  # per layer only
+            elif f.name == "faults_covered":
+                merged[f.name] = all(values)
             else:
                 merged[f.name] = values[0]
         return cls(**merged)
@@ -218,6 +224,7 @@ class Certificate:
         for name in _SUMMED:  # ints, or 0-d tensors from a device step
             out[name] = int(getattr(self, name))
         out["audited"] = self.audited
+        out["faults_covered"] = self.faults_covered
         out["tol_escalated"], out["tol_dense"] = fails[3:]
         return out
 

@@ -287,6 +287,7 @@ def certificate_record(caches: list[CacheTelemetry]) -> dict:
     record["page_in_steps"] = sum(1 for s in steps if s.get("paged_evicted", 0) > 0)
     record["violations"] = sum(s.get("violations", 0) for s in steps)  # audit=true only
     record["audited"] = any(s.get("audited", False) for s in steps)
+    record["uncovered_steps"] = sum(1 for s in steps if not s.get("faults_covered", True))
     for name in ("corrected_words", "erased_words", "corrupted_blocks"):  # read per step
         record[f"{name}_per_step"] = (statistics.fmean(s.get(name, 0) for s in steps)
                                       if steps else 0.0)

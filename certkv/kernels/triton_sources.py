@@ -141,7 +141,8 @@ def block_sources(store, which: str, tail: bool | None = None) -> list[BlockSour
         if wrapped is not None:  # ECC words: decoded to the inner codec's codes first
             if not wrapped.integrity and store.fault_counts()["erased_words"]:
                 return None  # erasures are repaired in the real domain: the reference does it
-            codec, codes = wrapped.inner, _ecc_decoded(wrapped, codes)
+            codec, codes = wrapped.inner, (_ecc_decoded(wrapped, codes) if "ecc" in codes
+                                           else wrapped.inner_blocks(codes))
         layout = (key_layout(codec) if which == "key"
                   else value_layout(codec, store.head_dim))
         if layout is None:

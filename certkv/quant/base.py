@@ -66,6 +66,8 @@ class KeyCodec(ABC):
 
     name: str = "key"
     bits: int = 16
+    stores_codes = True  # a ``codes`` tensor an error-correcting code can protect (FP16
+    # passthrough and eviction summaries store none: only the integrity check covers them)
 
     def validate(self, head_dim: int, block_size: int) -> None:  # noqa: B027 - optional hook
         """Raise a ConfigError if this codec cannot handle the given shapes."""
@@ -110,6 +112,7 @@ class ValueCodec(ABC):
 
     name: str = "value"
     bits: int = 16
+    stores_codes = True  # see KeyCodec.stores_codes
 
     def validate(self, head_dim: int, block_size: int) -> None:  # noqa: B027 - optional hook
         """Raise a ConfigError if this codec cannot handle the given shapes."""

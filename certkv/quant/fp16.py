@@ -18,6 +18,7 @@ class FP16KeyCodec(KeyCodec):
 
     bits: int = 16
     name: str = "fp16"
+    stores_codes = False
 
     def encode(self, k: torch.Tensor) -> Blocks:
         return {"data": k.to(torch.float16)}
@@ -36,6 +37,7 @@ class FP16ValueCodec(ValueCodec):
 
     bits: int = 16
     name: str = "fp16"
+    stores_codes = False
 
     def encode(self, v: torch.Tensor) -> Blocks:
         return {"data": v.to(torch.float16)}

@@ -58,6 +58,7 @@ class SummaryKeyCodec(KeyCodec):
 
     bits: int = 0
     name: str = "summary"
+    stores_codes = False
     _block: int | None = field(default=None, repr=False, compare=False)  # set by validate
 
     def encode(self, k: torch.Tensor) -> Blocks:
@@ -84,6 +85,7 @@ class SummaryValueCodec(ValueCodec):
 
     bits: int = 0
     name: str = "summary"
+    stores_codes = False
     _block: int | None = field(default=None, repr=False, compare=False)  # set by validate
 
     def validate(self, head_dim: int, block_size: int) -> None:

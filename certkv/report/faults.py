@@ -70,6 +70,8 @@ def faults_table(run: RunData) -> Table | None:
         cert, ppl, niah = r["cert"], r["ppl"], r["niah"]
         audited = cert.get("audited")
         violations = (f"{cert['violations']}/{cert['head_steps']}" if audited else "-")
+        if cert.get("uncovered_steps"):
+            violations += " no cert."
         rows.append([r["variant"], r["code"], fmt_sci(r["p"], 1) if r["p"] else "0",
                      "yes" if r["check"] else "no",
                      "-" if ppl is None else fmt(ppl["method"], 2),
@@ -91,7 +93,9 @@ def faults_table(run: RunData) -> Table | None:
                  "written block. Counters per decode step over every layer: words the code "
                  "corrected, words it erased (detected, not fixable), blocks the integrity check "
                  "served from their FP16 originals. over bound: audited head-steps whose error "
-                 "against FP64 attention on the originals exceeded the returned bound."
+                 "against FP64 attention on the originals exceeded the returned bound; no "
+                 "cert.: faults hit bits no integrity check covers, so the returned bounds "
+                 "certify nothing (the certificate's faults_covered)."
                  + left_out,
                  {"p": "bit-flip probability", "check": "per-block integrity check",
                   "delta": "perplexity - dense on the same windows",

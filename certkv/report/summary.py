@@ -48,6 +48,7 @@ def certificate_summary(records: list[dict]) -> dict:
                                         for r in records) / steps  # eviction (issue 23)
     out["violations"] = sum(r.get("violations", 0) for r in records)  # audit=true
     out["audited"] = any(r.get("audited", False) for r in records)
+    out["uncovered_steps"] = sum(r.get("uncovered_steps", 0) for r in records)  # protect
     out["head_steps"] = head_steps
     return out
 

@@ -4,11 +4,18 @@
 erasures are repaired, whether the per-block integrity check is stored, and a
 :class:`FaultModel`: the binary symmetric channel of seed 003 (every stored bit flips with
 probability ``p``) over the code words of quantized blocks (parity bits included; scales,
-offsets and the check too with ``metadata``). Faults are persistent by default (drawn once, when
-a block is written to Tier-1, as a memory fault; every later read sees the same bits) or
-transient (``transient``: drawn anew on every read, the stored bits stay clean). Exact FP16
+offsets and the check too with ``metadata``). A lossy block's FP16 side (``int8_fp16``'s values)
+is its words; an evicted block's summary is metadata. Faults are persistent by default (drawn
+once, when a block is written to Tier-1, as a memory fault; every later read sees the same bits)
+or transient (``transient``: drawn anew on every read, the stored bits stay clean). Exact FP16
 windows are not faulted (the seed protects quantized codes). The store applies both
 (:class:`~certkv.cache.store.TieredKVStore`).
+
+Which stored tensors the integrity check covers: all of a lossy block's (codes or FP16 side,
+scales, offsets, bias: :class:`~certkv.quant.protect.codec.ProtectedCodec`) and an evicted
+block's summary (:class:`~certkv.quant.protect.checked.CheckedCodec`). Without it, faults can
+make what a step reads differ from what was written in ways no bound states: the certificate
+then says it does not cover faults (:attr:`Protection.covers_faults`).
 """
 
 from __future__ import annotations
@@ -19,8 +26,8 @@ import torch
 
 from certkv.errors import ConfigError, require
 from certkv.quant.base import Blocks
-from certkv.quant.fp16 import FP16KeyCodec, FP16ValueCodec
 from certkv.quant.protect.base import Code
+from certkv.quant.protect.checked import CheckedCodec, CheckedKeyCodec, CheckedValueCodec
 from certkv.quant.protect.codec import (
     ERASURES,
     ProtectedCodec,
@@ -61,7 +68,7 @@ class FaultModel:
         """``blocks`` with the faulted tensors' bits flipped at rate ``p``, and how many bits
         flipped: the code words (``ecc``, or ``codes`` unprotected), and with ``metadata`` every
         other tensor."""
-        words = "ecc" if "ecc" in blocks else "codes"
+        words = next((name for name in ("ecc", "codes", "data") if name in blocks), None)
         out, flipped = dict(blocks), 0
         for name, t in blocks.items():
             if name == words or (self.metadata and name != words):
@@ -103,12 +110,20 @@ class Protection:
         return self.code != "none" or self.integrity
 
     @property
+    def covers_faults(self) -> bool:
+        """Whether every bit the fault model can flip is covered by the integrity check (or
+        none flips): only then do the codecs' bounds hold for what a step reads."""
+        return self.integrity or not self.faults.active
+
+    @property
     def enabled(self) -> bool:
         """Anything differs from an unprotected, fault-free store."""
         return self.wraps or self.faults.active
 
     def wrap(self, precision):
-        """``precision`` with its codecs protected (exact ones unchanged)."""
+        """``precision`` with its codecs protected (exact ones unchanged): codecs that store
+        codes under the code (and the check), the others (FP16 sides, eviction summaries:
+        ``stores_codes`` False) under the integrity check alone, when it is on."""
         from certkv.quant.kv import Precision
 
         if precision.exact or not self.wraps:
@@ -116,13 +131,14 @@ class Protection:
         make = CODES[self.code]
         code = make() if make is not None else _Identity()
 
-        def wrapped(codec, kind):  # FP16 sides (int8_fp16's values) store originals: as they are
-            if isinstance(codec, (FP16KeyCodec, FP16ValueCodec)):
-                return codec
-            return kind(codec, code, self.erasure, self.integrity)
+        def wrapped(codec, protected_kind, checked_kind):
+            if codec.stores_codes:
+                return protected_kind(codec, code, self.erasure, self.integrity)
+            return checked_kind(codec) if self.integrity else codec
 
-        return Precision(wrapped(precision.key_codec, ProtectedKeyCodec),
-                         wrapped(precision.value_codec, ProtectedValueCodec), precision.name)
+        return Precision(wrapped(precision.key_codec, ProtectedKeyCodec, CheckedKeyCodec),
+                         wrapped(precision.value_codec, ProtectedValueCodec, CheckedValueCodec),
+                         precision.name)
 
     @property
     def bits_per_value(self) -> float:
@@ -152,6 +168,6 @@ class _Identity(Code):
         return words, torch.zeros_like(words, dtype=torch.uint8)
 
 
-def protected(codec) -> ProtectedCodec | None:
-    """``codec`` if it is protected, else None."""
-    return codec if isinstance(codec, ProtectedCodec) else None
+def protected(codec) -> ProtectedCodec | CheckedCodec | None:
+    """``codec`` if it is protected or checked (it has a :meth:`read`), else None."""
+    return codec if isinstance(codec, (ProtectedCodec, CheckedCodec)) else None
