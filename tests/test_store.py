@@ -355,3 +355,53 @@ def test_observing_no_certificate_or_misshapen_prompt_queries_is_one_sentence(po
             with pytest.raises(ConfigError, match=r"observe_prompt takes queries \[Hq, T, d\]"):
                 store.observe_prompt(bad)
         store.observe_prompt(torch.randn(4, 8, 16))  # Hq = 2 x Hkv: accepted
+
+
+def unrotatable(n: int, start: int = 0) -> torch.Tensor:
+    """Post-RoPE keys ``[1, n, 64]`` that a pre-RoPE codec with ``attention_scaling`` 0.5
+    refuses: unrotated, they leave FP16's range (tokens from ``start`` on)."""
+    k = torch.zeros(1, n, 64, dtype=torch.float16)
+    k[:, start:] = 6e4
+    return k
+
+
+def pre_rope_store(defer_commit: bool = False) -> TieredKVStore:
+    from certkv.models.rope import RopeSpec
+    from certkv.quant.prerope import PreRoPEKeyCodec
+
+    rope = RopeSpec(RopeSpec.from_theta(1e5, 64).inv_freq, 0.5)  # SmolLM2's, scaled by 0.5
+    keys = PreRoPEKeyCodec(ChannelAffineKeyCodec(bits=8), rope=rope)
+    store = TieredKVStore(1, 64, quantizer=KVQuantizer(keys, GroupAffineValueCodec()))
+    store.defer_commit = defer_commit
+    return store
+
+
+@pytest.mark.parametrize("path", ["prompt", "token completing a block", "deferred full tail",
+                                  "one numba token", "in place"])
+def test_an_append_that_raises_leaves_the_store_exactly_as_it_was(path):
+    """Every append path checks what it appends before it changes anything: a refused append
+    can be retried (or skipped) without a duplicated token, and the store reads as before."""
+    store = pre_rope_store(defer_commit=path == "deferred full tail")
+    k, v = make_kv(1, 40, 64, seed=1)
+    store.append(k, v)  # 2 blocks and 8 tail tokens (32-39)
+    before, tokens = [x.clone() for x in store_contents(store)], store.num_tokens
+    tail = [x.clone() for x in store.tail_buffers()]
+    if path == "prompt":
+        bad = (unrotatable(20, start=4), torch.zeros(1, 20, 64))  # 44-47 complete a block
+        error = ConfigError
+    elif path in ("token completing a block", "deferred full tail"):
+        store.append(*make_kv(1, 7, 64, seed=2))  # the tail: one token short of a block
+        before, tokens = [x.clone() for x in store_contents(store)], store.num_tokens
+        tail = [x.clone() for x in store.tail_buffers()]
+        bad, error = (unrotatable(1), torch.zeros(1, 1, 64)), ConfigError
+    else:
+        bad = (torch.full((1, 1, 64), float("nan")), torch.zeros(1, 1, 64))
+        error = NonFiniteError if path == "one numba token" else ShapeError
+        if path == "in place":
+            bad = tuple(x.expand(2, 1, 64) for x in bad)  # misshapen: refused
+    append = store.append_in_place if path == "in place" else store.append
+    with pytest.raises(error):
+        append(*bad)
+    assert store.num_tokens == tokens
+    assert all(torch.equal(a, b) for a, b in zip(store_contents(store), before, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(store.tail_buffers(), tail, strict=True))

@@ -323,6 +323,9 @@ class TieredKVStore:
         if self._append_token(k, v):
             return
         k16, v16 = self._check_append(k, v)
+        self._check_encodable(k16, (self.tail_len + k16.shape[1]) // self.block_size)
+        # blocks the tokens complete; with defer_commit the last one stays the tail, full
+        n_full = (self.tail_len + k16.shape[1] - int(self.defer_commit)) // self.block_size
         if not self._centred:
             vf = v16.float()
             self._centre = (vf.amax(dim=1) + vf.amin(dim=1)) / 2
@@ -331,8 +334,6 @@ class TieredKVStore:
         prefill = self._layer.key_max is None
         if prefill:
             self._layer = LayerContext(self._key_abs_max.clone(), prefill=True)
-        # blocks the tokens complete; with defer_commit the last one stays the tail, full
-        n_full = (self.tail_len + k16.shape[1] - int(self.defer_commit)) // self.block_size
         self._add(k16, v16, n_full, prefill)
         if prefill:
             self._layer = self._layer._replace(prefill=False)
@@ -344,6 +345,23 @@ class TieredKVStore:
             self._check_mode()
             none = self._tail_k[:, :0]
             self._add(none, none, 1, prefill=False)
+
+    def _check_encodable(self, k16: torch.Tensor, n_full: int) -> None:
+        """Before an append changes anything: the ``n_full`` blocks that the tail's keys and
+        ``k16 [Hkv, T, d]`` fill (a full tail kept by ``defer_commit`` included) can be encoded
+        at every precision they may be held at (a pre-RoPE archive refuses keys outside FP16's
+        range once unrotated), so that no later graduation refuses them after their tokens
+        were kept."""
+        if not n_full:
+            return
+        cut = n_full * self.block_size
+        keys = torch.cat([self._tail_k[:, : self.tail_len], k16], dim=1)[:, :cut]
+        blocks = keys.reshape(self.num_kv_heads, n_full, self.block_size, self.head_dim)
+        start = (self.num_tokens - self.tail_len
+                 + self.block_size * torch.arange(n_full, device=self.device))
+        for pid, precision in enumerate(self.precisions):
+            if pid != self.evicted_pid and self.quantizer.may_hold(pid):
+                precision.key_codec.check_encodable(blocks, start)
 
     def _add(self, k16: torch.Tensor, v16: torch.Tensor, n_full: int, prefill: bool) -> None:
         """Append checked FP16 tokens ``k16, v16 [Hkv, T, d]`` that complete ``n_full`` blocks
@@ -449,6 +467,7 @@ class TieredKVStore:
         :meth:`append` leaves it, except that non-finite K/V is flagged for the attention step
         (:meth:`nonfinite_appended`) rather than raised, on every device. The host half, the
         tail's token count, is :meth:`advance_tail` (which a replay calls alone)."""
+        self._check_shapes(k, v)
         room = self.tail_len + 1 < self.block_size + int(self.defer_commit)
         require(k.shape[1:] == (1, self.head_dim) and v.shape == k.shape
                 and self._centred and room, ShapeError,

@@ -91,6 +91,12 @@ class KeyCodec(ABC):
         others ignore both."""
         return self.encode(k)
 
+    def check_encodable(self, k: torch.Tensor, start: torch.Tensor) -> None:  # noqa: B027
+        """Raise (one sentence naming the fix) if FP16 keys ``[Hkv, n, B, d]`` of blocks that
+        start at ``start [n]`` cannot be encoded: the store asks every precision a block may be
+        held at before an append changes anything, so a block is never refused later, when it
+        graduates. Every block can be encoded unless a codec says otherwise."""
+
     @abstractmethod
     def decode(self, blocks: Blocks) -> torch.Tensor:
         """Codes and metadata -> FP32 keys ``[Hkv, n, B, d]``."""

@@ -161,12 +161,30 @@ class PreRoPEKeyCodec(KeyCodec):
         (``layer`` is passed on to the inner codec for post-RoPE keys)."""
         if not self.pre_rope:
             return self.inner.encode_at(k, start, layer)
+        hkv, n = k.shape[:2]
+        start = torch.as_tensor(start, device=k.device).to(torch.int64).reshape(n)
+        pre = self._unrotated(k, start)
+        blocks = dict(self.inner.encode(pre.to(torch.float16)))
+        require("pos" not in blocks, ConfigError,
+                f"inner codec {self.inner.name!r} already stores a 'pos' tensor; use another "
+                "inner codec.")
+        blocks["pos"] = start.to(torch.int32).expand(hkv, n).contiguous()
+        return blocks
+
+    def check_encodable(self, k: torch.Tensor, start: torch.Tensor) -> None:
+        """Raise (one sentence) where the keys, unrotated, leave FP16's range."""
+        if self.pre_rope:
+            self._unrotated(k, torch.as_tensor(start, device=k.device).to(torch.int64))
+
+    def _unrotated(self, k: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        """FP64 pre-RoPE keys ``[Hkv, n, B, d]`` of post-RoPE ``k`` (blocks starting at
+        ``start [n]``), checked to fit FP16."""
         rope = self._rope()
-        hkv, n, block, d = k.shape
+        n, block, d = k.shape[1:]
         require(rope.head_dim == d, ConfigError,
                 f"the rotary embedding is for head_dim={rope.head_dim} but the keys have "
                 f"head_dim={d}; pass the rope_spec of the model you run.")
-        start = torch.as_tensor(start, device=k.device).to(torch.int64).reshape(n)
+        start = start.reshape(n)
         if n:
             require(int(start.min()) >= 0 and int(start.max()) + block < 2**31, ConfigError,
                     "block start positions must lie in [0, 2^31 - B); pass the sequence "
@@ -175,12 +193,7 @@ class PreRoPEKeyCodec(KeyCodec):
         require(not bool(((pre.abs() >= _FP16_LIMIT) & torch.isfinite(pre)).any()), ConfigError,
                 "pre-RoPE keys exceed the FP16 range (|k| / attention_scaling near 65504); use "
                 "key_mode=post_rope.")
-        blocks = dict(self.inner.encode(pre.to(torch.float16)))
-        require("pos" not in blocks, ConfigError,
-                f"inner codec {self.inner.name!r} already stores a 'pos' tensor; use another "
-                "inner codec.")
-        blocks["pos"] = start.to(torch.int32).expand(hkv, n).contiguous()
-        return blocks
+        return pre
 
     def decode(self, blocks: Blocks) -> torch.Tensor:
         if not self.pre_rope:

@@ -73,6 +73,9 @@ class CheckedKeyCodec(CheckedCodec, KeyCodec):
                   layer: LayerContext | None = None) -> Blocks:
         return self._checked(self.inner.encode_at(k, start, layer))
 
+    def check_encodable(self, k: torch.Tensor, start: torch.Tensor) -> None:
+        self.inner.check_encodable(k, start)
+
     def channel_bound(self, blocks: Blocks) -> torch.Tensor:
         return self.inner.channel_bound(self.inner_blocks(blocks))
 

@@ -202,6 +202,9 @@ class ProtectedKeyCodec(ProtectedCodec, KeyCodec):
                   layer: LayerContext | None = None) -> Blocks:
         return self._protect(self.inner.encode_at(k, start, layer))
 
+    def check_encodable(self, k: torch.Tensor, start: torch.Tensor) -> None:
+        self.inner.check_encodable(k, start)
+
     def channel_bound(self, blocks: Blocks) -> torch.Tensor:
         return self.inner.channel_bound(self.inner_blocks(blocks))
 
