@@ -28,6 +28,42 @@ from certkv.config import (
 from certkv.errors import CertKVError
 from certkv.files import fresh_dir, writable_dir
 
+_CLICK_NAMES = {"str": "TEXT", "int": "INTEGER", "float": "FLOAT", "path": "PATH"}
+
+
+def _conventional_help() -> None:
+    """Help that shows what a user types. typer 0.2x prints each parameter's Python type
+    (``<bool>`` beside every flag, ``<list[Path]>``, ``<path>``) and a required argument as
+    ``{run_dirs}``; here a flag shows no type, a value its type as click shows one (``PATH``,
+    ``INTEGER...``, ``[auto|on|off]``) and an argument ``RUN_DIR...``. A typer without these
+    hooks keeps its own rendering."""
+    from typer import core
+
+    option, argument = getattr(core, "TyperOption", None), getattr(core, "TyperArgument", None)
+    if not (hasattr(option, "display_type_rich") and hasattr(argument, "_usage_display_name")):
+        return
+
+    def option_type(self, ctx):
+        if self.is_flag:
+            return None
+        if self.metavar is not None:
+            return self.metavar
+        label = self.display_type(ctx).strip("<>")  # <int>, <list[int]>, <auto|on|off>
+        many = label.startswith("list[")
+        label = label.removeprefix("list[").removesuffix("]") if many else label
+        label = f"[{label}]" if "|" in label else _CLICK_NAMES.get(label, label.upper())
+        return label + ("..." if many else "")
+
+    def argument_name(self):
+        name = (self.metavar or self.name).upper()
+        return name + ("..." if self.nargs != 1 else "") if self.required else f"[{name}]"
+
+    option.display_type_rich = option_type
+    argument.display_type_rich = lambda self, ctx: None
+    argument._usage_display_name = argument_name
+
+
+_conventional_help()
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Runtime-certified quantized KV-cache attention: experiments and tools.")
 
@@ -127,7 +163,8 @@ def _exit_if_points_failed(count: int, where: str) -> None:
 
 @app.command()
 def report(
-    run_dirs: Annotated[list[Path], typer.Argument(help="run directories (finished or partial)")],
+    run_dirs: Annotated[list[Path], typer.Argument(
+        help="run directories (finished or partial)", metavar="RUN_DIR")],
     out: Annotated[Path | None, typer.Option(
         help="where README.md, figures/ and report.json go (default: a new directory under "
              "runs/reports/; reports/<name> for a committed report)")] = None,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import subprocess
 import sys
 
@@ -89,6 +90,19 @@ def test_run_help_lists_the_experiments_and_every_group():
     for needle in ("Experiments: evict_4k", "tiny", "quantizer: innerq", "evict: age",
                    "certkv info"):
         assert needle in text
+
+
+@pytest.mark.parametrize("command", [["report"], ["bench", "decode"], ["bench", "codecs"],
+                                     ["sweep", "vtol"], ["info"], []])
+def test_help_shows_what_a_user_types_not_python_types(command):
+    """Values show click's names (PATH, INTEGER..., [a|b]), flags none, arguments NAME...:
+    no ``<bool>``, ``<list[Path]>`` or ``{run_dirs}``."""
+    text = cli(*command, "--help").output
+    assert not re.search(r"<(bool|str|int|float|path|list\[\w+\])>|\{\w+\}", text), text
+    if command == ["report"]:
+        assert "RUN_DIR..." in text and "PATH" in text
+    if command == ["bench", "decode"]:
+        assert "INTEGER..." in text
 
 
 def test_the_cli_answers_a_config_typo_without_loading_torch():
