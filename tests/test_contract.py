@@ -111,9 +111,11 @@ def test_dense_mode_contract_for_every_query_dtype(q_dtype, change, scaling):
     check_contract(store, q, attn, scaling)
 
 
-def test_tight_policies_promote_a_subset_and_certify_no_more_than_the_paper():
-    """contribution=tight promotes a subset of what contribution=paper promotes, and on the same
-    step the tight candidate terms never exceed the paper's forms."""
+def test_tight_policies_promote_no_more_blocks_and_certify_no_more_than_the_paper():
+    """contribution=tight promotes no more value blocks per head than contribution=paper (the
+    certificate carries counts; that the tight set is a subset of the paper's is proven on the
+    selections, test_values), and on the same step the tight candidate terms never exceed the
+    paper's forms."""
     sc = {**ADVERSARIAL, "v_tol": 0.002, "tokens": 160}
     store, q, tight = build({**sc, "contribution": "tight"})
     _, _, paper = build({**sc, "contribution": "paper"})

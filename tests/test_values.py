@@ -73,7 +73,9 @@ def test_tight_contribution_uses_the_spread_and_never_exceeds_the_paper():
 
 @given(seed=st.integers(0, 1000), tol=st.sampled_from([0.0, 0.01, 0.05]),
        greedy=st.booleans())
-def test_tight_promoted_set_is_a_subset_of_the_papers(seed, tol, greedy):
+def test_tight_promotes_a_subset_of_the_papers_local_and_no_more_greedy(seed, tol, greedy):
+    """LocalThreshold: the tight set is a subset of the paper's; GreedyBudget (which spends a
+    budget in another order) promotes no more blocks than the paper's."""
     gen = torch.Generator().manual_seed(seed)
     log_p = torch.log_softmax(3 * torch.randn(4, 30, generator=gen), dim=-1)
     log_spread = log_p - 0.5 * math.log(16) * torch.rand(4, 30, generator=gen)
