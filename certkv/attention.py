@@ -222,7 +222,8 @@ class CertifiedAttention:
             out, cert = self._quantized_step(q_dev, store, scaling, scratch)
         if self.audit:
             k, v = store.dense_kv()
-            cert.violations = int(violations(out, cert.bound, q_dev, k, v, scaling).sum())
+            violated, error = violations(out, cert.bound, q_dev, k, v, scaling)
+            cert.violations, cert.error = int(violated.sum()), error.float()
             cert.audited = True
         return out, cert
 

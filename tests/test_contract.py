@@ -123,3 +123,22 @@ def test_tight_policies_promote_no_more_blocks_and_certify_no_more_than_the_pape
     _, cp = paper(q, store)
     assert (ct.value_blocks <= cp.value_blocks).all()
     assert (ct.candidate_e_key <= ct.paper_e_key * (1 + 1e-6) + 1e-30).all()
+
+
+def test_an_audited_step_records_each_heads_error_beside_its_bound():
+    """audit=true keeps what it measured: each head's ||out - O_ref|| (the test's own FP64
+    oracle agrees), within the bound, and the step summary's mean and maximum of it (what a
+    report's certificates figure draws beside the bound)."""
+    from helpers import reference_fp64, reference_slack
+
+    k, v = make_kv(2, 200, 32, seed=5, outlier_channels=2)
+    store = TieredKVStore(2, 32)
+    store.append(k, v)
+    q = make_query(k, 3, seed=5)
+    out, cert = CertifiedAttention(audit=True)(q, store)
+    err = (out.double() - reference_fp64(q, store)).norm(dim=-1)
+    torch.testing.assert_close(cert.error.double(), err, rtol=1e-6, atol=0)
+    assert (cert.error.double() <= cert.bound.double() + reference_slack(q, store)).all()
+    summary = cert.summary()
+    assert summary["error_max"] == pytest.approx(float(err.max()), rel=1e-6)
+    assert summary["error_mean"] == pytest.approx(float(err.mean()), rel=1e-6)

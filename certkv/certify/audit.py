@@ -43,8 +43,9 @@ def reference_slack(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def violations(out: torch.Tensor, bound: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-               v: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Bool ``[Hq]``: the head's error against ``O_ref`` exceeds its ``bound`` (plus the
-    reference's own rounding); ``out [Hq, d]`` as returned."""
+               v: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(violated, error)``: bool ``[Hq]``, the head's error against ``O_ref`` exceeds its
+    ``bound`` (plus the reference's own rounding), and FP64 ``[Hq]`` that error
+    ``||out - O_ref||_2``; ``out [Hq, d]`` as returned."""
     err = (out.to(k.device).double() - reference_fp64(q, k, v, scaling)).norm(dim=-1)
-    return err > bound.to(k.device).double() + reference_slack(q, k, v, scaling)
+    return err > bound.to(k.device).double() + reference_slack(q, k, v, scaling), err

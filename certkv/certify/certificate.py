@@ -104,6 +104,7 @@ class Certificate:
     # the originals exceeded their bound (0 whenever the certificate's preconditions hold)
     violations: int = 0
     audited: bool = False
+    error: torch.Tensor | None = None  # audited: ||out - O_ref||_2 per head (FP64 reference)
     # eviction (:mod:`certkv.evict`): (kv head, block) pairs of evicted blocks this step read
     # from Tier-2 (FP16 keys or values), i.e. paged back in for the certificate
     paged_evicted: int = 0
@@ -224,6 +225,9 @@ class Certificate:
         for name in _SUMMED:  # ints, or 0-d tensors from a device step
             out[name] = int(getattr(self, name))
         out["audited"] = self.audited
+        if self.error is not None:  # audit=true: the measured error beside the bound
+            out["error_mean"] = float(self.error.double().mean())
+            out["error_max"] = float(self.error.double().max())
         out["faults_covered"] = self.faults_covered
         out["tol_escalated"], out["tol_dense"] = fails[3:]
         return out

@@ -278,6 +278,9 @@ def certificate_record(caches: list[CacheTelemetry]) -> dict:
     for name in _STEP_FIELDS:
         record[f"{name}_step_mean"] = [s[f"{name}_mean"] for s in steps]
         record[f"{name}_step_max"] = [s[f"{name}_max"] for s in steps]
+    if steps and all("error_mean" in s for s in steps):  # audit=true: the measured error
+        record["error_step_mean"] = [s["error_mean"] for s in steps]
+        record["error_step_max"] = [s["error_max"] for s in steps]
     for rung in range(5):
         record[f"rung{rung}"] = sum(s[f"rung{rung}"] for s in steps)
     for name in ("ranking_fail", "boundary_fail", "canary_fail", "value_promotions",
