@@ -173,3 +173,24 @@ def audit(monkeypatch):
 
     monkeypatch.setattr(attention_module, "to_host", counted)
     return auditor, reads
+
+
+_FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    """Seconds per test file (setup, call and teardown; on the controller under xdist)."""
+    path = report.nodeid.split("::", 1)[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The suite's time per test file, slowest first (what the 12-minute CI budget is spent
+    on: the time of each file on its worker; workers run files in parallel)."""
+    if not _FILE_SECONDS:
+        return
+    terminalreporter.section("seconds per test file")
+    ranked = sorted(_FILE_SECONDS.items(), key=lambda item: -item[1])
+    for path, seconds in ranked:
+        terminalreporter.write_line(f"{seconds:8.1f}  {path}")
+    terminalreporter.write_line(f"{sum(_FILE_SECONDS.values()):8.1f}  in all (both workers)")

@@ -8,15 +8,21 @@ from __future__ import annotations
 import io
 import itertools
 import re
+from collections import defaultdict
 
 import pytest
-from helpers.report import ruler_run
+from helpers.report import many_methods_run, ruler_run, write_run
+from matplotlib.colors import to_rgba
+from matplotlib.lines import Line2D
+from matplotlib.patches import Rectangle
+from matplotlib.text import Text
 from rich.console import Console
 from typer.testing import CliRunner
 
 import certkv.demo as demo
+from certkv import bench_codecs
 from certkv.cli import app
-from certkv.report import plots
+from certkv.report import certificates, look, plots
 from certkv.report.document import build_report, print_report, write_report
 from certkv.report.layout import WHOLE, Table, fit_columns, print_tables
 from certkv.report.layout import make_console as _console
@@ -234,3 +240,146 @@ def test_each_variant_keeps_one_distinct_style_in_every_figure(tiny_data, tmp_pa
         path = tmp_path / f"{name}.png"
         if draw(tiny_data, path):
             assert path.stat().st_size > 0
+
+
+# many methods (issue 52) -------------------------------------------------------------------
+
+BLACK = to_rgba("black")
+
+
+@pytest.fixture(scope="module")
+def many(tmp_path_factory):
+    """Dense and 24 methods on RULER, NIAH and perplexity, two of them audited."""
+    return RunData.load(many_methods_run(tmp_path_factory.mktemp("many")))
+
+
+def method_looks(fig) -> dict[str, set]:
+    """Per method (the gid its artists carry), the looks of the artists that tell it apart:
+    (colour, marker) of its marked lines, (colour, hatch) of its bars."""
+    found = defaultdict(set)
+    for artist in fig.findobj(lambda a: a.get_gid() is not None):
+        if isinstance(artist, Line2D) and artist.get_marker() not in ("None", "", "|", None):
+            found[artist.get_gid()].add(("line", to_rgba(artist.get_color()),
+                                         artist.get_marker()))
+        elif isinstance(artist, Rectangle):
+            found[artist.get_gid()].add(("bar", to_rgba(artist.get_facecolor()),
+                                         artist.get_hatch() or ""))
+    return found
+
+
+def marks(fig, method: str, ax=None) -> list:
+    """The marked lines drawn for ``method`` (in ``ax``, or anywhere)."""
+    return [a for a in (ax or fig).findobj(Line2D) if a.get_gid() == method
+            and a.get_marker() not in ("None", "", "|", None)]
+
+
+def test_the_first_forty_styles_are_pairwise_distinct_and_none_is_black():
+    looks = [plots.style(k) | {"hatch": look.hatch(k)} for k in range(40)]
+    for second in ("marker", "linestyle", "hatch"):
+        pairs = {(s["color"], s[second]) for s in looks}
+        assert len(pairs) == 40, second
+    assert all(to_rgba(s["color"]) != BLACK for s in looks)
+    assert look.REFERENCE["color"] == "black"
+
+
+@pytest.mark.parametrize("name", list(plots.BUILDERS))
+def test_every_figure_tells_25_methods_apart(many, name):
+    """Each method's bars and markers have a (colour, hatch or marker) no other method's have;
+    dense is black wherever drawn; bar charts and NIAH turn into a panel per subtask, rung or
+    method, each method named on an axis or in a title."""
+    fig = plots.BUILDERS[name](many)
+    found = method_looks(fig)
+    methods = [v for v in many.variants if v != "dense"]
+    assert set(methods) <= set(found)
+    assert all(found[v] for v in found)
+    for a, b in itertools.combinations(found, 2):
+        assert found[a].isdisjoint(found[b]), (name, a, b)
+    assert all(look_[1] == BLACK for look_ in found.get("dense", ()))
+    shown = [ax for ax in fig.axes if ax.get_visible()]
+    named = {t.get_text() for ax in shown for t in ax.get_yticklabels()}
+    named |= {ax.get_title() for ax in shown}
+    assert set(methods) <= named  # labelled directly, no legend to decode
+    panels = {"ruler_subtasks": 3, "niah_depths": 24, "rungs": 5, "certificates": 4}
+    assert len(shown) == panels.get(name, 1)
+    plots._pyplot().close(fig)
+
+
+@pytest.mark.parametrize("methods", [3, 24])  # grouped bars; a panel per subtask
+def test_a_zero_accuracy_still_shows_a_marker(tmp_path, methods):
+    run = RunData.load(many_methods_run(tmp_path, methods=methods))
+    fig = plots.ruler_subtasks_figure(run)
+    fig.canvas.draw()
+    (zero,) = [m for m in marks(fig, "method-01") if 0.0 in (*m.get_xdata(), *m.get_ydata())
+               and (methods == 3 or m.axes.get_title() == "vt")]
+    assert zero.get_visible() and zero.get_markersize() > 0 and not zero.get_clip_on()
+    box = extent(fig, zero)
+    assert box.width > 0 and box.height > 0 and fig.bbox.contains(box.x0, box.y0)
+    plots._pyplot().close(fig)
+
+
+def test_a_rung_no_head_step_took_still_shows_each_method(many):
+    fig = plots.rung_rates_figure(many)
+    rung4 = next(ax for ax in fig.axes if ax.get_title().startswith("rung 4"))
+    for v in many.variants[1:]:
+        (mark,) = marks(fig, v, rung4)
+        assert list(mark.get_xdata()) == [0.0] and rung4.get_xlim()[0] < 0
+    plots._pyplot().close(fig)
+
+
+def test_certificates_show_the_bound_beside_the_actual_error(many, tmp_path):
+    fig = plots.certificate_distributions_figure(many)
+    bound = fig.axes[3]
+    assert "actual error" in bound.get_title()
+
+    def medians(v, label):
+        return [float(m.get_xdata()[0]) for m in marks(fig, v, bound) if m.get_label() == label]
+
+    for v in ("method-01", "method-03"):  # audited: both series, the error below its bound
+        (b,), (e,) = medians(v, "bound"), medians(v, "actual error")
+        assert e == pytest.approx(b / 10)
+    assert medians("method-04", "actual error") == [] and medians("method-04", "bound")
+    zero = fig.axes[0]  # method-02's E_key is 0 at every step: drawn at the edge, and said
+    (mark,) = marks(fig, "method-02", zero)
+    assert mark.get_xdata()[0] == zero.get_xlim()[0] and not mark.get_clip_on()
+    assert "0" in [t.get_text() for t in zero.texts]
+    plots._pyplot().close(fig)
+    plain = RunData.load(ruler_run(tmp_path))
+    fig = plots.certificate_distributions_figure(plain)
+    title = " ".join(fig.axes[3].get_title().split())
+    assert "actual error not measured: audit=true" in title
+    assert not [m for m in fig.findobj(Line2D) if m.get_label() == "actual error"]
+    plots._pyplot().close(fig)
+    counted = [{**c, "audited": True, "violations": 3 * (i == 1)}
+               for i, c in enumerate(plain.certificates)]
+    counted = RunData.load(write_run(tmp_path / "counted", "counted", plain.samples,
+                                     certs=counted))  # an audit that kept only its count
+    assert certificates.audit_note(counted, ["certified"]) == (
+        "bound (3 head-steps over it; audit kept no error values)")
+
+
+def codec_records() -> dict:
+    """The committed CPU codecs bench's points (two labels of it collided) and four more piled
+    on one of them."""
+    points = [("int8_int4", "quantized", 144, 0.54), ("kivi4", "quantized", 80, 0.55),
+              ("kivi2", "quantized", 48, 0.6), ("tiers-rotation", "archive-rotation", 64, 15.6),
+              ("tiers-kvquant", "archive-kvquant", 62.7, 4.5), ("innerq", "quantized", 58.5, 2.6),
+              ("smartkv-b25", "2-bit", 36, 0.68), ("smartkv-b25", "3-bit", 52, 0.98),
+              ("smartkv-b25", "4-bit", 68, 0.57), ("smartkv-b25", "8-bit", 132, 0.11)]
+    points += [(f"pile-{i}", "quantized", 80 + i, 0.55) for i in range(4)]
+    return {"precisions": [{"quantizer": q, "precision": p, "bytes_per_token": b,
+                            "dequant_ms_per_1k": ms} for q, p, b, ms in points]}
+
+
+def test_codec_labels_overlap_neither_each_other_nor_any_point():
+    fig = bench_codecs.codecs_figure(codec_records())
+    fig.canvas.draw()
+    (ax,) = fig.axes
+    labels = [t for t in ax.texts if t.get_text()]
+    assert len(labels) == 14
+    boxes = [Text.get_window_extent(t, fig.canvas.get_renderer()) for t in labels]
+    assert not any(a.overlaps(b) for a, b in itertools.combinations(boxes, 2))
+    points = [extent(fig, m) for m in ax.get_lines() if m.get_gid()]
+    assert len(points) == 14
+    assert not any(box.overlaps(p) for box in boxes for p in points)
+    assert all(ax.bbox.contains(b.x0, b.y0) and ax.bbox.contains(b.x1, b.y1) for b in boxes)
+    plots._pyplot().close(fig)

@@ -111,7 +111,7 @@ def quality_vs_budget(run: RunData, path: Path) -> bool:
     certified runs (host-to-device KiB per step)."""
     from matplotlib.ticker import FuncFormatter
 
-    from certkv.report.plots import _figure, _save, legend_right, style
+    from certkv.report.look import _figure, _save, legend_right, style
 
     rows = [r for r in evict_rows(run) if r["policy"] != "none"] if has_eviction(run) else []
     rows = [r for r in rows if r["quality"].get("perplexity")]

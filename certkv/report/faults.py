@@ -104,11 +104,12 @@ def faults_table(run: RunData) -> Table | None:
 
 
 def perplexity_vs_rate(run: RunData, path: Path) -> bool:
-    """Perplexity against the flip rate, one line per protection mode, a panel per method
-    (naive, certified, certified with the integrity check); dense as a dotted line."""
+    """Perplexity against the flip rate, one line per protection mode (its colour, line style
+    and open marker of its own size), a panel per method (naive, certified, certified with the
+    integrity check); dense as a dotted line."""
     from matplotlib.ticker import FuncFormatter
 
-    from certkv.report.plots import _figure, _save, legend_right, log_axis, style
+    from certkv.report.look import _figure, _save, legend_right, log_axis, style
 
     rows = [r for r in fault_rows(run) if r["ppl"] is not None] if has_faults(run) else []
     if not rows:
@@ -127,8 +128,9 @@ def perplexity_vs_rate(run: RunData, path: Path) -> bool:
             mine = sorted((r["p"] or floor, r["ppl"]["method"]) for r in rows
                           if r["code"] == code and r["mode"] == mode
                           and (r["check"] == check or r["p"] == 0))
-            if mine:
-                ax.plot(*zip(*mine, strict=True), label=code, **style(k))
+            if mine:  # open markers of decreasing size: coincident lines stay visible
+                ax.plot(*zip(*mine, strict=True), label=code, **style(k),
+                        markerfacecolor="none", markersize=max(4, 9 - 1.2 * k))
         ax.axhline(dense, color="black", linestyle=":", linewidth=1, label="dense (FP16)")
         ax.set_yscale("log")
         ax.set_ylim(*span)
