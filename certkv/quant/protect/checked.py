@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from certkv.quant.base import Blocks, KeyCodec, LayerContext, ValueCodec
-from certkv.quant.protect.codec import BlockRead
+from certkv.quant.base import Blocks, LayerContext
+from certkv.quant.protect.codec import BlockRead, InnerKeyBounds, InnerValueBounds
 from certkv.quant.protect.integrity import block_hash
 
 
@@ -63,7 +63,7 @@ class CheckedCodec:
         return self.inner.decode(self.inner_blocks(blocks))
 
 
-class CheckedKeyCodec(CheckedCodec, KeyCodec):
+class CheckedKeyCodec(CheckedCodec, InnerKeyBounds):
     """A key codec whose blocks carry the integrity check; bounds are the inner codec's."""
 
     def encode(self, k: torch.Tensor) -> Blocks:
@@ -73,17 +73,8 @@ class CheckedKeyCodec(CheckedCodec, KeyCodec):
                   layer: LayerContext | None = None) -> Blocks:
         return self._checked(self.inner.encode_at(k, start, layer))
 
-    def check_encodable(self, k: torch.Tensor, start: torch.Tensor) -> None:
-        self.inner.check_encodable(k, start)
 
-    def channel_bound(self, blocks: Blocks) -> torch.Tensor:
-        return self.inner.channel_bound(self.inner_blocks(blocks))
-
-    def decode_slack(self, blocks: Blocks) -> torch.Tensor:
-        return self.inner.decode_slack(self.inner_blocks(blocks))
-
-
-class CheckedValueCodec(CheckedCodec, ValueCodec):
+class CheckedValueCodec(CheckedCodec, InnerValueBounds):
     """A value codec whose blocks carry the integrity check; bounds are the inner codec's."""
 
     def encode(self, v: torch.Tensor) -> Blocks:
@@ -91,9 +82,3 @@ class CheckedValueCodec(CheckedCodec, ValueCodec):
 
     def encode_at(self, v: torch.Tensor, layer: LayerContext | None = None) -> Blocks:
         return self._checked(self.inner.encode_at(v, layer))
-
-    def token_bound(self, blocks: Blocks) -> torch.Tensor:
-        return self.inner.token_bound(self.inner_blocks(blocks))
-
-    def decode_rounding(self, head_dim: int | None = None) -> float:
-        return self.inner.decode_rounding(head_dim)

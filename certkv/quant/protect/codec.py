@@ -192,15 +192,9 @@ def repair(x: torch.Tensor, erased: torch.Tensor, erasure: str) -> torch.Tensor:
     return torch.where(erased, mid, x)
 
 
-class ProtectedKeyCodec(ProtectedCodec, KeyCodec):
-    """A key codec whose codes are ECC-protected; bounds are the inner codec's."""
-
-    def encode(self, k: torch.Tensor) -> Blocks:
-        return self._protect(self.inner.encode(k))
-
-    def encode_at(self, k: torch.Tensor, start: torch.Tensor,
-                  layer: LayerContext | None = None) -> Blocks:
-        return self._protect(self.inner.encode_at(k, start, layer))
+class InnerKeyBounds(KeyCodec):
+    """A wrapped key codec's checks and bounds: its ``inner`` codec's, on the inner blocks
+    (``inner_blocks``) of what is read."""
 
     def check_encodable(self, k: torch.Tensor, start: torch.Tensor) -> None:
         self.inner.check_encodable(k, start)
@@ -212,7 +206,28 @@ class ProtectedKeyCodec(ProtectedCodec, KeyCodec):
         return self.inner.decode_slack(self.inner_blocks(blocks))
 
 
-class ProtectedValueCodec(ProtectedCodec, ValueCodec):
+class InnerValueBounds(ValueCodec):
+    """A wrapped value codec's bounds: its ``inner`` codec's (see :class:`InnerKeyBounds`)."""
+
+    def token_bound(self, blocks: Blocks) -> torch.Tensor:
+        return self.inner.token_bound(self.inner_blocks(blocks))
+
+    def decode_rounding(self, head_dim: int | None = None) -> float:
+        return self.inner.decode_rounding(head_dim)
+
+
+class ProtectedKeyCodec(ProtectedCodec, InnerKeyBounds):
+    """A key codec whose codes are ECC-protected; bounds are the inner codec's."""
+
+    def encode(self, k: torch.Tensor) -> Blocks:
+        return self._protect(self.inner.encode(k))
+
+    def encode_at(self, k: torch.Tensor, start: torch.Tensor,
+                  layer: LayerContext | None = None) -> Blocks:
+        return self._protect(self.inner.encode_at(k, start, layer))
+
+
+class ProtectedValueCodec(ProtectedCodec, InnerValueBounds):
     """A value codec whose codes are ECC-protected; bounds are the inner codec's."""
 
     def encode(self, v: torch.Tensor) -> Blocks:
@@ -220,9 +235,3 @@ class ProtectedValueCodec(ProtectedCodec, ValueCodec):
 
     def encode_at(self, v: torch.Tensor, layer: LayerContext | None = None) -> Blocks:
         return self._protect(self.inner.encode_at(v, layer))
-
-    def token_bound(self, blocks: Blocks) -> torch.Tensor:
-        return self.inner.token_bound(self.inner_blocks(blocks))
-
-    def decode_rounding(self, head_dim: int | None = None) -> float:
-        return self.inner.decode_rounding(head_dim)
