@@ -16,6 +16,12 @@ scales, offsets, bias: :class:`~certkv.quant.protect.codec.ProtectedCodec`) and 
 block's summary (:class:`~certkv.quant.protect.checked.CheckedCodec`). Without it, faults can
 make what a step reads differ from what was written in ways no bound states: the certificate
 then says it does not cover faults (:attr:`Protection.covers_faults`).
+
+The fault model's scope is the KV payload: every tensor of every stored block. The certificate's
+own state (per-block annotations such as ``eta`` and ``nu``, the running maxima, the block
+table and counts) is not faulted: it is a few FP32 words per block that the store computes from
+the originals, and guarding it needs a scheme of its own (duplicated words compared on read),
+not the payload's code.
 """
 
 from __future__ import annotations
