@@ -102,6 +102,25 @@ def test_report_command(tmp_path):
     assert bad.exit_code == 2 and "no such run directory" in bad.output
 
 
+def test_a_committed_report_refreshes_wherever_its_checkout_lies(tmp_path):
+    """report.json names its runs relative to itself (no machine's absolute path), so a
+    report beside its run, moved with it (another clone), refreshes in place; a report of
+    other runs is still refused."""
+    import shutil
+
+    runner = CliRunner()
+    home = tmp_path / "clone1" / "reports" / "r"
+    run_dir = ruler_run(home)
+    assert runner.invoke(app, ["report", str(run_dir), "--out", str(home)]).exit_code == 0
+    assert json.loads((home / "report.json").read_text())["runs"] == ["ruler_4k"]
+    moved = tmp_path / "clone2" / "reports" / "r"
+    shutil.copytree(home, moved)
+    again = runner.invoke(app, ["report", str(moved / "ruler_4k"), "--out", str(moved)])
+    assert again.exit_code == 0, again.output
+    other = runner.invoke(app, ["report", str(run_dir), "--out", str(moved)])
+    assert other.exit_code != 0 and "--force" in other.output
+
+
 def test_wandb_logger_offline(tmp_path, monkeypatch):
     """A real offline W&B run (no account, no network): config, per-step certificates, the
     samples table, the report's tables and figures, the quality summary."""

@@ -8,6 +8,7 @@ Built from the run directories alone, so any run, finished or partial, can be re
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -113,7 +114,9 @@ def write_report(report: Report, out_dir: str | Path) -> Path:
     lines += [f"![{f.stem}]({f.as_posix()})" for f in figures]
     write_atomic(out / "README.md", "\n".join(lines) + "\n")
     write_atomic(out / "report.json", json.dumps(
-        {"title": report.title, "runs": report.run_dirs(), "provenance": report.provenance(),
+        {"title": report.title, "runs": [os.path.relpath(r, out.resolve())
+                                          for r in report.run_dirs()],  # portable: relative
+         "provenance": report.provenance(),
          "tables": [asdict(t) for t in report.tables]}, indent=2) + "\n")
     return out / "README.md"
 
@@ -128,9 +131,12 @@ def holds_other_report(out_dir: str | Path, report: Report) -> bool:
         earlier = json.loads((out / "report.json").read_text())
     except (OSError, ValueError):
         return True
-    runs = earlier.get("runs") or re.findall(r"run directory `([^`]*)`",
-                                             " ".join(earlier.get("provenance", [])))
-    return sorted(str(Path(r).resolve()) for r in runs) != report.run_dirs()
+    if earlier.get("runs"):  # relative to the report (absolute in older reports)
+        runs = [(out / r).resolve() for r in earlier["runs"]]
+    else:  # older still: the provenance's run directories, relative to where it was run
+        runs = [Path(r).resolve() for r in re.findall(r"run directory `([^`]*)`",
+                                                      " ".join(earlier.get("provenance", [])))]
+    return sorted(str(r) for r in runs) != report.run_dirs()
 
 
 def print_report(report: Report, console: Console | None = None) -> None:
