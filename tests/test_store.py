@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from helpers import make_kv, store_contents
 
 from certkv import ChannelAffineKeyCodec, GroupAffineValueCodec, TieredKVStore
-from certkv.errors import ConfigError, NonFiniteError, ShapeError, Tier2UnavailableError
+from certkv.errors import (
+    BudgetError,
+    ConfigError,
+    NonFiniteError,
+    ShapeError,
+    Tier2UnavailableError,
+)
 from certkv.evict import AgeEviction, SnapKVEviction
 from certkv.quant import FP16KeyCodec, FP16ValueCodec, KVQuantizer
 
@@ -376,32 +384,51 @@ def pre_rope_store(defer_commit: bool = False) -> TieredKVStore:
     return store
 
 
-@pytest.mark.parametrize("path", ["prompt", "token completing a block", "deferred full tail",
-                                  "one numba token", "in place"])
-def test_an_append_that_raises_leaves_the_store_exactly_as_it_was(path):
-    """Every append path checks what it appends before it changes anything: a refused append
-    can be retried (or skipped) without a duplicated token, and the store reads as before."""
+def budget_store(path: str) -> TieredKVStore:
+    """A store whose budget no arrangement of 48 tokens meets (AgeEviction at 10%: the newest
+    64 tokens stay; ``budget_bytes`` below three INT8/INT4 blocks), holding 8 tail tokens."""
+    from certkv.evict import AgeEviction
+
+    quantizer = KVQuantizer(block_size=16)
+    if path == "over an eviction budget":
+        quantizer = quantizer.with_eviction(AgeEviction(budget=0.1, min_materialized=64))
+    else:
+        quantizer = replace(quantizer, budget_bytes=2000)
+    store = TieredKVStore(1, 64, **quantizer.store_kwargs())
+    store.append(*make_kv(1, 8, 64, seed=1))
+    return store
+
+
+def refused_append(path: str):
+    """``(store, append, bad k/v, error)``: a store and an append of it that must raise."""
+    if path.startswith("over"):
+        return budget_store(path), "append", make_kv(1, 40, 64, seed=2), BudgetError
     store = pre_rope_store(defer_commit=path == "deferred full tail")
-    k, v = make_kv(1, 40, 64, seed=1)
-    store.append(k, v)  # 2 blocks and 8 tail tokens (32-39)
+    store.append(*make_kv(1, 40, 64, seed=1))  # 2 blocks and 8 tail tokens (32-39)
+    if path == "prompt":
+        return store, "append", (unrotatable(20, start=4), torch.zeros(1, 20, 64)), ConfigError
+    if path in ("token completing a block", "deferred full tail"):
+        store.append(*make_kv(1, 7, 64, seed=2))  # the tail: one token short of a block
+        return store, "append", (unrotatable(1), torch.zeros(1, 1, 64)), ConfigError
+    bad = (torch.full((1, 1, 64), float("nan")), torch.zeros(1, 1, 64))
+    if path == "one numba token":
+        return store, "append", bad, NonFiniteError
+    return store, "append_in_place", tuple(x.expand(2, 1, 64) for x in bad), ShapeError
+
+
+@pytest.mark.parametrize("path", ["prompt", "token completing a block", "deferred full tail",
+                                  "one numba token", "in place", "over an eviction budget",
+                                  "over budget_bytes"])
+def test_an_append_that_raises_leaves_the_store_exactly_as_it_was(path):
+    """Every append path checks what it appends before it changes anything (keys a precision
+    cannot encode, non-finite values, shapes, a budget no arrangement of the blocks meets): a
+    refused append can be retried (or skipped) without a duplicated token, and the store
+    reads as before."""
+    store, append, bad, error = refused_append(path)
     before, tokens = [x.clone() for x in store_contents(store)], store.num_tokens
     tail = [x.clone() for x in store.tail_buffers()]
-    if path == "prompt":
-        bad = (unrotatable(20, start=4), torch.zeros(1, 20, 64))  # 44-47 complete a block
-        error = ConfigError
-    elif path in ("token completing a block", "deferred full tail"):
-        store.append(*make_kv(1, 7, 64, seed=2))  # the tail: one token short of a block
-        before, tokens = [x.clone() for x in store_contents(store)], store.num_tokens
-        tail = [x.clone() for x in store.tail_buffers()]
-        bad, error = (unrotatable(1), torch.zeros(1, 1, 64)), ConfigError
-    else:
-        bad = (torch.full((1, 1, 64), float("nan")), torch.zeros(1, 1, 64))
-        error = NonFiniteError if path == "one numba token" else ShapeError
-        if path == "in place":
-            bad = tuple(x.expand(2, 1, 64) for x in bad)  # misshapen: refused
-    append = store.append_in_place if path == "in place" else store.append
     with pytest.raises(error):
-        append(*bad)
+        getattr(store, append)(*bad)
     assert store.num_tokens == tokens
     assert all(torch.equal(a, b) for a, b in zip(store_contents(store), before, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(store.tail_buffers(), tail, strict=True))

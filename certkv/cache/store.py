@@ -25,7 +25,7 @@ import importlib.util
 import numpy as np
 import torch
 
-from certkv.cache import append_cpu
+from certkv.cache import append_cpu, room
 from certkv.cache.blocks import BlockTable, GrowingBlocks, head_rows
 from certkv.cache.stages import Stages
 from certkv.certify.bounds import centred_radius, spectral_norm_upper
@@ -317,6 +317,10 @@ class TieredKVStore:
         annotations are measured and its FP16 originals move to Tier-2. Blocks whose age
         reached a later stage are then re-quantized from Tier-2, and under a budget the oldest
         graduate early (:meth:`_graduate`).
+
+        An append that raises changes nothing: shapes, non-finite K/V (on CPU), keys a
+        precision cannot encode and a budget no arrangement of the blocks meets
+        (:mod:`certkv.cache.room`) are checked first.
         """
         self._check_shapes(k, v)
         self._check_mode()
@@ -326,12 +330,13 @@ class TieredKVStore:
         self._check_encodable(k16, (self.tail_len + k16.shape[1]) // self.block_size)
         # blocks the tokens complete; with defer_commit the last one stays the tail, full
         n_full = (self.tail_len + k16.shape[1] - int(self.defer_commit)) // self.block_size
+        prefill = self._layer.key_max is None
+        room.check_room(self, n_full, self.num_tokens + k16.shape[1], prefill)
         if not self._centred:
             vf = v16.float()
             self._centre = (vf.amax(dim=1) + vf.amin(dim=1)) / 2
             self._centred = True
         torch.maximum(self._key_abs_max, k16.abs().amax(dim=1).float(), out=self._key_abs_max)
-        prefill = self._layer.key_max is None
         if prefill:
             self._layer = LayerContext(self._key_abs_max.clone(), prefill=True)
         self._add(k16, v16, n_full, prefill)
@@ -344,6 +349,7 @@ class TieredKVStore:
         if self.tail_len == self.block_size:
             self._check_mode()
             none = self._tail_k[:, :0]
+            room.check_room(self, 1, self.num_tokens, prefill=False)
             self._add(none, none, 1, prefill=False)
 
     def _check_encodable(self, k16: torch.Tensor, n_full: int) -> None:
