@@ -82,16 +82,27 @@ def _own_bytes(store, stages, seq_len: int, bytes_at: torch.Tensor) -> torch.Ten
     return own
 
 
-def _check_eviction_room(store, evictor, own: torch.Tensor, n_new: int, seq_len: int) -> None:
-    """The eviction policy's refusal (:meth:`EvictionTracker.rebalance`), before the append."""
+def eviction_floor(store, evictor, own: torch.Tensor, n_new: int = 0,
+                   seq_len: int | None = None) -> tuple[float, float]:
+    """``(least, dense)``: the Tier-1 bytes of ``store`` after an append of ``n_new`` blocks
+    (``seq_len`` tokens then; default: the store as it is) with every block the policy protects
+    at its bytes in ``own [n + n_new]`` and every other one at its summary, and the completed
+    blocks' dense FP16 bytes (the budget's denominator). ``least / dense`` is the smallest
+    budget the policy can meet there."""
     from certkv.evict.tracker import completed_dense_bytes  # the budget's own denominator
 
-    after = _After(store.num_blocks + n_new, seq_len, store.block_size, store.num_kv_heads,
-                   store.head_dim)
+    after = _After(store.num_blocks + n_new, store.num_tokens if seq_len is None else seq_len,
+                   store.block_size, store.num_kv_heads, store.head_dim)
     protected = evictor.policy.protected(after, evictor)
     summary = float(store.block_bytes(store.evicted_pid))
     least = float(own[protected].sum()) + summary * int((~protected).sum())
-    limit = evictor.policy.budget * completed_dense_bytes(after)
+    return least, float(completed_dense_bytes(after))
+
+
+def _check_eviction_room(store, evictor, own: torch.Tensor, n_new: int, seq_len: int) -> None:
+    """The eviction policy's refusal (:meth:`EvictionTracker.rebalance`), before the append."""
+    least, dense = eviction_floor(store, evictor, own, n_new, seq_len)
+    limit = evictor.policy.budget * dense
     require(least <= limit, BudgetError,
             f"Tier-1 would need {least:.0f} bytes with every unprotected block evicted, over "
             f"the {evictor.policy.name} budget of {limit:.0f} bytes "

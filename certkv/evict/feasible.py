@@ -15,8 +15,7 @@ from dataclasses import replace
 
 import torch
 
-from certkv.errors import BudgetError, ConfigError, require
-from certkv.evict.tracker import completed_dense_bytes
+from certkv.errors import ConfigError, require
 
 
 def smallest_budget(quantizer, num_kv_heads: int, head_dim: int, tokens: int,
@@ -28,13 +27,14 @@ def smallest_budget(quantizer, num_kv_heads: int, head_dim: int, tokens: int,
     At each length it is Tier-1's bytes (:meth:`TieredKVStore.tier1_bytes`) with every block the
     policy protects at its own precision and every other one at its summary, over the completed
     blocks' dense FP16 bytes (the budget's denominator, :meth:`EvictionTracker.limit`); the
-    largest over the lengths. Byte counts do not depend on the values, so the store is filled
-    with random ones; a policy that ranks by the prompt's queries gets random queries. 0 when
-    no block completes."""
+    largest over the lengths (:func:`certkv.cache.room.eviction_floor` of the store as each
+    append leaves it, unevicted). Byte counts do not depend on the values, so the store is
+    filled with random ones; a policy that ranks by the prompt's queries gets random queries.
+    0 when no block completes."""
+    from certkv.cache.room import eviction_floor
     from certkv.cache.store import TieredKVStore
 
-    policy = quantizer.eviction
-    probe = quantizer.with_eviction(replace(policy, budget=1e-12, memory_threshold=1.0))
+    probe = quantizer.with_eviction(replace(quantizer.eviction, budget=1.0))  # never evicts
     store = TieredKVStore(num_kv_heads, head_dim, **probe.store_kwargs())
     gen = torch.Generator().manual_seed(0)
     block = store.block_size
@@ -43,16 +43,14 @@ def smallest_budget(quantizer, num_kv_heads: int, head_dim: int, tokens: int,
     need = 0.0
     for i, n in enumerate(chunks):
         k, v = (torch.randn(num_kv_heads, n, head_dim, generator=gen) for _ in range(2))
-        try:  # every unprotected block is evicted, then the tiny budget raises
-            store.append(k, v)
-            if i == 0 and policy.prompt_window:
-                window = min(policy.prompt_window, tokens)
-                queries = torch.randn(num_kv_heads, window, head_dim, generator=gen)
-                store.observe_prompt(queries, head_dim ** -0.5)
-        except BudgetError:
-            pass
-        dense = completed_dense_bytes(store)
-        need = max(need, store.tier1_bytes() / dense if dense else 0.0)
+        store.append(k, v)
+        if i == 0 and store._evictor.policy.prompt_window:
+            window = min(store._evictor.policy.prompt_window, tokens)
+            queries = torch.randn(num_kv_heads, window, head_dim, generator=gen)
+            store.observe_prompt(queries, head_dim ** -0.5)
+        if store.num_blocks:
+            least, dense = eviction_floor(store, store._evictor, store.own_block_bytes())
+            need = max(need, least / dense)
     # a relative 1e-9 above the ratio: the budget times the dense bytes, rounded in floating
     # point, must not fall below the bytes (at equality a BudgetError was raised)
     return need * (1 + 1e-9)
