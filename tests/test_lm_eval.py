@@ -36,11 +36,12 @@ def tasks(tmp_path_factory, books):
                        samples=2, windows=2, book_tokens=48)
 
 
-def evaluate(tasks, names, model_args, limit=2, log_samples=False):
+def evaluate(tasks, names, model_args, limit=2, log_samples=False, gen_kwargs=None):
     return lm_eval.simple_evaluate(model="certkv", model_args=model_args, tasks=names,
                                    task_manager=TaskManager(include_path=str(tasks),
                                                             include_defaults=False),
-                                   limit=limit, log_samples=log_samples, bootstrap_iters=0)
+                                   limit=limit, log_samples=log_samples, bootstrap_iters=0,
+                                   gen_kwargs=gen_kwargs)
 
 
 def certificates(run_dir):
@@ -136,8 +137,9 @@ def test_an_eviction_policy_runs_under_lm_eval(tasks, tmp_path, evict):
     dense prefill (as in ``certkv run``; without them its first eviction raises), and the
     certificate statistics count the evicted blocks paged back in."""
     run_dir = tmp_path / "run"
-    out = evaluate(tasks, ["certkv_ruler_niah_single"],
-                   f"{TINY},mode=certified,run_dir={run_dir},evict={evict},evict.budget=0.3")
+    out = evaluate(tasks, ["certkv_ruler_niah_single"],  # 8 decode steps a request suffice
+                   f"{TINY},mode=certified,run_dir={run_dir},evict={evict},evict.budget=0.3",
+                   gen_kwargs="max_gen_toks=8")
     assert 0.0 <= out["results"]["certkv_ruler_niah_single"]["score,none"] <= 1.0
     certs = certificates(run_dir)
     assert certs["requests"] == 2 and certs["steps"] > 0

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from certkv import CertifiedAttention, TieredKVStore
 from certkv.errors import ConfigError
+from certkv.kernels.reference import TorchBackend
 from certkv.quant import KVQuantizer
 from certkv.quant.summary import SummaryKeyCodec, SummaryValueCodec
 
@@ -74,12 +75,21 @@ def scenarios(draw):
     return {"block": draw(st.sampled_from([4, 8, 16])), **step_draws(draw, 120, [1, 9, 17])}
 
 
+# a draw costs about 0.05 s on the reference, 2-4 s interpreted: 40 and 5
 @pytest.mark.parametrize(("backend", "device"), BACKENDS)
-@settings(max_examples=examples(20), deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(sc=scenarios())
-def test_a_store_of_nothing_but_summaries_is_still_certified(backend, device, sc):
+def test_a_store_of_nothing_but_summaries_is_still_certified(backend, device):
     """Every completed block evicted to its summary: every head within its bound against FP64
     attention on the originals (the ladder pages blocks in from Tier-2, or goes dense)."""
+    count = examples(40 if backend is TorchBackend else 5)
+
+    @settings(max_examples=count, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(sc=scenarios())
+    def summaries_only(sc):
+        check_summaries_only(backend, device, sc)
+    summaries_only()
+
+
+def check_summaries_only(backend, device, sc) -> None:
     quantizer = KVQuantizer(SummaryKeyCodec(), SummaryValueCodec(), sc["block"])
     store = TieredKVStore(sc["hkv"], 32, block_size=sc["block"], quantizer=quantizer,
                           decoded_mirror=sc["seed"] % 2 == 0, device=device)
