@@ -4,6 +4,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+# Each xdist worker computes with one thread (read when torch and numba load, just below):
+# `make test` runs two workers on two cores, and two threads each made every file about a
+# quarter slower (tests/test_faults.py + test_graphs.py: 257 s of worker time against 185 s).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
+        os.environ.setdefault(_name, "1")
+
 import pytest
 import torch
 from hypothesis import settings
