@@ -22,8 +22,9 @@ run: $(STAMP)  ## the main job: `certkv run` = the smoke experiment on SmolLM2 (
 demo: $(STAMP)  ## one certified decode step on synthetic data (seconds)
 	$(VENV)/bin/certkv demo
 
-lint: $(STAMP)
+lint: $(STAMP)  ## ruff, and the import layers (lint-imports: no upward imports, no circles)
 	$(VENV)/bin/ruff check certkv tests scripts
+	$(VENV)/bin/lint-imports
 
 test: $(STAMP) lint  ## lint + the whole test suite (two workers, one test file each at a time)
 	$(PY) -m pytest -n 2 --dist loadfile

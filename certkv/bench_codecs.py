@@ -26,8 +26,8 @@ from hydra.utils import instantiate
 from certkv.bench import Update, result_table, short, stats, timings, tokens
 from certkv.cache.store import TieredKVStore
 from certkv.config import option
-from certkv.models.rope import RopeSpec
 from certkv.quant import Precision
+from certkv.quant.rope import RopeSpec
 from certkv.report.layout import Table
 
 # (label, conf/quantizer name, option changes): the quantizers of the methods experiments

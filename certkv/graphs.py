@@ -300,7 +300,7 @@ class _Packed:
 
 
 class GraphedDecode:
-    """A transformers model's decode step over a :class:`~certkv.cache.hf.TieredCache`
+    """A transformers model's decode step over a :class:`~certkv.models.hf_cache.TieredCache`
     captured whole, once per bucket, and replayed: every layer's projections, the token's
     append, the certified attention and the MLP, then the logits (issue 24: a whole-model
     decode step in one graph; see the module for the buckets).
@@ -323,7 +323,7 @@ class GraphedDecode:
         cache: its cache; its attention (a :class:`GraphedAttention`'s wrapped one, which
             becomes the cache's: one layer's step is not captured inside another capture) pads
             its layouts (:attr:`CertifiedAttention.pad_layout`), and its stores defer their
-            commits (:attr:`~certkv.cache.hf.TieredCache.defer_commit`).
+            commits (:attr:`~certkv.models.hf_cache.TieredCache.defer_commit`).
         graph: the graph class: :class:`CudaGraph` on CUDA (default), :class:`RecordedGraph`
             elsewhere (tests).
     """

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from certkv.attention import CertifiedAttention
-from certkv.cache.hf import TieredCache
+from certkv.models.hf_cache import TieredCache
 from certkv.demo import DemoLayer
 from certkv.kernels.reference import exact_attention
 from certkv.provenance import source_commit

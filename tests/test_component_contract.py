@@ -7,7 +7,7 @@ every head of every decode step within its bound of FP64 attention on the test's
 what was appended (:func:`helpers.check_heads`, no allowance but the FP64 reference's own
 rounding). Draws are strict: the prompt always leaves at least one block at a quantized
 precision, and an eviction budget is drawn at or above what its policy can reach
-(:func:`certkv.evict.feasible.smallest_budget`), so no exception is excused.
+(:func:`certkv.eval.feasible.smallest_budget`), so no exception is excused.
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from certkv import CertifiedAttention
 from certkv.cache.store import TieredKVStore
 from certkv.config import CONF_DIR, config_groups
 from certkv.errors import ConfigError
+from certkv.eval.feasible import smallest_budget
 from certkv.eval.runner import build
-from certkv.evict.feasible import smallest_budget
 from certkv.kernels import get_backend
 from certkv.kernels.triton_backend import TritonBackend
-from certkv.models.rope import RopeSpec
+from certkv.quant.rope import RopeSpec
 
 D, BLOCK = 32, 32  # the configs' group and block sizes (32) at the smallest head_dim they fit
 GROUPS = config_groups()

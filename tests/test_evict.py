@@ -122,7 +122,7 @@ def test_snapkv_inside_a_model_evicts_after_the_prefill():
     which evicts before the first decode step; the steps stay within their bounds."""
     from helpers.models import ContractChecker, tiny_model
 
-    from certkv.cache.hf import TieredCache
+    from certkv.models.hf_cache import TieredCache
 
     _, model = tiny_model(seed=2)
     ids = torch.randint(0, 512, (1, 160), generator=torch.Generator().manual_seed(2))

@@ -28,8 +28,8 @@ from hypothesis import strategies as st
 
 from certkv import CertifiedAttention, TieredKVStore
 from certkv.errors import ConfigError
+from certkv.eval.feasible import smallest_budget
 from certkv.evict import StreamingEviction
-from certkv.evict.feasible import smallest_budget
 from certkv.kernels.numba_backend import NumbaBackend
 from certkv.kernels.reference import TorchBackend
 from certkv.quant import (

@@ -152,8 +152,8 @@ def test_a_model_decode_step_captured_whole_in_a_cuda_graph_replays_as_eager():
     step log."""
     from helpers.models import greedy_decode, tiny_model
 
-    from certkv.cache.hf import CacheSpec, TieredCache
     from certkv.graphs import GraphedAttention, GraphedDecode
+    from certkv.models.hf_cache import CacheSpec, TieredCache
     from certkv.quant import KVQuantizer
 
     _, model = tiny_model()

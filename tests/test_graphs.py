@@ -210,8 +210,8 @@ def test_a_model_decodes_the_same_with_its_steps_replayed():
     step log and scratch counters."""
     from helpers.models import tiny_model
 
-    from certkv.cache.hf import CacheSpec, TieredCache
     from certkv.models import cache_kwargs
+    from certkv.models.hf_cache import CacheSpec, TieredCache
 
     _, model = tiny_model()
     ids = torch.randint(0, 512, (1, 60), generator=torch.Generator().manual_seed(0))
@@ -319,8 +319,8 @@ def test_a_model_decodes_the_same_with_its_whole_steps_replayed():
     bucket's first two steps run eagerly, those whose token fills a block replay."""
     from helpers.models import greedy_decode, tiny_model
 
-    from certkv.cache.hf import CacheSpec, TieredCache
     from certkv.graphs import GraphedDecode
+    from certkv.models.hf_cache import CacheSpec, TieredCache
     from certkv.quant import KVQuantizer
 
     _, model = tiny_model()

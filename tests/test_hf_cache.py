@@ -12,9 +12,9 @@ from helpers.models import ContractChecker, tiny_model
 from transformers import DynamicCache
 
 from certkv import AdaptiveTopK, CertifiedAttention, Ladder, LocalThreshold
-from certkv.cache.hf import CacheSpec, TieredCache
 from certkv.errors import CertKVError
 from certkv.models import cache_kwargs
+from certkv.models.hf_cache import CacheSpec, TieredCache
 
 
 def prompt(n=40, seed=0):

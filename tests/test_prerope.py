@@ -13,7 +13,6 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from certkv.errors import ConfigError
 from certkv.models import cache_kwargs
-from certkv.models.rope import RopeSpec, rope_spec
 from certkv.quant import (
     ChannelAffineKeyCodec,
     FP16KeyCodec,
@@ -24,6 +23,7 @@ from certkv.quant import (
 )
 from certkv.quant.outlier_value import normal_float_levels
 from certkv.quant.packing import SUPPORTED_BITS
+from certkv.quant.rope import RopeSpec, rope_spec
 
 U = 2.0**-24
 SMOLLM2_ROPE = RopeSpec.from_theta(1e5, 64)  # SmolLM2-135M: rope_theta 1e5, head_dim 64

@@ -21,7 +21,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from certkv import AdaptiveTopK, CertifiedAttention, TieredKVStore
-from certkv.cache.importance import ImportanceBoard
 from certkv.certify.certificate import BlockStats
 from certkv.errors import ConfigError
 from certkv.kernels.reference import TorchBackend
@@ -35,6 +34,7 @@ from certkv.quant.allocation import (
     seed_allocation,
     tier_bits,
 )
+from certkv.quant.importance import ImportanceBoard
 from certkv.quant.smartkv import realloc_period
 from certkv.quant.symmetric_token import decode_tokens
 

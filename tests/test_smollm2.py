@@ -10,9 +10,9 @@ from helpers.models import ContractChecker
 from transformers import DynamicCache
 
 from certkv import AdaptiveTopK, CertifiedAttention, LocalThreshold
-from certkv.cache.hf import TieredCache
 from certkv.eval.corpora import book_text
 from certkv.models import cache_kwargs, load_model
+from certkv.models.hf_cache import TieredCache
 from certkv.models.loading import own_memory
 
 pytestmark = pytest.mark.slow

@@ -374,8 +374,8 @@ def unrotatable(n: int, start: int = 0) -> torch.Tensor:
 
 
 def pre_rope_store(defer_commit: bool = False) -> TieredKVStore:
-    from certkv.models.rope import RopeSpec
     from certkv.quant.prerope import PreRoPEKeyCodec
+    from certkv.quant.rope import RopeSpec
 
     rope = RopeSpec(RopeSpec.from_theta(1e5, 64).inv_freq, 0.5)  # SmolLM2's, scaled by 0.5
     keys = PreRoPEKeyCodec(ChannelAffineKeyCodec(bits=8), rope=rope)

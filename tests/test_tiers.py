@@ -407,7 +407,7 @@ def test_thresholds_round_trip_per_model(tmp_path):
 
 
 def test_tiered_cache_applies_loaded_thresholds_to_stores_made_later(tmp_path):
-    from certkv.cache.hf import TieredCache
+    from certkv.models.hf_cache import TieredCache
 
     path = tmp_path / "thresholds.json"
     thresholds.save(path, "tiny", {0: [8, 24], 1: [24, 40]})

@@ -22,13 +22,13 @@ from certkv.cache.store import TieredKVStore
 from certkv.errors import BudgetError
 from certkv.kernels.reference import TorchBackend
 from certkv.kernels.triton_backend import TritonBackend, triton_available
-from certkv.models.rope import RopeSpec
 from certkv.quant import (
     GroupAffineValueCodec,
     KiviKeyCodec,
     KVQuantizer,
     TieredQuantizer,
 )
+from certkv.quant.rope import RopeSpec
 
 D = 32
 

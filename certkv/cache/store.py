@@ -25,7 +25,7 @@ import importlib.util
 import numpy as np
 import torch
 
-from certkv.cache import append_cpu, room
+from certkv.cache import append_cpu, fused, room
 from certkv.cache.blocks import BlockTable, GrowingBlocks, head_rows
 from certkv.cache.stages import Stages
 from certkv.certify.bounds import centred_radius, spectral_norm_upper
@@ -49,7 +49,8 @@ from certkv.quant import (
 )
 from certkv.quant.base import round_up_fp32
 from certkv.quant.int8_channel import is_int8
-from certkv.quant.kv import KVQuantizer, Precision, exact_precision
+from certkv.quant.kv import KVQuantizer
+from certkv.quant.precision import Precision, exact_precision
 from certkv.quant.protect.protection import Protection, protected
 from certkv.quant.summary import evicted_precision
 
@@ -569,7 +570,8 @@ class TieredKVStore:
         return (pow2 and single and isinstance(self.key_codec, ChannelAffineKeyCodec)
                 and self.key_codec.bits == 8 and isinstance(self.value_codec,
                                                             GroupAffineValueCodec)
-                and self.value_codec.bits == 4 and importlib.util.find_spec("triton") is not None)
+                and self.value_codec.bits == 4 and fused.block_encoder() is not None
+                and importlib.util.find_spec("triton") is not None)
 
     def _encode(self, k16: torch.Tensor, v16: torch.Tensor, pid: int, start: torch.Tensor):
         """Codes, metadata and :data:`ANNOTATIONS` of blocks ``[Hkv, n, B, d]`` (first token
@@ -578,9 +580,7 @@ class TieredKVStore:
         precision = self.precisions[pid]
         key_codec, value_codec = precision.key_codec, precision.value_codec
         if self.fused_encode and k16.shape[1]:
-            from certkv.kernels.triton_quantize import quantize_blocks
-
-            key_blocks, value_blocks, _, _ = quantize_blocks(k16, v16, value_codec.group)
+            key_blocks, value_blocks, _, _ = fused.block_encoder()(k16, v16, value_codec.group)
         else:
             key_blocks = key_codec.encode_at(k16, start, self._layer)
             value_blocks = value_codec.encode_at(v16, self._layer)
@@ -884,7 +884,7 @@ class TieredKVStore:
 
     def _new_tracker(self):
         """What adapts this store to the measured certificates: SmartKV's widths
-        (:mod:`certkv.cache.importance`), the adaptive tier boundaries, or None."""
+        (:mod:`certkv.quant.importance`), the adaptive tier boundaries, or None."""
         make = getattr(self.quantizer, "new_tracker", None)
         if make is not None:
             return make(self)
@@ -922,7 +922,7 @@ class TieredKVStore:
             self._evictor.observe_prompt(queries, scale)
 
     def join(self, board, layer: int) -> None:
-        """Share cross-layer state (SmartKV's :class:`~certkv.cache.importance.ImportanceBoard`)
+        """Share cross-layer state (SmartKV's :class:`~certkv.quant.importance.ImportanceBoard`)
         with the other layers of a cache; nothing for other quantizers."""
         self._fault_rng = self._faults.generator(layer)
         if hasattr(self._tracker, "join"):

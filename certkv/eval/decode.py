@@ -5,7 +5,7 @@ One dense prefill of a prompt with the model's own cache is shared by every meth
 then decodes from the last prompt token on its own copy, so the first predicted token already
 comes from the method under test. The dense method keeps the model's own cache and SDPA in the
 model's dtype (what a user would run instead); quantized methods get a
-:class:`~certkv.cache.hf.TieredCache` built from the same prefill states::
+:class:`~certkv.models.hf_cache.TieredCache` built from the same prefill states::
 
     lm = load_model(SMOLLM2)
     ids = lm.tokenizer.encode(prompt, add_special_tokens=False)
@@ -29,18 +29,18 @@ import torch
 from transformers import DynamicCache
 
 from certkv.attention import MODES, CertifiedAttention
-from certkv.cache.hf import CacheSpec, CacheTelemetry, TieredCache
 from certkv.certify.ladder import Ladder
 from certkv.certify.select import AdaptiveTopK
 from certkv.certify.values import LocalThreshold
 from certkv.errors import CertKVError, ConfigError, require
 from certkv.evict.base import EvictionPolicy
 from certkv.graphs import GraphedAttention, GraphedDecode
+from certkv.models.hf_cache import CacheSpec, CacheTelemetry, TieredCache
 from certkv.models.hook import cache_kwargs, recording_prompt_queries
 from certkv.models.loading import LoadedModel
-from certkv.models.rope import rope_spec
 from certkv.quant import KVQuantizer
 from certkv.quant.protect.protection import Protection
+from certkv.quant.rope import rope_spec
 
 
 @dataclass

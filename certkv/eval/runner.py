@@ -21,15 +21,15 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from certkv.attention import MODES, CertifiedAttention
-from certkv.cache.hf import CacheSpec
 from certkv.config import check_types
 from certkv.errors import CertKVError, ConfigError, require
 from certkv.eval.decode import Method, Prefill
+from certkv.eval.feasible import check_budget
 from certkv.eval.progress import RunProgress, announce_compile
 from certkv.eval.results import RunDir, read_jsonl
-from certkv.evict.feasible import check_budget
 from certkv.files import exclusive_dir
 from certkv.graphs import GraphedAttention
+from certkv.models.hf_cache import CacheSpec
 from certkv.models.loading import ModelSpec, check_source, load_model
 from certkv.provenance import environment
 
@@ -232,7 +232,7 @@ def _run_validated(cfg: DictConfig, built: Experiment, out_dir: str, progress: b
                    meta: dict) -> dict:
     """:func:`run_experiment` once ``cfg`` is validated (``built``) and ``out_dir`` is this
     process's; ``meta``: run.json's command and identity."""
-    from certkv.report.summary import summarize
+    from certkv.eval.summary import summarize
 
     variants, spec, tasks = built.variants, built.cache, built.tasks
     lm = load_model(built.model)

@@ -44,33 +44,9 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from certkv.errors import ConfigError, require
 from certkv.files import write_atomic
+from certkv.integrations.lm_eval_args import _compose
 
 MODES = ("dense", "naive", "certified")
-
-
-def _model_overrides(model: str) -> list[str]:
-    """Hydra overrides that pick ``model``: a ``conf/model`` name, or a hub id / directory."""
-    from certkv.config import config_groups
-    from certkv.models.loading import missing_local_path
-
-    if model in config_groups()["model"]:
-        return [f"model={model}"]
-    require(not missing_local_path(model), ConfigError,
-            f"model={model!r} in --model_args is not a directory here; pass a model "
-            f"directory, a hub id such as HuggingFaceTB/SmolLM2-135M or one of "
-            f"{config_groups()['model']}.")
-    return [f"model.path={model}"]  # any model config takes a path (named after it)
-
-
-def _compose(model: str, mode: str, experiment: str | None, overrides: dict):
-    """The Hydra config of one method: the model, the experiment's components, overrides."""
-    from certkv.config import compose_config
-
-    items = [f"+experiment={experiment}"] if experiment else []
-    items += _model_overrides(model)
-    items += [f"{key}={value}" for key, value in overrides.items()]
-    items.append(f"variants=[{{name: {mode}, mode: {mode}}}]")
-    return compose_config(items)
 
 
 ARGS = ("model", "mode", "experiment", "max_length", "run_dir", "batch_size", "device")
@@ -128,13 +104,6 @@ def task_manager(model: str = "smollm2_135m", context: int = 4096, samples: int 
 
     folder = task_folder(model, context, samples, fix="task_manager(context=...)")
     return TaskManager(include_path=str(folder), **kwargs)
-
-
-def model_spec(model: str):
-    """The :class:`~certkv.models.ModelSpec` that ``model=`` names."""
-    from hydra.utils import instantiate
-
-    return instantiate(_compose(model, "dense", None, {}).model)
 
 
 def _progress(items, description: str, disable: bool = False):
@@ -295,7 +264,7 @@ class CertKVLM(TemplateLM):
     def certificate_summary(self) -> dict:
         """Pooled certificate statistics of every request so far (``certkv report``'s
         Tables 11-12 and 15 numbers; empty for the dense method)."""
-        from certkv.report.summary import certificate_summary
+        from certkv.eval.summary import certificate_summary
 
         return certificate_summary(self.records) if self.records else {}
 

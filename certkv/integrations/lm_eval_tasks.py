@@ -228,7 +228,7 @@ def task_folder(model: str, context: int = 4096, samples: int = 5,
                 fix: str = "--certkv_context ...") -> Path:
     """The task folder for ``model``'s tokenizer (written once under ``$CERTKV_DATA``); ``fix``
     is how the caller sets the context (named when a task does not fit)."""
-    from certkv.integrations.lm_eval import model_spec
+    from certkv.integrations.lm_eval_args import model_spec
     from certkv.models.loading import load_tokenizer
 
     require(isinstance(context, int) and context > 0 and isinstance(samples, int)

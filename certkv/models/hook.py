@@ -5,7 +5,7 @@ attention function receives, as ``key``, the :class:`StoreHandle` that ``TieredC
 returned: prefill (``Tq > 1``) runs the model's own dense SDPA over the prompt; every decode step
 (``Tq == 1``) runs :class:`CertifiedAttention` on the layer's store and logs the certificate.
 With any other cache (or none) the model runs exactly as with ``attn_implementation="sdpa"``:
-certification happens only where a :class:`~certkv.cache.hf.TieredCache` is passed.
+certification happens only where a :class:`~certkv.models.hf_cache.TieredCache` is passed.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from certkv.cache.hf import StoreHandle
+from certkv.models.hf_cache import StoreHandle
 
 NAME = "certkv"
 _RECORDING: ContextVar[PromptQueries | None] = ContextVar("certkv_prompt_queries", default=None)

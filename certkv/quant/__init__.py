@@ -6,8 +6,9 @@ from certkv.quant.innerq import InnerQKeyCodec, InnerQValueCodec
 from certkv.quant.int4_group import GroupAffineValueCodec
 from certkv.quant.int8_channel import ChannelAffineKeyCodec
 from certkv.quant.kivi import KiviKeyCodec
-from certkv.quant.kv import KVQuantizer, Precision
+from certkv.quant.kv import KVQuantizer
 from certkv.quant.outlier_value import OutlierValueCodec
+from certkv.quant.precision import Precision
 from certkv.quant.prerope import PreRoPEKeyCodec
 from certkv.quant.rotation import RotatedKeyCodec, RotatedValueCodec
 from certkv.quant.smartkv import SmartKVQuantizer

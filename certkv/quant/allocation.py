@@ -122,3 +122,8 @@ def mean_cost(bits: torch.Tensor, protected: torch.Tensor, cost: dict[int, float
     """The mean cost per element of the unprotected blocks (0 without any)."""
     free = bits[~protected].tolist()
     return sum(cost[b] for b in free) / len(free) if free else 0.0
+
+
+def realloc_period(num_tokens: int) -> int:
+    """Seed 001's ``f(N) = max(8, min(64, 16 (1 + N / 512)))`` decode steps."""
+    return max(8, min(64, int(16 * (1 + num_tokens / 512))))

@@ -22,34 +22,8 @@ from certkv.quant.base import KeyCodec, ValueCodec
 from certkv.quant.fp16 import FP16KeyCodec, FP16ValueCodec
 from certkv.quant.int4_group import GroupAffineValueCodec
 from certkv.quant.int8_channel import ChannelAffineKeyCodec
+from certkv.quant.precision import Precision, exact_precision
 from certkv.quant.protect.protection import Protection
-
-
-@dataclass
-class Precision:
-    """A key codec and a value codec: how one block is held in Tier-1."""
-
-    key_codec: KeyCodec = field(default_factory=ChannelAffineKeyCodec)
-    value_codec: ValueCodec = field(default_factory=GroupAffineValueCodec)
-    name: str = ""
-
-    @property
-    def exact(self) -> bool:
-        """FP16 keys and values: the block enters the certificate as exact (no Delta, no eta)."""
-        return isinstance(self.key_codec, FP16KeyCodec) and isinstance(self.value_codec,
-                                                                       FP16ValueCodec)
-
-    @property
-    def label(self) -> str:
-        return "FP16" if self.exact else f"K{self.key_codec.bits}/V{self.value_codec.bits}"
-
-    def validate(self, head_dim: int, block_size: int) -> None:
-        self.key_codec.validate(head_dim, block_size)
-        self.value_codec.validate(head_dim, block_size)
-
-
-def exact_precision() -> Precision:
-    return Precision(FP16KeyCodec(), FP16ValueCodec(), "exact")
 
 
 def _non_negative(name: str, value) -> None:
@@ -161,7 +135,7 @@ class KVQuantizer:
 
     def with_rope(self, rope) -> KVQuantizer:
         """A copy whose position-dependent codecs (pre-RoPE keys: those with a ``rope`` field)
-        know the model's rotary embedding ``rope`` (:class:`certkv.models.rope.RopeSpec`);
+        know the model's rotary embedding ``rope`` (:class:`certkv.quant.rope.RopeSpec`);
         ``self`` when no codec needs it."""
         if not any(hasattr(c, "rope") for c in self.codecs()):
             return self

@@ -3,7 +3,7 @@
 Per-channel key structure (outlier channels, small ranges) lives in the ``k_proj`` output; RoPE
 mixes each channel pair ``(j, j + d/2)`` by a position-dependent rotation and smears it. The
 cache only ever sees post-RoPE keys, so :class:`PreRoPEKeyCodec` rotates them back with the
-model's :class:`~certkv.models.rope.RopeSpec`, quantizes with a per-channel ``inner`` codec and
+model's :class:`~certkv.quant.rope.RopeSpec`, quantizes with a per-channel ``inner`` codec and
 rotates the reconstruction forward again on decode.
 
 Notation for one block: post-RoPE FP16 originals ``k [B, d]`` (what the store holds), token
@@ -60,7 +60,7 @@ from certkv.quant.base import Blocks, KeyCodec, LayerContext
 from certkv.quant.int8_channel import ChannelAffineKeyCodec
 
 if TYPE_CHECKING:  # certkv.models imports the cache, which imports certkv.quant
-    from certkv.models.rope import RopeSpec
+    from certkv.quant.rope import RopeSpec
 
 KEY_MODES = ("pre_rope", "post_rope")
 _REL = 2.0**-11 + 2.0**-19  # FP16 rounding of the pre-RoPE keys + every FP32/FP64 rounding
@@ -97,7 +97,7 @@ class PreRoPEKeyCodec(KeyCodec):
     rope: RopeSpec | None = None
 
     def __post_init__(self) -> None:
-        from certkv.models.rope import RopeSpec
+        from certkv.quant.rope import RopeSpec
 
         require(self.key_mode in KEY_MODES, ConfigError,
                 f"key_mode={self.key_mode!r} is unknown; use one of {list(KEY_MODES)}.")

@@ -11,7 +11,7 @@ width follows the block's importance, re-allocated every ``f(N) = max(8, min(64,
   certified step already computes every block's mass ``rho_b``). A block's bound is its
   codec's (each token's own scale), so the certificate keeps its form; what changes against
   per-token widths is only granularity (a block of 16 shares one width).
-* **Importance** (:class:`~certkv.cache.importance.SmartKVTracker`): per layer the EMA (gamma)
+* **Importance** (:class:`~certkv.quant.importance.SmartKVTracker`): per layer the EMA (gamma)
   of the mean over query heads of ``rho_b``; the cross-layer mean; recency decay ``exp(-age /
   T)`` with the age in tokens since the block's newest token (the insertion step, counting a
   prompt's tokens as inserted one per step); head weighting ``I_final = 0.7 I + 0.3
@@ -39,17 +39,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from certkv.errors import ConfigError, require
-from certkv.quant.allocation import LADDER
-from certkv.quant.kv import KVQuantizer, Precision, exact_precision
+from certkv.quant.allocation import (
+    LADDER,
+    realloc_period,  # noqa: F401 (SmartKV's f(N))
+)
+from certkv.quant.kv import KVQuantizer
+from certkv.quant.precision import Precision, exact_precision
 from certkv.quant.symmetric_token import TokenSymmetricKeyCodec, TokenSymmetricValueCodec
 
 RULES = ("importance", "certificate")
 HEAD_SIGNALS = ("mean", "max")
-
-
-def realloc_period(num_tokens: int) -> int:
-    """Seed 001's ``f(N) = max(8, min(64, 16 (1 + N / 512)))`` decode steps."""
-    return max(8, min(64, int(16 * (1 + num_tokens / 512))))
 
 
 @dataclass
@@ -114,7 +113,7 @@ class SmartKVQuantizer(KVQuantizer):
                 f"{floor / 16:.4f}.")
 
     def new_tracker(self, store):
-        from certkv.cache.importance import SmartKVTracker
+        from certkv.quant.importance import SmartKVTracker
 
         return SmartKVTracker(self, store)
 

@@ -108,6 +108,6 @@ class SummaryValueCodec(ValueCodec):
 
 def evicted_precision():
     """The precision an evicted block is held at (:mod:`certkv.evict`): its summary only."""
-    from certkv.quant.kv import Precision
+    from certkv.quant.precision import Precision
 
     return Precision(SummaryKeyCodec(), SummaryValueCodec(), "evicted")

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from certkv.errors import ConfigError, require
 from certkv.quant.int4_group import GroupAffineValueCodec
 from certkv.quant.kivi import KiviKeyCodec
-from certkv.quant.kv import KVQuantizer, Precision, exact_precision
+from certkv.quant.kv import KVQuantizer
+from certkv.quant.precision import Precision, exact_precision
 
 ARCHIVES = ("kivi2", "rotation", "kvquant")
 

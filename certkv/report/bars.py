@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 from certkv.eval import stats
+from certkv.eval.summary import certificate_summary
 from certkv.report.look import (
     MANY,
     _figure,
@@ -21,7 +22,6 @@ from certkv.report.look import (
     method_style,
     tag,
 )
-from certkv.report.summary import certificate_summary
 from certkv.report.tables import RunData
 
 RUNGS = ("rung 0: fast path", "rung 1: K* expanded", "rung 2: values promoted",

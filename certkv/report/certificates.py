@@ -13,8 +13,8 @@ from __future__ import annotations
 import statistics
 import textwrap
 
+from certkv.eval.summary import certificate_summary
 from certkv.report.look import _figure, legend_right, log_axis, method_rows, method_style, tag
-from certkv.report.summary import certificate_summary
 from certkv.report.tables import RunData
 
 LABELS = {"e_key": "E_key", "e_val": "E_val", "e_arith": "E_arith", "bound": "bound"}

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from certkv.eval.summary import certificate_summary
 from certkv.report.layout import Table
-from certkv.report.summary import certificate_summary
 from certkv.report.tables import RunData, fmt, fmt_interval, median_step_ms, quality_delta
 
 _TASKS = ("perplexity", "niah", "ruler")

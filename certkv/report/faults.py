@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from certkv.eval.summary import certificate_summary
 from certkv.quant.protect.protection import bits_per_value
 from certkv.report.layout import Table
-from certkv.report.summary import certificate_summary
 from certkv.report.tables import RunData, fmt, fmt_interval, fmt_sci, quality_delta
 
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from certkv.eval.summary import table_rows
 from certkv.provenance import source_commit
-from certkv.report.summary import table_rows
 
 
 def summary_markdown(summary: dict, command: str, machine: str) -> str:

@@ -16,8 +16,8 @@ import yaml
 
 from certkv.errors import CertKVError, require
 from certkv.eval.results import RunDir
+from certkv.eval.summary import certificate_summary
 from certkv.files import write_atomic
-from certkv.report.summary import certificate_summary
 from certkv.report.tables import (
     RunData,
     Table,

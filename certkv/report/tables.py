@@ -21,8 +21,8 @@ import yaml
 from certkv.errors import CertKVError, require
 from certkv.eval import stats
 from certkv.eval.results import RunDir, read_jsonl
+from certkv.eval.summary import certificate_summary
 from certkv.report.layout import Table
-from certkv.report.summary import certificate_summary
 
 
 @dataclass

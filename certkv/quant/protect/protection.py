@@ -130,7 +130,7 @@ class Protection:
         """``precision`` with its codecs protected (exact ones unchanged): codecs that store
         codes under the code (and the check), the others (FP16 sides, eviction summaries:
         ``stores_codes`` False) under the integrity check alone, when it is on."""
-        from certkv.quant.kv import Precision
+        from certkv.quant.precision import Precision
 
         if precision.exact or not self.wraps:
             return precision

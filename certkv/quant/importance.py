@@ -28,10 +28,10 @@ from certkv.quant.allocation import (
     fit_budget,
     greedy_allocation,
     rank_order,
+    realloc_period,
     seed_allocation,
     step_size,
 )
-from certkv.quant.smartkv import realloc_period
 
 
 class ImportanceBoard:

@@ -17,11 +17,11 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from certkv.attention import CertifiedAttention
 from certkv.cache import thresholds
-from certkv.cache.importance import ImportanceBoard
 from certkv.cache.scratch import ScratchCache, ScratchStats
 from certkv.cache.store import TieredKVStore
 from certkv.certify.certificate import CertificateLog
 from certkv.errors import CertKVError, ConfigError, require
+from certkv.quant.importance import ImportanceBoard
 from certkv.quant.kv import KVQuantizer
 
 _BATCH = ("{n} sequences at once are not supported (a batch of {n} prompts, or generate() with "
