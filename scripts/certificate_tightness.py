@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 
 from certkv.attention import CertifiedAttention
-from certkv.models.hf_cache import TieredCache
 from certkv.demo import DemoLayer
 from certkv.kernels.reference import exact_attention
+from certkv.models.hf_cache import TieredCache
 from certkv.provenance import source_commit
 from certkv.quant import ChannelAffineKeyCodec, GroupAffineValueCodec, KVQuantizer
 
