@@ -517,3 +517,36 @@ def test_a_naive_step_over_corrupted_summaries_never_returns_an_unbounded_head(s
     out, cert = CertifiedAttention(mode="naive")(q, store)
     assert bool((cert.bound[cert.rung < 3] < float("inf")).all())
     check_heads(out, cert, q, store)
+
+
+@pytest.mark.parametrize("transient", [False, True])
+def test_flipped_annotations_fail_the_check_and_their_blocks_read_their_originals(
+        transient, monkeypatch):
+    """Faults that hit only the blocks' annotations (the words the certificate reads per
+    block): with the check, those blocks are corrupted and served from their originals, and
+    every head keeps its bound; without it nothing is certified (faults_covered False)."""
+    from certkv.cache.store import ANNOTATIONS
+
+    flip = FaultModel.flip
+
+    def annotations_only(self, blocks, generator):
+        if set(blocks) <= set(ANNOTATIONS):
+            return flip(self, blocks, generator)
+        return blocks, 0
+
+    monkeypatch.setattr(FaultModel, "flip", annotations_only)
+    for integrity in (True, False):
+        quantizer = KVQuantizer(block_size=16).with_protection(Protection(
+            "none", "zero", integrity, FaultModel(p=2e-3, seed=3, metadata=True,
+                                                  transient=transient)))
+        store = TieredKVStore(2, 32, **quantizer.store_kwargs())
+        k, v = make_kv(2, 200, 32, seed=3, outlier_channels=2)
+        store.append(k, v)
+        q = make_query(k, 2, seed=3)
+        out, cert = CertifiedAttention(backend=TorchBackend())(q, store)
+        check_heads(out, cert, q, store)
+        assert cert.faults_covered == integrity
+        if integrity:
+            assert 0 < cert.corrupted_blocks < store.num_blocks and store.bits_flipped > 0
+        else:
+            assert cert.corrupted_blocks == 0

@@ -51,6 +51,7 @@ from certkv.quant.base import round_up_fp32
 from certkv.quant.int8_channel import is_int8
 from certkv.quant.kv import KVQuantizer
 from certkv.quant.precision import Precision, exact_precision
+from certkv.quant.protect.integrity import block_hash
 from certkv.quant.protect.protection import Protection, protected
 from certkv.quant.summary import evicted_precision
 
@@ -589,7 +590,7 @@ class TieredKVStore:
         if self._health is not None:
             if not precision.exact:
                 key_blocks, value_blocks = self._inject(key_blocks, value_blocks)
-            notes.update(self._read_health(precision, key_blocks, value_blocks))
+            notes.update(self._read_health(precision, key_blocks, value_blocks, notes))
         return key_blocks, value_blocks, notes
 
     def _inject(self, key_blocks: Blocks, value_blocks: Blocks) -> tuple[Blocks, Blocks]:
@@ -607,11 +608,11 @@ class TieredKVStore:
         self.bits_flipped += n_k + n_v
         return key_blocks, value_blocks
 
-    def _read_health(self, precision: Precision, key_blocks: Blocks,
-                     value_blocks: Blocks) -> dict[str, torch.Tensor]:
+    def _read_health(self, precision: Precision, key_blocks: Blocks, value_blocks: Blocks,
+                     notes: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """:data:`HEALTH` of blocks as read now: the protected codecs' word counts, and a
-        block is corrupted (every kv head of it) when any of its codes fails the integrity
-        check."""
+        block is corrupted (every kv head of it) when any of its codes, or (``notes``, its
+        :data:`ANNOTATIONS` as written) its annotations, fails the integrity check."""
         any_blocks = next(iter(key_blocks.values()))
         hkv, n = any_blocks.shape[:2]
         corrected = torch.zeros(hkv, n, dtype=torch.int32, device=self.device)
@@ -626,8 +627,24 @@ class TieredKVStore:
             corrected += found.corrected.to(torch.int32)
             erased += found.erased.to(torch.int32)
             bad |= ~found.intact
+        if notes is not None and not precision.exact:
+            bad |= self._notes_fail_check(notes)
         corrupted = bad.any(dim=0, keepdim=True).expand(hkv, n).clone()
         return {"corrected": corrected, "erased": erased, "corrupted": corrupted}
+
+    def _notes_fail_check(self, notes: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Bool ``[Hkv, n]``: the blocks' annotations as read now (their words flipped by the
+        fault model with ``metadata``) fail their hash. The check is what the integrity option
+        stores; a block that fails it is served from its FP16 originals and its annotations
+        are those of its originals (what was written), so the values a step uses stay true.
+        Without the check nothing is flipped here: faults then certify nothing anyway
+        (:attr:`~certkv.quant.protect.protection.Protection.covers_faults`)."""
+        clean = {name: notes[name] for name in ANNOTATIONS}
+        if not (self.protection.integrity and self._faults.active and self._faults.metadata):
+            return torch.zeros_like(clean["eta"], dtype=torch.bool)
+        read, flipped = self._faults.flip(clean, self._fault_rng)
+        self.bits_flipped += flipped
+        return (block_hash(read) != block_hash(clean)).any(dim=-1)
 
     def refresh_reads(self) -> None:
         """Called once per attention step before it reads Tier-1 (:class:`~certkv.kernels.
@@ -651,7 +668,8 @@ class TieredKVStore:
             if not precision.exact:
                 keys, values = self._flip(keys, values)
                 self._step_codes[pid, "key"], self._step_codes[pid, "value"] = keys, values
-            for name, t in self._read_health(precision, keys, values).items():
+            written = {name: t[:, where] for name, t in self._annotations.view().items()}
+            for name, t in self._read_health(precision, keys, values, written).items():
                 health[name][:, where] = t
             read["k"][:, where] = precision.key_codec.decode(keys)
             read["v"][:, where] = precision.value_codec.decode(values)

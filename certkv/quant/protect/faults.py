@@ -57,6 +57,8 @@ def flip_mask(shape: tuple[int, ...], p: float, generator: torch.Generator,
 def inject(data: torch.Tensor, p: float, generator: torch.Generator) -> tuple[torch.Tensor, int]:
     """``data`` (any integer dtype, its bytes) with its bits flipped at rate ``p``, and the
     number of bits flipped."""
+    if not data.numel():  # no bytes (no block): nothing flips
+        return data, 0
     raw = data.contiguous().view(torch.uint8)
     mask, flipped = flip_mask(tuple(raw.shape), p, generator, raw.device)
     return (raw ^ mask).view(data.dtype).reshape(data.shape), flipped

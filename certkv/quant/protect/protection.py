@@ -17,11 +17,11 @@ block's summary (:class:`~certkv.quant.protect.checked.CheckedCodec`). Without i
 make what a step reads differ from what was written in ways no bound states: the certificate
 then says it does not cover faults (:attr:`Protection.covers_faults`).
 
-The fault model's scope is the KV payload: every tensor of every stored block. The certificate's
-own state (per-block annotations such as ``eta`` and ``nu``, the running maxima, the block
-table and counts) is not faulted: it is a few FP32 words per block that the store computes from
-the originals, and guarding it needs a scheme of its own (duplicated words compared on read),
-not the payload's code.
+The blocks' annotations (``eta``, ``nu``, ... : the words of each block the certificate reads)
+flip with ``metadata`` where the integrity check can see them: a block whose annotations fail
+their hash is served from its FP16 originals with its originals' annotations
+(:meth:`~certkv.cache.store.TieredKVStore._notes_fail_check`). The store's other state (running
+maxima, block table, counts) is not in the fault model.
 """
 
 from __future__ import annotations
