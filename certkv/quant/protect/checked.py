@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from certkv.quant.base import Blocks, LayerContext
-from certkv.quant.protect.codec import BlockRead, InnerKeyBounds, InnerValueBounds
+from certkv.quant.base import Blocks
+from certkv.quant.protect.codec import BlockRead, WrappedKeyCodec, WrappedValueCodec
 from certkv.quant.protect.integrity import block_hash
 
 
@@ -43,10 +43,10 @@ class CheckedCodec:
         self.inner.validate(head_dim, block_size)
 
     def stored_layout(self, block_size: int, head_dim: int) -> Blocks:
-        return self._checked(self.inner.stored_layout(block_size, head_dim))
+        return self._stored(self.inner.stored_layout(block_size, head_dim))
 
     @staticmethod
-    def _checked(blocks: Blocks) -> Blocks:
+    def _stored(blocks: Blocks) -> Blocks:
         return {**blocks, "check": block_hash(blocks)}
 
     def inner_blocks(self, blocks: Blocks) -> Blocks:
@@ -63,22 +63,9 @@ class CheckedCodec:
         return self.inner.decode(self.inner_blocks(blocks))
 
 
-class CheckedKeyCodec(CheckedCodec, InnerKeyBounds):
+class CheckedKeyCodec(CheckedCodec, WrappedKeyCodec):
     """A key codec whose blocks carry the integrity check; bounds are the inner codec's."""
 
-    def encode(self, k: torch.Tensor) -> Blocks:
-        return self._checked(self.inner.encode(k))
 
-    def encode_at(self, k: torch.Tensor, start: torch.Tensor,
-                  layer: LayerContext | None = None) -> Blocks:
-        return self._checked(self.inner.encode_at(k, start, layer))
-
-
-class CheckedValueCodec(CheckedCodec, InnerValueBounds):
+class CheckedValueCodec(CheckedCodec, WrappedValueCodec):
     """A value codec whose blocks carry the integrity check; bounds are the inner codec's."""
-
-    def encode(self, v: torch.Tensor) -> Blocks:
-        return self._checked(self.inner.encode(v))
-
-    def encode_at(self, v: torch.Tensor, layer: LayerContext | None = None) -> Blocks:
-        return self._checked(self.inner.encode_at(v, layer))

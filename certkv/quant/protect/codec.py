@@ -85,7 +85,7 @@ class ProtectedCodec:
                 "for it.")
 
     # ------------------------------------------------------------------ writing
-    def _protect(self, blocks: Blocks) -> Blocks:
+    def _stored(self, blocks: Blocks) -> Blocks:
         codes = blocks["codes"]
         self._layout = (tuple(codes.shape[2:]), codes.dtype)
         raw = codes.contiguous().view(torch.uint8).flatten(2)  # [Hkv, n, B L]
@@ -192,9 +192,17 @@ def repair(x: torch.Tensor, erased: torch.Tensor, erasure: str) -> torch.Tensor:
     return torch.where(erased, mid, x)
 
 
-class InnerKeyBounds(KeyCodec):
-    """A wrapped key codec's checks and bounds: its ``inner`` codec's, on the inner blocks
+class WrappedKeyCodec(KeyCodec):
+    """A key codec that stores its ``inner`` codec's blocks as ``_stored`` makes them (code
+    words, a check); its checks and bounds are the inner codec's, on the inner blocks
     (``inner_blocks``) of what is read."""
+
+    def encode(self, k: torch.Tensor) -> Blocks:
+        return self._stored(self.inner.encode(k))
+
+    def encode_at(self, k: torch.Tensor, start: torch.Tensor,
+                  layer: LayerContext | None = None) -> Blocks:
+        return self._stored(self.inner.encode_at(k, start, layer))
 
     def check_encodable(self, k: torch.Tensor, start: torch.Tensor) -> None:
         self.inner.check_encodable(k, start)
@@ -206,8 +214,15 @@ class InnerKeyBounds(KeyCodec):
         return self.inner.decode_slack(self.inner_blocks(blocks))
 
 
-class InnerValueBounds(ValueCodec):
-    """A wrapped value codec's bounds: its ``inner`` codec's (see :class:`InnerKeyBounds`)."""
+class WrappedValueCodec(ValueCodec):
+    """A value codec that stores its ``inner`` codec's blocks as ``_stored`` makes them; its
+    bounds are the inner codec's (see :class:`WrappedKeyCodec`)."""
+
+    def encode(self, v: torch.Tensor) -> Blocks:
+        return self._stored(self.inner.encode(v))
+
+    def encode_at(self, v: torch.Tensor, layer: LayerContext | None = None) -> Blocks:
+        return self._stored(self.inner.encode_at(v, layer))
 
     def token_bound(self, blocks: Blocks) -> torch.Tensor:
         return self.inner.token_bound(self.inner_blocks(blocks))
@@ -216,22 +231,9 @@ class InnerValueBounds(ValueCodec):
         return self.inner.decode_rounding(head_dim)
 
 
-class ProtectedKeyCodec(ProtectedCodec, InnerKeyBounds):
+class ProtectedKeyCodec(ProtectedCodec, WrappedKeyCodec):
     """A key codec whose codes are ECC-protected; bounds are the inner codec's."""
 
-    def encode(self, k: torch.Tensor) -> Blocks:
-        return self._protect(self.inner.encode(k))
 
-    def encode_at(self, k: torch.Tensor, start: torch.Tensor,
-                  layer: LayerContext | None = None) -> Blocks:
-        return self._protect(self.inner.encode_at(k, start, layer))
-
-
-class ProtectedValueCodec(ProtectedCodec, InnerValueBounds):
+class ProtectedValueCodec(ProtectedCodec, WrappedValueCodec):
     """A value codec whose codes are ECC-protected; bounds are the inner codec's."""
-
-    def encode(self, v: torch.Tensor) -> Blocks:
-        return self._protect(self.inner.encode(v))
-
-    def encode_at(self, v: torch.Tensor, layer: LayerContext | None = None) -> Blocks:
-        return self._protect(self.inner.encode_at(v, layer))
