@@ -51,8 +51,7 @@ def check_room(store, n_new: int, seq_len: int, prefill: bool) -> None:
     stages = store.stages.clone()
     stages.add(n_new, seq_len)
     stages.due(seq_len)
-    bytes_at = torch.tensor([float(store.block_bytes(p)) for p in range(len(store.precisions))],
-                            dtype=torch.float64)
+    bytes_at = store.precision_block_bytes()
     own = _own_bytes(store, stages, seq_len, bytes_at)  # [n + n_new]
     evicted = torch.cat([store.evicted_mask(), torch.zeros(n_new, dtype=torch.bool)])
     if budget is not None:
@@ -72,9 +71,9 @@ def check_room(store, n_new: int, seq_len: int, prefill: bool) -> None:
 def _own_bytes(store, stages, seq_len: int, bytes_at: torch.Tensor) -> torch.Tensor:
     """FP64 ``[n + n_new]``: each block's bytes at its stage's precision after the append (the
     cheapest the quantizer may hold, where a tracker re-allocates widths)."""
-    pids = torch.tensor([store.quantizer.stage_precision(int(s), seq_len) for s in stages.stage],
-                        dtype=torch.long)
-    own = bytes_at[pids]
+    by_stage = torch.tensor([store.quantizer.stage_precision(s, seq_len)
+                             for s in range(stages.last + 1)], dtype=torch.long)
+    own = bytes_at[by_stage[stages.stage]]  # one lookup per stage, not per block
     if hasattr(store._tracker, "appended"):  # widths re-allocated after the append
         held = [p for p in range(len(store.precisions))
                 if p != store.evicted_pid and store.quantizer.may_hold(p)]

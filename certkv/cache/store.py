@@ -627,21 +627,24 @@ class TieredKVStore:
             corrected += found.corrected.to(torch.int32)
             erased += found.erased.to(torch.int32)
             bad |= ~found.intact
-        if notes is not None and not precision.exact:
+        if notes is not None and self._checks_notes and not precision.exact:
             bad |= self._notes_fail_check(notes)
         corrupted = bad.any(dim=0, keepdim=True).expand(hkv, n).clone()
         return {"corrected": corrected, "erased": erased, "corrupted": corrupted}
 
+    @property
+    def _checks_notes(self) -> bool:
+        """Faults flip annotations (``metadata``) and the integrity check sees them. Without
+        the check nothing is flipped there: faults then certify nothing anyway
+        (:attr:`~certkv.quant.protect.protection.Protection.covers_faults`)."""
+        return self.protection.integrity and self._faults.active and self._faults.metadata
+
     def _notes_fail_check(self, notes: dict[str, torch.Tensor]) -> torch.Tensor:
         """Bool ``[Hkv, n]``: the blocks' annotations as read now (their words flipped by the
-        fault model with ``metadata``) fail their hash. The check is what the integrity option
-        stores; a block that fails it is served from its FP16 originals and its annotations
-        are those of its originals (what was written), so the values a step uses stay true.
-        Without the check nothing is flipped here: faults then certify nothing anyway
-        (:attr:`~certkv.quant.protect.protection.Protection.covers_faults`)."""
+        fault model) fail their hash. A block that fails it is served from its FP16 originals
+        and its annotations are those of its originals (what was written), so the values a
+        step uses stay true."""
         clean = {name: notes[name] for name in ANNOTATIONS}
-        if not (self.protection.integrity and self._faults.active and self._faults.metadata):
-            return torch.zeros_like(clean["eta"], dtype=torch.bool)
         read, flipped = self._faults.flip(clean, self._fault_rng)
         self.bits_flipped += flipped
         return (block_hash(read) != block_hash(clean)).any(dim=-1)
@@ -668,7 +671,8 @@ class TieredKVStore:
             if not precision.exact:
                 keys, values = self._flip(keys, values)
                 self._step_codes[pid, "key"], self._step_codes[pid, "value"] = keys, values
-            written = {name: t[:, where] for name, t in self._annotations.view().items()}
+            written = ({name: t[:, where] for name, t in self._annotations.view().items()}
+                       if self._checks_notes else None)
             for name, t in self._read_health(precision, keys, values, written).items():
                 health[name][:, where] = t
             read["k"][:, where] = precision.key_codec.decode(keys)
@@ -882,9 +886,12 @@ class TieredKVStore:
         evicted = self.evicted_mask()
         for pid, where in self._stage_pids(evicted.nonzero(as_tuple=True)[0]):
             pids[where] = pid
-        per = torch.tensor([float(self.block_bytes(p)) for p in range(len(self.precisions))],
-                           dtype=torch.float64)
-        return per[pids]
+        return self.precision_block_bytes()[pids]
+
+    def precision_block_bytes(self) -> torch.Tensor:
+        """FP64 ``[P]`` (host): :meth:`block_bytes` of each precision id."""
+        return torch.tensor([float(self.block_bytes(p)) for p in range(len(self.precisions))],
+                            dtype=torch.float64)
 
     def _hold(self, blocks: torch.Tensor, pid: int) -> None:
         if not len(blocks):
