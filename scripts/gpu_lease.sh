@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One lent GPU call (about 15 minutes of device time a task, 10 minutes a call): the `gpu`
+# tests in parallel, the launch count, attention at 32K-128K and the whole Llama-3.1-8B-shaped
+# decode with CUDA graphs, each step under its own time limit so one slow step cannot starve the
+# rest. Results: one archive, $OUT/gpu.tar.gz (the tool brings back at most 8 files), and
+# $OUT/summary.txt. The machine is offline: hydra, omegaconf, antlr4 and gguf travel as wheels.
+#   device run, carry [".whl"]:  bash scripts/gpu_lease.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_out}; R=$OUT/bench; mkdir -p "$R/graphs"
+if [[ -d .whl ]]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+PY=python3
+step() {  # step SECONDS NAME COMMAND...: run, log to $R/NAME.txt, record rc and seconds
+  local limit=$1 name=$2; shift 2; local t0=$SECONDS
+  timeout "$limit" "$@" >"$R/$name.txt" 2>&1; local rc=$?
+  echo "$name: rc $rc, $((SECONDS - t0)) s" | tee -a "$R/steps.txt"
+}
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  $PY -c "import torch, triton, transformers, sys; print('python', sys.version.split()[0], \
+'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+  git rev-parse HEAD 2>/dev/null; git status --short 2>/dev/null | head; } >"$R/machine.txt" 2>&1
+SKIP=()
+$PY -c "import wandb" 2>/dev/null || SKIP+=(--ignore=tests/test_hygiene.py)
+$PY -c "import lm_eval" 2>/dev/null || SKIP+=(--ignore=tests/test_lm_eval.py)
+step ${T_TESTS:-230} gpu_tests $PY -m pytest -m gpu -p no:cacheprovider -n 8 --dist loadfile \
+  --timeout 200 --durations=25 -rfE "${SKIP[@]}" tests
+step 60 launches $PY -m certkv.cli bench launches --out "$R" --force
+step 100 attention $PY -m certkv.cli bench attention --context 32768 --context 65536 \
+  --context 131072 --repeats 20 --out "$R" --force
+step 150 decode_graphs $PY -m certkv.cli bench decode --model llama31_8b --context 8192 \
+  --context 32768 --context 65536 --repeats 3 --graphs on --out "$R/graphs" --force
+tar -czf "$OUT/gpu.tar.gz" -C "$OUT" bench
+{ cat "$R/machine.txt" "$R/steps.txt"; tail -5 "$R/gpu_tests.txt"; } >"$OUT/summary.txt"
+cat "$OUT/summary.txt"
