@@ -16,7 +16,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PY=python3
 step() {  # step SECONDS NAME COMMAND...: run, log to $R/NAME.txt, record rc and seconds
   local limit=$1 name=$2; shift 2; local t0=$SECONDS
-  timeout "$limit" "$@" >"$R/$name.txt" 2>&1; local rc=$?
+  timeout -s INT -k 15 "$limit" "$@" >"$R/$name.txt" 2>&1; local rc=$?
   echo "$name: rc $rc, $((SECONDS - t0)) s" | tee -a "$R/steps.txt"
 }
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -26,12 +26,12 @@ step() {  # step SECONDS NAME COMMAND...: run, log to $R/NAME.txt, record rc and
 SKIP=()
 $PY -c "import wandb" 2>/dev/null || SKIP+=(--ignore=tests/test_hygiene.py)
 $PY -c "import lm_eval" 2>/dev/null || SKIP+=(--ignore=tests/test_lm_eval.py)
-step ${T_TESTS:-230} gpu_tests $PY -m pytest -m gpu -p no:cacheprovider -n 8 --dist loadfile \
-  --timeout 200 --durations=25 -rfE "${SKIP[@]}" tests
-step 60 launches $PY -m certkv.cli bench launches --out "$R" --force
-step 100 attention $PY -m certkv.cli bench attention --context 32768 --context 65536 \
+step ${T_TESTS:-190} gpu_tests $PY -m pytest -m gpu -p no:cacheprovider -n 8 --dist load \
+  --timeout 170 --durations=25 -rfE "${SKIP[@]}" tests
+step 40 launches $PY -m certkv.cli bench launches --out "$R" --force
+step ${T_ATTN:-80} attention $PY -m certkv.cli bench attention --context 32768 --context 65536 \
   --context 131072 --repeats 20 --out "$R" --force
-step 150 decode_graphs $PY -m certkv.cli bench decode --model llama31_8b --context 8192 \
+step ${T_DECODE:-130} decode_graphs $PY -m certkv.cli bench decode --model llama31_8b --context 8192 \
   --context 32768 --context 65536 --repeats 3 --graphs on --out "$R/graphs" --force
 tar -czf "$OUT/gpu.tar.gz" -C "$OUT" bench
 { cat "$R/machine.txt" "$R/steps.txt"; tail -5 "$R/gpu_tests.txt"; } >"$OUT/summary.txt"

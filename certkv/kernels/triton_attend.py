@@ -92,7 +92,7 @@ def _attend_kernel(s_ptr, q_ptr, kslot_ptr, kstaged_ptr, gate_ptr, delta_ptr,
             gap = tl.where(finite, tl.abs(s16 - s), 0.0)
             slack = eps_guard + 1e-5 * tl.where(finite, tl.abs(s16), 0.0)
             bad = on[:, None] & (gap > delta[:, None] + slack)
-            violated = tl.max(bad.to(tl.int8), axis=1)
+            violated = tl.max(bad.to(tl.int8), axis=1).to(tl.int8)  # the compiler widens
             s = tl.where(on[:, None], s16, s)
         tl.store(canary_ptr + row, violated, mask=live_g)
         vslot = tl.load(vslot_ptr + kv * s_lk + blk)
