@@ -49,7 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from certkv.errors import ConfigError, require
-from certkv.opcount import wrap_triton_launches
+from certkv.kernels.launch_hooks import wrap_triton_launches
 
 # aten operators that wait for the device (a value or a data-dependent shape read on the host)
 _HOST_READS = frozenset({torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default,

@@ -42,6 +42,8 @@ from contextlib import contextmanager
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from certkv.kernels.launch_hooks import wrap_triton_launches
+
 PHASE = "certkv::"  # the profiler label of a phase: certkv::<name>
 KERNEL, SEGMENT = "certkv-kernel::", "certkv-segment::"  # labels of launches and segments
 # aten operators that launch nothing on CUDA: views, metadata and allocations.
@@ -164,31 +166,6 @@ class StepCounter:
                 "top_ops": dict(self.by_op.most_common(10)),
                 "kernels": sum(self.kernels.values()), "segments": sum(self.segments.values()),
                 "eager_launches": self.eager_launches}
-
-
-def wrap_triton_launches(wrap):
-    """Route every Triton launch (the JIT's and the interpreter's launch methods patched)
-    through ``wrap(kernel, launch, args, kwargs)``, where ``launch(*args, **kwargs)`` runs it;
-    returns the function that restores the methods (nothing to patch without Triton)."""
-    try:
-        from triton.runtime.interpreter import InterpretedFunction
-        from triton.runtime.jit import JITFunction
-    except ImportError:
-        return lambda: None
-    saved = {cls: cls.run for cls in (JITFunction, InterpretedFunction)}
-
-    def patched(cls):
-        def run(fn, *args, **kwargs):
-            return wrap(fn, lambda *a, **k: saved[cls](fn, *a, **k), args, kwargs)
-        return run
-
-    for cls in saved:
-        cls.run = patched(cls)
-
-    def restore():
-        for cls, run in saved.items():
-            cls.run = run
-    return restore
 
 
 def _launches(event, op: str) -> bool:

@@ -28,9 +28,9 @@ $PY -c "import wandb" 2>/dev/null || SKIP+=(--ignore=tests/test_hygiene.py)
 $PY -c "import lm_eval" 2>/dev/null || SKIP+=(--ignore=tests/test_lm_eval.py)
 step ${T_TESTS:-190} gpu_tests $PY -m pytest -m gpu -p no:cacheprovider -n 8 --dist load \
   --timeout 170 --durations=25 -rfE "${SKIP[@]}" tests
-step 40 launches $PY -m certkv.cli bench launches --out "$R" --force
-step ${T_ATTN:-80} attention $PY -m certkv.cli bench attention --context 32768 --context 65536 \
-  --context 131072 --repeats 20 --out "$R" --force
+step ${T_LAUNCH:-70} launches $PY -m certkv.cli bench launches --out "$R" --force
+step ${T_ATTN:-120} attention $PY -m certkv.cli bench attention --context 32768 --context 65536 \
+  --context 131072 --repeats 10 --out "$R" --force
 step ${T_DECODE:-130} decode_graphs $PY -m certkv.cli bench decode --model llama31_8b --context 8192 \
   --context 32768 --context 65536 --repeats 3 --graphs on --out "$R/graphs" --force
 tar -czf "$OUT/gpu.tar.gz" -C "$OUT" bench

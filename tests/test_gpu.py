@@ -68,7 +68,8 @@ def test_a_certified_step_never_syncs(scratch):
             attn(q, store, scratch=cache)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    # torch's warning per synchronizing call (its notice that the mode is a prototype is not one)
+    syncs = [w for w in caught if "called a synchronizing" in str(w.message)]
     assert syncs == [], [str(w.message) for w in syncs]  # page-in and fallback on the device
 
 
@@ -110,7 +111,9 @@ def test_the_step_counter_counts_kernel_launches_on_cuda():
     counts = count_step(lambda: attn(q, store), attn)
     dense = CertifiedAttention(mode="dense")
     dense(q, store)
-    assert counts["launches"] > count_step(lambda: dense(q, store), dense)["launches"] > 0
+    # every Triton launch is a CUDA launch, and a compiled segment at least one
+    assert counts["launches"] >= counts["kernels"] + counts["segments"] > 0
+    assert count_step(lambda: dense(q, store), dense)["launches"] > 0
     assert counts["host_reads"] == 0  # page-in and fallback on the device (issue 24)
 
 

@@ -445,6 +445,27 @@ def test_quantize_on_append_kernel_matches_the_codecs():
     check_contract(fused_store, q, CertifiedAttention(backend=TritonBackend()))
 
 
+
+def test_the_quantize_kernel_leaves_evicted_blocks_to_their_summary_codec():
+    """With eviction, the store's fused encoder (the default on CUDA) quantizes blocks at the
+    main precision only; an evicted block's summary is written by its own codec (on an H200
+    the kernel was asked for a summary's value group and every evicting store failed)."""
+    from certkv.evict import StreamingEviction
+    from certkv.quant import KVQuantizer
+
+    k, v = make_kv(2, 256, 32, seed=4, outlier_channels=2)
+    stores = [TieredKVStore(2, 32, fused_encode=fused, quantizer=KVQuantizer(
+        block_size=16).with_eviction(StreamingEviction(budget=0.3, sink=16)))
+        for fused in (False, True)]
+    for store in stores:
+        store.append(k, v)
+    assert stores[1].fused_encode and stores[1].evicted_mask().any()
+    assert torch.equal(stores[0].evicted_mask(), stores[1].evicted_mask())
+    assert torch.equal(stores[0].dequantized_keys(), stores[1].dequantized_keys())
+    assert torch.equal(stores[0].dequantized_values(), stores[1].dequantized_values())
+    q = make_query(k, 2, seed=1, scale=2.0, peaked=True)
+    check_contract(stores[1], q, CertifiedAttention(backend=TritonBackend()))
+
 def torch_merge(m_b, l_b, m, lsum, acc, l2_b) -> Attended:
     """Oracle of the split reduction: the log-sum-exp merge in PyTorch."""
     top = m.amax(dim=-1, keepdim=True)

@@ -220,7 +220,7 @@ class TieredKVStore:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.block_size = block_size
-        self.device = torch.device(device)
+        self.device = torch.empty(0, device=device).device  # "cuda" -> cuda:0, as tensors say
         self.quantizer = quantizer or KVQuantizer(
             key_codec or ChannelAffineKeyCodec(),
             value_codec or GroupAffineValueCodec(group=value_group), block_size)
@@ -580,7 +580,8 @@ class TieredKVStore:
         on either path (the fused kernel's own eta / nu are not used)."""
         precision = self.precisions[pid]
         key_codec, value_codec = precision.key_codec, precision.value_codec
-        if self.fused_encode and k16.shape[1]:
+        main = key_codec is self.key_codec and value_codec is self.value_codec
+        if self.fused_encode and main and k16.shape[1]:  # the kernel encodes the main codecs
             key_blocks, value_blocks, _, _ = fused.block_encoder()(k16, v16, value_codec.group)
         else:
             key_blocks = key_codec.encode_at(k16, start, self._layer)
