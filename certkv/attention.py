@@ -233,8 +233,7 @@ class CertifiedAttention:
         backend's (the whole mirror on a CPU; ``"lean"`` where the numba loops run)."""
         if self.mode == "dense":
             return False
-        pick = getattr(self.backend, "decoded_mirror", None)
-        return pick(device) if pick is not None else device.type == "cpu"
+        return self.backend.decoded_mirror(device)
 
     def graph_ready(self, q: torch.Tensor, store: TieredKVStore) -> bool:
         """Whether a step of ``q`` over ``store`` reads no host value, so that it can be
@@ -921,7 +920,7 @@ class CertifiedAttention:
 
     def _on_device(self, q, tolerant) -> bool:
         """Whether rungs 3-4 run on the device from the flags in place (``device_fallback``)."""
-        possible = (hasattr(self.backend, "dense_flagged") and q.dtype != torch.float64
+        possible = (self.backend.falls_back_on_device and q.dtype != torch.float64
                     and not tolerant)
         if self.device_fallback is None:
             return possible
@@ -1017,8 +1016,7 @@ def _device_arith(flags, e_arith, e_dense):
 
 def _takes_empty_tail(backend, lay: StepLayout) -> bool:
     """Whether ``backend``'s phases take a tail block with no token (the Triton kernels')."""
-    takes = getattr(backend, "takes_empty_tail", None)
-    return takes is not None and takes(lay)
+    return backend.takes_empty_tail(lay)
 
 
 def _counted_tokens(lay: StepLayout, on_device: bool) -> int:

@@ -268,7 +268,7 @@ def layer_steps(case: AttentionCase, device: torch.device, compile: bool | str |
              "naive": partial(naive, q, store),
              "certified": partial(certified, q, store, scratch=ScratchCache())}
     methods = {"dense": None, "naive": naive, "certified": certified}
-    if hasattr(certified.backend, "dense_flagged"):
+    if certified.backend.falls_back_on_device:
         host = CertifiedAttention(compile=compile, backend=backend, device_fallback=False)
         steps["certified-host"] = partial(host, q, store, scratch=ScratchCache())
         methods["certified-host"] = host

@@ -25,18 +25,27 @@ from hydra.utils import instantiate
 
 from certkv.bench import Update, result_table, short, stats, timings, tokens
 from certkv.cache.store import TieredKVStore
-from certkv.config import option
+from certkv.config import config_groups, option
 from certkv.quant import Precision
 from certkv.quant.rope import RopeSpec
 from certkv.report.layout import Table
 
-# (label, conf/quantizer name, option changes): the quantizers of the methods experiments
-QUANTIZERS = (("int8_int4", "int8_int4", ()), ("kivi4", "kivi4", ()), ("kivi2", "kivi2", ()),
-              ("tiers-kivi2", "tiers", ("archive=kivi2",)),
-              ("tiers-rotation", "tiers", ("archive=rotation",)),
-              ("tiers-kvquant", "tiers", ("archive=kvquant",)),
-              ("kivi2-sink", "kivi2", ("sink=32", "residual=96")), ("innerq", "innerq", ()),
-              ("smartkv-b25", "smartkv", ("beta=0.25",)), ("smartkv-b40", "smartkv", ("beta=0.4",)))
+# (label, conf/quantizer name, option changes): the quantizers of the methods experiments, in
+# the order of the committed report; every other conf/quantizer YAML follows as it is
+# (:func:`quantizers`), so a quantizer added as one file + one YAML is benchmarked too
+METHODS = (("int8_int4", "int8_int4", ()), ("kivi4", "kivi4", ()), ("kivi2", "kivi2", ()),
+           ("tiers-kivi2", "tiers", ("archive=kivi2",)),
+           ("tiers-rotation", "tiers", ("archive=rotation",)),
+           ("tiers-kvquant", "tiers", ("archive=kvquant",)),
+           ("kivi2-sink", "kivi2", ("sink=32", "residual=96")), ("innerq", "innerq", ()),
+           ("smartkv-b25", "smartkv", ("beta=0.25",)), ("smartkv-b40", "smartkv", ("beta=0.4",)))
+
+
+def quantizers() -> list[tuple[str, str, tuple[str, ...]]]:
+    """:data:`METHODS`, then every ``conf/quantizer`` option they leave out, as configured."""
+    named = {name for _, name, _ in METHODS}
+    return [*METHODS, *((name, name, ()) for name in config_groups()["quantizer"]
+                        if name not in named)]
 
 
 @dataclass
@@ -118,10 +127,10 @@ def lossy_precisions(q) -> list[Precision]:
 
 def bench_codecs(case: CodecCase, device: torch.device, repeats: int,
                  update: Update) -> dict[str, list[dict]]:
-    """``{"precisions": [...], "stores": [...]}`` over :data:`QUANTIZERS`."""
+    """``{"precisions": [...], "stores": [...]}`` over :func:`quantizers`."""
     k, v = case.kv(device)
     precisions, stores, seen = [], [], set()
-    for label, name, changes in QUANTIZERS:
+    for label, name, changes in quantizers():
         q = quantizer(name, changes, case)
         update(f"codecs: {label}")
         for p in lossy_precisions(q):

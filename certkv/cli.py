@@ -367,7 +367,7 @@ def bench_codecs(
     report = bench.BenchReport(f"codecs_{dev.type}", _command(), out, force)
     with _user_errors():
         report.check()
-    with bench.progress(len(bench_codecs.QUANTIZERS), "bench codecs") as update, \
+    with bench.progress(len(bench_codecs.quantizers()), "bench codecs") as update, \
             _user_errors():
         records = bench_codecs.bench_codecs(case, dev, repeats, update)
     tables = bench_codecs.codec_tables(records, case)

@@ -54,8 +54,9 @@ from certkv.quant.protect.checked import CheckedKeyCodec, CheckedValueCodec
 from certkv.quant.protect.codec import repair
 from certkv.quant.protect.integrity import block_hash
 from certkv.quant.summary import SummaryKeyCodec, SummaryValueCodec
+from certkv.registry import PROTECTION_CODES
 
-CODES = {"none": None, "hamming74": Hamming74, "hamming84": Hamming84, "golay24": Golay24}
+CODES = PROTECTION_CODES.names()
 
 
 def blocks_of(seed=0, hkv=2, n=3, block=16, d=32):
@@ -312,7 +313,7 @@ def fault_rate(code: str, block: int, d: int, values: str) -> float:
     def uncorrectable(p: float) -> float:
         if code == "none":
             return p * (coded + plain)
-        word = CODES[code]
+        word = PROTECTION_CODES.get(code)
         words = coded / 4 / word.values_per_word
         fails = 4 if code == "golay24" else 2  # errors per word the code cannot correct
         return words * comb(word.word_bits, fails) * p**fails + p * plain

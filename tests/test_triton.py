@@ -33,8 +33,9 @@ from certkv.kernels.triton_attend import attend_blocks
 from certkv.kernels.triton_backend import TritonBackend, slot_map
 from certkv.kernels.triton_checks import ranking_and_boundary
 from certkv.kernels.triton_score import score_blocks
-from certkv.kernels.triton_sources import KERNEL_BITS, block_sources
+from certkv.kernels.triton_sources import block_sources
 from certkv.quant import GroupAffineValueCodec, KiviKeyCodec, TieredQuantizer
+from certkv.quant.layout import KERNEL_BITS
 
 ATOL = 1e-6
 

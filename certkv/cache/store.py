@@ -40,8 +40,6 @@ from certkv.errors import (
 from certkv.quant import (
     Blocks,
     ChannelAffineKeyCodec,
-    FP16KeyCodec,
-    FP16ValueCodec,
     GroupAffineValueCodec,
     KeyCodec,
     LayerContext,
@@ -103,9 +101,9 @@ def block_annotations(k16: torch.Tensor, v16: torch.Tensor, key_codec: KeyCodec,
     v64, k64 = v16.double(), k16.double()
     zeros = torch.zeros(v64.shape[:2], dtype=torch.float64, device=v64.device)
     errors = {}  # the lossy ones' error blocks, measured in one batch
-    if not isinstance(value_codec, FP16ValueCodec):
+    if not value_codec.exact:
         errors["v"] = value_codec.decode(value_blocks).double() - v64
-    if not isinstance(key_codec, FP16KeyCodec):
+    if not key_codec.exact:
         errors["k"] = key_codec.decode(key_blocks).double() - k64
     measured = {}
     if errors:
@@ -567,11 +565,10 @@ class TieredKVStore:
     def _fused_supported(self) -> bool:
         q = self.quantizer
         pow2 = all(x & (x - 1) == 0 for x in (self.block_size, self.head_dim))
-        single = not q.stage_ages() and not q.sink and type(q) is KVQuantizer
-        return (pow2 and single and isinstance(self.key_codec, ChannelAffineKeyCodec)
-                and self.key_codec.bits == 8 and isinstance(self.value_codec,
-                                                            GroupAffineValueCodec)
-                and self.value_codec.bits == 4 and fused.block_encoder() is not None
+        single = not q.stage_ages() and not q.sink and len(q.precisions()) == 2  # exact + main
+        values = self.value_codec.kernel_layout(self.head_dim)  # the kernel writes 4-bit groups
+        return (pow2 and single and is_int8(self.key_codec) and values is not None
+                and not values.fp16 and values.bits == 4 and fused.block_encoder() is not None
                 and importlib.util.find_spec("triton") is not None)
 
     def _encode(self, k16: torch.Tensor, v16: torch.Tensor, pid: int, start: torch.Tensor):

@@ -32,10 +32,9 @@ _F32 = np.float32
 
 def covers(selector, ladder, value_policy, draw, boost) -> bool:
     """Whether :func:`select` computes this step's selection (the default policy)."""
-    return (type(selector) is AdaptiveTopK and selector.rank == "mass"
-            and not selector.kv_group_union and ladder.tail_mass == "tight"
-            and ladder.e_key_tol is None and draw is None and boost is None
-            and type(value_policy) is LocalThreshold)
+    return (selector.fuses_on_cpu() and value_policy.fuses_on_cpu()
+            and ladder.tail_mass == "tight" and ladder.e_key_tol is None
+            and draw is None and boost is None)
 
 
 @jit

@@ -14,10 +14,12 @@ from dataclasses import dataclass
 import torch
 
 from certkv.errors import ConfigError, require
+from certkv.registry import LADDERS
 
 TAIL_MASS = ("tight", "paper")
 
 
+@LADDERS.register("paper")
 @dataclass
 class Ladder:
     """Escalation policy and monitor settings (Table 2 defaults).

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from certkv.errors import ConfigError, require
+from certkv.registry import SELECTORS
 
 RANKS = ("mass", "upper")
 
@@ -56,8 +57,18 @@ def union_by_kv_group(mask: torch.Tensor, group: int) -> torch.Tensor:
     return union.expand(-1, group, -1).reshape(hq, n)
 
 
+class Selector:
+    """Base of selectors: which blocks a step promotes to FP16 keys (paper 3.3). The step asks
+    a selector what it can do (:meth:`fuses_on_cpu`), never its type."""
+
+    def fuses_on_cpu(self) -> bool:
+        """Whether :mod:`certkv.certify.fused_select` computes this selector's choice."""
+        return False
+
+
+@SELECTORS.register("adaptive_topk")
 @dataclass
-class AdaptiveTopK:
+class AdaptiveTopK(Selector):
     """Promote the fewest blocks whose INT8-estimated mass reaches ``tau_cov`` (Table 2 defaults).
 
     Args:
@@ -93,6 +104,13 @@ class AdaptiveTopK:
                 f"mass_inflation={self.mass_inflation} would not bound the tail mass; use 2 or 3.")
         require(self.rank in RANKS, ConfigError,
                 f"selector.rank={self.rank!r} is unknown; use one of {list(RANKS)}.")
+
+    def fuses_on_cpu(self) -> bool:
+        """Whether the CPU's fused selection (:mod:`certkv.certify.fused_select`) computes this
+        selector's choice: the paper's mass ranking, per query head, with these methods."""
+        own = all(getattr(type(self), n) is getattr(AdaptiveTopK, n)
+                  for n in ("order", "choose_k", "promoted"))
+        return own and self.rank == "mass" and not self.kv_group_union
 
     def order(self, p: torch.Tensor, delta_b: torch.Tensor, quantized: torch.Tensor):
         """Block indices ``[Hq, n]`` in promotion order (:attr:`rank`; quantized first)."""

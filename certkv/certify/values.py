@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from certkv.errors import ConfigError, require
+from certkv.registry import VALUE_POLICIES
 
 CONTRIBUTIONS = ("tight", "paper")
 
@@ -47,8 +48,18 @@ def contribution_of(mass: torch.Tensor, eta: torch.Tensor, contribution: str,
     return torch.minimum(paper, spread * sigma)
 
 
+class ValuePolicy:
+    """Base of value policies: which blocks' values a step reads in FP16 (paper 3.4). The
+    step asks a policy what it can do (:meth:`fuses_on_cpu`), never its type."""
+
+    def fuses_on_cpu(self) -> bool:
+        """Whether :mod:`certkv.certify.fused_select` computes this policy's promotions."""
+        return False
+
+
+@VALUE_POLICIES.register("local")
 @dataclass
-class LocalThreshold:
+class LocalThreshold(ValuePolicy):
     """Default policy: promote block ``b`` if its contribution exceeds ``v_tol`` (Table 2,
     v_tol=0.05): ``p_hat_b * eta_b`` (``contribution=paper``) or
     ``min(p_hat_b eta_b, sigma_b ||p_hat_b||_2)`` (``tight``).
@@ -63,6 +74,11 @@ class LocalThreshold:
         require(self.v_tol >= 0, ConfigError, f"v_tol={self.v_tol} must be >= 0, e.g. 0.05.")
         _check_contribution(self.contribution)
 
+    def fuses_on_cpu(self) -> bool:
+        """Whether the CPU's fused selection computes this policy's promotions (its own
+        :meth:`select`, not a subclass's)."""
+        return type(self).select is LocalThreshold.select
+
     def select(self, log_p_hat: torch.Tensor, eta: torch.Tensor, delta: torch.Tensor,
                log_spread: torch.Tensor | None = None, sigma: torch.Tensor | None = None):
         spread = None if log_spread is None else log_spread.exp()
@@ -70,8 +86,9 @@ class LocalThreshold:
                                sigma) > self.v_tol
 
 
+@VALUE_POLICIES.register("greedy")
 @dataclass
-class GreedyBudget:
+class GreedyBudget(ValuePolicy):
     """Hard budget: promote by descending contribution until E_val <= ``e_val_budget``.
 
     ``rho_ub_b = min(1, e^{2 Delta} p_hat_b)`` upper-bounds the Phase-2 block mass (Lemma A.1:
@@ -105,8 +122,9 @@ class GreedyBudget:
         return torch.zeros_like(needed).scatter(-1, order, needed)
 
 
+@VALUE_POLICIES.register("none")
 @dataclass
-class NoValuePromotion:
+class NoValuePromotion(ValuePolicy):
     """Never promote values (naive mode, or INT4 values only)."""
 
     def select(self, log_p_hat: torch.Tensor, eta: torch.Tensor, delta: torch.Tensor,

@@ -27,6 +27,7 @@ from certkv.errors import CertKVError, require
 from certkv.eval import ruler
 from certkv.eval.corpora import book_text, corpus_windows, encode
 from certkv.eval.niah import make_multi_needle_trials, make_trials, score
+from certkv.registry import TASKS
 
 
 @dataclass
@@ -49,6 +50,7 @@ def _check_context(context: int, max_context: int, task: str) -> None:
             f"set task.{task}.context accordingly.")
 
 
+@TASKS.register("perplexity")
 @dataclass
 class PerplexityTask:
     """Teacher-forced perplexity, the paper's PG-19 protocol: ``windows`` non-overlapping windows
@@ -94,6 +96,7 @@ class PerplexityTask:
         return {"ppl": math.exp(nll / tokens), "tokens": tokens, "windows": len(records)}
 
 
+@TASKS.register("niah")
 @dataclass
 class NeedleTask:
     """Needle-in-a-haystack retrieval on book text, scored by case-insensitive substring match.
@@ -170,6 +173,7 @@ class NeedleTask:
                 "trials": len(records)}
 
 
+@TASKS.register("ruler")
 @dataclass
 class RulerTask:
     """RULER's synthetic subtasks (:mod:`certkv.eval.ruler`): ``slices`` slices, each one sample

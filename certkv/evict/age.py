@@ -15,8 +15,10 @@ import torch
 
 from certkv.errors import ConfigError, require
 from certkv.evict.base import EvictionPolicy
+from certkv.registry import EVICTION_POLICIES
 
 
+@EVICTION_POLICIES.register("age")
 @dataclass
 class AgeEviction(EvictionPolicy):
     """Evict the oldest blocks beyond the newest ``min_materialized`` tokens."""

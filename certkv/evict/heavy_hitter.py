@@ -15,8 +15,10 @@ import torch
 
 from certkv.errors import ConfigError, require
 from certkv.evict.base import EvictionPolicy
+from certkv.registry import EVICTION_POLICIES
 
 
+@EVICTION_POLICIES.register("heavy_hitter")
 @dataclass
 class HeavyHitterEviction(EvictionPolicy):
     """Keep the newest ``recent`` tokens and the heaviest blocks; evicted blocks may return."""

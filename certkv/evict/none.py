@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from certkv.evict.base import EvictionPolicy
+from certkv.registry import EVICTION_POLICIES
 
 
+@EVICTION_POLICIES.register("none")
 @dataclass
 class NoEviction(EvictionPolicy):
     """Evicts nothing; the quantizer is left as it is."""

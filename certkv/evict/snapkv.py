@@ -23,8 +23,10 @@ import torch.nn.functional as F
 
 from certkv.errors import ConfigError, require
 from certkv.evict.base import EvictionPolicy
+from certkv.registry import EVICTION_POLICIES
 
 
+@EVICTION_POLICIES.register("snapkv")
 @dataclass
 class SnapKVEviction(EvictionPolicy):
     """Keep the observation window and the prompt blocks its queries attend to most."""

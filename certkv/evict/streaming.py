@@ -12,8 +12,10 @@ import torch
 
 from certkv.errors import ConfigError, require
 from certkv.evict.base import EvictionPolicy
+from certkv.registry import EVICTION_POLICIES
 
 
+@EVICTION_POLICIES.register("streaming")
 @dataclass
 class StreamingEviction(EvictionPolicy):
     """A sink of ``sink`` tokens plus a recent window as large as the budget allows."""

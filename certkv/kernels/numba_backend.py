@@ -382,6 +382,11 @@ class NumbaBackend(TorchBackend):
         """Whether the loop nests run for tensors on ``device``."""
         return AVAILABLE and not self.fp64_scalars and device.type == "cpu"
 
+    def fuses_step(self, device: torch.device) -> bool:
+        """The default step runs as one numba call where the loop nests run
+        (:mod:`certkv.kernels.numba_step`)."""
+        return self._fused(device)
+
     def in_place(self, store) -> str:
         """Keys and values (``"kv"``) where the loop nests run: Phase 2 reads both kinds of
         FP16 originals from Tier-2 in place (on a CPU store the same memory a scratch cache

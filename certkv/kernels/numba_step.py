@@ -41,7 +41,7 @@ def covers(attention, q: torch.Tensor, store, on_device: bool, tolerant: bool) -
     backend = attention.backend
     return (not tolerant and attention.ladder.exploration <= 0  # no draw, no escalation
             and attention._fused_select(q.device, None, None, on_device)
-            and isinstance(backend, nb.NumbaBackend) and backend._fused(q.device)
+            and backend.fuses_step(q.device)
             and q.dtype in QUERY_DTYPES and not getattr(attention.timer, "per_phase", False)
             and store.evicted_pid is None and not store.protection.enabled
             and store.decoded_with_tail() is not None)  # what numba_logits.int8_keys reads

@@ -17,6 +17,7 @@ from certkv.certify.arith import U32, Rounding, matmul_input_rounding
 from certkv.certify.audit import reference_fp64
 from certkv.certify.bounds import block_deltas
 from certkv.certify.checks import canary_violations, rank_checks
+from certkv.kernels.base import Backend
 
 SUM_CHUNK = 64  # terms per chunk of the two-level sums over blocks
 LOG2E = 1.4426950408889634  # log2(e)
@@ -295,7 +296,7 @@ def dense_rounding(q: torch.Tensor, cache_dtype: torch.dtype) -> tuple[Rounding,
 
 
 @dataclass
-class TorchBackend:
+class TorchBackend(Backend):
     """Reference backend: every phase in PyTorch on decoded FP32 blocks (CPU or CUDA)."""
 
     fp64_scalars: bool = False

@@ -20,6 +20,7 @@ import torch
 
 from certkv.certify.arith import Rounding, dot_depth
 from certkv.errors import ConfigError, require
+from certkv.kernels.base import Backend
 from certkv.kernels.layout import SlotMap, StagedBlocks, StepLayout
 from certkv.kernels.reference import (
     Attended,
@@ -42,12 +43,13 @@ def triton_available() -> bool:
 
 
 @dataclass
-class TritonBackend:
+class TritonBackend(Backend):
     """Fused kernels for FP16 and 2/4/8-bit affine blocks of any mix of precisions; the
     reference for every other codec."""
 
     split: int | None = None  # blocks per program in Phase 1 / 2 (None: by SM count)
     name: str = "triton"
+    falls_back_on_device = True  # dense_flagged: one launch over the flagged heads
 
     def __post_init__(self) -> None:
         require(triton_available(), ConfigError,

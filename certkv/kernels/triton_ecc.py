@@ -23,7 +23,6 @@ import triton
 import triton.language as tl
 
 from certkv.quant.protect.base import DETECTED, Code
-from certkv.quant.protect.golay import Golay24
 
 _WORDS = 128  # words per program
 
@@ -59,7 +58,7 @@ def _ecc_decode_kernel(words_ptr, out_ptr, data_ptr, times_b_ptr, err_ptr, statu
 def _tables(code: Code, device: torch.device) -> tuple[torch.Tensor, ...]:
     """``(data, times_b, error, status)`` lookup tables of ``code`` on ``device`` (the unused
     ones are a valid dummy pointer)."""
-    if isinstance(code, Golay24):
+    if code.by_syndrome:
         return (code._times_b.to(device), code._times_b.to(device), code._err.to(device),
                 code._status.to(device, torch.int64))
     data = code._data.to(device)
@@ -79,5 +78,5 @@ def decode_words(code: Code, packed: torch.Tensor, m: int) -> torch.Tensor:
         _ecc_decode_kernel[grid](rows, out, data, times_b, error, status, rows.shape[1],
                                  n_words, m, DETECTED, WORD_BITS=code.word_bits,
                                  PER_WORD=code.values_per_word,
-                                 GOLAY=isinstance(code, Golay24), BLOCK=_WORDS)
+                                 GOLAY=code.by_syndrome, BLOCK=_WORDS)
     return out.reshape(*packed.shape[:-1], m)

@@ -36,55 +36,19 @@ from dataclasses import dataclass
 
 import torch
 
-from certkv.quant.base import FP32_EPS
-from certkv.quant.fp16 import FP16KeyCodec, FP16ValueCodec
-from certkv.quant.int4_group import GroupAffineValueCodec
-from certkv.quant.int8_channel import ChannelAffineKeyCodec
-from certkv.quant.kivi import KiviKeyCodec
+from certkv.quant.layout import CodeLayout
 from certkv.quant.protect.protection import protected
-from certkv.quant.summary import SummaryKeyCodec, SummaryValueCodec
-
-KERNEL_BITS = (2, 4, 8)  # code widths the kernels unpack (whole codes per byte)
-
-
-@dataclass(frozen=True)
-class CodeLayout:
-    """How a kernel decodes one precision's blocks (compile-time constants of a launch).
-
-    ``fp16``: stored originals (``bits = 16``); else affine codes ``bits`` wide, ``bias``
-    subtracted from the unsigned code, ``bound = (a, b)`` of ``r_c = a scale_c + b |offset_c|``
-    (keys; Delta_b, eq. 8) and ``group`` channels per scale (values).
-    """
-
-    fp16: bool
-    bits: int = 16
-    bias: int = 0
-    bound: tuple[float, float] = (0.0, 0.0)
-    group: int = 1
 
 
 def key_layout(codec) -> CodeLayout | None:
-    """The kernel layout of a key codec, or None where the kernels do not cover it."""
-    if type(codec) is FP16KeyCodec:
-        return CodeLayout(fp16=True)
-    if type(codec) is SummaryKeyCodec:  # zero codes, offset = midpoint, scale = half range
-        return CodeLayout(False, 8, 0, (1.0, FP32_EPS))
-    if type(codec) is ChannelAffineKeyCodec and codec.bits in KERNEL_BITS:
-        bias = 0 if codec.bits == 8 else 1 << (codec.bits - 1)  # int8 stored signed
-        return CodeLayout(False, codec.bits, bias, codec.bound_coefficients())
-    if type(codec) is KiviKeyCodec and codec.bits in KERNEL_BITS:
-        return CodeLayout(False, codec.bits, 0, codec.bound_coefficients())
-    return None
+    """The kernel layout of a key codec (what it declares), or None where the kernels do not
+    cover it."""
+    return codec.kernel_layout()
 
 
 def value_layout(codec, head_dim: int) -> CodeLayout | None:
     """The kernel layout of a value codec at ``head_dim``, or None where not covered."""
-    if type(codec) in (FP16ValueCodec, SummaryValueCodec):
-        return CodeLayout(fp16=True)
-    if (type(codec) is GroupAffineValueCodec and codec.bits in KERNEL_BITS
-            and head_dim % codec.group == 0):
-        return CodeLayout(False, codec.bits, group=codec.group)
-    return None
+    return codec.kernel_layout(head_dim)
 
 
 @dataclass
@@ -147,8 +111,7 @@ def block_sources(store, which: str, tail: bool | None = None) -> list[BlockSour
                   else value_layout(codec, store.head_dim))
         if layout is None:
             return None
-        if type(codec) in (SummaryKeyCodec, SummaryValueCodec):
-            codes = _summary_codes(codes, store.block_size)
+        codes = codec.kernel_blocks(codes, store.block_size)
         data = codes["data"] if layout.fp16 else codes["codes"]
         sources.append(BlockSource(layout, data, codes.get("scale"), codes.get("offset"),
                                    blocks, slots, blocks.shape[0], counts))
@@ -186,21 +149,6 @@ def launches(sources: list[BlockSource], n: int
 def carries_tail(src: BlockSource, tail: BlockSource | None) -> bool:
     """Whether a launch walks the tail block (and the empty blocks after it)."""
     return tail is not None or src.is_tail
-
-
-def _summary_codes(codes, block_size: int) -> dict:
-    """A summary precision's buffers as the kernels read them (module docstring): values
-    ``data [Hkv, slots, B, d]`` = the FP16 centre with stride 0 over tokens; keys all-zero 8-bit
-    ``codes`` (stride 0 but along channels) with FP32 ``offset`` = the midpoint, computed as
-    :meth:`SummaryKeyCodec.decode` does, and ``scale`` = the half range."""
-    if "centre" in codes:
-        centre = codes["centre"]
-        return {"data": centre.unsqueeze(2).expand(-1, -1, block_size, -1)}
-    low, high = codes["low"].float(), codes["high"].float()
-    hkv, slots, d = low.shape
-    zeros = torch.zeros(d, dtype=torch.int8, device=low.device)
-    return {"codes": zeros.expand(hkv, slots, block_size, d), "offset": (low + high) / 2,
-            "scale": (high - low) / 2}
 
 
 def _ecc_decoded(codec, codes):

@@ -19,6 +19,8 @@ from typing import NamedTuple
 
 import torch
 
+from certkv.quant.layout import CodeLayout
+
 Blocks = dict[str, torch.Tensor]
 """Codes and metadata of ``n`` blocks; every tensor has leading dimensions ``[Hkv, n]``."""
 
@@ -68,9 +70,20 @@ class KeyCodec(ABC):
     bits: int = 16
     stores_codes = True  # a ``codes`` tensor an error-correcting code can protect (FP16
     # passthrough and eviction summaries store none: only the integrity check covers them)
+    exact = False  # decodes to the FP16 originals bit for bit (no Delta_b: an exact window)
 
     def validate(self, head_dim: int, block_size: int) -> None:  # noqa: B027 - optional hook
         """Raise a ConfigError if this codec cannot handle the given shapes."""
+
+    def kernel_layout(self) -> CodeLayout | None:
+        """How the fused kernels read this codec's blocks, or None: the PyTorch reference
+        decodes them (:mod:`certkv.quant.layout`; a subclass that changes the encoding
+        returns None unless it claims a layout of its own)."""
+        return None
+
+    def kernel_blocks(self, blocks: Blocks, block_size: int) -> Blocks:
+        """The stored blocks as the kernels read them under :meth:`kernel_layout`."""
+        return blocks
 
     @abstractmethod
     def encode(self, k: torch.Tensor) -> Blocks:
@@ -119,9 +132,19 @@ class ValueCodec(ABC):
     name: str = "value"
     bits: int = 16
     stores_codes = True  # see KeyCodec.stores_codes
+    exact = False  # see KeyCodec.exact
 
     def validate(self, head_dim: int, block_size: int) -> None:  # noqa: B027 - optional hook
         """Raise a ConfigError if this codec cannot handle the given shapes."""
+
+    def kernel_layout(self, head_dim: int) -> CodeLayout | None:
+        """How the fused kernels read this codec's blocks at ``head_dim``, or None (see
+        :meth:`KeyCodec.kernel_layout`)."""
+        return None
+
+    def kernel_blocks(self, blocks: Blocks, block_size: int) -> Blocks:
+        """The stored blocks as the kernels read them under :meth:`kernel_layout`."""
+        return blocks
 
     @abstractmethod
     def encode(self, v: torch.Tensor) -> Blocks:

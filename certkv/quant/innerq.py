@@ -59,6 +59,7 @@ from certkv.quant.packing import (
     unpack_bits,
     unpack_flags,
 )
+from certkv.registry import KEY_CODECS, VALUE_CODECS
 
 MODES = ("asym", "sym", "hybrid", "hybrid_prefill")
 _FP_SLACK = 8 * FP32_EPS  # FP32 headroom relative to the reconstructed magnitude (KIVI's)
@@ -173,6 +174,7 @@ def _powers(exponents: torch.Tensor) -> torch.Tensor:
     return torch.exp2(exponents.float())
 
 
+@KEY_CODECS.register("innerq")
 @dataclass
 class InnerQKeyCodec(KeyCodec):
     """Keys per token in groups of ``group`` consecutive channels, ``bits`` in {2, 3, 4, 8}.
@@ -266,6 +268,7 @@ class InnerQKeyCodec(KeyCodec):
         return self._per_channel(group_slack(self.groups(blocks), self.bits), blocks)
 
 
+@VALUE_CODECS.register("innerq")
 @dataclass
 class InnerQValueCodec(ValueCodec):
     """Values per channel over the block's ``B <= 32`` tokens, ``bits`` in {2, 3, 4, 8}.

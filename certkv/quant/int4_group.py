@@ -14,9 +14,12 @@ import torch
 
 from certkv.errors import ConfigError, require
 from certkv.quant.base import Blocks, ValueCodec, round_up_fp16
+from certkv.quant.layout import KERNEL_BITS, CodeLayout, keeps
 from certkv.quant.packing import check_bits, check_packable, pack_bits, unpack_bits
+from certkv.registry import VALUE_CODECS
 
 
+@VALUE_CODECS.register("group_affine")
 @dataclass
 class GroupAffineValueCodec(ValueCodec):
     """Values: FP16 scale and offset per ``group`` channels per token; ``bits`` in {2, 3, 4, 8}."""
@@ -62,6 +65,13 @@ class GroupAffineValueCodec(ValueCodec):
         offset = blocks["offset"].float().unsqueeze(-1)
         out = grouped * scale + offset
         return out.reshape(codes.shape)
+
+    def kernel_layout(self, head_dim: int) -> CodeLayout | None:
+        """``bits``-wide codes (2, 4 or 8) with a scale per token per group of channels."""
+        if (not keeps(self, GroupAffineValueCodec) or self.bits not in KERNEL_BITS
+                or head_dim % self.group):
+            return None
+        return CodeLayout(False, self.bits, group=self.group)
 
     def decode_rounding(self, head_dim: int | None = None) -> float:
         """Decode is ``code * s + o``: one evaluation errs by at most ``2u (|code s| + |o|)``

@@ -15,13 +15,16 @@ from dataclasses import dataclass
 import torch
 
 from certkv.quant.base import FP32_EPS, Blocks, KeyCodec
+from certkv.quant.layout import KERNEL_BITS, CodeLayout, keeps
 from certkv.quant.packing import check_bits, check_packable, pack_bits, unpack_bits
+from certkv.registry import KEY_CODECS
 
 # Headroom for FP32 rounding in encode/decode, relative to the magnitude being reconstructed:
 # a few ulps, far below sigma/2 for any real block, and enough to make the bound rigorous.
 _FP_SLACK = 16 * FP32_EPS
 
 
+@KEY_CODECS.register("channel_affine")
 @dataclass
 class ChannelAffineKeyCodec(KeyCodec):
     """Keys: one FP32 scale and offset per channel per block; ``bits`` in {2, 3, 4, 8}."""
@@ -71,6 +74,13 @@ class ChannelAffineKeyCodec(KeyCodec):
         offset = blocks["offset"].unsqueeze(-2)
         return self.codes(blocks).float() * scale + offset
 
+    def kernel_layout(self) -> CodeLayout | None:
+        """``bits``-wide codes per channel (2, 4 or 8; int8 stored signed, others biased)."""
+        if not keeps(self, ChannelAffineKeyCodec) or self.bits not in KERNEL_BITS:
+            return None
+        bias = 0 if self.bits == 8 else 1 << (self.bits - 1)
+        return CodeLayout(False, self.bits, bias, self.bound_coefficients())
+
     def bound_coefficients(self) -> tuple[float, float]:
         """``(a, b)`` with ``r_c = a sigma_c + b |z_c|`` (0 where ``sigma_c = 0``): ``sigma_c / 2``
         plus the FP32 headroom on the magnitude ``|z_c| + 2**(bits-1) sigma_c``. Fused kernels
@@ -96,4 +106,4 @@ class ChannelAffineKeyCodec(KeyCodec):
 def is_int8(codec) -> bool:
     """Whether ``codec`` is the default INT8 key codec (what the CPU loops decode in place:
     :mod:`certkv.kernels.numba_logits`; a lean decoded mirror keeps no decoded keys for it)."""
-    return type(codec) is ChannelAffineKeyCodec and codec.bits == 8
+    return keeps(codec, ChannelAffineKeyCodec) and codec.bits == 8

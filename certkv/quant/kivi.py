@@ -45,7 +45,9 @@ from dataclasses import dataclass
 import torch
 
 from certkv.quant.base import FP32_EPS, Blocks, KeyCodec, round_up_fp16
+from certkv.quant.layout import KERNEL_BITS, CodeLayout, keeps
 from certkv.quant.packing import check_bits, check_packable, pack_bits, unpack_bits
+from certkv.registry import KEY_CODECS
 
 # Headroom for FP32 rounding, relative to the reconstructed magnitude (module docstring).
 _FP_SLACK = 8 * FP32_EPS
@@ -61,6 +63,7 @@ def fp16_step(span: torch.Tensor, levels: int) -> torch.Tensor:
     return torch.where(short, torch.nextafter(scale, torch.full_like(scale, float("inf"))), scale)
 
 
+@KEY_CODECS.register("kivi")
 @dataclass
 class KiviKeyCodec(KeyCodec):
     """Keys: FP16 scale and zero-point per channel per block, unsigned ``bits`` in {2, 3, 4, 8}.
@@ -104,6 +107,12 @@ class KiviKeyCodec(KeyCodec):
         scale = blocks["scale"].float().unsqueeze(-2)
         offset = blocks["offset"].float().unsqueeze(-2)
         return self.codes(blocks).float() * scale + offset
+
+    def kernel_layout(self) -> CodeLayout | None:
+        """``bits``-wide unsigned codes per channel (2, 4 or 8)."""
+        if not keeps(self, KiviKeyCodec) or self.bits not in KERNEL_BITS:
+            return None
+        return CodeLayout(False, self.bits, 0, self.bound_coefficients())
 
     def bound_coefficients(self) -> tuple[float, float]:
         """``(a, b)`` with ``r_c = a s_c + b |l_c|`` (0 where ``s_c = 0``): half a step plus the

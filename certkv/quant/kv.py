@@ -24,6 +24,7 @@ from certkv.quant.int4_group import GroupAffineValueCodec
 from certkv.quant.int8_channel import ChannelAffineKeyCodec
 from certkv.quant.precision import Precision, exact_precision
 from certkv.quant.protect.protection import Protection
+from certkv.registry import QUANTIZERS
 
 
 def _non_negative(name: str, value) -> None:
@@ -31,6 +32,7 @@ def _non_negative(name: str, value) -> None:
             f"{name}={value!r} must be a non-negative integer number of tokens, e.g. 0.")
 
 
+@QUANTIZERS.register("kv")
 @dataclass
 class KVQuantizer:
     """How Tier-1 stores a layer: ``key_codec``, ``value_codec`` and ``block_size`` B.

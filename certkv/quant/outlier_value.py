@@ -39,6 +39,7 @@ import torch
 from certkv.errors import ConfigError, require
 from certkv.quant.base import FP32_EPS, Blocks, ValueCodec, round_up_fp16
 from certkv.quant.packing import check_bits, check_packable, pack_bits, unpack_bits
+from certkv.registry import VALUE_CODECS
 
 LEVELS = ("nonuniform", "uniform")
 _INDEX_LIMIT = 2**15  # int16 flat indices: B * d <= 32768
@@ -64,6 +65,7 @@ def _up32(x: torch.Tensor) -> torch.Tensor:
     return (x * (1 + 2.0**-21) + 2.0**-149).float()
 
 
+@VALUE_CODECS.register("outlier")
 @dataclass
 class OutlierValueCodec(ValueCodec):
     """Values: exact sparse outliers + ``bits``-wide dense codes per ``group`` channels per

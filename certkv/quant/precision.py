@@ -21,8 +21,7 @@ class Precision:
     @property
     def exact(self) -> bool:
         """FP16 keys and values: the block enters the certificate as exact (no Delta, no eta)."""
-        return isinstance(self.key_codec, FP16KeyCodec) and isinstance(self.value_codec,
-                                                                       FP16ValueCodec)
+        return self.key_codec.exact and self.value_codec.exact
 
     @property
     def label(self) -> str:

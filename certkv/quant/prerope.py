@@ -58,6 +58,7 @@ import torch
 from certkv.errors import ConfigError, require
 from certkv.quant.base import Blocks, KeyCodec, LayerContext
 from certkv.quant.int8_channel import ChannelAffineKeyCodec
+from certkv.registry import KEY_CODECS
 
 if TYPE_CHECKING:  # certkv.models imports the cache, which imports certkv.quant
     from certkv.quant.rope import RopeSpec
@@ -86,6 +87,7 @@ def _pair_norm(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([norm, norm], dim=-1)
 
 
+@KEY_CODECS.register("pre_rope")
 @dataclass
 class PreRoPEKeyCodec(KeyCodec):
     """Keys quantized before RoPE by ``inner`` (a per-channel key codec); ``key_mode=post_rope``

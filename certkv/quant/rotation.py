@@ -75,6 +75,7 @@ from certkv.quant.base import (
 )
 from certkv.quant.kivi import fp16_step
 from certkv.quant.packing import check_bits, check_packable, pack_bits, unpack_bits
+from certkv.registry import KEY_CODECS, VALUE_CODECS
 
 ROTATIONS = ("hadamard", "random_hadamard")
 MAX_HEAD_DIM = 256  # FP64 encode and decode are exact up to here (module docstring)
@@ -191,6 +192,7 @@ class _Rotated:
         return scale, zmax, (scale == 0).all(dim=-1), self._head_dim(blocks) // self.subspaces
 
 
+@KEY_CODECS.register("rotated")
 @dataclass
 class RotatedKeyCodec(_Rotated, KeyCodec):
     """Keys: Hadamard rotation, per token FP16 scale and zero-point per subspace (module
@@ -226,6 +228,7 @@ class RotatedKeyCodec(_Rotated, KeyCodec):
         return self._per_channel(blocks, (d + 2) * FP32_EPS * g * zmax.sum(dim=-1))
 
 
+@VALUE_CODECS.register("rotated")
 @dataclass
 class RotatedValueCodec(_Rotated, ValueCodec):
     """Values: Hadamard rotation, per token FP16 scale and zero-point per subspace (module

@@ -46,11 +46,13 @@ from certkv.quant.allocation import (
 from certkv.quant.kv import KVQuantizer
 from certkv.quant.precision import Precision, exact_precision
 from certkv.quant.symmetric_token import TokenSymmetricKeyCodec, TokenSymmetricValueCodec
+from certkv.registry import QUANTIZERS
 
 RULES = ("importance", "certificate")
 HEAD_SIGNALS = ("mean", "max")
 
 
+@QUANTIZERS.register("smartkv")
 @dataclass
 class SmartKVQuantizer(KVQuantizer):
     """SmartKV's widths per block under ``beta`` (module docstring)."""

@@ -37,6 +37,8 @@ from certkv.quant.base import (
     round_up_fp16,
     round_up_fp32,
 )
+from certkv.quant.layout import CodeLayout, keeps
+from certkv.registry import KEY_CODECS, VALUE_CODECS
 
 
 def _midpoint(low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
@@ -52,6 +54,7 @@ def _tokens(x: torch.Tensor, block: int | None) -> torch.Tensor:
     return x.unsqueeze(-2).expand(*x.shape[:2], block, x.shape[-1]).clone()
 
 
+@KEY_CODECS.register("summary")
 @dataclass
 class SummaryKeyCodec(KeyCodec):
     """Keys summarised by their per-channel range over the block (see the module docstring)."""
@@ -60,6 +63,21 @@ class SummaryKeyCodec(KeyCodec):
     name: str = "summary"
     stores_codes = False
     _block: int | None = field(default=None, repr=False, compare=False)  # set by validate
+
+    def kernel_layout(self) -> CodeLayout | None:
+        """8-bit codes that are all zero, offset = the midpoint, scale = the half range: the
+        kernel's ``r_c = a scale + b |offset|`` with ``(a, b) = (1, u32)`` is
+        :meth:`channel_bound`."""
+        return CodeLayout(False, 8, 0, (1.0, FP32_EPS)) if keeps(self, SummaryKeyCodec) else None
+
+    def kernel_blocks(self, blocks: Blocks, block_size: int) -> Blocks:
+        """All-zero 8-bit ``codes [Hkv, slots, B, d]`` (stride 0) with FP32 ``offset`` = the
+        midpoint, computed as :meth:`decode` does, and ``scale`` = the half range."""
+        low, high = blocks["low"].float(), blocks["high"].float()
+        hkv, slots, d = low.shape
+        zeros = torch.zeros(d, dtype=torch.int8, device=low.device)
+        return {"codes": zeros.expand(hkv, slots, block_size, d), "offset": (low + high) / 2,
+                "scale": (high - low) / 2}
 
     def encode(self, k: torch.Tensor) -> Blocks:
         x = k.float()  # [Hkv, n, B, d]
@@ -79,6 +97,7 @@ class SummaryKeyCodec(KeyCodec):
         return round_up_fp32((high - low) / 2 + FP32_EPS * mid.abs())
 
 
+@VALUE_CODECS.register("summary")
 @dataclass
 class SummaryValueCodec(ValueCodec):
     """Values summarised by their per-channel midrange and radius (module docstring)."""
@@ -90,6 +109,14 @@ class SummaryValueCodec(ValueCodec):
 
     def validate(self, head_dim: int, block_size: int) -> None:
         self._block = block_size
+
+    def kernel_layout(self, head_dim: int) -> CodeLayout | None:
+        """FP16 blocks whose every token is the centre."""
+        return CodeLayout(fp16=True) if keeps(self, SummaryValueCodec) else None
+
+    def kernel_blocks(self, blocks: Blocks, block_size: int) -> Blocks:
+        """``data [Hkv, slots, B, d]``: the FP16 centre with stride 0 over tokens."""
+        return {"data": blocks["centre"].unsqueeze(2).expand(-1, -1, block_size, -1)}
 
     def encode(self, v: torch.Tensor) -> Blocks:
         x = v.float()

@@ -26,6 +26,7 @@ import torch
 from certkv.quant.base import FP32_EPS, Blocks, KeyCodec, ValueCodec
 from certkv.quant.kivi import fp16_step
 from certkv.quant.packing import check_bits, check_packable, pack_bits, unpack_bits
+from certkv.registry import KEY_CODECS, VALUE_CODECS
 
 
 def _qmax(bits: int) -> int:
@@ -75,6 +76,7 @@ class _TokenSymmetric:
         return decode_tokens(blocks, self.bits)
 
 
+@KEY_CODECS.register("token_symmetric")
 @dataclass
 class TokenSymmetricKeyCodec(_TokenSymmetric, KeyCodec):
     """Keys: ``codes`` uint8 ``[Hkv, n, B, d * bits / 8]``, ``scale`` FP16 ``[Hkv, n, B]``."""
@@ -86,6 +88,7 @@ class TokenSymmetricKeyCodec(_TokenSymmetric, KeyCodec):
         return worst.expand(*worst.shape[:-1], blocks["codes"].shape[-1] * 8 // self.bits)
 
 
+@VALUE_CODECS.register("token_symmetric")
 @dataclass
 class TokenSymmetricValueCodec(_TokenSymmetric, ValueCodec):
     """Values: ``codes`` uint8 ``[Hkv, n, B, d * bits / 8]``, ``scale`` FP16 ``[Hkv, n, B]``."""

@@ -22,6 +22,7 @@ from certkv.quant.int4_group import GroupAffineValueCodec
 from certkv.quant.kivi import KiviKeyCodec
 from certkv.quant.kv import KVQuantizer
 from certkv.quant.precision import Precision, exact_precision
+from certkv.registry import QUANTIZERS
 
 ARCHIVES = ("kivi2", "rotation", "kvquant")
 
@@ -30,6 +31,7 @@ def _kivi(bits: int) -> Precision:
     return Precision(KiviKeyCodec(bits=bits), GroupAffineValueCodec(bits=bits, group=32))
 
 
+@QUANTIZERS.register("tiers")
 @dataclass
 class TieredQuantizer(KVQuantizer):
     """Hot / warm / archive tiers (seed 004); ``key_codec`` / ``value_codec`` are the warm

@@ -74,6 +74,7 @@ class Code(ABC):
     name: str = "code"
     word_bits: int = 4  # n
     values_per_word: int = 1  # k / 4
+    by_syndrome = False  # decoded through syndrome tables (Golay), else a word table (Hamming)
 
     @property
     def bits_per_value(self) -> float:

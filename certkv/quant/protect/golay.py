@@ -16,6 +16,7 @@ from itertools import combinations
 import torch
 
 from certkv.quant.protect.base import CLEAN, CORRECTED, DETECTED, Code
+from certkv.registry import PROTECTION_CODES
 
 B_ROWS = (
     "110111000101", "101110001011", "011100010111", "111000101101",
@@ -56,8 +57,11 @@ def golay_tables() -> tuple[list[int], list[int], list[int]]:
     return encode, error, status
 
 
+@PROTECTION_CODES.register("golay24")
 class Golay24(Code):
     """Extended Golay(24,12): 8 bits per value; corrects weight <= 3, detects weight 4."""
+
+    by_syndrome = True
 
     name = "golay24"
     word_bits = 24

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from certkv.quant.protect.base import CLEAN, CORRECTED, DETECTED, Code
+from certkv.registry import PROTECTION_CODES
 
 G_ROWS = ("1000110", "0100101", "0010011", "0001111")
 H_ROWS = ("1101100", "1011010", "0111001")
@@ -52,6 +53,7 @@ def _decode7(word: int) -> tuple[int, bool]:
     return word & 15, bool(s)
 
 
+@PROTECTION_CODES.register("hamming74")
 class Hamming74(Code):
     """Hamming(7,4): 7 bits per value, corrects one error per word, detects none."""
 
@@ -72,6 +74,7 @@ class Hamming74(Code):
         return self._data.to(words.device)[words], self._status.to(words.device)[words]
 
 
+@PROTECTION_CODES.register("hamming84")
 class Hamming84(Code):
     """Extended Hamming(8,4) SECDED: 8 bits per value; a double error is an erasure."""
 

@@ -41,11 +41,7 @@ from certkv.quant.protect.codec import (
     ProtectedValueCodec,
 )
 from certkv.quant.protect.faults import check_rate, inject
-from certkv.quant.protect.golay import Golay24
-from certkv.quant.protect.hamming import Hamming74, Hamming84
-
-CODES: dict[str, type[Code] | None] = {"none": None, "hamming74": Hamming74,
-                                       "hamming84": Hamming84, "golay24": Golay24}
+from certkv.registry import PROTECTION_CODES
 
 
 @dataclass
@@ -103,8 +99,7 @@ class Protection:
     faults: FaultModel = field(default_factory=FaultModel)
 
     def __post_init__(self) -> None:
-        require(self.code in CODES, ConfigError,
-                f"protect.code={self.code!r} is unknown; use one of {list(CODES)}.")
+        PROTECTION_CODES.get(self.code, label="protect.code")  # one sentence if unknown
         require(self.erasure in ERASURES, ConfigError,
                 f"protect.erasure={self.erasure!r} is unknown; use one of {list(ERASURES)}.")
         if isinstance(self.faults, dict):
@@ -134,8 +129,7 @@ class Protection:
 
         if precision.exact or not self.wraps:
             return precision
-        make = CODES[self.code]
-        code = make() if make is not None else _Identity()
+        code = PROTECTION_CODES.get(self.code)()
 
         def wrapped(codec, protected_kind, checked_kind):
             if codec.stores_codes:
@@ -154,10 +148,11 @@ class Protection:
 
 def bits_per_value(code: str) -> float:
     """Stored bits per 4-bit value of the code named ``code`` (4 for ``none``)."""
-    make = CODES[code]
-    return 4.0 if make is None else make.word_bits / make.values_per_word
+    make = PROTECTION_CODES.get(code)
+    return make.word_bits / make.values_per_word
 
 
+@PROTECTION_CODES.register("none")
 class _Identity(Code):
     """No code (integrity check alone): 4-bit words stored as they are, never corrected."""
 

@@ -1,0 +1,36 @@
+"""How the fused kernels read a codec's blocks, as the codec declares it
+(:meth:`~certkv.quant.base.KeyCodec.kernel_layout`): the pipeline asks a codec for its layout,
+never for its type. A subclass that overrides how blocks are encoded or decoded loses its
+parent's claim (:func:`keeps`), so the kernels never read codes they do not understand."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KERNEL_BITS = (2, 4, 8)  # code widths the kernels unpack (whole codes per byte)
+
+
+@dataclass(frozen=True)
+class CodeLayout:
+    """How a kernel decodes one precision's blocks (compile-time constants of a launch).
+
+    ``fp16``: stored originals (``bits = 16``); else affine codes ``bits`` wide, ``bias``
+    subtracted from the unsigned code, ``bound = (a, b)`` of ``r_c = a scale_c + b |offset_c|``
+    (keys; Delta_b, eq. 8) and ``group`` channels per scale (values).
+    """
+
+    fp16: bool
+    bits: int = 16
+    bias: int = 0
+    bound: tuple[float, float] = (0.0, 0.0)
+    group: int = 1
+
+
+def keeps(codec, owner: type, methods: tuple[str, ...] = ("encode", "decode")) -> bool:
+    """Whether ``codec`` encodes and decodes as ``owner`` does: its class overrides none of
+    ``methods`` (and none of ``encode_at`` and ``bound_coefficients`` where ``owner`` has them),
+    so ``owner``'s fast-path claims hold for it."""
+    names = (*methods, "encode_at", "bound_coefficients", "codes", "token_bound",
+             "channel_bound")
+    return isinstance(codec, owner) and all(
+        getattr(type(codec), n, None) is getattr(owner, n, None) for n in names)
