@@ -41,11 +41,13 @@ METHODS = (("int8_int4", "int8_int4", ()), ("kivi4", "kivi4", ()), ("kivi2", "ki
            ("smartkv-b25", "smartkv", ("beta=0.25",)), ("smartkv-b40", "smartkv", ("beta=0.4",)))
 
 
-def quantizers() -> list[tuple[str, str, tuple[str, ...]]]:
-    """:data:`METHODS`, then every ``conf/quantizer`` option they leave out, as configured."""
+def quantizers(only: list[str] | None = None) -> list[tuple[str, str, tuple[str, ...]]]:
+    """:data:`METHODS`, then every ``conf/quantizer`` option they leave out, as configured;
+    ``only``: the points of these options alone."""
     named = {name for _, name, _ in METHODS}
-    return [*METHODS, *((name, name, ()) for name in config_groups()["quantizer"]
-                        if name not in named)]
+    points = [*METHODS, *((name, name, ()) for name in config_groups()["quantizer"]
+                          if name not in named)]
+    return [p for p in points if not only or p[1] in only]
 
 
 @dataclass
@@ -126,11 +128,12 @@ def lossy_precisions(q) -> list[Precision]:
 
 
 def bench_codecs(case: CodecCase, device: torch.device, repeats: int,
-                 update: Update) -> dict[str, list[dict]]:
-    """``{"precisions": [...], "stores": [...]}`` over :func:`quantizers`."""
+                 update: Update, points=None) -> dict[str, list[dict]]:
+    """``{"precisions": [...], "stores": [...]}`` over ``points`` (default
+    :func:`quantizers`)."""
     k, v = case.kv(device)
     precisions, stores, seen = [], [], set()
-    for label, name, changes in quantizers():
+    for label, name, changes in points or quantizers():
         q = quantizer(name, changes, case)
         update(f"codecs: {label}")
         for p in lossy_precisions(q):

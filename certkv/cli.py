@@ -354,10 +354,20 @@ def bench_codecs(
     force: Annotated[bool, typer.Option(
         "--force", help="with --out: replace codecs_<device>.md/.json/.png already there")]
     = False,
+    quantizer: Annotated[list[str] | None, typer.Option(
+        help="only these conf/quantizer options (repeatable; default: every one)")] = None,
 ) -> None:
     """Bytes per token and dequantization time of every quantizer's precisions (seed 004's
     targets: archive compression, ms per 1K tokens per layer), and each store's Tier-1."""
     from certkv import bench, bench_codecs
+    from certkv.config import config_groups
+
+    known = config_groups()["quantizer"]
+    for name in quantizer or []:
+        if name not in known:
+            _fail(f"--quantizer {name} is not a conf/quantizer option; use one of "
+                  f"{', '.join(known)}.")
+    points = bench_codecs.quantizers(quantizer)
 
     if min(context, kv_heads, head_dim, repeats) < 1:
         _fail("--context, --kv-heads, --head-dim and --repeats must be positive, e.g. "
@@ -367,9 +377,8 @@ def bench_codecs(
     report = bench.BenchReport(f"codecs_{dev.type}", _command(), out, force)
     with _user_errors():
         report.check()
-    with bench.progress(len(bench_codecs.quantizers()), "bench codecs") as update, \
-            _user_errors():
-        records = bench_codecs.bench_codecs(case, dev, repeats, update)
+    with bench.progress(len(points), "bench codecs") as update, _user_errors():
+        records = bench_codecs.bench_codecs(case, dev, repeats, update, points)
     tables = bench_codecs.codec_tables(records, case)
     notes = bench.spread_warnings([{"short_label": f"{r['quantizer']}:{r['precision']}",
                                     "ms_stats": {"decode": r["ms_stats"]}}

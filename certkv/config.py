@@ -7,12 +7,17 @@ integrations (:mod:`certkv.integrations.lm_eval`) import this module; nothing im
 from __future__ import annotations
 
 import hashlib
+import os
 import re
+import sys
 from pathlib import Path
 
 from certkv.errors import ConfigError, require
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+# A directory of the user's own components (docs/adding-a-component.md): its YAMLs join the
+# config groups of conf/ (Hydra's search path, conf/config.yaml) and its Python files import.
+USER_CONF = "CERTKV_CONF_PATH"
 DEFAULT_EXPERIMENT = "smoke"
 MAX_DIRNAME = 120
 # Overrides that never change a result, so they do not name the run directory: the experiment
@@ -65,9 +70,38 @@ def register_resolvers() -> None:
     ``${option:...}``)."""
     from omegaconf import OmegaConf
 
+    OmegaConf.register_new_resolver("certkv_searchpath", user_searchpath, replace=True)
     OmegaConf.register_new_resolver("run_dirname", run_dirname, replace=True)
     OmegaConf.register_new_resolver("path_name", path_name, replace=True)
     OmegaConf.register_new_resolver("option", option, replace=True)
+
+
+def user_conf_dir() -> Path | None:
+    """The directory ``$CERTKV_CONF_PATH`` names (None where unset); its Python files are made
+    importable here. A path that is not a directory is one sentence."""
+    value = os.environ.get(USER_CONF)
+    if not value:
+        return None
+    path = Path(value).expanduser().resolve()
+    require(path.is_dir(), ConfigError,
+            f"{USER_CONF}={value} is not a directory; point it at the directory that holds your "
+            f"components' YAMLs (e.g. quantizer/my_codec.yaml) and their Python files, or unset "
+            f"it.")
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+    return path
+
+
+def user_searchpath() -> str:
+    """Hydra's search path entry for :func:`user_conf_dir` (the package itself, which holds no
+    YAML, where none is set: the entry must name something that exists)."""
+    path = user_conf_dir()
+    return f"file://{path}" if path is not None else "pkg://certkv"
+
+
+def conf_dirs() -> list[Path]:
+    """Where config options live: ``conf/``, then the user's directory."""
+    return [CONF_DIR, *filter(None, [user_conf_dir()])]
 
 
 def option(group: str, name: str, *changes: str) -> dict:
@@ -77,7 +111,8 @@ def option(group: str, name: str, *changes: str) -> dict:
     import yaml
     from omegaconf import OmegaConf
 
-    path = CONF_DIR / group / f"{name}.yaml"
+    path = next((d / group / f"{name}.yaml" for d in conf_dirs()
+                 if (d / group / f"{name}.yaml").exists()), CONF_DIR / group / f"{name}.yaml")
     require(path.exists(), ConfigError,
             f"${{option:{group},{name}}} names no file conf/{group}/{name}.yaml; use one of "
             f"{config_groups().get(group, [])}.")
@@ -91,9 +126,14 @@ def option(group: str, name: str, *changes: str) -> dict:
 
 
 def config_groups() -> dict[str, list[str]]:
-    """Config group -> option names, read from ``conf/``."""
-    return {d.name: sorted(p.stem for p in d.glob("*.yaml"))
-            for d in sorted(CONF_DIR.iterdir()) if d.is_dir() and d.name != "hydra"}
+    """Config group -> option names, read from ``conf/`` (and the user's directory: its
+    options in the groups ``conf/`` has)."""
+    groups = {d.name: {p.stem for p in d.glob("*.yaml")}
+              for d in sorted(CONF_DIR.iterdir()) if d.is_dir() and d.name != "hydra"}
+    for extra in conf_dirs()[1:]:
+        for name, options in groups.items():
+            options.update(p.stem for p in (extra / name).glob("*.yaml"))
+    return {name: sorted(options) for name, options in groups.items()}
 
 
 def first_choices(overrides: list[str]) -> list[str]:

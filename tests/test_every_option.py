@@ -9,14 +9,10 @@ tiny experiment is listed in :data:`NOT_ON_TINY` with the reason, and that list 
 
 from __future__ import annotations
 
-import json
-
 import pytest
-from hydra.utils import instantiate
+from helpers.tiny_run import audited_tiny_run
 
-from certkv.config import compose_config, config_groups
-from certkv.eval.runner import run_experiment
-from certkv.report.document import build_report
+from certkv.config import config_groups
 
 # groups whose options are not components of a pipeline: an experiment is a run of its own and
 # `hydra` holds launchers (tests/test_sweep.py runs one)
@@ -65,16 +61,5 @@ def test_every_option_runs_on_tiny_with_no_head_over_its_bound(option, tmp_path,
     (test_cli.py, test_report.py), here they would triple the cost."""
     monkeypatch.setenv("WANDB_MODE", "offline")  # logger=wandb: a run written, nothing sent
     monkeypatch.setenv("WANDB_SILENT", "true")
-    cfg = compose_config(["+experiment=tiny", option, *overrides(option), "audit=true",
-                          f"out_dir={tmp_path}"])
-    run = tmp_path / "run"
-    summary = run_experiment(cfg, str(run), progress=False)
-    instantiate(cfg.logger).log(build_report([run]), summary, str(run), brief=True)
-    meta = json.loads((run / "run.json").read_text())
-    samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
-    assert meta["planned"] == len(samples) > 0
-    certificates = [json.loads(line)
-                    for line in (run / "certificates.jsonl").read_text().splitlines()]
-    audited = [c for c in certificates if c["variant"] != "dense"]  # tiny: naive, certified
-    assert audited and all(c["audited"] and c["head_steps"] > 0 for c in audited)
+    audited = audited_tiny_run([option, *overrides(option)], tmp_path)
     assert sum(c["violations"] for c in audited) == 0
