@@ -53,6 +53,7 @@ from certkv.certify.certificate import BlockStats, Certificate
 from certkv.certify.checks import exploration_mask
 from certkv.certify.dropped import dropped_error, dropped_mass
 from certkv.certify.ladder import Ladder
+from certkv.certify.segment import CertifyInputs, CertifyOutputs, SelectInputs, Selection
 from certkv.certify.select import AdaptiveTopK
 from certkv.certify.values import LocalThreshold
 from certkv.errors import ConfigError, EmptyStoreError, NonFiniteError, ShapeError, require
@@ -399,10 +400,12 @@ class CertifiedAttention:
                 if mask.any():
                     scratch.record(store, mask, which)
         blocks = BlockStats(f.rho, lay.eta, f.delta_b, f.v_rad, lay.quantized)
-        return _Pass(f.out, spec, f.flags, f.e_key, f.e_val, f.e_arith, f.delta, f.tail_mass,
-                     f.k_star, f.rung, f.ranking, f.boundary, f.canary, f.value_blocks,
-                     int(f.plan[1].sum()), lay.num_quantized, f.paper_key, f.paper_val, blocks,
-                     0, f.returned)
+        return _Pass(out=f.out, spec=spec, flags=f.flags, e_key=f.e_key, e_val=f.e_val,
+                     e_arith=f.e_arith, delta=f.delta, tail_mass=f.tail_mass, k_star=f.k_star,
+                     rung=f.rung, ranking=f.ranking, boundary=f.boundary, canary=f.canary,
+                     value_blocks=f.value_blocks, value_promotions=int(f.plan[1].sum()),
+                     num_blocks=lay.num_quantized, paper_key=f.paper_key,
+                     paper_val=f.paper_val, blocks=blocks, returned=f.returned)
 
     def _layout(self, store: TieredKVStore, on_device: bool) -> StepLayout:
         """The step's layout: on the device path with the kernels running both phases, a tail
@@ -482,12 +485,15 @@ class CertifiedAttention:
                     value_spec=lay.value_spec, key_err=lay.key_err, v_max_kv=lay.v_max,
                     v_rad_kv=lay.v_radius, n_q=n_q, scaling=scaling)
             else:
-                sel = self._segment("_select_step", q.device)(
-                    qg, scored.log_mass, scored.delta_b, _log_spread(scored), lay.quantized,
-                    lay.eta, lay.value_spec, lay.key_err, lay.v_max, lay.v_radius,
-                    kv_of, draw, n_q, scaling, boost)
-            (log_p, delta_b, delta, delta_chan, v_max, v_rad, q_norm, promoted, expanded,
-             value_kv, plan, exact) = sel
+                sel = self._segment("_select_step", q.device)(SelectInputs(
+                    qg=qg, l8_kv=scored.log_mass, delta_kv=scored.delta_b,
+                    log_spread_kv=_log_spread(scored), quantized=lay.quantized, eta=lay.eta,
+                    value_spec=lay.value_spec, key_err=lay.key_err, v_max_kv=lay.v_max,
+                    v_rad_kv=lay.v_radius, kv_of=kv_of, draw=draw, n_q=n_q, scaling=scaling,
+                    boost=boost))
+            log_p, delta_b, delta, delta_chan = sel.log_p, sel.delta_b, sel.delta, sel.delta_chan
+            v_max, v_rad, q_norm, promoted = sel.v_max, sel.v_rad, sel.q_norm, sel.promoted
+            expanded, value_kv, plan, exact = sel.expanded, sel.value_kv, sel.plan, sel.exact
 
         # Page-in (on the host: the step's first host read; on the device: none) and Phase 2
         # (gated keys, FP16 values).
@@ -515,20 +521,24 @@ class CertifiedAttention:
                                      q.device)
             if self._compiler(q.device):  # no recompile when the counts change
                 coef = as_tensors(coef, q.device)
-            bounds = segment(
-                l8, l16, att.rho.reshape(hq, -1), _spread(att).reshape(hq, -1),
-                att.out.reshape(hq, -1), log_p, delta_b, delta, delta_chan, v_max, v_rad,
-                q_norm, promoted, exact, expanded, value_kv, lay.eta, lay.value_spec,
-                lay.key_spec, ranking, boundary, att.canary, q, store.nonfinite_appended(),
-                spec, coef, store.key_abs_max(), store.value_error_max(), kv_of,
-                store.value_norm_max() if on_device else None)
-            (e_key, e_val, e_arith, tail_mass, k_star, canary, rung, value_blocks, flags,
-             paper_key, paper_val, returned, e_final) = bounds
+            b = segment(CertifyInputs(
+                l8=l8, l16=l16, rho=att.rho.reshape(hq, -1), spread=_spread(att).reshape(hq, -1),
+                out=att.out.reshape(hq, -1), log_p=log_p, delta_b=delta_b, delta=delta,
+                delta_chan=delta_chan, v_max=v_max, v_rad=v_rad, q_norm=q_norm,
+                promoted=promoted, exact=exact, expanded=expanded, value_kv=value_kv,
+                eta=lay.eta, value_spec=lay.value_spec, key_spec=lay.key_spec, ranking=ranking,
+                boundary=boundary, canary_blocks=att.canary, q=q,
+                kv_bad=store.nonfinite_appended(), key_abs_max=store.key_abs_max(),
+                eta_max_kv=store.value_error_max(), kv_of=kv_of,
+                v_max_kv=store.value_norm_max() if on_device else None), spec, coef)
         blocks = BlockStats(att.rho.reshape(hq, -1), lay.eta, delta_b, v_rad, lay.quantized)
-        return _Pass(att.out.reshape(hq, -1), spec, flags, e_key, e_val, e_arith, delta,
-                     tail_mass, k_star, rung, ranking, boundary, canary, value_blocks,
-                     promotions, lay.num_quantized, paper_key, paper_val, blocks, paged,
-                     returned, e_final)
+        return _Pass(out=att.out.reshape(hq, -1), spec=spec, flags=b.flags, e_key=b.e_key,
+                     e_val=b.e_val, e_arith=b.e_arith, delta=delta, tail_mass=b.tail_mass,
+                     k_star=b.k_star, rung=b.rung, ranking=ranking, boundary=boundary,
+                     canary=b.canary, value_blocks=b.value_blocks, value_promotions=promotions,
+                     num_blocks=lay.num_quantized, paper_key=b.paper_key,
+                     paper_val=b.paper_val, blocks=blocks, paged_evicted=paged,
+                     returned=b.returned, e_final=b.e_final)
 
     def _kv_of(self, hq: int, hkv: int, device: torch.device) -> torch.Tensor:
         """``[Hq]`` int64 on ``device``: each query head's kv head (``x[kv_of]`` spreads a
@@ -574,29 +584,17 @@ class CertifiedAttention:
             return None
         return "inductor" if backend is True else backend
 
-    def _select_step(self, qg, l8_kv, delta_kv, log_spread_kv, quantized, eta,
-                     value_spec, key_err, v_max_kv, v_rad_kv, kv_of, draw, n_q, scaling,
-                     boost=None):
-        """Selection segment (pure tensor code, no host reads; compiled on GPU).
-
-        Args:
-            qg: ``[Hkv, G, d]`` FP32 queries.
-            l8_kv, delta_kv, log_spread_kv: Phase-1 log-masses, Delta_b (eq. 8's channel form)
-                and log-spreads ``[Hkv, G, n]``.
-            quantized: ``[n]``; eta, value_spec, key_err: ``[Hkv, n]``;
-            v_max_kv, v_rad_kv: ``[Hkv]``; kv_of: ``[Hq]`` each head's kv head.
-            draw: uniform ``[Hq, n]`` for exploration, or None; n_q: quantized block count
-                (a host int, or a 0-d device tensor on the device path);
-            scaling: the softmax scale; boost: ``[Hq]`` bound-tolerance escalation level (1:
-            key set at the ladder's cap, 2: also FP16 values of the promoted blocks) or None.
-        Returns:
-            ``log_p, delta_b [Hq, n]`` (``delta_b`` tightened, :func:`tightened_deltas`),
-            ``delta [Hq]``, the channel-form ``delta_chan [Hq, n]``, ``v_max, v_rad [Hq]``,
-            ``q_norm [Hkv, G]``, ``promoted [Hq, n]``, ``expanded [Hq]``, ``value_kv
-            [Hkv, n]``, the page-in plan ``[2, Hkv, n]`` (FP16 keys needed by any head of
-            the kv head, FP16 values) and ``exact [n]`` (``~quantized``: exact windows and the
-            tail block).
+    def _select_step(self, x: SelectInputs) -> Selection:
+        """Selection segment (pure tensor code, no host reads; compiled on GPU): paper 3.3's
+        key set with rung 1, the value promotions (rung 2) and the page-in plan. ``x``:
+        :class:`~certkv.certify.segment.SelectInputs` (``boost [Hq]``: bound-tolerance
+        escalation level, 1: key set at the ladder's cap, 2: also FP16 values of the promoted
+        blocks). Returns :class:`~certkv.certify.segment.Selection` (``delta_b`` tightened,
+        :func:`tightened_deltas`; the plan: FP16 keys needed by any head of the kv head, FP16
+        values; ``exact = ~quantized``: exact windows and the tail block).
         """
+        (qg, l8_kv, delta_kv, log_spread_kv, quantized, eta, value_spec, key_err, v_max_kv,
+         v_rad_kv, kv_of, draw, n_q, scaling, boost) = x
         hkv, group, n = l8_kv.shape
         hq = hkv * group
         exact = ~quantized
@@ -617,13 +615,10 @@ class CertifiedAttention:
             extra = promoted & quantized & (boost >= 2).unsqueeze(-1)
             value_kv = value_kv | (extra.reshape(hkv, group, n).any(dim=1) & (eta > 0))
         need_keys = promoted.view(hkv, group, n).any(dim=1) & quantized
-        return (log_p, delta_b, delta, delta_chan, v_max, v_rad, q_norm, promoted, expanded,
-                value_kv, torch.stack([need_keys, value_kv]), exact)
+        return Selection(log_p, delta_b, delta, delta_chan, v_max, v_rad, q_norm, promoted,
+                         expanded, value_kv, torch.stack([need_keys, value_kv]), exact)
 
-    def _certify_step(self, l8, l16, rho, spread, out, log_p, delta_b, delta, delta_chan, v_max,
-                      v_rad, q_norm, promoted, exact, expanded, value_kv, eta, value_spec,
-                      key_spec, ranking, boundary, canary_blocks, q, kv_bad, spec, coef,
-                      key_abs_max, eta_max_kv, kv_of, v_max_kv=None):
+    def _certify_step(self, x: CertifyInputs, spec, coef) -> CertifyOutputs:
         """Certificate segment (pure tensor code; compiled on GPU): the tight E_key (eq. 15
         with the per-block TV bound and centred values) and E_val (Cor. 4.2 with the spectral
         block terms), E_arith of the quantized path (:mod:`certkv.certify.arith`), the paper's
@@ -633,21 +628,19 @@ class CertifiedAttention:
         (eq. 8's ``Delta_b``, no per-block cap) and at the inputs widened by their rounding
         (arith item 2), the per-block TV bound once over the first and the last.
 
-        Shapes: ``[Hq, n]`` per block, ``[Hq]`` per head, ``out [Hq, d]`` (FP32), ``q`` in the
-        caller's dtype, ``q_norm [Hkv, G]``, ``exact [n]`` (blocks read exactly), ``eta,
-        value_spec, key_spec, value_kv [Hkv, n]``, ``canary_blocks [Hkv, G, n]``,
-        ``key_abs_max [Hkv, d]``, ``eta_max_kv [Hkv]``, ``kv_of [Hq]`` (each head's kv head);
-        ``spec, coef``: the arithmetic bound's static facts and step coefficients;
-        ``v_max_kv [Hkv]`` (device path only): the largest value norm. Returns ``e_key, e_val,
-        e_arith, tail_mass, k_star, canary, rung, value_blocks`` ``[Hq]``, ``flags [Hq + 2]``
-        (heads needing dense attention, then non-finite ``q`` and non-finite appended K/V),
-        the paper's ``e_key, e_val`` ``[Hq]``, ``returned`` (E_key and E_val ``[Hq]`` as
-        returned: 0 on rungs 3-4) and, given ``v_max_kv``, the step's final ``e_arith`` after
-        the device fallback (dense heads: the dense path's, arith item 7; every head ``inf``
-        when ``q`` or the appended K/V are not finite; else None). A head whose output or
-        bound is not finite, or whose output overflows the caller's dtype, goes dense (rung
-        3).
+        ``x``: the named inputs (:class:`~certkv.certify.segment.CertifyInputs`, shapes there);
+        ``spec, coef``: the arithmetic bound's static facts and step coefficients. Returns
+        :class:`~certkv.certify.segment.CertifyOutputs`: ``flags [Hq + 2]`` (heads needing
+        dense attention, then non-finite ``q`` and non-finite appended K/V), ``returned``
+        (E_key and E_val ``[Hq]`` as returned: 0 on rungs 3-4) and, given ``x.v_max_kv``, the
+        step's final ``e_arith`` after the device fallback (dense heads: the dense path's,
+        arith item 7; every head ``inf`` when ``q`` or the appended K/V are not finite; else
+        None). A head whose output or bound is not finite, or whose output overflows the
+        caller's dtype, goes dense (rung 3).
         """
+        (l8, l16, rho, spread, out, log_p, delta_b, delta, delta_chan, v_max, v_rad, q_norm,
+         promoted, exact, expanded, value_kv, eta, value_spec, key_spec, ranking, boundary,
+         canary_blocks, q, kv_bad, key_abs_max, eta_max_kv, kv_of, v_max_kv) = x
         hq, n = l8.shape
         hkv = eta.shape[0]
         group = hq // hkv
@@ -696,14 +689,11 @@ class CertifiedAttention:
         e_final = None if v_max_kv is None else _device_arith(
             flags, e_arith, dense_arith(spec, 0, q=q, key_abs_max=key_abs_max,
                                         v_max=v_max_kv[kv_of], acc_coef=coef.dense_acc))
-        return (e_key, e_val, e_arith, log_alpha.exp(), (promoted & ~exact).sum(dim=-1),
-                canary, rung, value_blocks, flags, paper_key, paper_val,
-                _returned(rung, e_key, e_val), e_final)
+        return CertifyOutputs(e_key, e_val, e_arith, log_alpha.exp(),
+                              (promoted & ~exact).sum(dim=-1), canary, rung, value_blocks, flags,
+                              paper_key, paper_val, _returned(rung, e_key, e_val), e_final)
 
-    def _certify_fused(self, l8, l16, rho, spread, out, log_p, delta_b, delta, delta_chan,
-                       v_max, v_rad, q_norm, promoted, exact, expanded, value_kv, eta,
-                       value_spec, key_spec, ranking, boundary, canary_blocks, q, kv_bad, spec,
-                       coef, key_abs_max, eta_max_kv, kv_of, v_max_kv=None):
+    def _certify_fused(self, x: CertifyInputs, spec, coef) -> CertifyOutputs:
         """:meth:`_certify_step` with its arithmetic as one fused loop nest on CPU tensors
         (:func:`certkv.certify.fused_cpu.certificate`: same terms, same shapes, then the rungs,
         flags and returned bounds in one more, :func:`certkv.certify.fused_cpu.rungs`). Host
@@ -711,15 +701,16 @@ class CertifiedAttention:
         ``e_arith`` is the PyTorch segment's (:meth:`_fused_cpu`)."""
         (e_key, e_val, e_arith, tail_mass, paper_key, paper_val, k_star, value_blocks, canary,
          rung, flags, returned) = fused_cpu.certificate(
-            spec, coef, self.selector.mass_inflation, l8=l8, l16=l16, rho=rho, spread=spread,
-            log_p=log_p, delta_b=delta_b, delta_chan=delta_chan, delta=delta, v_max=v_max,
-            v_rad=v_rad, q_norm=q_norm, promoted=promoted, exact=exact, value_kv=value_kv,
-            eta=eta, value_spec=value_spec, key_spec=key_spec, q=q, key_abs_max=key_abs_max,
-            eta_max_kv=eta_max_kv, out=out, rung_inputs=fused_cpu.RungInputs(
-                self.ladder, self.mode == "certified", expanded, ranking, boundary,
-                canary_blocks, kv_bad))
-        return (e_key, e_val, e_arith, tail_mass, k_star, canary, rung, value_blocks, flags,
-                paper_key, paper_val, returned, None)
+            spec, coef, self.selector.mass_inflation, l8=x.l8, l16=x.l16, rho=x.rho,
+            spread=x.spread, log_p=x.log_p, delta_b=x.delta_b, delta_chan=x.delta_chan,
+            delta=x.delta, v_max=x.v_max, v_rad=x.v_rad, q_norm=x.q_norm, promoted=x.promoted,
+            exact=x.exact, value_kv=x.value_kv, eta=x.eta, value_spec=x.value_spec,
+            key_spec=x.key_spec, q=x.q, key_abs_max=x.key_abs_max, eta_max_kv=x.eta_max_kv,
+            out=x.out, rung_inputs=fused_cpu.RungInputs(
+                self.ladder, self.mode == "certified", x.expanded, x.ranking, x.boundary,
+                x.canary_blocks, x.kv_bad))
+        return CertifyOutputs(e_key, e_val, e_arith, tail_mass, k_star, canary, rung,
+                              value_blocks, flags, paper_key, paper_val, returned, None)
 
     def _rungs(self, out, q, kv_bad, bound, expanded, value_blocks, ranking, boundary,
                canary_blocks):
@@ -1087,7 +1078,9 @@ def _steady(x):
     an inference tensor (a tensor made before the first step is not). Either difference fails
     a guard and recompiles; on a real model these recompiles reached dynamo's limit (8) within
     minutes and left the segments eager for the rest of the run. The arguments are per-head and
-    per-block tensors, so the copies are small."""
+    per-block tensors, so the copies are small. Named inputs (a NamedTuple) field by field."""
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        return x._make(_steady(a) for a in x)
     if not isinstance(x, torch.Tensor):
         return x
     if torch.is_inference_mode_enabled() and not x.is_inference():

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from certkv.certify.fused_cpu import _lse, _nmin, as_array, jit, prange, use_threads
+from certkv.certify.segment import Selection
 from certkv.certify.select import AdaptiveTopK
 from certkv.certify.values import LocalThreshold
 
@@ -177,6 +178,6 @@ def select(selector: AdaptiveTopK, ladder, value_policy: LocalThreshold, *, qg, 
         params(selector, ladder, value_policy, scaling, n_q), int(n_q), group, out_f, out_b,
         q_norm, expanded, plan, radii, exact)
     out_f, out_b, plan, radii = (torch.from_numpy(x) for x in (out_f, out_b, plan, radii))
-    return (out_f[0], out_f[1], out_f[2, :, 0], delta_chan, radii[0], radii[1],
-            torch.from_numpy(q_norm).view(hkv, group), out_b[0], torch.from_numpy(expanded),
-            plan[1], plan, torch.from_numpy(exact))
+    return Selection(out_f[0], out_f[1], out_f[2, :, 0], delta_chan, radii[0], radii[1],
+                     torch.from_numpy(q_norm).view(hkv, group), out_b[0],
+                     torch.from_numpy(expanded), plan[1], plan, torch.from_numpy(exact))

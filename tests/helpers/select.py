@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from certkv.certify import fused_select
+from certkv.certify.segment import SelectInputs
 from certkv.kernels.layout import StepLayout
 from helpers.contract import build
 
@@ -24,9 +25,11 @@ def both(sc):
     scored = attn.backend.phase1(qg, lay, scaling)
     kv_of = attn._kv_of(q.shape[0], hkv, q.device)
     log_spread = scored.log_mass if scored.log_spread is None else scored.log_spread
-    operators = attn._select_step(qg, scored.log_mass, scored.delta_b, log_spread, lay.quantized,
-                                  lay.eta, lay.value_spec, lay.key_err, lay.v_max, lay.v_radius,
-                                  kv_of, None, lay.num_quantized, scaling)
+    operators = attn._select_step(SelectInputs(
+        qg=qg, l8_kv=scored.log_mass, delta_kv=scored.delta_b, log_spread_kv=log_spread,
+        quantized=lay.quantized, eta=lay.eta, value_spec=lay.value_spec, key_err=lay.key_err,
+        v_max_kv=lay.v_max, v_rad_kv=lay.v_radius, kv_of=kv_of, draw=None,
+        n_q=lay.num_quantized, scaling=scaling))
     fused = fused_select.select(
         attn.selector, attn.ladder, attn.value_policy, qg=qg, l8_kv=scored.log_mass,
         delta_kv=scored.delta_b, log_spread_kv=log_spread, quantized=lay.quantized, eta=lay.eta,
