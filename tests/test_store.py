@@ -163,6 +163,24 @@ def test_clone_is_independent():
     assert torch.equal(store.decoded_with_tail()[0][:, :5], copy.decoded_with_tail()[0][:, :5])
 
 
+
+def test_clone_copies_every_field_a_store_has_including_ones_added_later():
+    """``clone()`` derives from the fields: a tensor field a later change adds is copied, not
+    shared (a hand list silently missed new fields); every tensor of the copy is its own
+    memory, per-step caches start afresh, and the cloned counts' views are the copy's."""
+    k, v = make_kv(2, 50, 16, seed=9)
+    store = TieredKVStore(2, 16, block_size=8, value_group=8, decoded_mirror=True)
+    store.append(k[:, :45], v[:, :45])
+    store._a_field_added_later = torch.zeros(3)
+    copy = store.clone()
+    copy._a_field_added_later += 1
+    assert torch.equal(store._a_field_added_later, torch.zeros(3))
+    for name, value in vars(store).items():
+        if isinstance(value, torch.Tensor) and value.numel():
+            assert getattr(copy, name).data_ptr() != value.data_ptr(), name
+    assert copy._views is None and copy._step_codes == {}
+    assert copy._completed_count.data_ptr() == copy._counts.data_ptr()
+
 def test_what_a_step_reads_in_place_stays_in_place_until_the_buffers_grow():
     """What a step over a padded layout reads (issue 24's bucketed block counts: a step
     captured in a graph replays on it): the quantized mask over the store's block capacity and

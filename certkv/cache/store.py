@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -973,25 +974,39 @@ class TieredKVStore:
         if self.num_blocks:
             self._graduate()
 
+    # per-step caches a clone starts afresh (their initial values)
+    _PER_STEP: ClassVar[dict] = {"_step_read": None, "_step_codes": dict, "_views": None,
+                                 "_rows": None}
+
     def clone(self) -> TieredKVStore:
         """An independent copy of this store (every tier, annotation and running statistic), so
-        one quantized prefill can serve several methods without quantizing it again."""
+        one quantized prefill can serve several methods without quantizing it again. Derived
+        from the fields, so a field added later is copied too: tensors and helper objects
+        that ``clone()`` are cloned, trackers re-bound to the copy (``clone_for``), generators
+        copied with their state, dicts copied; settings and components are shared."""
         new = copy.copy(self)
-        new._step_read, new._step_codes, new._views, new._rows = None, {}, None, None
-        for name in ("_table", "_annotations", "_health", "_tier2", "_mirror", "stages"):
-            part = getattr(self, name)
-            setattr(new, name, None if part is None else part.clone())
-        clone_for = getattr(self._tracker, "clone_for", None)
-        new._tracker = clone_for(new) if clone_for is not None else new._new_tracker()
-        new._evictor = None if self._evictor is None else self._evictor.clone_for(new)
-        new._block_bytes = dict(self._block_bytes)
-        new._fault_rng = torch.Generator()
-        new._fault_rng.set_state(self._fault_rng.get_state())
-        for name in ("_tail_k", "_tail_v", "_block_maxima", "_eta_max", "_centre",
-                     "_tail_maxima", "_value_maxima", "_key_abs_max", "_nonfinite", "_counts"):
-            setattr(new, name, getattr(self, name).clone())
-        new._count_views()
+        for name, value in vars(self).items():
+            setattr(new, name, self._cloned(name, value, new))
+        new._count_views()  # views of the cloned counts, not of the original's
         return new
+
+    def _cloned(self, name: str, value, new: TieredKVStore):
+        """One field of :meth:`clone`'s copy ``new``."""
+        if name in self._PER_STEP:
+            fresh = self._PER_STEP[name]
+            return fresh() if callable(fresh) else fresh
+        if name == "_tracker" and not hasattr(value, "clone_for"):
+            return new._new_tracker()  # a tracker that cannot follow a copy starts anew
+        if hasattr(value, "clone_for"):
+            return value.clone_for(new)
+        if isinstance(value, torch.Generator):
+            copied = torch.Generator(device=value.device)
+            copied.set_state(value.get_state())
+            return copied
+        if isinstance(value, dict):
+            return dict(value)
+        return value.clone() if isinstance(value, torch.Tensor) or hasattr(value, "clone") \
+            else value
 
     def drop_originals(self) -> None:
         """Release Tier-2 (e.g. host memory is exhausted); promotion and fallback then raise."""
