@@ -27,9 +27,17 @@ import numpy as np
 import torch
 
 from certkv.cache import append_cpu, fused, room
+from certkv.cache.annotations import (
+    ANNOTATIONS,
+    ERROR_NOTES,
+    HEALTH,
+    INFLATE,
+    block_annotations,
+)
 from certkv.cache.blocks import BlockTable, GrowingBlocks, head_rows
+from certkv.cache.mirror import MIRROR_FILL, mirror_fields
 from certkv.cache.stages import Stages
-from certkv.certify.bounds import centred_radius, spectral_norm_upper
+from certkv.certify.bounds import centred_radius
 from certkv.errors import (
     BudgetError,
     ConfigError,
@@ -62,93 +70,6 @@ _TIER2_MISSING = (
 
 NONFINITE_KV = ("k or v holds NaN or Inf (or values beyond the FP16 range); fix the model outputs "
                 "before caching them.")
-
-
-ANNOTATIONS = ("eta", "nu", "value_spec", "key_err", "key_spec", "v_radius")
-"""Per-block, per-kv-head FP32 annotations ``[Hkv, n]`` (:func:`block_annotations`)."""
-
-ERROR_NOTES = ("eta", "value_spec", "key_err", "key_spec")
-"""The annotations that state a block's reconstruction error: 0 where a block is served from its
-FP16 originals (a corrupted block, :meth:`TieredKVStore.corrupted_mask`)."""
-
-HEALTH = ("corrected", "erased", "corrupted")
-"""What reading a protected block found, ``[Hkv, n]`` each: words the code corrected, words it
-erased (detected, not fixable), and whether the integrity check failed (the block is served
-from its FP16 originals). Telemetry, not Tier-1."""
-
-_INFLATE = 1.0 + 1e-12  # covers the FP64 rounding of the measurements (norms, eigenvalues)
-
-
-def _error_norms(err: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(max_t ||e_t||, ||E||_2 upper bound)`` of FP64 error blocks ``[Hkv, n, B, d]``."""
-    return err.norm(dim=-1).amax(dim=-1), spectral_norm_upper(err)
-
-
-def block_annotations(k16: torch.Tensor, v16: torch.Tensor, key_codec: KeyCodec,
-                      value_codec: ValueCodec, key_blocks: Blocks, value_blocks: Blocks,
-                      centre: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The write-time annotations of completed blocks (FP16 originals ``k16, v16 [Hkv, n, B,
-    d]``, their codes, the fixed value centre ``c [Hkv, d]``) -> FP32 ``[Hkv, n]`` each, never
-    below the exact values (FP64, inflated by ``1e-12`` relative, rounded up):
-
-    * ``eta``: ``max_t ||v_hat_t - v_t||`` (Cor. 4.2); ``value_spec``: ``||V_hat_b - V_b||_2``
-      (:func:`~certkv.certify.bounds.value_block_terms`); both on the codec's own decode (a
-      kernel's differs by the codec's ``decode_rounding``, which E_arith carries);
-    * ``nu``: ``max_t ||v_t||`` (V_max); ``v_radius``: ``max_t ||v_t - c||`` (centred V_max);
-    * ``key_err``: ``max_t ||k_hat_t - k_t||`` and ``key_spec``: ``||K_hat_b - K_b||_2``, each
-      plus what the codec's ``decode_slack`` ``sigma [d]`` can add for *any* FP32 decode
-      (``||sigma||`` per token, ``||Sigma||_2 <= ||Sigma||_F <= sqrt(B) ||sigma||`` per block).
-    """
-    v64, k64 = v16.double(), k16.double()
-    zeros = torch.zeros(v64.shape[:2], dtype=torch.float64, device=v64.device)
-    errors = {}  # the lossy ones' error blocks, measured in one batch
-    if not value_codec.exact:
-        errors["v"] = value_codec.decode(value_blocks).double() - v64
-    if not key_codec.exact:
-        errors["k"] = key_codec.decode(key_blocks).double() - k64
-    measured = {}
-    if errors:
-        per_token, spectral = _error_norms(torch.stack(list(errors.values())))
-        measured = {name: (per_token[i], spectral[i]) for i, name in enumerate(errors)}
-    eta, value_spec = measured.get("v", (zeros, zeros))
-    key_err, key_spec = measured.get("k", (zeros, zeros))
-    if "k" in errors:
-        slack = key_codec.decode_slack(key_blocks).double().norm(dim=-1)  # [Hkv, n]
-        key_err = key_err + slack
-        key_spec = key_spec + slack * k64.shape[2] ** 0.5
-    found = {"eta": eta, "nu": v64.norm(dim=-1).amax(dim=-1), "value_spec": value_spec,
-             "key_err": key_err, "key_spec": key_spec,
-             "v_radius": centred_radius(v64, centre.unsqueeze(1))}
-    rounded = round_up_fp32(torch.stack([found[name] for name in ANNOTATIONS]) * _INFLATE)
-    return dict(zip(ANNOTATIONS, rounded.unbind(), strict=True))
-
-
-#: The decoded mirror's tensors (:class:`TieredKVStore`'s ``decoded_mirror``) and the value of
-#: its spare (tail) block's empty slots: decoded keys, values block-major, per-channel key
-#: bounds, the original keys in FP32 and the slot bias.
-MIRROR_FILL = {"k": 0.0, "v": 0.0, "bound": 0.0, "orig_k": 0.0, "bias": float("-inf")}
-
-
-def mirror_fields(kind: bool | str, precisions: list[Precision], protected: bool,
-                  originals: bool) -> tuple[str, ...]:
-    """The tensors a decoded mirror of ``kind`` keeps (:class:`TieredKVStore`'s
-    ``decoded_mirror``): none, all of :data:`MIRROR_FILL`, or, ``"lean"``, the values, key
-    bounds and slot bias only where every block's keys are either the one INT8 precision's
-    codes (which the CPU loops decode in place) or exact windows (read from their FP16
-    originals: ``originals``, the store keeps Tier-2), unprotected; all of them elsewhere
-    (other key codecs, and evicted blocks' summaries, whose naive steps take the reference's
-    products over the decoded and original keys)."""
-    if kind is False or kind is None:
-        return ()
-    if kind is True:
-        return tuple(MIRROR_FILL)
-    require(kind == "lean", ConfigError,
-            f"decoded_mirror={kind!r} is not a mirror; use True, False or 'lean'.")
-    codecs = [p.key_codec for p in precisions]
-    keys_elsewhere = (originals and not protected and sum(map(is_int8, codecs)) == 1
-                      and all(is_int8(c) or p.exact for c, p in zip(codecs, precisions,
-                                                                     strict=True)))
-    return ("v", "bound", "bias") if keys_elsewhere else tuple(MIRROR_FILL)
 
 
 class TieredKVStore:
@@ -404,7 +325,7 @@ class TieredKVStore:
             self.tail_len, *(x.numpy() for x in (self._centre, self._key_abs_max,
                                                  self._block_maxima, self._tail_maxima,
                                                  self._value_maxima)),
-            _INFLATE, self._mirror is not None, *mirror_rows,
+            INFLATE, self._mirror is not None, *mirror_rows,
             np.empty((2, 1, self.head_dim), np.float32))
         require(finite, NonFiniteError, NONFINITE_KV)
         self._step_read, self._step_codes = None, {}
@@ -513,7 +434,7 @@ class TieredKVStore:
             return torch.zeros(2, self.num_kv_heads, device=self.device)
         v64 = new_v.double()
         return round_up_fp32(torch.stack([
-            v64.norm(dim=-1).amax(dim=-1), centred_radius(v64, self._centre) * _INFLATE]))
+            v64.norm(dim=-1).amax(dim=-1), centred_radius(v64, self._centre) * INFLATE]))
 
     def _check_append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """FP16 copies of ``k, v`` (their shapes checked by :meth:`_check_shapes`), finite ones:

@@ -396,7 +396,7 @@ class NumbaBackend(TorchBackend):
     def decoded_mirror(self, device: torch.device) -> bool | str:
         """``"lean"`` where the loop nests run: they decode INT8 key codes and read the FP16
         originals (Tier-2, the tail buffer) in place, so the mirror keeps the values, key
-        bounds and slot bias only (:func:`~certkv.cache.store.mirror_fields`)."""
+        bounds and slot bias only (:func:`~certkv.cache.mirror.mirror_fields`)."""
         return "lean" if self._fused(device) else super().decoded_mirror(device)
 
     def phase1(self, q, lay, scaling) -> Scored:

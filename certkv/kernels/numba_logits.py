@@ -218,7 +218,7 @@ def _other_keys(store) -> tuple[np.ndarray, int, np.ndarray, int]:
     """Where :func:`_key_logits` reads the completed blocks that have no INT8 codes: the
     decoded mirror's key rows (:func:`rows`) and a placeholder, or, where a lean mirror keeps
     no keys (its store's other blocks are exact windows:
-    :func:`~certkv.cache.store.mirror_fields`), a placeholder and the FP16 originals' bits
+    :func:`~certkv.cache.mirror.mirror_fields`), a placeholder and the FP16 originals' bits
     (Tier-2 rows in place, as :meth:`~certkv.cache.store.TieredKVStore.original_rows`)."""
     keys = store.decoded_with_tail()[0]
     if keys is not None:
