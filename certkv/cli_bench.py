@@ -88,7 +88,6 @@ def bench_launches(
     """What one layer step of the Triton path dispatches (no timing): Triton launches, compiled
     segments, eager launching operators and host reads per method (CUDA launches on a GPU).
     On CPU the kernels run under the Triton interpreter (TRITON_INTERPRET=1, set here)."""
-
     if context and min(context) < 1:
         _fail(f"--context {min(context)} is not a token count; pass positive contexts such as "
               "--context 1024.")

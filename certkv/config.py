@@ -111,8 +111,8 @@ def option(group: str, name: str, *changes: str) -> dict:
     import yaml
     from omegaconf import OmegaConf
 
-    path = next((d / group / f"{name}.yaml" for d in conf_dirs()
-                 if (d / group / f"{name}.yaml").exists()), CONF_DIR / group / f"{name}.yaml")
+    candidates = [d / group / f"{name}.yaml" for d in conf_dirs()]
+    path = next((p for p in candidates if p.exists()), candidates[0])
     require(path.exists(), ConfigError,
             f"${{option:{group},{name}}} names no file conf/{group}/{name}.yaml; use one of "
             f"{config_groups().get(group, [])}.")

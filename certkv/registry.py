@@ -80,6 +80,15 @@ class Registry:
         return f"Registry({self.kind!r}: {', '.join(sorted(self._items)) or 'nothing loaded'})"
 
 
+def inherits(component, owner: type, *methods: str) -> bool:
+    """Whether ``component`` is an ``owner`` whose class overrides none of ``methods`` (names
+    ``owner`` lacks count as kept): what a capability claim of ``owner`` rests on (a fast path
+    that computes ``owner``'s methods its own way), so a subclass that changes one of them
+    loses the claim without saying so."""
+    return isinstance(component, owner) and all(
+        getattr(type(component), name, None) is getattr(owner, name, None) for name in methods)
+
+
 KEY_CODECS = Registry("key codec", "certkv.quant")
 VALUE_CODECS = Registry("value codec", "certkv.quant")
 QUANTIZERS = Registry("quantizer", "certkv.quant", "quantizer")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from certkv.errors import ConfigError, require
-from certkv.registry import SELECTORS
+from certkv.registry import SELECTORS, inherits
 
 RANKS = ("mass", "upper")
 
@@ -108,9 +108,8 @@ class AdaptiveTopK(Selector):
     def fuses_on_cpu(self) -> bool:
         """Whether the CPU's fused selection (:mod:`certkv.certify.fused_select`) computes this
         selector's choice: the paper's mass ranking, per query head, with these methods."""
-        own = all(getattr(type(self), n) is getattr(AdaptiveTopK, n)
-                  for n in ("order", "choose_k", "promoted"))
-        return own and self.rank == "mass" and not self.kv_group_union
+        return (inherits(self, AdaptiveTopK, "order", "choose_k", "promoted")
+                and self.rank == "mass" and not self.kv_group_union)
 
     def order(self, p: torch.Tensor, delta_b: torch.Tensor, quantized: torch.Tensor):
         """Block indices ``[Hq, n]`` in promotion order (:attr:`rank`; quantized first)."""

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from certkv.errors import ConfigError, require
-from certkv.registry import VALUE_POLICIES
+from certkv.registry import VALUE_POLICIES, inherits
 
 CONTRIBUTIONS = ("tight", "paper")
 
@@ -77,7 +77,7 @@ class LocalThreshold(ValuePolicy):
     def fuses_on_cpu(self) -> bool:
         """Whether the CPU's fused selection computes this policy's promotions (its own
         :meth:`select`, not a subclass's)."""
-        return type(self).select is LocalThreshold.select
+        return inherits(self, LocalThreshold, "select")
 
     def select(self, log_p_hat: torch.Tensor, eta: torch.Tensor, delta: torch.Tensor,
                log_spread: torch.Tensor | None = None, sigma: torch.Tensor | None = None):

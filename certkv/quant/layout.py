@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from certkv.registry import inherits
+
 KERNEL_BITS = (2, 4, 8)  # code widths the kernels unpack (whole codes per byte)
 
 
@@ -26,11 +28,8 @@ class CodeLayout:
     group: int = 1
 
 
-def keeps(codec, owner: type, methods: tuple[str, ...] = ("encode", "decode")) -> bool:
-    """Whether ``codec`` encodes and decodes as ``owner`` does: its class overrides none of
-    ``methods`` (and none of ``encode_at`` and ``bound_coefficients`` where ``owner`` has them),
-    so ``owner``'s fast-path claims hold for it."""
-    names = (*methods, "encode_at", "bound_coefficients", "codes", "token_bound",
-             "channel_bound")
-    return isinstance(codec, owner) and all(
-        getattr(type(codec), n, None) is getattr(owner, n, None) for n in names)
+def keeps(codec, owner: type) -> bool:
+    """Whether ``codec`` encodes, decodes and bounds as ``owner`` does (:func:`certkv.registry.
+    inherits` over the methods a kernel layout stands for), so ``owner``'s claims hold for it."""
+    return inherits(codec, owner, "encode", "decode", "encode_at", "bound_coefficients",
+                    "codes", "token_bound", "channel_bound")
