@@ -477,20 +477,16 @@ class CertifiedAttention:
             draw = self.ladder.exploration_draw((hq, lay.quantized.numel()), q.device) \
                 if certified else None
             kv_of = self._kv_of(hq, hkv, q.device)
+            inputs = SelectInputs(
+                qg=qg, l8_kv=scored.log_mass, delta_kv=scored.delta_b,
+                log_spread_kv=_log_spread(scored), quantized=lay.quantized, eta=lay.eta,
+                value_spec=lay.value_spec, key_err=lay.key_err, v_max_kv=lay.v_max,
+                v_rad_kv=lay.v_radius, kv_of=kv_of, draw=draw, n_q=n_q, scaling=scaling,
+                boost=boost)
             if self._fused_select(q.device, draw, boost, on_device):
-                sel = fused_select.select(
-                    self.selector, self.ladder, self.value_policy, qg=qg,
-                    l8_kv=scored.log_mass, delta_kv=scored.delta_b,
-                    log_spread_kv=_log_spread(scored), quantized=lay.quantized, eta=lay.eta,
-                    value_spec=lay.value_spec, key_err=lay.key_err, v_max_kv=lay.v_max,
-                    v_rad_kv=lay.v_radius, n_q=n_q, scaling=scaling)
+                sel = fused_select.select(self.selector, self.ladder, self.value_policy, inputs)
             else:
-                sel = self._segment("_select_step", q.device)(SelectInputs(
-                    qg=qg, l8_kv=scored.log_mass, delta_kv=scored.delta_b,
-                    log_spread_kv=_log_spread(scored), quantized=lay.quantized, eta=lay.eta,
-                    value_spec=lay.value_spec, key_err=lay.key_err, v_max_kv=lay.v_max,
-                    v_rad_kv=lay.v_radius, kv_of=kv_of, draw=draw, n_q=n_q, scaling=scaling,
-                    boost=boost))
+                sel = self._segment("_select_step", q.device)(inputs)
             log_p, delta_b, delta, delta_chan = sel.log_p, sel.delta_b, sel.delta, sel.delta_chan
             v_max, v_rad, q_norm, promoted = sel.v_max, sel.v_rad, sel.q_norm, sel.promoted
             expanded, value_kv, plan, exact = sel.expanded, sel.value_kv, sel.plan, sel.exact

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from certkv.certify.fused_cpu import _lse, _nmin, as_array, jit, prange, use_threads
-from certkv.certify.segment import Selection
+from certkv.certify.segment import SelectInputs, Selection
 from certkv.certify.select import AdaptiveTopK
 from certkv.certify.values import LocalThreshold
 
@@ -156,13 +156,13 @@ def params(selector: AdaptiveTopK, ladder, value_policy: LocalThreshold, scaling
             value_policy.contribution == "tight")
 
 
-def select(selector: AdaptiveTopK, ladder, value_policy: LocalThreshold, *, qg, l8_kv, delta_kv,
-           log_spread_kv, quantized, eta, value_spec, key_err, v_max_kv, v_rad_kv, n_q, scaling):
-    """:meth:`CertifiedAttention._select_step`'s outputs for the default policy (:func:`covers`)
-    in one call on CPU tensors (shapes as there): ``log_p, delta_b [Hq, n]``, ``delta [Hq]``,
-    ``delta_chan [Hq, n]``, ``v_max, v_rad [Hq]``, ``q_norm [Hkv, G]``, ``promoted [Hq, n]``,
-    ``expanded [Hq]``, ``value_kv [Hkv, n]``, the page-in plan ``[2, Hkv, n]`` and
-    ``exact [n]``."""
+def select(selector: AdaptiveTopK, ladder, value_policy: LocalThreshold,
+           x: SelectInputs) -> Selection:
+    """:meth:`CertifiedAttention._select_step`'s :class:`~certkv.certify.segment.Selection`
+    for the default policy (:func:`covers`: no exploration ``draw``, no ``boost``) in one call
+    on the CPU tensors of ``x``."""
+    qg, l8_kv, delta_kv, log_spread_kv = x.qg, x.l8_kv, x.delta_kv, x.log_spread_kv
+    quantized, n_q, scaling = x.quantized, x.n_q, x.scaling
     hkv, group, n = l8_kv.shape
     hq = hkv * group
     out_f = np.empty((3, hq, n), _F32)  # log_p, delta_b, delta (in [2, :, 0])
@@ -172,12 +172,13 @@ def select(selector: AdaptiveTopK, ladder, value_policy: LocalThreshold, *, qg, 
         np.empty(n, np.bool_)
     delta_chan = delta_kv.reshape(hq, n)
     use_threads(torch.get_num_threads())
-    _kernel(*(as_array(x) for x in (
+    _kernel(*(as_array(t) for t in (
         l8_kv.reshape(hq, n), delta_chan, log_spread_kv.reshape(hq, n),
-        qg.reshape(hq, -1).float(), quantized, eta, value_spec, key_err, v_max_kv, v_rad_kv)),
+        qg.reshape(hq, -1).float(), quantized, x.eta, x.value_spec, x.key_err, x.v_max_kv,
+        x.v_rad_kv)),
         params(selector, ladder, value_policy, scaling, n_q), int(n_q), group, out_f, out_b,
         q_norm, expanded, plan, radii, exact)
-    out_f, out_b, plan, radii = (torch.from_numpy(x) for x in (out_f, out_b, plan, radii))
+    out_f, out_b, plan, radii = (torch.from_numpy(t) for t in (out_f, out_b, plan, radii))
     return Selection(out_f[0], out_f[1], out_f[2, :, 0], delta_chan, radii[0], radii[1],
                      torch.from_numpy(q_norm).view(hkv, group), out_b[0],
                      torch.from_numpy(expanded), plan[1], plan, torch.from_numpy(exact))

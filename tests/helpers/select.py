@@ -25,16 +25,13 @@ def both(sc):
     scored = attn.backend.phase1(qg, lay, scaling)
     kv_of = attn._kv_of(q.shape[0], hkv, q.device)
     log_spread = scored.log_mass if scored.log_spread is None else scored.log_spread
-    operators = attn._select_step(SelectInputs(
+    inputs = SelectInputs(
         qg=qg, l8_kv=scored.log_mass, delta_kv=scored.delta_b, log_spread_kv=log_spread,
         quantized=lay.quantized, eta=lay.eta, value_spec=lay.value_spec, key_err=lay.key_err,
         v_max_kv=lay.v_max, v_rad_kv=lay.v_radius, kv_of=kv_of, draw=None,
-        n_q=lay.num_quantized, scaling=scaling))
-    fused = fused_select.select(
-        attn.selector, attn.ladder, attn.value_policy, qg=qg, l8_kv=scored.log_mass,
-        delta_kv=scored.delta_b, log_spread_kv=log_spread, quantized=lay.quantized, eta=lay.eta,
-        value_spec=lay.value_spec, key_err=lay.key_err, v_max_kv=lay.v_max,
-        v_rad_kv=lay.v_radius, n_q=lay.num_quantized, scaling=scaling)
+        n_q=lay.num_quantized, scaling=scaling)
+    operators = attn._select_step(inputs)
+    fused = fused_select.select(attn.selector, attn.ladder, attn.value_policy, inputs)
     return attn, lay, scored, operators, fused
 
 
