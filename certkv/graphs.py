@@ -182,10 +182,22 @@ def _new_graph(graph: Callable | None, attention, pool_owner) -> object:
     if graph is not None:
         return graph()
     if pool_owner._pool is None:
-        pool_owner._pool = torch.cuda.graph_pool_handle()
+        pool_owner._pool = _memory_pool()
     generators = [g for g in getattr(attention.ladder, "_generators", {}).values()
                   if g.device.type == "cuda"]
-    return CudaGraph(pool_owner._pool, generators)
+    return CudaGraph(getattr(pool_owner._pool, "id", pool_owner._pool), generators)
+
+
+def _memory_pool():
+    """The graphs' shared memory pool, alive as long as its owner.
+
+    A bare ``graph_pool_handle()`` lives only while a graph captured into it lives: when a
+    new bucket replaces the last one's graph, the pool's count of graphs falls to zero while
+    it still holds blocks, and the next capture into it fails inside PyTorch's allocator
+    (``use_count > 0 INTERNAL ASSERT``, seen on an H200 with torch 2.11). A ``MemPool``
+    counts as a user of its pool for as long as the object lives."""
+    make = getattr(torch.cuda, "MemPool", None)
+    return make() if make is not None else torch.cuda.graph_pool_handle()
 
 
 def _needs_cuda(graph, device: torch.device) -> None:
