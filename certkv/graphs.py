@@ -91,7 +91,7 @@ class RecordedGraph:
         self.tape: list = []
 
     def capture(self, fn: Callable):
-        import certkv.attention as module
+        import certkv.step as module
 
         recorder = _Recorder(self.tape)
         restore, read = _record_triton(recorder), module.to_host

@@ -17,7 +17,7 @@ made inside it::
   kernels are not aten operators), so the same counter compares eager and compiled steps.
 * ``by_phase``: the same per :class:`~certkv.timing.PhaseTimer` phase of
   :class:`~certkv.CertifiedAttention` (``layout``, ``phase1``, ... ; ``other`` outside them).
-* ``host_reads``: calls of :func:`certkv.attention.to_host`, through which every device-to-host
+* ``host_reads``: calls of :func:`certkv.step.to_host`, through which every device-to-host
   read of a step goes (on a CPU store it is a copy within memory, counted all the same: it is
   where a GPU step waits).
 * ``launches``: the CUDA activities the profiler records (kernels, and the copies and memsets
@@ -86,7 +86,7 @@ class StepCounter:
         """Count inside the block; ``attention`` (a :class:`~certkv.CertifiedAttention`, or
         None) labels its phases. ``launches``: count CUDA activities (default: when CUDA is
         initialised)."""
-        import certkv.attention as module
+        import certkv.step as module
 
         launches = (torch.cuda.is_available() and torch.cuda.is_initialized()
                     if launches is None else launches)

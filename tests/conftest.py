@@ -162,10 +162,10 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def audit(monkeypatch):
     """``(auditor, reads)``: a :class:`helpers.host_reads.HostReadAudit` and the shapes that
-    ``certkv.attention.to_host`` read, with every read marked on the host."""
+    ``certkv.step.to_host`` read, with every read marked on the host."""
     from helpers.host_reads import HostReadAudit
 
-    import certkv.attention as attention_module
+    import certkv.step as attention_module
 
     auditor = HostReadAudit()
     reads = []

@@ -6,6 +6,7 @@ FP64 attention) is ``test_contract.py``'s, whose scenarios draw either."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from hypothesis import HealthCheck, assume, given, settings
 
 import certkv.certify.fused_cpu as fused_cpu
 from certkv import CertifiedAttention, TieredKVStore
+from certkv.certify.step_certify import rungs
 from certkv.errors import NonFiniteError
 
 TERMS = ("e_key", "e_val", "tail_mass", "candidate_e_key", "candidate_e_val", "paper_e_key",
@@ -123,9 +125,9 @@ def test_cpu_steps_use_the_fused_certificate_unless_compile_is_set(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 @pytest.mark.parametrize("certified", [True, False])
 def test_fused_rungs_match_the_operators_at_the_cast_limits(dtype, certified):
-    """Rungs, canary, flags and returned bounds as :meth:`CertifiedAttention._rungs`, on outputs
-    at the edge of the query dtype's range (FP16 65520, BF16 2^128 - 2^119), NaN / inf bounds,
-    a canary violation and a non-finite query."""
+    """Rungs, canary, flags and returned bounds as :func:`certkv.certify.step_certify.rungs`, on
+    outputs at the edge of the query dtype's range (FP16 65520, BF16 2^128 - 2^119), NaN / inf
+    bounds, a canary violation and a non-finite query."""
     gen = torch.Generator().manual_seed(0)
     hq, d, n = 8, 4, 5
     limit = fused_cpu.CAST_LIMIT.get(dtype, 3e38)
@@ -147,8 +149,9 @@ def test_fused_rungs_match_the_operators_at_the_cast_limits(dtype, certified):
         canary_blocks[1, 0, 3] = canary_bad
         attn = CertifiedAttention(mode="certified" if certified else "naive")
         kv_bad = torch.tensor(q_bad)
-        want = attn._rungs(out, q, kv_bad, e_key + e_val + e_arith, expanded, value_blocks,
-                           ranking, boundary, canary_blocks)
+        x = SimpleNamespace(out=out, q=q, kv_bad=kv_bad, expanded=expanded, ranking=ranking,
+                            boundary=boundary, canary_blocks=canary_blocks)
+        want = rungs(attn, x, e_key + e_val + e_arith, value_blocks)
         got = fused_cpu.rungs(attn.ladder, certified, e_key=e_key, e_val=e_val, e_arith=e_arith,
                               value_blocks=value_blocks, out=out, q=q, expanded=expanded,
                               ranking=ranking, boundary=boundary, canary_blocks=canary_blocks,

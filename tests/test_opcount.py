@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from helpers import make_kv, make_query
 
-import certkv.attention as attention_module
+import certkv.step as attention_module
 from certkv import CertifiedAttention, TieredKVStore
 from certkv.opcount import StepCounter, count_step
 

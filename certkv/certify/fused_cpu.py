@@ -1,6 +1,6 @@
 """The certificate's numbers as one fused loop nest on CPU tensors (issue 24), compiled by numba.
 
-:meth:`certkv.attention.CertifiedAttention._certify_step` states the certificate as about 260
+:func:`certkv.certify.step_certify.certify_step` states the certificate as about 260
 small PyTorch operators on ``[Hq]`` and ``[Hq, n]`` tensors; on a CPU each costs microseconds
 of dispatch for nanoseconds of arithmetic. :func:`certificate` evaluates the same mathematics
 (eq. 15 with both caps in three lanes, the per-block TV bound in two, Cor. 4.2's E_val, and
@@ -347,11 +347,11 @@ def certificate(spec: ArithSpec, coef: StepCoefficients, exponent: float, *, l8,
     """The certificate's per-head terms of a quantized step on CPU tensors, then its rungs, in
     two calls.
 
-    Args (CPU tensors; shapes as :meth:`CertifiedAttention._certify_step`): ``[Hq, n]`` block
-    tensors ``l8, l16, rho, spread, log_p, delta_b`` (tightened), ``delta_chan`` (eq. 8),
-    ``promoted``; ``[Hq]`` tensors ``delta, v_max, v_rad`` (``min(R, V_max)``); ``q_norm
-    [Hkv, G]``; ``exact [n]``; ``value_kv, eta, value_spec, key_spec [Hkv, n]``; ``q [Hq, d]``
-    any float dtype (query head ``h`` reads kv head ``h // G``); ``key_abs_max [Hkv, d]``;
+    Args (CPU tensors; shapes as :func:`~certkv.certify.step_certify.certify_step`): ``[Hq, n]``
+    block tensors ``l8, l16, rho, spread, log_p, delta_b`` (tightened), ``delta_chan`` (eq. 8),
+    ``promoted``; ``[Hq]`` tensors ``delta, v_max, v_rad`` (``min(R, V_max)``); ``q_norm [Hkv,
+    G]``; ``exact [n]``; ``value_kv, eta, value_spec, key_spec [Hkv, n]``; ``q [Hq, d]`` any
+    float dtype (query head ``h`` reads kv head ``h // G``); ``key_abs_max [Hkv, d]``;
     ``eta_max_kv [Hkv]``; ``out [Hq, d]`` the FP32 output. ``exponent``: eq. 14's mass
     inflation.
     Returns: FP32 ``e_key, e_val, e_arith, tail_mass, paper_key, paper_val``, int64
@@ -379,8 +379,9 @@ CAST_LIMIT = {torch.float16: 65520.0, torch.bfloat16: 2.0**128 - 2.0**119}
 def _rungs(e_key, e_val, e_arith, value_blocks, out, q, expanded, ranking, boundary,
            canary_blocks, kv_bad, limit, certified, use_canary, least, canary, rung, flags,
            returned):
-    """:meth:`CertifiedAttention._rungs` and :func:`certkv.attention._returned` in one pass
-    (outputs ``canary, rung [Hq]``, ``flags [Hq + 2]``, ``returned [2, Hq]``)."""
+    """:func:`~certkv.certify.step_certify.rungs` and
+    :func:`~certkv.certify.step_certify.returned` in one pass (outputs ``canary, rung [Hq]``,
+    ``flags [Hq + 2]``, ``returned [2, Hq]``)."""
     hq = out.shape[0]
     q_bad = False
     for x in q.ravel():
@@ -415,8 +416,8 @@ def _rungs(e_key, e_val, e_arith, value_blocks, out, q, expanded, ranking, bound
 def rungs(ladder, certified: bool, *, e_key, e_val, e_arith, value_blocks, out, q, expanded,
           ranking, boundary, canary_blocks, kv_bad):
     """The canary ``[Hq]``, each head's rung ``[Hq]``, the flags ``[Hq + 2]`` and the returned
-    E_key, E_val ``[Hq]`` (0 on rungs 3-4) of :meth:`CertifiedAttention._rungs` in one call on
-    CPU tensors (``canary_blocks [Hkv, G, n]``, ``kv_bad`` 0-d; the rest as there)."""
+    E_key, E_val ``[Hq]`` (0 on rungs 3-4) of :func:`~certkv.certify.step_certify.rungs` in one
+    call on CPU tensors (``canary_blocks [Hkv, G, n]``, ``kv_bad`` 0-d; the rest as there)."""
     return _rung_arrays(*(as_array(x) for x in (e_key, e_val, e_arith, value_blocks, out)),
                         as_array(q.double()), q.dtype, RungInputs(
                             ladder, certified, expanded, ranking, boundary, canary_blocks,

@@ -1,7 +1,7 @@
 """Selection (paper 3.3), rung 1 and value promotion (rung 2) as one fused loop nest on CPU
 tensors (issue 24), compiled by numba.
 
-:meth:`certkv.attention.CertifiedAttention._select_step` states them as about 75 small PyTorch
+:func:`certkv.certify.step_select.select_step` states them as about 75 small PyTorch
 operators on ``[Hq, n]`` tensors; on a CPU each costs microseconds of dispatch. :func:`select`
 computes the same quantities head by head for the default policy: ``AdaptiveTopK`` ranking by
 mass without the KV-group union, the ladder's tight tail mass without ``e_key_tol``, exploration
@@ -158,7 +158,7 @@ def params(selector: AdaptiveTopK, ladder, value_policy: LocalThreshold, scaling
 
 def select(selector: AdaptiveTopK, ladder, value_policy: LocalThreshold,
            x: SelectInputs) -> Selection:
-    """:meth:`CertifiedAttention._select_step`'s :class:`~certkv.certify.segment.Selection`
+    """:func:`certkv.certify.step_select.select_step`'s :class:`~certkv.certify.segment.Selection`
     for the default policy (:func:`covers`: no exploration ``draw``, no ``boost``) in one call
     on the CPU tensors of ``x``."""
     qg, l8_kv, delta_kv, log_spread_kv = x.qg, x.l8_kv, x.delta_kv, x.log_spread_kv

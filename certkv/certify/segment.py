@@ -1,5 +1,5 @@
 """The certificate segment's named inputs and outputs
-(:meth:`certkv.attention.CertifiedAttention._certify_step`): one object each way instead of 30
+(:func:`certkv.certify.step_certify.certify_step`): one object each way instead of 30
 positional tensors, so that no swapped argument can silently change a bound.
 
 Shapes: ``[Hq, n]`` per block, ``[Hq]`` per head, ``out [Hq, d]`` (FP32), ``q`` in the caller's
@@ -69,7 +69,7 @@ class CertifyOutputs(NamedTuple):
 
 class SelectInputs(NamedTuple):
     """What the selection segment reads
-    (:meth:`~certkv.attention.CertifiedAttention._select_step`)."""
+    (:func:`~certkv.certify.step_select.select_step`)."""
 
     qg: torch.Tensor  # [Hkv, G, d] FP32 queries
     l8_kv: torch.Tensor  # [Hkv, G, n] Phase-1 log-masses

@@ -49,7 +49,7 @@ def covers(attention, q: torch.Tensor, store, on_device: bool, tolerant: bool) -
 
 class Fused(NamedTuple):
     """What :func:`run` returns (CPU tensors; ``[Hq]`` unless noted), named as in
-    :meth:`CertifiedAttention._certify_step`."""
+    :func:`certkv.certify.step_certify.certify_step`."""
 
     out: torch.Tensor  # [Hq, d] FP32, before the fallback
     e_key: torch.Tensor

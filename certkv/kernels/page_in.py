@@ -1,0 +1,70 @@
+"""Page-in on the host path: the FP16 key and value blocks a step's plan asks for, staged from
+the scratch cache or Tier-2 (paper Section 3.4's promoted blocks).
+
+Shapes: ``plan [2, Hkv, n]`` (FP16 keys, FP16 values wanted per kv head and block).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from certkv.kernels.layout import StagedBlocks, StepLayout
+
+
+class PagedIn(NamedTuple):
+    """What a page-in gives Phase 2 and the certificate."""
+
+    keys: object | None  # StagedBlocks or SlotMap of FP16 keys, None when none is wanted
+    values: object | None  # the same for FP16 values
+    paged_evicted: int | torch.Tensor  # evicted (kv head, block) pairs read from Tier-2
+    promotions: int | torch.Tensor  # value blocks read in FP16
+
+
+NOTHING = PagedIn(None, None, 0, 0)
+
+
+def stage_blocks(backend, lay: StepLayout, plan: torch.Tensor, stage: Callable,
+                 record: Callable | None) -> PagedIn:
+    """Stage what the host ``plan`` asks for (``stage(kv_idx, blk_idx, which) -> (data,
+    rows)``: the scratch cache, read in place by the kernels, or Tier-2). A backend that reads
+    FP16 keys or values from the originals in place (its ``in_place``: keys for the PyTorch
+    reference, both on the numba backend, where Tier-2 is the same memory) gets those blocks
+    without data, and the scratch cache only counts them (``record(mask, which)``). The exact
+    tail block is never staged."""
+    store = lay.store
+    dev = store.device
+    in_place = backend.in_place(store)
+    staged = []
+    for which, mask in zip(("k", "v"), plan, strict=True):
+        kv_idx, blk_idx = mask.nonzero(as_tuple=True)  # host tensors
+        if kv_idx.numel() == 0:
+            staged.append(None)
+            continue
+        if which in in_place:
+            if record is not None:
+                record(mask, which)
+            data, rows = None, None
+        else:
+            data, rows = stage(kv_idx, blk_idx, which)
+        staged.append(StagedBlocks(kv_idx.to(dev, non_blocking=True),
+                                   blk_idx.to(dev, non_blocking=True), data, rows))
+    promotions = 0 if staged[1] is None else staged[1].blocks.numel()
+    return PagedIn(staged[0], staged[1], int(paged_evicted(store, plan)), promotions)
+
+
+def paged_evicted(store, plan: torch.Tensor) -> torch.Tensor | int:
+    """Evicted (kv head, block) pairs the page-in ``plan`` (on the host or the device) reads
+    from Tier-2: a 0-d tensor on the plan's device (0 without eviction)."""
+    if store.evicted_pid is None:
+        return 0
+    evicted = store.evicted_mask().to(plan.device, non_blocking=True)  # [completed blocks]
+    return (plan[:, :, : evicted.numel()].any(dim=0) & evicted).sum()
+
+
+def tier2_stage(store, kv_heads, blocks, which: str):
+    """Stage ``which`` (``"k"`` or ``"v"``) blocks straight from Tier-2: ``(data, None)``."""
+    k, v = store.fetch_originals(kv_heads, blocks, which=which)
+    return (k if which == "k" else v), None

@@ -1,0 +1,556 @@
+"""The quantized decode step of :class:`~certkv.attention.CertifiedAttention`, top to bottom
+(paper Algorithm 1): the layout, Phase 1 (INT8 scores), the selection (rung 1 and the value
+promotions of rung 2), page-in, Phase 2 (gated keys, FP16 values), the ranking and boundary
+checks, the certificate (eq. 15, Cor. 4.2) and the fallback (rungs 3-4), each a call on named
+inputs and outputs: :class:`~certkv.certify.segment.SelectInputs` ->
+:class:`~certkv.certify.segment.Selection`, :class:`~certkv.kernels.page_in.PagedIn`,
+:class:`~certkv.certify.segment.CertifyInputs` -> :class:`~certkv.certify.segment.CertifyOutputs`
+-> :class:`~certkv.certify.step_certify.StepPass`.
+
+:class:`QuantizedStep` is the attention's base class: it holds no state of its own and reads
+the attention's configuration (``selector``, ``value_policy``, ``ladder``, ``backend``,
+``mode``, ``timer``, ``compile``, ``device_fallback``, ``pad_layout``) and caches. The pure
+tensor math lives in :mod:`certkv.certify.step_select` and :mod:`certkv.certify.step_certify`.
+
+Shapes: ``q: [Hq, d]`` with ``Hq = G * Hkv``; per-head tensors ``[Hq]``; per-block tensors
+``[Hq, n]`` where the ``n`` blocks are the store's quantized blocks followed, if present, by
+the exact FP16 partial tail block.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from functools import partial
+from typing import NamedTuple
+
+import torch
+
+from certkv.cache.device_scratch import slot_maps
+from certkv.cache.store import NONFINITE_KV, TieredKVStore
+from certkv.certify import fused_cpu, fused_select
+from certkv.certify.arith import U32, ArithSpec, as_tensors, dense_arith, step_coefficients
+from certkv.certify.certificate import BlockStats, Certificate
+from certkv.certify.dropped import dropped_error, dropped_mass
+from certkv.certify.segment import CertifyInputs, CertifyOutputs, SelectInputs, Selection
+from certkv.certify.step_certify import StepPass, certify_fused, certify_step
+from certkv.certify.step_select import select_step
+from certkv.errors import ConfigError, NonFiniteError, require
+from certkv.kernels import numba_step
+from certkv.kernels.compiled import CompiledSegment
+from certkv.kernels.layout import SlotMap, StepLayout
+from certkv.kernels.page_in import NOTHING, PagedIn, paged_evicted, stage_blocks, tier2_stage
+from certkv.kernels.reference import CheckInputs, dense_rounding, without_blocks
+from certkv.timing import NULL_TIMER, PhaseTimer
+
+NONFINITE_Q = "q holds NaN or Inf; check the model's activations before attention."
+
+TOL_LEVELS = 3  # bound-tolerance escalation: 1 widest key set, 2 + FP16 values, 3 dense
+
+
+class _Step(NamedTuple):
+    """One quantized step's fixed inputs, shared by its passes."""
+
+    q: torch.Tensor  # [Hq, d] on the store's device, the caller's dtype
+    qg: torch.Tensor  # [Hkv, G, d] FP32
+    lay: StepLayout
+    scaling: float
+    on_device: bool  # rungs 3-4 (and page-in where the backend can) without a host read
+    pager: Callable  # plan [2, Hkv, n] -> PagedIn
+    timer: PhaseTimer
+
+
+class QuantizedStep:
+    """The naive and certified steps and their fallback (see the module); the base class of
+    :class:`~certkv.attention.CertifiedAttention`, whose fields it reads."""
+
+    def _arith_spec(self, q: torch.Tensor, store: TieredKVStore, scaling: float,
+                    lay: StepLayout | None, on_device: bool = False) -> ArithSpec:
+        """The static facts of the arithmetic bound for this step (host only), one object per
+        distinct setting (a stable constant for the compiled certificate segment). On the
+        device path rungs 3-4 are the backend's fallback kernel, with its own rounding."""
+        dense, dense_u = dense_rounding(q, torch.float16)
+        if on_device:
+            dense, dense_u = self.backend.fallback_rounding(store), U32
+        rounding = self.backend.rounding(lay) if lay is not None else dense
+        spec = ArithSpec(head_dim=store.head_dim, block_size=store.block_size, scaling=scaling,
+                         mass_inflation=self.selector.mass_inflation, out_dtype=q.dtype,
+                         rounding=rounding, dense_rounding=dense, dense_u=dense_u,
+                         value_decode=store.value_decode_rounding())
+        return self._specs.setdefault(spec, spec)
+
+    @staticmethod
+    def _dense_arith(spec: ArithSpec, q, store: TieredKVStore) -> torch.Tensor:
+        """E_arith ``[Hq]`` of the dense path (device ops only)."""
+        v_max = store.value_norm_max().repeat_interleave(q.shape[0] // store.num_kv_heads)
+        return dense_arith(spec, store.num_tokens, q=q, key_abs_max=store.key_abs_max(),
+                           v_max=v_max)
+
+    def _dense_heads(self, q, store, heads, scaling):
+        """Dense attention for query ``heads`` on their kv heads' FP16 originals (rungs 3-4)."""
+        if heads.numel() == q.shape[0]:  # the whole layer: GQA inside SDPA, no gather
+            k16, v16 = store.dense_kv()
+            return self.backend.dense(q, k16, v16, scaling)
+        kv_heads, gather = torch.unique(heads.cpu() // (q.shape[0] // store.num_kv_heads),
+                                        return_inverse=True)  # host indices (after the read)
+        k16, v16 = store.dense_kv(kv_heads)
+        gather = gather.to(k16.device, non_blocking=True)
+        return self.backend.dense(q[heads.to(q.device)], k16[gather], v16[gather], scaling)
+
+    # -------------------------------------------------------- quantized modes
+    def _quantized_step(self, q, store, scaling, scratch=None):
+        """Naive and certified steps, top to bottom: the layout, Phase 1, the pass (selection,
+        page-in, Phase 2, checks, certificate), the fallback (rungs 3-4), the certificate. With
+        ``ladder.bound_tol`` / ``bound_rtol`` set, a head whose returned bound exceeds its
+        tolerance escalates (:meth:`_passes`). The numba backend runs the default certified
+        step as one compiled call (:meth:`_one_call`)."""
+        timer = self.timer or NULL_TIMER
+        tolerant = self.mode == "certified" and self.ladder.bound_tolerance
+        on_device = self._on_device(q, tolerant)  # no host read: flags, and page-in if covered
+        with timer.phase("layout"):
+            lay = self._layout(store, on_device)
+        hkv = store.num_kv_heads
+        qg = q.float().reshape(hkv, q.shape[0] // hkv, -1)
+        step = _Step(q, qg, lay, scaling, on_device, self._pager(lay, scratch, on_device), timer)
+        boost, e_drop = None, None
+        if numba_step.covers(self, q, store, on_device, tolerant):
+            result = self._one_call(step, scratch)
+            dense_heads = self._host_flags(result.flags)[0]
+        else:
+            with timer.phase("phase1"):  # INT8 logits, block log-masses, Delta_b (eq. 8)
+                scored = self.backend.phase1(qg, lay, scaling)
+            scored, e_drop = self._drop_evicted(step, scored)
+            result, boost, dense_heads = self._passes(step, scored, e_drop, tolerant)
+        with timer.phase("fallback"):
+            if on_device:
+                out, e_arith = self._fallback_on_device(q, store, result, scaling)
+            else:
+                out, e_arith = self._fallback(q, store, result, dense_heads, scaling)
+        if e_drop is not None:  # naive eviction's dropped mass joins the returned E_key
+            result.add_key_error(e_drop)
+        cert = result.certificate(e_arith, self.mode, boost)
+        if store.protection.enabled:
+            _record_faults(cert, store)
+        return out, cert
+
+    def _passes(self, step: _Step, scored, e_drop, tolerant):
+        """The passes over Phase 1's scores: one, or with a bound tolerance (``tolerant``) up
+        to :data:`TOL_LEVELS` escalations of the heads over it (1: the widest key set, 2: also
+        FP16 values, 3: dense). Returns ``(StepPass, boost [Hq] or None, dense heads)`` (host
+        indices of the heads for the host fallback; None on the device path)."""
+        boost, dense_heads, q = None, None, step.q
+        for _ in range(TOL_LEVELS):
+            result = self._pass(step, scored, boost)
+            if e_drop is not None:  # summaries corrupted by faults: no finite E_drop, dense
+                result.at_least(3, ~(e_drop < math.inf))
+            if step.on_device:  # never tolerant: one pass
+                return result, boost, None
+            over = self.ladder.over_tolerance(result.bound, result.out.norm(dim=-1)) \
+                if tolerant else None
+            dense_heads, over_heads = self._host_flags(result.flags, over)
+            if over_heads.numel() == 0:
+                return result, boost, dense_heads
+            boost = (torch.zeros(q.shape[0], dtype=torch.long, device=q.device)
+                     if boost is None else boost)
+            boost = torch.where(over, torch.clamp(boost + 1, max=TOL_LEVELS), boost)
+        # still over after the widest pass: dense
+        over = torch.zeros(q.shape[0], dtype=torch.bool, device=q.device)
+        over[over_heads.to(q.device, non_blocking=True)] = True
+        boost[over] = TOL_LEVELS
+        result.at_least(3, over)
+        return result, boost, torch.unique(torch.cat([dense_heads, over_heads]))
+
+    def _pass(self, step: _Step, scored, boost) -> StepPass:
+        """Selection, page-in, Phase 2, checks and the certificate of one pass over the
+        Phase-1 ``scored`` (``boost [Hq]``: the bound-tolerance escalation level per head, or
+        None); the fallback is left to the caller (on the device path the certificate segment
+        also returns every head's dense ``e_arith`` for it)."""
+        q, lay, timer, device = step.q, step.lay, step.timer, step.q.device
+        store, lad = lay.store, self.ladder
+        hkv, certified = store.num_kv_heads, self.mode == "certified"
+        hq = q.shape[0]
+        kv_of = self._kv_of(hq, hkv, device)
+
+        # Selection (paper 3.3), rung 1 and value promotion (rung 2): device tensors only
+        with timer.phase("select"):
+            sel = self._selection(step, scored, kv_of, boost)
+
+        # Page-in (on the host: the step's first host read; on the device: none) and Phase 2
+        # (gated keys, FP16 values).
+        with timer.phase("page_in"):
+            paged = step.pager(sel.plan) if certified else NOTHING
+        l8 = scored.log_mass.reshape(hq, -1)
+        checks = CheckInputs(l8, sel.delta_b, sel.promoted, lay.quantized, lad.r) \
+            if certified and (lad.ranking_check or lad.boundary_check) else None
+        with timer.phase("phase2"):
+            att = self.backend.phase2(step.qg, scored, lay, sel.promoted.reshape(hkv, hq // hkv,
+                                      -1), paged.keys, paged.values, step.scaling,
+                                      lad.eps_guard, checks)
+
+        # Ranking and boundary checks (eq. 17-18): Phase 2's epilogue, or one small call.
+        l16 = att.log_mass.reshape(hq, -1)
+        with timer.phase("checks"):
+            ranking, boundary = self._rank_checks(checks, l16, att)
+
+        # Certificate (eq. 15, Cor. 4.2), canary and rungs 3-4 (flags read by the caller).
+        with timer.phase("certificate"):
+            spec = self._arith_spec(q, store, step.scaling, lay, step.on_device)
+            out = att.out.reshape(hq, -1)
+            inputs = CertifyInputs(
+                l8=l8, l16=l16, rho=att.rho.reshape(hq, -1), spread=_spread(att).reshape(hq, -1),
+                out=out, log_p=sel.log_p, delta_b=sel.delta_b, delta=sel.delta,
+                delta_chan=sel.delta_chan, v_max=sel.v_max, v_rad=sel.v_rad,
+                q_norm=sel.q_norm, promoted=sel.promoted, exact=sel.exact,
+                expanded=sel.expanded, value_kv=sel.value_kv, eta=lay.eta,
+                value_spec=lay.value_spec, key_spec=lay.key_spec, ranking=ranking,
+                boundary=boundary, canary_blocks=att.canary, q=q,
+                kv_bad=store.nonfinite_appended(), key_abs_max=store.key_abs_max(),
+                eta_max_kv=store.value_error_max(), kv_of=kv_of,
+                v_max_kv=store.value_norm_max() if step.on_device else None)
+            cert = self._certify(inputs, spec, lay, step.on_device)
+        blocks = BlockStats(inputs.rho, lay.eta, sel.delta_b, sel.v_rad, lay.quantized)
+        return StepPass(out, spec, cert, sel.delta, ranking, boundary, blocks,
+                        lay.num_quantized, paged.promotions, paged.paged_evicted)
+
+    def _selection(self, step: _Step, scored, kv_of, boost) -> Selection:
+        """The selection segment's inputs from Phase 1 and the layout, then the segment: one
+        fused CPU loop nest where it covers the step, else the PyTorch (compiled) segment."""
+        lay, q = step.lay, step.q
+        certified = self.mode == "certified"
+        draw = self.ladder.exploration_draw((q.shape[0], lay.quantized.numel()), q.device) \
+            if certified else None
+        inputs = SelectInputs(
+            qg=step.qg, l8_kv=scored.log_mass, delta_kv=scored.delta_b,
+            log_spread_kv=_log_spread(scored), quantized=lay.quantized, eta=lay.eta,
+            value_spec=lay.value_spec, key_err=lay.key_err, v_max_kv=lay.v_max,
+            v_rad_kv=lay.v_radius, kv_of=kv_of, draw=draw,
+            n_q=lay.quantized_count if step.on_device else lay.num_quantized,
+            scaling=step.scaling, boost=boost)  # on the device the count changes in place
+        if self._fused_select(q.device, draw, boost, step.on_device):
+            return fused_select.select(self.selector, self.ladder, self.value_policy, inputs)
+        return self._segment("_select_step", q.device)(inputs)
+
+    def _certify(self, inputs: CertifyInputs, spec, lay: StepLayout, on_device: bool):
+        """The certificate segment at this step's coefficients: fused CPU loop nests, or the
+        PyTorch (compiled) segment, whose coefficients are tensors so that a changing token
+        count does not recompile it."""
+        device = inputs.q.device
+        coef = step_coefficients(spec, lay.num_blocks, _counted_tokens(lay, on_device), device)
+        if self._fused_cpu(device, on_device):
+            return self._certify_fused(inputs, spec, coef)
+        if self._compiler(device):
+            coef = as_tensors(coef, device)
+        return self._segment("_certify_step", device)(inputs, spec, coef)
+
+    def _one_call(self, step: _Step, scratch) -> StepPass:
+        """Phase 1 and one certified pass as one compiled call on the numba backend
+        (:mod:`certkv.kernels.numba_step`: the phase-by-phase step's numbers, bit for bit); the
+        scratch cache counts the FP16 blocks read from Tier-2 in place as the host page-in has
+        it do."""
+        q, lay = step.q, step.lay
+        store = lay.store
+        spec = self._arith_spec(q, store, step.scaling, lay)
+        coef = step_coefficients(spec, lay.num_blocks, _counted_tokens(lay, False), q.device)
+        with step.timer.phase("step"):
+            f = numba_step.run(self, q, step.qg, lay, step.scaling, spec, coef)
+        if scratch is not None:
+            for which, mask in zip("kv", f.plan, strict=True):
+                if mask.any():
+                    scratch.record(store, mask, which)
+        cert = CertifyOutputs(f.e_key, f.e_val, f.e_arith, f.tail_mass, f.k_star, f.canary,
+                              f.rung, f.value_blocks, f.flags, f.paper_key, f.paper_val,
+                              f.returned, None)
+        blocks = BlockStats(f.rho, lay.eta, f.delta_b, f.v_rad, lay.quantized)
+        return StepPass(f.out, spec, cert, f.delta, f.ranking, f.boundary, blocks,
+                        lay.num_quantized, int(f.plan[1].sum()))
+
+    def _layout(self, store: TieredKVStore, on_device: bool) -> StepLayout:
+        """The step's layout: on the device path with the kernels running both phases, a tail
+        block column always (empty right after a block completes), so that the launches change
+        only when a block completes, and with :attr:`pad_layout` empty blocks up to the store's
+        block capacity, so that they change only when its buffers grow (:meth:`graph_layout`)."""
+        lay = StepLayout(store)
+        if on_device and takes_empty_tail(self.backend, lay):
+            if self.pad_layout and store.num_blocks:
+                return StepLayout(store, read=False, width=store.block_capacity())
+            if not store.tail_len:
+                lay = StepLayout(store, empty_tail=True, read=False)  # the words just checked
+        return lay
+
+    def graph_layout(self, store: TieredKVStore) -> tuple | None:
+        """What a captured step over ``store`` depends on besides device memory (a graph is
+        replayed while it stays the same, :mod:`certkv.graphs`): the store's buffers
+        (:meth:`TieredKVStore.graph_signature`), whether it has completed blocks, the completed
+        blocks themselves unless the layout is padded (:attr:`pad_layout`, where the kernels
+        take an empty tail block) and, where they do not, whether the tail holds tokens; None
+        for a store that is not graphable."""
+        signature = store.graph_signature()
+        if signature is None:
+            return None
+        known = self._empty_tail.get(store)
+        if known is None or known[0] != signature:  # which precisions the kernels read changed
+            known = signature, takes_empty_tail(self.backend, StepLayout(store, read=False))
+            self._empty_tail[store] = known
+        takes_empty = known[1]
+        padded = self.pad_layout and takes_empty
+        return (signature, bool(store.num_blocks), None if padded else store.num_blocks,
+                bool(store.tail_len) or takes_empty)
+
+    def _drop_evicted(self, step: _Step, scored):
+        """Naive eviction, as kvpress does it: a naive step leaves evicted blocks out of
+        attention (their Phase-1 scores masked: zero mass, no ``Delta_b``) and adds ``E_drop``
+        (:mod:`certkv.certify.dropped`) to ``E_key`` for their mass, bounded from their Tier-1
+        summaries' Phase-1 scores. Returns ``(scored, e_drop [Hq] or None)``; certified steps
+        keep every block (summaries in the bound, page-in by the ladder)."""
+        q, lay = step.q, step.lay
+        store = lay.store
+        if self.mode != "naive" or store.evicted_pid is None:
+            return scored, None
+        evicted = store.evicted_mask()  # host
+        if not bool(evicted.any()):
+            return scored, None
+        extra = torch.zeros(lay.num_blocks - evicted.numel(), dtype=torch.bool)
+        dropped = torch.cat([evicted, extra]).to(store.device, non_blocking=True)
+        hq, group = q.shape[0], q.shape[0] // store.num_kv_heads
+        mass = dropped_mass(self._arith_spec(q, store, step.scaling, lay), q=q,
+                            key_abs_max=store.key_abs_max(), l8=scored.log_mass.reshape(hq, -1),
+                            delta_b=scored.delta_b.reshape(hq, -1), dropped=dropped,
+                            n_tokens=store.num_tokens)
+        v_rad = torch.minimum(lay.v_radius, lay.v_max).repeat_interleave(group)
+        return without_blocks(scored, dropped), dropped_error(mass, v_rad)
+
+    def _kv_of(self, hq: int, hkv: int, device: torch.device) -> torch.Tensor:
+        """``[Hq]`` int64 on ``device``: each query head's kv head (``x[kv_of]`` spreads a
+        per-kv-head ``x`` over its query heads in one gather), made once per shape."""
+        key = (hq, hkv, str(device))
+        if key not in self._constants:
+            self._constants[key] = torch.arange(hq, device=device) // (hq // hkv)
+        return self._constants[key]
+
+    def _segment(self, name: str, device: torch.device):
+        """The pure tensor segment ``name``, compiled (fused kernels, one graph, dynamic
+        shapes) when ``compile`` asks for it on this device, else the eager method. A segment
+        that fails to compile warns once and runs eagerly from then on."""
+        fn, backend = getattr(self, name), self._compiler(device)
+        if backend is None:
+            return fn
+        if (name, backend) not in self._compiled:
+            self._compiled[name, backend] = CompiledSegment(fn, backend)
+        return self._compiled[name, backend]
+
+    def _fused_cpu(self, device: torch.device, on_device: bool) -> bool:
+        """Whether the certificate runs as fused CPU loop nests: ``compile=None`` on a CPU
+        device with numba installed, unless the step's fallback runs on the device (the GPU's
+        design: it needs the segment's final ``e_arith`` and never reads a tensor on the
+        host)."""
+        return (self.compile is None and device.type == "cpu" and not on_device
+                and fused_cpu.AVAILABLE)
+
+    def _fused_select(self, device: torch.device, draw, boost, on_device=False) -> bool:
+        """Whether selection runs as one fused CPU loop nest: where the certificate does
+        (:meth:`_fused_cpu`), on a certified step with the default policy
+        (:func:`fused_select.covers`)."""
+        return (self._fused_cpu(device, on_device) and self.mode == "certified"
+                and fused_select.covers(self.selector, self.ladder, self.value_policy, draw,
+                                        boost))
+
+    def _compiler(self, device: torch.device) -> str | None:
+        """The ``torch.compile`` backend of this device's segments, or None (eager)."""
+        backend = self.compile
+        if backend is None:
+            backend = "inductor" if device.type == "cuda" else False
+        if backend is False:
+            return None
+        return "inductor" if backend is True else backend
+
+    # the pure tensor segments (certkv.certify.step_select / step_certify), as methods so that
+    # a compiled segment guards on the components this attention holds
+    def _select_step(self, x: SelectInputs) -> Selection:
+        """:func:`certkv.certify.step_select.select_step` with this attention's components."""
+        return select_step(self, x)
+
+    def _certify_step(self, x: CertifyInputs, spec, coef) -> CertifyOutputs:
+        """:func:`certkv.certify.step_certify.certify_step` with this attention's components."""
+        return certify_step(self, x, spec, coef)
+
+    def _certify_fused(self, x: CertifyInputs, spec, coef) -> CertifyOutputs:
+        """:func:`certkv.certify.step_certify.certify_fused` with this attention's components
+        (host fallback only: the device fallback's final ``e_arith`` is the PyTorch
+        segment's, :meth:`_fused_cpu`)."""
+        return certify_fused(self, x, spec, coef)
+
+    def _rank_checks(self, checks: CheckInputs | None, l16, att):
+        """Ranking (eq. 17) and boundary (eq. 18) flags ``[Hq]``: from Phase 2's epilogue
+        where the backend ran them there, else one backend call; all True where disabled
+        (``checks`` None: not certified, or both checks off)."""
+        lad = self.ladder
+        wanted = (False, False) if checks is None else (lad.ranking_check, lad.boundary_check)
+        flags = (None, None)
+        if checks is not None:
+            flags = (att.ranking, att.boundary) if att.ranking is not None \
+                else self.backend.checks(checks.l_int8, l16, checks.delta_b, checks.promoted,
+                                         checks.quantized, checks.r)
+        if all(wanted):
+            return flags
+        true = torch.ones(l16.shape[0], dtype=torch.bool, device=l16.device)
+        return tuple(f if on else true for f, on in zip(flags, wanted, strict=True))
+    def _pager(self, lay: StepLayout, scratch, on_device: bool):
+        """The step's page-in, ``plan [2, Hkv, n] -> PagedIn``: on the device where the backend
+        pages in there (:meth:`_page_in_on_device`), else on the host from the scratch cache or
+        straight from Tier-2 (:func:`~certkv.kernels.page_in.stage_blocks`, after the plan's
+        host read: the step's first; Tier-2 lives in host memory, so the host must know what to
+        copy)."""
+        if on_device and self.backend.pages_in_on_device(lay):
+            return partial(self._page_in_on_device, scratch, lay)
+        store = lay.store
+        if scratch is None:
+            stage, record = partial(tier2_stage, store), None
+        else:
+            stage, record = partial(scratch.stage, store), partial(scratch.record, store)
+        return lambda plan: stage_blocks(self.backend, lay, to_host(plan), stage, record)
+
+    _slot_maps = staticmethod(slot_maps)  # device page-in with its LRU bookkeeping, a segment
+
+    def _page_in_on_device(self, scratch, lay, plan) -> PagedIn:
+        """The page-in without a host read: slot maps built on the device in one segment
+        (:func:`~certkv.cache.device_scratch.slot_maps`), through the scratch cache's device
+        bookkeeping (misses of keys and values copied from Tier-2 by one kernel, blocks without
+        a free slot read by Phase 2 from Tier-2 in place) or, without a scratch cache, every wanted
+        block read from Tier-2 in place. Counts stay on the device (0-d)."""
+        store = lay.store
+        if lay.num_completed == 0:
+            return NOTHING
+        k2, v2, width = store.original_rows()
+        lrus = [None if scratch is None else scratch.device_lru(which) for which in "kv"]
+        tables = [None if lru is None else lru.tables(store, lay.num_blocks) for lru in lrus]
+        maps, promotions, *steps = self._segment("_slot_maps", store.device)(
+            plan, width, *tables)
+        if scratch is None:
+            pools = [self._no_pool(store)] * 2
+        else:  # the tables updated in place: fill both pools' new slots in one launch
+            from certkv.kernels.triton_pagein import fill_slots
+
+            fill_slots([(need, src, tier2, lru.pool) for lru, (_, need, src), tier2
+                        in zip(lrus, steps, (k2, v2), strict=True)])
+            pools = [lru.pool for lru in lrus]
+        return PagedIn(SlotMap(maps[0], pools[0]), SlotMap(maps[1], pools[1]),
+                       paged_evicted(store, plan), promotions)
+
+    def _no_pool(self, store) -> torch.Tensor:
+        """A one-block FP16 pool for slot maps without slots (never read; cached)."""
+        key = ("pool", store.device, store.block_size, store.head_dim)
+        if key not in self._constants:
+            self._constants[key] = torch.zeros(1, store.block_size, store.head_dim,
+                                              dtype=torch.float16, device=store.device)
+        return self._constants[key]
+
+    def _host_flags(self, flags, over=None):
+        """The step's second host read: which heads need dense attention (Tier-2 is on the host),
+        with the deferred finiteness checks of ``q`` and of the appended K/V (``flags [Hq + 2]``)
+        and, when a bound tolerance is set, which heads exceed it (``over [Hq]``). Returns the
+        host indices of both sets of heads."""
+        hq = flags.shape[0] - 2
+        flags = to_host(flags if over is None else torch.cat([flags, over]))
+        dense, bad = flags[:hq], flags[hq : hq + 2].tolist()
+        require(not bad[0], NonFiniteError, NONFINITE_Q)
+        require(not bad[1], NonFiniteError, NONFINITE_KV)
+        over = flags[hq + 2:] & ~dense if over is not None else dense[:0]
+        return dense.nonzero(as_tuple=True)[0], over.nonzero(as_tuple=True)[0]
+
+    def _on_device(self, q, tolerant) -> bool:
+        """Whether rungs 3-4 run on the device from the flags in place (``device_fallback``)."""
+        possible = (self.backend.falls_back_on_device and q.dtype != torch.float64
+                    and not tolerant)
+        if self.device_fallback is None:
+            return possible
+        require(possible or not self.device_fallback, ConfigError,
+                "device_fallback=True needs backend=triton, a query in FP32 or lower precision "
+                "and no ladder.bound_tol / bound_rtol; use device_fallback=null.")
+        return self.device_fallback
+
+    def _fallback_on_device(self, q, store, step: StepPass, scaling):
+        """Rungs 3-4 without a host read: the backend's one-launch kernel writes dense
+        attention into the flagged heads' rows (``step.flags [Hq + 2]``), ``e_arith`` takes the
+        kernel's own rounding chain there and a step with non-finite ``q`` or appended K/V gets
+        ``e_arith = inf`` (an invalid certificate; ``step.cert.e_final``, from the certificate
+        segment: :func:`~certkv.certify.step_certify.device_arith`, arith item 7) and is
+        remembered for :meth:`synchronize`."""
+        hq = q.shape[0]
+        bad = step.flags[hq:]
+        out = self.backend.dense_flagged(q, step.flags[:hq], store, step.out.contiguous(),
+                                         scaling)  # written in place: the pass's own output
+        self._nonfinite_flags(bad.device).logical_or_(bad)  # in place: replays accumulate
+        return out.to(q.dtype), step.cert.e_final
+
+    def _nonfinite_flags(self, device: torch.device) -> torch.Tensor:
+        """bool ``[2]`` on ``device``: non-finite ``q``, appended K/V since the last
+        :meth:`synchronize` (one tensor, updated in place, so that steps captured in a graph
+        set it too; made outside inference mode so that either mode may clear it)."""
+        if self._nonfinite is None or self._nonfinite.device != device:
+            with torch.inference_mode(False):
+                self._nonfinite = torch.zeros(2, dtype=torch.bool, device=device)
+        return self._nonfinite
+
+    def synchronize(self) -> None:
+        """Raise the non-finite inputs of the steps since the last call (one host read), as
+        the steps themselves do where the fallback reads its flags on the host."""
+        if self._nonfinite is None:
+            return
+        bad_q, bad_kv = to_host(self._nonfinite).tolist()  # (on a CPU: the tensor itself)
+        self._nonfinite.zero_()
+        require(not bad_q, NonFiniteError, NONFINITE_Q)
+        require(not bad_kv, NonFiniteError, NONFINITE_KV)
+
+    def _fallback(self, q, store, step: StepPass, heads, scaling):
+        """The pass's FP32 output cast to ``q``'s dtype, with rungs 3-4 (dense attention on the
+        FP16 originals) written in for the query ``heads`` (host indices), and its ``e_arith``
+        with the dense path's bound on those heads."""
+        out, e_arith, spec = step.out.to(q.dtype), step.cert.e_arith, step.spec
+        if heads.numel() == 0:
+            return out, e_arith
+        out = out.clone() if out.dtype == torch.float32 else out
+        dev_heads = heads.to(out.device, non_blocking=True)
+        out[dev_heads] = self._dense_heads(q, store, heads, scaling)
+        e_arith = e_arith.clone()
+        e_arith[dev_heads] = self._dense_arith(spec, q, store)[dev_heads]
+        return out, e_arith
+
+
+def _record_faults(cert: Certificate, store: TieredKVStore) -> None:
+    """The store's fault counts since the last step, and whether its protection covers them."""
+    counts = store.fault_counts()
+    for name in ("corrected_words", "erased_words", "corrupted_blocks"):
+        setattr(cert, name, counts[name])
+    cert.faults_covered = store.protection.covers_faults
+
+
+def takes_empty_tail(backend, lay: StepLayout) -> bool:
+    """Whether ``backend``'s phases take a tail block with no token (the Triton kernels')."""
+    return backend.takes_empty_tail(lay)
+
+
+def _counted_tokens(lay: StepLayout, on_device: bool) -> int:
+    """The token count a step's arithmetic coefficients are taken at: the store's, or on the
+    device path the layout's ``n B`` slots (the coefficients grow with the count, so they stay
+    valid as the tail block fills, and a step captured in a graph replays them,
+    :mod:`certkv.graphs`)."""
+    store = lay.store
+    return lay.num_blocks * store.block_size if on_device else store.num_tokens
+
+
+def _log_spread(scored) -> torch.Tensor:
+    """Phase-1 block log-spreads ``[Hkv, G, n]`` (a backend without them: ``log_mass``, i.e.
+    the spread bounded by the mass, which leaves the tight value contribution at the paper's)."""
+    return scored.log_mass if scored.log_spread is None else scored.log_spread
+
+
+def _spread(att) -> torch.Tensor:
+    """Phase-2 block spreads ``[Hkv, G, n]`` (a backend without them: ``rho``, an upper bound
+    since ``||p_b||_2 <= ||p_b||_1``)."""
+    return att.rho if att.spread is None else att.spread
+
+
+def to_host(x: torch.Tensor) -> torch.Tensor:
+    """Every device-to-host read of a decode step goes through here (at most two per step:
+    the page-in plan and the fallback flags); tests count the calls."""
+    return x.to("cpu")
