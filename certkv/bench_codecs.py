@@ -177,7 +177,7 @@ def codecs_figure(records: dict[str, list[dict]]):
     quantizer's colour and marker, each labelled beside it: labels are placed apart, with a
     leader line where one had to move away from its point
     (:func:`certkv.report.look.place_labels`)."""
-    from certkv.bench import _figure
+    from certkv.bench.plots import _figure
     from certkv.report.look import place_labels, style
 
     _, fig, ax = _figure((7.2, 4.8))

@@ -1,0 +1,125 @@
+"""The figures of ``certkv bench attention`` and ``certkv bench launches``: milliseconds or
+launches against context, one line style per shape, one colour per method."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from pathlib import Path
+
+from certkv.bench.attention import LAUNCH_METHODS
+from certkv.bench.measure import METHOD_COLORS, tokens
+
+SHAPE_STYLES = (("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"))  # (line style, marker)
+
+
+def _figure(figsize: tuple[float, float]):
+    """A headless matplotlib figure and axes (raises ImportError without matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt, *plt.subplots(figsize=figsize)
+
+
+def _series(ax, contexts: list[int], runs: list[dict], method: str, style: str,
+            marker: str) -> None:
+    """One method's median line, with min-max error bars in the same colour."""
+    med = [s["median"] for s in runs]
+    low = [m - s["min"] for m, s in zip(med, runs, strict=True)]
+    high = [s["max"] - m for m, s in zip(med, runs, strict=True)]
+    ax.errorbar(contexts, med, yerr=[low, high], linestyle=style, marker=marker, capsize=3,
+                color=METHOD_COLORS[method])
+
+
+def _context_axis(ax, contexts: list[int]) -> None:
+    """Log-2 context axis with one labelled tick per measured context (512, 4K, ...)."""
+    from matplotlib.ticker import NullLocator
+
+    ticks = sorted(set(contexts))
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ticks, [tokens(n) for n in ticks])
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xlabel("context (tokens)")
+    ax.grid(alpha=0.3)
+
+
+def _legends(ax, methods: list[str], shapes: list[tuple[str, str, str]]) -> None:
+    """Outside the axes: colours = methods (bars: min-max of the runs), and when there are
+    several shapes, line style + marker = shape; every series is told apart."""
+    from matplotlib.lines import Line2D
+
+    handles = [Line2D([], [], color=METHOD_COLORS[m], lw=2, label=m) for m in methods]
+    first = ax.legend(handles=handles, title="method\n(bars: min-max)", fontsize=8,
+                      title_fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    if len(shapes) > 1:
+        ax.add_artist(first)
+        handles = [Line2D([], [], color="0.3", linestyle=st, marker=mk, label=label)
+                   for label, st, mk in shapes]
+        ax.legend(handles=handles, title="shape", fontsize=8, title_fontsize=8,
+                  handlelength=3.5, loc="lower left", bbox_to_anchor=(1.02, 0.0))
+
+
+def plot_launches(records: list[dict], path: Path) -> None:
+    """Per case, one stacked bar per method (named above it with its total): Triton launches,
+    segment calls, eager launching operators; a tick at the CUDA launches the profiler counted
+    (GPU only) and a dashed line at issue 24's target (10)."""
+    plt, fig, ax = _figure((8, 4.2))
+    parts = (("kernels", "Triton launches"),
+             ("segments", "segment calls (a compiled graph each: several CUDA kernels)"),
+             ("eager_launches", "eager launching operators"))
+    width = 0.8 / len(LAUNCH_METHODS)
+    for i, method in enumerate(LAUNCH_METHODS):
+        x = [j + (i - (len(LAUNCH_METHODS) - 1) / 2) * width for j in range(len(records))]
+        counts = [r["dispatch"][method] for r in records]
+        bottom = [0] * len(records)
+        for k, (key, label) in enumerate(parts):
+            h = [c.get(key, 0) for c in counts]
+            ax.bar(x, h, width * 0.9, bottom=bottom, color=f"C{k}",
+                   label=label if i == 0 else None)
+            bottom = [b + v for b, v in zip(bottom, h, strict=True)]
+        for xi, total in zip(x, bottom, strict=True):
+            ax.annotate(f"{method}: {total}", (xi, total), ha="center", va="bottom",
+                        fontsize=7, rotation=90, xytext=(0, 2), textcoords="offset points")
+        cuda = [c["launches"] for c in counts]
+        if all(c is not None for c in cuda):
+            ax.plot(x, cuda, "k_", markersize=14, label="CUDA launches" if i == 0 else None)
+    ax.axhline(10, color="grey", linestyle="--", linewidth=1, label="target (10)")
+    ax.set_xticks(range(len(records)), [r["short_label"] for r in records])
+    ax.set_ylabel("launches per layer step (segments counted once)")
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.35)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+def plot_attention(records: list[dict], path: Path) -> None:
+    """Median step time (min-max bars) against context: colour = method, line style and marker
+    = shape (head dim, GQA ratio)."""
+    from matplotlib.ticker import FuncFormatter
+
+    from certkv.report.plots import tick_label
+
+    plt, fig, ax = _figure((8, 4.2))
+    shapes = sorted({(r["case"]["head_dim"], r["case"]["group"]) for r in records})
+    methods = list(records[0]["ms_stats"]) if records else []
+    legend = []
+    for (d, g), (style, marker) in zip(shapes, itertools.cycle(SHAPE_STYLES)):
+        rows = [r for r in records if (r["case"]["head_dim"], r["case"]["group"]) == (d, g)]
+        ctx = [r["case"]["context"] for r in rows]
+        for method in methods:
+            _series(ax, ctx, [r["ms_stats"][method] for r in rows], method, style, marker)
+        legend.append((f"d={d} GQA {g}:1", style, marker))
+    ax.set_yscale("log")
+    # plain numbers (0.6, 2, 50 rather than 6e-01 or 5x10^1); minor ticks at 2, 3 and 5 times a
+    # power of ten (more would overlap)
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: tick_label(y)))
+    ax.yaxis.set_minor_formatter(FuncFormatter(
+        lambda y, _: tick_label(y) if round(y / 10 ** math.floor(math.log10(y))) in (2, 3, 5)
+        else ""))
+    ax.set_ylabel("ms per decode step (one layer)")
+    _context_axis(ax, [r["case"]["context"] for r in records])
+    _legends(ax, methods, legend)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
