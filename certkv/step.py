@@ -26,8 +26,9 @@ from typing import NamedTuple
 
 import torch
 
+from certkv.cache.appending import NONFINITE_KV
 from certkv.cache.device_scratch import slot_maps
-from certkv.cache.store import NONFINITE_KV, TieredKVStore
+from certkv.cache.store import TieredKVStore
 from certkv.certify import fused_cpu, fused_select
 from certkv.certify.arith import U32, ArithSpec, as_tensors, dense_arith, step_coefficients
 from certkv.certify.certificate import BlockStats, Certificate
