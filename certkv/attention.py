@@ -31,7 +31,8 @@ from certkv.certify.select import AdaptiveTopK
 from certkv.certify.values import LocalThreshold
 from certkv.errors import ConfigError, EmptyStoreError, NonFiniteError, ShapeError, require
 from certkv.kernels.dispatch import get_backend
-from certkv.step import NONFINITE_Q, QuantizedStep
+from certkv.kernels.layout import StepLayout
+from certkv.step import NONFINITE_Q, QuantizedStep, takes_empty_tail
 from certkv.timing import PhaseTimer
 
 MODES = ("certified", "naive", "dense")
@@ -130,6 +131,25 @@ class CertifiedAttention(QuantizedStep):
         return (self.mode != "dense" and not self.audit and store.device == q.device
                 and self._on_device(q, self.mode == "certified"
                                     and self.ladder.bound_tolerance))
+
+    def graph_layout(self, store: TieredKVStore) -> tuple | None:
+        """What a captured step over ``store`` depends on besides device memory (a graph is
+        replayed while it stays the same, :mod:`certkv.graphs`): the store's buffers
+        (:meth:`TieredKVStore.graph_signature`), whether it has completed blocks, the completed
+        blocks themselves unless the layout is padded (:attr:`pad_layout`, where the kernels
+        take an empty tail block) and, where they do not, whether the tail holds tokens; None
+        for a store that is not graphable."""
+        signature = store.graph_signature()
+        if signature is None:
+            return None
+        known = self._empty_tail.get(store)
+        if known is None or known[0] != signature:  # which precisions the kernels read changed
+            known = signature, takes_empty_tail(self.backend, StepLayout(store, read=False))
+            self._empty_tail[store] = known
+        takes_empty = known[1]
+        padded = self.pad_layout and takes_empty
+        return (signature, bool(store.num_blocks), None if padded else store.num_blocks,
+                bool(store.tail_len) or takes_empty)
 
     def _check(self, q: torch.Tensor, store: TieredKVStore) -> None:
         require(isinstance(q, torch.Tensor) and q.dim() == 2, ShapeError,

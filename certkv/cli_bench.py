@@ -211,7 +211,8 @@ def bench_decode(
         report.check()
     with bench.progress(2 * len(contexts), "bench decode") as update, _user_errors():
         records = bench.bench_decode(model, contexts, dev, repeats, torch_dtype,
-                                     _compile(compile), update, weights, graphs == "on")
+                                     compile=_compile(compile), update=update, weights=weights,
+                                     graphs=graphs == "on")
     tables, notes = bench.decode_tables(records), bench.decode_notes(records)
     path = report.write(records, bench.markdown(tables, notes),
                         lambda p: bench.plot_decode(records, p))

@@ -39,8 +39,8 @@ from certkv.certify.step_select import select_step
 from certkv.errors import ConfigError, NonFiniteError, require
 from certkv.kernels import numba_step
 from certkv.kernels.compiled import CompiledSegment
-from certkv.kernels.layout import SlotMap, StepLayout
-from certkv.kernels.page_in import NOTHING, PagedIn, paged_evicted, stage_blocks, tier2_stage
+from certkv.kernels.layout import StepLayout
+from certkv.kernels.page_in import NOTHING, PagedIn, on_device, stage_blocks, tier2_stage
 from certkv.kernels.reference import CheckInputs, dense_rounding, without_blocks
 from certkv.timing import NULL_TIMER, PhaseTimer
 
@@ -184,9 +184,9 @@ class QuantizedStep:
         checks = CheckInputs(l8, sel.delta_b, sel.promoted, lay.quantized, lad.r) \
             if certified and (lad.ranking_check or lad.boundary_check) else None
         with timer.phase("phase2"):
-            att = self.backend.phase2(step.qg, scored, lay, sel.promoted.reshape(hkv, hq // hkv,
-                                      -1), paged.keys, paged.values, step.scaling,
-                                      lad.eps_guard, checks)
+            gate = sel.promoted.reshape(hkv, hq // hkv, -1)
+            att = self.backend.phase2(step.qg, scored, lay, gate, (paged.keys, paged.values),
+                                      step.scaling, lad.eps_guard, checks)
 
         # Ranking and boundary checks (eq. 17-18): Phase 2's epilogue, or one small call.
         l16 = att.log_mass.reshape(hq, -1)
@@ -277,25 +277,6 @@ class QuantizedStep:
             if not store.tail_len:
                 lay = StepLayout(store, empty_tail=True, read=False)  # the words just checked
         return lay
-
-    def graph_layout(self, store: TieredKVStore) -> tuple | None:
-        """What a captured step over ``store`` depends on besides device memory (a graph is
-        replayed while it stays the same, :mod:`certkv.graphs`): the store's buffers
-        (:meth:`TieredKVStore.graph_signature`), whether it has completed blocks, the completed
-        blocks themselves unless the layout is padded (:attr:`pad_layout`, where the kernels
-        take an empty tail block) and, where they do not, whether the tail holds tokens; None
-        for a store that is not graphable."""
-        signature = store.graph_signature()
-        if signature is None:
-            return None
-        known = self._empty_tail.get(store)
-        if known is None or known[0] != signature:  # which precisions the kernels read changed
-            known = signature, takes_empty_tail(self.backend, StepLayout(store, read=False))
-            self._empty_tail[store] = known
-        takes_empty = known[1]
-        padded = self.pad_layout and takes_empty
-        return (signature, bool(store.num_blocks), None if padded else store.num_blocks,
-                bool(store.tail_len) or takes_empty)
 
     def _drop_evicted(self, step: _Step, scored):
         """Naive eviction, as kvpress does it: a naive step leaves evicted blocks out of
@@ -413,29 +394,10 @@ class QuantizedStep:
     _slot_maps = staticmethod(slot_maps)  # device page-in with its LRU bookkeeping, a segment
 
     def _page_in_on_device(self, scratch, lay, plan) -> PagedIn:
-        """The page-in without a host read: slot maps built on the device in one segment
-        (:func:`~certkv.cache.device_scratch.slot_maps`), through the scratch cache's device
-        bookkeeping (misses of keys and values copied from Tier-2 by one kernel, blocks without
-        a free slot read by Phase 2 from Tier-2 in place) or, without a scratch cache, every wanted
-        block read from Tier-2 in place. Counts stay on the device (0-d)."""
-        store = lay.store
-        if lay.num_completed == 0:
-            return NOTHING
-        k2, v2, width = store.original_rows()
-        lrus = [None if scratch is None else scratch.device_lru(which) for which in "kv"]
-        tables = [None if lru is None else lru.tables(store, lay.num_blocks) for lru in lrus]
-        maps, promotions, *steps = self._segment("_slot_maps", store.device)(
-            plan, width, *tables)
-        if scratch is None:
-            pools = [self._no_pool(store)] * 2
-        else:  # the tables updated in place: fill both pools' new slots in one launch
-            from certkv.kernels.triton_pagein import fill_slots
-
-            fill_slots([(need, src, tier2, lru.pool) for lru, (_, need, src), tier2
-                        in zip(lrus, steps, (k2, v2), strict=True)])
-            pools = [lru.pool for lru in lrus]
-        return PagedIn(SlotMap(maps[0], pools[0]), SlotMap(maps[1], pools[1]),
-                       paged_evicted(store, plan), promotions)
+        """:func:`~certkv.kernels.page_in.on_device` with this attention's compiled slot-map
+        segment and its empty pool."""
+        return on_device(self._segment("_slot_maps", lay.store.device), scratch, lay, plan,
+                         self._no_pool(lay.store))
 
     def _no_pool(self, store) -> torch.Tensor:
         """A one-block FP16 pool for slot maps without slots (never read; cached)."""

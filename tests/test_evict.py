@@ -325,7 +325,7 @@ def test_the_kernels_read_evicted_summaries(device):
         torch.testing.assert_close(getattr(kernel, name), getattr(ref, name), rtol=1e-5,
                                    atol=1e-5)
     gate = torch.zeros(ref.log_mass.shape, dtype=torch.bool, device=device)
-    args = (qg, ref, lay, gate, None, None, scaling, 1e-6)
+    args = (qg, ref, lay, gate, (None, None), scaling, 1e-6)
     attended, expected = TritonBackend(split=2).phase2(*args), TorchBackend().phase2(*args)
     torch.testing.assert_close(attended.out, expected.out, rtol=1e-5, atol=1e-5)
 

@@ -152,10 +152,8 @@ def test_fused_rungs_match_the_operators_at_the_cast_limits(dtype, certified):
         x = SimpleNamespace(out=out, q=q, kv_bad=kv_bad, expanded=expanded, ranking=ranking,
                             boundary=boundary, canary_blocks=canary_blocks)
         want = rungs(attn, x, e_key + e_val + e_arith, value_blocks)
-        got = fused_cpu.rungs(attn.ladder, certified, e_key=e_key, e_val=e_val, e_arith=e_arith,
-                              value_blocks=value_blocks, out=out, q=q, expanded=expanded,
-                              ranking=ranking, boundary=boundary, canary_blocks=canary_blocks,
-                              kv_bad=kv_bad)
+        got = fused_cpu.rungs((e_key, e_val, e_arith), value_blocks, out, q, fused_cpu.RungInputs(
+            attn.ladder, certified, expanded, ranking, boundary, canary_blocks, kv_bad))
         for w, g in zip(want, got[:3], strict=True):
             assert torch.equal(w, g)
         fast = want[1] < 3

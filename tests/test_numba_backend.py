@@ -81,7 +81,7 @@ def _phases(backend, lay, qg, scaling, gate, staged_values, checks):
     scored = backend.phase1(qg, lay, scaling)
     keys = None if not gate.any() else StagedBlocks(torch.zeros(0, dtype=torch.long),
                                                     torch.zeros(0, dtype=torch.long), None)
-    att = backend.phase2(qg, scored, lay, gate, keys, staged_values, scaling, 1e-6, checks)
+    att = backend.phase2(qg, scored, lay, gate, (keys, staged_values), scaling, 1e-6, checks)
     return scored, att
 
 

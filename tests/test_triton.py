@@ -29,7 +29,7 @@ from certkv.kernels import triton_attend, triton_score
 from certkv.kernels.dispatch import get_backend
 from certkv.kernels.layout import StagedBlocks, StepLayout
 from certkv.kernels.reference import Attended, Scored, TorchBackend, block_products
-from certkv.kernels.triton_attend import attend_blocks
+from certkv.kernels.triton_attend import FP16Slots, attend_blocks
 from certkv.kernels.triton_backend import TritonBackend, slot_map
 from certkv.kernels.triton_checks import ranking_and_boundary
 from certkv.kernels.triton_score import score_blocks
@@ -153,7 +153,7 @@ def test_phase2_attend_flash_attention_rule(seed, promote, shape):
         s2[keys.kv_heads, :, keys.blocks] = torch.where(
             gate[keys.kv_heads, :, keys.blocks].unsqueeze(-1), s16, at)
     oracle = fp64_attend(s2, merge_staged(lay.values, values))
-    args = (qg, scored, lay, gate, keys, values, scaling, 1e-6)
+    args = (qg, scored, lay, gate, (keys, values), scaling, 1e-6)
     ref = TorchBackend().phase2(*args)
     kernel = TritonBackend(split=2).phase2(*args)
     for name in ("out", "rho", "log_mass", "spread"):
@@ -195,7 +195,7 @@ def test_phases_read_every_precision_of_a_mixed_store(device):
         gate[0, :, 2] = gate[1, 1, 6] = True
         values = staged(store, [0, 1], [3, 7], "v")
         ref = TorchBackend().phase1(qg, lay, scaling)
-        args = (qg, ref, lay, gate, keys, values, scaling, 1e-6)
+        args = (qg, ref, lay, gate, (keys, values), scaling, 1e-6)
         attended = TritonBackend(split=2).phase2(*args)
     assert store.tail_len and launches == ["_launch_scores"] * 3 + ["_launch_attend"] * 3
     oracle = torch.einsum("kgd,kntd->kgnt", qg.double(), lay.keys.double()) * scaling
@@ -228,8 +228,9 @@ def _phases_at(store, qg, n, gate, keys, values):
               for staged in (keys, values)]
     pools = [slot_map(staged, shape, lay)[1] for staged in (keys, values)]
     gate = torch.nn.functional.pad(gate, (0, pad))
-    attended = attend_blocks(scored, qg, gate, padded[0], pools[0], value_src, padded[1],
-                             pools[1], scaling, 1e-6, 2)
+    attended = attend_blocks(scored, qg, gate, value_src,
+                             FP16Slots(padded[0], pools[0], padded[1], pools[1]), scaling, 1e-6,
+                             split=2)
     return scored, attended
 
 
@@ -281,7 +282,7 @@ def test_phase2_canary_flags_a_staged_block_that_disagrees_with_its_codes():
     # from the staged copy)
     store.originals()["k"][1, 2] += 3.0
     keys = staged(store, [1, 1], [1, 2], "k")
-    args = (qg, scored, lay, gate, keys, None, scaling, 1e-6)
+    args = (qg, scored, lay, gate, (keys, None), scaling, 1e-6)
     ref = TorchBackend().phase2(*args)
     kernel = TritonBackend(split=3).phase2(*args)
     expected = torch.zeros_like(gate)

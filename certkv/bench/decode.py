@@ -102,7 +102,7 @@ def _decode_prompt(lm, context: int) -> list[int]:
 
 
 def bench_decode(model: str, contexts: list[int], device: torch.device, repeats: int,
-                 dtype: torch.dtype, compile: bool | str | None = None,
+                 dtype: torch.dtype, *, compile: bool | str | None = None,
                  update: Update = _quiet, weights: str = "auto",
                  graphs: bool = False) -> list[dict]:
     """Whole-model decode step, dense vs certified, on ``model``'s pretrained weights and a

@@ -340,13 +340,13 @@ class RungInputs(NamedTuple):
     kv_bad: torch.Tensor | bool  # non-finite appended K/V
 
 
-def certificate(spec: ArithSpec, coef: StepCoefficients, exponent: float, *, l8, l16, rho,
-                spread, log_p, delta_b, delta_chan, delta, v_max, v_rad, q_norm, promoted,
-                exact, value_kv, eta, value_spec, key_spec, q, key_abs_max, eta_max_kv, out,
+def certificate(spec: ArithSpec, coef: StepCoefficients, exponent: float, x,
                 rung_inputs: RungInputs):
     """The certificate's per-head terms of a quantized step on CPU tensors, then its rungs, in
     two calls.
 
+    ``x`` holds the named inputs (a :class:`~certkv.certify.segment.CertifyInputs`; the fields
+    below are those read).
     Args (CPU tensors; shapes as :func:`~certkv.certify.step_certify.certify_step`): ``[Hq, n]``
     block tensors ``l8, l16, rho, spread, log_p, delta_b`` (tightened), ``delta_chan`` (eq. 8),
     ``promoted``; ``[Hq]`` tensors ``delta, v_max, v_rad`` (``min(R, V_max)``); ``q_norm [Hkv,
@@ -357,15 +357,15 @@ def certificate(spec: ArithSpec, coef: StepCoefficients, exponent: float, *, l8,
     Returns: FP32 ``e_key, e_val, e_arith, tail_mass, paper_key, paper_val``, int64
     ``k_star, value_blocks``, each ``[Hq]``, then :func:`rungs`' four results.
     """
-    blocks = torch.stack([l8, l16, rho, spread, log_p, delta_b, delta_chan])
-    per_head = torch.stack([delta, v_max, v_rad, q_norm.reshape(-1)])
-    per_kv = torch.stack([eta, value_spec, key_spec])
-    q64, out32 = as_array(q.double()), as_array(out)
+    blocks = torch.stack([x.l8, x.l16, x.rho, x.spread, x.log_p, x.delta_b, x.delta_chan])
+    per_head = torch.stack([x.delta, x.v_max, x.v_rad, x.q_norm.reshape(-1)])
+    per_kv = torch.stack([x.eta, x.value_spec, x.key_spec])
+    q64, out32 = as_array(x.q.double()), as_array(x.out)
     use_threads(torch.get_num_threads())
-    res_f, res_i = _kernel(*(as_array(x) for x in (
-        blocks, per_head, per_kv, promoted, exact, value_kv)), q64, as_array(key_abs_max),
-        as_array(eta_max_kv), out32, *_params(spec, coef, exponent))
-    ruled = _rung_arrays(*res_f[:3], res_i[1], out32, q64, q.dtype, rung_inputs)
+    res_f, res_i = _kernel(*(as_array(t) for t in (
+        blocks, per_head, per_kv, x.promoted, x.exact, x.value_kv)), q64,
+        as_array(x.key_abs_max), as_array(x.eta_max_kv), out32, *_params(spec, coef, exponent))
+    ruled = _rung_arrays(*res_f[:3], res_i[1], out32, q64, x.q.dtype, rung_inputs)
     f, i = torch.from_numpy(res_f), torch.from_numpy(res_i)
     return (*f.unbind(), *i.unbind(), *ruled)
 
@@ -413,15 +413,13 @@ def _rungs(e_key, e_val, e_arith, value_blocks, out, q, expanded, ranking, bound
     flags[hq], flags[hq + 1] = q_bad, kv_bad
 
 
-def rungs(ladder, certified: bool, *, e_key, e_val, e_arith, value_blocks, out, q, expanded,
-          ranking, boundary, canary_blocks, kv_bad):
+def rungs(bounds: tuple, value_blocks, out, q, inputs: RungInputs):
     """The canary ``[Hq]``, each head's rung ``[Hq]``, the flags ``[Hq + 2]`` and the returned
     E_key, E_val ``[Hq]`` (0 on rungs 3-4) of :func:`~certkv.certify.step_certify.rungs` in one
-    call on CPU tensors (``canary_blocks [Hkv, G, n]``, ``kv_bad`` 0-d; the rest as there)."""
-    return _rung_arrays(*(as_array(x) for x in (e_key, e_val, e_arith, value_blocks, out)),
-                        as_array(q.double()), q.dtype, RungInputs(
-                            ladder, certified, expanded, ranking, boundary, canary_blocks,
-                            kv_bad))
+    call on CPU tensors (``bounds``: E_key, E_val, E_arith ``[Hq]``; ``inputs.canary_blocks
+    [Hkv, G, n]``, ``inputs.kv_bad`` 0-d; the rest as there)."""
+    return _rung_arrays(*(as_array(x) for x in (*bounds, value_blocks, out)),
+                        as_array(q.double()), q.dtype, inputs)
 
 
 def _rung_arrays(e_key, e_val, e_arith, value_blocks, out, q64, q_dtype, inputs: RungInputs):

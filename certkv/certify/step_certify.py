@@ -115,12 +115,7 @@ def certify_fused(policy, x: CertifyInputs, spec: ArithSpec, coef) -> CertifyOut
     (``x.v_max_kv`` None, ``e_final`` None)."""
     (e_key, e_val, e_arith, tail_mass, paper_key, paper_val, k_star, value_blocks, canary,
      rung, flags, returned_) = fused_cpu.certificate(
-        spec, coef, policy.selector.mass_inflation, l8=x.l8, l16=x.l16, rho=x.rho,
-        spread=x.spread, log_p=x.log_p, delta_b=x.delta_b, delta_chan=x.delta_chan,
-        delta=x.delta, v_max=x.v_max, v_rad=x.v_rad, q_norm=x.q_norm, promoted=x.promoted,
-        exact=x.exact, value_kv=x.value_kv, eta=x.eta, value_spec=x.value_spec,
-        key_spec=x.key_spec, q=x.q, key_abs_max=x.key_abs_max, eta_max_kv=x.eta_max_kv,
-        out=x.out, rung_inputs=fused_cpu.RungInputs(
+        spec, coef, policy.selector.mass_inflation, x, fused_cpu.RungInputs(
             policy.ladder, policy.mode == "certified", x.expanded, x.ranking, x.boundary,
             x.canary_blocks, x.kv_bad))
     return CertifyOutputs(e_key, e_val, e_arith, tail_mass, k_star, canary, rung, value_blocks,

@@ -28,8 +28,10 @@ class Backend(ABC):
         """Scores of every block from its quantized keys (``Scored``; paper eq. 7)."""
 
     @abstractmethod
-    def phase2(self, q, scored, lay, gate, keys, values, scaling, eps_guard, checks=None):
-        """Attention over the blocks (``Attended``; eqs. 12-14), FP16 keys where ``gate``."""
+    def phase2(self, q, scored, lay, gate, staged, scaling, eps_guard, checks=None):
+        """Attention over the blocks (``Attended``; eqs. 12-14), FP16 keys where ``gate``;
+        ``staged``: the paged-in FP16 ``(keys, values)``, each staged blocks, a slot map or
+        None."""
 
     @abstractmethod
     def checks(self, l_int8, l_fp16, delta_b, promoted, quantized, r):

@@ -425,7 +425,7 @@ class NumbaBackend(TorchBackend):
                       state=state, arrays=(s8, (per_block[0], w, *per_block[1:3]),
                                            codes is not None))
 
-    def phase2(self, q, scored, lay, gate, keys, values, scaling, eps_guard,
+    def phase2(self, q, scored, lay, gate, staged, scaling, eps_guard,
                checks: CheckInputs | None = None) -> Attended:
         """Phase 2 in one loop nest (shapes as :meth:`TorchBackend.phase2`), the ranking and
         boundary checks (``checks``) in its epilogue. Where ``keys`` were asked for, the
@@ -434,8 +434,8 @@ class NumbaBackend(TorchBackend):
         dot products over the gated blocks' originals
         (:func:`~certkv.kernels.numba_logits.gated_logits`), or the BLAS product over all."""
         if not self._fused(q.device):
-            return super().phase2(q, scored, lay, gate, keys, values, scaling, eps_guard,
-                                  checks)
+            return super().phase2(q, scored, lay, gate, staged, scaling, eps_guard, checks)
+        keys, values = staged
         hkv, group, n, bsz = scored.scores.shape
         hq, d = hkv * group, q.shape[-1]
         s8, state, dots = scored.arrays or _arrays(scored)

@@ -321,9 +321,9 @@ class TorchBackend(Backend):
     def phase1(self, q, lay, scaling) -> Scored:
         return phase1(q, lay, scaling, self.scalar)
 
-    def phase2(self, q, scored, lay, gate, keys, values, scaling, eps_guard,
+    def phase2(self, q, scored, lay, gate, staged, scaling, eps_guard,
                checks: CheckInputs | None = None) -> Attended:
-        """Phase 2 over decoded values. Where blocks are gated to FP16 keys (``keys`` not
+        """Phase 2 over decoded values. Where blocks are gated to FP16 keys (``staged`` keys not
         None), the FP16-key logits of every block come from one product with the original
         keys (read in place: the CPU mirror keeps them in FP32) and replace Phase 1's where
         ``gate`` is set; the blocks' softmax state is then recomputed, else Phase 1's is
@@ -331,6 +331,7 @@ class TorchBackend(Backend):
         checks are left to :meth:`checks` (``checks`` is not read: the reference times them
         as a phase of their own)."""
         scalar, s8 = self.scalar, scored.scores
+        keys, values = staged
         violated = torch.zeros_like(gate)
         if keys is None:
             state = scored.state

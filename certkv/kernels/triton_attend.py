@@ -24,6 +24,8 @@ in :func:`reduce_splits`.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -224,12 +226,20 @@ def reduce_splits(m_b, l_b, m, lsum, acc, l2_b=None, checks: CheckInputs | None 
                     boundary=None if checks is None else flags[1])
 
 
-def attend_blocks(scored: Scored, q: torch.Tensor, gate: torch.Tensor,
-                  key_slot: torch.Tensor, key_data: torch.Tensor, sources: list,
-                  value_slot: torch.Tensor, value_data: torch.Tensor, scaling: float,
-                  eps_guard: float, split: int | None = None,
-                  tier2: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  checks: CheckInputs | None = None) -> Attended:
+class FP16Slots(NamedTuple):
+    """Where Phase 2 finds FP16 keys and values: int32 ``[Hkv, n]`` slots into FP16 blocks
+    ``[P, B, d]`` (-1: not staged; ``<= -2``: row ``-2 - slot`` of ``tier2``)."""
+
+    key_slot: torch.Tensor
+    key_data: torch.Tensor
+    value_slot: torch.Tensor
+    value_data: torch.Tensor
+    tier2: tuple[torch.Tensor, torch.Tensor] | None = None  # FP16 originals (k, v) [R, B, d]
+
+
+def attend_blocks(scored: Scored, q: torch.Tensor, gate: torch.Tensor, sources: list,
+                  fp16: FP16Slots, scaling: float, eps_guard: float, *,
+                  split: int | None = None, checks: CheckInputs | None = None) -> Attended:
     """Phase 2 over ``n`` blocks given as :class:`~certkv.kernels.triton_sources.BlockSource`
     launches of value codes (one per precision, the last carrying the exact tail block: see
     :func:`~certkv.kernels.triton_sources.launches`), merged in one
@@ -238,11 +248,9 @@ def attend_blocks(scored: Scored, q: torch.Tensor, gate: torch.Tensor,
     Args:
         scored: Phase-1 logits ``[Hkv, G, n, B]`` and ``delta_b [Hkv, G, n]``.
         q: ``[Hkv, G, d]``; gate: bool ``[Hkv, G, n]`` (use FP16-key logits where staged).
-        key_slot / value_slot: int32 ``[Hkv, n]`` into FP16 blocks ``key_data`` /
-            ``value_data [P, B, d]`` (-1: not staged; ``<= -2``: row ``-2 - slot`` of
-            ``tier2``).
-        tier2: the FP16 originals ``(k, v)`` as ``[R, B, d]`` row views (strides only: Tier-2
-            is read in place, pinned host memory on CUDA), or None where no slot is ``<= -2``.
+        fp16: the FP16 key and value slots (:class:`FP16Slots`); its ``tier2``: the FP16
+            originals ``(k, v)`` as ``[R, B, d]`` row views (strides only: Tier-2 is read in
+            place, pinned host memory on CUDA), or None where no slot is ``<= -2``.
         checks: the ranking and boundary checks' inputs, run in the merge's epilogue, or None.
     Returns:
         :class:`Attended` with the canary violations of the gated blocks (and the checks).
@@ -264,10 +272,10 @@ def attend_blocks(scored: Scored, q: torch.Tensor, gate: torch.Tensor,
     acc = torch.empty(hkv, g, bases[-1], d, device=dev)
     # masks are read as bool, in the [Hkv, G, n] layout of m_b and canary
     gate, delta = gate.contiguous(), scored.delta_b.float().contiguous()
-    key_data, value_data = key_data.contiguous(), value_data.contiguous()
-    tier2 = tier2 or (key_data, key_data)  # never read without a slot <= -2
-    shared = (scores, q.float().contiguous(), key_slot.contiguous(), key_data,
-              gate, delta, value_slot.contiguous(), value_data, tier2,
+    key_data, value_data = fp16.key_data.contiguous(), fp16.value_data.contiguous()
+    tier2 = fp16.tier2 or (key_data, key_data)  # never read without a slot <= -2
+    shared = (scores, q.float().contiguous(), fp16.key_slot.contiguous(), key_data,
+              gate, delta, fp16.value_slot.contiguous(), value_data, tier2,
               (m_b, l_b, l2_b, canary), (m, lsum, acc))
     for (src, tail, live, walked), base in zip(plan, bases, strict=False):
         _launch_attend(src, tail, (live, walked), base, shared, scaling, eps_guard, split)

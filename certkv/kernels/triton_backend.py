@@ -87,17 +87,18 @@ class TritonBackend(Backend):
                                                       lay.store.block_size, scaling, self.split)
         return Scored(scores=s, log_mass=log_mass, delta_b=delta, log_spread=log_spread)
 
-    def phase2(self, q, scored: Scored, lay: StepLayout, gate, keys, values, scaling,
-               eps_guard, checks: CheckInputs | None = None) -> Attended:
+    def phase2(self, q, scored: Scored, lay: StepLayout, gate, staged, scaling, eps_guard,
+               checks: CheckInputs | None = None) -> Attended:
         """Phase 2, one split-KV kernel per precision (the last carrying the tail block) and
         one merge: gated FP16-key logits (and the canary) on staged key blocks, value codes
         unpacked in registers, staged FP16 values (value promotion) and exact blocks read in
         place; the ranking and boundary checks (``checks``) in the merge's epilogue."""
         sources = self._sources(lay, "value")
         if sources is None:
-            return self.reference.phase2(q, scored, lay, gate, keys, values, scaling, eps_guard,
+            return self.reference.phase2(q, scored, lay, gate, staged, scaling, eps_guard,
                                          checks)
-        from certkv.kernels.triton_attend import attend_blocks
+        keys, values = staged
+        from certkv.kernels.triton_attend import FP16Slots, attend_blocks
 
         shape = (lay.store.num_kv_heads, lay.num_blocks)
         key_slot, key_data = slot_map(keys, shape, lay)
@@ -105,8 +106,9 @@ class TritonBackend(Backend):
         tier2 = None
         if isinstance(keys, SlotMap) or isinstance(values, SlotMap):
             tier2 = lay.store.original_rows()[:2] if lay.num_completed else None
-        return attend_blocks(scored, q, gate, key_slot, key_data, sources, value_slot,
-                             value_data, scaling, eps_guard, self.split, tier2, checks)
+        fp16 = FP16Slots(key_slot, key_data, value_slot, value_data, tier2)
+        return attend_blocks(scored, q, gate, sources, fp16, scaling, eps_guard,
+                             split=self.split, checks=checks)
 
     def decoded_mirror(self, device: torch.device) -> bool | str:
         """The reference's (:meth:`TorchBackend.decoded_mirror`): it runs every phase the
