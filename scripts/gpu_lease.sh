@@ -25,7 +25,7 @@ step() {  # step SECONDS NAME COMMAND...: run, log to $R/NAME.txt, record rc and
   git rev-parse HEAD 2>/dev/null; git status --short 2>/dev/null | head; } >"$R/machine.txt" 2>&1
 SKIP=()
 $PY -c "import wandb" 2>/dev/null || SKIP+=(--ignore=tests/test_hygiene.py)
-$PY -c "import lm_eval" 2>/dev/null || SKIP+=(--ignore=tests/test_lm_eval.py)
+$PY -c "import lm_eval" 2>/dev/null || SKIP+=(--ignore=tests/integrations/test_lm_eval.py)
 step ${T_TESTS:-190} gpu_tests $PY -m pytest -m gpu -p no:cacheprovider -n 8 --dist load \
   --timeout 170 --durations=25 -rfE "${SKIP[@]}" tests
 step ${T_LAUNCH:-70} launches $PY -m certkv.cli bench launches --out "$R" --force

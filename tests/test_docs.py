@@ -21,7 +21,9 @@ def test_the_readme_is_a_front_page_linking_every_docs_page():
 
 
 def test_the_docs_site_builds_strictly(tmp_path):
-    """``mkdocs build --strict``: every page in the nav, no broken link or anchor warning."""
+    """``mkdocs build --strict``: every page in the nav, no broken link or anchor warning, no
+    docstring naming a parameter its function does not have; the API pages are the classes'
+    own docstrings."""
     mkdocs = shutil.which("mkdocs", path=str(Path(sys.executable).parent)) or "mkdocs"
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
     done = subprocess.run([mkdocs, "build", "--strict", "--site-dir", str(tmp_path / "site")],
@@ -29,3 +31,8 @@ def test_the_docs_site_builds_strictly(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     built = {p.parent.name for p in (tmp_path / "site").glob("*/index.html")}
     assert built >= {p.stem for p in (ROOT / "docs").glob("*.md") if p.name != "index.md"}
+    api = tmp_path / "site" / "api"
+    assert {p.parent.name for p in api.glob("*/index.html")} == {
+        p.stem for p in (ROOT / "docs" / "api").glob("*.md") if p.name != "index.md"}
+    attention = (api / "attention" / "index.html").read_text()
+    assert "QuantizedStep" in attention and "Certified attention for one decode step" in attention

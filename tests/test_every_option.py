@@ -20,7 +20,8 @@ NOT_COMPONENTS = ("experiment", "hydra")
 NOT_ON_TINY = {
     "model=llama31_8b": "Llama weights from the hub (16 GB); no network here",
     "model=llama31_70b": "Llama weights from the hub (140 GB); no network here",
-    "model=smollm2_135m": "the real model: `make run` runs it, and tests/test_smollm2.py (slow)",
+    "model=smollm2_135m": "the real model: `make run` runs it, and "
+                          "tests/models/test_smollm2.py (slow)",
 }
 OPTIONS = [f"{group}={option}" for group, options in config_groups().items()
            if group not in NOT_COMPONENTS for option in options]

@@ -9,7 +9,7 @@ which :data:`certkv.cache.store._INFLATE` (``1e-12`` relative on the centred rad
 rounding up to FP32 already absorb, as for PyTorch's own reduction order.
 :meth:`TieredKVStore.append <certkv.cache.store.TieredKVStore.append>` takes this path for one
 token on a CPU store past its first append that completes no block (:func:`covers`);
-``tests/test_store.py`` compares it with the PyTorch path on every field.
+``tests/cache/test_store.py`` compares it with the PyTorch path on every field.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ E_arith's items 1-6 through :mod:`certkv.certify.arith`'s constants and linear f
 head and block by block in FP64, in one call. Every input is read as given (FP32 inputs
 widened exactly to FP64), so each quantity is at least as accurate as the FP32 / FP64 PyTorch
 evaluation the arithmetic bound allows for; the returned terms round to FP32 the same way.
-``tests/test_fused_cpu.py`` holds both evaluations to each other and the contract tests hold
+``tests/certify/test_fused_cpu.py`` holds both evaluations to each other and the contract tests hold
 this one to FP64 attention.
 
 NaN and infinity follow PyTorch's rules (``minimum`` and ``amax`` propagate NaN, ``where``
@@ -274,7 +274,7 @@ def decode_half(bits, keys):
     arithmetic), converted exactly into FP32 ``keys [B, d]`` in three loops that vectorise: the
     half's magnitude bits moved into a float's (``<< 13``) then scaled by ``2^112`` (exact, for
     normal and subnormal halves alike), then infinities and NaNs (exponent 31) and the sign
-    bit set. ``tests/test_numba_backend.py`` checks all 65,536 halves."""
+    bit set. ``tests/kernels/test_numba_backend.py`` checks all 65,536 halves."""
     out = keys.view(np.int32)
     bsz, d = bits.shape
     for t in range(bsz):

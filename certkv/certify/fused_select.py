@@ -13,7 +13,7 @@ as accurate as the PyTorch operators' FP32 evaluation (whose rounding the certif
 for, ``arith.LOG_ULPS``); decisions (``K*``, rung 1, value promotion) can differ from theirs
 only where a threshold falls within that rounding, and every choice is certified alike.
 NaN follows PyTorch's rules (``minimum`` and ``amax`` propagate it, sorting puts it first, a
-comparison with it is false). ``tests/test_fused_select.py`` holds both to each other.
+comparison with it is false). ``tests/certify/test_fused_select.py`` holds both to each other.
 """
 
 from __future__ import annotations

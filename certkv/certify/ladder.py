@@ -32,16 +32,18 @@ class Ladder:
         e_key_tol: also expand when the candidate E_key exceeds this (``None``: only when the
             certified tail mass ``e^{c Delta} alpha_hat`` misses ``1 - tau_cov``).
         r: ranking-consistency depth (eq. 17-18).
-        ranking_check / boundary_check: enable the rung-3 checks.
+        ranking_check: enable the rung-3 ranking check (eq. 17).
+        boundary_check: enable the rung-3 boundary check (eq. 18).
         canary: score-consistency canary on every block scored both ways (rung 4 on violation).
         eps_guard: numerical guard of the canary and boundary comparisons.
         exploration: fraction of tail blocks promoted at random for canary spot checks.
         layer_dense_fraction: rung 4 once this fraction of heads needs rung 3.
         seed: seed of the exploration draw.
-        bound_tol, bound_rtol: a guarantee the user sets (both ``None`` by default, the paper's
-            behaviour): a head whose returned bound exceeds ``bound_tol + bound_rtol *
+        bound_tol: a guarantee the user sets (``None`` by default, as ``bound_rtol``: the
+            paper's behaviour): a head whose returned bound exceeds ``bound_tol + bound_rtol *
             ||out_h||`` escalates (the widest key set, then FP16 values for its promoted
             blocks, then dense attention), so every head is within it or dense.
+        bound_rtol: the part of that guarantee relative to the head's output norm.
         tail_mass: how rung 1 bounds the mass left on INT8 keys: ``tight`` (default:
             ``min(1, e^{Delta_F} alpha_hat)``, the Phase-2 tail mass, ``Delta_F`` the largest
             ``Delta_b`` of the promoted blocks, and the per-block TV bound for E_key) or

@@ -73,7 +73,7 @@ def _exp2(x, out, frac, scale):
     there are 0 or inf either way); ``2^f`` from its Taylor series to degree 11 in FP64 (relative
     error below 1e-11), ``2^k`` built from its exponent bits, and one rounding to FP32: within 1 u
     of ``2^x`` for normal results, within 2^-150 below them (arith's ``EXP_ULPS = 8`` and ``TINY``
-    allow more). NaN stays NaN, ``-inf`` gives 0. ``tests/test_numba_backend.py`` checks it
+    allow more). NaN stays NaN, ``-inf`` gives 0. ``tests/kernels/test_numba_backend.py`` checks it
     against FP64 ``exp2``."""
     c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11 = _EXP2_TAYLOR
     m = x.shape[0]

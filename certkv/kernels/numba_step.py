@@ -9,7 +9,7 @@ Called one by one from Python, a SmolLM2 layer step spent about as long between 
 views of torch tensors, the phases' result objects, about 300 aten operators) as inside them.
 :func:`run` hands them the step's arrays once and runs them in one compiled call
 (:func:`_step`): the same kernels in the same order on the same inputs, so every number is the
-phase-by-phase step's, bit for bit (``tests/test_numba_step.py`` compares them over decode
+phase-by-phase step's, bit for bit (``tests/kernels/test_numba_step.py`` compares them over decode
 steps). What needs Python stays with the caller: the scratch cache's counters, the fallback
 (rungs 3-4) and the certificate object.
 
