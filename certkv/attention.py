@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import numbers
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -115,6 +116,49 @@ class CertifiedAttention(QuantizedStep):
             cert.violations, cert.error = int(violated.sum()), error.float()
             cert.audited = True
         return out, cert
+
+    def batch(self, q: torch.Tensor, stores: Sequence[TieredKVStore],
+              scaling: float | None = None, scratches: Sequence | None = None
+              ) -> tuple[torch.Tensor, list[Certificate]]:
+        """One decode step of a batch of sequences, each on its own store.
+
+        ``q [B, Hq, d]`` (row ``b``: sequence ``b``'s queries) against ``stores[b]``, each with
+        its own blocks, tail, tiers, eviction, protection and Tier-2 originals (and, optional,
+        ``scratches[b]``) -> ``(out [B, Hq, d], certificates)``, certificate ``b`` that
+        sequence's own (``cert.sequence == b``). Rungs are decided per (sequence, head): a
+        fallback in one sequence never makes another dense, and no padding enters a sequence's
+        attention, mass or bound (a store holds its own sequence's tokens only, whatever their
+        number). Each sequence gets the output and certificate it gets stepped alone, bit for
+        bit; a sequence that finishes leaves the batch by leaving the list (no other store is
+        copied).
+        """
+        self._check_batch(q, stores, scratches)
+        outs, certs = [], []
+        for b, store in enumerate(stores):
+            out, cert = self(q[b], store, scaling, None if scratches is None else scratches[b])
+            cert.sequence = b
+            outs.append(out)
+            certs.append(cert)
+        return torch.stack(outs), certs
+
+    def _check_batch(self, q, stores, scratches) -> None:
+        require(isinstance(q, torch.Tensor) and q.dim() == 3, ShapeError,
+                "a batch's q must be a 3-D tensor [batch, num_query_heads, head_dim]; step one "
+                "sequence with attention(q, store).")
+        require(len(stores) == q.shape[0] > 0, ShapeError,
+                f"q holds {q.shape[0]} sequences but {len(stores)} stores were passed; pass one "
+                "store per sequence, in q's order.")
+        require(scratches is None or len(scratches) == len(stores), ShapeError,
+                f"{len(scratches or ())} scratch caches for {len(stores)} stores; pass one per "
+                "sequence or none.")
+        first = stores[0]
+        for b, store in enumerate(stores[1:], start=1):
+            same = (store.num_kv_heads, store.head_dim, store.device) == (
+                first.num_kv_heads, first.head_dim, first.device)
+            require(same and store.quantizer == first.quantizer, ConfigError,
+                    f"sequence {b}'s store differs from sequence 0's in shape, device or "
+                    f"quantizer ({store.quantizer.label} vs {first.quantizer.label}); a batch "
+                    "decodes sequences of one config: build every store from the same one.")
 
     def decoded_mirror(self, device: torch.device) -> bool | str:
         """The ``decoded_mirror`` of a store this attention reads on ``device``

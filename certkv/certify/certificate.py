@@ -108,6 +108,9 @@ class Certificate:
     # eviction (:mod:`certkv.evict`): (kv head, block) pairs of evicted blocks this step read
     # from Tier-2 (FP16 keys or values), i.e. paged back in for the certificate
     paged_evicted: int = 0
+    # the sequence's index in its batch (:meth:`certkv.attention.CertifiedAttention.batch`; 0
+    # for a step of one sequence)
+    sequence: int = 0
 
     def __post_init__(self) -> None:
         for name in ("paper_e_key", "paper_e_val"):
