@@ -4,7 +4,8 @@
 :class:`StoreHandle` instead of tensors; the registered ``certkv`` attention function
 (``certkv.models.hook``) receives that handle as ``key`` and runs dense SDPA for prefill and
 :class:`CertifiedAttention` for every single-token decode step. Works with ``model(...)`` loops
-and ``model.generate(...)``. Batch size 1 (the paper's setting).
+and ``model.generate(...)``, for one sequence or a left-padded batch (one store per sequence
+and layer, :meth:`~certkv.attention.CertifiedAttention.batch`; padding never enters a store).
 """
 
 from __future__ import annotations
@@ -19,15 +20,16 @@ from certkv.attention import CertifiedAttention
 from certkv.cache import thresholds
 from certkv.cache.scratch import ScratchCache, ScratchStats
 from certkv.cache.store import TieredKVStore
-from certkv.certify.certificate import CertificateLog
+from certkv.certify.certificate import Certificate, CertificateLog
 from certkv.errors import CertKVError, ConfigError, require
 from certkv.quant.importance import ImportanceBoard
 from certkv.quant.kv import KVQuantizer
 
-_BATCH = ("{n} sequences at once are not supported (a batch of {n} prompts, or generate() with "
-          "num_beams={n} or num_return_sequences={n}, which decode a batch): certkv follows the "
-          "paper's batch size 1, so decode one sequence at a time with greedy or sampled "
-          "generation (num_beams=1).")
+_BEAMS = ("beam search (generate() with num_beams > 1) reorders the cache's sequences at every "
+          "step, which certkv leaves out; use num_beams=1 (greedy or sampling: batches of prompts "
+          "and num_return_sequences work).")
+_ONE_SEQUENCE = ("{what} holds one sequence's stores; this cache decodes a batch of {n}: use "
+                 "layer.stores (one per sequence), or decode one sequence per cache.")
 
 
 @dataclass
@@ -57,7 +59,9 @@ class CacheTelemetry:
 @dataclass
 class StoreHandle:
     """What ``update`` returns as keys and values: the layer plus the fresh states
-    ``[1, Hkv, T, d]`` (full precision, used by prefill's dense SDPA)."""
+    ``[B, Hkv, T, d]`` (full precision, used by prefill's dense SDPA; with ``B > 1`` the
+    attention function appends each sequence's unpadded states itself, it alone sees the
+    mask)."""
 
     layer: TieredLayer
     new_keys: torch.Tensor
@@ -65,7 +69,8 @@ class StoreHandle:
 
 
 class TieredLayer(DynamicLayer):
-    """One decoder layer's cache: a :class:`TieredKVStore` plus its scratch cache.
+    """One decoder layer's cache: a :class:`TieredKVStore` and a scratch cache per sequence
+    (one for a batch of one, as the paper decodes).
 
     It refers to its :class:`TieredCache` weakly: a strong back-reference would make a cycle that
     keeps every dropped cache (stores, Tier-2, scratch) alive until Python's cyclic collector
@@ -75,32 +80,68 @@ class TieredLayer(DynamicLayer):
         super().__init__()
         self._cache = weakref.ref(cache)
         self.layer_idx = layer_idx
-        self.store: TieredKVStore | None = None
-        self.scratch = ScratchCache(cache.spec.scratch_key_blocks, cache.spec.scratch_value_blocks)
+        self.stores: list[TieredKVStore] = []  # one per sequence of the batch
+        self.scratches = [self._new_scratch()]
+        self.positions = 0  # positions the model has sent, padding included
         self._inference = False  # the store was made or written under torch.inference_mode()
 
+    @property
+    def store(self) -> TieredKVStore | None:
+        """The one sequence's store (None before the first update)."""
+        require(len(self.stores) <= 1, CertKVError,
+                _ONE_SEQUENCE.format(what="layer.store", n=len(self.stores)))
+        return self.stores[0] if self.stores else None
+
+    @store.setter
+    def store(self, store: TieredKVStore | None) -> None:
+        self.stores = [] if store is None else [store]
+
+    @property
+    def scratch(self) -> ScratchCache:
+        """The one sequence's scratch cache."""
+        require(len(self.scratches) == 1, CertKVError,
+                _ONE_SEQUENCE.format(what="layer.scratch", n=len(self.scratches)))
+        return self.scratches[0]
+
+    def _new_scratch(self) -> ScratchCache:
+        spec = self.cache.spec
+        return ScratchCache(spec.scratch_key_blocks, spec.scratch_value_blocks)
+
+    def _new_store(self, hkv: int, d: int, device: torch.device) -> TieredKVStore:
+        cache = self.cache
+        store = TieredKVStore(hkv, d, device=device,
+                              decoded_mirror=cache.attention.decoded_mirror(device),
+                              **cache.quantizer.store_kwargs())
+        store.join(cache.board, self.layer_idx)
+        store.defer_commit = cache.defer_commit
+        if self.layer_idx in cache._loaded:
+            store.boundaries = cache._loaded[self.layer_idx]
+        return store
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        require(key_states.shape[0] == 1, CertKVError, _BATCH.format(n=key_states.shape[0]))
         self.dtype, self.device = key_states.dtype, key_states.device
-        _, hkv, _, d = key_states.shape
-        self.store = TieredKVStore(hkv, d, device=key_states.device,
-                                   decoded_mirror=self.cache.attention.decoded_mirror(
-                                       key_states.device),
-                                   **self.cache.quantizer.store_kwargs())
-        self.store.join(self.cache.board, self.layer_idx)
-        self.store.defer_commit = self.cache.defer_commit
-        if self.layer_idx in self.cache._loaded:
-            self.store.boundaries = self.cache._loaded[self.layer_idx]
+        batch, hkv, _, d = key_states.shape
+        self.stores = [self._new_store(hkv, d, key_states.device) for _ in range(batch)]
+        self.scratches = [self.scratches[0], *(self._new_scratch() for _ in range(batch - 1))]
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        require(key_states.shape[0] == 1, CertKVError, _BATCH.format(n=key_states.shape[0]))
+        batch = key_states.shape[0]
+        require(batch == len(self.stores), CertKVError,
+                f"this cache holds {len(self.stores)} sequences but the model sent {batch}; "
+                "start a new cache for a new batch.")
         self._writable()
-        capturing = self.cache.captured is not None
-        append = self.store.append_in_place if capturing else self.store.append
-        append(key_states[0], value_states[0])
+        self.positions += key_states.shape[2]
+        if batch == 1:  # one sequence: appended here (a batch's, by the attention, unpadded)
+            capturing = self.cache.captured is not None
+            append = self.stores[0].append_in_place if capturing else self.stores[0].append
+            append(key_states[0], value_states[0])
+        else:
+            require(self.cache.captured is None, CertKVError,
+                    "CUDA graphs capture one sequence's decode step; decode a batch with "
+                    "graphs=false.")
         handle = StoreHandle(self, key_states, value_states)
         return handle, handle
 
@@ -112,8 +153,9 @@ class TieredLayer(DynamicLayer):
         (:meth:`TieredKVStore.clone`, once)."""
         inside = torch.is_inference_mode_enabled()
         if self._inference and not inside:
-            self.store = self.store.clone()
-            self.store.join(self.cache.board, self.layer_idx)
+            self.stores = [store.clone() for store in self.stores]
+            for store in self.stores:
+                store.join(self.cache.board, self.layer_idx)
         self._inference = inside
 
     def record(self, cert) -> None:
@@ -127,18 +169,47 @@ class TieredLayer(DynamicLayer):
         cache.log.record(self.layer_idx, cert)
         self.store.observe(cert)
 
+    def record_batch(self, certs: list) -> None:
+        """A batch step's certificates, one per sequence: each sequence's log and store get its
+        own, the cache's log one over the batch (every sequence's heads)."""
+        cache = self.cache
+        for cert, store, log in zip(certs, self.stores, cache.sequence_logs(len(certs)),
+                                    strict=True):
+            log.record(self.layer_idx, cert)
+            store.observe(cert)
+        cache.log.record(self.layer_idx, Certificate.cat(certs))
+
     @property
     def cache(self) -> TieredCache:
         return self._cache()
 
     def get_seq_length(self) -> int:
-        return 0 if self.store is None else self.store.num_tokens
+        """Positions the model has sent (a batch's padding included: what its masks and
+        positions count); one sequence's store holds exactly these tokens."""
+        if len(self.stores) == 1:
+            return self.stores[0].num_tokens
+        return self.positions
 
-    def _unsupported(self, *args, **kwargs):
-        raise CertKVError("this cache operation (beam search, cropping, batching) is not "
-                          "supported by TieredCache; use greedy decoding with batch size 1.")
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the sequences at ``indices`` (finished ones leave; no store is copied)."""
+        keep = [int(i) for i in indices]
+        self.stores = [self.stores[i] for i in keep]
+        self.scratches = [self.scratches[i] for i in keep]
 
-    crop = reorder_cache = batch_repeat_interleave = batch_select_indices = _unsupported
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Each sequence ``repeats`` times in a row, as independent copies
+        (:meth:`TieredKVStore.clone`)."""
+        self.stores = [s if r == 0 else s.clone() for s in self.stores for r in range(repeats)]
+        for store in self.stores:
+            store.join(self.cache.board, self.layer_idx)
+        self.scratches = [self._new_scratch() for _ in self.stores]
+
+    def reorder_cache(self, beam_idx) -> None:
+        raise CertKVError(_BEAMS)
+
+    def crop(self, *args, **kwargs) -> None:
+        raise CertKVError("cropping the cache (assisted or speculative decoding) is not "
+                          "supported by TieredCache; decode without an assistant model.")
 
 
 class TieredCache(Cache):
@@ -164,6 +235,7 @@ class TieredCache(Cache):
         # while set, decode tokens are written at device positions (append_in_place)
         self.captured: list | None = None
         self._defer_commit = False
+        self._sequence_logs: list[CertificateLog] = []  # a batch's, one per sequence
         super().__init__(layers=[TieredLayer(self, i) for i in range(num_layers)])
 
     @property
@@ -199,9 +271,12 @@ class TieredCache(Cache):
                 f"copy_for needs a method with this cache's quantizer ({self.quantizer.label}); "
                 "build a cache from the prefill states for another one.")
         for mine, theirs in zip(cache.layers, self.layers, strict=True):
-            if theirs.store is not None:
-                mine.store = theirs.store.clone()
-                mine.store.join(cache.board, mine.layer_idx)
+            if theirs.stores:
+                mine.stores = [store.clone() for store in theirs.stores]
+                for store in mine.stores:
+                    store.join(cache.board, mine.layer_idx)
+                mine.scratches = [mine._new_scratch() for _ in mine.stores]
+                mine.positions = theirs.positions
                 mine.dtype, mine.device = theirs.dtype, theirs.device
                 mine.is_initialized = True
                 mine._inference = torch.is_inference_mode_enabled()
@@ -240,11 +315,19 @@ class TieredCache(Cache):
         not exist yet take them when it is made."""
         self._loaded = thresholds.load(path, model)
         for layer in self.layers:
-            if layer.store is not None and layer.layer_idx in self._loaded:
-                layer.store.boundaries = self._loaded[layer.layer_idx]
+            for store in layer.stores if layer.layer_idx in self._loaded else ():
+                store.boundaries = self._loaded[layer.layer_idx]
 
     def stores(self) -> list[TieredKVStore]:
-        return [layer.store for layer in self.layers if layer.store is not None]
+        """Every layer's stores (a batch's: every sequence's, layer by layer)."""
+        return [store for layer in self.layers for store in layer.stores]
+
+    def sequence_logs(self, batch: int) -> list[CertificateLog]:
+        """One certificate log per sequence of a batch (made at its first step); the cache's
+        :attr:`log` summarises each step over the whole batch."""
+        if len(self._sequence_logs) != batch:
+            self._sequence_logs = [CertificateLog(self.spec.records) for _ in range(batch)]
+        return self._sequence_logs
 
     def bytes(self) -> dict[str, int]:
         """Byte accounting summed over layers (Table 13 / 22)."""
@@ -256,13 +339,16 @@ class TieredCache(Cache):
     def scratch_stats(self) -> ScratchStats:
         total = ScratchStats()
         for layer in self.layers:
-            total = total + layer.scratch.stats
+            for scratch in layer.scratches:
+                total = total + scratch.stats
         return total
 
     def telemetry(self) -> CacheTelemetry:
         """The log (its last step closed), bytes and scratch counters, detached from the
         stores: they outlive the cache."""
         self.log.flush()
+        for log in self._sequence_logs:
+            log.flush()
         counts = [s.eviction_counts() for s in self.stores()]
         eviction = {name: sum(c[name] for c in counts) for name in counts[0]} if counts else {}
         return CacheTelemetry(self.log, self.bytes(), self.scratch_stats(), eviction)

@@ -20,6 +20,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from certkv.errors import CertKVError, require
 from certkv.models.hf_cache import StoreHandle
 
 NAME = "certkv"
@@ -58,7 +59,9 @@ def certkv_attention(module, query, key, value, attention_mask, scaling=None, dr
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
     layer = key.layer
-    _, hq, tq, d = query.shape
+    batch, hq, tq, d = query.shape
+    if batch > 1:
+        return _batched(module, query, key, attention_mask, scaling, dropout, **kwargs)
     if tq > 1:
         return _prefill(module, query, key, attention_mask, scaling, dropout, **kwargs)
     cache = layer.cache
@@ -80,6 +83,47 @@ def _prefill(module, query, handle: StoreHandle, attention_mask, scaling, dropou
                                  scaling=scaling, **kwargs)
     store.observe_prompt(query[0].detach(), scaling)  # SnapKV ranks by the prompt's queries
     return out
+
+
+def _batched(module, query, handle: StoreHandle, attention_mask, scaling, dropout, **kwargs):
+    """A batch's step (``query [B, Hq, Tq, d]``): each sequence's real tokens (the mask's, left
+    padding) appended to its own store, then the prompt's dense SDPA over the padded batch
+    (the model's own computation) or one certified step per sequence
+    (:meth:`~certkv.attention.CertifiedAttention.batch`)."""
+    layer, new_k, new_v = handle.layer, handle.new_keys, handle.new_values
+    batch, hq, tq, d = query.shape
+    real = _real_tokens(attention_mask, batch, tq, query.device)
+    require(tq == 1 or not any(store.num_tokens for store in layer.stores), CertKVError,
+            "a batch is prefilled in one call (generate() does); a second prompt chunk for a "
+            "batch is not supported: pass each prompt whole.")
+    for b, store in enumerate(layer.stores):
+        keep = real[b]
+        store.append(new_k[b][:, keep], new_v[b][:, keep])
+        if tq > 1:
+            store.observe_prompt(query[b][:, keep].detach(), scaling)  # SnapKV's queries
+    if tq > 1:
+        return sdpa_attention_forward(module, query, new_k, new_v, attention_mask,
+                                      dropout=dropout, scaling=scaling, **kwargs)
+    out, certs = layer.cache.attention.batch(query[:, :, 0, :], layer.stores, scaling,
+                                             scratches=layer.scratches)
+    layer.record_batch(certs)
+    return out.view(batch, 1, hq, d).to(query.dtype), None
+
+
+def _real_tokens(attention_mask, batch: int, tq: int, device) -> torch.Tensor:
+    """bool ``[B, Tq]``: which of the step's new positions are tokens, not padding, read from
+    the mask's last query row (every real key up to it is visible there). Padding must be on
+    the left: a real token before a padded one, or a step of only padding, is refused."""
+    if attention_mask is None:
+        return torch.ones(batch, tq, dtype=torch.bool, device=device)
+    row = attention_mask[:, 0, -1, -tq:]
+    real = row if row.dtype == torch.bool else row > torch.finfo(row.dtype).min
+    real = real.expand(batch, tq)
+    left = (real.int().diff(dim=-1) >= 0).all() if tq > 1 else True
+    require(bool(left) and bool(real.any(dim=-1).all()), CertKVError,
+            "a batch must be padded on the left (tokenizer.padding_side = 'left') with at least "
+            "one token per sequence; right padding would put padding inside a sequence.")
+    return real
 
 
 def register() -> str:

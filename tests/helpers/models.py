@@ -71,3 +71,25 @@ class ContractChecker:
         check_heads(out, cert, q, store, scaling)
         self.head_steps += q.shape[0]
         return out, cert
+
+    def batch(self, q, stores, scaling=None, scratches=None):
+        """A batch step, every (sequence, head) checked against FP64 on that sequence's own
+        originals."""
+        out, certs = self.inner.batch(q, stores, scaling, scratches)
+        for b, (store, cert) in enumerate(zip(stores, certs, strict=True)):
+            assert cert.sequence == b
+            check_heads(out[b], cert, q[b], store, scaling)
+            self.head_steps += q.shape[1]
+        return out, certs
+
+
+def left_padded(prompts: list[torch.Tensor], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids [B, L], attention_mask [B, L])`` of 1-D ``prompts`` padded on the left with
+    ``pad`` to the longest, as a tokenizer with ``padding_side='left'`` gives them."""
+    longest = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), longest), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, longest - len(p):] = p
+        mask[b, longest - len(p):] = 1
+    return ids, mask

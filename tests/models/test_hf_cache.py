@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 from helpers import make_kv
-from helpers.models import ContractChecker, tiny_model
+from helpers.models import ContractChecker, left_padded, tiny_model
 from transformers import DynamicCache
 
 from certkv import AdaptiveTopK, CertifiedAttention, Ladder, LocalThreshold
@@ -186,18 +186,57 @@ def test_a_model_on_the_triton_backend_decodes_without_host_reads_like_the_host_
     assert stats_d == stats_h and stats_d.misses > 0
 
 
-def test_batch_above_one_fails_with_one_sentence():
-    _, model = tiny_model()
-    with pytest.raises(CertKVError, match="2 sequences at once are not supported"):
-        model(prompt().repeat(2, 1), past_key_values=TieredCache(2, CertifiedAttention()))
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
+def test_a_left_padded_batch_generates_what_each_prompt_generates_alone(model_type):
+    """Issue 54: ``generate()`` on prompts of 23, 40 and 57 tokens padded on the left gives each
+    the greedy tokens it gets alone, every (sequence, head) of every step within its bound of
+    FP64 attention on its own tokens; the stores hold no padding, and each sequence has its own
+    certificate log."""
+    _, model = tiny_model(model_type)
+    prompts = [prompt(n, seed=n)[0] for n in (40, 23, 57)]
+    ids, mask = left_padded(prompts)
+    checker = ContractChecker(CertifiedAttention())
+    cache = TieredCache(2, checker)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                         pad_token_id=0, **cache_kwargs(model, cache))
+    for b, p in enumerate(prompts):
+        alone = model.generate(p[None], max_new_tokens=8, do_sample=False, pad_token_id=0,
+                               **cache_kwargs(model, TieredCache(2, CertifiedAttention())))
+        assert torch.equal(out[b, ids.shape[1]:], alone[0, len(p):]), b
+    assert [s.num_tokens for s in cache.layers[0].stores] == [len(p) + 7 for p in prompts]
+    assert checker.head_steps == 7 * 2 * 3 * 4  # steps x layers x sequences x heads
+    cache.telemetry()
+    logs = cache.sequence_logs(3)
+    assert all(len(log.steps) == 7 for log in logs) and len(cache.log.steps) == 7
+    assert cache.log.steps[0]["heads"] == 3 * 2 * 4
 
 
-def test_beam_search_names_beams():
-    """generate(num_beams=2) on one prompt decodes a batch of 2 beams: the sentence says so."""
+def test_num_return_sequences_samples_a_batch_of_independent_sequences():
     _, model = tiny_model()
-    with pytest.raises(CertKVError, match=r"num_beams=2 .*num_beams=1"):
-        model.generate(prompt(), max_new_tokens=3, num_beams=2, do_sample=False,
-                       past_key_values=TieredCache(2, CertifiedAttention()))
+    cache = TieredCache(2, ContractChecker(CertifiedAttention()))
+    torch.manual_seed(0)
+    out = model.generate(prompt(), max_new_tokens=6, do_sample=True, num_return_sequences=3,
+                         pad_token_id=0, **cache_kwargs(model, cache))
+    assert out.shape == (3, 46)
+    assert len(cache.layers[0].stores) == 3 and cache.layers[0].stores[0].num_tokens == 45
+
+
+def test_a_batch_padded_on_the_right_is_refused_naming_the_fix():
+    _, model = tiny_model()
+    ids, mask = left_padded([prompt(30)[0], prompt(20)[0]])
+    ids, mask = ids.flip(1), mask.flip(1)  # padding now on the right
+    with pytest.raises(CertKVError, match=r"padded on the left \(tokenizer.padding_side = "), \
+            torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=TieredCache(2, CertifiedAttention()))
+
+
+def test_a_batch_cache_refuses_the_one_sequence_store_view_naming_the_fix():
+    _, model = tiny_model()
+    cache = TieredCache(2, CertifiedAttention())
+    with torch.no_grad():
+        model(prompt().repeat(2, 1), past_key_values=cache)
+    with pytest.raises(CertKVError, match=r"use layer\.stores"):
+        _ = cache.layers[0].store
 
 
 def test_without_a_tiered_cache_the_model_runs_its_own_sdpa():
