@@ -178,6 +178,10 @@ def bench_decode(
     graphs: Annotated[str, typer.Option(
         help="on: capture each whole certified decode step in a CUDA graph and replay it "
              "until the cache's buffers grow (CUDA only); off")] = "off",
+    batch: Annotated[list[int] | None, typer.Option(
+        help="batch sizes (repeat: --batch 1 --batch 8): tokens/s of dense, naive and "
+             "certified for batches of sequences of N to 3N/4 tokens, memory per sequence "
+             "(writes decode_batch_<model>_<device>)")] = None,
 ) -> None:
     """Whole-model decode step, dense vs certified, Table 16 phase shares: the model's real
     weights on a book's text where installed (attention as in use), else random weights.
@@ -206,6 +210,10 @@ def bench_decode(
                    "bfloat16": torch.bfloat16}.get(dtype)
     if torch_dtype is None:
         _fail(f"--dtype {dtype!r} is unknown; use auto, float32, float16 or bfloat16.")
+    if batch:
+        _bench_batches(model, contexts, batch, dev, repeats=repeats, dtype=torch_dtype, out=out,
+                       force=force, weights=weights)
+        return
     report = bench.BenchReport(f"decode_{model}_{dev.type}", _command(), out, force)
     with _user_errors():
         report.check()
@@ -216,4 +224,27 @@ def bench_decode(
     tables, notes = bench.decode_tables(records), bench.decode_notes(records)
     path = report.write(records, bench.markdown(tables, notes),
                         lambda p: bench.plot_decode(records, p))
+    bench.show(tables, notes, path)
+
+
+def _bench_batches(model, contexts, batches, dev, *, repeats, dtype, out, force,
+                   weights) -> None:
+    """``bench decode --batch``: throughput of batches (:mod:`certkv.bench.batch`)."""
+    from certkv import bench
+    from certkv.bench import batch as batching
+
+    if min(batches) < 1:
+        _fail("--batch takes positive batch sizes, e.g. --batch 1 --batch 8.")
+    report = bench.BenchReport(f"decode_batch_{model}_{dev.type}", _command(), out, force)
+    with _user_errors():
+        report.check()
+    with bench.progress(len(contexts) * len(batches), "bench decode --batch") as update, \
+            _user_errors():
+        records = batching.bench_batches(model, contexts, sorted(set(batches)), dev, repeats,
+                                         dtype, update=update, weights=weights)
+    tables = batching.batch_tables(records)
+    notes = bench.spread_warnings([{"short_label": f"N={r['context']} B={r['batch']}",
+                                    "ms_stats": r["ms_stats"]} for r in records])
+    path = report.write(records, bench.markdown(tables, notes),
+                        lambda p: batching.plot_batches(records, p))
     bench.show(tables, notes, path)
