@@ -393,3 +393,31 @@ def test_bench_codecs_counts_every_byte_and_writes_report(tmp_path):
     text = (tmp_path / "codecs_cpu.md").read_text()
     assert "| tiers-rotation | archive-rotation |" in text
     assert (tmp_path / "codecs_cpu.png").exists()
+
+
+def test_bench_decode_batch_writes_throughput_and_memory_per_sequence(tmp_path, monkeypatch):
+    """``bench decode --batch``: every (context, batch) row has each method's step times and
+    tokens/s over the batch, the speedup against the batch of one, and the certified cache's
+    bytes per sequence (sequences of N to 3N/4 tokens: less than a batch of N-token ones)."""
+    calls: list = []
+    monkeypatch.setattr(bench, "progress", _recording_progress(calls))
+    result = runner.invoke(app, ["bench", "decode", "--context", "64", "--batch", "1",
+                                 "--batch", "3", "--repeats", "2", "--device", "cpu", "--out",
+                                 str(tmp_path), "--weights", "random"], env={"COLUMNS": "100"})
+    assert result.exit_code == 0, result.output
+    assert max(map(len, result.output.splitlines())) <= 100
+    rows = json.loads((tmp_path / "decode_batch_smollm2_135m_cpu.json").read_text())["records"]
+    one, three = rows
+    assert (one["batch"], three["batch"]) == (1, 3) and calls[0] == ("total", 2)
+    for row in rows:
+        assert_ordered(row["ms_stats"], runs=2)
+        for mode in ("dense", "naive", "certified"):
+            assert row["tokens_per_s"][mode] == pytest.approx(
+                1e3 * row["batch"] / row["ms"][mode])
+    assert one["speedup"]["certified"] == 1.0
+    assert three["speedup"]["dense"] == pytest.approx(
+        three["tokens_per_s"]["dense"] / one["tokens_per_s"]["dense"])
+    assert three["bytes_per_sequence"]["dense"] < one["bytes_per_sequence"]["dense"]
+    report = (tmp_path / "decode_batch_smollm2_135m_cpu.md").read_text()
+    assert "| N | B | dense | naive | certified | c/d | xB1 |" in report
+    assert (tmp_path / "decode_batch_smollm2_135m_cpu.png").stat().st_size > 0

@@ -107,9 +107,9 @@ class Residency:
 
     def observe(self, certificate) -> None:
         """Feed a decode step's certificate to the tracker and the eviction policy (if any)."""
-        require(certificate is not None, ConfigError,
-                f"store.observe takes the Certificate a step returned, not {certificate!r}; "
-                "pass `cert` from `out, cert = attention(q, store)`.")
+        require(certificate is not None, ConfigError,  # (no f-string: a repr every step)
+                "store.observe takes the Certificate a step returned, not None; pass `cert` "
+                "from `out, cert = attention(q, store)`.")
         if self._tracker is not None:
             self._tracker.observe(certificate)
         if self._evictor is not None:

@@ -10,6 +10,7 @@ and layer, :meth:`~certkv.attention.CertifiedAttention.batch`; padding never ent
 
 from __future__ import annotations
 
+import os
 import weakref
 from dataclasses import dataclass, field
 
@@ -30,6 +31,21 @@ _BEAMS = ("beam search (generate() with num_beams > 1) reorders the cache's sequ
           "and num_return_sequences work).")
 _ONE_SEQUENCE = ("{what} holds one sequence's stores; this cache decodes a batch of {n}: use "
                  "layer.stores (one per sequence), or decode one sequence per cache.")
+
+
+# bytes a cache keeps per FP16 key or value element, an upper estimate: Tier-1 (at most the
+# FP16 size), Tier-2 (FP16) and a CPU store's decoded mirror (FP32)
+BYTES_PER_ELEMENT = 2 + 2 + 4
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Bytes free now on ``device`` (a CPU: the host's available memory), None where unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 @dataclass
@@ -120,7 +136,9 @@ class TieredLayer(DynamicLayer):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
-        batch, hkv, _, d = key_states.shape
+        batch, hkv, tokens, d = key_states.shape
+        if batch > 1 and self.layer_idx == 0:  # before any layer allocates
+            self.cache.check_memory(batch, hkv * tokens * d, key_states.device)
         self.stores = [self._new_store(hkv, d, key_states.device) for _ in range(batch)]
         self.scratches = [self.scratches[0], *(self._new_scratch() for _ in range(batch - 1))]
         self.is_initialized = True
@@ -321,6 +339,18 @@ class TieredCache(Cache):
     def stores(self) -> list[TieredKVStore]:
         """Every layer's stores (a batch's: every sequence's, layer by layer)."""
         return [store for layer in self.layers for store in layer.stores]
+
+    def check_memory(self, batch: int, elements: int, device: torch.device) -> None:
+        """Before a batch's prefill allocates: its caches (every layer: Tier-1 codes,
+        annotations, Tier-2 FP16 originals and a CPU store's decoded mirror, estimated at
+        :data:`BYTES_PER_ELEMENT` bytes per key or value element of the prompt) must fit the
+        memory free now, or the batch is refused in one sentence before anything is lost."""
+        need = BYTES_PER_ELEMENT * 2 * elements * batch * len(self.layers)
+        free = free_memory(device)
+        require(free is None or need <= free, CertKVError,
+                f"a batch of {batch} prompts needs about {need / 2**30:.1f} GiB for its caches "
+                f"but {free / 2**30:.1f} GiB are free on {device}; decode a smaller batch (or "
+                "shorter prompts).")
 
     def sequence_logs(self, batch: int) -> list[CertificateLog]:
         """One certificate log per sequence of a batch (made at its first step); the cache's

@@ -230,6 +230,19 @@ def test_a_batch_padded_on_the_right_is_refused_naming_the_fix():
         model(ids, attention_mask=mask, past_key_values=TieredCache(2, CertifiedAttention()))
 
 
+def test_a_batch_too_large_for_memory_is_refused_before_it_allocates(monkeypatch):
+    from certkv.models import hf_cache
+
+    _, model = tiny_model()
+    cache = TieredCache(2, CertifiedAttention())
+    monkeypatch.setattr(hf_cache, "free_memory", lambda device: 10_000)
+    with pytest.raises(CertKVError, match=r"^a batch of 4 prompts needs about .* GiB for its "
+                                          r"caches but .* decode a smaller batch"), \
+            torch.no_grad():
+        model(prompt().repeat(4, 1), past_key_values=cache)
+    assert cache.stores() == []  # nothing was allocated
+
+
 def test_a_batch_cache_refuses_the_one_sequence_store_view_naming_the_fix():
     _, model = tiny_model()
     cache = TieredCache(2, CertifiedAttention())

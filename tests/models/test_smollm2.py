@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from helpers.models import ContractChecker
+from helpers.models import ContractChecker, left_padded
 from transformers import DynamicCache
 
 from certkv import AdaptiveTopK, CertifiedAttention, LocalThreshold
@@ -113,3 +113,20 @@ def test_results_do_not_depend_on_where_the_weights_lie(lm, book_prompt):
     assert all(p.data_ptr() % 64 == 0 for p in moved.parameters())
     assert moved.lm_head.weight is moved.model.embed_tokens.weight  # still tied
     assert torch.equal(_decode_logits(moved, book_prompt), _decode_logits(lm.model, book_prompt))
+
+
+def test_a_batch_of_four_prompts_generates_what_each_generates_alone(lm, books):
+    """Issue 54: four book prompts of 64-450 tokens, padded on the left, decoded as one batch
+    (greedy, certified) give each prompt the tokens it gets decoded alone."""
+    ids = lm.tokenizer.encode(book_text("emma"), add_special_tokens=False)
+    prompts = [torch.tensor(ids[s:s + n]) for s, n in ((5000, 300), (9000, 120), (12000, 450),
+                                                       (20000, 64))]
+    pad = lm.tokenizer.pad_token_id or 0
+    batch, mask = left_padded(prompts, pad)
+    cache = TieredCache(lm.num_layers, CertifiedAttention())
+    with torch.no_grad():
+        out = lm.model.generate(batch, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                                pad_token_id=pad, **cache_kwargs(lm.model, cache))
+    for b, p in enumerate(prompts):
+        alone, _, _ = generate(lm, p[None], CertifiedAttention(), 8)
+        assert torch.equal(out[b, batch.shape[1]:], alone[0, len(p):]), b
