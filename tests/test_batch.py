@@ -89,7 +89,7 @@ def run_batch(sc) -> None:
 
 @pytest.mark.parametrize("backend", ["torch", "numba"])
 def test_every_sequence_of_a_batch_keeps_the_contract_and_its_own_result(backend):
-    @settings(max_examples=examples(8), suppress_health_check=[HealthCheck.too_slow],
+    @settings(max_examples=examples(5), suppress_health_check=[HealthCheck.too_slow],
               deadline=None)
     @given(sc=batches(backend, longest=1000))
     def contract(sc):
@@ -98,7 +98,7 @@ def test_every_sequence_of_a_batch_keeps_the_contract_and_its_own_result(backend
 
 
 def test_every_sequence_of_a_batch_keeps_the_contract_on_the_triton_kernels():
-    @settings(max_examples=examples(3), suppress_health_check=[HealthCheck.too_slow],
+    @settings(max_examples=examples(2), suppress_health_check=[HealthCheck.too_slow],
               deadline=None)
     @given(sc=batches("triton", longest=240))
     def contract(sc):
