@@ -39,9 +39,17 @@ BYTES_PER_ELEMENT = 2 + 2 + 4
 
 
 def free_memory(device: torch.device) -> int | None:
-    """Bytes free now on ``device`` (a CPU: the host's available memory), None where unknown."""
+    """Bytes free now on ``device`` (a CPU: the host's available memory, page cache the kernel
+    would reclaim included: ``MemAvailable``), None where unknown."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import os
 import warnings
 
 import pytest
@@ -241,6 +242,13 @@ def test_a_batch_too_large_for_memory_is_refused_before_it_allocates(monkeypatch
             torch.no_grad():
         model(prompt().repeat(4, 1), past_key_values=cache)
     assert cache.stores() == []  # nothing was allocated
+
+
+def test_free_memory_counts_what_the_host_could_hand_out():
+    from certkv.models.hf_cache import free_memory
+
+    free = free_memory(torch.device("cpu"))
+    assert free is None or 0 < free <= os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def test_a_batch_cache_refuses_the_one_sequence_store_view_naming_the_fix():
