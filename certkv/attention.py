@@ -33,7 +33,7 @@ from certkv.certify.values import LocalThreshold
 from certkv.errors import ConfigError, EmptyStoreError, NonFiniteError, ShapeError, require
 from certkv.kernels.dispatch import get_backend
 from certkv.kernels.layout import StepLayout
-from certkv.step import NONFINITE_Q, QuantizedStep, takes_empty_tail
+from certkv.step import NONFINITE_Q, QuantizedStep
 from certkv.timing import PhaseTimer
 
 MODES = ("certified", "naive", "dense")
@@ -188,7 +188,7 @@ class CertifiedAttention(QuantizedStep):
             return None
         known = self._empty_tail.get(store)
         if known is None or known[0] != signature:  # which precisions the kernels read changed
-            known = signature, takes_empty_tail(self.backend, StepLayout(store, read=False))
+            known = signature, self.backend.takes_empty_tail(StepLayout(store, read=False))
             self._empty_tail[store] = known
         takes_empty = known[1]
         padded = self.pad_layout and takes_empty

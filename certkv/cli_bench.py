@@ -20,6 +20,18 @@ bench_app = typer.Typer(no_args_is_help=True, help=(
     "already there unless --force."))
 
 
+def _out_option(name: str, example: str = "reports/bench"):
+    """Every bench's ``--out`` (its files are ``<name>.md/.json/.png``)."""
+    return typer.Option(help=f"write into this directory (e.g. {example}) instead of a new "
+                             f"runs/bench/{name}-<time>/")
+
+
+def _force_option(name: str):
+    """Every bench's ``--force``."""
+    return typer.Option("--force", help=f"with --out: replace {name}.md/.json/.png already "
+                                        "there")
+
+
 COMPILE_HELP = ("torch.compile the selection/certificate segments: auto (on CUDA; on CPU both "
                 "as numba loops), on, off (PyTorch operators), or a dynamo backend name")
 
@@ -34,12 +46,8 @@ def bench_attention(
     context: Annotated[list[int] | None, typer.Option(
         help="context lengths (default: 4K-128K on GPU, 1K and 4K on CPU)")] = None,
     repeats: int = 20, device: str = "auto",
-    out: Annotated[Path | None, typer.Option(
-        help="write into this directory (e.g. reports/bench) instead of a new "
-             "runs/bench/attention_<device>-<time>/")] = None,
-    force: Annotated[bool, typer.Option(
-        "--force", help="with --out: replace attention_<device>.md/.json/.png already there")]
-    = False,
+    out: Annotated[Path | None, _out_option("attention_<device>")] = None,
+    force: Annotated[bool, _force_option("attention_<device>")] = False,
     compile: Annotated[str, typer.Option(help=COMPILE_HELP)] = "auto",
 ) -> None:
     """One decode step of one layer: dense (FP16 SDPA on GPU, the FP32 path on CPU) vs naive
@@ -77,12 +85,8 @@ def bench_launches(
         help="context lengths (default: 250 and 1000 on CPU, 4104 and 32776 on GPU: a partial "
              "tail block, as in most decode steps)")] = None,
     device: str = "auto",
-    out: Annotated[Path | None, typer.Option(
-        help="write into this directory (e.g. reports/bench) instead of a new "
-             "runs/bench/launches_<device>-<time>/")] = None,
-    force: Annotated[bool, typer.Option(
-        "--force", help="with --out: replace launches_<device>.md/.json/.png already there")]
-    = False,
+    out: Annotated[Path | None, _out_option("launches_<device>")] = None,
+    force: Annotated[bool, _force_option("launches_<device>")] = False,
     compile: Annotated[str, typer.Option(help=COMPILE_HELP)] = "auto",
 ) -> None:
     """What one layer step of the Triton path dispatches (no timing): Triton launches, compiled
@@ -115,12 +119,8 @@ def bench_launches(
 def bench_codecs(
     context: int = 4096, kv_heads: int = 3, head_dim: int = 64, repeats: int = 5,
     device: str = "auto",
-    out: Annotated[Path | None, typer.Option(
-        help="write into this directory (e.g. reports/methods) instead of a new "
-             "runs/bench/codecs_<device>-<time>/")] = None,
-    force: Annotated[bool, typer.Option(
-        "--force", help="with --out: replace codecs_<device>.md/.json/.png already there")]
-    = False,
+    out: Annotated[Path | None, _out_option("codecs_<device>", example="reports/methods")] = None,
+    force: Annotated[bool, _force_option("codecs_<device>")] = False,
     quantizer: Annotated[list[str] | None, typer.Option(
         help="only these conf/quantizer options (repeatable; default: every one)")] = None,
 ) -> None:
@@ -164,12 +164,8 @@ def bench_decode(
     repeats: int = 5, device: str = "auto",
     dtype: Annotated[str, typer.Option(help="model dtype: auto (float16 on CUDA, float32 on "
                                        "CPU), float32, float16, bfloat16")] = "auto",
-    out: Annotated[Path | None, typer.Option(
-        help="write into this directory (e.g. reports/bench) instead of a new "
-             "runs/bench/decode_<model>_<device>-<time>/")] = None,
-    force: Annotated[bool, typer.Option(
-        "--force", help="with --out: replace decode_<model>_<device>.md/.json/.png already "
-                        "there")] = False,
+    out: Annotated[Path | None, _out_option("decode_<model>_<device>")] = None,
+    force: Annotated[bool, _force_option("decode_<model>_<device>")] = False,
     compile: Annotated[str, typer.Option(help=COMPILE_HELP)] = "auto",
     weights: Annotated[str, typer.Option(
         help="auto: the pretrained weights where they are on this machine (SmolLM2 from its "

@@ -271,7 +271,7 @@ class QuantizedStep:
         only when a block completes, and with :attr:`pad_layout` empty blocks up to the store's
         block capacity, so that they change only when its buffers grow (:meth:`graph_layout`)."""
         lay = StepLayout(store)
-        if on_device and takes_empty_tail(self.backend, lay):
+        if on_device and self.backend.takes_empty_tail(lay):
             if self.pad_layout and store.num_blocks:
                 return StepLayout(store, read=False, width=store.block_capacity())
             if not store.tail_len:
@@ -485,11 +485,6 @@ def _record_faults(cert: Certificate, store: TieredKVStore) -> None:
     for name in ("corrected_words", "erased_words", "corrupted_blocks"):
         setattr(cert, name, counts[name])
     cert.faults_covered = store.protection.covers_faults
-
-
-def takes_empty_tail(backend, lay: StepLayout) -> bool:
-    """Whether ``backend``'s phases take a tail block with no token (the Triton kernels')."""
-    return backend.takes_empty_tail(lay)
 
 
 def _counted_tokens(lay: StepLayout, on_device: bool) -> int:

@@ -33,8 +33,7 @@ from certkv.certify.bounds import (
 )
 from certkv.certify.certificate import BlockStats, Certificate
 from certkv.certify.segment import CertifyInputs, CertifyOutputs
-
-NEG_INF = float("-inf")
+from certkv.certify.step_select import NEG_INF
 
 
 def certify_step(policy, x: CertifyInputs, spec: ArithSpec, coef) -> CertifyOutputs:
