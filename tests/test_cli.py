@@ -54,8 +54,8 @@ def test_rerun_resumes_instead_of_recomputing(out, monkeypatch):
     certs = (run_dir / "certificates.jsonl").read_text().splitlines()
     (run_dir / "certificates.jsonl").write_text("\n".join(certs[:2]) + "\n")
     calls = []
-    original = runner_module._run_one
-    monkeypatch.setattr(runner_module, "_run_one",
+    original = runner_module._record
+    monkeypatch.setattr(runner_module, "_record",
                         lambda *a, **k: calls.append(a[3].name) or original(*a, **k))
     assert run(*TINY, f"out_dir={out}").exit_code == 0
     assert len(calls) == 4  # only the missing (task, sample, variant) records
@@ -89,8 +89,8 @@ def test_a_rerun_with_changed_settings_refuses_and_an_added_variant_resumes(out,
         rows = [x for x in (run_dir / name).read_text().splitlines() if '"certified"' not in x]
         (run_dir / name).write_text("\n".join(rows) + "\n")
     calls = []
-    original = runner_module._run_one
-    monkeypatch.setattr(runner_module, "_run_one",
+    original = runner_module._record
+    monkeypatch.setattr(runner_module, "_record",
                         lambda *a, **k: calls.append(a[3].name) or original(*a, **k))
     assert run(*TINY, f"out_dir={out}").exit_code == 0
     assert calls == ["certified", "certified"]

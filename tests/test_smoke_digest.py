@@ -1,7 +1,7 @@
-"""Refactoring changes no number (issue 53): the tiny smoke run (SmolLM2 offline: perplexity
-and NIAH, dense, naive and certified) gives exactly the generations, losses and certificate
-summaries pinned here. A change that means to move them updates :data:`PINNED` and says why
-in its commit."""
+"""Refactoring changes no number (issue 53): the tiny smoke run (perplexity and NIAH, dense,
+naive and certified) gives exactly the generations, losses and certificate summaries pinned
+here, one sequence at a time and in its default batches (issue 54). A change that means to move
+them updates :data:`PINNED` and says why in its commit."""
 
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ import pytest
 # run on one thread (CPU reductions, and so the last bits, depend on the thread count; the
 # same digest at 8d196de, before issue 53's refactoring)
 PINNED = "01a4299641d51995"
-TIMINGS = ("ms_per_step",)
+PINNED_BATCHED = "a500e4a2aeb5b84a"  # the default task.*.batch_size=4: NIAH's 2 trials at once
+ONE_AT_A_TIME = ["task.perplexity.batch_size=1", "task.niah.batch_size=1"]
+TIMINGS = ("ms_per_step", "batch_size")  # how fast, not what
 ONE_THREAD = {name: "1" for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")}
 
 
@@ -31,13 +33,34 @@ def digest(run) -> str:
     return h.hexdigest()[:16]
 
 
-@pytest.mark.slow
-def test_the_tiny_run_gives_the_pinned_generations_and_certificates(tmp_path):
+def tiny_run(out, *overrides):
     done = subprocess.run([sys.executable, "-m", "certkv.cli", "run", "+experiment=tiny",
-                           "threads=1", f"out_dir={tmp_path}"], env={**os.environ, **ONE_THREAD},
-                          capture_output=True, text=True)
+                           "threads=1", f"out_dir={out}", *overrides],
+                          env={**os.environ, **ONE_THREAD}, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
-    (run,) = {p.parent for p in tmp_path.rglob("samples.jsonl")}
-    records = (run / "samples.jsonl").read_text().splitlines()
-    assert len(records) == 9 and all("ms_per_step" in json.loads(r) for r in records)
-    assert digest(run) == PINNED
+    (run,) = {p.parent for p in out.rglob("samples.jsonl")}
+    return run
+
+
+def records(run) -> list[dict]:
+    return [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_the_tiny_run_gives_the_pinned_generations_and_certificates_alone_and_batched(tmp_path):
+    alone, batched = tiny_run(tmp_path / "alone", *ONE_AT_A_TIME), tiny_run(tmp_path / "batched")
+    assert len(records(alone)) == 9 and all("ms_per_step" in r for r in records(alone))
+    assert digest(alone) == PINNED
+    assert digest(batched) == PINNED_BATCHED
+    # a batch changes the model's matrix products in their last bits, never what a record says
+    # (records come variant by variant within a batch: matched by their key)
+    key = lambda r: (r["task"], r["sample"], r["variant"])  # noqa: E731
+    by_key = {key(r): r for r in records(batched)}
+    assert set(by_key) == {key(r) for r in records(alone)}
+    for one in records(alone):
+        many = by_key[key(one)]
+        assert (one["batch_size"], many["batch_size"]) == (1, 4)
+        if one["task"] == "niah":
+            assert (one["generated"], one["retrieved"]) == (many["generated"], many["retrieved"])
+        else:
+            assert many["nll"] == pytest.approx(one["nll"], rel=1e-4)

@@ -70,3 +70,23 @@ def check_budget(name: str, quantizer, num_kv_heads: int, head_dim: int, tokens:
             f"this run's {tokens}-token prompts (variant {name!r}: the blocks it never evicts "
             f"and the summaries of the others take {need:.3f} of the dense bytes); use "
             f"evict.budget={works:g} or more, or a policy that protects fewer tokens.")
+
+
+def check_batch_memory(task: str, batch_size: int, lm, tokens: int) -> None:
+    """Refuse (one sentence) a batch of ``batch_size`` samples of ``tokens`` tokens whose
+    prefills and caches would not fit the memory free now, before any is made: each sequence
+    holds its dense prefill (the model's dtype) and about two certkv caches (a quantized
+    template and the decoding copy, :data:`~certkv.models.hf_cache.BYTES_PER_ELEMENT` bytes per
+    element each)."""
+    from certkv.models.hf_cache import BYTES_PER_ELEMENT, free_memory
+
+    if batch_size <= 1:
+        return
+    elements = 2 * lm.num_layers * lm.num_kv_heads * lm.head_dim * tokens
+    itemsize = torch.finfo(lm.model.dtype).bits // 8
+    need = batch_size * elements * (itemsize + 2 * BYTES_PER_ELEMENT)
+    free = free_memory(lm.device)
+    require(free is None or need <= free, ConfigError,
+            f"task.{task}.batch_size={batch_size} needs about {need / 2**30:.1f} GiB for "
+            f"{batch_size} sequences of {tokens} tokens but {free / 2**30:.1f} GiB are free; "
+            f"lower task.{task}.batch_size.")

@@ -23,8 +23,9 @@ from omegaconf import DictConfig, OmegaConf
 from certkv.attention import MODES, CertifiedAttention
 from certkv.config import check_types
 from certkv.errors import CertKVError, ConfigError, require
+from certkv.eval.batch import answer_all
 from certkv.eval.decode import Method, Prefill
-from certkv.eval.feasible import check_budget
+from certkv.eval.feasible import check_batch_memory, check_budget
 from certkv.eval.progress import RunProgress, announce_compile
 from certkv.eval.results import RunDir, read_jsonl
 from certkv.files import exclusive_dir
@@ -35,6 +36,8 @@ from certkv.provenance import environment
 
 COMPONENTS = ("quantizer", "selector", "value_policy", "ladder", "protect", "evict")
 COUNT_FIELDS = ("slices", "trials", "windows")  # more or fewer samples of the same kind
+# a task's settings that change how fast its records come, never what they hold
+SPEED_FIELDS = ("batch_size",)
 Variant = Method  # a run's variants are protocol methods built from the config
 
 
@@ -162,7 +165,8 @@ def record_settings(cfg: DictConfig) -> dict[str, object]:
 
     out = {name: plain(cfg.get(name)) for name in ("model", "seed", "backend", "cache")}
     for name, node in cfg.task.items():
-        out[f"task:{name}"] = {k: v for k, v in plain(node).items() if k not in COUNT_FIELDS}
+        out[f"task:{name}"] = {k: v for k, v in plain(node).items()
+                               if k not in COUNT_FIELDS + SPEED_FIELDS}
     for entry in cfg.variants:
         mode = entry.get("mode", "certified")
         out[f"variant:{entry.name}"] = {"mode": mode} if mode == "dense" else {"mode": mode, **{
@@ -242,6 +246,10 @@ def _run_validated(cfg: DictConfig, built: Experiment, out_dir: str, progress: b
     shortest = min((len(s.prefix) for _, s in plan), default=0)
     for variant in variants:
         check_budget(variant.name, variant.quantizer, lm.num_kv_heads, lm.head_dim, shortest)
+    for task in tasks:  # a batch too large for memory: refused before anything is written
+        lengths = [len(s.prefix) for t, s in plan if t is task]
+        if min(batch_size(task, cfg), len(lengths)) > 1:
+            check_batch_memory(task.name, batch_size(task, cfg), lm, max(lengths))
     run = RunDir(out_dir)
     run.write_config(OmegaConf.to_yaml(cfg, resolve=True))
     planned = len(plan) * len(variants)
@@ -260,32 +268,79 @@ def _run_validated(cfg: DictConfig, built: Experiment, out_dir: str, progress: b
     if progress and any(v.mode != "dense" for v in variants) and lm.device.type == "cpu":
         announce_compile()
     with RunProgress(planned, enabled=progress) as shown:
-        for task, sample in plan:
-            todo = [v for v in variants if not run.done(task.name, sample.index, v.name)]
-            shown.skip(len(variants) - len(todo))
-            if not todo:
-                continue
-            shared = Prefill(lm, sample.prefix, prompt_window(variants))
-            for variant in todo:
-                shown.start(f"{task.name} #{sample.index} {variant.name}")
-                _run_one(run, task, sample, variant, shared, spec, shown.step)
-                progress_meta()
-                shown.finish()
+        for task in tasks:
+            samples = [s for t, s in plan if t is task]
+            size = batch_size(task, cfg)
+            for start in range(0, len(samples), size):
+                group = Group(task, samples[start : start + size], size)
+                _run_group(run, group, variants, Prefills(lm, spec), shown, progress_meta)
     summary = summarize(run.samples, run.certificates, tasks, variants, cfg)
     run.write_summary(summary)
     progress_meta()
     return summary
 
 
-def _run_one(run: RunDir, task, sample, variant: Method, shared: Prefill,
-             spec: CacheSpec, on_step=None) -> None:
-    session = shared.session(variant, spec)
-    session.on_step = on_step
-    metrics = task.evaluate(session, sample)
+def batch_size(task, cfg: DictConfig) -> int:
+    """The sequences ``task`` decodes at once: its ``batch_size``, 1 with ``graphs=true``
+    (a CUDA graph captures one sequence's step)."""
+    return 1 if cfg.get("graphs", False) else task.batch_size
+
+
+@dataclass
+class Group:
+    """Samples of one task whose requests decode together, ``size`` sequences at a time."""
+
+    task: object
+    samples: list
+    size: int
+
+
+@dataclass
+class Prefills:
+    """What every group's prefills need: the model and the cache settings."""
+
+    lm: object
+    spec: CacheSpec
+
+
+def _run_group(run: RunDir, group: Group, variants: list[Method], prefills: Prefills, shown,
+               on_record) -> None:
+    """Record every variant's results on ``group``'s samples not yet recorded: each sample
+    prefilled once (dense, shared by the variants), each variant's requests decoded in
+    batches (:func:`~certkv.eval.batch.answer_all`)."""
+    task = group.task
+    todo = {v.name: [s for s in group.samples if not run.done(task.name, s.index, v.name)]
+            for v in variants}
+    shown.skip(sum(len(group.samples) - len(t) for t in todo.values()))
+    needed = {s.index for t in todo.values() for s in t}
+    lm = prefills.lm
+    shared = {s.index: Prefill(lm, s.prefix, prompt_window(variants))
+              for s in group.samples if s.index in needed}
+    for variant in variants:
+        samples = todo[variant.name]
+        if not samples:
+            continue
+        numbers = f"#{samples[0].index}" + (f"-{samples[-1].index}" if len(samples) > 1 else "")
+        shown.start(f"{task.name} {numbers} {variant.name}")
+        sessions = [shared[s.index].session(variant, prefills.spec) for s in samples]
+        asked = [task.requests(session, s) for session, s in zip(sessions, samples, strict=True)]
+        for session in sessions:
+            session.on_step = shown.step
+        answers = iter(answer_all([r for rs in asked for r in rs], group.size))
+        for session, sample, requests in zip(sessions, samples, asked, strict=True):
+            metrics = task.score(sample, [next(answers) for _ in requests], lm.tokenizer)
+            _record(run, task, sample, variant, session, metrics, group.size, prefills.spec)
+            on_record()
+            shown.finish()
+
+
+def _record(run: RunDir, task, sample, variant: Method, session, metrics: dict,
+            size: int, spec: CacheSpec) -> None:
+    """Write one sample's record, its certificate record and (``records=full``) its heads."""
     key = {"task": task.name, "sample": sample.index, "variant": variant.name}
     ms = session.step_ms
     record = {**key, "mode": variant.mode, **metrics, **sample.meta, "decode_steps": len(ms),
-              "ms_per_step": statistics.median(ms) if ms else 0.0}
+              "ms_per_step": statistics.median(ms) if ms else 0.0, "batch_size": size}
     heads = None
     if spec.records == "full":
         heads = [{**key, **h} for t in session.telemetry() for h in t.log.heads]

@@ -9,9 +9,11 @@
 
 Each task turns a tokenizer into samples; every sample is prefilled once with dense attention
 (paper 8), then each method decodes from the last prompt token on its own copy of the cache, so
-the first predicted token already comes from the method under test. ``evaluate`` receives the
-method's :class:`~certkv.eval.decode.Session` and asks it for decoders (one per question).
-Every generation is greedy and stops at end-of-sequence or the task's answer budget.
+the first predicted token already comes from the method under test. A task says what a sample
+asks a method (``requests``: one :class:`~certkv.eval.batch.Request` per question, on the
+method's :class:`~certkv.eval.decode.Session`) and how the answers score (``score``); the runner
+decodes ``batch_size`` requests at a time (:func:`~certkv.eval.batch.answer_all`). Every
+generation is greedy and stops at end-of-sequence or the task's answer budget.
 """
 
 from __future__ import annotations
@@ -21,12 +23,12 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from certkv.errors import CertKVError, require
 from certkv.eval import ruler
+from certkv.eval.batch import Answer, Request, answer_all
 from certkv.eval.corpora import book_text, corpus_windows, encode
-from certkv.eval.niah import make_multi_needle_trials, make_trials, score
+from certkv.eval.niah import make_multi_needle_trials, make_trials
+from certkv.eval.niah import score as retrieved
 from certkv.registry import TASKS
 
 
@@ -44,6 +46,26 @@ class Sample:
     payload: Any = None
 
 
+BATCH_SIZE = 4  # sequences decoded at once by default: see docs/experiments.md, "Batches"
+
+
+def _check_batch_size(task) -> None:
+    require(isinstance(task.batch_size, int) and task.batch_size > 0, CertKVError,
+            f"task.{task.name}.batch_size={task.batch_size!r} must be a positive number of "
+            f"sequences decoded at once; e.g. task.{task.name}.batch_size=1.")
+
+
+class Task:
+    """What every task shares: :meth:`evaluate` one sample alone, from the task's
+    ``requests`` (the questions a sample asks a method) and ``score`` (its record from the
+    answers); the runner answers many samples' requests in batches of ``batch_size``."""
+
+    def evaluate(self, session, sample: Sample) -> dict:
+        """The record of ``sample`` for the method of ``session``, decoded alone."""
+        answers = answer_all(self.requests(session, sample))
+        return self.score(sample, answers, session.prefill.lm.tokenizer)
+
+
 def _check_context(context: int, max_context: int, task: str) -> None:
     require(0 < context <= max_context, CertKVError,
             f"{task} context {context} must lie in [1, {max_context}] (the model's context); "
@@ -52,7 +74,7 @@ def _check_context(context: int, max_context: int, task: str) -> None:
 
 @TASKS.register("perplexity")
 @dataclass
-class PerplexityTask:
+class PerplexityTask(Task):
     """Teacher-forced perplexity, the paper's PG-19 protocol: ``windows`` non-overlapping windows
     of ``context`` tokens from ``corpus``; the first ``context - decode_tokens`` tokens of a
     window are prefilled densely and every later token is predicted by a decode step of the
@@ -67,6 +89,10 @@ class PerplexityTask:
     decode_tokens: int | None = None
     windows: int = 20
     name: str = "perplexity"
+    batch_size: int = BATCH_SIZE
+
+    def __post_init__(self) -> None:
+        _check_batch_size(self)
 
     def samples(self, tokenizer, max_context: int) -> list[Sample]:
         _check_context(self.context, max_context, self.name)
@@ -79,13 +105,11 @@ class PerplexityTask:
                 for i, (doc, w) in enumerate(corpus_windows(tokenizer, self.corpus,
                                                             self.context, self.windows))]
 
-    def evaluate(self, session, sample: Sample) -> dict:
-        nll, token = 0.0, sample.first
-        with session.decoder() as decoder:
-            for target in sample.target:
-                logits = decoder.step(token)
-                nll -= float(torch.log_softmax(logits, dim=-1)[target])
-                token = target
+    def requests(self, session, sample: Sample) -> list[Request]:
+        return [Request(session, sample.first, target=sample.target)]
+
+    def score(self, sample: Sample, answers: list[Answer], tokenizer) -> dict:
+        nll = -sum(answers[0].logprobs)  # the same sum, term by term, as NLL -= log p
         n = len(sample.target)
         return {"nll": nll, "tokens": n, "ppl": math.exp(nll / n)}
 
@@ -98,7 +122,7 @@ class PerplexityTask:
 
 @TASKS.register("niah")
 @dataclass
-class NeedleTask:
+class NeedleTask(Task):
     """Needle-in-a-haystack retrieval on book text, scored by case-insensitive substring match.
 
     ``needles=10`` (the paper): ten fixed needles per trial at depths 0.0-0.9; each is asked in
@@ -115,8 +139,10 @@ class NeedleTask:
     max_new_tokens: int = 16
     seed: int = 20260416
     name: str = "niah"
+    batch_size: int = BATCH_SIZE
 
     def __post_init__(self) -> None:
+        _check_batch_size(self)
         require(self.needles in (1, 10), CertKVError,
                 f"needles={self.needles} is not supported; use 10 (the paper) or 1.")
 
@@ -148,22 +174,18 @@ class NeedleTask:
                               payload=None))
         return out
 
-    def evaluate(self, session, sample: Sample) -> dict:
+    def requests(self, session, sample: Sample) -> list[Request]:
+        """One request per needle question, each on its own copy of the document."""
         if sample.payload is None:  # one needle, its question ends the prefix
-            questions, answers = [None], [sample.answer]
-        else:
-            questions, answers = sample.payload
-        generated = []
-        for question in questions:
-            with session.decoder() as decoder:  # one document copy alive at a time
-                if question is None:
-                    tokens = decoder.generate(sample.first, self.max_new_tokens)
-                else:
-                    decoder.feed(question[:-1])
-                    tokens = decoder.generate(question[-1], self.max_new_tokens)
-            generated.append(decoder.tokenizer.decode(tokens))
-        found = [score(a, g) for a, g in zip(answers, generated, strict=True)]
-        return {"generated": generated, "answers": list(answers), "retrieved": found,
+            return [Request(session, sample.first, max_new_tokens=self.max_new_tokens)]
+        return [Request(session, question[-1], feed=question[:-1],
+                        max_new_tokens=self.max_new_tokens) for question in sample.payload[0]]
+
+    def score(self, sample: Sample, answers: list[Answer], tokenizer) -> dict:
+        expected = [sample.answer] if sample.payload is None else sample.payload[1]
+        generated = [tokenizer.decode(a.tokens) for a in answers]
+        found = [retrieved(e, g) for e, g in zip(expected, generated, strict=True)]
+        return {"generated": generated, "answers": list(expected), "retrieved": found,
                 "accuracy": sum(found) / len(found), "pass": all(found)}
 
     @staticmethod
@@ -175,7 +197,7 @@ class NeedleTask:
 
 @TASKS.register("ruler")
 @dataclass
-class RulerTask:
+class RulerTask(Task):
     """RULER's synthetic subtasks (:mod:`certkv.eval.ruler`): ``slices`` slices, each one sample
     of every subtask in ``subtasks`` (the paper's seven by default). ``context`` is the whole
     sequence, prompt and the subtask's answer budget (RULER's ``max_seq_length``); the haystack is
@@ -187,8 +209,10 @@ class RulerTask:
     slices: int = 10
     book: str = "emma"
     name: str = "ruler"
+    batch_size: int = BATCH_SIZE
 
     def __post_init__(self) -> None:
+        _check_batch_size(self)
         self.subtasks = tuple(self.subtasks)
         unknown = [s for s in self.subtasks if s not in ruler.SUBTASKS]
         require(not unknown and self.subtasks, CertKVError,
@@ -210,10 +234,12 @@ class RulerTask:
                                   payload=sample))
         return out
 
-    def evaluate(self, session, sample: Sample) -> dict:
+    def requests(self, session, sample: Sample) -> list[Request]:
+        return [Request(session, sample.first, max_new_tokens=sample.payload.max_new_tokens)]
+
+    def score(self, sample: Sample, answers: list[Answer], tokenizer) -> dict:
         rs: ruler.RulerSample = sample.payload
-        with session.decoder() as decoder:
-            text = decoder.tokenizer.decode(decoder.generate(sample.first, rs.max_new_tokens))
+        text = tokenizer.decode(answers[0].tokens)
         value = ruler.score(rs, text)
         return {"generated": text, "answers": list(rs.answers), "score": value,
                 "pass": value == 1.0}

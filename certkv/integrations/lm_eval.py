@@ -52,6 +52,21 @@ MODES = ("dense", "naive", "certified")
 ARGS = ("model", "mode", "experiment", "max_length", "run_dir", "batch_size", "device")
 
 
+def batch_sequences(batch_size: int | str) -> int:
+    """lm-eval's ``batch_size`` as the sequences certkv decodes at once: a positive number, or
+    ``auto`` (``auto:N``), which takes the evaluation runner's default
+    (:data:`certkv.eval.tasks.BATCH_SIZE`)."""
+    from certkv.eval.tasks import BATCH_SIZE
+
+    text = str(batch_size).strip()
+    if text.startswith("auto"):
+        return BATCH_SIZE
+    require(text.isdigit() and int(text) > 0, ConfigError,
+            f"batch_size={batch_size!r} must be a positive number of sequences or auto; e.g. "
+            "--batch_size 4.")
+    return int(text)
+
+
 def method_config(model: str = "smollm2_135m", mode: str = "certified",
                   experiment: str | None = None, overrides: dict | None = None):
     """``(config, built components)`` of one certkv method, composed and every component
@@ -136,6 +151,7 @@ class CertKVLM(TemplateLM):
         self.run_dir = Path(run_dir or Path("runs") / "lm_eval" / run_name(
             cfg.model.name, mode, {k: v for k, v in args.items() if v is not None}))
         self.started = time.strftime("%Y-%m-%dT%H-%M-%S")  # names this evaluation's file
+        self.batch_size = batch_sequences(batch_size)
         self.records: list[dict] = []
         self._prefill = None  # the last context's dense prefill (a multiple-choice doc's
         # requests share one context: prefilled once, each choice decodes its own copy)
@@ -166,8 +182,10 @@ class CertKVLM(TemplateLM):
         return self.tokenizer.decode(tokens)
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
-        out = [self._score(context, continuation) for _, context, continuation
-               in _progress(requests, "certkv loglikelihood", disable_tqdm)]
+        out = []
+        for chunk in self._batches(requests, "certkv loglikelihood", disable_tqdm):
+            asked = [self._scoring(context, continuation) for _, context, continuation in chunk]
+            out += [(sum(answer.logprobs), answer.greedy) for answer in self._answer(asked)]
         self._save()
         for (key, _, _), result in zip(requests, out, strict=True):
             self.cache_hook.add_partial("loglikelihood", key, result)
@@ -175,60 +193,82 @@ class CertKVLM(TemplateLM):
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         results = []
-        for (string,) in _progress([r.args for r in requests], "certkv rolling loglikelihood",
+        for chunk in self._batches([r.args for r in requests], "certkv rolling loglikelihood",
                                    disable_tqdm):
-            windows = get_rolling_token_windows(self.tok_encode(string), self.prefix_token_id,
-                                                self.max_length, 1)
-            total = sum(self._score(*make_disjoint_window(w))[0] for w in windows)
-            self.cache_hook.add_partial("loglikelihood_rolling", (string,), total)
-            results.append(total)
+            windows = [[self._scoring(*make_disjoint_window(w)) for w in
+                        get_rolling_token_windows(self.tok_encode(string), self.prefix_token_id,
+                                                  self.max_length, 1)]
+                       for (string,) in chunk]
+            answers = iter(self._answer([w for ws in windows for w in ws]))
+            for (string,), ws in zip(chunk, windows, strict=True):
+                total = sum(sum(next(answers).logprobs) for _ in ws)
+                self.cache_hook.add_partial("loglikelihood_rolling", (string,), total)
+                results.append(total)
         self._save()
         return results
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         results = []
-        for context, gen_kwargs in _progress([r.args for r in requests], "certkv generate_until",
-                                             disable_tqdm):
-            text = self._generate(context, dict(gen_kwargs))
-            self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
-            results.append(text)
+        for chunk in self._batches([r.args for r in requests], "certkv generate_until",
+                                   disable_tqdm):
+            asked = [self._generation(context, dict(gen_kwargs)) for context, gen_kwargs in chunk]
+            answers = self._answer([request for request, _ in asked])
+            for (context, gen_kwargs), (_, until), answer in zip(chunk, asked, answers,
+                                                                 strict=True):
+                text = self.tok_decode(answer.tokens)
+                text = text[:min((text.index(u) for u in until if u in text), default=len(text))]
+                self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
+                results.append(text)
         self._save()
         return results
 
     # ---------------------------------------------------------------- the decode path
-    def _decoder(self, context: list[int]):
-        """A decoder holding the dense prefill of ``context[:-1]`` for the method."""
+    def _batches(self, items: list, description: str, disable: bool):
+        """``items`` in chunks of :attr:`batch_size`, with a progress bar of chunks done."""
+        chunks = [items[i : i + self.batch_size] for i in range(0, len(items), self.batch_size)]
+        return _progress(chunks, f"{description} ({len(items)} in batches of {self.batch_size})",
+                         disable)
+
+    def _answer(self, requests: list) -> list:
+        """The answers of ``requests``, decoded :attr:`batch_size` at a time; each request's
+        certificate record kept."""
+        from certkv.eval.batch import answer_all
+
+        with torch.inference_mode():
+            answers = answer_all(requests, self.batch_size)
+        for request in requests:
+            if self.method.mode != "dense":
+                self.records.append(request.session.certificate_record())
+        return answers
+
+    def _session(self, context: list[int]):
+        """A session on the dense prefill of ``context[:-1]`` for the method (a multiple-choice
+        doc's requests share one context: prefilled once, each choice decodes its own copy)."""
         from certkv.eval.decode import Prefill
         from certkv.eval.runner import prompt_window
 
         prefix = context[:-1]
         if self._prefill is None or self._prefill[0] != prefix:  # SnapKV: the prompt's queries
             self._prefill = (prefix, Prefill(self.lm, prefix, prompt_window([self.method])))
-        session = self._prefill[1].session(self.method, self.spec)
-        return session, session.decoder()
+        return self._prefill[1].session(self.method, self.spec)
 
-    @torch.inference_mode()
-    def _score(self, context: list[int], continuation: list[int]) -> tuple[float, bool]:
-        """``(sum log p(continuation | context), greedy?)``: the context prefilled (left-
-        truncated to ``max_length``), then one method step per scored token."""
+    def _scoring(self, context: list[int], continuation: list[int]):
+        """The request scoring ``continuation`` after ``context`` (left-truncated to
+        ``max_length``): the context prefilled, then one method step per scored token."""
+        from certkv.eval.batch import Request
+
         require(0 < len(continuation) <= self.max_length, ConfigError,
                 f"a continuation of {len(continuation)} tokens cannot be scored within "
                 f"max_length={self.max_length}; raise max_length.")
         whole = (context + continuation)[-(self.max_length + 1):]
         context = whole[:len(whole) - len(continuation)]
-        session, decoder = self._decoder(context)
-        logits, total, greedy = decoder.step(context[-1]), 0.0, True
-        for i, token in enumerate(continuation):
-            logp = torch.log_softmax(logits.double(), dim=-1)
-            total += float(logp[token])
-            greedy = greedy and int(logp.argmax()) == token
-            if i + 1 < len(continuation):
-                logits = decoder.step(token)
-        self._record(session, decoder)
-        return total, greedy
+        return Request(self._session(context), context[-1], target=list(continuation))
 
-    @torch.inference_mode()
-    def _generate(self, context: str, gen_kwargs: dict) -> str:
+    def _generation(self, context: str, gen_kwargs: dict):
+        """``(request, until)``: greedy generation after ``context``, stopping at
+        end-of-sequence, a stop string or ``max_gen_toks``."""
+        from certkv.eval.batch import Request
+
         until = gen_kwargs.pop("until", None) or []
         until = [until] if isinstance(until, str) else list(until)
         max_new = int(gen_kwargs.pop("max_gen_toks", 256))
@@ -236,31 +276,13 @@ class CertKVLM(TemplateLM):
                 "certkv decodes greedily; drop do_sample=true from the task's generation_kwargs.")
         ids = self.tok_encode(context) or [self.prefix_token_id]
         ids = ids[-max(1, self.max_length - max_new):]
-        session, decoder = self._decoder(ids)
-        from certkv.eval.decode import end_of_sequence_ids
 
-        stop = end_of_sequence_ids(self.lm)
-        tokens, logits = [], decoder.step(ids[-1])
-        for _ in range(max_new):
-            token = int(logits.argmax())
-            if token in stop:
-                break
-            tokens.append(token)
-            text = self.tok_decode(tokens)
-            if any(u in text for u in until):
-                break
-            logits = decoder.step(token)
-        self._record(session, decoder)
-        text = self.tok_decode(tokens)
-        cut = min((text.index(u) for u in until if u in text), default=len(text))
-        return text[:cut]
+        def stop(tokens: list[int]) -> bool:
+            return any(u in self.tok_decode(tokens) for u in until)
+
+        return Request(self._session(ids), ids[-1], max_new_tokens=max_new, stop=stop), until
 
     # ---------------------------------------------------------------- certificates
-    def _record(self, session, decoder) -> None:
-        decoder.close()
-        if self.method.mode != "dense":
-            self.records.append(session.certificate_record())
-
     def certificate_summary(self) -> dict:
         """Pooled certificate statistics of every request so far (``certkv report``'s
         Tables 11-12 and 15 numbers; empty for the dense method)."""

@@ -107,6 +107,7 @@ class TieredLayer(DynamicLayer):
         self.stores: list[TieredKVStore] = []  # one per sequence of the batch
         self.scratches = [self._new_scratch()]
         self.positions = 0  # positions the model has sent, padding included
+        self.batched = False  # held a batch of sequences (positions count padding)
         self._inference = False  # the store was made or written under torch.inference_mode()
 
     @property
@@ -147,6 +148,7 @@ class TieredLayer(DynamicLayer):
         batch, hkv, tokens, d = key_states.shape
         if batch > 1 and self.layer_idx == 0:  # before any layer allocates
             self.cache.check_memory(batch, hkv * tokens * d, key_states.device)
+        self.batched = batch > 1
         self.stores = [self._new_store(hkv, d, key_states.device) for _ in range(batch)]
         self.scratches = [self.scratches[0], *(self._new_scratch() for _ in range(batch - 1))]
         self.is_initialized = True
@@ -192,6 +194,9 @@ class TieredLayer(DynamicLayer):
         if cache.captured is not None:
             cache.captured.append((self.layer_idx, cert))
             return
+        if self.batched:  # a batch down to its last sequence: still that sequence's log
+            self.record_batch([cert])
+            return
         cache.log.record(self.layer_idx, cert)
         self.store.observe(cert)
 
@@ -212,7 +217,7 @@ class TieredLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         """Positions the model has sent (a batch's padding included: what its masks and
         positions count); one sequence's store holds exactly these tokens."""
-        if len(self.stores) == 1:
+        if len(self.stores) == 1 and not self.batched:
             return self.stores[0].num_tokens
         return self.positions
 
@@ -222,9 +227,21 @@ class TieredLayer(DynamicLayer):
         self.stores = [self.stores[i] for i in keep]
         self.scratches = [self.scratches[i] for i in keep]
 
+    def adopt(self, layers: list[TieredLayer], positions: int) -> None:
+        """Hold the sequences of ``layers`` (one cache's layer each, same index) as a batch,
+        sharing their stores and scratch caches (nothing is copied); ``positions``: the
+        batch's width, its longest sequence (the others are left-padded to it)."""
+        self.stores = [s for layer in layers for s in layer.stores]
+        self.scratches = [s for layer in layers for s in layer.scratches]
+        self.positions, self.batched = positions, True
+        self.dtype, self.device = layers[0].dtype, layers[0].device
+        self.is_initialized = True
+        self._inference = torch.is_inference_mode_enabled()
+
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Each sequence ``repeats`` times in a row, as independent copies
         (:meth:`TieredKVStore.clone`)."""
+        self.batched = self.batched or repeats > 1
         self.stores = [s if r == 0 else s.clone() for s in self.stores for r in range(repeats)]
         for store in self.stores:
             store.join(self.cache.board, self.layer_idx)
@@ -262,6 +279,7 @@ class TieredCache(Cache):
         self.captured: list | None = None
         self._defer_commit = False
         self._sequence_logs: list[CertificateLog] = []  # a batch's, one per sequence
+        self._left_logs: list[CertificateLog] = []  # those of sequences that left the batch
         super().__init__(layers=[TieredLayer(self, i) for i in range(num_layers)])
 
     @property
@@ -361,11 +379,47 @@ class TieredCache(Cache):
                 "shorter prompts).")
 
     def sequence_logs(self, batch: int) -> list[CertificateLog]:
-        """One certificate log per sequence of a batch (made at its first step); the cache's
-        :attr:`log` summarises each step over the whole batch."""
-        if len(self._sequence_logs) != batch:
+        """One certificate log per sequence of a batch (made at its first step, following
+        its sequence when others leave); the cache's :attr:`log` summarises each step over
+        the whole batch."""
+        if not self._sequence_logs:
             self._sequence_logs = [CertificateLog(self.spec.records) for _ in range(batch)]
+        require(len(self._sequence_logs) == batch, CertKVError,
+                f"this cache logs {len(self._sequence_logs)} sequences but the step had "
+                f"{batch}; start a new cache for a new batch.")
         return self._sequence_logs
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the sequences at ``indices``: the others leave the batch (their stores are
+        dropped, their certificate logs kept for :meth:`telemetry`)."""
+        super().batch_select_indices(indices)
+        if self._sequence_logs:
+            keep = [int(i) for i in indices]
+            self._left_logs += [log for i, log in enumerate(self._sequence_logs)
+                                if i not in keep]
+            self._sequence_logs = [self._sequence_logs[i] for i in keep]
+
+    @classmethod
+    def batch_of(cls, caches: list[TieredCache]) -> TieredCache:
+        """One cache decoding the sequences of ``caches`` (one sequence each, one method) as a
+        batch: their stores, scratch caches and certificate logs are shared, not copied, so
+        each cache's :meth:`telemetry` holds its own sequence's steps; sequences shorter than
+        the longest count as left-padded (pass the matching ``attention_mask`` and
+        ``position_ids`` to the model)."""
+        first = caches[0]
+        require(all(c.attention is first.attention and c.quantizer == first.quantizer
+                    and len(c.layers) == len(first.layers) for c in caches), ConfigError,
+                "a batch's caches must share one method (attention and quantizer); decode "
+                "other methods in their own batches.")
+        require(all(len(layer.stores) == 1 for c in caches for layer in c.layers), CertKVError,
+                "batch_of joins caches of one sequence each, prefilled; prefill every prompt "
+                "before joining them.")
+        batch = cls(len(first.layers), first.attention, first.quantizer, first.spec)
+        width = max(c.get_seq_length() for c in caches)
+        for i, layer in enumerate(batch.layers):
+            layer.adopt([c.layers[i] for c in caches], width)
+        batch._sequence_logs = [c.log for c in caches]
+        return batch
 
     def bytes(self) -> dict[str, int]:
         """Byte accounting summed over layers (Table 13 / 22)."""
@@ -385,7 +439,7 @@ class TieredCache(Cache):
         """The log (its last step closed), bytes and scratch counters, detached from the
         stores: they outlive the cache."""
         self.log.flush()
-        for log in self._sequence_logs:
+        for log in self._sequence_logs + self._left_logs:
             log.flush()
         counts = [s.eviction_counts() for s in self.stores()]
         eviction = {name: sum(c[name] for c in counts) for name in counts[0]} if counts else {}

@@ -36,12 +36,13 @@ def tasks(tmp_path_factory, books):
                        samples=2, windows=2, book_tokens=48)
 
 
-def evaluate(tasks, names, model_args, limit=2, log_samples=False, gen_kwargs=None):
+def evaluate(tasks, names, model_args, limit=2, log_samples=False, gen_kwargs=None,
+             batch_size=1):
     return lm_eval.simple_evaluate(model="certkv", model_args=model_args, tasks=names,
                                    task_manager=TaskManager(include_path=str(tasks),
                                                             include_defaults=False),
                                    limit=limit, log_samples=log_samples, bootstrap_iters=0,
-                                   gen_kwargs=gen_kwargs)
+                                   gen_kwargs=gen_kwargs, batch_size=batch_size)
 
 
 def certificates(run_dir):
@@ -101,6 +102,36 @@ def test_certified_generate_loglikelihood_and_rolling_tasks(tasks, tmp_path):
     # 2 generations, 2 x 4 choices, 2 rolling windows: one certificate record per request
     assert certs["mode"] == "certified" and certs["requests"] == 12 and certs["steps"] > 0
     assert sum(certs["rung_rates"]) == pytest.approx(1.0)
+
+
+def test_batch_size_decodes_requests_together_with_the_answers_of_one_at_a_time(tasks,
+                                                                                 tmp_path):
+    """lm-eval's ``batch_size``: generations and multiple-choice picks as at batch size 1,
+    log-likelihoods up to a batch's rounding, a certificate record per request either way."""
+    names = ["certkv_ruler_niah_single", "certkv_needle_choice", "certkv_books"]
+    out = {size: evaluate(tasks, names, f"{TINY},mode=certified,run_dir={tmp_path / str(size)}",
+                          log_samples=True, gen_kwargs="max_gen_toks=6", batch_size=size)
+           for size in (1, 3)}
+    one, three = (out[size]["samples"] for size in (1, 3))
+    for name in names:
+        for a, b in zip(one[name], three[name], strict=True):
+            if name == "certkv_ruler_niah_single":
+                assert a["filtered_resps"] == b["filtered_resps"]
+            else:  # (log-likelihood, greedy) per choice; a rolling window's sum
+                first = [r[0] if isinstance(r, list | tuple) else r for r in a["filtered_resps"]]
+                assert [r[0] if isinstance(r, list | tuple) else r
+                        for r in b["filtered_resps"]] == pytest.approx(first, rel=1e-3)
+    assert out[1]["results"]["certkv_needle_choice"]["acc,none"] == \
+        out[3]["results"]["certkv_needle_choice"]["acc,none"]
+    assert certificates(tmp_path / "1")["requests"] == certificates(tmp_path / "3")["requests"]
+
+
+def test_a_batch_size_that_is_not_a_count_is_one_sentence():
+    from certkv.integrations.lm_eval import batch_sequences
+
+    assert batch_sequences("auto") == batch_sequences("auto:8") == 4 and batch_sequences(2) == 2
+    with pytest.raises(ConfigError, match="batch_size='0' must be a positive number"):
+        batch_sequences("0")
 
 
 def test_dense_method_scores_what_lm_evals_hf_model_scores(tasks, tmp_path):

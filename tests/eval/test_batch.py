@@ -1,0 +1,88 @@
+"""The evaluation protocol in batches (:mod:`certkv.eval.batch`): requests of ragged prompts
+decoded together give each the answer it gets alone, each with its own certificates, every
+(sequence, head) of a certified batch within its bound; a finished request leaves the batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.models import ContractChecker
+
+from certkv import CertifiedAttention
+from certkv.errors import ConfigError
+from certkv.eval import decode
+from certkv.eval.batch import Request, answer_all
+from certkv.eval.decode import Method, Prefill
+from certkv.models import load_model
+from certkv.models.hf_cache import TieredCache
+
+TINY = {"name": "tiny_random", "device": "cpu", "seed": 0,
+        "random_config": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                          "num_hidden_layers": 2, "num_attention_heads": 4,
+                          "num_key_value_heads": 2, "head_dim": 16,
+                          "max_position_embeddings": 8192}}
+LENGTHS = (300, 41, 170, 90)  # ragged prompts: the batch's widest and narrowest differ 7x
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return load_model(TINY)
+
+
+@pytest.fixture
+def no_eos(monkeypatch):
+    """Generation runs to its budget (a random model's end-of-sequence would cut it short)."""
+    monkeypatch.setattr(decode, "end_of_sequence_ids", lambda _: set())
+    import certkv.eval.batch as batch
+
+    monkeypatch.setattr(batch, "end_of_sequence_ids", lambda _: set())
+
+
+def prompts():
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 500, (n,), generator=gen).tolist() for n in LENGTHS]
+
+
+def requests(lm, method: Method) -> list[Request]:
+    """Two generations (budgets 9 and 3: the second leaves first) and two teacher-forced
+    scorings (12 and 5 tokens), one on a fed question after its prefill."""
+    out = []
+    for i, ids in enumerate(prompts()):
+        session = Prefill(lm, ids[:-1]).session(method)
+        if i % 2 == 0:
+            out.append(Request(session, ids[-1], target=list(range(7, 7 + 12 - 7 * (i // 2)))))
+        else:
+            out.append(Request(session, ids[-1], feed=[5, 6, 7] if i == 3 else [],
+                               max_new_tokens=9 if i == 1 else 3))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["dense", "naive", "certified"])
+def test_a_batch_of_ragged_requests_answers_each_as_alone_with_its_own_certificates(
+        lm, no_eos, mode):
+    attention = ContractChecker(CertifiedAttention(mode=mode))
+    method = Method(mode, mode, attention)
+    alone, batched = requests(lm, method), requests(lm, method)
+    one = answer_all(alone, batch_size=1)
+    checked = attention.head_steps
+    many = answer_all(batched, batch_size=4)
+    for a, b, request in zip(one, many, batched, strict=True):
+        assert a.tokens == b.tokens and len(b.tokens) == request.max_new_tokens
+        assert b.logprobs == pytest.approx(a.logprobs, abs=1e-3)  # a batch's matmul order
+        assert len(b.logprobs) == len(request.target) and a.greedy == b.greedy
+        steps = len(request.target) or request.max_new_tokens
+        (decoder,) = request.session.decoders
+        assert len(decoder.step_ms) == steps and decoder.cache is None  # closed
+        record = request.session.certificate_record()
+        assert record.get("steps", 0) == (0 if mode == "dense" else steps)  # its own steps
+    if mode != "dense":  # every (sequence, head) of every batched step against FP64
+        steps = sum(len(r.target) or r.max_new_tokens for r in batched)
+        assert attention.head_steps - checked == steps * 2 * 4  # layers x query heads
+
+
+def test_a_batch_joins_only_caches_of_one_method(lm):
+    ids = prompts()[0]
+    shared = Prefill(lm, ids[:-1])
+    caches = [shared.cache_for(Method.build(m, m)) for m in ("naive", "certified")]
+    with pytest.raises(ConfigError, match="must share one method"):
+        TieredCache.batch_of(caches)

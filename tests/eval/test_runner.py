@@ -1,0 +1,32 @@
+"""The runner's batches (issue 54): ``task.<name>.batch_size`` checked before anything is
+written, and a batch too large for the memory free now refused in one sentence before any
+prompt is prefilled."""
+
+from __future__ import annotations
+
+import pytest
+from helpers.cli import TINY, runner
+
+from certkv.cli import app
+from certkv.models import hf_cache
+
+
+@pytest.mark.parametrize("value", ["0", "two"])
+def test_a_batch_size_that_is_not_a_positive_count_is_one_sentence(tmp_path, value):
+    result = runner.invoke(app, ["run", *TINY, f"task.niah.batch_size={value}",
+                                 f"out_dir={tmp_path}"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    message = " ".join(result.output.split())
+    assert f"task.niah.batch_size={value!r}" in message or value == "0"
+    assert "e.g. task.niah.batch_size=" in message
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_a_batch_larger_than_free_memory_is_refused_before_any_prefill(tmp_path, monkeypatch):
+    monkeypatch.setattr(hf_cache, "free_memory", lambda device: 2**20)  # 1 MiB free
+    result = runner.invoke(app, ["run", *TINY, "task.niah.trials=2", f"out_dir={tmp_path}"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    message = " ".join(result.output.split())
+    assert "task.niah.batch_size=4 needs about" in message
+    assert "lower task.niah.batch_size" in message
+    assert not list(tmp_path.rglob("samples.jsonl"))  # nothing recorded
