@@ -112,6 +112,8 @@ def test_readme_lm_eval_lines_build_their_model_arguments(args, tiny_model_dir):
     model_args = dict(a.split("=", 1) for a in (_pop(args, "model_args") or "").split(",")
                       if "=" in a)
     assert _pop(args, "tasks")
+    batch_size = _pop(args, "batch_size")
+    assert batch_size is None or ours.batch_sequences(batch_size) > 0
     if model != "certkv":
         assert model == "hf" and "pretrained" in model_args
         return

@@ -2,9 +2,10 @@
 sequences of different lengths, dense vs naive vs certified in one process, one step of each
 in turn, with the certified cache's memory per sequence.
 
-Each batch holds ``B`` book prompts from ``N`` tokens down to ``3N/4`` (left-padded, as a
-tokenizer pads for generation); a step decodes one token of every sequence. Dense is the
-model's own cache and SDPA over the padded batch (what a user runs instead); naive and certified
+Each batch holds ``B`` book prompts from ``N`` tokens down to ``3N/4``, each prefilled alone
+and joined for the decode steps as the evaluation runner joins them
+(:class:`~certkv.eval.batch.BatchDecoder`); a step decodes one token of every sequence. Dense
+is the model's own cache left-padded and SDPA (what a user runs instead); naive and certified
 keep one store per sequence (:class:`~certkv.models.hf_cache.TieredCache`), padding in none.
 """
 
@@ -27,41 +28,28 @@ def batch_prompts(ids: list[int], context: int, batch: int) -> list[list[int]]:
     return [ids[b * 97 : b * 97 + n] for b, n in enumerate(lengths)]
 
 
-class BatchDecoder:
-    """One method's decoding of a left-padded batch: the prefill, then one greedy token of every
-    sequence per :meth:`step` (positions from the mask, so padding shifts no sequence)."""
+class BatchRun:
+    """One method's decoding of a batch of prompts, as the evaluation runner decodes them
+    (:mod:`certkv.eval.batch`): each prompt prefilled alone, then one greedy token of every
+    sequence per :meth:`step`, the caches joined (one store per sequence; dense: the model's
+    own cache left-padded)."""
 
     def __init__(self, lm, prompts: list[list[int]], mode: str) -> None:
-        from transformers import DynamicCache
+        from certkv.eval.batch import BatchDecoder
+        from certkv.eval.decode import Method, Prefill
 
-        from certkv.attention import CertifiedAttention
-        from certkv.models import cache_kwargs
-        from certkv.models.hf_cache import TieredCache
-
-        self.lm, self.batch = lm, len(prompts)
-        self.cache = DynamicCache() if mode == "dense" else TieredCache(
-            lm.num_layers, CertifiedAttention(mode=mode))
-        self.kwargs = cache_kwargs(lm.model, self.cache)
-        longest = max(len(p) for p in prompts)
-        device = lm.model.device
-        ids = torch.zeros(self.batch, longest, dtype=torch.long, device=device)
-        self.mask = torch.zeros_like(ids)
-        for b, p in enumerate(prompts):
-            ids[b, longest - len(p):] = torch.tensor(p, device=device)
-            self.mask[b, longest - len(p):] = 1
-        self.token = self._forward(ids)
-
-    def _forward(self, ids: torch.Tensor) -> torch.Tensor:
-        positions = (self.mask.cumsum(dim=-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
-        with torch.inference_mode():
-            logits = self.lm.model(input_ids=ids, attention_mask=self.mask,
-                                   position_ids=positions, **self.kwargs).logits
-        return logits[:, -1:].argmax(dim=-1)
+        method = Method.build(mode, mode)
+        self.decoders = [Prefill(lm, p[:-1]).session(method).decoder() for p in prompts]
+        self.batch = BatchDecoder(self.decoders)
+        self.tokens = [p[-1] for p in prompts]
 
     def step(self) -> None:
-        ones = torch.ones(self.batch, 1, dtype=self.mask.dtype, device=self.mask.device)
-        self.mask = torch.cat([self.mask, ones], dim=1)
-        self.token = self._forward(self.token)
+        self.tokens = self.batch.step(self.tokens).argmax(dim=-1).tolist()
+
+    def cache_bytes(self) -> dict[str, int]:
+        """The byte accounting of every sequence's cache, summed."""
+        held = [d.cache.bytes() for d in self.decoders]
+        return {name: sum(h[name] for h in held) for name in held[0]}
 
 
 def bench_batches(model: str, contexts: list[int], batches: list[int], device: torch.device,
@@ -78,7 +66,7 @@ def bench_batches(model: str, contexts: list[int], batches: list[int], device: t
         for batch in batches:
             label = f"N={tokens(context)} B={batch}"
             update(f"{label}: prefill of every method")
-            decoders = {mode: BatchDecoder(lm, batch_prompts(text, context, batch), mode)
+            decoders = {mode: BatchRun(lm, batch_prompts(text, context, batch), mode)
                         for mode in MODES}
             update(f"{label}: decode steps in turn")
             timed = interleaved_timings({m: d.step for m, d in decoders.items()}, repeats)
@@ -86,7 +74,7 @@ def bench_batches(model: str, contexts: list[int], batches: list[int], device: t
                    "ms_stats": {m: stats(t) for m, t in timed.items()}}
             row["ms"] = {m: s["median"] for m, s in row["ms_stats"].items()}
             row["tokens_per_s"] = {m: 1e3 * batch / ms for m, ms in row["ms"].items()}
-            held = decoders["certified"].cache.bytes()
+            held = decoders["certified"].cache_bytes()
             row["bytes_per_sequence"] = {name: held[name] / batch for name in held}
             records.append(row)
             update(label, advance=1)
@@ -117,7 +105,8 @@ def batch_tables(records: list[dict]):
         f"{model}: certified cache per sequence, MB over every layer",
         [("N", "context tokens"), ("B", "sequences"), ("T1", "Tier-1 (codes and metadata)"),
          ("ann", "annotations"), ("T2", "Tier-2 FP16 originals (host)"),
-         ("mir", "decoded mirror (CPU workspace)"), ("fp16", "a dense FP16 cache")], keys=2)
+         ("mir", "decoded mirror (CPU workspace)"), ("scr", "scratch FP16 pools, as used"),
+         ("fp16", "a dense FP16 cache")], keys=2)
     for r in records:
         up = r["speedup"]["certified"] if r["speedup"] else None
         speed.rows.append([tokens(r["context"]), str(r["batch"]),
@@ -126,8 +115,9 @@ def batch_tables(records: list[dict]):
                            "n/a" if up is None else f"{up:.2f}x"])
         per = r["bytes_per_sequence"]
         memory.rows.append([tokens(r["context"]), str(r["batch"]),
-                            *(short(per[k] / MB) for k in ("tier1", "annotation", "tier2",
-                                                          "workspace", "dense"))])
+                            *(short(per.get(k, 0) / MB) for k in (
+                                "tier1", "annotation", "tier2", "workspace", "scratch",
+                                "dense"))])
     return [speed, memory]
 
 

@@ -235,6 +235,13 @@ class ScratchCache:
             total = total + ScratchStats(hits, misses + direct, (misses + direct) * block)
         return total
 
+    def nbytes(self) -> int:
+        """Bytes of its FP16 pools now (they grow with use up to the capacities; the host
+        bookkeeping aside)."""
+        pools = [lru.buffer for lru in self._lru.values() if lru.buffer is not None]
+        pools += [lru.pool for lru in self._device.values()]
+        return sum(p.numel() * p.element_size() for p in pools)
+
     def stage(self, store, kv_heads: torch.Tensor, blocks: torch.Tensor, which: str):
         """``(data, rows)`` for the keys (``which="k"``) or values (``"v"``) of
         ``(kv_heads[i], blocks[i])`` (host indices): see :meth:`_LRUBlocks.stage`."""

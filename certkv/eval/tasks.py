@@ -46,7 +46,7 @@ class Sample:
     payload: Any = None
 
 
-BATCH_SIZE = 4  # sequences decoded at once by default: see docs/experiments.md, "Batches"
+BATCH_SIZE = 4  # sequences decoded at once by default: see docs/evaluation.md, "Batches"
 
 
 def _check_batch_size(task) -> None:

@@ -422,11 +422,14 @@ class TieredCache(Cache):
         return batch
 
     def bytes(self) -> dict[str, int]:
-        """Byte accounting summed over layers (Table 13 / 22)."""
+        """Byte accounting summed over layers (Table 13 / 22), and the scratch caches' FP16
+        pools (``scratch``)."""
         stores = self.stores()
-        return {name: sum(getattr(s, f"{name}_bytes")() for s in stores)
+        held = {name: sum(getattr(s, f"{name}_bytes")() for s in stores)
                 for name in ("tier1", "annotation", "tail", "device", "tier2", "dense",
                              "workspace")}
+        held["scratch"] = sum(s.nbytes() for layer in self.layers for s in layer.scratches)
+        return held
 
     def scratch_stats(self) -> ScratchStats:
         total = ScratchStats()

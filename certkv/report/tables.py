@@ -351,6 +351,13 @@ def median_step_ms(run: RunData, variant: str) -> float:
     return statistics.median(ms) if ms else float("nan")
 
 
+def batch_sizes(run: RunData, variant: str) -> str:
+    """The batch sizes ``variant``'s records were decoded at (``1``, ``4``, ``1,4`` for a run
+    resumed at another size; records made before batches count as 1)."""
+    sizes = sorted({r.get("batch_size", 1) for r in run.samples if r["variant"] == variant})
+    return ",".join(map(str, sizes)) or "-"
+
+
 def _pct(x: float, digits: int) -> str:
     """``x`` as a percentage to ``digits`` decimals without trailing zeros (``12.5``, ``0``)."""
     text = f"{100 * x:.{digits}f}"
@@ -380,13 +387,15 @@ def runtime_table(run: RunData) -> Table:
         else:
             cells = ["-"] * 6 + ["1.000"]
         ratio = ms / base if base else float("nan")
-        rows.append([v, *cells, fmt(ms, 1), fmt(ratio, 2)])
+        rows.append([v, *cells, batch_sizes(run, v), fmt(ms, 1), fmt(ratio, 2)])
     return Table(f"Ladder, cache and speed ({run.label}; Tables 4, 15)",
                  ["method", "rungs % 0/1/2/3/4", "fails % rank/bnd/can", "K*", "VP", "hit %",
-                  "H2D MiB", "T1", "ms/step", "x dense"], rows,
+                  "H2D MiB", "T1", "B", "ms/step", "x dense"], rows,
                  "Rates per head-step over every layer; dense runs the model's own cache and "
-                 "SDPA (no ladder). ms/step: median decode step of the whole model.",
+                 "SDPA (no ladder). ms/step: median decode step of the whole model, one step "
+                 "of up to B sequences decoded together (task.<name>.batch_size); a "
+                 "sequence's certificates are its own at any B.",
                  {"rungs": "head-steps on rungs 0-4", "fails": "ranking/boundary/canary "
                   "check failures", "K*": "mean FP16-key blocks", "VP": "value promotions per "
                   "step", "hit": "scratch hit rate", "H2D": "host-to-device MiB per step",
-                  "T1": "Tier-1 bytes / dense bytes"})
+                  "T1": "Tier-1 bytes / dense bytes", "B": "sequences per decode step"})

@@ -1,7 +1,7 @@
 """The components of ``conf/`` built as a run builds them, and hypothesis draws of whole
 pipelines (quantizer x protection x eviction x data x decode steps), shared by the contract
 property tests over every component (``tests/test_component_contract.py``) and over batches
-(``tests/test_batch.py``)."""
+(``tests/test_attention_batch.py``)."""
 
 from __future__ import annotations
 
