@@ -109,7 +109,8 @@ class Certificate:
     # from Tier-2 (FP16 keys or values), i.e. paged back in for the certificate
     paged_evicted: int = 0
     # the sequence's index in its batch (:meth:`certkv.attention.CertifiedAttention.batch`; 0
-    # for a step of one sequence)
+    # for a step of one sequence; a cache's log numbers a batch's sequences as they entered it;
+    # -1 for a certificate joined over several sequences, :meth:`cat`)
     sequence: int = 0
 
     def __post_init__(self) -> None:
@@ -195,16 +196,21 @@ class Certificate:
                 merged[f.name] = None  # per layer only
             elif f.name == "faults_covered":
                 merged[f.name] = all(values)
+            elif f.name == "sequence":  # one sequence's layers, or a batch's sequences
+                merged[f.name] = values[0] if len(set(values)) == 1 else -1
             else:
                 merged[f.name] = values[0]
         return cls(**merged)
 
     def head_records(self) -> list[dict[str, float | int | bool]]:
-        """One plain dict per head (for full per-head telemetry)."""
+        """One plain dict per head (for full per-head telemetry), with its ``sequence`` where
+        the certificate is one sequence's."""
         names = [f.name for f in fields(self) if f.name not in _SUMMED
                  and isinstance(getattr(self, f.name), torch.Tensor)]
         columns = {n: getattr(self, n).tolist() for n in names}
-        return [{"head": h, **{n: columns[n][h] for n in names}} for h in range(self.num_heads)]
+        which = {"sequence": self.sequence} if self.sequence >= 0 else {}
+        return [{"head": h, **which, **{n: columns[n][h] for n in names}}
+                for h in range(self.num_heads)]
 
     def summary(self) -> dict[str, float | int | str]:
         """Plain-number summary of the step (means and maxima over heads, rung counts)."""

@@ -105,6 +105,7 @@ class TieredLayer(DynamicLayer):
         self._cache = weakref.ref(cache)
         self.layer_idx = layer_idx
         self.stores: list[TieredKVStore] = []  # one per sequence of the batch
+        self.sequences: list[int] = [0]  # each store's sequence: its place when it entered
         self.scratches = [self._new_scratch()]
         self.positions = 0  # positions the model has sent, padding included
         self.batched = False  # held a batch of sequences (positions count padding)
@@ -148,7 +149,7 @@ class TieredLayer(DynamicLayer):
         batch, hkv, tokens, d = key_states.shape
         if batch > 1 and self.layer_idx == 0:  # before any layer allocates
             self.cache.check_memory(batch, hkv * tokens * d, key_states.device)
-        self.batched = batch > 1
+        self.batched, self.sequences = batch > 1, list(range(batch))
         self.stores = [self._new_store(hkv, d, key_states.device) for _ in range(batch)]
         self.scratches = [self.scratches[0], *(self._new_scratch() for _ in range(batch - 1))]
         self.is_initialized = True
@@ -204,8 +205,10 @@ class TieredLayer(DynamicLayer):
         """A batch step's certificates, one per sequence: each sequence's log and store get its
         own, the cache's log one over the batch (every sequence's heads)."""
         cache = self.cache
-        for cert, store, log in zip(certs, self.stores, cache.sequence_logs(len(certs)),
-                                    strict=True):
+        for cert, store, log, sequence in zip(certs, self.stores,
+                                              cache.sequence_logs(len(certs)), self.sequences,
+                                              strict=True):
+            cert.sequence = sequence  # its place in the batch as it entered, not as it is now
             log.record(self.layer_idx, cert)
             store.observe(cert)
         cache.log.record(self.layer_idx, Certificate.cat(certs))
@@ -226,6 +229,7 @@ class TieredLayer(DynamicLayer):
         keep = [int(i) for i in indices]
         self.stores = [self.stores[i] for i in keep]
         self.scratches = [self.scratches[i] for i in keep]
+        self.sequences = [self.sequences[i] for i in keep]
 
     def adopt(self, layers: list[TieredLayer], positions: int) -> None:
         """Hold the sequences of ``layers`` (one cache's layer each, same index) as a batch,
@@ -233,6 +237,7 @@ class TieredLayer(DynamicLayer):
         batch's width, its longest sequence (the others are left-padded to it)."""
         self.stores = [s for layer in layers for s in layer.stores]
         self.scratches = [s for layer in layers for s in layer.scratches]
+        self.sequences = list(range(len(self.stores)))
         self.positions, self.batched = positions, True
         self.dtype, self.device = layers[0].dtype, layers[0].device
         self.is_initialized = True
@@ -243,6 +248,7 @@ class TieredLayer(DynamicLayer):
         (:meth:`TieredKVStore.clone`)."""
         self.batched = self.batched or repeats > 1
         self.stores = [s if r == 0 else s.clone() for s in self.stores for r in range(repeats)]
+        self.sequences = list(range(len(self.stores)))
         for store in self.stores:
             store.join(self.cache.board, self.layer_idx)
         self.scratches = [self._new_scratch() for _ in self.stores]
@@ -317,6 +323,7 @@ class TieredCache(Cache):
         for mine, theirs in zip(cache.layers, self.layers, strict=True):
             if theirs.stores:
                 mine.stores = [store.clone() for store in theirs.stores]
+                mine.sequences, mine.batched = list(theirs.sequences), theirs.batched
                 for store in mine.stores:
                     store.join(cache.board, mine.layer_idx)
                 mine.scratches = [mine._new_scratch() for _ in mine.stores]
