@@ -174,8 +174,8 @@ def bench_decode(
     graphs: Annotated[str, typer.Option(
         help="on: capture each whole certified decode step in a CUDA graph and replay it "
              "until the cache's buffers grow (CUDA only); off")] = "off",
-    batch: Annotated[list[int] | None, typer.Option(
-        help="batch sizes (repeat: --batch 1 --batch 8): tokens/s of dense, naive and "
+    batch: Annotated[list[str] | None, typer.Option(
+        help="batch sizes (--batch 1,4,16 or --batch 1 --batch 8): tokens/s of dense, naive and "
              "certified for batches of sequences of N to 3N/4 tokens, memory per sequence "
              "(writes decode_batch_<model>_<device>)")] = None,
 ) -> None:
@@ -229,8 +229,11 @@ def _bench_batches(model, contexts, batches, dev, *, repeats, dtype, out, force,
     from certkv import bench
     from certkv.bench import batch as batching
 
-    if min(batches) < 1:
-        _fail("--batch takes positive batch sizes, e.g. --batch 1 --batch 8.")
+    sizes = [part.strip() for value in batches for part in value.split(",")]
+    if not all(size.isdigit() and int(size) > 0 for size in sizes):
+        _fail(f"--batch takes positive batch sizes (got {','.join(batches)}); e.g. --batch "
+              "1,4,16.")
+    batches = [int(size) for size in sizes]
     report = bench.BenchReport(f"decode_batch_{model}_{dev.type}", _command(), out, force)
     with _user_errors():
         report.check()

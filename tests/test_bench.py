@@ -401,8 +401,8 @@ def test_bench_decode_batch_writes_throughput_and_memory_per_sequence(tmp_path, 
     bytes per sequence (sequences of N to 3N/4 tokens: less than a batch of N-token ones)."""
     calls: list = []
     monkeypatch.setattr(bench, "progress", _recording_progress(calls))
-    result = runner.invoke(app, ["bench", "decode", "--context", "64", "--batch", "1",
-                                 "--batch", "3", "--repeats", "2", "--device", "cpu", "--out",
+    result = runner.invoke(app, ["bench", "decode", "--context", "64", "--batch", "1,3",
+                                 "--repeats", "2", "--device", "cpu", "--out",
                                  str(tmp_path), "--weights", "random"], env={"COLUMNS": "100"})
     assert result.exit_code == 0, result.output
     assert max(map(len, result.output.splitlines())) <= 100
@@ -420,4 +420,7 @@ def test_bench_decode_batch_writes_throughput_and_memory_per_sequence(tmp_path, 
     assert three["bytes_per_sequence"]["dense"] < one["bytes_per_sequence"]["dense"]
     report = (tmp_path / "decode_batch_smollm2_135m_cpu.md").read_text()
     assert "| N | B | dense | naive | certified | c/d | xB1 |" in report
+    assert "| T1 | ann | T2 | mir | scr | fp16 |" in report  # scratch pools counted too
     assert (tmp_path / "decode_batch_smollm2_135m_cpu.png").stat().st_size > 0
+    bad = runner.invoke(app, ["bench", "decode", "--batch", "1,0", "--device", "cpu"])
+    assert bad.exit_code != 0 and "--batch takes positive batch sizes (got 1,0)" in bad.output
