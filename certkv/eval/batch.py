@@ -53,11 +53,12 @@ class Request:
 class Answer:
     """A request's result: the generated tokens (end-of-sequence left out) or, when scored,
     each target token's log-probability (FP32 log-softmax) and whether every target token was
-    the greedy choice."""
+    the greedy choice; ``batch``: how many requests were decoded together."""
 
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     greedy: bool = True
+    batch: int = 1  # the requests its decode steps started with (itself included)
 
 
 class _Answering:
@@ -111,6 +112,8 @@ def _answer_batch(requests: list[Request]) -> list[Answer]:
     # a request with nothing cached yet (a one-token context) has no store to join: alone
     empty = [i for i in active if decoders[i].cache.get_seq_length() == 0]
     for group in [[i for i in active if i not in empty], *([i] for i in empty)]:
+        for i in group:
+            answering[i].answer.batch = len(group)
         _decode([answering[i] for i in group], [decoders[i] for i in group])
     for decoder in decoders:
         decoder.close()

@@ -328,8 +328,10 @@ def _run_group(run: RunDir, group: Group, variants: list[Method], prefills: Pref
             session.on_step = shown.step
         answers = iter(answer_all([r for rs in asked for r in rs], group.size))
         for session, sample, requests in zip(sessions, samples, asked, strict=True):
-            metrics = task.score(sample, [next(answers) for _ in requests], lm.tokenizer)
-            _record(run, task, sample, variant, session, metrics, group.size, prefills.spec)
+            mine = [next(answers) for _ in requests]
+            metrics = task.score(sample, mine, lm.tokenizer)
+            size = max((a.batch for a in mine), default=1)  # sequences it was decoded with
+            _record(run, task, sample, variant, session, metrics, size, prefills.spec)
             on_record()
             shown.finish()
 

@@ -71,6 +71,7 @@ def test_a_batch_of_ragged_requests_answers_each_as_alone_with_its_own_certifica
         assert a.tokens == b.tokens and len(b.tokens) == request.max_new_tokens
         assert b.logprobs == pytest.approx(a.logprobs, abs=1e-3)  # a batch's matmul order
         assert len(b.logprobs) == len(request.target) and a.greedy == b.greedy
+        assert (a.batch, b.batch) == (1, 4)
         steps = len(request.target) or request.max_new_tokens
         (decoder,) = request.session.decoders
         assert len(decoder.step_ms) == steps and decoder.cache is None  # closed
