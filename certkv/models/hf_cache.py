@@ -182,10 +182,16 @@ class TieredLayer(DynamicLayer):
         (:meth:`TieredKVStore.clone`, once)."""
         inside = torch.is_inference_mode_enabled()
         if self._inference and not inside:
-            self.stores = [store.clone() for store in self.stores]
-            for store in self.stores:
-                store.join(self.cache.board, self.layer_idx)
+            self.stores = self._copies(self.stores)
         self._inference = inside
+
+    def _copies(self, stores: list[TieredKVStore]) -> list[TieredKVStore]:
+        """Independent copies of ``stores`` (:meth:`TieredKVStore.clone`) joined to this
+        layer's place on its cache's importance board."""
+        copies = [store.clone() for store in stores]
+        for store in copies:
+            store.join(self.cache.board, self.layer_idx)
+        return copies
 
     def record(self, cert) -> None:
         """Log this layer's decode-step certificate and let its store observe it; while a
@@ -249,7 +255,7 @@ class TieredLayer(DynamicLayer):
         self.batched = self.batched or repeats > 1
         self.stores = [s if r == 0 else s.clone() for s in self.stores for r in range(repeats)]
         self.sequences = list(range(len(self.stores)))
-        for store in self.stores:
+        for store in self.stores:  # the originals too: every sequence starts its fault stream
             store.join(self.cache.board, self.layer_idx)
         self.scratches = [self._new_scratch() for _ in self.stores]
 
@@ -322,10 +328,8 @@ class TieredCache(Cache):
                 "build a cache from the prefill states for another one.")
         for mine, theirs in zip(cache.layers, self.layers, strict=True):
             if theirs.stores:
-                mine.stores = [store.clone() for store in theirs.stores]
+                mine.stores = mine._copies(theirs.stores)
                 mine.sequences, mine.batched = list(theirs.sequences), theirs.batched
-                for store in mine.stores:
-                    store.join(cache.board, mine.layer_idx)
                 mine.scratches = [mine._new_scratch() for _ in mine.stores]
                 mine.positions = theirs.positions
                 mine.dtype, mine.device = theirs.dtype, theirs.device
