@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One lent GPU call (about 15 minutes of device time a task, 10 minutes a call): the `gpu`
 # tests in parallel, the launch count, attention at 32K-128K and the whole Llama-3.1-8B-shaped
-# decode with CUDA graphs, each step under its own time limit so one slow step cannot starve the
-# rest. Results: one archive, $OUT/gpu.tar.gz (the tool brings back at most 8 files), and
+# decode with CUDA graphs (T_ATTN_EAGER > 0 adds attention with the segments left eager, which
+# compiles nothing), each step under its own time limit (0 skips it) so one slow step cannot
+# starve the rest. Results: one archive, $OUT/gpu.tar.gz (the tool brings back at most 8 files), and
 # $OUT/summary.txt. The machine is offline: hydra, omegaconf, antlr4 and gguf travel as wheels.
 #   device run, carry [".whl"]:  bash scripts/gpu_lease.sh
 set -uo pipefail
@@ -16,6 +17,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PY=python3
 step() {  # step SECONDS NAME COMMAND...: run, log to $R/NAME.txt, record rc and seconds
   local limit=$1 name=$2; shift 2; local t0=$SECONDS
+  (( limit > 0 )) || return 0  # a limit of 0 skips the step
   timeout -s INT -k 15 "$limit" "$@" >"$R/$name.txt" 2>&1; local rc=$?
   echo "$name: rc $rc, $((SECONDS - t0)) s" | tee -a "$R/steps.txt"
 }
@@ -29,6 +31,8 @@ $PY -c "import lm_eval" 2>/dev/null || SKIP+=(--ignore=tests/integrations/test_l
 step ${T_TESTS:-190} gpu_tests $PY -m pytest -m gpu -p no:cacheprovider -n 8 --dist load \
   --timeout 170 --durations=25 -rfE "${SKIP[@]}" tests
 step ${T_LAUNCH:-70} launches $PY -m certkv.cli bench launches --out "$R" --force
+step ${T_ATTN_EAGER:-0} attention_eager $PY -m certkv.cli bench attention --context 32768 \
+  --context 65536 --context 131072 --repeats 10 --compile off --out "$R/eager_segments" --force
 step ${T_ATTN:-120} attention $PY -m certkv.cli bench attention --context 32768 --context 65536 \
   --context 131072 --repeats 10 --out "$R" --force
 step ${T_DECODE:-130} decode_graphs $PY -m certkv.cli bench decode --model llama31_8b --context 8192 \
