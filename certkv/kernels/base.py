@@ -75,6 +75,13 @@ class Backend(ABC):
         without a host read)."""
         return False
 
+    def dense_rows(self, q, kv_of, store, scaling):
+        """Dense attention ``[m, d]`` of query rows ``q [m, d]`` (row ``i`` on kv head
+        ``kv_of[i]``, host indices) over the store's FP16 originals read in place, in the host
+        fallback's rounding chain (:func:`~certkv.kernels.reference.dense_rounding`); None
+        where this backend does not (the caller gathers the originals for :meth:`dense`)."""
+        return None
+
     def dense_flagged(self, q, flags, store, out, scaling):
         """Dense attention written into the rows of ``out`` whose ``flags`` are set."""
         raise NotImplementedError(f"the {self.name} backend has no device fallback")

@@ -31,6 +31,7 @@ import torch
 
 from certkv.certify.checks import CANARY_REL
 from certkv.certify.fused_cpu import AVAILABLE, as_array, decode_half, jit, prange, use_threads
+from certkv.kernels import numba_dense
 from certkv.kernels.numba_logits import gated_logits, int8_keys, key_logits
 from certkv.kernels.reference import (
     LOG2E,
@@ -392,6 +393,13 @@ class NumbaBackend(TorchBackend):
         FP16 originals from Tier-2 in place (on a CPU store the same memory a scratch cache
         would copy them into; the cache still counts them); else the reference's."""
         return "kv" if self._fused(store.device) else super().in_place(store)
+
+    def dense_rows(self, q, kv_of, store, scaling):
+        """Rungs 3-4 over the FP16 originals in place where the loop nests run
+        (:mod:`~certkv.kernels.numba_dense`); else the caller's gather."""
+        if self._fused(store.device) and numba_dense.covers(store, q):
+            return numba_dense.dense_rows(q, kv_of, store, scaling)
+        return None
 
     def decoded_mirror(self, device: torch.device) -> bool | str:
         """``"lean"`` where the loop nests run: they decode INT8 key codes and read the FP16

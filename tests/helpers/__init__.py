@@ -189,7 +189,8 @@ def reference_fp64(q, store, scaling=None):
 
 
 def dense_reference(q, store, scaling=None):
-    """The dense path on the FP16 originals (rungs 3-4, mode=dense) -> ``[Hq, d]``."""
+    """The PyTorch dense path on the FP16 originals (the reference backend's rungs 3-4 and
+    mode=dense) -> ``[Hq, d]``."""
     k, v = (x.to(q.device) for x in originals(store))
     scaling = store.head_dim**-0.5 if scaling is None else scaling
     return dense_attention(q, k, v, scaling)
