@@ -57,6 +57,14 @@ def dense_rows(q: torch.Tensor, kv_of: torch.Tensor, store, scaling: float) -> t
     return torch.from_numpy(out)
 
 
+@jit
+def _load(rows, tail_rows, width, completed, h, b, block):
+    """Block ``b`` of kv head ``h`` decoded into ``block [B, d]`` FP32 from its FP16 bits:
+    Tier-2's row ``h W + b`` (``rows [R, B, d]``) for a completed block, else the tail buffer's
+    ``tail_rows [Hkv, B, d]``."""
+    decode_half(tail_rows[h] if b >= completed else rows[h * width + b], block)
+
+
 @jit(fastmath={"reassoc", "contract"})
 def _chunk_logits(qs, h, start, stop, originals, tail, scaling, block, s):
     """The prescaled logits ``s[t - start] = (q/f . k_t) * scaling`` of tokens ``[start,
@@ -67,8 +75,7 @@ def _chunk_logits(qs, h, start, stop, originals, tail, scaling, block, s):
     t = start
     while t < stop:
         b = t // bsz
-        bits = tail_k[h] if b >= completed else keys[h * width + b]
-        decode_half(bits, block)
+        _load(keys, tail_k, width, completed, h, b, block)
         end = min(stop, (b + 1) * bsz)
         for u in range(t, end):
             row = block[u - b * bsz]
@@ -90,8 +97,7 @@ def _chunk_values(h, start, stop, w, originals, tail, block, num):
     t = start
     while t < stop:
         b = t // bsz
-        bits = tail_v[h] if b >= completed else values[h * width + b]
-        decode_half(bits, block)
+        _load(values, tail_v, width, completed, h, b, block)
         end = min(stop, (b + 1) * bsz)
         for u in range(t, end):
             wt, row = w[u - start], block[u - b * bsz]
