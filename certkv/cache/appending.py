@@ -140,7 +140,7 @@ class Appending:
             return cached[2]
         unused = torch.zeros(self.num_kv_heads, self.block_size, self.head_dim)  # written only
         rows = ((*(spare[name][:, 0] if name in spare else unused for name in ("k", "orig_k")),
-                 spare["v"][0, 0], spare["bias"][:, 0])
+                 spare["v"][0, 0] if "v" in spare else unused, spare["bias"][:, 0])
                 if spare is not None else (torch.zeros(1, 1, 1),) * 3 + (torch.zeros(1, 1),))
         views = (tuple(x.view(torch.int16).numpy() for x in (self._tail_k, self._tail_v)),
                  tuple(x.numpy() for x in rows))
@@ -183,7 +183,8 @@ class Appending:
             for name in ("k", "orig_k"):
                 if name in rows:
                     rows[name][at] = k16.to(rows[name].dtype)
-            rows["v"][0].transpose(0, 1)[at] = v16.to(rows["v"].dtype)
+            if "v" in rows:  # a lean mirror of 4-bit group values keeps none
+                rows["v"][0].transpose(0, 1)[at] = v16.to(rows["v"].dtype)
             rows["bias"][at] = 0.0
 
     def append_in_place(self, k: torch.Tensor, v: torch.Tensor) -> None:

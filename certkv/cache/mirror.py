@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from certkv.errors import ConfigError, require
+from certkv.quant.int4_group import GroupAffineValueCodec
 from certkv.quant.int8_channel import is_int8
 from certkv.quant.precision import Precision
 
@@ -16,7 +17,8 @@ MIRROR_FILL = {"k": 0.0, "v": 0.0, "bound": 0.0, "orig_k": 0.0, "bias": float("-
 def mirror_fields(kind: bool | str, precisions: list[Precision], protected: bool,
                   originals: bool) -> tuple[str, ...]:
     """The tensors a decoded mirror of ``kind`` keeps (:class:`TieredKVStore`'s
-    ``decoded_mirror``): none, all of :data:`MIRROR_FILL`, or, ``"lean"``, the values, key
+    ``decoded_mirror``): none, all of :data:`MIRROR_FILL`, or, ``"lean"``, the values (none
+    where they are 4-bit group codes the loops decode in place: :func:`values_in_place`), key
     bounds and slot bias only where every block's keys are either the one INT8 precision's
     codes (which the CPU loops decode in place) or exact windows (read from their FP16
     originals: ``originals``, the store keeps Tier-2), unprotected; all of them elsewhere
@@ -32,6 +34,19 @@ def mirror_fields(kind: bool | str, precisions: list[Precision], protected: bool
     keys_elsewhere = (originals and not protected and sum(map(is_int8, codecs)) == 1
                       and all(is_int8(c) or p.exact for c, p in zip(codecs, precisions,
                                                                      strict=True)))
-    return ("v", "bound", "bias") if keys_elsewhere else tuple(MIRROR_FILL)
+    if not keys_elsewhere:
+        return tuple(MIRROR_FILL)
+    return ("bound", "bias") if values_in_place(precisions, protected, originals) \
+        else ("v", "bound", "bias")
+
+
+def values_in_place(precisions: list[Precision], protected: bool, originals: bool) -> bool:
+    """Whether the CPU loops read a store's values without a decoded copy
+    (:mod:`certkv.kernels.numba_values`): kept originals, no protection, and every precision
+    exact but one, whose values are 4-bit group codes (an even group)."""
+    codecs = [p.value_codec for p in precisions if not p.exact]
+    return (originals and not protected and len(codecs) == 1
+            and type(codecs[0]) is GroupAffineValueCodec and codecs[0].bits == 4
+            and codecs[0].group % 2 == 0)
 
 

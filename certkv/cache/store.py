@@ -328,13 +328,13 @@ class TieredKVStore(Appending, StoreViews, FaultHandling, Residency, Tier2Reads,
         return {name: x for name, x in rows.items() if name in self._mirror_fields}
 
     def _decoded(self, blocks: torch.Tensor, bias: bool = False) -> Blocks:
-        """The decoded mirror's rows of ``blocks [m]`` (host): ``k, v [Hkv, m, B, d]`` (keys
-        only where the mirror keeps them) and ``bound [Hkv, m, d]``; with ``bias`` also the
+        """The decoded mirror's rows of ``blocks [m]`` (host): ``k, v [Hkv, m, B, d]`` (each
+        only where the mirror keeps it) and ``bound [Hkv, m, d]``; with ``bias`` also the
         slot bias ``[1, m, B]`` (0: completed blocks have every slot)."""
-        rows = {"v": self._table.decode("value", blocks),
-                "bound": self._table.channel_bound(blocks)}
-        if "k" in self._mirror_fields:
-            rows["k"] = self._table.decode("key", blocks)
+        rows = {"bound": self._table.channel_bound(blocks)}
+        for name, which in (("k", "key"), ("v", "value")):
+            if name in self._mirror_fields:
+                rows[name] = self._table.decode(which, blocks)
         rows = self._serve_corrupted(rows, blocks)
         if bias:
             rows["bias"] = torch.zeros(1, len(blocks), self.block_size, device=self.device)

@@ -206,12 +206,13 @@ class StoreViews:
     def decoded_with_tail(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """FP32 keys and values ``[Hkv, n, B, d]`` of every block with the partial tail block
         (zero-padded) last, from the decoded mirror (no copy: the values a view of its
-        block-major ``[n, Hkv, B, d]``; the keys None where a lean mirror keeps none);
+        block-major ``[n, Hkv, B, d]``; keys or values None where a lean mirror keeps none);
         ``None`` without a mirror."""
         if self._mirror is None:
             return None
         view = self._mirror.view(1 if self.tail_len else 0)
-        return view.get("k"), view["v"][0].transpose(0, 1)  # values kept block-major
+        values = view.get("v")  # kept block-major
+        return view.get("k"), None if values is None else values[0].transpose(0, 1)
 
     def original_keys(self) -> torch.Tensor:
         """FP32 ``[Hkv, n, B, d]``: the FP16 original keys of every block with the partial tail

@@ -134,7 +134,7 @@ class StepLayout:
         """FP32 ``[Hkv, n, B, d]`` reconstructed values (exact tail block last): the decoded
         mirror's, else decoded now."""
         mirrored = self.store.decoded_with_tail()
-        if mirrored is not None:
+        if mirrored is not None and mirrored[1] is not None:
             return mirrored[1]
         return self._with_tail(self.store.dequantized_values(), 1)
 

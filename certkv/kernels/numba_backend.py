@@ -32,6 +32,7 @@ import torch
 from certkv.certify.checks import CANARY_REL
 from certkv.certify.fused_cpu import AVAILABLE, as_array, decode_half, jit, prange, use_threads
 from certkv.kernels import numba_dense
+from certkv.kernels import numba_values as nv
 from certkv.kernels.numba_logits import gated_logits, int8_keys, key_logits
 from certkv.kernels.reference import (
     LOG2E,
@@ -246,23 +247,27 @@ def _block_product(w, alpha, block, o):
 def _chunk_values(kv, chunk, weights, alphas, values, vslot, pool, part, o_b, block16):
     """Kv head ``kv``'s share of the weighted value sums over the blocks of ``chunk`` (the
     first level of the two-level sum over blocks: ``SUM_CHUNK`` blocks): each value block read
-    once for the ``G`` query heads of the kv head (block ``b`` from ``values [n, Hkv, B, d]``,
-    or, staged, the FP16 bits at row ``vslot[kv, b]`` of ``pool [P, B, d]`` converted into
-    ``block16 [B, d]``), each head's per-block product of ``B`` terms with its weights
-    ``weights[g] [n, B]`` rescaled by ``alphas [G, n]``, summed over the chunk's blocks into
-    ``part [G, d]``. Scratch: ``o_b [G, d]``."""
+    once for the ``G`` query heads of the kv head (block ``b`` from the value sources
+    ``values``, :func:`~certkv.kernels.numba_values.load`, or, staged, the FP16 bits at row
+    ``vslot[kv, b]`` of ``pool [P, B, d]`` converted into ``block16 [B, d]``), each head's
+    per-block product of ``B`` terms with its weights ``weights[g] [n, B]`` rescaled by
+    ``alphas [G, n]``, summed over the chunk's blocks into ``part [G, d]``. Scratch: ``o_b [G,
+    d]``."""
     group = part.shape[0]
     part[:] = 0.0
+    bsz, d = block16.shape
+    scale, offset = np.empty((2, bsz, d // values[7]), _F32)  # decoded per-group FP16 scales
     for b in range(chunk * SUM_CHUNK, min((chunk + 1) * SUM_CHUNK, vslot.shape[1])):
         row = vslot[kv, b]
         if row >= 0:
             decode_half(pool[row], block16)
-        block = values[b, kv] if row < 0 else block16
+            block, permuted = block16, False
+        else:
+            block, permuted = nv.load(kv, b, values, block16, scale, offset)
         o_b[:] = 0.0
         for g in range(group):
             _block_product(weights[g][b], alphas[g, b], block, o_b[g])
-        for g in range(group):
-            part[g] += o_b[g]
+        nv.add_block(part, o_b, permuted)
 
 
 @jit
@@ -328,9 +333,11 @@ def _attend(group, s8, s16, state, gate, delta_b, eps_guard, values, staged_kv, 
             staged_row, pool, checks, out, rho, log_mass, spread, canary, flags):
     """Phase 2 over every query head (``[H, ...]`` per head, head ``h`` reading kv head
     ``h // group``) from the INT8 and FP16-key logits ``s8, s16 [H, n, B]`` (``s16`` read
-    where ``gate [H, n]`` is set); the FP16 values at row ``staged_row[i]`` of ``pool [P, B,
-    d]`` (their bits, int16: the scratch cache or Tier-2 in place) replace block
-    ``staged_blk[i]`` of kv head ``staged_kv[i]``; ``checks``: ``(l8, delta_b,
+    where ``gate [H, n]`` is set); the values from their sources ``values``
+    (:func:`~certkv.kernels.numba_values.sources`: a decoded mirror, or the codes in place);
+    the FP16 values at row ``staged_row[i]`` of ``pool [P, B, d]`` (their bits, int16: the
+    scratch cache or Tier-2 in place) replace block ``staged_blk[i]`` of kv head
+    ``staged_kv[i]``; ``checks``: ``(l8, delta_b,
     promoted, quantized, r)`` or an empty ``r < 1`` for none, flags ``[2, H]`` (ranking,
     boundary).
 
@@ -402,9 +409,10 @@ class NumbaBackend(TorchBackend):
         return None
 
     def decoded_mirror(self, device: torch.device) -> bool | str:
-        """``"lean"`` where the loop nests run: they decode INT8 key codes and read the FP16
-        originals (Tier-2, the tail buffer) in place, so the mirror keeps the values, key
-        bounds and slot bias only (:func:`~certkv.cache.mirror.mirror_fields`)."""
+        """``"lean"`` where the loop nests run: they decode INT8 key codes (and 4-bit group
+        value codes) and read the FP16 originals (Tier-2, the tail buffer) in place, so the
+        mirror keeps the key bounds and slot bias, and the values of other value codecs
+        (:func:`~certkv.cache.mirror.mirror_fields`)."""
         return "lean" if self._fused(device) else super().decoded_mirror(device)
 
     def phase1(self, q, lay, scaling) -> Scored:
@@ -459,7 +467,7 @@ class NumbaBackend(TorchBackend):
         use_threads(torch.get_num_threads())
         _attend(group, s8, s16, state,
                 as_array(gate.reshape(hq, n)), as_array(scored.delta_b.reshape(hq, n)),
-                _F32(eps_guard), as_array(lay.values.transpose(0, 1)), *_staged(values, lay.store),
+                _F32(eps_guard), nv.sources(lay.store, lay), *_staged(values, lay.store),
                 _check_args(checks, hq, n), out, *per_block, canary, flags)
         rho, log_mass, spread = torch.from_numpy(per_block).view(3, hkv, group, n).unbind()
         att = Attended(out=torch.from_numpy(out).view(hkv, group, d), rho=rho,

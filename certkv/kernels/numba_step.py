@@ -31,6 +31,7 @@ from certkv.certify import fused_cpu, fused_select
 from certkv.certify.fused_cpu import as_array, jit, kept_array, kept_bits, use_threads
 from certkv.kernels import numba_backend as nb
 from certkv.kernels import numba_logits as nl
+from certkv.kernels import numba_values as nv
 
 _F32 = np.float32
 QUERY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # exact in FP32 and FP64
@@ -94,7 +95,7 @@ def run(attention, q: torch.Tensor, qg: torch.Tensor, lay, scaling: float, spec,
         kept_array(lay.quantized), per_kv, as_array(lay.v_max), as_array(lay.v_radius),
         fused_select.params(attention.selector, ladder, attention.value_policy, scaling,
                             lay.num_quantized), int(lay.num_quantized),
-        (*nl._original_keys(store), store.num_blocks), as_array(lay.values.transpose(0, 1)),
+        (*nl._original_keys(store), store.num_blocks), nv.sources(store, lay),
         pool, width, _F32(ladder.eps_guard), checks,
         (ladder.ranking_check, ladder.boundary_check),
         kept_array(store.key_abs_max()), kept_array(store.value_error_max()),
@@ -119,9 +120,10 @@ def _step(group, q, scaling, keys, bias, bound, quantized, per_kv, v_max, v_rad,
     sources (:func:`numba_logits._key_logits` from ``slot`` to ``fill``); ``bias [n, B]``;
     ``bound [Hkv, n, d]``; ``quantized [n]``; ``per_kv [4, Hkv, n]``: ``eta, value_spec,
     key_err, key_spec``; ``v_max, v_rad [Hkv]``; ``originals``: the FP16 original keys'
-    bits ``[R, B, d]``, their row width and the completed block count; ``values [n, Hkv, B,
-    d]`` the decoded mirror's; ``pool [R, B, d]`` the FP16 original values' bits at row
-    ``kv * width + b``; ``r`` the checks' top-``r`` (0: none), ``wanted`` (ranking, boundary);
+    bits ``[R, B, d]``, their row width and the completed block count; ``values``: the value
+    sources (:func:`~certkv.kernels.numba_values.sources`); ``pool [R, B, d]`` the FP16
+    original values' bits at row ``kv * width + b``; ``r`` the checks' top-``r`` (0: none),
+    ``wanted`` (ranking, boundary);
     ``key_abs_max [Hkv, d]``, ``eta_max [Hkv]``; ``par, weights``: the certificate's scalars;
     ``rung_par``: (non-finite appended K/V, the output dtype's cast limit, the canary on,
     the layer-dense head count).

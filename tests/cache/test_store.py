@@ -327,11 +327,12 @@ def test_a_decode_tokens_fused_append_matches_the_torch_path(monkeypatch, mirror
 
 
 def test_a_lean_mirror_keeps_what_the_cpu_loops_read():
-    """``decoded_mirror="lean"`` keeps the values, key bounds and slot bias where every block's
-    keys are the one INT8 precision's codes or exact windows (the CPU loops decode the codes
-    and read FP16 originals in place): about a third of the whole mirror. Other key codecs,
-    protected words, eviction or a store without Tier-2 keep the whole mirror; an unknown kind
-    and dropping the originals a lean mirror reads name the fix."""
+    """``decoded_mirror="lean"`` keeps the key bounds and slot bias only where every block's
+    keys are the one INT8 precision's codes or exact windows and its values the one 4-bit
+    group precision's or exact (the CPU loops decode the codes and read FP16 originals in
+    place): under 5% of the whole mirror; other value codecs add the decoded values. Other key
+    codecs, protected words, eviction or a store without Tier-2 keep the whole mirror; an
+    unknown kind and dropping the originals a lean mirror reads name the fix."""
     from certkv.evict import SnapKVEviction
     from certkv.quant import KVQuantizer
     from certkv.quant.protect.protection import Protection
@@ -344,11 +345,14 @@ def test_a_lean_mirror_keeps_what_the_cpu_loops_read():
         store.append(k, v)
         sizes[kind] = store.workspace_bytes()
         assert len(store.decoded_with_tail()) == 2
-    assert store._mirror_fields == ("v", "bound", "bias")
-    assert store.decoded_with_tail()[0] is None
+    assert store._mirror_fields == ("bound", "bias")
+    assert store.decoded_with_tail()[0] is None and store.decoded_with_tail()[1] is None
     assert torch.equal(store.original_keys()[:, :12],
                        k[:, :192].half().float().view(2, 12, 16, 32))
-    assert sizes["lean"] < 0.36 * sizes[True]
+    assert sizes["lean"] < 0.05 * sizes[True]
+    two_bit = TieredKVStore(2, 32, value_codec=GroupAffineValueCodec(bits=2),
+                            decoded_mirror="lean")
+    assert two_bit._mirror_fields == ("v", "bound", "bias")
     for kwargs in ({"key_codec": ChannelAffineKeyCodec(bits=4)}, {"keep_originals": False},
                    {"quantizer": KVQuantizer().with_protection(Protection("hamming84"))},
                    {"quantizer": KVQuantizer().with_eviction(SnapKVEviction(budget=0.3))}):

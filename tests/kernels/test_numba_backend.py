@@ -293,8 +293,10 @@ def test_a_nonfinite_query_raises_as_on_the_reference():
 
 @pytest.mark.parametrize("backend", ["numba", "torch"])
 def test_a_lean_mirror_gives_the_whole_mirrors_steps(backend):
-    """A store with a lean decoded mirror (no decoded or FP32 original keys: Phase 1 reads
-    the exact sink and residual windows' keys from Tier-2, the tail's from its buffer) gives
+    """A store with a lean decoded mirror (no decoded keys, values or FP32 original keys:
+    Phase 1 reads the exact sink and residual windows' keys from Tier-2, the tail's from its
+    buffer, Phase 2 decodes the 4-bit value codes in place and reads the exact windows' and
+    the tail's values as FP16) gives
     every step of the whole mirror's, output and certificate bit for bit, as decode tokens
     fill the tail, complete a block and age one out of the window; the reference decodes what
     the lean mirror leaves out."""
@@ -316,4 +318,4 @@ def test_a_lean_mirror_gives_the_whole_mirrors_steps(backend):
         for store in stores.values():
             store.append(k[:, t:t + 1], v[:, t:t + 1])
     assert stores["lean"].num_blocks == 14 and stores["lean"]._table.held() == [0, 1]
-    assert stores["lean"]._mirror_fields == ("v", "bound", "bias")
+    assert stores["lean"]._mirror_fields == ("bound", "bias")  # values decoded in place
