@@ -3,14 +3,15 @@ group codes decoded in place, block by block, instead of an FP32 copy of every v
 
 A store whose value codecs are the one 4-bit group codec (the default ``int8_int4``) and exact
 windows, unprotected and keeping its FP16 originals, keeps no decoded values
-(:func:`~certkv.cache.mirror.values_in_place`): Phase 2 reads 0.28 bytes per value
-(codes, FP16 scale and offset per group of 32) instead of 4, and the store holds about 0.6x a
-dense FP16 cache besides Tier-2, not 1.6x. A quantized block is decoded once per kv head and step
-for the ``G`` query heads that read it, with its channels de-interleaved (the low nibbles' then
-the high nibbles', so that the loops vectorise): :func:`load` says so and the value sum adds the
-block's products back in channel order, each channel's sum over the block's tokens taken in the
-same order as from a mirror. Decoding is the codec's own ``code * s + o`` in FP32, so the values
-are the whole mirror's bit for bit and so is every step. Exact windows and the tail block come from their FP16 bits (Tier-2 rows, the tail buffer).
+(:func:`~certkv.cache.mirror.values_in_place`): Phase 2 reads 0.6-0.75 bytes per value (4-bit
+codes, an FP16 scale and offset per group of 16 or 32) instead of 4, and the store holds about
+0.6x a dense FP16 cache besides Tier-2, not 1.6x. A quantized block is decoded once per kv head
+and step for the ``G`` query heads that read it, with its channels de-interleaved (the low
+nibbles' then the high nibbles', so that the loops vectorise): :func:`load` says so and the
+value sum adds the block's products back in channel order, each channel's sum over the block's
+tokens taken in the same order as from a mirror. Decoding is the codec's own ``code * s + o`` in
+FP32, so the values are the whole mirror's bit for bit and so is every step. Exact windows and
+the tail block come from their FP16 bits (Tier-2 rows, the tail buffer).
 """
 
 from __future__ import annotations
