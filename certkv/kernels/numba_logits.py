@@ -160,13 +160,13 @@ def int8_keys(store) -> tuple | None:
     counts = (store.num_blocks, store.tail_len > 0)
     parts = tuple(x for group in groups for x in group)  # precisions, codes, blocks, slots
     cached = _CODES.get(store)
-    if cached is None or cached[0] != counts or not _same_objects(cached[1], parts):
+    if cached is None or cached[0] != counts or not same_objects(cached[1], parts):
         cached = (counts, parts, _int8_keys(store, groups))
         _CODES[store] = cached
     return cached[2]
 
 
-def _same_objects(a: tuple, b: tuple) -> bool:
+def same_objects(a: tuple, b: tuple) -> bool:
     """Whether ``a`` and ``b`` hold the same objects in the same order (identity, not ``==``:
     tensors compare elementwise)."""
     return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))

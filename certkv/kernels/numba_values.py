@@ -24,9 +24,10 @@ import torch
 from certkv.cache.blocks import head_rows
 from certkv.cache.mirror import values_in_place
 from certkv.certify.fused_cpu import as_array, decode_half, jit, kept_bits
+from certkv.kernels.numba_logits import same_objects
 
 _F32 = np.float32
-_SOURCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # store -> (key, codes)
+_SOURCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # store -> (counts, parts, codes)
 
 
 def sources(store, lay) -> tuple:
@@ -54,12 +55,13 @@ def _codes(store) -> tuple:
     """The in-place part of :func:`sources` (made again when the block count, the tail's
     presence or the store's value buffers change)."""
     groups = store.block_groups("value")
-    key = (store.num_blocks, store.tail_len > 0, tuple(id(x) for g in groups for x in g[1:]))
+    counts = (store.num_blocks, store.tail_len > 0)
+    parts = tuple(x for group in groups for x in group[1:])  # codes, blocks, slots
     cached = _SOURCES.get(store)
-    if cached is None or cached[0] != key:
-        cached = key, _in_place_codes(store, groups)
+    if cached is None or cached[0] != counts or not same_objects(cached[1], parts):
+        cached = counts, parts, _in_place_codes(store, groups)  # parts kept: ids stay unique
         _SOURCES[store] = cached
-    slot, codes, scale, offset, width, group = cached[1]
+    slot, codes, scale, offset, width, group = cached[2]
     v16, vwidth = (store.original_rows()[1:] if store.num_blocks else (None, 0))
     bits = _NO_BITS if v16 is None else kept_bits(v16)
     return (slot, codes, scale, offset, width, group, bits, vwidth, store.num_blocks,
