@@ -91,15 +91,14 @@ class QuantizedStep:
         """Dense attention for query ``heads`` (host indices) on their kv heads' FP16
         originals (rungs 3-4): read in place where the backend can
         (:meth:`~certkv.kernels.base.Backend.dense_rows`), else gathered."""
-        group = q.shape[0] // store.num_kv_heads
-        out = self.backend.dense_rows(q[heads.to(q.device)], heads // group, store, scaling)
+        out = self.backend.dense_rows(q, heads, store, scaling)
         if out is not None:
             return out.to(q.dtype)
         if heads.numel() == q.shape[0]:  # the whole layer: GQA inside SDPA, no gather
             k16, v16 = store.dense_kv()
             return self.backend.dense(q, k16, v16, scaling)
-        # host indices (after the read)
-        kv_heads, gather = torch.unique(heads.cpu() // group, return_inverse=True)
+        kv_heads, gather = torch.unique(heads.cpu() // (q.shape[0] // store.num_kv_heads),
+                                        return_inverse=True)  # host indices (after the read)
         k16, v16 = store.dense_kv(kv_heads)
         gather = gather.to(k16.device, non_blocking=True)
         return self.backend.dense(q[heads.to(q.device)], k16[gather], v16[gather], scaling)

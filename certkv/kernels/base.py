@@ -75,11 +75,11 @@ class Backend(ABC):
         without a host read)."""
         return False
 
-    def dense_rows(self, q, kv_of, store, scaling):
-        """Dense attention ``[m, d]`` of query rows ``q [m, d]`` (row ``i`` on kv head
-        ``kv_of[i]``, host indices) over the store's FP16 originals read in place, in the host
-        fallback's rounding chain (:func:`~certkv.kernels.reference.dense_rounding`); None
-        where this backend does not (the caller gathers the originals for :meth:`dense`)."""
+    def dense_rows(self, q, heads, store, scaling):
+        """Dense attention ``[m, d]`` of the query ``heads [m]`` (indices) of ``q [Hq, d]``
+        over the store's FP16 originals read in place, in the host fallback's rounding chain
+        (:func:`~certkv.kernels.reference.dense_rounding`); None, at no cost, where this
+        backend does not (the caller gathers the originals for :meth:`dense`)."""
         return None
 
     def dense_flagged(self, q, flags, store, out, scaling):

@@ -401,12 +401,14 @@ class NumbaBackend(TorchBackend):
         would copy them into; the cache still counts them); else the reference's."""
         return "kv" if self._fused(store.device) else super().in_place(store)
 
-    def dense_rows(self, q, kv_of, store, scaling):
+    def dense_rows(self, q, heads, store, scaling):
         """Rungs 3-4 over the FP16 originals in place where the loop nests run
         (:mod:`~certkv.kernels.numba_dense`); else the caller's gather."""
-        if self._fused(store.device) and numba_dense.covers(store, q):
-            return numba_dense.dense_rows(q, kv_of, store, scaling)
-        return None
+        if not (self._fused(store.device) and numba_dense.covers(store, q)):
+            return None
+        heads = heads.cpu()
+        return numba_dense.dense_rows(q[heads], heads // (q.shape[0] // store.num_kv_heads),
+                                      store, scaling)
 
     def decoded_mirror(self, device: torch.device) -> bool | str:
         """``"lean"`` where the loop nests run: they decode INT8 key codes (and 4-bit group

@@ -22,7 +22,6 @@ import numpy as np
 import torch
 
 from certkv.cache.blocks import head_rows
-from certkv.cache.mirror import values_in_place
 from certkv.certify.fused_cpu import as_array, decode_half, jit, kept_bits
 from certkv.kernels.numba_logits import same_objects
 
@@ -34,15 +33,15 @@ def sources(store, lay) -> tuple:
     """What :func:`load` reads for ``lay``'s blocks: ``(mirror [n, Hkv, B, d] FP32, has
     mirror, slot [n], codes [R, B, d/2], scale, offset [R, B, d/g] (FP16 bits), W, g, value
     originals' bits [R', B, d], W', completed blocks, tail bits [Hkv, B, d])``: the decoded
-    values where the store keeps them (or decodes them now: a store without a mirror), else
-    the codes in place (``slot[b]`` block ``b``'s row in them, -1 elsewhere)."""
+    values where the store keeps them (or decodes them now: a store without a mirror), else,
+    where a lean mirror keeps none (:func:`~certkv.cache.mirror.values_in_place`), the codes in
+    place (``slot[b]`` block ``b``'s row in them, -1 elsewhere)."""
     mirrored = store.decoded_with_tail()
-    if mirrored is not None and mirrored[1] is not None:
-        return as_array(mirrored[1].transpose(0, 1)), True, *_NO_CODES
-    if mirrored is None or not values_in_place(store.precisions, store.protection.enabled,
-                                               store.keep_originals):
+    if mirrored is None:  # no mirror: decoded now
         return as_array(lay.values.transpose(0, 1)), True, *_NO_CODES
-    return _NO_MIRROR, False, *_codes(store)
+    if mirrored[1] is not None:
+        return as_array(mirrored[1].transpose(0, 1)), True, *_NO_CODES
+    return _NO_MIRROR, False, *_codes(store)  # a lean mirror keeps none where they are 4-bit
 
 
 _NO_MIRROR = np.zeros((1, 1, 1, 1), _F32)
