@@ -404,11 +404,9 @@ class NumbaBackend(TorchBackend):
     def dense_rows(self, q, heads, store, scaling):
         """Rungs 3-4 over the FP16 originals in place where the loop nests run
         (:mod:`~certkv.kernels.numba_dense`); else the caller's gather."""
-        if not (self._fused(store.device) and numba_dense.covers(store, q)):
-            return None
-        heads = heads.cpu()
-        return numba_dense.dense_rows(q[heads], heads // (q.shape[0] // store.num_kv_heads),
-                                      store, scaling)
+        if self._fused(store.device) and numba_dense.covers(store, q):
+            return numba_dense.dense_heads(q, heads, store, scaling)
+        return None
 
     def decoded_mirror(self, device: torch.device) -> bool | str:
         """``"lean"`` where the loop nests run: they decode INT8 key codes (and 4-bit group

@@ -32,6 +32,13 @@ def covers(store, q: torch.Tensor) -> bool:
     return AVAILABLE and store.device.type == "cpu" and q.dtype != torch.float64
 
 
+def dense_heads(q: torch.Tensor, heads: torch.Tensor, store, scaling: float) -> torch.Tensor:
+    """:func:`dense_rows` of the query ``heads [m]`` (indices) of ``q [Hq, d]``, each on its
+    kv head."""
+    heads = heads.cpu()
+    return dense_rows(q[heads], heads // (q.shape[0] // store.num_kv_heads), store, scaling)
+
+
 def dense_rows(q: torch.Tensor, kv_of: torch.Tensor, store, scaling: float) -> torch.Tensor:
     """Dense attention ``[m, d]`` FP32 of query rows ``q [m, d]``, row ``i`` on kv head
     ``kv_of[i]`` (host int64), over every token of ``store`` (:func:`covers`)."""
