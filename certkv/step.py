@@ -1,8 +1,8 @@
 """The quantized decode step of :class:`~certkv.attention.CertifiedAttention`, top to bottom
 (paper Algorithm 1): the layout, Phase 1 (INT8 scores), the selection (rung 1 and the value
 promotions of rung 2), page-in, Phase 2 (gated keys, FP16 values), the ranking and boundary
-checks, the certificate (eq. 15, Cor. 4.2) and the fallback (rungs 3-4), each a call on named
-inputs and outputs: :class:`~certkv.certify.segment.SelectInputs` ->
+checks, the certificate (eq. 15, Cor. 4.2) and the fallback (rungs 3-4, :mod:`certkv.fallback`),
+each a call on named inputs and outputs: :class:`~certkv.certify.segment.SelectInputs` ->
 :class:`~certkv.certify.segment.Selection`, :class:`~certkv.kernels.page_in.PagedIn`,
 :class:`~certkv.certify.segment.CertifyInputs` -> :class:`~certkv.certify.segment.CertifyOutputs`
 -> :class:`~certkv.certify.step_certify.StepPass`.
@@ -30,21 +30,20 @@ from certkv.cache.appending import NONFINITE_KV
 from certkv.cache.device_scratch import slot_maps
 from certkv.cache.store import TieredKVStore
 from certkv.certify import fused_cpu, fused_select
-from certkv.certify.arith import U32, ArithSpec, as_tensors, dense_arith, step_coefficients
-from certkv.certify.certificate import BlockStats, Certificate
+from certkv.certify.arith import U32, ArithSpec, as_tensors, step_coefficients
+from certkv.certify.certificate import BlockStats
 from certkv.certify.dropped import dropped_error, dropped_mass
 from certkv.certify.segment import CertifyInputs, CertifyOutputs, SelectInputs, Selection
 from certkv.certify.step_certify import StepPass, certify_fused, certify_step
 from certkv.certify.step_select import select_step
-from certkv.errors import ConfigError, NonFiniteError, require
+from certkv.errors import NonFiniteError, require
+from certkv.fallback import NONFINITE_Q, Fallback, record_faults
 from certkv.kernels import numba_step
 from certkv.kernels.compiled import CompiledSegment
 from certkv.kernels.layout import StepLayout
 from certkv.kernels.page_in import NOTHING, PagedIn, on_device, stage_blocks, tier2_stage
 from certkv.kernels.reference import CheckInputs, dense_rounding, without_blocks
 from certkv.timing import NULL_TIMER, PhaseTimer
-
-NONFINITE_Q = "q holds NaN or Inf; check the model's activations before attention."
 
 TOL_LEVELS = 3  # bound-tolerance escalation: 1 widest key set, 2 + FP16 values, 3 dense
 
@@ -61,7 +60,7 @@ class _Step(NamedTuple):
     timer: PhaseTimer
 
 
-class QuantizedStep:
+class QuantizedStep(Fallback):
     """The naive and certified steps and their fallback (see the module); the base class of
     :class:`~certkv.attention.CertifiedAttention`, whose fields it reads."""
 
@@ -79,29 +78,6 @@ class QuantizedStep:
                          rounding=rounding, dense_rounding=dense, dense_u=dense_u,
                          value_decode=store.value_decode_rounding())
         return self._specs.setdefault(spec, spec)
-
-    @staticmethod
-    def _dense_arith(spec: ArithSpec, q, store: TieredKVStore) -> torch.Tensor:
-        """E_arith ``[Hq]`` of the dense path (device ops only)."""
-        v_max = store.value_norm_max().repeat_interleave(q.shape[0] // store.num_kv_heads)
-        return dense_arith(spec, store.num_tokens, q=q, key_abs_max=store.key_abs_max(),
-                           v_max=v_max)
-
-    def _dense_heads(self, q, store, heads, scaling):
-        """Dense attention for query ``heads`` (host indices) on their kv heads' FP16
-        originals (rungs 3-4): read in place where the backend can
-        (:meth:`~certkv.kernels.base.Backend.dense_rows`), else gathered."""
-        out = self.backend.dense_rows(q, heads, store, scaling)
-        if out is not None:
-            return out.to(q.dtype)
-        if heads.numel() == q.shape[0]:  # the whole layer: GQA inside SDPA, no gather
-            k16, v16 = store.dense_kv()
-            return self.backend.dense(q, k16, v16, scaling)
-        kv_heads, gather = torch.unique(heads.cpu() // (q.shape[0] // store.num_kv_heads),
-                                        return_inverse=True)  # host indices (after the read)
-        k16, v16 = store.dense_kv(kv_heads)
-        gather = gather.to(k16.device, non_blocking=True)
-        return self.backend.dense(q[heads.to(q.device)], k16[gather], v16[gather], scaling)
 
     # -------------------------------------------------------- quantized modes
     def _quantized_step(self, q, store, scaling, scratch=None):
@@ -136,7 +112,7 @@ class QuantizedStep:
             result.add_key_error(e_drop)
         cert = result.certificate(e_arith, self.mode, boost)
         if store.protection.enabled:
-            _record_faults(cert, store)
+            record_faults(cert, store)
         return out, cert
 
     def _passes(self, step: _Step, scored, e_drop, tolerant):
@@ -425,40 +401,6 @@ class QuantizedStep:
         over = flags[hq + 2:] & ~dense if over is not None else dense[:0]
         return dense.nonzero(as_tuple=True)[0], over.nonzero(as_tuple=True)[0]
 
-    def _on_device(self, q, tolerant) -> bool:
-        """Whether rungs 3-4 run on the device from the flags in place (``device_fallback``)."""
-        possible = (self.backend.falls_back_on_device and q.dtype != torch.float64
-                    and not tolerant)
-        if self.device_fallback is None:
-            return possible
-        require(possible or not self.device_fallback, ConfigError,
-                "device_fallback=True needs backend=triton, a query in FP32 or lower precision "
-                "and no ladder.bound_tol / bound_rtol; use device_fallback=null.")
-        return self.device_fallback
-
-    def _fallback_on_device(self, q, store, step: StepPass, scaling):
-        """Rungs 3-4 without a host read: the backend's one-launch kernel writes dense
-        attention into the flagged heads' rows (``step.flags [Hq + 2]``), ``e_arith`` takes the
-        kernel's own rounding chain there and a step with non-finite ``q`` or appended K/V gets
-        ``e_arith = inf`` (an invalid certificate; ``step.cert.e_final``, from the certificate
-        segment: :func:`~certkv.certify.step_certify.device_arith`, arith item 7) and is
-        remembered for :meth:`synchronize`."""
-        hq = q.shape[0]
-        bad = step.flags[hq:]
-        out = self.backend.dense_flagged(q, step.flags[:hq], store, step.out.contiguous(),
-                                         scaling)  # written in place: the pass's own output
-        self._nonfinite_flags(bad.device).logical_or_(bad)  # in place: replays accumulate
-        return out.to(q.dtype), step.cert.e_final
-
-    def _nonfinite_flags(self, device: torch.device) -> torch.Tensor:
-        """bool ``[2]`` on ``device``: non-finite ``q``, appended K/V since the last
-        :meth:`synchronize` (one tensor, updated in place, so that steps captured in a graph
-        set it too; made outside inference mode so that either mode may clear it)."""
-        if self._nonfinite is None or self._nonfinite.device != device:
-            with torch.inference_mode(False):
-                self._nonfinite = torch.zeros(2, dtype=torch.bool, device=device)
-        return self._nonfinite
-
     def synchronize(self) -> None:
         """Raise the non-finite inputs of the steps since the last call (one host read), as
         the steps themselves do where the fallback reads its flags on the host."""
@@ -468,28 +410,6 @@ class QuantizedStep:
         self._nonfinite.zero_()
         require(not bad_q, NonFiniteError, NONFINITE_Q)
         require(not bad_kv, NonFiniteError, NONFINITE_KV)
-
-    def _fallback(self, q, store, step: StepPass, heads, scaling):
-        """The pass's FP32 output cast to ``q``'s dtype, with rungs 3-4 (dense attention on the
-        FP16 originals) written in for the query ``heads`` (host indices), and its ``e_arith``
-        with the dense path's bound on those heads."""
-        out, e_arith, spec = step.out.to(q.dtype), step.cert.e_arith, step.spec
-        if heads.numel() == 0:
-            return out, e_arith
-        out = out.clone() if out.dtype == torch.float32 else out
-        dev_heads = heads.to(out.device, non_blocking=True)
-        out[dev_heads] = self._dense_heads(q, store, heads, scaling)
-        e_arith = e_arith.clone()
-        e_arith[dev_heads] = self._dense_arith(spec, q, store)[dev_heads]
-        return out, e_arith
-
-
-def _record_faults(cert: Certificate, store: TieredKVStore) -> None:
-    """The store's fault counts since the last step, and whether its protection covers them."""
-    counts = store.fault_counts()
-    for name in ("corrected_words", "erased_words", "corrupted_blocks"):
-        setattr(cert, name, counts[name])
-    cert.faults_covered = store.protection.covers_faults
 
 
 def _counted_tokens(lay: StepLayout, on_device: bool) -> int:
