@@ -7,7 +7,12 @@ Every method runs on the same prompts as the dense reference, so comparisons are
 * :func:`bootstrap_mean`, :func:`paired_bootstrap_delta`, :func:`clustered_bootstrap_delta` --
   percentile bootstrap CIs (Efron & Tibshirani 1993, ch. 13) with 10,000 resamples and seed
   20260425; grouped analyses offset the seed with :func:`seed_for`.
-* :func:`t_interval` -- Student-t CI of a mean, e.g. of per-window delta perplexity.
+* :func:`t_interval` -- Student-t CI of a mean; :func:`paired_perplexity_delta` -- Student-t CI
+  of the difference of two perplexities pooled over paired windows (exp of total NLL over total
+  tokens), the estimate exactly the difference of the pooled values.
+
+One sample gives no interval: every function returns ``[-inf, inf]`` for it (a report prints
+"no CI"), never a zero-width interval that would read as certainty.
 
 All functions take plain sequences (lists, tuples, numpy arrays) and return frozen dataclasses.
 """
@@ -203,15 +208,15 @@ def _percentile_bootstrap(values: np.ndarray, codes: np.ndarray, units: int, *, 
 
     ``codes[i]`` in ``0..units-1`` names the unit of item ``i``. The interval is the
     ``(1-level)/2`` and ``(1+level)/2`` quantiles (numpy's linear interpolation) of the
-    replicate means (Efron & Tibshirani 1993, percentile method). A constant sample or a single
-    unit gives the degenerate interval ``[mean, mean]``.
+    replicate means (Efron & Tibshirani 1993, percentile method). A constant sample gives the
+    degenerate interval ``[mean, mean]``; a single unit gives none (``[-inf, inf]``).
     """
+    if units == 1:  # one unit: every replicate is the sample itself, which says nothing
+        return Interval(float(values.mean()), -math.inf, math.inf, units, "bootstrap")
     if np.ptp(values) == 0:  # exact: no rounding of the mean of identical values
         value = float(values[0])
         return Interval(value, value, value, units, "bootstrap")
     estimate = float(values.mean())
-    if units == 1:
-        return Interval(estimate, estimate, estimate, units, "bootstrap")
     sums = np.bincount(codes, weights=values, minlength=units)
     sizes = np.bincount(codes, minlength=units).astype(np.float64)
     means = _resampled_means(sums, sizes, np.random.default_rng(seed), resamples)
@@ -262,6 +267,45 @@ def paired_bootstrap_delta(reference: Sequence[float], method: Sequence[float], 
     codes = np.arange(deltas.shape[0])
     return _percentile_bootstrap(deltas, codes, deltas.shape[0], seed=seed,
                                  resamples=resamples, level=level)
+
+
+def paired_perplexity_delta(reference: Sequence[tuple[float, float]],
+                            method: Sequence[tuple[float, float]],
+                            level: float = 0.95) -> Interval:
+    """CI of ``ppl(method) - ppl(reference)`` for perplexities pooled over paired windows.
+
+    Inputs: per window, ``(nll, tokens)`` of the reference (dense) and of the method, the same
+    windows in the same order. A pooled perplexity is ``exp(sum nll / sum tokens)`` (what a
+    perplexity table prints as the value), and ``ppl(method) = ppl(reference) * exp(x)`` exactly,
+    with ``x = sum(nll_m - nll_r) / sum(tokens)`` the token-weighted mean of the windows'
+    per-token NLL differences ``d_i``. The interval is Student's t on ``x`` (``n - 1`` degrees
+    of freedom; standard error of the weighted mean, ``sqrt(n / (n - 1) sum w_i^2 (d_i - x)^2)``
+    with ``w_i`` the windows' token shares: ``s / sqrt(n)`` for equal windows), mapped through
+    ``ppl(reference) * (exp(.) - 1)``, which is monotone: the reference's windows are the paired
+    design's fixed prompts. The estimate is exactly the difference of the two printed values;
+    one window gives no interval (``[-inf, inf]``). A t-interval, not a bootstrap: with the few
+    windows a CPU affords (3), a percentile bootstrap has ten distinct resamples and claims far
+    more than it knows. Output: ``Interval(estimate, low, high, n=windows, method="t")``.
+    """
+    _check_level(level)
+    ref, mine = (np.asarray(x, dtype=np.float64).reshape(-1, 2) for x in (reference, method))
+    if ref.shape != mine.shape or ref.shape[0] == 0:
+        raise CertKVError(f"reference and method hold {ref.shape[0]} and {mine.shape[0]} "
+                          "windows; pass the same non-empty windows for both.")
+    if (ref[:, 1] <= 0).any() or (ref[:, 1] != mine[:, 1]).any():
+        raise CertKVError("every window must count at least one token, the same for both "
+                          "methods; pair the windows the two scored.")
+    n, tokens = ref.shape[0], ref[:, 1]
+    base = math.exp(ref[:, 0].sum() / tokens.sum())
+    per_token = (mine[:, 0] - ref[:, 0]) / tokens  # d_i
+    weights = tokens / tokens.sum()
+    x = float((weights * per_token).sum())
+    estimate = base * math.expm1(x)
+    if n == 1:
+        return Interval(estimate, -math.inf, math.inf, 1, "t")
+    sem = math.sqrt(n / (n - 1) * float((weights**2 * (per_token - x) ** 2).sum()))
+    half = float(sp_stats.t.ppf((1.0 + level) / 2.0, n - 1)) * sem
+    return Interval(estimate, base * math.expm1(x - half), base * math.expm1(x + half), n, "t")
 
 
 def _cluster_codes(clusters: Sequence[Hashable]) -> tuple[np.ndarray, int]:

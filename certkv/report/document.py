@@ -91,15 +91,22 @@ def build_report(paths: list[str | Path]) -> Report:
     return Report(title, runs, [t for t in found if t is not None and t.rows])
 
 
-def write_report(report: Report, out_dir: str | Path) -> Path:
-    """Write ``README.md``, ``figures/*.png`` and ``report.json`` under ``out_dir``; returns
-    the README's path. Figures need matplotlib (skipped, and said so, without it)."""
-    out = Path(out_dir)
+def markdown_lines(report: Report) -> list[str]:
+    """The README's text before its figures: title, partial-run notes, provenance, tables
+    (what ``tests/report/test_committed_reports.py`` recomputes from committed raw records)."""
     partial = [f"> **Partial.** {line}" for line in report.partial()]
     lines = [f"# {report.title}", "", *partial, *([""] if partial else []),
              *[f"* {line}" for line in report.provenance()], ""]
     for table in report.tables:
         lines += markdown_table(table)
+    return lines
+
+
+def write_report(report: Report, out_dir: str | Path) -> Path:
+    """Write ``README.md``, ``figures/*.png`` and ``report.json`` under ``out_dir``; returns
+    the README's path. Figures need matplotlib (skipped, and said so, without it)."""
+    out = Path(out_dir)
+    lines = markdown_lines(report)
     figures = []
     try:
         for run in report.runs:

@@ -19,7 +19,6 @@ import statistics
 from collections.abc import Callable
 from pathlib import Path
 
-from certkv.eval import stats
 from certkv.report.bars import RUNGS, ruler_subtasks_figure, rung_rates_figure
 from certkv.report.certificates import certificate_distributions_figure
 from certkv.report.look import (
@@ -38,7 +37,7 @@ from certkv.report.look import (
     tag,
     tick_label,
 )
-from certkv.report.tables import RunData
+from certkv.report.tables import RunData, quality_delta
 
 # what other modules and the tests take from here (defined in look, bars, certificates)
 __all__ = ["FIGURES", "RUNGS", "_pyplot", "_save", "certificate_distributions_figure",
@@ -47,8 +46,9 @@ __all__ = ["FIGURES", "RUNGS", "_pyplot", "_save", "certificate_distributions_fi
 
 
 def perplexity_deltas_figure(run: RunData):
-    """Per-window perplexity delta to dense, a row of points per method (named on the left)
-    with its mean and 95% t-CI."""
+    """Per-window perplexity delta to dense, a row of points per method (named on the left),
+    with the delta of the pooled perplexities and its 95% t-CI over windows (the quality table's
+    numbers)."""
     methods = [v for v in run.variants if v != run.reference]
     series = {v: [m["ppl"] - d["ppl"] for d, m in run.pairs("perplexity", v)] for v in methods}
     series = {v: s for v, s in series.items() if s}
@@ -60,13 +60,16 @@ def perplexity_deltas_figure(run: RunData):
         look = method_style(run, v)
         tag(ax.plot(deltas, [k] * len(deltas), linestyle="none", alpha=0.75,
                     color=look["color"], marker=look["marker"]), v)
-        iv = stats.t_interval(deltas) if len(deltas) > 1 else None
-        if iv:
+        iv = quality_delta(run, "perplexity", v)["delta"]
+        if math.isfinite(iv.low) and math.isfinite(iv.high):
             ax.errorbar(iv.estimate, k, xerr=[[iv.estimate - iv.low], [iv.high - iv.estimate]],
                         fmt="k|", capsize=4)
+        else:
+            ax.plot(iv.estimate, k, "k|", markersize=10)
     ax.axvline(0, color="grey", lw=0.8)
     method_rows(ax, list(series))
-    ax.set_xlabel("perplexity - dense perplexity, per window (mean, 95% t-CI)")
+    ax.set_xlabel("perplexity - dense perplexity: per window (points); pooled over windows "
+                  "(bar, 95% t-CI)")
     ax.set_title(f"Perplexity, {run.label}")
     return fig
 

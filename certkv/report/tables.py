@@ -4,8 +4,9 @@ markdown and W&B renderers.
 Every comparison is paired: a method is compared with the run's dense variant on the samples
 both finished (so a partial run renders too). Statistics (:mod:`certkv.eval.stats`): NIAH
 accuracy deltas by paired bootstrap over trials, RULER deltas by bootstrap over whole slices,
-perplexity deltas by a t-interval over windows, exact McNemar tests on paired pass/fail (NIAH:
-all ten needles; RULER: a subtask trial fully right).
+deltas of pooled perplexity (the value column's) by a t-interval over windows, exact McNemar
+tests on paired pass/fail (NIAH: all ten needles; RULER: a subtask trial fully right). One
+sample gives no interval (printed as such).
 """
 
 from __future__ import annotations
@@ -159,8 +160,8 @@ def fmt_sig(x: float, sig: int = 3) -> str:
 
 
 def fmt_interval(iv: stats.Interval, digits: int = 3) -> str:
-    """``+0.012 [-0.004, +0.020]``; an interval one sample cannot give (a t-interval over one
-    window is infinite) says so instead of printing ``[-inf, +inf]``."""
+    """``+0.012 [-0.004, +0.020]``; an interval one sample cannot give (infinite bounds, from
+    :mod:`certkv.eval.stats`) says so instead of printing ``[-inf, +inf]``."""
     if not (math.isfinite(iv.low) and math.isfinite(iv.high)):
         return f"{iv.estimate:+.{digits}f} [no CI: n={iv.n}]"
     return f"{iv.estimate:+.{digits}f} [{iv.low:+.{digits}f}, {iv.high:+.{digits}f}]"
@@ -185,10 +186,11 @@ def quality_delta(run: RunData, task: str, variant: str) -> dict | None:
     ref, mine = [p[0] for p in pairs], [p[1] for p in pairs]
     context = run.context(task)
     seed = stats.seed_for(run.experiment, task, context, variant)
-    if task == "perplexity":
-        deltas = [m["ppl"] - d["ppl"] for d, m in pairs]
+    if task == "perplexity":  # pooled over windows: the delta is value - dense exactly
+        delta = stats.paired_perplexity_delta([(r["nll"], r["tokens"]) for r in ref],
+                                              [(r["nll"], r["tokens"]) for r in mine])
         return {"metric": "ppl", "dense": _ppl(ref), "method": _ppl(mine), "n": len(pairs),
-                "delta": stats.t_interval(deltas), "mcnemar": None}
+                "delta": delta, "mcnemar": None}
     dense_scores, scores = [_score(r) for r in ref], [_score(r) for r in mine]
     if task == "ruler":
         delta = stats.clustered_bootstrap_delta(dense_scores, scores,
@@ -222,9 +224,12 @@ def quality_table(runs: list[RunData]) -> Table:
     return Table(f"Quality against dense ({where}paired; Tables 3, 4, 14)",
                  [*(["run"] if several else []), "task", "ctx", "method", "dense", "value",
                   "delta [95% CI]", "n", "crit/rev", "p"], rows,
-                 "delta = value - dense on the same prompts. CI: perplexity t-interval over "
-                 "windows; NIAH bootstrap over trials; RULER bootstrap over whole slices "
-                 "(10,000 resamples, seed 20260425 + offsets). critical = dense passes and the "
+                 "delta = value - dense on the same prompts; perplexity is pooled over the "
+                 "windows (exp of their total NLL over their total tokens), in both columns. "
+                 "95% CI: perplexity, Student's t over windows on the mean per-token NLL "
+                 "difference, mapped to perplexity; NIAH, percentile bootstrap over trials; "
+                 "RULER, over whole slices (10,000 resamples, seed 20260425 + offsets); no CI: "
+                 "one sample gives no interval. critical = dense passes and the "
                  "method fails (NIAH: all ten needles; RULER: a subtask trial fully right); "
                  "reverse = the converse; exact McNemar test on them.",
                  {"ctx": "context tokens", "dense, value": "perplexity (task perplexity) or "

@@ -12,6 +12,7 @@ multirun sweep's jobs share the group).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -172,8 +173,9 @@ class WandbLogger:
                     base = f"quality/{task}/{variant}"
                     run.summary[f"{base}/{q['metric']}"] = q["method"]
                     run.summary[f"{base}/delta"] = q["delta"].estimate
-                    run.summary[f"{base}/delta_low"] = q["delta"].low
-                    run.summary[f"{base}/delta_high"] = q["delta"].high
+                    if math.isfinite(q["delta"].low) and math.isfinite(q["delta"].high):
+                        run.summary[f"{base}/delta_low"] = q["delta"].low  # one sample: none
+                        run.summary[f"{base}/delta_high"] = q["delta"].high
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:

@@ -18,6 +18,7 @@ from certkv.eval.stats import (
     clustered_bootstrap_delta,
     mcnemar,
     paired_bootstrap_delta,
+    paired_perplexity_delta,
     seed_for,
     t_interval,
 )
@@ -192,8 +193,10 @@ def test_bootstrap_covers_true_mean():
 def test_bootstrap_degenerate_cases():
     flat = bootstrap_mean([0.3] * 50)
     assert flat.low == flat.high == flat.estimate == 0.3
-    single = bootstrap_mean([4.0])
-    assert single == Interval(4.0, 4.0, 4.0, 1, "bootstrap")
+    single = bootstrap_mean([4.0])  # one sample: no interval, not a zero-width one
+    assert single == Interval(4.0, -math.inf, math.inf, 1, "bootstrap")
+    one_slice = clustered_bootstrap_delta([0.0, 1.0], [1.0, 1.0], ["a", "a"])
+    assert (one_slice.estimate, one_slice.low, one_slice.high) == (0.5, -math.inf, math.inf)
 
 
 def test_bootstrap_pass_rate_within_unit_interval():
@@ -299,7 +302,7 @@ def test_clustered_unequal_sizes_pools_items():
 
 def test_clustered_degenerate_and_errors():
     one = clustered_bootstrap_delta([1.0, 2.0, 3.0], [2.0, 2.0, 5.0], [0, 0, 0])
-    assert one == Interval(1.0, 1.0, 1.0, 1, "bootstrap")
+    assert one == Interval(1.0, -math.inf, math.inf, 1, "bootstrap")  # one slice: no interval
     with pytest.raises(CertKVError, match="one cluster label per item"):
         clustered_bootstrap_delta([1.0, 2.0], [1.0, 3.0], [0])
     with pytest.raises(CertKVError, match="hashable"):
@@ -340,3 +343,41 @@ def test_seed_for_errors():
         seed_for(float("nan"))
     with pytest.raises(CertKVError, match="base"):
         seed_for("x", base=-5)
+
+
+def windows(ppls, tokens=64):
+    return [(tokens * math.log(p), tokens) for p in ppls]
+
+
+def test_pooled_perplexity_delta_is_the_difference_of_the_pooled_values():
+    ref = [(120.0, 64), (300.0, 128), (80.0, 32)]
+    mine = [(121.0, 64), (299.0, 128), (86.0, 32)]
+    iv = paired_perplexity_delta(ref, mine)
+    pooled = math.exp(506.0 / 224) - math.exp(500.0 / 224)
+    assert iv.estimate == pytest.approx(pooled, rel=1e-12) and iv.n == 3 and iv.method == "t"
+    assert iv.low < iv.estimate < iv.high
+    # not the mean of the per-window perplexity differences, which differs here
+    per_window = np.mean([math.exp(m / t) - math.exp(r / t)
+                          for (r, t), (m, _) in zip(ref, mine, strict=True)])
+    assert abs(per_window - iv.estimate) > 1e-3
+
+
+def test_pooled_perplexity_interval_is_a_t_interval_of_per_token_nll_mapped_to_perplexity():
+    rng = np.random.default_rng(0)
+    ref = windows(rng.uniform(20, 40, 12))
+    mine = windows(np.array([math.exp(r / t) for r, t in ref]) + rng.normal(0.3, 0.5, 12))
+    iv = paired_perplexity_delta(ref, mine)
+    d = np.array([(m - r) / t for (r, t), (m, _) in zip(ref, mine, strict=True)])
+    t = t_interval(d)  # equal windows: the plain t-interval of the per-token differences
+    base = math.exp(sum(r for r, _ in ref) / sum(n for _, n in ref))
+    expected = (base * math.expm1(t.estimate), base * math.expm1(t.low), base * math.expm1(t.high))
+    assert (iv.estimate, iv.low, iv.high) == pytest.approx(expected, rel=1e-9)
+
+
+def test_pooled_perplexity_of_one_window_has_no_interval_and_bad_input_is_refused():
+    iv = paired_perplexity_delta(windows([10.0]), windows([10.5]))
+    assert iv.estimate == pytest.approx(0.5) and (iv.low, iv.high) == (-math.inf, math.inf)
+    with pytest.raises(CertKVError, match="same non-empty windows"):
+        paired_perplexity_delta(windows([10.0, 11.0]), windows([10.5]))
+    with pytest.raises(CertKVError, match="at least one token"):
+        paired_perplexity_delta([(1.0, 0)], [(1.0, 0)])

@@ -67,9 +67,13 @@ def test_niah_and_perplexity_tables(tmp_path):
     assert (niah["mcnemar"].both_pass, niah["mcnemar"].critical, niah["mcnemar"].reverse,
             niah["mcnemar"].both_fail) == (2, 1, 1, 0)
     ppl = quality_delta(run, "perplexity", "certified")
-    assert ppl["delta"].estimate == pytest.approx(0.2)
-    assert ppl["delta"] == stats.t_interval([10.1 - 10.0, 20.3 - 20.0])
     assert ppl["dense"] == pytest.approx(math.sqrt(200.0))  # exp of the mean NLL per token
+    assert ppl["method"] == pytest.approx(math.sqrt(10.1 * 20.3))
+    # the delta is the pooled values' difference, not the mean of per-window ones (0.2)
+    assert ppl["delta"].estimate == pytest.approx(ppl["method"] - ppl["dense"])
+    assert ppl["delta"] == stats.paired_perplexity_delta(
+        [(100 * math.log(10.0), 100), (100 * math.log(20.0), 100)],
+        [(100 * math.log(10.1), 100), (100 * math.log(20.3), 100)])
     out = write_report(build_report([run.root]), tmp_path / "out")
     text = out.read_text()
     assert "NIAH (mixed" in text and "Perplexity per window" in text and "commit `abc`" in text
@@ -91,6 +95,19 @@ def test_one_perplexity_window_says_it_has_no_interval(tmp_path):
     assert cell == "+0.500 [no CI: n=1]"
 
 
+def test_a_perplexity_delta_is_the_value_minus_dense_of_the_pooled_perplexities(tmp_path):
+    """Issue 57: the value column is pooled over windows, so the delta is too; here a mean of
+    per-window differences would even have the other sign (-0.66 against +0.379)."""
+    windows = {"dense": [(300.0, 100), (100.0, 100)], "certified": [(290.0, 100), (120.0, 100)]}
+    samples = [rec("perplexity", i, v, nll=nll, tokens=n, ppl=math.exp(nll / n),
+                   document="emma")
+               for v, ws in windows.items() for i, (nll, n) in enumerate(ws)]
+    report = build_report([write_run(tmp_path / "two", "two", samples)])
+    row = next(t for t in report.tables if t.title.startswith("Quality")).rows[0]
+    at = row.index("certified")
+    dense, value, delta = float(row[at + 1]), float(row[at + 2]), row[at + 3]
+    assert (dense, value) == (7.389, 7.768)  # e^2, e^2.05
+    assert delta.startswith("+0.379 [")
 def test_report_command(tmp_path):
     runner = CliRunner()
     run_dir = ruler_run(tmp_path)

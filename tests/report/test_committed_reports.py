@@ -1,0 +1,85 @@
+"""Issue 57: every committed run report is what ``certkv report`` makes of its committed raw
+records, line for line: a reader who recomputes the tables gets the numbers the README prints."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from certkv.report.document import build_report, markdown_lines
+from certkv.report.tables import RunData, fmt, fmt_interval, quality_delta
+
+ROOT = Path(__file__).resolve().parents[2]
+REPORTS = sorted(p.parent for p in (ROOT / "reports").rglob("report.json"))
+
+
+def test_every_committed_report_has_its_raw_records_beside_it():
+    assert REPORTS, "no committed run report found under reports/"
+    for report in REPORTS:
+        runs = json.loads((report / "report.json").read_text())["runs"]
+        missing = [r for r in runs if not (report / r / "samples.jsonl").is_file()]
+        assert not missing, f"{report.relative_to(ROOT)}: raw records not committed: {missing}"
+
+
+@pytest.mark.parametrize("report", REPORTS, ids=lambda p: str(p.relative_to(ROOT / "reports")))
+def test_a_committed_report_is_recomputed_from_its_raw_records(report, monkeypatch):
+    monkeypatch.chdir(ROOT)  # run directories print as the paths the report was made with
+    runs = json.loads((report / "report.json").read_text())["runs"]
+    paths = [os.path.relpath(report / r, ROOT) for r in runs]
+    text = (report / "README.md").read_text().split("\n")
+    committed = [line for line in text if not line.startswith("![")]
+    while committed and committed[-1] == "":
+        committed.pop()
+    recomputed = markdown_lines(build_report(paths))
+    while recomputed and recomputed[-1] == "":
+        recomputed.pop()
+    assert recomputed == committed
+
+
+SUMMARIES = {"reports/methods/README.md": {"4K": "reports/methods/methods_4k/run",
+                                           "8K": "reports/methods/methods_8k/run"}}
+
+
+@pytest.mark.parametrize("path", sorted(SUMMARIES))
+def test_a_hand_written_summary_quotes_the_quality_its_raw_records_give(path, monkeypatch):
+    """The summary tables a README assembles by hand (rows named by method, under a ``## 4K``
+    / ``## 8K`` heading or a ``method (4K)`` header) print each quality cell as the run
+    reports would: ``value (delta [95% CI])``, or ``value (delta)`` without a CI column."""
+    monkeypatch.chdir(ROOT)
+    runs = {ctx: RunData.load(run) for ctx, run in SUMMARIES[path].items()}
+    checked = 0
+    for ctx, header, cells in _summary_rows((ROOT / path).read_text()):
+        run = runs[ctx]
+        if cells[0] not in run.variants:
+            continue
+        for name, cell in zip(header, cells, strict=True):
+            task = name.split()[0]
+            q = quality_delta(run, task, cells[0]) if task in run.tasks else None
+            if q is None:
+                continue
+            delta = fmt_interval(q["delta"]) if "CI" in name else f"{q['delta'].estimate:+.3f}"
+            assert cell == f"{fmt(q['method'])} ({delta})", (path, ctx, cells[0], task)
+            checked += 1
+    assert checked > 50, f"{path}: only {checked} quality cells found"
+
+
+def _summary_rows(text: str):
+    """``(context, header, cells)`` of every table row below a context heading."""
+    ctx, header = None, None
+    for line in text.split("\n"):
+        if line.startswith("## "):
+            ctx = next((c for c in ("4K", "8K") if c in line), ctx)
+        if not line.startswith("|"):
+            header = None
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if header is None:
+            header = cells
+            named = re.search(r"\((\dK)\)", cells[0])
+            table_ctx = named.group(1) if named else ctx
+        elif not set(cells[0]) <= {"-"} and table_ctx is not None:
+            yield table_ctx, header, cells
