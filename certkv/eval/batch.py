@@ -30,6 +30,7 @@ import torch
 from transformers import DynamicCache
 
 from certkv.eval.decode import Decoder, Session, _sync, end_of_sequence_ids
+from certkv.eval.hf_quantized import joinable
 from certkv.models.hf_cache import TieredCache
 from certkv.models.hook import cache_kwargs
 
@@ -109,9 +110,11 @@ def _answer_batch(requests: list[Request]) -> list[Answer]:
         decoder.feed(request.feed)
         decoders.append(decoder)
     active = [i for i, r in enumerate(requests) if r.target or r.max_new_tokens > 0]
-    # a request with nothing cached yet (a one-token context) has no store to join: alone
-    empty = [i for i in active if decoders[i].cache.get_seq_length() == 0]
-    for group in [[i for i in active if i not in empty], *([i] for i in empty)]:
+    # a request with nothing cached yet (a one-token context) has no store to join, and a
+    # quantized HF cache no way to join: alone
+    alone = [i for i in active if decoders[i].cache.get_seq_length() == 0
+             or not joinable(decoders[i].cache)]
+    for group in [[i for i in active if i not in alone], *([i] for i in alone)]:
         for i in group:
             answering[i].answer.batch = len(group)
         _decode([answering[i] for i in group], [decoders[i] for i in group])

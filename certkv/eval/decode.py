@@ -33,6 +33,8 @@ from certkv.certify.ladder import Ladder
 from certkv.certify.select import AdaptiveTopK
 from certkv.certify.values import LocalThreshold
 from certkv.errors import CertKVError, ConfigError, require
+from certkv.eval.hf_quantized import MODE as HF_MODE
+from certkv.eval.hf_quantized import HFQuantized
 from certkv.evict.base import EvictionPolicy
 from certkv.graphs import GraphedAttention, GraphedDecode
 from certkv.models.hf_cache import CacheSpec, CacheTelemetry, TieredCache
@@ -54,12 +56,16 @@ class Method:
     quantizer: KVQuantizer = field(default_factory=KVQuantizer)
     protect: Protection | None = None  # codes, integrity check and faults of Tier-1
     evict: EvictionPolicy | None = None  # which blocks keep only a summary in Tier-1
+    hf_cache: HFQuantized | None = None  # mode=hf_quantized: transformers' QuantizedCache
 
     def __post_init__(self) -> None:
-        require(self.mode in MODES, ConfigError,
-                f"method {self.name!r} has mode={self.mode!r}; use one of {list(MODES)}.")
-        self.quantizer = self.quantizer.for_mode(self.mode)
-        if self.mode != "dense":
+        require(self.mode in EVAL_MODES, ConfigError,
+                f"method {self.name!r} has mode={self.mode!r}; use one of {list(EVAL_MODES)}.")
+        if self.mode == HF_MODE:  # the model's own attention over transformers' cache
+            self.hf_cache = self.hf_cache or HFQuantized()
+            self.hf_cache.check_installed()
+        self.quantizer = self.quantizer.for_mode("dense" if self.mode == HF_MODE else self.mode)
+        if self.mode in MODES and self.mode != "dense":
             self.quantizer = self.quantizer.with_protection(self.protect)
             self.quantizer = self.quantizer.with_eviction(self.evict)
 
@@ -69,16 +75,25 @@ class Method:
               value_policy: object | None = None, ladder: Ladder | None = None,
               backend: object = "auto", compile: bool | str | None = None,
               protect: Protection | None = None, evict: EvictionPolicy | None = None,
-              graphs: bool = False) -> Method:
+              graphs: bool = False, hf_cache: HFQuantized | None = None) -> Method:
         """A method with the paper's defaults (Table 2) for anything not given; ``graphs``:
         each layer's step captured in a CUDA graph (:class:`~certkv.graphs.GraphedAttention`),
         and a :class:`Decoder`'s whole decode steps (:class:`~certkv.graphs.GraphedDecode`)."""
         attention = CertifiedAttention(selector or AdaptiveTopK(),
                                        value_policy or LocalThreshold(), ladder or Ladder(),
-                                       backend, mode, compile=compile)
+                                       backend, attention_mode(mode), compile=compile)
         if graphs:
             attention = GraphedAttention(attention)
-        return cls(name, mode, attention, quantizer or KVQuantizer(), protect, evict)
+        return cls(name, mode, attention, quantizer or KVQuantizer(), protect, evict, hf_cache)
+
+
+EVAL_MODES = (*MODES, HF_MODE)  # what a compared method may be
+
+
+def attention_mode(mode: str) -> str:
+    """The :class:`CertifiedAttention` mode of a method's ``mode`` (``hf_quantized`` decodes
+    with the model's own attention, as dense does)."""
+    return "dense" if mode == HF_MODE else mode
 
 
 class Decoder:
@@ -200,6 +215,8 @@ class Prefill:
         method: :meth:`TieredCache.copy_for`; only the last quantizer's is kept; by decoded
         mirror too, :meth:`CertifiedAttention.decoded_mirror`). The quantizer
         gets the model's rotary embedding (:meth:`KVQuantizer.with_rope`)."""
+        if method.mode == HF_MODE:
+            return method.hf_cache.cache(self.lm.model.config, self.states)
         if method.mode == "dense":
             cache = DynamicCache()
             with torch.inference_mode():

@@ -12,7 +12,7 @@ import shlex
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -20,12 +20,14 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from certkv.attention import MODES, CertifiedAttention
+from certkv.attention import CertifiedAttention
 from certkv.config import check_types
 from certkv.errors import CertKVError, ConfigError, require
 from certkv.eval.batch import answer_all
-from certkv.eval.decode import Method, Prefill
+from certkv.eval.decode import EVAL_MODES, Method, Prefill, attention_mode
 from certkv.eval.feasible import check_batch_memory, check_budget
+from certkv.eval.hf_quantized import MODE as HF_MODE
+from certkv.eval.hf_quantized import HFQuantized
 from certkv.eval.progress import RunProgress, announce_compile
 from certkv.eval.results import RunDir, read_jsonl
 from certkv.files import exclusive_dir
@@ -117,22 +119,29 @@ def build_variants(cfg: DictConfig) -> list[Method]:
         name, mode = entry.get("name"), entry.get("mode", "certified")
         require(name is not None and name not in names, ConfigError,
                 f"every variant needs a unique name (got {name!r}); fix the variants list.")
-        require(mode in MODES, ConfigError,
-                f"variant {name!r} has mode={mode!r}; use one of {list(MODES)}.")
-        unknown = set(entry) - {"name", "mode", *COMPONENTS}
+        require(mode in EVAL_MODES, ConfigError,
+                f"variant {name!r} has mode={mode!r}; use one of {list(EVAL_MODES)}.")
+        unknown = set(entry) - {"name", "mode", "hf_cache", *COMPONENTS}
         require(not unknown, ConfigError,
-                f"variant {name!r} has unknown keys {sorted(unknown)}; it may set name, mode and "
-                f"{', '.join(COMPONENTS)}.")
+                f"variant {name!r} has unknown keys {sorted(unknown)}; it may set name, mode, "
+                f"hf_cache (mode={HF_MODE}) and {', '.join(COMPONENTS)}.")
         parts = {c: build(_override(cfg[c], entry.get(c, {})), c) for c in COMPONENTS}
         attention = CertifiedAttention(parts["selector"], parts["value_policy"], parts["ladder"],
-                                       backend, mode, compile=cfg.get("compile"),
+                                       backend, attention_mode(mode), compile=cfg.get("compile"),
                                        audit=bool(cfg.get("audit", False)))
         if cfg.get("graphs", False):
             attention = GraphedAttention(attention)
+        hf_cache = HFQuantized.from_config(_container(entry.get("hf_cache"))) \
+            if mode == HF_MODE else None
         variants.append(Method(name, mode, attention, parts["quantizer"], parts["protect"],
-                               parts["evict"]))
+                               parts["evict"], hf_cache))
         names.add(name)
     return variants
+
+
+def _container(node):
+    """A config node as plain Python (None stays None)."""
+    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
 
 
 def prompt_window(variants) -> int:
@@ -169,6 +178,10 @@ def record_settings(cfg: DictConfig) -> dict[str, object]:
                                if k not in COUNT_FIELDS + SPEED_FIELDS}
     for entry in cfg.variants:
         mode = entry.get("mode", "certified")
+        if mode == HF_MODE:  # transformers' cache: its own settings, no component of certkv
+            out[f"variant:{entry.name}"] = {"mode": mode, "hf_cache": asdict(
+                HFQuantized.from_config(_container(entry.get("hf_cache"))))}
+            continue
         out[f"variant:{entry.name}"] = {"mode": mode} if mode == "dense" else {"mode": mode, **{
             c: _override(cfg[c], entry.get(c, {})) for c in COMPONENTS
             if c in cfg}}  # dense reads none; runs made before a group existed lack it

@@ -66,7 +66,8 @@ def summarize(samples: list[dict], certificates: list[dict], tasks, variants, cf
         ms = [s["ms_per_step"] for s in mine if s["decode_steps"]]
         per_variant[variant.name] = {
             "mode": variant.mode,
-            "quantizer": variant.quantizer.label,
+            "quantizer": (variant.hf_cache.label if variant.hf_cache is not None
+                          else variant.quantizer.label),
             "tasks": quality,
             "certificate": certificate_summary(
                 [c for c in certificates if c["variant"] == variant.name]),
@@ -101,7 +102,7 @@ def table_rows(summary: dict, digits: int = 1) -> tuple[list[str], list[list[str
             *([triple(cert["e_key"]), triple(cert["e_val"]), triple(cert["e_arith"]),
                "/".join(f"{100 * r:.0f}" for r in cert["rung_rates"]),
                f"{cert['k_star_mean']:.1f}"] if certified else ["-"] * 5),
-            "1.000" if dense else f"{cert['tier1_over_dense']:.3f}",
+            "1.000" if dense else f"{cert['tier1_over_dense']:.3f}" if certified else "-",
             f"{v['ms_per_step']:.0f}", "-" if ratio is None else f"{ratio:.2f}"])
     return head, rows
 

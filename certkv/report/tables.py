@@ -389,8 +389,8 @@ def runtime_table(run: RunData) -> Table:
                      f"{100 * cert['scratch_hit_rate']:.0f}",
                      f"{cert['h2d_bytes_per_step'] / 2**20:.2f}",
                      f"{cert['tier1_over_dense']:.3f}"]
-        else:
-            cells = ["-"] * 6 + ["1.000"]
+        else:  # dense; or transformers' own cache (hf_quantized), whose bytes are not counted
+            cells = ["-"] * 6 + ["1.000" if v == run.reference else "-"]
         ratio = ms / base if base else float("nan")
         rows.append([v, *cells, batch_sizes(run, v), fmt(ms, 1), fmt(ratio, 2)])
     return Table(f"Ladder, cache and speed ({run.label}; Tables 4, 15)",
@@ -403,4 +403,5 @@ def runtime_table(run: RunData) -> Table:
                  {"rungs": "head-steps on rungs 0-4", "fails": "ranking/boundary/canary "
                   "check failures", "K*": "mean FP16-key blocks", "VP": "value promotions per "
                   "step", "hit": "scratch hit rate", "H2D": "host-to-device MiB per step",
-                  "T1": "Tier-1 bytes / dense bytes", "B": "sequences per decode step"})
+                  "T1": "Tier-1 bytes / dense bytes (-: not counted, as for transformers' own "
+                        "QuantizedCache)", "B": "sequences per decode step"})
