@@ -139,6 +139,21 @@ def build_variants(cfg: DictConfig) -> list[Method]:
     return variants
 
 
+# classes that moved since runs were recorded: the old ``_target_`` of a run's config.yaml names
+# the same class, so resuming such a run compares them as equal (a rename changes no record)
+MOVED = {"certkv.cache.hf.CacheSpec": "certkv.models.hf_cache.CacheSpec"}
+
+
+def _current_targets(node):
+    """``node`` with every ``_target_`` that :data:`MOVED` knows renamed to its current path."""
+    if isinstance(node, dict):
+        return {k: MOVED.get(v, v) if k == "_target_" else _current_targets(v)
+                for k, v in node.items()}
+    if isinstance(node, list):
+        return [_current_targets(v) for v in node]
+    return node
+
+
 def _container(node):
     """A config node as plain Python (None stays None)."""
     return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
@@ -170,7 +185,7 @@ def record_settings(cfg: DictConfig) -> dict[str, object]:
     cache; per task its settings but the sample counts (``task:<name>``); per variant its mode
     and the components it resolves to (``variant:<name>``)."""
     def plain(node):
-        return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+        return _current_targets(_container(node))
 
     out = {name: plain(cfg.get(name)) for name in ("model", "seed", "backend", "cache")}
     for name, node in cfg.task.items():
@@ -183,7 +198,7 @@ def record_settings(cfg: DictConfig) -> dict[str, object]:
                 HFQuantized.from_config(_container(entry.get("hf_cache"))))}
             continue
         out[f"variant:{entry.name}"] = {"mode": mode} if mode == "dense" else {"mode": mode, **{
-            c: _override(cfg[c], entry.get(c, {})) for c in COMPONENTS
+            c: _current_targets(_override(cfg[c], entry.get(c, {}))) for c in COMPONENTS
             if c in cfg}}  # dense reads none; runs made before a group existed lack it
     return out
 

@@ -30,3 +30,17 @@ def test_a_batch_larger_than_free_memory_is_refused_before_any_prefill(tmp_path,
     assert "task.niah.batch_size=4 needs about" in message
     assert "lower task.niah.batch_size" in message
     assert not list(tmp_path.rglob("samples.jsonl"))  # nothing recorded
+
+
+def test_a_run_recorded_before_a_class_moved_resumes(tmp_path):
+    """A run's config.yaml names the classes where they were then; a class that moved since
+    (``MOVED``) is the same setting, so the run resumes instead of refusing."""
+    from omegaconf import OmegaConf
+
+    from certkv.eval.runner import MOVED, record_settings
+
+    old_path, new_path = next(iter(MOVED.items()))
+    cfg = OmegaConf.create({"model": {}, "seed": 0, "backend": {}, "task": {},
+                            "cache": {"_target_": new_path}, "variants": []})
+    old = OmegaConf.create({**OmegaConf.to_container(cfg), "cache": {"_target_": old_path}})
+    assert record_settings(old) == record_settings(cfg)
