@@ -92,3 +92,23 @@ def joinable(cache) -> bool:
     from transformers import QuantizedCache
 
     return not isinstance(cache, QuantizedCache)
+
+
+def quantized_bytes(cache) -> tuple[int, int]:
+    """``(bytes held, FP16 bytes of the same tokens)`` of a quanto :class:`QuantizedCache`:
+    every layer's packed codes, scales and shifts plus its full-precision residual window,
+    against keys and values of all its tokens in FP16 (what ``T1 / FP16`` means for certkv)."""
+    held = dense = 0
+    for layer in cache.layers:
+        tokens = layer.cumulative_length if layer.is_initialized else 0
+        for packed in (layer._quantized_keys, layer._quantized_values):
+            for name in ("_data", "_scale", "_shift"):
+                part = getattr(packed, name)
+                part = getattr(part, "_data", part)  # the packed bits behind a bit tensor
+                held += part.numel() * part.element_size()
+        for full in (layer.keys, layer.values):
+            held += full.numel() * full.element_size()
+        heads, dim = layer._quantized_keys.shape[1], layer._quantized_keys.shape[-1]
+        dense += 2 * tokens * heads * dim * 2
+    return held, dense
+

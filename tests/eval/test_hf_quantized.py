@@ -48,6 +48,16 @@ def test_an_hf_quantized_method_decodes_with_transformers_quantized_cache(lm):
     assert hf4.cache_telemetry() is None  # nothing certified, nothing recorded
 
 
+@pytest.mark.parametrize(("nbits", "ratio"), [(4, 0.375), (2, 0.25)])
+def test_quanto_cache_bytes_are_packed_codes_and_fp32_scales(lm, nbits, ratio):
+    """4096 tokens of an FP32 model: b/8 bytes of codes per element plus an FP32 scale and
+    shift per group of 32 (0.25 bytes per element), against FP16's 2 bytes."""
+    states = [(torch.randn(1, 2, 4096, 32), torch.randn(1, 2, 4096, 32))] * 2
+    cache = HFQuantized(nbits=nbits, q_group_size=32).cache(lm.model.config, states)
+    held, dense = hf_quantized.quantized_bytes(cache)
+    assert dense == 2 * 2 * 2 * 4096 * 32 * 2 and held / dense == pytest.approx(ratio)
+
+
 def test_bad_hf_cache_settings_are_one_sentence_naming_the_fix():
     with pytest.raises(ConfigError, match="backend='bnb' is unknown"):
         HFQuantized(backend="bnb")
