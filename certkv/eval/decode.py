@@ -82,7 +82,7 @@ class Method:
         attention = CertifiedAttention(selector or AdaptiveTopK(),
                                        value_policy or LocalThreshold(), ladder or Ladder(),
                                        backend, attention_mode(mode), compile=compile)
-        if graphs:
+        if graphs and mode != HF_MODE:  # transformers' cache runs its own code, uncaptured
             attention = GraphedAttention(attention)
         return cls(name, mode, attention, quantizer or KVQuantizer(), protect, evict, hf_cache)
 

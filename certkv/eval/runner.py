@@ -129,7 +129,7 @@ def build_variants(cfg: DictConfig) -> list[Method]:
         attention = CertifiedAttention(parts["selector"], parts["value_policy"], parts["ladder"],
                                        backend, attention_mode(mode), compile=cfg.get("compile"),
                                        audit=bool(cfg.get("audit", False)))
-        if cfg.get("graphs", False):
+        if cfg.get("graphs", False) and mode != HF_MODE:  # transformers' cache: uncaptured
             attention = GraphedAttention(attention)
         hf_cache = HFQuantized.from_config(_container(entry.get("hf_cache"))) \
             if mode == HF_MODE else None

@@ -58,6 +58,14 @@ def test_quanto_cache_bytes_are_packed_codes_and_fp32_scales(lm, nbits, ratio):
     assert dense == 2 * 2 * 2 * 4096 * 32 * 2 and held / dense == pytest.approx(ratio)
 
 
+def test_graphs_leave_transformers_cache_uncaptured():
+    from certkv.graphs import GraphedAttention
+
+    method = Method.build("hf4", "hf_quantized", graphs=True)
+    assert not isinstance(method.attention, GraphedAttention)
+    assert method.attention.mode == "dense"  # the model's own attention reads the cache
+
+
 def test_bad_hf_cache_settings_are_one_sentence_naming_the_fix():
     with pytest.raises(ConfigError, match="backend='bnb' is unknown"):
         HFQuantized(backend="bnb")
