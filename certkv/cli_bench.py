@@ -178,6 +178,9 @@ def bench_decode(
         help="batch sizes (--batch 1,4,16 or --batch 1 --batch 8): tokens/s of dense, naive and "
              "certified for batches of sequences of N to 3N/4 tokens, memory per sequence "
              "(writes decode_batch_<model>_<device>)")] = None,
+    quantizer: Annotated[str | None, typer.Option(
+        help="a conf/quantizer option for the quantized methods (default: the paper's "
+             "INT8/INT4), e.g. smartkv; the report's name ends in _<quantizer>")] = None,
 ) -> None:
     """Whole-model decode step, dense vs certified, Table 16 phase shares: the model's real
     weights on a book's text where installed (attention as in use), else random weights.
@@ -206,25 +209,42 @@ def bench_decode(
                    "bfloat16": torch.bfloat16}.get(dtype)
     if torch_dtype is None:
         _fail(f"--dtype {dtype!r} is unknown; use auto, float32, float16 or bfloat16.")
+    codecs, suffix = _quantizer(quantizer), f"_{quantizer}" if quantizer else ""
     if batch:
         _bench_batches(model, contexts, batch, dev, repeats=repeats, dtype=torch_dtype, out=out,
-                       force=force, weights=weights)
+                       force=force, weights=weights, quantizer=(codecs, suffix))
         return
-    report = bench.BenchReport(f"decode_{model}_{dev.type}", _command(), out, force)
+    report = bench.BenchReport(f"decode_{model}_{dev.type}{suffix}", _command(), out, force)
     with _user_errors():
         report.check()
     with bench.progress(2 * len(contexts), "bench decode") as update, _user_errors():
         records = bench.bench_decode(model, contexts, dev, repeats, torch_dtype,
                                      compile=_compile(compile), update=update, weights=weights,
-                                     graphs=graphs == "on")
+                                     graphs=graphs == "on", quantizer=codecs)
     tables, notes = bench.decode_tables(records), bench.decode_notes(records)
     path = report.write(records, bench.markdown(tables, notes),
                         lambda p: bench.plot_decode(records, p))
     bench.show(tables, notes, path)
 
 
+def _quantizer(name: str | None):
+    """The :class:`~certkv.quant.KVQuantizer` of ``conf/quantizer/<name>.yaml`` (None: the
+    default); an unknown name is one sentence naming the options."""
+    if name is None:
+        return None
+    from hydra.utils import instantiate
+
+    from certkv.config import config_groups, option
+
+    names = config_groups().get("quantizer", [])
+    if name not in names:
+        _fail(f"--quantizer {name!r} is not a conf/quantizer option; use one of {names}.")
+    with _user_errors():
+        return instantiate(option("quantizer", name))
+
+
 def _bench_batches(model, contexts, batches, dev, *, repeats, dtype, out, force,
-                   weights) -> None:
+                   weights, quantizer) -> None:
     """``bench decode --batch``: throughput of batches (:mod:`certkv.bench.batch`)."""
     from certkv import bench
     from certkv.bench import batch as batching
@@ -234,13 +254,16 @@ def _bench_batches(model, contexts, batches, dev, *, repeats, dtype, out, force,
         _fail(f"--batch takes positive batch sizes (got {','.join(batches)}); e.g. --batch "
               "1,4,16.")
     batches = [int(size) for size in sizes]
-    report = bench.BenchReport(f"decode_batch_{model}_{dev.type}", _command(), out, force)
+    codecs, suffix = quantizer
+    report = bench.BenchReport(f"decode_batch_{model}_{dev.type}{suffix}", _command(), out,
+                               force)
     with _user_errors():
         report.check()
     with bench.progress(len(contexts) * len(batches), "bench decode --batch") as update, \
             _user_errors():
         records = batching.bench_batches(model, contexts, sorted(set(batches)), dev, repeats,
-                                         dtype, update=update, weights=weights)
+                                         dtype, update=update, weights=weights,
+                                         quantizer=codecs)
     tables = batching.batch_tables(records)
     notes = bench.spread_warnings([{"short_label": f"N={r['context']} B={r['batch']}",
                                     "ms_stats": r["ms_stats"]} for r in records])

@@ -425,3 +425,22 @@ def test_bench_decode_batch_writes_throughput_and_memory_per_sequence(tmp_path, 
     assert (tmp_path / "decode_batch_smollm2_135m_cpu.png").stat().st_size > 0
     bad = runner.invoke(app, ["bench", "decode", "--batch", "1,0", "--device", "cpu"])
     assert bad.exit_code != 0 and "--batch takes positive batch sizes (got 1,0)" in bad.output
+
+
+def test_bench_decode_takes_a_quantizer_for_the_quantized_methods(tmp_path):
+    """``bench decode --batch 1 --quantizer kivi2``: dense, naive and certified in one process,
+    naive and certified with that conf/quantizer option (seed 001's overhead table runs this
+    way with smartkv), in a report named after it; an unknown name is one sentence."""
+    result = runner.invoke(app, ["bench", "decode", "--context", "64", "--batch", "1",
+                                 "--repeats", "1", "--device", "cpu", "--out", str(tmp_path),
+                                 "--weights", "random", "--quantizer", "kivi2"],
+                           env={"COLUMNS": "100"})
+    assert result.exit_code == 0, result.output
+    (row,) = json.loads((tmp_path / "decode_batch_smollm2_135m_cpu_kivi2.json").read_text(
+        ))["records"]
+    assert row["quantizer"] == "K2/V2" and set(row["ms"]) == {"dense", "naive",
+                                                                       "certified"}
+    assert row["quantizer"] in (tmp_path / "decode_batch_smollm2_135m_cpu_kivi2.md").read_text()
+    bad = runner.invoke(app, ["bench", "decode", "--quantizer", "kivi9", "--device", "cpu"])
+    assert bad.exit_code != 0 and "--quantizer 'kivi9' is not a conf/quantizer option" in \
+        " ".join(bad.output.split())

