@@ -127,13 +127,8 @@ def bench_codecs(
     """Bytes per token and dequantization time of every quantizer's precisions (seed 004's
     targets: archive compression, ms per 1K tokens per layer), and each store's Tier-1."""
     from certkv import bench, bench_codecs
-    from certkv.config import config_groups
 
-    known = config_groups()["quantizer"]
-    for name in quantizer or []:
-        if name not in known:
-            _fail(f"--quantizer {name} is not a conf/quantizer option; use one of "
-                  f"{', '.join(known)}.")
+    _check_quantizers(quantizer or [])
     points = bench_codecs.quantizers(quantizer)
 
     if min(context, kv_heads, head_dim, repeats) < 1:
@@ -234,13 +229,22 @@ def _quantizer(name: str | None):
         return None
     from hydra.utils import instantiate
 
-    from certkv.config import config_groups, option
+    from certkv.config import option
 
-    names = config_groups().get("quantizer", [])
-    if name not in names:
-        _fail(f"--quantizer {name!r} is not a conf/quantizer option; use one of {names}.")
+    _check_quantizers([name])
     with _user_errors():
         return instantiate(option("quantizer", name))
+
+
+def _check_quantizers(names: list[str]) -> None:
+    """Each of ``names`` a conf/quantizer option, or one sentence naming the options."""
+    from certkv.config import config_groups
+
+    known = config_groups()["quantizer"]
+    for name in names:
+        if name not in known:
+            _fail(f"--quantizer {name} is not a conf/quantizer option; use one of "
+                  f"{', '.join(known)}.")
 
 
 def _bench_batches(model, contexts, batches, dev, *, repeats, dtype, out, force,

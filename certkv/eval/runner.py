@@ -131,8 +131,7 @@ def build_variants(cfg: DictConfig) -> list[Method]:
                                        audit=bool(cfg.get("audit", False)))
         if cfg.get("graphs", False) and mode != HF_MODE:  # transformers' cache: uncaptured
             attention = GraphedAttention(attention)
-        hf_cache = HFQuantized.from_config(_container(entry.get("hf_cache"))) \
-            if mode == HF_MODE else None
+        hf_cache = _hf_cache(entry) if mode == HF_MODE else None
         variants.append(Method(name, mode, attention, parts["quantizer"], parts["protect"],
                                parts["evict"], hf_cache))
         names.add(name)
@@ -152,6 +151,11 @@ def _current_targets(node):
     if isinstance(node, list):
         return [_current_targets(v) for v in node]
     return node
+
+
+def _hf_cache(entry) -> HFQuantized:
+    """A ``mode: hf_quantized`` variant's transformers cache settings."""
+    return HFQuantized.from_config(_container(entry.get("hf_cache")))
 
 
 def _container(node):
@@ -194,8 +198,7 @@ def record_settings(cfg: DictConfig) -> dict[str, object]:
     for entry in cfg.variants:
         mode = entry.get("mode", "certified")
         if mode == HF_MODE:  # transformers' cache: its own settings, no component of certkv
-            out[f"variant:{entry.name}"] = {"mode": mode, "hf_cache": asdict(
-                HFQuantized.from_config(_container(entry.get("hf_cache"))))}
+            out[f"variant:{entry.name}"] = {"mode": mode, "hf_cache": asdict(_hf_cache(entry))}
             continue
         out[f"variant:{entry.name}"] = {"mode": mode} if mode == "dense" else {"mode": mode, **{
             c: _current_targets(_override(cfg[c], entry.get(c, {}))) for c in COMPONENTS

@@ -77,6 +77,11 @@ class Interval:
     n: int
     method: str
 
+    @property
+    def bounded(self) -> bool:
+        """Whether there is an interval at all (one sample gives ``[-inf, inf]``: none)."""
+        return math.isfinite(self.low) and math.isfinite(self.high)
+
 
 # --------------------------------------------------------------------------------------------
 # Input checks

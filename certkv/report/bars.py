@@ -57,7 +57,7 @@ def _accuracy(run: RunData, records: list[dict], subtask: str, variant: str):
     if not scores:
         return None
     iv = stats.bootstrap_mean(scores, seed=stats.seed_for(run.experiment, subtask, variant))
-    if not (math.isfinite(iv.low) and math.isfinite(iv.high)):  # one slice: no interval
+    if not iv.bounded:  # one slice: no interval
         return iv.estimate, 0.0, 0.0
     return iv.estimate, iv.estimate - iv.low, iv.high - iv.estimate
 

@@ -61,7 +61,7 @@ def perplexity_deltas_figure(run: RunData):
         tag(ax.plot(deltas, [k] * len(deltas), linestyle="none", alpha=0.75,
                     color=look["color"], marker=look["marker"]), v)
         iv = quality_delta(run, "perplexity", v)["delta"]
-        if math.isfinite(iv.low) and math.isfinite(iv.high):
+        if iv.bounded:
             ax.errorbar(iv.estimate, k, xerr=[[iv.estimate - iv.low], [iv.high - iv.estimate]],
                         fmt="k|", capsize=4)
         else:

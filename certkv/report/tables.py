@@ -162,7 +162,7 @@ def fmt_sig(x: float, sig: int = 3) -> str:
 def fmt_interval(iv: stats.Interval, digits: int = 3) -> str:
     """``+0.012 [-0.004, +0.020]``; an interval one sample cannot give (infinite bounds, from
     :mod:`certkv.eval.stats`) says so instead of printing ``[-inf, +inf]``."""
-    if not (math.isfinite(iv.low) and math.isfinite(iv.high)):
+    if not iv.bounded:
         return f"{iv.estimate:+.{digits}f} [no CI: n={iv.n}]"
     return f"{iv.estimate:+.{digits}f} [{iv.low:+.{digits}f}, {iv.high:+.{digits}f}]"
 

@@ -12,7 +12,6 @@ multirun sweep's jobs share the group).
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -173,7 +172,7 @@ class WandbLogger:
                     base = f"quality/{task}/{variant}"
                     run.summary[f"{base}/{q['metric']}"] = q["method"]
                     run.summary[f"{base}/delta"] = q["delta"].estimate
-                    if math.isfinite(q["delta"].low) and math.isfinite(q["delta"].high):
+                    if q["delta"].bounded:
                         run.summary[f"{base}/delta_low"] = q["delta"].low  # one sample: none
                         run.summary[f"{base}/delta_high"] = q["delta"].high
 
