@@ -212,8 +212,8 @@ def _quality_series(ax, mine: list[dict], xs: list[float], metric: str, tasks: l
                if task in r["quality"] and r["quality"][task]["metric"] == metric]
         if not sel:
             continue
-        low = [d.estimate - d.low if math.isfinite(d.low) else 0.0 for _, d in sel]
-        high = [d.high - d.estimate if math.isfinite(d.high) else 0.0 for _, d in sel]
+        low = [d.estimate - d.low if d.bounded else 0.0 for _, d in sel]
+        high = [d.high - d.estimate if d.bounded else 0.0 for _, d in sel]
         ax.errorbar([x for x, _ in sel], [d.estimate for _, d in sel],
                     yerr=[[max(e, 0.0) for e in low], [max(e, 0.0) for e in high]],
                     marker=MARKERS[j], capsize=3, color=look["color"],
