@@ -94,6 +94,7 @@ VALUE_CODECS = Registry("value codec", "certkv.quant")
 QUANTIZERS = Registry("quantizer", "certkv.quant", "quantizer")
 PROTECTION_CODES = Registry("protection code", "certkv.quant.protect", "protect")
 EVICTION_POLICIES = Registry("eviction policy", "certkv.evict", "evict")
+SUMMARIES = Registry("summary", "certkv.quant.summaries")  # evict.summary: a policy's field
 SELECTORS = Registry("selector", "certkv.certify", "selector")
 VALUE_POLICIES = Registry("value policy", "certkv.certify", "value_policy")
 LADDERS = Registry("ladder", "certkv.certify", "ladder")
@@ -101,4 +102,4 @@ BACKENDS = Registry("backend", "certkv.kernels", "backend")
 TASKS = Registry("task", "certkv.eval.tasks", "task")
 
 REGISTRIES = (KEY_CODECS, VALUE_CODECS, QUANTIZERS, PROTECTION_CODES, EVICTION_POLICIES,
-              SELECTORS, VALUE_POLICIES, LADDERS, BACKENDS, TASKS)
+              SUMMARIES, SELECTORS, VALUE_POLICIES, LADDERS, BACKENDS, TASKS)

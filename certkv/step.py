@@ -29,7 +29,7 @@ import torch
 from certkv.cache.appending import NONFINITE_KV
 from certkv.cache.device_scratch import slot_maps
 from certkv.cache.store import TieredKVStore
-from certkv.certify import fused_cpu, fused_select
+from certkv.certify import fused_cpu, fused_select, targeted
 from certkv.certify.arith import U32, ArithSpec, as_tensors, step_coefficients
 from certkv.certify.certificate import BlockStats
 from certkv.certify.dropped import dropped_error, dropped_mass
@@ -122,7 +122,7 @@ class QuantizedStep(Fallback):
         indices of the heads for the host fallback; None on the device path)."""
         boost, dense_heads, q = None, None, step.q
         for _ in range(TOL_LEVELS):
-            result = self._pass(step, scored, boost)
+            result = self._mended_pass(step, scored, boost)
             if e_drop is not None:  # summaries corrupted by faults: no finite E_drop, dense
                 result.at_least(3, ~(e_drop < math.inf))
             if step.on_device:  # never tolerant: one pass
@@ -142,11 +142,26 @@ class QuantizedStep(Fallback):
         result.at_least(3, over)
         return result, boost, torch.unique(torch.cat([dense_heads, over_heads]))
 
-    def _pass(self, step: _Step, scored, boost) -> StepPass:
+    def _mended_pass(self, step: _Step, scored, boost) -> StepPass:
+        """A pass, and where its boundary check (eq. 18) failed on a store with evicted blocks,
+        a second pass that also reads the FP16 keys of the blocks that broke it, within
+        ``ladder.page_in_budget`` (:mod:`certkv.certify.targeted`); what it read and mended
+        goes into the certificate."""
+        first = self._pass(step, scored, boost)
+        if first.mend is None:
+            return first
+        force, pairs = targeted.plan(*first.mend, self.ladder.page_in_budget)
+        result = self._pass(step, scored, boost, force)
+        result.mend, result.targeted = None, pairs
+        result.mended = int((result.boundary & ~first.boundary).sum())
+        return result
+
+    def _pass(self, step: _Step, scored, boost, force=None) -> StepPass:
         """Selection, page-in, Phase 2, checks and the certificate of one pass over the
         Phase-1 ``scored`` (``boost [Hq]``: the bound-tolerance escalation level per head, or
-        None); the fallback is left to the caller (on the device path the certificate segment
-        also returns every head's dense ``e_arith`` for it)."""
+        None; ``force [Hq, n]``: blocks promoted by targeted page-in, or None); the fallback is
+        left to the caller (on the device path the certificate segment also returns every
+        head's dense ``e_arith`` for it)."""
         q, lay, timer, device = step.q, step.lay, step.timer, step.q.device
         store, lad = lay.store, self.ladder
         hkv, certified = store.num_kv_heads, self.mode == "certified"
@@ -155,7 +170,7 @@ class QuantizedStep(Fallback):
 
         # Selection (paper 3.3), rung 1 and value promotion (rung 2): device tensors only
         with timer.phase("select"):
-            sel = self._selection(step, scored, kv_of, boost)
+            sel = self._selection(step, scored, kv_of, boost, force)
 
         # Page-in (on the host: the step's first host read; on the device: none) and Phase 2
         # (gated keys, FP16 values).
@@ -191,10 +206,24 @@ class QuantizedStep(Fallback):
                 v_max_kv=store.value_norm_max() if step.on_device else None)
             cert = self._certify(inputs, spec, lay, step.on_device)
         blocks = BlockStats(inputs.rho, lay.eta, sel.delta_b, sel.v_rad, lay.quantized)
+        mend = self._mend(step, checks, l16, sel, boundary) if force is None else None
         return StepPass(out, spec, cert, sel.delta, ranking, boundary, blocks,
-                        lay.num_quantized, paged.promotions, paged.paged_evicted)
+                        lay.num_quantized, paged.promotions, paged.paged_evicted, mend)
 
-    def _selection(self, step: _Step, scored, kv_of, boost) -> Selection:
+    def _mend(self, step: _Step, checks: CheckInputs | None, l16, sel: Selection, boundary):
+        """What targeted page-in needs where it applies (certified, the boundary check on, a
+        store with evicted blocks, the host path, a budget above 0, some head failing eq. 18):
+        the breaking blocks, their upper bounds and the kv heads' keys read; else None."""
+        store = step.lay.store
+        if (checks is None or not self.ladder.boundary_check or step.on_device
+                or store.evicted_pid is None or self.ladder.page_in_budget == 0
+                or bool(boundary.all())):
+            return None
+        breakers, upper = targeted.boundary_breakers(
+            checks.l_int8, l16, checks.delta_b, checks.promoted, checks.quantized, checks.r)
+        return breakers, upper, sel.plan[0]
+
+    def _selection(self, step: _Step, scored, kv_of, boost, force=None) -> Selection:
         """The selection segment's inputs from Phase 1 and the layout, then the segment: one
         fused CPU loop nest where it covers the step, else the PyTorch (compiled) segment."""
         lay, q = step.lay, step.q
@@ -207,8 +236,8 @@ class QuantizedStep(Fallback):
             value_spec=lay.value_spec, key_err=lay.key_err, v_max_kv=lay.v_max,
             v_rad_kv=lay.v_radius, kv_of=kv_of, draw=draw,
             n_q=lay.quantized_count if step.on_device else lay.num_quantized,
-            scaling=step.scaling, boost=boost)  # on the device the count changes in place
-        if self._fused_select(q.device, draw, boost, step.on_device):
+            scaling=step.scaling, boost=boost, force=force)  # on the device n_q changes in place
+        if self._fused_select(q.device, draw, boost, step.on_device, force):
             return fused_select.select(self.selector, self.ladder, self.value_policy, inputs)
         return self._segment("_select_step", q.device)(inputs)
 
@@ -309,13 +338,14 @@ class QuantizedStep(Fallback):
         return (self.compile is None and device.type == "cpu" and not on_device
                 and fused_cpu.AVAILABLE)
 
-    def _fused_select(self, device: torch.device, draw, boost, on_device=False) -> bool:
+    def _fused_select(self, device: torch.device, draw, boost, on_device=False,
+                      force=None) -> bool:
         """Whether selection runs as one fused CPU loop nest: where the certificate does
         (:meth:`_fused_cpu`), on a certified step with the default policy
         (:func:`fused_select.covers`)."""
         return (self._fused_cpu(device, on_device) and self.mode == "certified"
                 and fused_select.covers(self.selector, self.ladder, self.value_policy, draw,
-                                        boost))
+                                        boost, force))
 
     def _compiler(self, device: torch.device) -> str | None:
         """The ``torch.compile`` backend of this device's segments, or None (eager)."""

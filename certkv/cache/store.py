@@ -55,7 +55,6 @@ from certkv.quant import (
 from certkv.quant.int8_channel import is_int8
 from certkv.quant.kv import KVQuantizer
 from certkv.quant.protect.protection import Protection
-from certkv.quant.summary import evicted_precision
 
 
 class TieredKVStore(Appending, StoreViews, FaultHandling, Residency, Tier2Reads,
@@ -138,7 +137,7 @@ class TieredKVStore(Appending, StoreViews, FaultHandling, Residency, Tier2Reads,
         eviction = getattr(self.quantizer, "eviction", None)
         self.evicted_pid: int | None = None  # the summary precision of evicted blocks (last)
         if eviction is not None and eviction.enabled:
-            self.precisions.append(self.protection.wrap(evicted_precision()))
+            self.precisions.append(self.protection.wrap(eviction.summary_precision()))
             self.evicted_pid = len(self.precisions) - 1
         for pid, precision in enumerate(self.precisions):
             if pid == self.evicted_pid or self.quantizer.may_hold(pid):

@@ -48,7 +48,7 @@ _AVERAGED = ("candidate_e_key", "candidate_e_val", "e_key", "e_val", "e_arith", 
 """Per-head terms a step summary reports as a mean and a maximum."""
 
 _SUMMED = ("value_promotions", "corrected_words", "erased_words", "corrupted_blocks",
-           "violations", "paged_evicted")
+           "violations", "paged_evicted", "targeted", "mended")
 """Per-step counts that add up over layers."""
 
 
@@ -108,6 +108,11 @@ class Certificate:
     # eviction (:mod:`certkv.evict`): (kv head, block) pairs of evicted blocks this step read
     # from Tier-2 (FP16 keys or values), i.e. paged back in for the certificate
     paged_evicted: int = 0
+    # targeted page-in (``ladder.page_in_budget``, :mod:`certkv.certify.targeted`): new (kv
+    # head, block) pairs whose FP16 keys this step read to mend a failed boundary check (eq.
+    # 18), and the heads it mended (their check held after it: no rung 3 for that reason)
+    targeted: int = 0
+    mended: int = 0
     # the sequence's index in its batch (:meth:`certkv.attention.CertifiedAttention.batch`; 0
     # for a step of one sequence; a cache's log numbers a batch's sequences as they entered it;
     # -1 for a certificate joined over several sequences, :meth:`cat`)

@@ -31,11 +31,12 @@ from certkv.certify.values import LocalThreshold
 _F32 = np.float32
 
 
-def covers(selector, ladder, value_policy, draw, boost) -> bool:
-    """Whether :func:`select` computes this step's selection (the default policy)."""
+def covers(selector, ladder, value_policy, draw, boost, force=None) -> bool:
+    """Whether :func:`select` computes this step's selection (the default policy, nothing
+    boosted or forced)."""
     return (selector.fuses_on_cpu() and value_policy.fuses_on_cpu()
             and ladder.tail_mass == "tight" and ladder.e_key_tol is None
-            and draw is None and boost is None)
+            and draw is None and boost is None and force is None)
 
 
 @jit

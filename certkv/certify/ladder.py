@@ -48,6 +48,12 @@ class Ladder:
             ``min(1, e^{Delta_F} alpha_hat)``, the Phase-2 tail mass, ``Delta_F`` the largest
             ``Delta_b`` of the promoted blocks, and the per-block TV bound for E_key) or
             ``paper`` (eq. 14's ``e^{c Delta} alpha_hat`` and eq. 15, for reproduction).
+        page_in_budget: targeted page-in on stores with evicted blocks
+            (:mod:`certkv.certify.targeted`): a head whose boundary check (eq. 18) fails reads
+            the FP16 keys and values of the blocks that break it and is checked again before
+            rung 3, at most this many new (kv head, block) pairs per layer step (``None``: no
+            cap; 0, the default: off, the paper's rung 3 at once). Host path only (the torch
+            and numba backends): the device path goes to rung 3.
     """
 
     expand: bool = True
@@ -65,6 +71,7 @@ class Ladder:
     tail_mass: str = "tight"
     bound_tol: float | None = None
     bound_rtol: float | None = None
+    page_in_budget: int | None = 0
 
     def __post_init__(self) -> None:
         require(self.tail_mass in TAIL_MASS, ConfigError,
@@ -84,6 +91,11 @@ class Ladder:
             require(value is None or (math.isfinite(value) and value >= 0), ConfigError,
                     f"ladder.{name}={value} must be a finite number >= 0 or null (off), e.g. "
                     f"ladder.{name}=0.05.")
+        budget = self.page_in_budget
+        require(budget is None or (isinstance(budget, int) and not isinstance(budget, bool)
+                                   and budget >= 0), ConfigError,
+                f"ladder.page_in_budget={self.page_in_budget!r} must be a whole number of "
+                "(kv head, block) pairs >= 0 (0: off) or null (no cap), e.g. 64.")
         self._generators: dict[str, torch.Generator] = {}
 
     def exploration_draw(self, shape: tuple[int, ...], device: torch.device | str):

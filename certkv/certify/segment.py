@@ -86,6 +86,7 @@ class SelectInputs(NamedTuple):
     n_q: object  # quantized block count: a host int, or a 0-d device tensor (device path)
     scaling: float  # the softmax scale
     boost: torch.Tensor | None = None  # [Hq] bound-tolerance escalation level
+    force: torch.Tensor | None = None  # [Hq, n] blocks promoted whatever the selector says
 
 
 class Selection(NamedTuple):

@@ -170,6 +170,11 @@ class StepPass:
     num_blocks: int
     value_promotions: int | torch.Tensor = 0
     paged_evicted: int | torch.Tensor = 0
+    # targeted page-in (:mod:`certkv.certify.targeted`): what a failed eq. 18 asks for (the
+    # breaking blocks, their upper bounds, the kv heads' keys read), then what it bought
+    mend: tuple | None = None
+    targeted: int = 0  # new (kv head, block) key pairs it read
+    mended: int = 0  # heads whose boundary check held after it
 
     @property
     def flags(self) -> torch.Tensor:
@@ -209,4 +214,5 @@ class StepPass:
             canary_ok=c.canary, value_blocks=c.value_blocks,
             value_promotions=self.value_promotions, num_blocks=self.num_blocks, mode=mode,
             paper_e_key=c.paper_key, paper_e_val=c.paper_val, tol_level=boost,
-            blocks=self.blocks, paged_evicted=self.paged_evicted)
+            blocks=self.blocks, paged_evicted=self.paged_evicted, targeted=self.targeted,
+            mended=self.mended)

@@ -66,7 +66,7 @@ def select_step(policy, x: SelectInputs) -> Selection:
     certified = policy.mode == "certified"
     keys = KeySetInputs(log_p, x.quantized, exact, x.n_q, delta_b, delta, delta_chan, v_max,
                         v_rad, group)
-    promoted, expanded = key_set(policy, keys, x.draw, x.boost) if certified else (
+    promoted, expanded = key_set(policy, keys, x.draw, x.boost, x.force) if certified else (
         exact.expand(hq, -1), torch.zeros(hq, dtype=torch.bool, device=exact.device))
     log_spread = x.log_spread_kv.reshape(hq, n) - (l8 - log_p)  # minus each head's log-sum-exp
     value_kv = value_promotion(policy, log_p, x.eta, delta, log_spread, x.value_spec) \
@@ -74,16 +74,19 @@ def select_step(policy, x: SelectInputs) -> Selection:
     if x.boost is not None:  # level 2: FP16 values for the boosted heads' promoted blocks
         extra = promoted & x.quantized & (x.boost >= 2).unsqueeze(-1)
         value_kv = value_kv | (extra.reshape(hkv, group, n).any(dim=1) & (x.eta > 0))
+    if x.force is not None:  # targeted page-in reads its blocks whole: FP16 values too
+        value_kv = value_kv | (x.force.reshape(hkv, group, n).any(dim=1) & (x.eta > 0))
     need_keys = promoted.view(hkv, group, n).any(dim=1) & x.quantized
     return Selection(log_p, delta_b, delta, delta_chan, v_max, v_rad, q_norm, promoted,
                      expanded, value_kv, torch.stack([need_keys, value_kv]), exact)
 
 
-def key_set(policy, x: KeySetInputs, draw, boost=None):
+def key_set(policy, x: KeySetInputs, draw, boost=None, force=None):
     """FP16-key set ``[Hq, n]`` (exact blocks always in) and the rung-1 flag ``[Hq]``: the
     selector's top-k, widened by the ladder where the tail mass (eq. 14) or the candidate E_key
     asks for it, at the ladder's cap for heads the bound tolerance boosted (``boost [Hq]``),
-    plus the exploration ``draw``."""
+    plus the exploration ``draw`` and the blocks targeted page-in asks for (``force [Hq, n]``,
+    :mod:`certkv.certify.targeted`)."""
     sel, ladder = policy.selector, policy.ladder
     p = x.log_p.exp()
     order = sel.order(p, x.delta_b, x.quantized)
@@ -99,6 +102,8 @@ def key_set(policy, x: KeySetInputs, draw, boost=None):
         k_new = torch.where(boost >= 1, k_new.clamp(min=cap), k_new)
     expanded = k_new > k
     promoted = sel.promoted(rank, k_new, x.exact, x.group)  # all tensor ops, no host sync
+    if force is not None:
+        promoted = promoted | force
     if draw is not None:
         promoted = promoted | exploration_mask(x.quantized & ~promoted, draw, ladder.exploration)
     return promoted, expanded

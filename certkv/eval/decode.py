@@ -305,6 +305,8 @@ def certificate_record(caches: list[CacheTelemetry]) -> dict:
         record[name] = sum(s.get(name, 0) for s in steps)
     record["paged_evicted_blocks"] = sum(s.get("paged_evicted", 0) for s in steps)
     record["page_in_steps"] = sum(1 for s in steps if s.get("paged_evicted", 0) > 0)
+    record["targeted_blocks"] = sum(s.get("targeted", 0) for s in steps)  # page_in_budget
+    record["mended_heads"] = sum(s.get("mended", 0) for s in steps)
     record["violations"] = sum(s.get("violations", 0) for s in steps)  # audit=true only
     record["audited"] = any(s.get("audited", False) for s in steps)
     record["uncovered_steps"] = sum(1 for s in steps if not s.get("faults_covered", True))

@@ -46,6 +46,8 @@ def certificate_summary(records: list[dict]) -> dict:
     out["page_in_steps_rate"] = sum(r.get("page_in_steps", 0) for r in records) / steps
     out["paged_evicted_per_step"] = sum(r.get("paged_evicted_blocks", 0)
                                         for r in records) / steps  # eviction (issue 23)
+    out["targeted_per_step"] = sum(r.get("targeted_blocks", 0) for r in records) / steps
+    out["mended_rate"] = sum(r.get("mended_heads", 0) for r in records) / head_steps
     out["violations"] = sum(r.get("violations", 0) for r in records)  # audit=true
     out["audited"] = any(r.get("audited", False) for r in records)
     out["uncovered_steps"] = sum(r.get("uncovered_steps", 0) for r in records)  # protect

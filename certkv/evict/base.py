@@ -1,8 +1,8 @@
 """EvictionPolicy: which completed blocks leave Tier-1 under a byte budget (issue 23).
 
-An evicted block keeps only its summary in Tier-1 (:mod:`certkv.quant.summary`: per-channel key
-minimum and maximum, value centre and radius), so the certificate still covers it: its logits lie
-within ``q . m +- Delta_b`` (eq. 13's ``Delta_b`` for the summary's half-range) and its values
+An evicted block keeps only its summary in Tier-1 (:mod:`certkv.quant.summaries`: by default
+the per-channel key minimum and maximum, value centre and radius), so the certificate still
+covers it: its logits lie within ``Delta_b`` (eq. 8, from the summary's key bound) and its values
 within ``eta_b`` (the radius) of what the step reads. The ladder pages it back in from Tier-2
 (its FP16 originals never leave host memory) when its bound matters, or goes dense; nothing in
 the certificate changes for eviction.
@@ -20,6 +20,8 @@ from typing import ClassVar
 import torch
 
 from certkv.errors import ConfigError, require
+from certkv.quant.precision import Precision
+from certkv.registry import SUMMARIES
 
 
 @dataclass
@@ -32,10 +34,15 @@ class EvictionPolicy:
             bytes; never exceeded after a step.
         memory_threshold: eviction starts above ``memory_threshold * budget`` and brings Tier-1
             back down to it (seed 004's 0.9 leaves room before the next eviction).
+        summary: what Tier-1 keeps of an evicted block, a name in
+            :data:`~certkv.registry.SUMMARIES` (:mod:`certkv.quant.summaries`: ``box``, the
+            per-channel key range; ``keys2`` / ``keys4``, the keys at 2 or 4 bits), counted in
+            the budget.
     """
 
     budget: float = 0.5
     memory_threshold: float = 1.0
+    summary: str = "box"
     name: ClassVar[str] = "base"
     restores: ClassVar[bool] = False  # may an evicted block come back (re-encoded from Tier-2)?
 
@@ -46,6 +53,11 @@ class EvictionPolicy:
         require(isinstance(self.memory_threshold, (int, float))
                 and 0 < self.memory_threshold <= 1, ConfigError,
                 f"evict.memory_threshold={self.memory_threshold!r} must be in (0, 1], e.g. 0.9.")
+        SUMMARIES.get(self.summary, "evict.summary")  # an unknown name: one sentence, now
+
+    def summary_precision(self) -> Precision:
+        """The precision evicted blocks are held at: :attr:`summary`'s."""
+        return SUMMARIES.get(self.summary, "evict.summary")().precision()
 
     @property
     def enabled(self) -> bool:

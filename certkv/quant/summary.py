@@ -130,11 +130,3 @@ class SummaryValueCodec(ValueCodec):
     def token_bound(self, blocks: Blocks) -> torch.Tensor:
         radius = blocks["radius"]
         return _tokens(radius.unsqueeze(-1), self._block).squeeze(-1)
-
-
-
-def evicted_precision():
-    """The precision an evicted block is held at (:mod:`certkv.evict`): its summary only."""
-    from certkv.quant.precision import Precision
-
-    return Precision(SummaryKeyCodec(), SummaryValueCodec(), "evicted")

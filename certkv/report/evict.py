@@ -85,6 +85,8 @@ def evict_table(run: RunData) -> Table | None:
                      _delta(q.get("ruler"), 2),
                      f"{100 * cert.get('page_in_steps_rate', 0.0):.0f}" if steps else "-",
                      f"{cert.get('paged_evicted_per_step', 0.0):.0f}" if steps else "-",
+                     f"{cert.get('targeted_per_step', 0.0):.0f}" if steps else "-",
+                     f"{100 * cert.get('mended_rate', 0.0):.1f}" if steps else "-",
                      f"{cert.get('h2d_bytes_per_step', 0.0) / 2**10:.0f}" if steps else "-",
                      f"{cert.get('tier1_over_dense', 0.0):.3f}", fmt(r["x_dense"], 2)])
     dense = {t: next((r["quality"][t]["dense"] for r in evict_rows(run)
@@ -92,7 +94,8 @@ def evict_table(run: RunData) -> Table | None:
     shown = ", ".join(f"{t} {fmt(x, 2)}" for t, x in dense.items() if x is not None)
     return Table(f"Eviction ({run.label}; issue 23)",
                  ["method", "policy", "budget", "ppl delta [95% CI]", "NIAH delta",
-                  "RULER delta", "page-in %", "paged/step", "H2D KiB", "T1", "x dense"], rows,
+                  "RULER delta", "page-in %", "paged/step", "targeted", "mended %", "H2D KiB",
+                  "T1", "x dense"], rows,
                  f"Dense: {shown}. Quality: the method's paired delta to dense with its 95% CI "
                  "(values in the quality table). naive drops evicted tokens (kvpress); "
                  "certified reads their summaries in the bound and pages blocks in from Tier-2 "
@@ -101,6 +104,10 @@ def evict_table(run: RunData) -> Table | None:
                   "page-in": "decode steps that read an evicted block from Tier-2",
                   "paged/step": "evicted (kv head, block) pairs paged in per decode step, all "
                                 "layers",
+                  "targeted": "(kv head, block) key pairs read per decode step to mend a failed "
+                              "boundary check (ladder.page_in_budget)",
+                  "mended": "head-steps whose boundary check held after that page-in (no "
+                            "rung 3 for it)",
                   "H2D": "host-to-device KiB per step", "T1": "Tier-1 bytes / dense bytes",
                   "x dense": "median step time / dense"}, keys=3)
 

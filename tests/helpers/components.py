@@ -8,7 +8,7 @@ from __future__ import annotations
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
-from certkv import CertifiedAttention
+from certkv import CertifiedAttention, Ladder
 from certkv.cache.store import TieredKVStore
 from certkv.config import CONF_DIR, config_groups
 from certkv.eval.feasible import smallest_budget
@@ -16,6 +16,7 @@ from certkv.eval.runner import build
 from certkv.kernels import get_backend
 from certkv.kernels.triton_backend import TritonBackend
 from certkv.quant.rope import RopeSpec
+from certkv.registry import SUMMARIES
 from helpers import step_draws
 
 D, BLOCK = 32, 32  # the configs' group and block sizes (32) at the smallest head_dim they fit
@@ -61,16 +62,19 @@ def pipeline(sc, lengths: list[int] | None = None):
     quantizer = component("quantizer", sc["quantizer"], **archive)
     quantizer = quantizer.with_rope(RopeSpec.from_theta(1e4, D))
     quantizer = quantizer.with_protection(component("protect", sc["protect"]))
-    policy = component("evict", sc["evict"])
+    summary = {"summary": sc.get("summary", "box")} if sc["evict"] != "none" else {}
+    policy = component("evict", sc["evict"], **summary)
     if policy.enabled:  # a budget its policy can meet on this prompt, never under it
         probe = quantizer.with_eviction(policy)
         need = max(smallest_budget(probe, sc["hkv"], D, n, sc["steps"] * sc["per_step"])
                    for n in lengths or [sc["tokens"]])
-        policy = component("evict", sc["evict"], budget=min(1.0, need + sc["budget_margin"]))
+        policy = component("evict", sc["evict"], budget=min(1.0, need + sc["budget_margin"]),
+                           **summary)
     quantizer = quantizer.with_eviction(policy)
     store = TieredKVStore(sc["hkv"], D, **quantizer.store_kwargs())
     backend = TritonBackend(split=4) if sc["backend"] == "triton" else get_backend(sc["backend"])
-    return store, CertifiedAttention(backend=backend, mode=sc["mode"])
+    ladder = Ladder(page_in_budget=sc.get("page_in_budget", 0))
+    return store, CertifiedAttention(backend=backend, mode=sc["mode"], ladder=ladder)
 
 
 @st.composite
@@ -86,6 +90,8 @@ def pipelines(draw, quantizer: str, backend: str, max_tokens: int = 420):
         **step_draws(draw, 1, [1, 9, BLOCK]),
         "tokens": draw(st.integers(160, max_tokens)),  # past every config's exact windows
         "evict": draw(st.sampled_from(EVICTIONS)),
+        "summary": draw(st.sampled_from(SUMMARIES.names())),  # what an evicted block keeps
+        "page_in_budget": draw(st.sampled_from([0, None, 2])),  # targeted page-in: off, all, 2
         "budget_margin": draw(st.sampled_from([0.0, 0.05, 0.3])),
         "backend": backend,
         "mode": draw(st.sampled_from(["certified", "certified", "naive"])),

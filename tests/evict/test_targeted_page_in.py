@@ -1,0 +1,92 @@
+"""Targeted page-in (``ladder.page_in_budget``, issue 56): a head whose boundary check (eq. 18)
+fails because of evicted blocks reads the FP16 keys and values of the blocks that break it and
+is checked again before rung 3; the bound holds either way."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import check_heads, make_kv, make_query
+
+from certkv import CertifiedAttention, Ladder, TieredKVStore
+from certkv.errors import ConfigError
+from certkv.evict import StreamingEviction
+from certkv.kernels.numba_backend import NumbaBackend
+from certkv.kernels.reference import TorchBackend
+from certkv.kernels.triton_backend import TritonBackend
+from certkv.quant import KVQuantizer
+from certkv.registry import SUMMARIES
+
+D = 32
+HOST = [TorchBackend, NumbaBackend]  # the host path, where targeted page-in runs
+
+
+def evicted_store(summary="box", device="cpu", budget=0.3):
+    """256 tokens with outlier channels, all but a sink and the newest blocks evicted."""
+    policy = StreamingEviction(budget=budget, sink=16, summary=summary)
+    store = TieredKVStore(2, D, block_size=16, device=device,
+                          quantizer=KVQuantizer(block_size=16).with_eviction(policy))
+    k, v = make_kv(2, 256, D, seed=4, outlier_channels=2)
+    store.append(k.to(device), v.to(device))
+    return store, k
+
+
+def steps(store, k, budget, backend, device="cpu"):
+    attn = CertifiedAttention(backend=backend(), ladder=Ladder(page_in_budget=budget))
+    certs = []
+    for seed in range(6):
+        q = make_query(k, 2, seed=seed, scale=3.0, peaked=True).to(device)
+        out, cert = attn(q, store)
+        check_heads(out, cert, q, store)  # the contract, with or without the page-in
+        certs.append(cert)
+    return certs
+
+
+@pytest.mark.parametrize("backend", HOST)
+def test_a_failed_boundary_check_is_mended_instead_of_dense(backend):
+    """Off (budget 0), heads whose evicted blocks' upper bounds break eq. 18 go dense; on, the
+    breaking blocks are read and those heads are checked again: fewer head-steps on rung 3, and
+    the certificate counts the pairs read and the heads mended."""
+    store, k = evicted_store()
+    assert store.evicted_mask().any()
+    off = steps(store, k, 0, backend)
+    on = steps(store, k, None, backend)
+    failed = sum(int((~c.boundary_ok).sum()) for c in off)
+    assert failed > 0, "the draw never failed eq. 18: nothing to mend"
+    assert sum(c.mended for c in on) > 0 and sum(c.targeted for c in on) > 0
+    assert all(c.targeted == 0 and c.mended == 0 for c in off)
+    dense = [sum(int((c.rung >= 3).sum()) for c in certs) for certs in (off, on)]
+    assert dense[1] < dense[0]
+
+
+@pytest.mark.parametrize("backend", HOST)
+def test_the_page_in_budget_caps_what_a_step_reads(backend):
+    """With a budget of 1 a step reads at most one new (kv head, block) pair for it."""
+    store, k = evicted_store()
+    certs = steps(store, k, 1, backend)
+    assert all(c.targeted <= 1 for c in certs) and any(c.targeted == 1 for c in certs)
+
+
+def test_the_device_path_goes_to_rung_3_as_before():
+    """The Triton kernels' step reads no host value, so it cannot decide on a second pass:
+    there a failed boundary check is rung 3 whatever the budget (and the bound holds)."""
+    store, k = evicted_store()
+    certs = steps(store, k, None, lambda: TritonBackend(split=4))
+    assert all(c.targeted == 0 and c.mended == 0 for c in certs)
+
+
+@pytest.mark.parametrize("summary", SUMMARIES.names())
+@pytest.mark.parametrize("backend", HOST)
+def test_every_summary_keeps_the_contract_with_targeted_page_in(summary, backend):
+    """Each summary in the registry, stepped with targeted page-in on (at a budget every
+    summary fits)."""
+    store, k = evicted_store(summary, budget=0.5)
+    assert store.evicted_mask().any()
+    steps(store, k, None, backend)
+
+
+def test_a_bad_page_in_budget_is_one_sentence():
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ConfigError, match="page_in_budget"):
+            Ladder(page_in_budget=bad)
+    with pytest.raises(ConfigError, match=r"evict\.summary='boxes' is unknown"):
+        StreamingEviction(summary="boxes")
