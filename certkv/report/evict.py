@@ -27,14 +27,21 @@ def evict_of(run: RunData, variant: str) -> dict:
 
 
 def series_of(run: RunData, variant: str) -> str:
-    """``naive``, ``certified`` or ``certified, bound_tol 0.05``: the mode, with the ladder's
-    bound tolerance when the variant (or the run) sets one."""
+    """``naive``, ``certified`` or e.g. ``certified, keys2, targeted, bound_tol 0.05``: the
+    mode, with the summary where it is not the default box, targeted page-in where it is on
+    (``ladder.page_in_budget``, with its cap) and the ladder's bound tolerance, where the
+    variant (or the run) sets them."""
     entry = run.variant_entry(variant)
     ladder = {**(run.config.get("ladder") or {}), **(entry.get("ladder") or {})}
-    tols = [f"{k} {ladder[k]:g}" for k in ("bound_tol", "bound_rtol")
-            if ladder.get(k) is not None]
+    summary = evict_of(run, variant).get("summary", "box")
+    parts = [summary] if summary != "box" else []
+    budget = ladder.get("page_in_budget", 0)
+    if budget != 0:
+        parts.append("targeted" if budget is None else f"targeted {budget}")
+    parts += [f"{k} {ladder[k]:g}" for k in ("bound_tol", "bound_rtol")
+              if ladder.get(k) is not None]
     mode = run.modes[variant]
-    return ", ".join([mode, *tols]) if mode == "certified" else mode
+    return ", ".join([mode, *parts]) if mode == "certified" else mode
 
 
 def policy_name(settings: dict) -> str:
@@ -115,15 +122,16 @@ def evict_table(run: RunData) -> Table | None:
 def quality_vs_budget(run: RunData, path: Path) -> bool:
     """Left: perplexity against the budget per policy (naive dashed, certified solid, certified
     with a bound tolerance dash-dotted, dense dotted); right: the page-in traffic of the
-    certified runs (host-to-device KiB per step)."""
-    from matplotlib.ticker import FuncFormatter
-
+    certified runs (host-to-device KiB per step). A run of one budget gets the frontier
+    instead (:func:`_frontier`)."""
     from certkv.report.look import _figure, _save, legend_right, style
 
     rows = [r for r in evict_rows(run) if r["policy"] != "none"] if has_eviction(run) else []
     rows = [r for r in rows if r["quality"].get("perplexity")]
     if not rows:
         return False
+    if len({r["budget"] for r in rows}) == 1:  # one budget: the frontier against bytes read
+        return _frontier(rows, path)
     fig, axes = _figure(9.0, 3.2, 1, 2)
     left, right = axes[0]
     for k, policy in enumerate(dict.fromkeys(r["policy"] for r in rows)):
@@ -140,18 +148,57 @@ def quality_vs_budget(run: RunData, path: Path) -> bool:
             if series != "naive":
                 right.plot(x, [r["cert"].get("h2d_bytes_per_step", 0.0) / 2**10
                                for r in mine], label=f"{policy} {series}", **kw)
-    left.axhline(rows[0]["quality"]["perplexity"]["dense"], color="black", linestyle=":",
-                 linewidth=1, label="dense (FP16)")
-    left.set_yscale("log")
-    plain = FuncFormatter(lambda y, _: f"{y:,.0f}" if y >= 1000 else f"{y:.4g}")
-    left.yaxis.set_major_formatter(plain)
-    left.yaxis.set_minor_formatter(plain)
-    left.set_ylabel("perplexity (log)")
+    _perplexity_axis(left, rows)
     right.set_ylim(bottom=0)
     right.set_ylabel("certified: host-to-device KiB / step")
     for ax, title in ((left, "quality"), (right, "page-in traffic")):
         ax.set_xlabel("Tier-1 budget (% of dense bytes)", fontsize=8)
         ax.set_title(title, fontsize=9)
         ax.invert_xaxis()  # tighter budgets to the right
+    legend_right(fig)
+    return _save(fig, path)
+
+
+def _perplexity_axis(ax, rows: list[dict]) -> None:
+    """Dense's perplexity as a dotted line, a log axis with plain labels."""
+    from matplotlib.ticker import FuncFormatter
+
+    ax.axhline(rows[0]["quality"]["perplexity"]["dense"], color="black", linestyle=":",
+               linewidth=1, label="dense (FP16)")
+    ax.set_yscale("log")
+    plain = FuncFormatter(lambda y, _: f"{y:,.0f}" if y >= 1000 else f"{y:.4g}")
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(plain)
+    ax.set_ylabel("perplexity (log)")
+
+
+def _frontier(rows: list[dict], path: Path) -> bool:
+    """One budget's frontier (issue 56): perplexity (left) and step time against dense (right)
+    over the host-to-device KiB each method reads per step; a colour per series (mode, summary,
+    targeted page-in, tolerance), a marker per policy."""
+    from certkv.report.look import MARKERS, _figure, _save, legend_right, style
+
+    fig, axes = _figure(9.0, 3.4, 1, 2)
+    left, right = axes[0]
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    for k, series in enumerate(dict.fromkeys(r["series"] for r in rows)):
+        colour = style(k)["color"]
+        for r in (r for r in rows if r["series"] == series):
+            x = r["cert"].get("h2d_bytes_per_step", 0.0) / 2**10
+            marker = MARKERS[policies.index(r["policy"]) % len(MARKERS)]
+            for ax, y in ((left, r["quality"]["perplexity"]["method"]), (right, r["x_dense"])):
+                ax.plot([x], [y], marker=marker, color=colour, linestyle="none")
+        left.plot([], [], color=colour, marker="s", linestyle="none", label=series)
+    for j, policy in enumerate(policies):
+        left.plot([], [], color="grey", marker=MARKERS[j % len(MARKERS)], linestyle="none",
+                  label=policy)
+    _perplexity_axis(left, rows)
+    right.axhline(1.0, color="black", linestyle=":", linewidth=1)
+    right.set_ylim(bottom=0)
+    right.set_ylabel("step time / dense")
+    for ax, title in ((left, "quality"), (right, "speed")):
+        ax.set_xlabel("host-to-device KiB / step (all layers)", fontsize=8)
+        ax.set_title(f"{title} at {100 * rows[0]['budget']:.0f}% of dense Tier-1 bytes",
+                     fontsize=9)
     legend_right(fig)
     return _save(fig, path)
