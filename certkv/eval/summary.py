@@ -39,6 +39,9 @@ def certificate_summary(records: list[dict]) -> dict:
         if records else 0.0
     out["scratch_hit_rate"] = statistics.fmean(r["scratch_hit_rate"] for r in records) \
         if records else 0.0
+    filled = [r["scratch_bytes"] / r["dense_bytes"] for r in records
+              if "scratch_bytes" in r and r.get("dense_bytes")]  # absent in older runs
+    out["scratch_over_dense"] = statistics.fmean(filled) if filled else None
     out["h2d_bytes_per_step"] = sum(r["h2d_bytes"] for r in records) / steps
     for name in ("corrected_words", "erased_words", "corrupted_blocks"):  # protect (seed 003)
         out[f"{name}_per_step"] = sum(r.get(f"{name}_per_step", 0.0) * r["steps"]

@@ -74,6 +74,11 @@ def evict_rows(run: RunData) -> list[dict]:
     return rows
 
 
+def _scratch(cert: dict) -> str:
+    share = cert.get("scratch_over_dense")
+    return "-" if share is None else f"{share:.3f}"
+
+
 def _delta(q: dict | None, digits: int) -> str:
     return "-" if q is None else fmt_interval(q["delta"], digits)
 
@@ -95,14 +100,15 @@ def evict_table(run: RunData) -> Table | None:
                      f"{cert.get('targeted_per_step', 0.0):.0f}" if steps else "-",
                      f"{100 * cert.get('mended_rate', 0.0):.1f}" if steps else "-",
                      f"{cert.get('h2d_bytes_per_step', 0.0) / 2**10:.0f}" if steps else "-",
-                     f"{cert.get('tier1_over_dense', 0.0):.3f}", fmt(r["x_dense"], 2)])
+                     f"{cert.get('tier1_over_dense', 0.0):.3f}", _scratch(cert),
+                     fmt(r["x_dense"], 2)])
     dense = {t: next((r["quality"][t]["dense"] for r in evict_rows(run)
                       if r["quality"].get(t)), None) for t in _TASKS}
     shown = ", ".join(f"{t} {fmt(x, 2)}" for t, x in dense.items() if x is not None)
     return Table(f"Eviction ({run.label}; issue 23)",
                  ["method", "policy", "budget", "ppl delta [95% CI]", "NIAH delta",
                   "RULER delta", "page-in %", "paged/step", "targeted", "mended %", "H2D KiB",
-                  "T1", "x dense"], rows,
+                  "T1", "scr", "x dense"], rows,
                  f"Dense: {shown}. Quality: the method's paired delta to dense with its 95% CI "
                  "(values in the quality table). naive drops evicted tokens (kvpress); "
                  "certified reads their summaries in the bound and pages blocks in from Tier-2 "
@@ -116,6 +122,8 @@ def evict_table(run: RunData) -> Table | None:
                   "mended": "head-steps whose boundary check held after that page-in (no "
                             "rung 3 for it)",
                   "H2D": "host-to-device KiB per step", "T1": "Tier-1 bytes / dense bytes",
+                  "scr": "the device's FP16 scratch pools as filled / dense bytes (device "
+                         "memory in use: T1 + scr; -: not recorded)",
                   "x dense": "median step time / dense"}, keys=3)
 
 
