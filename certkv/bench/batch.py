@@ -109,7 +109,8 @@ def batch_tables(records: list[dict]):
         f"{model}{codecs}: certified cache per sequence, MB over every layer",
         [("N", "context tokens"), ("B", "sequences"), ("T1", "Tier-1 (codes and metadata)"),
          ("ann", "annotations"), ("T2", "Tier-2 FP16 originals (host)"),
-         ("mir", "decoded mirror (CPU workspace)"), ("scr", "scratch FP16 pools, as used"),
+         ("mir", "decoded mirror (CPU workspace)"),
+         ("scr", "scratch FP16 blocks held (a CPU store: what a device scratch would hold)"),
          ("fp16", "a dense FP16 cache")], keys=2)
     for r in records:
         up = r["speedup"]["certified"] if r["speedup"] else None

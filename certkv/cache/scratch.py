@@ -242,6 +242,14 @@ class ScratchCache:
         pools += [lru.pool for lru in self._device.values()]
         return sum(p.numel() * p.element_size() for p in pools)
 
+    def held_bytes(self, block_size: int, head_dim: int) -> int:
+        """FP16 bytes of the blocks it holds now: the host bookkeeping's occupied slots (a CPU
+        store reads Tier-2 in place and only counts: what a device scratch of these capacities
+        would hold) and the device bookkeeping's pools."""
+        slots = sum(int((lru.owner[:, 0] >= 0).sum()) for lru in self._lru.values())
+        pools = sum(lru.pool.numel() * lru.pool.element_size() for lru in self._device.values())
+        return slots * 2 * block_size * head_dim + pools
+
     def stage(self, store, kv_heads: torch.Tensor, blocks: torch.Tensor, which: str):
         """``(data, rows)`` for the keys (``which="k"``) or values (``"v"``) of
         ``(kv_heads[i], blocks[i])`` (host indices): see :meth:`_LRUBlocks.stage`."""

@@ -433,13 +433,16 @@ class TieredCache(Cache):
         return batch
 
     def bytes(self) -> dict[str, int]:
-        """Byte accounting summed over layers (Table 13 / 22), and the scratch caches' FP16
-        pools (``scratch``)."""
+        """Byte accounting summed over layers (Table 13 / 22), and the FP16 blocks the scratch
+        caches hold (``scratch``: their pools on a device; on a CPU store, which reads Tier-2
+        in place, what a device scratch of the same capacities would hold)."""
         stores = self.stores()
         held = {name: sum(getattr(s, f"{name}_bytes")() for s in stores)
                 for name in ("tier1", "annotation", "tail", "device", "tier2", "dense",
                              "workspace")}
-        held["scratch"] = sum(s.nbytes() for layer in self.layers for s in layer.scratches)
+        held["scratch"] = sum(s.held_bytes(store.block_size, store.head_dim)
+                              for layer in self.layers if layer.stores
+                              for store, s in zip(layer.stores, layer.scratches, strict=False))
         return held
 
     def scratch_stats(self) -> ScratchStats:

@@ -122,8 +122,9 @@ def evict_table(run: RunData) -> Table | None:
                   "mended": "head-steps whose boundary check held after that page-in (no "
                             "rung 3 for it)",
                   "H2D": "host-to-device KiB per step", "T1": "Tier-1 bytes / dense bytes",
-                  "scr": "the device's FP16 scratch pools as filled / dense bytes (device "
-                         "memory in use: T1 + scr; -: not recorded)",
+                  "scr": "FP16 blocks the scratch cache holds / dense bytes (on a CPU store, "
+                         "what a device scratch would hold; device memory in use: T1 + scr; "
+                         "-: not recorded)",
                   "x dense": "median step time / dense"}, keys=3)
 
 

@@ -153,3 +153,23 @@ def test_compiled_bookkeeping_matches_the_numpy_one_step_by_step(monkeypatch, ca
         assert np.array_equal(*(lru.slot_of[:, : s.num_blocks] for lru in lrus))
         assert caches[0].stats == caches[1].stats
     assert caches[0].stats.misses > 0 and caches[0].stats.hits > 0
+
+
+@pytest.mark.parametrize("capacity", [3, 4096])
+def test_what_a_cpu_scratch_would_hold_is_counted(capacity):
+    """``held_bytes`` on a CPU store (Tier-2 read in place, the scratch only bookkept): the
+    FP16 bytes of the blocks a device scratch of these capacities would hold, the same on both
+    CPU backends, never more than the capacities allow."""
+    s, k = store(300)
+    caches = {name: ScratchCache(key_blocks=capacity, value_blocks=capacity)
+              for name in ("torch", "numba")}
+    for seed in range(3):
+        q = make_query(k, 2, seed=seed, scale=3.0, peaked=True)
+        for name, scratch in caches.items():
+            CertifiedAttention(backend=name)(q, s, scratch=scratch)
+    block = 2 * s.block_size * s.head_dim
+    held = {name: c.held_bytes(s.block_size, s.head_dim) for name, c in caches.items()}
+    slots = sum(int((lru.owner[:, 0] >= 0).sum()) for lru in caches["numba"]._lru.values())
+    assert held["numba"] == slots * block > 0
+    assert held["numba"] <= 2 * capacity * block
+    assert held["torch"] == held["numba"]  # the same bookkeeping on both backends
