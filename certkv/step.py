@@ -144,7 +144,8 @@ class QuantizedStep(Fallback):
 
     def _mended_pass(self, step: _Step, scored, boost) -> StepPass:
         """A pass, and where its boundary check (eq. 18) failed on a store with evicted blocks,
-        a second pass that also reads the FP16 keys of the blocks that broke it, within
+        a second pass that also reads the blocks that broke it (FP16 keys, and values where
+        lossy), within
         ``ladder.page_in_budget`` (:mod:`certkv.certify.targeted`); what it read and mended
         goes into the certificate."""
         first = self._pass(step, scored, boost)

@@ -239,16 +239,18 @@ class ScratchCache:
         """Bytes of its FP16 pools now (they grow with use up to the capacities; the host
         bookkeeping aside)."""
         pools = [lru.buffer for lru in self._lru.values() if lru.buffer is not None]
-        pools += [lru.pool for lru in self._device.values()]
-        return sum(p.numel() * p.element_size() for p in pools)
+        return _bytes(pools) + self._device_bytes()
+
+    def _device_bytes(self) -> int:
+        """Bytes of the device bookkeeping's FP16 pools."""
+        return _bytes([lru.pool for lru in self._device.values()])
 
     def held_bytes(self, block_size: int, head_dim: int) -> int:
         """FP16 bytes of the blocks it holds now: the host bookkeeping's occupied slots (a CPU
         store reads Tier-2 in place and only counts: what a device scratch of these capacities
         would hold) and the device bookkeeping's pools."""
         slots = sum(int((lru.owner[:, 0] >= 0).sum()) for lru in self._lru.values())
-        pools = sum(lru.pool.numel() * lru.pool.element_size() for lru in self._device.values())
-        return slots * 2 * block_size * head_dim + pools
+        return slots * 2 * block_size * head_dim + self._device_bytes()
 
     def stage(self, store, kv_heads: torch.Tensor, blocks: torch.Tensor, which: str):
         """``(data, rows)`` for the keys (``which="k"``) or values (``"v"``) of
@@ -283,3 +285,7 @@ class ScratchCache:
             data, rows = self.stage(store, kv_heads, blocks, kind)
             out.append(data if rows is None else data[rows])
         return out[0], out[1]
+
+
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)

@@ -109,8 +109,8 @@ class Certificate:
     # from Tier-2 (FP16 keys or values), i.e. paged back in for the certificate
     paged_evicted: int = 0
     # targeted page-in (``ladder.page_in_budget``, :mod:`certkv.certify.targeted`): new (kv
-    # head, block) pairs whose FP16 keys this step read to mend a failed boundary check (eq.
-    # 18), and the heads it mended (their check held after it: no rung 3 for that reason)
+    # head, block) pairs this step read whole (FP16 keys, and values where lossy) to mend a
+    # failed boundary check (eq. 18), and the heads it mended (their check held after it)
     targeted: int = 0
     mended: int = 0
     # the sequence's index in its batch (:meth:`certkv.attention.CertifiedAttention.batch`; 0

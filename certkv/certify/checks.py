@@ -33,13 +33,22 @@ def _ranking(idx8: torch.Tensor, idx16: torch.Tensor, count: torch.Tensor) -> to
     return ((idx8 == idx16) | (depth >= count.unsqueeze(-1))).all(dim=-1)
 
 
-def _boundary(top16: torch.Tensor, count: torch.Tensor, l_int8: torch.Tensor,
-              delta_b: torch.Tensor, tail: torch.Tensor, r: int) -> torch.Tensor:
-    """Eq. 18 from the FP16 top-r log-masses ``top16 [Hq, k]``: every INT8 tail block's
-    upper-bounded log-mass stays at or below the ``r``-th (``-inf`` if fewer are promoted)."""
+def boundary_terms(top16: torch.Tensor, count: torch.Tensor, l_int8: torch.Tensor,
+                   delta_b: torch.Tensor, tail: torch.Tensor, r: int):
+    """What eq. 18 compares, from the FP16 top-r log-masses ``top16 [Hq, k]``: each INT8 tail
+    block's upper-bounded log-mass ``l_int8 + delta_b`` (``-inf`` off the ``tail``) ``[Hq, n]``
+    and the ``r``-th promoted FP16 log-mass (``-inf`` if fewer are promoted) ``[Hq, 1]``."""
     threshold = torch.where(count >= r, top16[..., -1], NEG_INF)
     upper = (l_int8 + delta_b).masked_fill(~tail, NEG_INF)
-    return (upper <= threshold.unsqueeze(-1)).all(dim=-1)
+    return upper, threshold.unsqueeze(-1)
+
+
+def _boundary(top16: torch.Tensor, count: torch.Tensor, l_int8: torch.Tensor,
+              delta_b: torch.Tensor, tail: torch.Tensor, r: int) -> torch.Tensor:
+    """Eq. 18: every INT8 tail block's upper-bounded log-mass stays at or below the ``r``-th
+    promoted FP16 log-mass (:func:`boundary_terms`)."""
+    upper, threshold = boundary_terms(top16, count, l_int8, delta_b, tail, r)
+    return (upper <= threshold).all(dim=-1)
 
 
 def ranking_consistent(

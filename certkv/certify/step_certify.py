@@ -173,7 +173,7 @@ class StepPass:
     # targeted page-in (:mod:`certkv.certify.targeted`): what a failed eq. 18 asks for (the
     # breaking blocks, their upper bounds, the kv heads' keys read), then what it bought
     mend: tuple | None = None
-    targeted: int = 0  # new (kv head, block) key pairs it read
+    targeted: int = 0  # new (kv head, block) pairs it read whole
     mended: int = 0  # heads whose boundary check held after it
 
     @property

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from certkv.certify.checks import NEG_INF, top_r
+from certkv.certify.checks import NEG_INF, boundary_terms, top_r
 
 
 def boundary_breakers(l_int8: torch.Tensor, l_fp16: torch.Tensor, delta_b: torch.Tensor,
@@ -25,15 +25,15 @@ def boundary_breakers(l_int8: torch.Tensor, l_fp16: torch.Tensor, delta_b: torch
     :func:`~certkv.certify.checks.boundary_ok` compares them) and their upper bounds ``[Hq, n]``
     (``-inf`` off the tail). ``tail [n]`` or ``[Hq, n]``: blocks read without FP16 keys."""
     values, _, count = top_r(l_fp16, promoted, r)
-    threshold = torch.where(count >= r, values[..., -1], NEG_INF)
     tail = tail & ~promoted
-    upper = (l_int8 + delta_b).masked_fill(~tail, NEG_INF)
-    return tail & ~(upper <= threshold.unsqueeze(-1)), upper
+    upper, threshold = boundary_terms(values, count, l_int8, delta_b, tail, r)
+    return tail & ~(upper <= threshold), upper
 
 
 def plan(breakers: torch.Tensor, upper: torch.Tensor, paged: torch.Tensor,
          budget: int | None) -> tuple[torch.Tensor, int]:
-    """The blocks to promote ``[Hq, n]`` and how many new (kv head, block) key pairs they read:
+    """The blocks to promote ``[Hq, n]`` and how many new (kv head, block) pairs they read
+    (pairs whose keys the pass did not read; read whole, values too where lossy):
     every breaker whose kv head's keys are read already (``paged [Hkv, n]``) or among the
     ``budget`` new pairs with the largest upper bounds (``None``: no cap)."""
     hkv, n = paged.shape

@@ -286,7 +286,7 @@ def certificate_record(caches: list[CacheTelemetry]) -> dict:
                    "device_bytes": largest.get("device", 0),
                    "tier2_bytes": largest.get("tier2", 0),
                    "dense_bytes": largest.get("dense", 0),
-                   "scratch_bytes": largest.get("scratch", 0)})  # FP16 pools as filled
+                   "scratch_bytes": largest.get("scratch", 0)})  # FP16 blocks it holds
     stats = [cache.scratch for cache in caches]
     hits, misses = sum(s.hits for s in stats), sum(s.misses for s in stats)
     record["scratch_hit_rate"] = hits / (hits + misses) if hits + misses else 0.0

@@ -441,7 +441,7 @@ class TieredCache(Cache):
                 for name in ("tier1", "annotation", "tail", "device", "tier2", "dense",
                              "workspace")}
         held["scratch"] = sum(s.held_bytes(store.block_size, store.head_dim)
-                              for layer in self.layers if layer.stores
+                              for layer in self.layers  # before a prefill: no store
                               for store, s in zip(layer.stores, layer.scratches, strict=False))
         return held
 

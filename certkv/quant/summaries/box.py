@@ -23,7 +23,5 @@ from certkv.registry import SUMMARIES
 class BoxSummary(Summary):
     """Per-channel key range and value radius (see the module)."""
 
-    name = "box"
-
     def precision(self) -> Precision:
         return Precision(SummaryKeyCodec(), SummaryValueCodec(), "evicted")

@@ -27,7 +27,6 @@ class LowBitKeySummary(Summary):
     """``bits``-bit keys and the value radius (see the module)."""
 
     bits: int = 2
-    name = "low_bit"
 
     def precision(self) -> Precision:
         return Precision(ChannelAffineKeyCodec(bits=self.bits), SummaryValueCodec(), "evicted")
