@@ -35,6 +35,8 @@ from certkv.certify.values import LocalThreshold
 from certkv.errors import CertKVError, ConfigError, require
 from certkv.eval.hf_quantized import MODE as HF_MODE
 from certkv.eval.hf_quantized import HFQuantized
+from certkv.eval.press import MODE as PRESS_MODE
+from certkv.eval.press import KVPress
 from certkv.evict.base import EvictionPolicy
 from certkv.graphs import GraphedAttention, GraphedDecode
 from certkv.models.hf_cache import CacheSpec, CacheTelemetry, TieredCache
@@ -57,6 +59,7 @@ class Method:
     protect: Protection | None = None  # codes, integrity check and faults of Tier-1
     evict: EvictionPolicy | None = None  # which blocks keep only a summary in Tier-1
     hf_cache: HFQuantized | None = None  # mode=hf_quantized: transformers' QuantizedCache
+    press: KVPress | None = None  # mode=kvpress: a kvpress press, run in kvpress's own venv
 
     def __post_init__(self) -> None:
         require(self.mode in EVAL_MODES, ConfigError,
@@ -64,7 +67,9 @@ class Method:
         if self.mode == HF_MODE:  # the model's own attention over transformers' cache
             self.hf_cache = self.hf_cache or HFQuantized()
             self.hf_cache.check_installed()
-        self.quantizer = self.quantizer.for_mode("dense" if self.mode == HF_MODE else self.mode)
+        if self.mode == PRESS_MODE:
+            self.press = self.press or KVPress()
+        self.quantizer = self.quantizer.for_mode(attention_mode(self.mode))
         if self.mode in MODES and self.mode != "dense":
             self.quantizer = self.quantizer.with_protection(self.protect)
             self.quantizer = self.quantizer.with_eviction(self.evict)
@@ -75,25 +80,28 @@ class Method:
               value_policy: object | None = None, ladder: Ladder | None = None,
               backend: object = "auto", compile: bool | str | None = None,
               protect: Protection | None = None, evict: EvictionPolicy | None = None,
-              graphs: bool = False, hf_cache: HFQuantized | None = None) -> Method:
+              graphs: bool = False, hf_cache: HFQuantized | None = None,
+              press: KVPress | None = None) -> Method:
         """A method with the paper's defaults (Table 2) for anything not given; ``graphs``:
         each layer's step captured in a CUDA graph (:class:`~certkv.graphs.GraphedAttention`),
         and a :class:`Decoder`'s whole decode steps (:class:`~certkv.graphs.GraphedDecode`)."""
         attention = CertifiedAttention(selector or AdaptiveTopK(),
                                        value_policy or LocalThreshold(), ladder or Ladder(),
                                        backend, attention_mode(mode), compile=compile)
-        if graphs and mode != HF_MODE:  # transformers' cache runs its own code, uncaptured
+        if graphs and mode not in FOREIGN_MODES:  # another tool's cache: its own code
             attention = GraphedAttention(attention)
-        return cls(name, mode, attention, quantizer or KVQuantizer(), protect, evict, hf_cache)
+        return cls(name, mode, attention, quantizer or KVQuantizer(), protect, evict, hf_cache,
+                   press)
 
 
-EVAL_MODES = (*MODES, HF_MODE)  # what a compared method may be
+FOREIGN_MODES = (HF_MODE, PRESS_MODE)  # another tool's cache under the model's own attention
+EVAL_MODES = (*MODES, *FOREIGN_MODES)  # what a compared method may be
 
 
 def attention_mode(mode: str) -> str:
-    """The :class:`CertifiedAttention` mode of a method's ``mode`` (``hf_quantized`` decodes
-    with the model's own attention, as dense does)."""
-    return "dense" if mode == HF_MODE else mode
+    """The :class:`CertifiedAttention` mode of a method's ``mode`` (``hf_quantized`` and
+    ``kvpress`` decode with the model's own attention, as dense does)."""
+    return "dense" if mode in FOREIGN_MODES else mode
 
 
 class Decoder:
@@ -217,6 +225,9 @@ class Prefill:
         gets the model's rotary embedding (:meth:`KVQuantizer.with_rope`)."""
         if method.mode == HF_MODE:
             return method.hf_cache.cache(self.lm.model.config, self.states)
+        require(method.mode != PRESS_MODE, ConfigError,
+                f"method {method.name!r} (mode={PRESS_MODE}) runs in kvpress's own venv, not "
+                "in this process; run it through `certkv run` (see certkv.eval.press).")
         if method.mode == "dense":
             cache = DynamicCache()
             with torch.inference_mode():

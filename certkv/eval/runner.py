@@ -24,10 +24,20 @@ from certkv.attention import CertifiedAttention
 from certkv.config import check_types
 from certkv.errors import CertKVError, ConfigError, require
 from certkv.eval.batch import answer_all
-from certkv.eval.decode import EVAL_MODES, Method, Prefill, attention_mode
+from certkv.eval.decode import (
+    EVAL_MODES,
+    FOREIGN_MODES,
+    Method,
+    Prefill,
+    attention_mode,
+    end_of_sequence_ids,
+)
 from certkv.eval.feasible import check_batch_memory, check_budget
 from certkv.eval.hf_quantized import MODE as HF_MODE
 from certkv.eval.hf_quantized import HFQuantized
+from certkv.eval.kvpress_exchange import Answered, Exchange
+from certkv.eval.press import MODE as PRESS_MODE
+from certkv.eval.press import KVPress
 from certkv.eval.progress import RunProgress, announce_compile
 from certkv.eval.results import RunDir, read_jsonl
 from certkv.files import exclusive_dir
@@ -121,19 +131,21 @@ def build_variants(cfg: DictConfig) -> list[Method]:
                 f"every variant needs a unique name (got {name!r}); fix the variants list.")
         require(mode in EVAL_MODES, ConfigError,
                 f"variant {name!r} has mode={mode!r}; use one of {list(EVAL_MODES)}.")
-        unknown = set(entry) - {"name", "mode", "hf_cache", *COMPONENTS}
+        unknown = set(entry) - {"name", "mode", "hf_cache", "press", *COMPONENTS}
         require(not unknown, ConfigError,
                 f"variant {name!r} has unknown keys {sorted(unknown)}; it may set name, mode, "
-                f"hf_cache (mode={HF_MODE}) and {', '.join(COMPONENTS)}.")
+                f"hf_cache (mode={HF_MODE}), press (mode={PRESS_MODE}) and "
+                f"{', '.join(COMPONENTS)}.")
         parts = {c: build(_override(cfg[c], entry.get(c, {})), c) for c in COMPONENTS}
         attention = CertifiedAttention(parts["selector"], parts["value_policy"], parts["ladder"],
                                        backend, attention_mode(mode), compile=cfg.get("compile"),
                                        audit=bool(cfg.get("audit", False)))
-        if cfg.get("graphs", False) and mode != HF_MODE:  # transformers' cache: uncaptured
+        if cfg.get("graphs", False) and mode not in FOREIGN_MODES:  # another tool's code
             attention = GraphedAttention(attention)
         hf_cache = _hf_cache(entry) if mode == HF_MODE else None
+        press = _press(entry) if mode == PRESS_MODE else None
         variants.append(Method(name, mode, attention, parts["quantizer"], parts["protect"],
-                               parts["evict"], hf_cache))
+                               parts["evict"], hf_cache, press))
         names.add(name)
     return variants
 
@@ -156,6 +168,11 @@ def _current_targets(node):
 def _hf_cache(entry) -> HFQuantized:
     """A ``mode: hf_quantized`` variant's transformers cache settings."""
     return HFQuantized.from_config(_container(entry.get("hf_cache")))
+
+
+def _press(entry) -> KVPress:
+    """A ``mode: kvpress`` variant's press."""
+    return KVPress.from_config(_container(entry.get("press")))
 
 
 def _container(node):
@@ -199,6 +216,9 @@ def record_settings(cfg: DictConfig) -> dict[str, object]:
         mode = entry.get("mode", "certified")
         if mode == HF_MODE:  # transformers' cache: its own settings, no component of certkv
             out[f"variant:{entry.name}"] = {"mode": mode, "hf_cache": asdict(_hf_cache(entry))}
+            continue
+        if mode == PRESS_MODE:  # kvpress's press: its own settings
+            out[f"variant:{entry.name}"] = {"mode": mode, "press": asdict(_press(entry))}
             continue
         out[f"variant:{entry.name}"] = {"mode": mode} if mode == "dense" else {"mode": mode, **{
             c: _current_targets(_override(cfg[c], entry.get(c, {}))) for c in COMPONENTS
@@ -296,6 +316,10 @@ def _run_validated(cfg: DictConfig, built: Experiment, out_dir: str, progress: b
 
     def progress_meta() -> None:  # after every record: an interrupted session still counts
         run.write_meta({"wall_s": earlier + time.time() - started, "records": len(run.samples)})
+    exchange = _exchange(out_dir, variants, {
+        "model": {k: v for k, v in _container(cfg.model).items() if k != "_target_"},
+        "stop_ids": sorted(end_of_sequence_ids(lm)),
+        "threads": cfg.get("threads"), "command": meta["command"]})
     if progress and any(v.mode != "dense" for v in variants) and lm.device.type == "cpu":
         announce_compile()
     with RunProgress(planned, enabled=progress) as shown:
@@ -304,11 +328,27 @@ def _run_validated(cfg: DictConfig, built: Experiment, out_dir: str, progress: b
             size = batch_size(task, cfg)
             for start in range(0, len(samples), size):
                 group = Group(task, samples[start : start + size], size)
-                _run_group(run, group, variants, Prefills(lm, spec), shown, progress_meta)
+                _run_group(run, group, variants, Prefills(lm, spec, exchange), shown,
+                           progress_meta)
     summary = summarize(run.samples, run.certificates, tasks, variants, cfg)
     run.write_summary(summary)
     progress_meta()
+    waiting = exchange and exchange.message(out_dir, meta["command"])
+    if waiting:
+        from rich.console import Console
+
+        Console(stderr=True).print(waiting, highlight=False, soft_wrap=True)
     return summary
+
+
+def _exchange(out_dir: str, variants: list[Method], job: dict) -> Exchange | None:
+    """The files kvpress's process answers through (``job``: what it loads), where a variant
+    is ``mode: kvpress``."""
+    if not any(v.mode == PRESS_MODE for v in variants):
+        return None
+    exchange = Exchange(out_dir)
+    exchange.write_job(job)
+    return exchange
 
 
 def batch_size(task, cfg: DictConfig) -> int:
@@ -332,6 +372,7 @@ class Prefills:
 
     lm: object
     spec: CacheSpec
+    exchange: Exchange | None = None  # where kvpress variants are asked and answered
 
 
 def _run_group(run: RunDir, group: Group, variants: list[Method], prefills: Prefills, shown,
@@ -343,13 +384,16 @@ def _run_group(run: RunDir, group: Group, variants: list[Method], prefills: Pref
     todo = {v.name: [s for s in group.samples if not run.done(task.name, s.index, v.name)]
             for v in variants}
     shown.skip(sum(len(group.samples) - len(t) for t in todo.values()))
-    needed = {s.index for t in todo.values() for s in t}
+    needed = {s.index for v in variants if v.mode != PRESS_MODE for s in todo[v.name]}
     lm = prefills.lm
     shared = {s.index: Prefill(lm, s.prefix, prompt_window(variants))
               for s in group.samples if s.index in needed}
     for variant in variants:
         samples = todo[variant.name]
         if not samples:
+            continue
+        if variant.mode == PRESS_MODE:  # answered by kvpress's own process
+            _take_answers(run, group, variant, prefills, (shown, on_record))
             continue
         numbers = f"#{samples[0].index}" + (f"-{samples[-1].index}" if len(samples) > 1 else "")
         shown.start(f"{task.name} {numbers} {variant.name}")
@@ -365,6 +409,29 @@ def _run_group(run: RunDir, group: Group, variants: list[Method], prefills: Pref
             _record(run, task, sample, variant, session, metrics, size, prefills.spec)
             on_record()
             shown.finish()
+
+
+def _take_answers(run: RunDir, group: Group, variant: Method, prefills: Prefills,
+                  progress: tuple) -> None:
+    """Record the kvpress answers of ``group``'s samples that kvpress's process gave (scored
+    by the task's own scorer), and ask it for the others."""
+    task, exchange = group.task, prefills.exchange
+    shown, on_record = progress
+    for sample in group.samples:
+        if run.done(task.name, sample.index, variant.name):
+            continue
+        found = exchange.answered(task.name, sample, variant.name)
+        if found is None:
+            exchange.ask(task.name, sample, variant.name, variant.press,
+                         task.requests(None, sample))
+            shown.skip(1)
+            continue
+        answered = Answered(found)
+        metrics = {**task.score(sample, answered.answers, prefills.lm.tokenizer),
+                   **answered.provenance()}
+        _record(run, task, sample, variant, answered, metrics, 1, prefills.spec)
+        on_record()
+        shown.finish()
 
 
 def _record(run: RunDir, task, sample, variant: Method, session, metrics: dict,

@@ -44,6 +44,21 @@ def series_of(run: RunData, variant: str) -> str:
     return ", ".join([mode, *parts]) if mode == "certified" else mode
 
 
+def press_of(run: RunData, variant: str) -> dict | None:
+    """A ``mode: kvpress`` variant's press settings (None for any other variant)."""
+    if run.modes.get(variant) != "kvpress":
+        return None
+    press = run.variant_entry(variant).get("press") or {}
+    return {"press": "SnapKVPress", "compression_ratio": 0.5, **press}
+
+
+def press_policy(press: dict) -> str:
+    """``SnapKVPress`` -> ``kvpress SnapKV``; its options after it (``window_size=32``)."""
+    name = press["press"].removesuffix("Press")
+    options = ",".join(f"{k}={v}" for k, v in sorted((press.get("options") or {}).items()))
+    return f"kvpress {name}" + (f" {options}" if options else "")
+
+
 def policy_name(settings: dict) -> str:
     """``certkv.evict.SnapKVEviction`` -> ``snapkv`` (``none`` without a policy)."""
     target = settings.get("_target_", "")
@@ -53,7 +68,8 @@ def policy_name(settings: dict) -> str:
 
 
 def has_eviction(run: RunData) -> bool:
-    return any(policy_name(evict_of(run, v)) != "none" for v in run.variants)
+    return any(policy_name(evict_of(run, v)) != "none" or press_of(run, v) is not None
+               for v in run.variants)
 
 
 def evict_rows(run: RunData) -> list[dict]:
@@ -63,12 +79,13 @@ def evict_rows(run: RunData) -> list[dict]:
     for v in run.variants:
         if v == run.reference:
             continue
-        settings = evict_of(run, v)
+        settings, press = evict_of(run, v), press_of(run, v)
         cert = certificate_summary(run.certificate_records(v))
-        ms = median_step_ms(run, v)
+        ms = median_step_ms(run, v) if press is None else float("nan")  # timed elsewhere
         rows.append({"variant": v, "mode": run.modes[v], "series": series_of(run, v),
-                     "policy": policy_name(settings),
-                     "budget": float(settings.get("budget", 1.0)), "cert": cert,
+                     "policy": policy_name(settings) if press is None else press_policy(press),
+                     "budget": float(settings.get("budget", 1.0)) if press is None
+                     else 1.0 - float(press["compression_ratio"]), "cert": cert,
                      "quality": {t: quality_delta(run, t, v) for t in _TASKS if t in run.tasks},
                      "x_dense": ms / dense_ms if dense_ms else float("nan")})
     return rows
@@ -112,7 +129,9 @@ def evict_table(run: RunData) -> Table | None:
                  f"Dense: {shown}. Quality: the method's paired delta to dense with its 95% CI "
                  "(values in the quality table). naive drops evicted tokens (kvpress); "
                  "certified reads their summaries in the bound and pages blocks in from Tier-2 "
-                 "when it matters.",
+                 "when it matters; kvpress: the press run by kvpress's own code on the same "
+                 "prompts (its budget and T1: the share of prompt tokens kept, in FP16; timed in "
+                 "its own process and venv, so no x dense).",
                  {"budget": "Tier-1 bytes of completed blocks / their dense FP16 bytes",
                   "page-in": "decode steps that read an evicted block from Tier-2",
                   "paged/step": "evicted (kv head, block) pairs paged in per decode step, all "
@@ -150,7 +169,7 @@ def quality_vs_budget(run: RunData, path: Path) -> bool:
             if not mine:
                 continue
             x = [100 * r["budget"] for r in mine]
-            line = {"naive": "--", "certified": "-"}.get(series, "-.")
+            line = {"naive": "--", "certified": "-", "kvpress": ":"}.get(series, "-.")
             kw = {**style(k), "linestyle": line}
             left.plot(x, [r["quality"]["perplexity"]["method"] for r in mine],
                       label=f"{policy} {series}", **kw)
