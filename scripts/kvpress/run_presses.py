@@ -55,7 +55,9 @@ def load_model(spec: dict):
     """The model certkv's ``ModelSpec`` fields name: a hub id or directory (``path``), or the
     GGUF file of an installed package (``package`` + ``gguf_file``), in ``dtype``."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
 
+    logging.disable_progress_bar()  # the weights' loading bars would bury the samples' lines
     if spec.get("random_config"):
         raise JobError("the run's model is randomly initialised by certkv and cannot be rebuilt "
                        "here; run kvpress variants on a pretrained model (model=smollm2_135m).")
