@@ -53,10 +53,8 @@ def press_of(run: RunData, variant: str) -> dict | None:
 
 
 def press_policy(press: dict) -> str:
-    """``SnapKVPress`` -> ``kvpress SnapKV``; its options after it (``window_size=32``)."""
-    name = press["press"].removesuffix("Press")
-    options = ",".join(f"{k}={v}" for k, v in sorted((press.get("options") or {}).items()))
-    return f"kvpress {name}" + (f" {options}" if options else "")
+    """``SnapKVPress`` -> ``kvpress SnapKV`` (its options are the variant's, in its config)."""
+    return f"kvpress {press['press'].removesuffix('Press')}"
 
 
 def policy_name(settings: dict) -> str:
@@ -171,9 +169,9 @@ def quality_vs_budget(run: RunData, path: Path) -> bool:
             x = [100 * r["budget"] for r in mine]
             line = {"naive": "--", "certified": "-", "kvpress": ":"}.get(series, "-.")
             kw = {**style(k), "linestyle": line}
-            left.plot(x, [r["quality"]["perplexity"]["method"] for r in mine],
-                      label=f"{policy} {series}", **kw)
-            if series != "naive":
+            label = policy if series == "kvpress" else f"{policy} {series}"
+            left.plot(x, [r["quality"]["perplexity"]["method"] for r in mine], label=label, **kw)
+            if series not in ("naive", "kvpress"):  # what certification pages in
                 right.plot(x, [r["cert"].get("h2d_bytes_per_step", 0.0) / 2**10
                                for r in mine], label=f"{policy} {series}", **kw)
     _perplexity_axis(left, rows)

@@ -85,7 +85,7 @@ def make_press(spec: dict):
     if cls is None:
         names = [n for n in dir(kvpress) if n.endswith("Press")]
         close = difflib.get_close_matches(spec["press"], names, n=3)
-        raise JobError(f"kvpress {getattr(kvpress, '__version__', '')} has no press "
+        raise JobError(f"kvpress has no press "
                        f"{spec['press']!r}; use one of {close or names}.")
     try:
         return cls(compression_ratio=spec["compression_ratio"], **spec["options"])
@@ -153,13 +153,13 @@ def answer(model, cache, position: int, request: dict, stop_ids: set[int]) -> di
 
 
 def environment() -> dict:
-    import transformers
+    """The installed versions of what answers: kvpress, transformers, torch."""
+    from importlib import metadata
 
-    versions = {"transformers": transformers.__version__, "torch": torch.__version__}
-    with contextlib.suppress(ImportError):
-        import kvpress
-
-        versions["kvpress"] = getattr(kvpress, "__version__", "?")
+    versions = {}
+    for name in ("kvpress", "transformers", "torch"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            versions[name] = metadata.version(name)
     return versions
 
 
