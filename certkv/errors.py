@@ -35,3 +35,11 @@ def require(condition: bool, error: type[CertKVError], message: str) -> None:
     """Raise ``error(message)`` unless ``condition`` holds."""
     if not condition:
         raise error(message)
+
+
+def require_known(node: dict, allowed, where: str, hint: str = "") -> None:
+    """One sentence naming ``node``'s keys outside ``allowed`` (a config mapping ``where``,
+    e.g. ``hf_cache``) and the keys it may set; ``hint`` follows them."""
+    unknown = set(node) - set(allowed)
+    require(not unknown, ConfigError,
+            f"{where} has unknown keys {sorted(unknown)}; it may set {', '.join(allowed)}{hint}.")

@@ -3,19 +3,12 @@ each layer's last moved."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import torch
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "threshold_convergence.py"
+from helpers import script
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("threshold_convergence", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return script("threshold_convergence.py")
 
 
 def test_every_layer_decides_once_per_window_within_the_limits():

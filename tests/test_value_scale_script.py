@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "value_scale.py"
+from helpers import script
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("value_scale", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return script("value_scale.py")
 
 
 def test_value_scale_reports_ordered_quantiles_of_norms_and_block_errors():

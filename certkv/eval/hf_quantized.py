@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from certkv.errors import ConfigError, require
+from certkv.errors import ConfigError, require, require_known
 
 MODE = "hf_quantized"
 PACKAGES = {"quanto": "optimum.quanto", "hqq": "hqq"}
@@ -52,10 +52,7 @@ class HFQuantized:
     def from_config(cls, node: dict | None) -> HFQuantized:
         """From a variant's ``hf_cache`` mapping (unknown keys are one sentence)."""
         node = dict(node or {})
-        unknown = set(node) - set(cls.__dataclass_fields__)
-        require(not unknown, ConfigError,
-                f"hf_cache has unknown keys {sorted(unknown)}; it may set "
-                f"{', '.join(cls.__dataclass_fields__)}.")
+        require_known(node, cls.__dataclass_fields__, "hf_cache")
         return cls(**node)
 
     @property

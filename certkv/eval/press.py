@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from certkv.errors import ConfigError, require
+from certkv.errors import ConfigError, require, require_known
 
 MODE = "kvpress"
 _PRESS_NAME = re.compile(r"^[A-Z][A-Za-z0-9]*Press$")
@@ -47,11 +47,8 @@ class KVPress:
     def from_config(cls, node: dict | None) -> KVPress:
         """From a variant's ``press`` mapping (unknown keys are one sentence)."""
         node = dict(node or {})
-        unknown = set(node) - set(cls.__dataclass_fields__)
-        require(not unknown, ConfigError,
-                f"press has unknown keys {sorted(unknown)}; it may set "
-                f"{', '.join(cls.__dataclass_fields__)} (the press's own arguments go in "
-                "options).")
+        require_known(node, cls.__dataclass_fields__, "press",
+                      " (the press's own arguments go in options)")
         return cls(**{**node, "options": dict(node.get("options") or {})})
 
     @property

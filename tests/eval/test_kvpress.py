@@ -9,7 +9,6 @@ hook does to the cache); kvpress's real run is the committed evict report's."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 import types
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import script
 from helpers.cli import TINY, run, run_dir_of
 
 from certkv.errors import ConfigError
@@ -30,11 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def presses_script():
     """``scripts/kvpress/run_presses.py`` as a module (it is a script of kvpress's venv)."""
-    spec = importlib.util.spec_from_file_location("run_presses",
-                                                  ROOT / "scripts/kvpress/run_presses.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return script("kvpress/run_presses.py")
 
 
 class NewestPress:

@@ -27,6 +27,17 @@ BACKENDS = [pytest.param(TorchBackend, "cpu", id="torch"),
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
+def script(relative: str):
+    """The script at ``scripts/<relative>`` as a module (scripts are files, not a package)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / relative
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def examples(n: int) -> int:
     """A property test's example count: ``n`` in CI, ten times that in the ``deep`` profile
     (``CERTKV_HYPOTHESIS=deep``, conftest)."""
