@@ -83,3 +83,34 @@ def _summary_rows(text: str):
             table_ctx = named.group(1) if named else ctx
         elif not set(cells[0]) <= {"-"} and table_ctx is not None:
             yield table_ctx, header, cells
+
+
+BUDGET_TABLES = {"4K": "reports/evict/evict_4k/run", "8K": "reports/evict/evict_8k/run"}
+
+
+def test_the_eviction_readme_quotes_the_deltas_its_raw_records_give(monkeypatch):
+    """reports/evict/README.md's hand-assembled tables (kvpress beside certkv): each row names
+    its variants with ``*`` for the budget, each ``ppl / NIAH / RULER`` cell is that variant's
+    delta to dense in the run of the table's context (``-``: no such variant)."""
+    monkeypatch.chdir(ROOT)
+    runs, checked, ctx, budgets = {}, 0, None, []
+    for line in (ROOT / "reports/evict/README.md").read_text().split("\n"):
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        header = re.match(r"variants at (\dK)", cells[0]) if line.startswith("|") else None
+        if header:
+            ctx, budgets = header.group(1), [re.match(r"\d+", c).group() for c in cells[1:]]
+            continue
+        named = re.match(r"`([^`]*\*[^`]*)`", cells[0]) if line.startswith("|") else None
+        if not named or ctx is None:
+            continue
+        run = runs.setdefault(ctx, RunData.load(BUDGET_TABLES[ctx]))
+        for budget, cell in zip(budgets, cells[1:], strict=True):
+            variant = named.group(1).replace("*", budget)
+            if cell == "-":
+                assert variant not in run.variants, variant
+                continue
+            want = " / ".join(f"{quality_delta(run, task, variant)['delta'].estimate:+.2f}"
+                              for task in ("perplexity", "niah", "ruler"))
+            assert cell == want, (ctx, variant)
+            checked += 1
+    assert checked >= 20, f"only {checked} cells found"
