@@ -316,10 +316,7 @@ def _run_validated(cfg: DictConfig, built: Experiment, out_dir: str, progress: b
 
     def progress_meta() -> None:  # after every record: an interrupted session still counts
         run.write_meta({"wall_s": earlier + time.time() - started, "records": len(run.samples)})
-    exchange = _exchange(out_dir, variants, {
-        "model": {k: v for k, v in _container(cfg.model).items() if k != "_target_"},
-        "stop_ids": sorted(end_of_sequence_ids(lm)),
-        "threads": cfg.get("threads"), "command": meta["command"]})
+    exchange = _exchange(out_dir, variants, lm, cfg, meta["command"])
     if progress and any(v.mode != "dense" for v in variants) and lm.device.type == "cpu":
         announce_compile()
     with RunProgress(planned, enabled=progress) as shown:
@@ -341,13 +338,18 @@ def _run_validated(cfg: DictConfig, built: Experiment, out_dir: str, progress: b
     return summary
 
 
-def _exchange(out_dir: str, variants: list[Method], job: dict) -> Exchange | None:
-    """The files kvpress's process answers through (``job``: what it loads), where a variant
-    is ``mode: kvpress``."""
+def _exchange(out_dir: str, variants: list[Method], lm, cfg: DictConfig,
+              command: str) -> Exchange | None:
+    """The files kvpress's process answers through, with the job it loads (the model, its
+    end-of-sequence ids, the threads and the ``command`` that scores its answers), where a
+    variant is ``mode: kvpress``."""
     if not any(v.mode == PRESS_MODE for v in variants):
         return None
     exchange = Exchange(out_dir)
-    exchange.write_job(job)
+    exchange.write_job({
+        "model": {k: v for k, v in _container(cfg.model).items() if k != "_target_"},
+        "stop_ids": sorted(end_of_sequence_ids(lm)), "threads": cfg.get("threads"),
+        "command": command})
     return exchange
 
 

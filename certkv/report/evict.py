@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from certkv.eval.press import MODE as PRESS_MODE
+from certkv.eval.press import KVPress
 from certkv.eval.summary import certificate_summary
 from certkv.report.layout import Table
 from certkv.report.tables import RunData, fmt, fmt_interval, median_step_ms, quality_delta
@@ -44,17 +46,16 @@ def series_of(run: RunData, variant: str) -> str:
     return ", ".join([mode, *parts]) if mode == "certified" else mode
 
 
-def press_of(run: RunData, variant: str) -> dict | None:
-    """A ``mode: kvpress`` variant's press settings (None for any other variant)."""
-    if run.modes.get(variant) != "kvpress":
+def press_of(run: RunData, variant: str) -> KVPress | None:
+    """A ``mode: kvpress`` variant's press (None for any other variant)."""
+    if run.modes.get(variant) != PRESS_MODE:
         return None
-    press = run.variant_entry(variant).get("press") or {}
-    return {"press": "SnapKVPress", "compression_ratio": 0.5, **press}
+    return KVPress.from_config(run.variant_entry(variant).get("press"))
 
 
-def press_policy(press: dict) -> str:
+def press_policy(press: KVPress) -> str:
     """``SnapKVPress`` -> ``kvpress SnapKV`` (its options are the variant's, in its config)."""
-    return f"kvpress {press['press'].removesuffix('Press')}"
+    return f"kvpress {press.press.removesuffix('Press')}"
 
 
 def policy_name(settings: dict) -> str:
@@ -83,7 +84,7 @@ def evict_rows(run: RunData) -> list[dict]:
         rows.append({"variant": v, "mode": run.modes[v], "series": series_of(run, v),
                      "policy": policy_name(settings) if press is None else press_policy(press),
                      "budget": float(settings.get("budget", 1.0)) if press is None
-                     else 1.0 - float(press["compression_ratio"]), "cert": cert,
+                     else 1.0 - press.compression_ratio, "cert": cert,
                      "quality": {t: quality_delta(run, t, v) for t in _TASKS if t in run.tasks},
                      "x_dense": ms / dense_ms if dense_ms else float("nan")})
     return rows

@@ -21,6 +21,7 @@ import yaml
 
 from certkv.errors import CertKVError, require
 from certkv.eval import stats
+from certkv.eval.press import MODE as PRESS_MODE
 from certkv.eval.results import RunDir, read_jsonl
 from certkv.eval.summary import certificate_summary
 from certkv.report.layout import Table
@@ -382,6 +383,7 @@ def runtime_table(run: RunData) -> Table:
         ms = median_step_ms(run, v)
         base = ms if v == run.reference else base
         cert = certificate_summary(run.certificate_records(v))
+        pressed = run.modes[v] == PRESS_MODE  # kvpress, answered in its own venv
         if cert.get("steps"):
             checks = [cert[f"{n}_fail_rate"] for n in ("ranking", "boundary", "canary")]
             cells = [_rates(cert["rung_rates"], 1), _rates(checks, 2),
@@ -390,10 +392,10 @@ def runtime_table(run: RunData) -> Table:
                      f"{cert['h2d_bytes_per_step'] / 2**20:.2f}",
                      f"{cert['tier1_over_dense']:.3f}"]
         else:  # dense; another tool's cache: kvpress's kept share, hf_quantized's not counted
-            kept = cert.get("tier1_over_dense") if run.modes[v] == "kvpress" else None
+            kept = cert.get("tier1_over_dense") if pressed else None
             cells = ["-"] * 6 + ["1.000" if v == run.reference else fmt(kept)]
         # kvpress is timed in its own process and venv: not set against this run's dense
-        ratio = ms / base if base and run.modes[v] != "kvpress" else float("nan")
+        ratio = ms / base if base and not pressed else float("nan")
         rows.append([v, *cells, batch_sizes(run, v), fmt(ms, 1), fmt(ratio, 2)])
     return Table(f"Ladder, cache and speed ({run.label}; Tables 4, 15)",
                  ["method", "rungs % 0/1/2/3/4", "fails % rank/bnd/can", "K*", "VP", "hit %",
