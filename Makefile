@@ -17,6 +17,9 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	# optimum-quanto (mode=hf_quantized) compiles its CPU kernels on first use (about a minute):
 	# once here, not inside the first test or run that reads a quantized transformers cache
 	$(PY) -c "from optimum.quanto.library.extensions import get_extension as g; g('quanto_cpp').lib"
+	# numba compiles the CPU kernels on first use (1-2 minutes); once here into its cache, not in
+	# every process (and every test worker) that decodes
+	$(PY) -m certkv.warm
 	touch $(STAMP)
 
 run: $(STAMP)  ## the main job: `certkv run` = the smoke experiment on SmolLM2 (a few minutes)
