@@ -33,6 +33,7 @@ from certkv.certify.checks import CANARY_REL
 from certkv.certify.fused_cpu import AVAILABLE, as_array, decode_half, jit, prange, use_threads
 from certkv.kernels import numba_dense
 from certkv.kernels import numba_values as nv
+from certkv.kernels.numba_checks import rank_checks
 from certkv.kernels.numba_logits import gated_logits, int8_keys, key_logits
 from certkv.kernels.reference import (
     LOG2E,
@@ -270,64 +271,6 @@ def _chunk_values(kv, chunk, weights, alphas, values, vslot, pool, part, o_b, bl
         nv.add_block(part, o_b, permuted)
 
 
-@jit
-def _before(a, i, b, j):
-    """Whether entry ``(a, i)`` precedes ``(b, j)`` in a stable descending sort (NaN first)."""
-    if a != a:
-        return b == b or i < j
-    if b != b:
-        return False
-    return a > b or (a == b and i < j)
-
-
-@jit
-def _top_r(x, members, k, idx, val):
-    """The ``k`` first blocks of a stable descending sort of ``x [n]`` with non-members at
-    ``-inf`` (:func:`certkv.certify.checks.top_r`) into ``idx, val [k]``; returns how many
-    members exist."""
-    n = x.shape[0]
-    for j in range(k):
-        best = -1
-        for b in range(n):
-            taken = False
-            for i in range(j):
-                taken = taken or idx[i] == b
-            if taken:
-                continue
-            v = x[b] if members[b] else _F32(-np.inf)
-            if best < 0 or _before(v, b, val[j], best):
-                best, val[j] = b, v
-        idx[j] = best
-    count = 0
-    for b in range(n):
-        count += members[b]
-    return count
-
-
-@jit
-def _rank_checks(h, l8, l16, delta_b, promoted, quantized, r, ranking, boundary):
-    """Eq. 17 (the top-``r`` promoted blocks agree under both log-masses) and eq. 18 (no INT8
-    tail block's ``l8 + Delta_b`` exceeds the ``r``-th FP16 log-mass) for head ``h``
-    (:func:`certkv.certify.checks.rank_checks`)."""
-    n = l8.shape[1]
-    k = min(r, n)
-    idx8, idx16 = np.empty(k, np.int64), np.empty(k, np.int64)
-    val8, val16 = np.empty(k, _F32), np.empty(k, _F32)
-    count = _top_r(l8[h], promoted[h], k, idx8, val8)
-    _top_r(l16[h], promoted[h], k, idx16, val16)
-    ok = True
-    for j in range(k):
-        ok = ok and (idx8[j] == idx16[j] or j >= count)
-    ranking[h] = ok
-    threshold = val16[k - 1] if count >= r else _F32(-np.inf)
-    ok = True
-    for b in range(n):
-        upper = l8[h, b] + delta_b[h, b] if quantized[b] and not promoted[h, b] \
-            else _F32(-np.inf)
-        ok = ok and upper <= threshold
-    boundary[h] = ok
-
-
 @jit(parallel=True)
 def _attend(group, s8, s16, state, gate, delta_b, eps_guard, values, staged_kv, staged_blk,
             staged_row, pool, checks, out, rho, log_mass, spread, canary, flags):
@@ -360,7 +303,7 @@ def _attend(group, s8, s16, state, gate, delta_b, eps_guard, values, staged_kv, 
                                            log_mass, spread, canary, logits, w[h], alphas[h],
                                            frac, scale)
         if r >= 1:
-            _rank_checks(h, l8, log_mass, delta_t, promoted, quantized, r, flags[0], flags[1])
+            rank_checks(h, l8, log_mass, delta_t, promoted, quantized, r, flags[0], flags[1])
     chunks = (n + SUM_CHUNK - 1) // SUM_CHUNK
     parts = np.empty((hkv, chunks, group, d), _F32)
     w8 = state[1]
