@@ -146,16 +146,22 @@ SWEEP_PANELS = {"ppl": "perplexity delta to dense (95% CI)",
                 "accuracy": "accuracy delta to dense (95% CI)",
                 "fallback": "fallback (rungs 3-4)", "k_star": "K* mean",
                 "value_promotions": "value promotions per step",
-                "tier1": "Tier-1 bytes / dense bytes", "ms": "decode step"}
+                "tier1": "Tier-1 bytes / dense bytes", "ms": "decode step",
+                "hit": "scratch hit rate", "h2d_mib": "host-to-device per step"}
 SWEEP_UNITS = {"ppl": "perplexity - dense perplexity", "accuracy": "accuracy - dense accuracy",
                "fallback": "% of head-steps", "k_star": "FP16-key blocks",
-               "value_promotions": "FP16-value blocks", "tier1": "ratio", "ms": "ms"}
+               "value_promotions": "FP16-value blocks", "tier1": "ratio", "ms": "ms",
+               "hit": "% of FP16 blocks read", "h2d_mib": "MiB"}
+# the quantities a knob is about, shown beside the common panels (the scratch cache changes no
+# result, only where FP16 blocks come from)
+SWEEP_EXTRA = {"scratch": ("hit", "h2d_mib")}
 
 
 def sweep_panels(name: str, rows: list[dict]):
     """The sweep aggregate against the swept point, one panel per quantity with its unit on
     the y axis: the perplexity delta and the accuracy delta (95% CIs) on panels of their own,
-    fallback rate, K*, value promotions, Tier-1 bytes and step time. One colour and line
+    fallback rate, K*, value promotions, Tier-1 bytes, the knob's own quantities
+    (:data:`SWEEP_EXTRA`) and step time. One colour and line
     style per method, one marker per task; a failed point's tick says so in red; None when no
     point finished."""
     from matplotlib.lines import Line2D
@@ -168,7 +174,8 @@ def sweep_panels(name: str, rows: list[dict]):
     methods = list(dict.fromkeys(r["method"] for r in done))
     tasks = list(dict.fromkeys(t for r in done for t in r["quality"]))
     metrics = dict.fromkeys(r["quality"][t]["metric"] for r in done for t in r["quality"])
-    panels = [*metrics, "fallback", "k_star", "value_promotions", "tier1", "ms"]
+    panels = [*metrics, "fallback", "k_star", "value_promotions", "tier1",
+              *SWEEP_EXTRA.get(name, ()), "ms"]
     cols = 3 if len(panels) <= 6 else 4
     fig, axes = _figure(3.6 * cols + 1.8, 3.0 * math.ceil(len(panels) / cols),
                         rows=math.ceil(len(panels) / cols), cols=cols)
@@ -181,7 +188,7 @@ def sweep_panels(name: str, rows: list[dict]):
             if field in metrics:
                 _quality_series(ax, mine, xs, field, tasks, style(k))
             else:
-                scale = 100 if field == "fallback" else 1
+                scale = 100 if field in ("fallback", "hit") else 1
                 ax.plot(xs, [scale * r[field] for r in mine], color=style(k)["color"],
                         linestyle=style(k)["linestyle"], marker="o")
         if field in metrics:

@@ -15,7 +15,8 @@ COMMON = ["+experiment=pg19_4k", "task.perplexity.windows=4", "task.perplexity.d
 # name -> (swept key, values) of each committed sweep under reports/sweeps/<name>/pg19_4k
 SWEEPS = {"group": ("quantizer.value_codec.group", (8, 16, 32)),
           "vtol": ("value_policy.v_tol", (0.02, 0.05, 0.1)),
-          "kmax": ("selector.k_max", (64, 128, 256, 512))}
+          "kmax": ("selector.k_max", (64, 128, 256, 512)),
+          "scratch": ("cache.scratch_key_blocks", (0, 128, 256, 512, 1024))}
 
 
 def _table(text: str, name: str) -> list[str]:

@@ -223,6 +223,25 @@ def test_sweep_figure_puts_perplexity_and_accuracy_deltas_on_their_own_axes(tiny
     plots._pyplot().close(fig)
 
 
+def test_a_scratch_sweep_figure_shows_the_hit_rate_and_host_to_device_bytes(tiny_data,
+                                                                           tiny_run):
+    """What the scratch size changes (where FP16 blocks come from) gets panels of its own;
+    other knobs keep the common panels."""
+    rows = point_rows(Point("scratch_key_blocks=0", tiny_run, tiny_data, None))
+    rows += point_rows(Point("scratch_key_blocks=64", tiny_run, tiny_data, None))
+    titles = {}
+    for name in ("scratch", "vtol"):
+        fig = plots.sweep_panels(name, rows)
+        titles[name] = {ax.get_title(): ax for ax in fig.axes if ax.get_visible()}
+        if name == "scratch":
+            hit = titles[name]["scratch hit rate"]
+            plotted = {round(float(y), 6) for line in hit.get_lines() for y in line.get_ydata()}
+            assert round(100 * rows[0]["hit"], 6) in plotted and "%" in hit.get_ylabel()
+        plots._pyplot().close(fig)
+    extra = {"scratch hit rate", "host-to-device per step"}
+    assert extra <= set(titles["scratch"]) and not extra & set(titles["vtol"])
+
+
 def test_a_failed_sweep_point_is_marked_on_the_figure(tiny_data, tiny_run):
     rows = point_rows(Point("v_tol=0.02", tiny_run, tiny_data, None))
     rows += point_rows(Point("v_tol=9", tiny_run, None, "v_tol=9 is too large."))
