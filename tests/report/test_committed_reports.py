@@ -114,3 +114,55 @@ def test_the_eviction_readme_quotes_the_deltas_its_raw_records_give(monkeypatch)
             assert cell == want, (ctx, variant)
             checked += 1
     assert checked >= 20, f"only {checked} cells found"
+
+
+# runs whose variants a README tabulates by hand under a ``variants (<experiment>)`` header
+VARIANT_TABLES = {"innerq_modes_4k": "reports/methods/innerq_modes_4k/run",
+                  "compression_4k": "reports/methods/compression_4k/run",
+                  "faults_meta_pg19_4k": "reports/faults/faults_meta_pg19_4k/run"}
+
+
+def variant_cell(run: RunData, column: str, variant: str) -> str:
+    """A hand-made table's cell as the raw records give it. ``column`` reads ``<what>
+    (<suffix>)``: ``ppl`` the perplexity delta [95% CI], ``NIAH`` the method's accuracy,
+    ``rungs 3+4`` their share of head-steps, ``T1`` Tier-1 over dense bytes."""
+    from certkv.eval.summary import certificate_summary
+
+    what = column.rsplit(" (", 1)[0]
+    if what in ("ppl", "NIAH"):
+        q = quality_delta(run, "perplexity" if what == "ppl" else "niah", variant)
+        return fmt_interval(q["delta"]) if what == "ppl" else fmt(q["method"])
+    cert = certificate_summary(run.certificate_records(variant))
+    if what == "rungs 3+4":
+        return f"{100 * (cert['rung_rates'][3] + cert['rung_rates'][4]):.1f}%"
+    assert what == "T1", column
+    return f"{cert['tier1_over_dense']:.3f}"
+
+
+def test_a_readme_variant_table_is_its_raw_records(monkeypatch):
+    """Tables headed ``variants (<experiment>)``: each row names its variants with ``*`` for
+    the column's suffix (``asym-*`` and ``ppl (naive)`` -> ``asym-naive``), each cell is
+    :func:`variant_cell` of that variant (``-``: not run)."""
+    monkeypatch.chdir(ROOT)
+    checked, run, header = 0, None, None
+    for path in ("reports/methods/README.md", "reports/faults/README.md"):
+        for line in (ROOT / path).read_text().split("\n"):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            named = re.match(r"variants \((\w+)\)", cells[0]) if line.startswith("|") else None
+            if named:
+                run, header = RunData.load(VARIANT_TABLES[named.group(1)]), cells[1:]
+                continue
+            pattern = re.match(r"`([^`]*\*[^`]*)`", cells[0]) if line.startswith("|") else None
+            if not line.startswith("|"):
+                run = None
+            if pattern is None or run is None:
+                continue
+            for column, cell in zip(header, cells[1:], strict=True):
+                suffix = re.search(r"\(([^)]*)\)$", column).group(1)
+                variant = pattern.group(1).replace("*", suffix)
+                if cell == "-":
+                    assert variant not in run.variants, variant
+                    continue
+                assert cell == variant_cell(run, column, variant), (path, variant, column)
+                checked += 1
+    assert checked >= 24, f"only {checked} cells found"
