@@ -479,16 +479,17 @@ def test_without_the_integrity_check_a_flipped_bit_can_break_the_bound():
 def test_faults_report_end_to_end_on_a_tiny_model(tmp_path):
     """`certkv run` with protected, faulty variants (audited): the report's storage-faults
     table and its perplexity-vs-p figure; a variant dropped from the plan is left out of the
-    table, its records kept."""
+    table, its records kept. The table says which bits were faulted (codes, or all stored bits
+    with ``faults.metadata``)."""
     import yaml
     from helpers.cli import app, runner, tiny_report
 
     variants = ("variants=[{name: dense, mode: dense}, {name: h84-naive, mode: naive, protect: "
                 "{code: hamming84, faults: {p: 0.01}}}, {name: h84-check, mode: certified, "
-                "protect: {code: hamming84, integrity: true, faults: {p: 0.01}}}]")
+                "protect: {code: hamming84, integrity: true, faults: {p: 0.01, metadata: true}}}]")
     run_dir, table = tiny_report(tmp_path, variants, "audit=true", section="Storage faults")
-    assert "| h84-naive | hamming84 | 1e-2 | no |" in table
-    assert "| h84-check | hamming84 | 1e-2 | yes |" in table
+    assert "| h84-naive | hamming84 | 1e-2 | codes | no |" in table
+    assert "| h84-check | hamming84 | 1e-2 | all | yes |" in table
     assert list((run_dir / "figures").glob("*_faults.png"))
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     config["variants"] = [v for v in config["variants"] if v["name"] != "h84-naive"]

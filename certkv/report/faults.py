@@ -57,6 +57,7 @@ def fault_rows(run: RunData) -> list[dict]:
         rows.append({"variant": v, "mode": run.modes[v], "code": mode_label(protect),
                      "p": float(protect["faults"].get("p", 0.0)),
                      "check": bool(protect["integrity"]), "ppl": ppl, "niah": niah,
+                     "metadata": bool(protect["faults"].get("metadata", False)),
                      "cert": cert, "bits": bits_per_value(protect["code"])})
     return rows
 
@@ -73,6 +74,7 @@ def faults_table(run: RunData) -> Table | None:
         if cert.get("uncovered_steps"):
             violations += " no cert."
         rows.append([r["variant"], r["code"], fmt_sci(r["p"], 1) if r["p"] else "0",
+                     "all" if r["metadata"] and r["p"] else "codes" if r["p"] else "-",
                      "yes" if r["check"] else "no",
                      "-" if ppl is None else fmt(ppl["method"], 2),
                      "-" if ppl is None else fmt_interval(ppl["delta"], 2),
@@ -86,21 +88,23 @@ def faults_table(run: RunData) -> Table | None:
     left_out = (" Left out, no longer in the run's plan (their records stay; config.yaml no "
                 f"longer says how they were protected): {', '.join(dropped)}." if dropped else "")
     return Table(f"Storage faults ({run.label}; seed 003 Tables 3-7)",
-                 ["method", "code", "p", "check", "ppl", "delta [95% CI]", "NIAH", "corr.",
-                  "erased", "FP16 blk", "bits", "over bound"], rows,
+                 ["method", "code", "p", "faulted", "check", "ppl", "delta [95% CI]", "NIAH",
+                  "corr.", "erased", "FP16 blk", "bits", "over bound"], rows,
                  f"Dense (FP16) perplexity {fmt(dense, 2) if dense else '-'}. Persistent bit "
-                 "flips at rate p on the stored code words (parity included), drawn once per "
-                 "written block. Counters per decode step over every layer: words the code "
-                 "corrected, words it erased (detected, not fixable), blocks the integrity check "
-                 "served from their FP16 originals. over bound: audited head-steps whose error "
-                 "against FP64 attention on the originals exceeded the returned bound; no "
-                 "cert.: faults hit bits no integrity check covers, so the returned bounds "
-                 "certify nothing (the certificate's faults_covered)."
-                 + left_out,
-                 {"p": "bit-flip probability", "check": "per-block integrity check",
+                 "flips at rate p, drawn once per written block. Counters per decode step over "
+                 "every layer: words the code corrected, words it erased (detected, not "
+                 "fixable), blocks the integrity check served from their FP16 originals. over "
+                 "bound: audited head-steps whose error against FP64 attention on the originals "
+                 "exceeded the returned bound; no cert.: faults hit bits no integrity check "
+                 "covers, so the returned bounds certify nothing (the certificate's "
+                 "faults_covered)." + left_out,
+                 {"p": "bit-flip probability", "faulted": "the bits flipped: codes, the stored "
+                  "code words (parity included); all, every stored bit (code words, scales, "
+                  "offsets, the blocks' annotations and the integrity check: "
+                  "faults.metadata=true)", "check": "per-block integrity check",
                   "delta": "perplexity - dense on the same windows",
                   "bits": "stored bits per 4-bit value", "FP16 blk": "corrupted blocks read "
-                  "from Tier-2 per step"}, keys=4)
+                  "from Tier-2 per step"}, keys=5)
 
 
 def perplexity_vs_rate(run: RunData, path: Path) -> bool:
