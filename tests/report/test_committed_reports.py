@@ -125,7 +125,8 @@ VARIANT_TABLES = {"innerq_modes_4k": "reports/methods/innerq_modes_4k/run",
 def variant_cell(run: RunData, column: str, variant: str) -> str:
     """A hand-made table's cell as the raw records give it. ``column`` reads ``<what>
     (<suffix>)``: ``ppl`` the perplexity delta [95% CI], ``NIAH`` the method's accuracy,
-    ``rungs 3+4`` their share of head-steps, ``T1`` Tier-1 over dense bytes."""
+    ``rungs 3+4`` their share of head-steps, ``T1`` Tier-1 over dense bytes, ``FP16 blk`` the
+    blocks per step the integrity check served from their FP16 originals."""
     from certkv.eval.summary import certificate_summary
 
     what = column.rsplit(" (", 1)[0]
@@ -135,6 +136,8 @@ def variant_cell(run: RunData, column: str, variant: str) -> str:
     cert = certificate_summary(run.certificate_records(variant))
     if what == "rungs 3+4":
         return f"{100 * (cert['rung_rates'][3] + cert['rung_rates'][4]):.1f}%"
+    if what == "FP16 blk":
+        return fmt(cert.get("corrupted_blocks_per_step", 0.0), 0)
     assert what == "T1", column
     return f"{cert['tier1_over_dense']:.3f}"
 
