@@ -119,19 +119,21 @@ def test_the_eviction_readme_quotes_the_deltas_its_raw_records_give(monkeypatch)
 # runs whose variants a README tabulates by hand under a ``variants (<experiment>)`` header
 VARIANT_TABLES = {"innerq_modes_4k": "reports/methods/innerq_modes_4k/run",
                   "compression_4k": "reports/methods/compression_4k/run",
-                  "faults_meta_pg19_4k": "reports/faults/faults_meta_pg19_4k/run"}
+                  "faults_meta_pg19_4k": "reports/faults/faults_meta_pg19_4k/run",
+                  "evict_4k": "reports/evict/evict_4k/run"}
 
 
 def variant_cell(run: RunData, column: str, variant: str) -> str:
     """A hand-made table's cell as the raw records give it. ``column`` reads ``<what>
-    (<suffix>)``: ``ppl`` the perplexity delta [95% CI], ``NIAH`` the method's accuracy,
+    (<suffix>)``: ``ppl`` the perplexity delta [95% CI], ``NIAH`` and ``RULER`` the method's
+    accuracy,
     ``rungs 3+4`` their share of head-steps, ``T1`` Tier-1 over dense bytes, ``FP16 blk`` the
     blocks per step the integrity check served from their FP16 originals."""
     from certkv.eval.summary import certificate_summary
 
     what = column.rsplit(" (", 1)[0]
-    if what in ("ppl", "NIAH"):
-        q = quality_delta(run, "perplexity" if what == "ppl" else "niah", variant)
+    if what in ("ppl", "NIAH", "RULER"):
+        q = quality_delta(run, {"ppl": "perplexity"}.get(what, what.lower()), variant)
         return fmt_interval(q["delta"]) if what == "ppl" else fmt(q["method"])
     cert = certificate_summary(run.certificate_records(variant))
     if what == "rungs 3+4":
@@ -148,7 +150,8 @@ def test_a_readme_variant_table_is_its_raw_records(monkeypatch):
     :func:`variant_cell` of that variant (``-``: not run)."""
     monkeypatch.chdir(ROOT)
     checked, run, header = 0, None, None
-    for path in ("reports/methods/README.md", "reports/faults/README.md"):
+    for path in ("reports/methods/README.md", "reports/faults/README.md",
+                 "reports/evict/README.md"):
         for line in (ROOT / path).read_text().split("\n"):
             cells = [c.strip() for c in line.strip().strip("|").split("|")]
             named = re.match(r"variants \((\w+)\)", cells[0]) if line.startswith("|") else None
