@@ -95,12 +95,15 @@ def test_the_eviction_readme_quotes_the_deltas_its_raw_records_give(monkeypatch)
     monkeypatch.chdir(ROOT)
     runs, checked, ctx, budgets = {}, 0, None, []
     for line in (ROOT / "reports/evict/README.md").read_text().split("\n"):
+        if not line.startswith("|"):
+            ctx = None  # a table ends at its first other line
+            continue
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        header = re.match(r"variants at (\dK)", cells[0]) if line.startswith("|") else None
+        header = re.match(r"variants at (\dK)", cells[0])
         if header:
             ctx, budgets = header.group(1), [re.match(r"\d+", c).group() for c in cells[1:]]
             continue
-        named = re.match(r"`([^`]*\*[^`]*)`", cells[0]) if line.startswith("|") else None
+        named = re.match(r"`([^`]*\*[^`]*)`", cells[0])
         if not named or ctx is None:
             continue
         run = runs.setdefault(ctx, RunData.load(BUDGET_TABLES[ctx]))
@@ -120,7 +123,8 @@ def test_the_eviction_readme_quotes_the_deltas_its_raw_records_give(monkeypatch)
 VARIANT_TABLES = {"innerq_modes_4k": "reports/methods/innerq_modes_4k/run",
                   "compression_4k": "reports/methods/compression_4k/run",
                   "faults_meta_pg19_4k": "reports/faults/faults_meta_pg19_4k/run",
-                  "evict_4k": "reports/evict/evict_4k/run"}
+                  "evict_4k": "reports/evict/evict_4k/run",
+                  "evict_8k": "reports/evict/evict_8k/run"}
 
 
 def variant_cell(run: RunData, column: str, variant: str) -> str:
