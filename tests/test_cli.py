@@ -142,7 +142,7 @@ def test_cfg_job_prints_the_composed_config():
 @pytest.mark.parametrize(("override", "expect"), [
     ("model=gpt7", "Choose one of: llama31_70b, llama31_8b, smollm2_135m, tiny_random."),
     ("selector.nonsense=1", "selector.nonsense is not a field of selector"),
-    ("+experiment=nope", "Choose one of: evict_4k, evict_8k, evict_summaries_4k, faults_pg19_4k"),
+    ("+experiment=nope", "Choose one of: compression_4k, evict_4k, evict_8k, evict_summaries_4k"),
     ("selector.k_max=3=4", "Valid config groups and options"),  # Hydra's grammar error
 ])
 def test_bad_override_gives_message_and_options(override, expect):

@@ -87,8 +87,8 @@ def test_an_interrupted_run_says_a_rerun_resumes(tmp_path, monkeypatch):
 
 def test_run_help_lists_the_experiments_and_every_group():
     text = " ".join(cli("run", "--help").output.split())
-    for needle in ("Experiments: evict_4k", "tiny", "quantizer: innerq", "evict: age",
-                   "certkv info"):
+    for needle in ("Experiments: compression_4k", "innerq_modes_4k", "tiny",
+                   "quantizer: innerq", "evict: age", "certkv info"):
         assert needle in text
 
 
