@@ -20,7 +20,7 @@ import torch
 from certkv.attention import CertifiedAttention
 from certkv.cache.scratch import ScratchCache
 from certkv.cache.store import TieredKVStore
-from certkv.config import CONF_DIR, config_groups
+from certkv.config import config_groups, option
 from certkv.eval.runner import build
 from certkv.quant.rope import RopeSpec
 
@@ -30,11 +30,9 @@ MODES = ("dense", "naive", "certified")
 QUERY_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _component(group: str, name: str, **changes):
-    from omegaconf import OmegaConf
-
-    node = OmegaConf.to_container(OmegaConf.load(CONF_DIR / group / f"{name}.yaml"))
-    return build({**node, **changes}, group)
+def _component(group: str, name: str, *changes: str):
+    """The component of ``conf/<group>/<name>.yaml`` with ``key=value`` changes."""
+    return build(option(group, name, *changes), group)
 
 
 def _decode(quantizer, mode: str, dtype: torch.dtype, steps: int = 2) -> None:
@@ -64,7 +62,7 @@ def warm() -> int:
             for dtype in QUERY_DTYPES:
                 _decode(quantizer, mode, dtype)
                 runs += 1
-    policy = _component("evict", "age", budget=0.5, min_materialized=32)
+    policy = _component("evict", "age", "budget=0.5", "min_materialized=32")
     for mode in MODES[1:]:
         _decode(_component("quantizer", "int8_int4").with_rope(rope).with_eviction(policy), mode,
                 torch.float32)

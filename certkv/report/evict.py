@@ -105,7 +105,7 @@ def evict_table(run: RunData) -> Table | None:
     if not has_eviction(run):
         return None
     rows = []
-    for r in evict_rows(run):
+    for r in _evicting(run):
         cert, q = r["cert"], r["quality"]
         steps = cert.get("steps") or 0
         rows.append([r["variant"], r["policy"], f"{100 * r['budget']:.0f}%",
@@ -118,7 +118,7 @@ def evict_table(run: RunData) -> Table | None:
                      f"{cert.get('h2d_bytes_per_step', 0.0) / 2**10:.0f}" if steps else "-",
                      f"{cert.get('tier1_over_dense', 0.0):.3f}", _scratch(cert),
                      fmt(r["x_dense"], 2)])
-    dense = {t: next((r["quality"][t]["dense"] for r in evict_rows(run)
+    dense = {t: next((r["quality"][t]["dense"] for r in _evicting(run)
                       if r["quality"].get(t)), None) for t in _TASKS}
     shown = ", ".join(f"{t} {fmt(x, 2)}" for t, x in dense.items() if x is not None)
     return Table(f"Eviction ({run.label}; issue 23)",
@@ -146,21 +146,27 @@ def evict_table(run: RunData) -> Table | None:
                   "x dense": "median step time / dense"}, keys=3)
 
 
+def _evicting(run: RunData) -> list[dict]:
+    """:func:`evict_rows` of the variants that evict (a certkv policy or a kvpress press):
+    a run's other variants (quantizers alone, transformers' cache) have no budget to show."""
+    return [r for r in evict_rows(run) if r["policy"] != "none"] if has_eviction(run) else []
+
+
 def quality_vs_budget(run: RunData, path: Path) -> bool:
     """Left: perplexity against the budget per policy (naive dashed, certified solid, certified
-    with a bound tolerance dash-dotted, dense dotted); right: the page-in traffic of the
-    certified runs (host-to-device KiB per step). A run of one budget gets the frontier
-    instead (:func:`_frontier`)."""
+    with a bound tolerance dash-dotted, kvpress dotted, dense dotted); right, where certified
+    variants evict: their page-in traffic (host-to-device KiB per step). A run of one budget
+    gets the frontier instead (:func:`_frontier`)."""
     from certkv.report.look import _figure, _save, legend_right, style
 
-    rows = [r for r in evict_rows(run) if r["policy"] != "none"] if has_eviction(run) else []
-    rows = [r for r in rows if r["quality"].get("perplexity")]
+    rows = [r for r in _evicting(run) if r["quality"].get("perplexity")]
     if not rows:
         return False
     if len({r["budget"] for r in rows}) == 1:  # one budget: the frontier against bytes read
         return _frontier(rows, path)
-    fig, axes = _figure(9.0, 3.2, 1, 2)
-    left, right = axes[0]
+    paged = any(r["series"] not in ("naive", "kvpress") for r in rows)
+    fig, axes = _figure(9.0 if paged else 4.5, 3.2, 1, 1 + paged)
+    left, right = axes[0] if paged else (axes[0][0], None)
     for k, policy in enumerate(dict.fromkeys(r["policy"] for r in rows)):
         for series in dict.fromkeys(r["series"] for r in rows):
             mine = sorted((r for r in rows if r["policy"] == policy and r["series"] == series),
@@ -172,13 +178,14 @@ def quality_vs_budget(run: RunData, path: Path) -> bool:
             kw = {**style(k), "linestyle": line}
             label = policy if series == "kvpress" else f"{policy} {series}"
             left.plot(x, [r["quality"]["perplexity"]["method"] for r in mine], label=label, **kw)
-            if series not in ("naive", "kvpress"):  # what certification pages in
+            if right is not None and series not in ("naive", "kvpress"):  # certified page-in
                 right.plot(x, [r["cert"].get("h2d_bytes_per_step", 0.0) / 2**10
                                for r in mine], label=f"{policy} {series}", **kw)
     _perplexity_axis(left, rows)
-    right.set_ylim(bottom=0)
-    right.set_ylabel("certified: host-to-device KiB / step")
-    for ax, title in ((left, "quality"), (right, "page-in traffic")):
+    if right is not None:
+        right.set_ylim(bottom=0)
+        right.set_ylabel("certified: host-to-device KiB / step")
+    for ax, title in ((left, "quality"), (right, "page-in traffic"))[:1 + paged]:
         ax.set_xlabel("Tier-1 budget (% of dense bytes)", fontsize=8)
         ax.set_title(title, fontsize=9)
         ax.invert_xaxis()  # tighter budgets to the right

@@ -120,7 +120,8 @@ def test_the_eviction_readme_quotes_the_deltas_its_raw_records_give(monkeypatch)
 
 
 # runs whose variants a README tabulates by hand under a ``variants (<experiment>)`` header
-VARIANT_TABLES = {"innerq_modes_4k": "reports/methods/innerq_modes_4k/run",
+VARIANT_TABLES = {"methods_4k": "reports/methods/methods_4k/run",
+                  "innerq_modes_4k": "reports/methods/innerq_modes_4k/run",
                   "compression_4k": "reports/methods/compression_4k/run",
                   "faults_meta_pg19_4k": "reports/faults/faults_meta_pg19_4k/run",
                   "evict_4k": "reports/evict/evict_4k/run",

@@ -28,3 +28,21 @@ def test_one_budget_is_drawn_as_its_frontier(tmp_path):
     assert all(r["cert"]["h2d_bytes_per_step"] > 0 for r in rows if r["mode"] == "certified")
     path = tmp_path / "frontier.png"
     assert quality_vs_budget(run, path) and path.stat().st_size > 10_000
+
+
+def test_only_variants_that_evict_join_the_eviction_table_and_figure(tmp_path):
+    """The methods run holds quantizers, transformers' cache and kvpress's presses: the table
+    lists the presses alone (a quantizer has no eviction budget), and with no certified
+    eviction the figure is its quality panel alone (no empty page-in panel)."""
+    from PIL import Image
+
+    from certkv.report.evict import evict_table
+
+    run = RunData.load(REPORTS.parent / "methods" / "methods_4k" / "run")
+    table = evict_table(run)
+    assert [row[0] for row in table.rows] == [v for v in run.variants if v.startswith("kvpress")]
+    path = tmp_path / "evict.png"
+    assert quality_vs_budget(run, path)
+    with Image.open(path) as image:
+        width, height = image.size
+    assert width < 2 * height  # one panel and its legend (two panels: about 3x as wide)
