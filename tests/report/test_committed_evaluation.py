@@ -1,0 +1,134 @@
+"""Issue 57: ``reports/evaluation.md``'s hand-made tables are what the committed runs give.
+
+Each experiment row names a committed run (``reports/<name>/run``) and each method column a
+variant of it; every number a cell prints is recomputed from the run's raw records with the
+report's own functions (:func:`~certkv.report.tables.quality_delta`,
+:func:`~certkv.eval.summary.certificate_summary`, :func:`~certkv.report.tables.median_step_ms`)
+and must agree to the digits printed."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from certkv.eval.summary import certificate_summary
+from certkv.report.tables import RunData, median_step_ms, quality_delta
+
+ROOT = Path(__file__).resolve().parents[2]
+EVALUATION = ROOT / "reports" / "evaluation.md"
+NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?")
+# a table row's experiment -> (task, run directory) for the CPU runs, the H100 runs
+RUNS = {"RULER 4K": ("ruler", "ruler_4k"), "RULER 8K": ("ruler", "ruler_8k"),
+        "NIAH 4K": ("niah", "niah_4k"), "PG-19 protocol 4K": ("perplexity", "pg19_4k")}
+COLUMNS = {"dense": "dense", "naive": "naive", "certified": "certified",
+           "certified, FP16 values": "certified-fp16v"}
+
+
+def tables() -> list[tuple[list[str], list[list[str]]]]:
+    """Every markdown table of the document: header and rows of cells, in order."""
+    found, rows = [], []
+    for line in [*EVALUATION.read_text().split("\n"), ""]:
+        if line.startswith("|"):
+            rows.append([c.strip() for c in line.strip().strip("|").split("|")])
+        elif rows:
+            found.append((rows[0], rows[2:]))
+            rows = []
+    return found
+
+
+def agrees(token: str, value: float) -> bool:
+    """Whether ``value`` prints as ``token`` at the token's precision (``0`` stands for a
+    bound of exactly zero, as a CI's end at no change)."""
+    if token == "0":
+        return value == 0.0
+    if "e" in token:
+        mantissa = token.split("e")[0]
+        digits = len(mantissa.split(".")[1]) if "." in mantissa else 0
+        return f"{value:.{digits}e}".replace("e-0", "e-").replace("e+0", "e") == token \
+            or abs(value - float(token)) <= 0.5 * 10 ** (-digits) * 10 ** int(token.split("e")[1])
+    digits = len(token.split(".")[1]) if "." in token else 0
+    return abs(value - float(token)) <= 0.5 * 10 ** (-digits) + 1e-9
+
+
+def experiment(name: str, h100: bool) -> tuple[str, RunData]:
+    key = next(k for k in RUNS if name.startswith(k))
+    task, run = RUNS[key]
+    return task, RunData.load(ROOT / "reports" / (run if h100 else f"{run}_cpu") / "run")
+
+
+def check_quality(cell: str, q: dict | None) -> int:
+    """``value (delta [lo, hi])``, ``value (delta)`` (no interval printed: it is [0, 0], or
+    there is one sample),
+    ``= dense (delta)`` (the method's value is dense's) or ``-`` (not run)."""
+    if cell == "-":
+        assert q is None
+        return 0
+    delta = q["delta"]
+    tokens = NUMBER.findall(cell)
+    if cell.startswith("= dense"):
+        assert q["method"] == q["dense"], cell
+        values = [delta.estimate]
+    else:
+        values = [q["method"], delta.estimate]
+    if len(tokens) > len(values):
+        values += [delta.low, delta.high]
+    else:
+        assert delta.n <= 1 or delta.low == delta.high == 0.0, cell
+    assert len(tokens) == len(values), cell
+    for token, value in zip(tokens, values, strict=True):
+        assert agrees(token, value), (cell, token, value)
+    return len(tokens)
+
+
+def quality_tables():
+    found = [t for t in tables() if t[0][:2] == ["experiment", "dense"]]
+    assert len(found) == 2  # the CPU runs, then the H100 runs
+    return [(rows, h100) for (_, rows), h100 in zip(found, (False, True), strict=True)]
+
+
+@pytest.mark.parametrize("h100", [False, True], ids=["cpu", "h100"])
+def test_the_quality_tables_are_their_runs(h100):
+    rows = next(r for r, h in quality_tables() if h == h100)
+    header = next(t[0] for t in tables() if t[0][:2] == ["experiment", "dense"])
+    checked = 0
+    for row in rows:
+        task, run = experiment(row[0], h100)
+        assert agrees(NUMBER.findall(row[1])[0], quality_delta(run, task, "naive")["dense"])
+        for column, cell in zip(header[2:], row[2:], strict=True):
+            variant = COLUMNS[column]
+            q = quality_delta(run, task, variant) if variant in run.variants else None
+            checked += check_quality(cell, q)
+    assert checked >= 20
+
+
+def test_the_certificate_table_is_its_runs():
+    """Rungs 0-3 in percent, K*, value promotions per layer step, the medians of E_key /
+    E_val / E_arith and of the paper-form E_key / E_val of each certified variant."""
+    (_, rows), = [t for t in tables() if t[0][:2] == ["experiment", "method"]]
+    assert len(rows) >= 6
+    for row in rows:
+        _, run = experiment(row[0], False)
+        cert = certificate_summary(run.certificate_records(row[1]))
+        values = [*(100 * r for r in cert["rung_rates"][:4]), cert["k_star_mean"],
+                  cert["value_promotions_per_step"], cert["e_key"]["median"],
+                  cert["e_val"]["median"], cert["e_arith"]["median"],
+                  cert["paper_e_key"]["median"], cert["paper_e_val"]["median"]]
+        tokens = [t for cell in row[2:] for t in NUMBER.findall(cell)]
+        assert len(tokens) == len(values), row
+        for token, value in zip(tokens, values, strict=True):
+            assert agrees(token, value), (row[:2], token, value)
+
+
+def test_the_speed_table_is_its_runs():
+    """Median whole-model decode step of each variant, and its ratio to dense's."""
+    (header, rows), = [t for t in tables() if t[0][:2] == ["experiment", "dense ms / step"]]
+    for row in rows:
+        _, run = experiment(row[0], False)
+        dense = median_step_ms(run, "dense")
+        assert agrees(row[1], dense), row
+        for column, cell in zip(header[2:], row[2:], strict=True):
+            ms, ratio = NUMBER.findall(cell)
+            method = median_step_ms(run, COLUMNS[column])
+            assert agrees(ms, method) and agrees(ratio, method / dense), (row[0], column)
