@@ -1,4 +1,5 @@
-"""Issue 57: ``reports/evaluation.md``'s hand-made tables are what the committed runs give.
+"""Issue 57: the hand-made tables of ``reports/evaluation.md`` and ``reports/tight_vs_paper.md``
+are what the committed runs give.
 
 Each experiment row names a committed run (``reports/<name>/run``) and each method column a
 variant of it; every number a cell prints is recomputed from the run's raw records with the
@@ -132,3 +133,28 @@ def test_the_speed_table_is_its_runs():
             ms, ratio = NUMBER.findall(cell)
             method = median_step_ms(run, COLUMNS[column])
             assert agrees(ms, method) and agrees(ratio, method / dense), (row[0], column)
+
+
+def test_the_tight_against_paper_table_is_its_runs():
+    """``reports/tight_vs_paper.md``: rungs 2 / 1 / 0 in percent, K*, value promotions and
+    host-to-device MiB per step, the median step, and quality against dense, per rule set
+    (``tight``: the variant ``certified``; ``paper``: ``certified-paper``)."""
+    text = (ROOT / "reports" / "tight_vs_paper.md").read_text().split("\n")
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in text
+            if line.startswith("| smoke") or line.startswith("| RULER")]
+    assert len(rows) == 4
+    runs = {"smoke": "reports/smoke/run", "RULER 4K": "reports/tight_vs_paper/ruler_4k/run"}
+    for row in rows:
+        run = RunData.load(ROOT / runs[row[0].split(" (")[0]])
+        variant = {"tight": "certified", "paper": "certified-paper"}[row[1]]
+        cert = certificate_summary(run.certificate_records(variant))
+        values = [*(100 * cert["rung_rates"][k] for k in (2, 1, 0)), cert["k_star_mean"],
+                  cert["value_promotions_per_step"], cert["h2d_bytes_per_step"] / 2**20,
+                  median_step_ms(run, variant)]
+        for token, value in zip(row[2:9], values, strict=True):
+            assert agrees(token, value), (row[:2], token, value)
+        assert 0.002 <= cert["rung_rates"][3] <= 0.0035, row[:2]  # "0.2-0.3% for both"
+        for task, token in re.findall(r"(ppl|NIAH) ([-+]\d+(?:\.\d+)?)", row[9]) or [
+                ("ruler", NUMBER.findall(row[9])[0])]:
+            q = quality_delta(run, {"ppl": "perplexity"}.get(task, task.lower()), variant)
+            assert agrees(token, q["delta"].estimate), (row[:2], task)
