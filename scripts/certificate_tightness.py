@@ -130,10 +130,8 @@ def measure_smollm2(steps: int, context: int) -> list[dict]:
     return rows
 
 
-def write(rows: list[dict], command: str, out_dir: Path) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    machine = f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}"
-    commit = source_commit()
+def render(rows: list[dict], command: str, commit: str, machine: str) -> str:
+    """``tightness.md`` of the measured ``rows`` (what ``tightness.json`` keeps)."""
     lines = [
         "# Certificate tightness (bound / actual error) and the arithmetic term's share",
         "",
@@ -172,8 +170,15 @@ def write(rows: list[dict], command: str, out_dir: Path) -> None:
             f"{r['arith_share_median']:.4f} | {r['arith_share_p95']:.4f} | "
             f"{r['arith_max']:.2e} | {r['dense_arith_median']:.2e} | "
             f"{r['dense_arith_over_err_median']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def write(rows: list[dict], command: str, out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    machine = f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}"
+    commit = source_commit()
     tmp = out_dir / "tightness.md.tmp"
-    tmp.write_text("\n".join(lines) + "\n")
+    tmp.write_text(render(rows, command, commit, machine))
     tmp.replace(out_dir / "tightness.md")
     tmp = out_dir / "tightness.json.tmp"
     tmp.write_text(json.dumps({"command": command, "commit": commit, "machine": machine,
