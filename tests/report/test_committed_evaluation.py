@@ -13,13 +13,13 @@ import re
 from pathlib import Path
 
 import pytest
+from helpers.committed import NUMBER, agrees
 
 from certkv.eval.summary import certificate_summary
 from certkv.report.tables import RunData, median_step_ms, quality_delta
 
 ROOT = Path(__file__).resolve().parents[2]
 EVALUATION = ROOT / "reports" / "evaluation.md"
-NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?")
 # a table row's experiment -> (task, run directory) for the CPU runs, the H100 runs
 RUNS = {"RULER 4K": ("ruler", "ruler_4k"), "RULER 8K": ("ruler", "ruler_8k"),
         "NIAH 4K": ("niah", "niah_4k"), "PG-19 protocol 4K": ("perplexity", "pg19_4k")}
@@ -37,20 +37,6 @@ def tables() -> list[tuple[list[str], list[list[str]]]]:
             found.append((rows[0], rows[2:]))
             rows = []
     return found
-
-
-def agrees(token: str, value: float) -> bool:
-    """Whether ``value`` prints as ``token`` at the token's precision (``0`` stands for a
-    bound of exactly zero, as a CI's end at no change)."""
-    if token == "0":
-        return value == 0.0
-    if "e" in token:
-        mantissa = token.split("e")[0]
-        digits = len(mantissa.split(".")[1]) if "." in mantissa else 0
-        return f"{value:.{digits}e}".replace("e-0", "e-").replace("e+0", "e") == token \
-            or abs(value - float(token)) <= 0.5 * 10 ** (-digits) * 10 ** int(token.split("e")[1])
-    digits = len(token.split(".")[1]) if "." in token else 0
-    return abs(value - float(token)) <= 0.5 * 10 ** (-digits) + 1e-9
 
 
 def experiment(name: str, h100: bool) -> tuple[str, RunData]:

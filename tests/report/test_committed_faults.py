@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from test_committed_evaluation import NUMBER, agrees
+from helpers.committed import NUMBER, agrees
 
 from certkv.eval.summary import certificate_summary
 from certkv.report.tables import RunData, quality_delta
