@@ -17,7 +17,7 @@ from certkv.cache.scratch import ScratchCache
 from certkv.errors import ConfigError, NonFiniteError, ShapeError
 from certkv.graphs import GraphCaptureError, GraphedAttention, RecordedGraph
 
-B, D = 16, 32
+B, D = 8, 32
 
 
 def setup(n=100, hkv=2, group=2, seed=0, scratch: int | None = 4):
@@ -66,7 +66,7 @@ def test_replays_equal_eager_steps_through_block_completions(scratch):
     graphed = GraphedAttention(CertifiedAttention(backend="triton", compile=False),
                                graph=RecordedGraph)
     buckets: dict = {}  # graph signature -> block counts replayed under it
-    for step in range(B + 5):  # blocks 6 -> 8 (at steps 2 and 18): inside and across buckets
+    for step in range(B + 5):  # blocks 6 -> 8 (at steps 2 and B + 2): inside and across buckets
         k, v, _ = grown(None, step)
         q = make_query(keys, 2, seed=step, peaked=True)
         for store in (eager_store, graph_store):
@@ -100,7 +100,7 @@ def test_steps_over_a_padded_layout_are_the_unpadded_steps(scratch):
     padded = CertifiedAttention(backend="triton", compile=False)
     padded.pad_layout = True
     widths = set()
-    for step in range(B + 5):  # blocks 6 -> 8 (at steps 2 and 18): the capacity grows 8 -> 16
+    for step in range(B + 5):  # blocks 6 -> 8 (at steps 2 and B + 2): the capacity grows 8 -> 16
         k, v, _ = grown(None, step)
         q = make_query(keys, 2, seed=step, peaked=True)
         for store in (plain_store, padded_store):
@@ -169,7 +169,7 @@ def test_a_layout_changes_only_when_a_block_completes():
 
 
 def test_a_replayed_step_with_nonfinite_values_is_invalid_and_raises_at_synchronize():
-    (_, store), (_, cache), q = setup()
+    (_, store), (_, cache), q = setup(n=5 * B + 1)  # no block completes in the next 4 steps
     attn = CertifiedAttention(backend="triton", compile=False)
     graphed = GraphedAttention(attn, graph=RecordedGraph)
     for step in range(3):
