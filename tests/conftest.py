@@ -150,7 +150,18 @@ def tiny_model_dir(tmp_path_factory):
     return folder
 
 
+# The longest files (seconds per file of the last CI run, "seconds per test file" below) run
+# first: xdist hands each worker whole files in collection order, and a long file left to the
+# end kept one worker busy alone for a minute while the other had finished.
+LONG_FILES_FIRST = ("tests/test_graphs.py", "tests/test_faults.py", "tests/test_every_option.py",
+                    "tests/test_bench.py", "tests/evict/test_evict.py",
+                    "tests/kernels/test_device_fallback.py", "tests/test_cli.py",
+                    "tests/test_sweep.py")
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {path: k for k, path in enumerate(LONG_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))  # stable
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
