@@ -163,7 +163,7 @@ def test_bench_launches_command_counts_the_triton_step(tmp_path):
     """``certkv bench launches`` on CPU runs the kernels under the interpreter and reports
     what each method's layer step dispatches; the device step reads the host never, the host
     variant twice."""
-    result = runner.invoke(app, ["bench", "launches", "--context", "64", "--device", "cpu",
+    result = runner.invoke(app, ["bench", "launches", "--context", "40", "--device", "cpu",
                                  "--out", str(tmp_path), "--compile", "off"],
                            env={"COLUMNS": "100"})
     assert result.exit_code == 0, result.output
