@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 import pytest
-from helpers.committed import NUMBER, agrees
+from helpers.committed import NUMBER, agrees, tables
 
 from certkv.eval.summary import certificate_summary
 from certkv.report.tables import RunData, median_step_ms, quality_delta
@@ -27,16 +27,9 @@ COLUMNS = {"dense": "dense", "naive": "naive", "certified": "certified",
            "certified, FP16 values": "certified-fp16v"}
 
 
-def tables() -> list[tuple[list[str], list[list[str]]]]:
-    """Every markdown table of the document: header and rows of cells, in order."""
-    found, rows = [], []
-    for line in [*EVALUATION.read_text().split("\n"), ""]:
-        if line.startswith("|"):
-            rows.append([c.strip() for c in line.strip().strip("|").split("|")])
-        elif rows:
-            found.append((rows[0], rows[2:]))
-            rows = []
-    return found
+def evaluation_tables(second: str) -> list[tuple[list[str], list[list[str]]]]:
+    """The document's tables whose header reads ``experiment | <second> | ...``, in order."""
+    return [t for t in tables(EVALUATION.read_text()) if t[0][:2] == ["experiment", second]]
 
 
 def experiment(name: str, h100: bool) -> tuple[str, RunData]:
@@ -69,16 +62,10 @@ def check_quality(cell: str, q: dict | None) -> int:
     return len(tokens)
 
 
-def quality_tables():
-    found = [t for t in tables() if t[0][:2] == ["experiment", "dense"]]
-    assert len(found) == 2  # the CPU runs, then the H100 runs
-    return [(rows, h100) for (_, rows), h100 in zip(found, (False, True), strict=True)]
-
-
 @pytest.mark.parametrize("h100", [False, True], ids=["cpu", "h100"])
 def test_the_quality_tables_are_their_runs(h100):
-    rows = next(r for r, h in quality_tables() if h == h100)
-    header = next(t[0] for t in tables() if t[0][:2] == ["experiment", "dense"])
+    cpu, gpu = evaluation_tables("dense")  # the CPU runs, then the H100 runs
+    header, rows = gpu if h100 else cpu
     checked = 0
     for row in rows:
         task, run = experiment(row[0], h100)
@@ -93,7 +80,7 @@ def test_the_quality_tables_are_their_runs(h100):
 def test_the_certificate_table_is_its_runs():
     """Rungs 0-3 in percent, K*, value promotions per layer step, the medians of E_key /
     E_val / E_arith and of the paper-form E_key / E_val of each certified variant."""
-    (_, rows), = [t for t in tables() if t[0][:2] == ["experiment", "method"]]
+    (_, rows), = evaluation_tables("method")
     assert len(rows) >= 6
     for row in rows:
         _, run = experiment(row[0], False)
@@ -110,7 +97,7 @@ def test_the_certificate_table_is_its_runs():
 
 def test_the_speed_table_is_its_runs():
     """Median whole-model decode step of each variant, and its ratio to dense's."""
-    (header, rows), = [t for t in tables() if t[0][:2] == ["experiment", "dense ms / step"]]
+    (header, rows), = evaluation_tables("dense ms / step")
     for row in rows:
         _, run = experiment(row[0], False)
         dense = median_step_ms(run, "dense")
@@ -125,9 +112,8 @@ def test_the_tight_against_paper_table_is_its_runs():
     """``reports/tight_vs_paper.md``: rungs 2 / 1 / 0 in percent, K*, value promotions and
     host-to-device MiB per step, the median step, and quality against dense, per rule set
     (``tight``: the variant ``certified``; ``paper``: ``certified-paper``)."""
-    text = (ROOT / "reports" / "tight_vs_paper.md").read_text().split("\n")
-    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in text
-            if line.startswith("| smoke") or line.startswith("| RULER")]
+    (_, rows), = [t for t in tables((ROOT / "reports" / "tight_vs_paper.md").read_text())
+                  if t[0][:2] == ["experiment", "rules"]]
     assert len(rows) == 4
     runs = {"smoke": "reports/smoke/run", "RULER 4K": "reports/tight_vs_paper/ruler_4k/run"}
     for row in rows:

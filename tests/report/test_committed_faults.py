@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from helpers.committed import NUMBER, agrees
+from helpers.committed import NUMBER, agrees, tables
 
 from certkv.eval.summary import certificate_summary
 from certkv.report.tables import RunData, quality_delta
@@ -29,11 +29,9 @@ def check(cell: str, q: dict, with_value: bool) -> None:
 
 def test_the_seed_table_is_its_raw_records():
     run = RunData.load(ROOT / "faults_pg19_4k" / "run")
-    lines = (ROOT / "README.md").read_text().split("\n")
-    start = lines.index("## Perplexity against the seed's Table 3 (p = 1e-2)") + 2
-    end = next(i for i in range(start, len(lines)) if not lines[i].startswith("|"))
-    rows = [[c.strip() for c in line.strip().strip("|").split("|")]
-            for line in lines[start + 2:end]]
+    text = (ROOT / "README.md").read_text()
+    heading = "## Perplexity against the seed's Table 3 (p = 1e-2)"
+    (_, rows), *_ = tables(text[text.index(heading):])
     assert [r[0] for r in rows][:2] == ["FP16 (dense)", "INT4, no code, p = 0"]
     dense = quality_delta(run, "perplexity", "none-p0-naive")["dense"]
     assert agrees(rows[0][2], dense)

@@ -11,15 +11,14 @@ import math
 from pathlib import Path
 
 import pytest
+from helpers.committed import tables
 
 ROOT = Path(__file__).resolve().parents[2] / "reports" / "lm_eval"
 
 
 def table(path: Path) -> tuple[list[str], list[list[str]]]:
     """The README's first markdown table: its header and rows of cells."""
-    lines = [line for line in path.read_text().split("\n") if line.startswith("|")]
-    cells = [[c.strip() for c in line.strip().strip("|").split("|")] for line in lines]
-    return cells[0], cells[2:]
+    return tables(path.read_text())[0]
 
 
 def one(folder: Path, pattern: str) -> Path:

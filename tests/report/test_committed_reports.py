@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
+from helpers.committed import cells as row_cells
 
 from certkv.report.document import build_report, markdown_lines
 from certkv.report.tables import RunData, fmt, fmt_interval, quality_delta
@@ -76,7 +77,7 @@ def _summary_rows(text: str):
         if not line.startswith("|"):
             header = None
             continue
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        cells = row_cells(line)
         if header is None:
             header = cells
             named = re.search(r"\((\dK)\)", cells[0])
@@ -98,7 +99,7 @@ def test_the_eviction_readme_quotes_the_deltas_its_raw_records_give(monkeypatch)
         if not line.startswith("|"):
             ctx = None  # a table ends at its first other line
             continue
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        cells = row_cells(line)
         header = re.match(r"variants at (\dK)", cells[0])
         if header:
             ctx, budgets = header.group(1), [re.match(r"\d+", c).group() for c in cells[1:]]
@@ -131,9 +132,8 @@ VARIANT_TABLES = {"methods_4k": "reports/methods/methods_4k/run",
 def variant_cell(run: RunData, column: str, variant: str) -> str:
     """A hand-made table's cell as the raw records give it. ``column`` reads ``<what>
     (<suffix>)``: ``ppl`` the perplexity delta [95% CI], ``NIAH`` and ``RULER`` the method's
-    accuracy,
-    ``rungs 3+4`` their share of head-steps, ``T1`` Tier-1 over dense bytes, ``FP16 blk`` the
-    blocks per step the integrity check served from their FP16 originals."""
+    accuracy, ``rungs 3+4`` their share of head-steps, ``T1`` Tier-1 over dense bytes,
+    ``FP16 blk`` the blocks per step the integrity check served from their FP16 originals."""
     from certkv.eval.summary import certificate_summary
 
     what = column.rsplit(" (", 1)[0]
@@ -158,7 +158,7 @@ def test_a_readme_variant_table_is_its_raw_records(monkeypatch):
     for path in ("reports/methods/README.md", "reports/faults/README.md",
                  "reports/evict/README.md"):
         for line in (ROOT / path).read_text().split("\n"):
-            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            cells = row_cells(line)
             named = re.match(r"variants \((\w+)\)", cells[0]) if line.startswith("|") else None
             if named:
                 run, header = RunData.load(VARIANT_TABLES[named.group(1)]), cells[1:]
