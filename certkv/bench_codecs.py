@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from hydra.utils import instantiate
 
-from certkv.bench import Update, result_table, short, stats, timings, tokens
+from certkv.bench import Update, result_table, short, spread_warnings, stats, timings, tokens
 from certkv.cache.store import TieredKVStore
 from certkv.config import config_groups, option
 from certkv.quant import Precision
@@ -144,6 +144,13 @@ def bench_codecs(case: CodecCase, device: torch.device, repeats: int,
         stores.append(store_record(label, q, case, k, v))
         update(f"codecs: {label}", advance=1)
     return {"precisions": precisions, "stores": stores}
+
+
+def codec_notes(records: dict[str, list[dict]]) -> list[str]:
+    """The report's notes: a warning for each precision whose decode timings spread."""
+    return spread_warnings([{"short_label": f"{r['quantizer']}:{r['precision']}",
+                             "ms_stats": {"decode": r["ms_stats"]}}
+                            for r in records["precisions"]])
 
 
 def codec_tables(records: dict[str, list[dict]], case: CodecCase) -> list[Table]:

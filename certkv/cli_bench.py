@@ -142,9 +142,7 @@ def bench_codecs(
     with bench.progress(len(points), "bench codecs") as update, _user_errors():
         records = bench_codecs.bench_codecs(case, dev, repeats, update, points)
     tables = bench_codecs.codec_tables(records, case)
-    notes = bench.spread_warnings([{"short_label": f"{r['quantizer']}:{r['precision']}",
-                                    "ms_stats": {"decode": r["ms_stats"]}}
-                                   for r in records["precisions"]])
+    notes = bench_codecs.codec_notes(records)
     path = report.write({"case": vars(case), **records}, bench.markdown(tables, notes),
                         lambda p: bench_codecs.plot_codecs(records, p))
     bench.show(tables, notes, path)
@@ -269,8 +267,7 @@ def _bench_batches(model, contexts, batches, dev, *, repeats, dtype, out, force,
                                          dtype, update=update, weights=weights,
                                          quantizer=codecs)
     tables = batching.batch_tables(records)
-    notes = bench.spread_warnings([{"short_label": f"N={r['context']} B={r['batch']}",
-                                    "ms_stats": r["ms_stats"]} for r in records])
+    notes = batching.batch_notes(records)
     path = report.write(records, bench.markdown(tables, notes),
                         lambda p: batching.plot_batches(records, p))
     bench.show(tables, notes, path)

@@ -14,7 +14,15 @@ from __future__ import annotations
 import torch
 
 from certkv.bench.decode import _decode_model, _decode_prompt
-from certkv.bench.measure import Update, _quiet, interleaved_timings, short, stats, tokens
+from certkv.bench.measure import (
+    Update,
+    _quiet,
+    interleaved_timings,
+    short,
+    spread_warnings,
+    stats,
+    tokens,
+)
 from certkv.bench.tables import result_table
 
 MODES = ("dense", "naive", "certified")
@@ -93,6 +101,12 @@ def _speedups(records: list[dict]) -> list[dict]:
         r["speedup"] = None if one is None else {
             m: r["tokens_per_s"][m] / one["tokens_per_s"][m] for m in MODES}
     return records
+
+
+def batch_notes(records: list[dict]) -> list[str]:
+    """The report's notes: a warning for each context and batch whose timings spread."""
+    return spread_warnings([{"short_label": f"N={r['context']} B={r['batch']}",
+                             "ms_stats": r["ms_stats"]} for r in records])
 
 
 def batch_tables(records: list[dict]):

@@ -102,10 +102,11 @@ def _delta(q: dict | None, digits: int) -> str:
 def evict_table(run: RunData) -> Table | None:
     """A row per policy, budget and mode: quality against dense with 95% CIs and what the
     certificate paged in."""
-    if not has_eviction(run):
+    evicting = _evicting(run)
+    if not evicting:
         return None
     rows = []
-    for r in _evicting(run):
+    for r in evicting:
         cert, q = r["cert"], r["quality"]
         steps = cert.get("steps") or 0
         rows.append([r["variant"], r["policy"], f"{100 * r['budget']:.0f}%",
@@ -118,7 +119,7 @@ def evict_table(run: RunData) -> Table | None:
                      f"{cert.get('h2d_bytes_per_step', 0.0) / 2**10:.0f}" if steps else "-",
                      f"{cert.get('tier1_over_dense', 0.0):.3f}", _scratch(cert),
                      fmt(r["x_dense"], 2)])
-    dense = {t: next((r["quality"][t]["dense"] for r in _evicting(run)
+    dense = {t: next((r["quality"][t]["dense"] for r in evicting
                       if r["quality"].get(t)), None) for t in _TASKS}
     shown = ", ".join(f"{t} {fmt(x, 2)}" for t, x in dense.items() if x is not None)
     return Table(f"Eviction ({run.label}; issue 23)",

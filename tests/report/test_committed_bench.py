@@ -35,9 +35,8 @@ def rendered(payload: dict) -> list[str]:
     kind = words[words.index("bench") + 1]
     if kind == "codecs":
         case = bench_codecs.CodecCase(**records["case"])
-        return bench.markdown(bench_codecs.codec_tables(records, case), bench.spread_warnings(
-            [{"short_label": f"{r['quantizer']}:{r['precision']}",
-              "ms_stats": {"decode": r["ms_stats"]}} for r in records["precisions"]]))
+        return bench.markdown(bench_codecs.codec_tables(records, case),
+                              bench_codecs.codec_notes(records))
     if kind == "attention":
         peak = payload.get("peak_gbps")
         return bench.markdown(bench.attention_tables(records, peak),
@@ -46,9 +45,7 @@ def rendered(payload: dict) -> list[str]:
         return bench.markdown(bench.dispatch_tables(records), bench.LAUNCH_NOTES)
     assert kind == "decode", payload["command"]
     if any(w.startswith("--batch") for w in words):
-        return bench.markdown(batching.batch_tables(records), bench.spread_warnings(
-            [{"short_label": f"N={r['context']} B={r['batch']}", "ms_stats": r["ms_stats"]}
-             for r in records]))
+        return bench.markdown(batching.batch_tables(records), batching.batch_notes(records))
     return bench.markdown(bench.decode_tables(records), bench.decode_notes(records))
 
 
