@@ -2,9 +2,9 @@
 # One lent GPU call (about 15 minutes of device time a task, 10 minutes a call): the `gpu`
 # tests in parallel, the launch count, attention at 32K-128K and the whole Llama-3.1-8B-shaped
 # decode with CUDA graphs (T_ATTN_EAGER > 0 adds attention with the segments left eager, which
-# compiles nothing), each step under its own time limit (0 skips it) so one slow step cannot
-# starve the rest. Results: one archive, $OUT/gpu.tar.gz (the tool brings back at most 8 files), and
-# $OUT/summary.txt. The machine is offline: hydra, omegaconf, antlr4 and gguf travel as wheels.
+# compiles nothing; T_BATCH > 0 the batched decode at 8K, batches of 1 and 4), each step under
+# its own time limit (0 skips it) so one slow step cannot starve the rest. Results: one
+# archive, $OUT/gpu.tar.gz (the tool brings back at most 8 files), and $OUT/summary.txt. The machine is offline: hydra, omegaconf, antlr4 and gguf travel as wheels.
 #   device run, carry [".whl"]:  bash scripts/gpu_lease.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,6 +37,8 @@ step ${T_ATTN:-120} attention $PY -m certkv.cli bench attention --context 32768 
   --context 131072 --repeats 10 --out "$R" --force
 step ${T_DECODE:-130} decode_graphs $PY -m certkv.cli bench decode --model llama31_8b --context 8192 \
   --context 32768 --context 65536 --repeats 3 --graphs on --out "$R/graphs" --force
+step ${T_BATCH:-0} decode_batch $PY -m certkv.cli bench decode --model llama31_8b --context 8192 \
+  --batch 1,4 --repeats 3 --out "$R/batch" --force
 tar -czf "$OUT/gpu.tar.gz" -C "$OUT" bench
 { cat "$R/machine.txt" "$R/steps.txt"; tail -5 "$R/gpu_tests.txt"; } >"$OUT/summary.txt"
 cat "$OUT/summary.txt"

@@ -54,6 +54,7 @@ def queries(sc, prompts, step):
 
 def run_batch(sc) -> None:
     (stores, attn), (alone, attn_alone) = twin_pipelines(sc)
+    dev = sc.get("device", "cpu")
     prompts = [make_kv(sc["hkv"], n, D, seed=sc["seed"] + b, outlier_channels=sc["outliers"],
                        heavy_tail=sc["heavy_tail"], key_offset=sc["key_offset"])
                for b, n in enumerate(sc["lengths"])]
@@ -62,13 +63,14 @@ def run_batch(sc) -> None:
         noise = torch.randn(window.shape, generator=torch.Generator().manual_seed(b))
         window = window + 0.5 * noise
         for s in (store, twin):
-            s.append(k, v)
-            s.observe_prompt(window)  # what SnapKV ranks by
+            s.append(k.to(dev), v.to(dev))
+            s.observe_prompt(window.to(dev))  # what SnapKV ranks by
     live = list(range(len(stores)))
     for step in range(sc["steps"] + 1):
         if step:
             for b in live:
-                extra = make_kv(sc["hkv"], sc["per_step"], D, seed=sc["seed"] + 97 * b + step)
+                extra = [t.to(dev) for t in make_kv(sc["hkv"], sc["per_step"], D,
+                                                    seed=sc["seed"] + 97 * b + step)]
                 stores[b].append(*extra)
                 alone[b].append(*extra)
         if step == 1 and sc["leaves"] is not None and len(live) > 1:
@@ -103,6 +105,18 @@ def test_every_sequence_of_a_batch_keeps_the_contract_on_the_triton_kernels():
     @given(sc=batches("triton", longest=240))
     def contract(sc):
         run_batch(sc)
+    contract()
+
+
+@pytest.mark.gpu
+def test_every_sequence_of_a_batch_keeps_the_contract_on_cuda():
+    """The batched step with the Triton kernels compiled on CUDA: stores on the device, Tier-2
+    in pinned host memory, longer ragged prompts than the interpreter can afford."""
+    @settings(max_examples=examples(6), suppress_health_check=[HealthCheck.too_slow],
+              deadline=None)
+    @given(sc=batches("triton", longest=3000))
+    def contract(sc):
+        run_batch({**sc, "device": "cuda"})
     contract()
 
 

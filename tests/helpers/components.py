@@ -71,7 +71,8 @@ def pipeline(sc, lengths: list[int] | None = None):
         policy = component("evict", sc["evict"], budget=min(1.0, need + sc["budget_margin"]),
                            **summary)
     quantizer = quantizer.with_eviction(policy)
-    store = TieredKVStore(sc["hkv"], D, **quantizer.store_kwargs())
+    store = TieredKVStore(sc["hkv"], D, device=sc.get("device", "cpu"),
+                          **quantizer.store_kwargs())
     backend = TritonBackend(split=4) if sc["backend"] == "triton" else get_backend(sc["backend"])
     ladder = Ladder(page_in_budget=sc.get("page_in_budget", 0))
     return store, CertifiedAttention(backend=backend, mode=sc["mode"], ladder=ladder)
