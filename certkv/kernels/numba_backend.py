@@ -185,30 +185,30 @@ def _sum_blocks(x, n):
 
 @jit
 def _head_weights(h, s8, s16, state, gate, delta_b, eps_guard, rho, log_mass, spread, canary,
-                  logits, w, alphas, frac, scale):
-    """Phase 2's softmax of query head ``h``: where any block is gated, every block's state from
-    the logits with the gated blocks' FP16-key ones in (the canary on those; the weights into
-    ``w [n, B]``), else Phase 1's (its weights stay where they are); the rescalings ``alpha_b =
-    e^{m_b - m}`` into ``alphas [n]``, the block masses, log-masses and spreads
-    (:func:`certkv.kernels.reference.attend_blocks`). Returns whether the head is gated and its
-    total mass. Scratch: ``logits [n, B]``, ``frac, scale [n B]``."""
-    m8, _, l8, l28 = state
+                  w, alphas, frac, scale):
+    """Phase 2's softmax of query head ``h``: every block's state is Phase 1's (``state``: ``m,
+    w, total, total2``), except a gated block's, made again from its FP16-key logits (the
+    canary on those); where any block is gated, the head's weights go into ``w [n, B]``
+    (Phase 1's, the gated blocks' replaced), else they stay in Phase 1's. Then the rescalings
+    ``alpha_b = e^{m_b - m}`` into ``alphas [n]``, the block masses, log-masses and spreads
+    (:func:`certkv.kernels.reference.attend_blocks`). A block's state depends on its own
+    logits only, so this is the whole row's state made again, bit for bit. Returns whether
+    the head is gated and its total mass. Scratch: ``frac, scale [max(n, B)]``."""
+    m8, w8, l8, l28 = state
     n = s8.shape[1]
     m_b, l_b, l2_b = np.empty((3, n), _F32)
+    m_b[:], l_b[:], l2_b[:] = m8[h], l8[h], l28[h]
     gated = False
     for b in range(n):
         canary[h, b] = False
         gated = gated or gate[h, b]
-    if gated:
+    if gated:  # Phase 1's blocks kept, the gated ones' states from their FP16-key logits
+        w[:] = w8[h]
         for b in range(n):
             if gate[h, b]:
                 canary[h, b] = _canary(s16[h, b], s8[h, b], delta_b[h, b], eps_guard)
-                logits[b] = s16[h, b]
-            else:
-                logits[b] = s8[h, b]
-        _row_state(logits, w, m_b, l_b, l2_b, frac, scale)
-    else:
-        m_b[:], l_b[:], l2_b[:] = m8[h], l8[h], l28[h]
+                _row_state(s16[h, b:b + 1], w[b:b + 1], m_b[b:b + 1], l_b[b:b + 1],
+                           l2_b[b:b + 1], frac, scale)
     top = _amax(m_b)
     for b in range(n):
         log_mass[h, b] = m_b[b] + np.log(l_b[b])
@@ -297,11 +297,10 @@ def _attend(group, s8, s16, state, gate, delta_b, eps_guard, values, staged_kv, 
     w, alphas = np.empty((hq, n, bsz), _F32), np.empty((hq, n), _F32)
     total, gated = np.empty(hq, _F32), np.empty(hq, np.bool_)
     for h in prange(hq):
-        logits = np.empty((n, bsz), _F32)
-        frac, scale = np.empty(n * bsz), np.empty(n * bsz)
+        frac, scale = np.empty(max(n, bsz)), np.empty(max(n, bsz))
         gated[h], total[h] = _head_weights(h, s8, s16, state, gate, delta_b, eps_guard, rho,
-                                           log_mass, spread, canary, logits, w[h], alphas[h],
-                                           frac, scale)
+                                           log_mass, spread, canary, w[h], alphas[h], frac,
+                                           scale)
         if r >= 1:
             rank_checks(h, l8, log_mass, delta_t, promoted, quantized, r, flags[0], flags[1])
     chunks = (n + SUM_CHUNK - 1) // SUM_CHUNK
