@@ -26,13 +26,14 @@ def below_cwd(path: str | Path) -> Path:
     return path.relative_to(cwd) if path.is_absolute() and cwd in path.parents else path
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write UTF-8 ``text`` to ``path`` via a temporary file in the same folder and a rename,
-    so readers never see a half-written file."""
+def write_atomic(path: Path, text: str | bytes) -> None:
+    """Write ``text`` (UTF-8, or bytes as they are) to ``path`` via a temporary file in the
+    same folder and a rename, so readers never see a half-written file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with (os.fdopen(fd, "wb") if isinstance(text, bytes)
+              else os.fdopen(fd, "w", encoding="utf-8")) as f:
             f.write(text)
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)

@@ -26,6 +26,13 @@ def test_every_committed_report_has_its_raw_records_beside_it():
         assert not missing, f"{report.relative_to(ROOT)}: raw records not committed: {missing}"
 
 
+def test_committed_runs_keep_their_certificate_records_packed():
+    """Plain certificate records are about three times their gzip copy; the working tree (which
+    a lent GPU machine receives whole, 64 MiB at most) keeps the packed ones."""
+    plain = [str(p.relative_to(ROOT)) for p in (ROOT / "reports").rglob("certificates.jsonl")]
+    assert not plain, f"pack them: .venv/bin/python scripts/pack_runs.py reports ({plain})"
+
+
 @pytest.mark.parametrize("report", REPORTS, ids=lambda p: str(p.relative_to(ROOT / "reports")))
 def test_a_committed_report_is_recomputed_from_its_raw_records(report, monkeypatch):
     monkeypatch.chdir(ROOT)  # run directories print as the paths the report was made with
