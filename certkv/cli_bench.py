@@ -73,7 +73,8 @@ def bench_attention(
         records = [bench.bench_attention_case(case, dev, repeats, _compile(compile), update)
                    for case in cases]
     peak = report.info["peak_gbps"]
-    tables, notes = bench.attention_tables(records, peak), bench.attention_notes(records, peak)
+    tables = bench.attention_tables(records, peak, report.info.get("copy_gbps"))
+    notes = bench.attention_notes(records, peak)
     path = report.write(records, bench.markdown(tables, notes),
                         lambda p: bench.plot_attention(records, p))
     bench.show(tables, notes, path)

@@ -149,6 +149,9 @@ def test_bench_attention_command_writes_report(tmp_path, monkeypatch):
     md = (tmp_path / "attention_cpu.md").read_text()
     assert "| case | method | min | med | max | ×dense | GB/s |" in md
     assert "| N=64 d=128 4:1 | certified |" in md
+    # a CPU has no known peak: the report states the copy bandwidth it measured and compares
+    assert data["copy_gbps"] > 0 and f"copy {data['copy_gbps']} GB/s measured" in md
+    assert "| case | ph2/d | ph2 GB/s | % copy |" in md
     # the console: rich tables within 100 columns, with the JSON's medians, and where they went
     lines = result.output.splitlines()
     assert max(map(len, lines)) <= 100
@@ -366,6 +369,20 @@ def test_targets_are_checked_against_the_peak_bandwidth():
     assert "| step <= 1.5x dense | N=65536 | 1.60x | no |" in text
     assert "| checks <= 5% of step | N=65536 | 4.0% | yes |" in text
     assert "not evaluated" in bench.target_lines([], None)[0]
+
+
+def test_the_cpu_target_is_checked_with_the_measured_copy_bandwidth():
+    def record(context, head_dim, group, ratio):
+        return {"case": {"context": context, "head_dim": head_dim, "group": group},
+                "label": f"N={context} d={head_dim}", "ratio_vs_dense": {"certified": ratio},
+                "gbps": {"dense": 1.5, "certified": 3.0}}
+
+    records = [record(4096, 128, 4, 1.2), record(16384, 64, 3, 0.9),
+               record(16384, 128, 4, 0.4), record(32768, 128, 4, 0.9)]
+    text = "\n".join(bench.markdown([bench.cpu_target_table(records, copy_gbps=10.0)], []))
+    assert "N=4096" not in text and "d=64" not in text  # below 16K, or not the 32q/8kv layer
+    assert "| step <= 0.8x dense | N=16384 d=128 | 0.40x | yes | 15 | 30 |" in text
+    assert "| step <= 0.8x dense | N=32768 d=128 | 0.90x | no | 15 | 30 |" in text
 
 
 def test_bench_codecs_counts_every_byte_and_writes_report(tmp_path):

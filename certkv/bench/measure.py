@@ -4,6 +4,7 @@ than 20% of the median is flagged), phase breakdowns, progress bars and number f
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import statistics
@@ -40,11 +41,27 @@ def device_info() -> dict:
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name()
         peak = next((v for k, v in PEAK_GBPS.items() if k in name), None)
+        measured = {}
     else:
         name, peak = f"CPU ({platform.machine()}, {os.cpu_count()} cores)", None
-    return {"device": name, "peak_gbps": peak, "torch": torch.__version__,
+        measured = {"copy_gbps": round(copy_gbps(), 2)}
+    return {"device": name, "peak_gbps": peak, **measured, "torch": torch.__version__,
             "transformers": transformers.__version__, "python": platform.python_version(),
             "commit": source_commit()}
+
+
+def copy_gbps(mib: int = 256, repeats: int = 5) -> float:
+    """The host memory bandwidth a large copy reaches with torch's threads (a CPU has no
+    known peak): bytes read plus bytes written by the fastest of ``repeats`` copies of ``mib``
+    MiB, in GB/s. What a step's GB/s is compared with on a CPU."""
+    src = torch.ones(mib * 2**18)  # FP32: mib MiB
+    dst = torch.empty_like(src)
+    best = math.inf
+    for _ in range(repeats + 1):  # the first copy touches dst's pages
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.numel() * src.element_size() / best / 1e9
 
 
 def _call_ms(fn) -> float:

@@ -52,7 +52,8 @@ class BenchReport:
         write_atomic(folder / f"{self.name}.json", json.dumps(payload, indent=2) + "\n")
         head = [f"# certkv bench {self.name}", "", f"Command: `{self.command}`  ",
                 f"Commit: `{self.info['commit']}`  ",
-                f"Device: {self.info['device']} (peak {self.info['peak_gbps'] or 'n/a'} GB/s); "
+                f"Device: {self.info['device']} (peak {self.info['peak_gbps'] or 'n/a'} GB/s"
+                f"{_copied(self.info)}); "
                 f"torch {self.info['torch']}, transformers {self.info['transformers']}", "",
                 f"![{self.name}]({self.name}.png)", ""]
         try:
@@ -61,6 +62,12 @@ class BenchReport:
             head[-2] = "(plot skipped: matplotlib is not installed)"
         write_atomic(folder / f"{self.name}.md", "\n".join(head + table) + "\n")
         return folder / f"{self.name}.md"
+
+
+def _copied(info: dict) -> str:
+    """The header's measured copy bandwidth (:func:`~certkv.bench.measure.copy_gbps`), where
+    the report has one."""
+    return f"; copy {info['copy_gbps']} GB/s measured" if info.get("copy_gbps") else ""
 
 
 def result_table(title: str, columns: list[tuple[str, str]], keys: int = 1) -> Table:
@@ -129,9 +136,11 @@ def step_table(records: list[dict], what: str, key: tuple[str, str]) -> Table:
 CASE = ("case", "N context, d head dim, G:1 query heads per kv head")
 
 
-def attention_tables(records: list[dict], peak_gbps: float | None = None) -> list[Table]:
+def attention_tables(records: list[dict], peak_gbps: float | None = None,
+                     copy_gbps: float | None = None) -> list[Table]:
     """The console's and the report's tables: step times, certified phases, per-case
-    certified figures, and (GPU with a known peak) the targets."""
+    certified figures, and the targets: the GPU's with a known peak, the CPU's (issue 55)
+    with a measured copy bandwidth ``copy_gbps``."""
     phases = result_table(f"Certified step by phase, ms (median of {PHASE_RUNS} synchronised runs)",
                          [CASE, *((h, m) for h, _, m in PHASES)])
     for r in records:
@@ -140,6 +149,7 @@ def attention_tables(records: list[dict], peak_gbps: float | None = None) -> lis
     summary = result_table("Certified step per case", [
         CASE, ("ph2/d", "phase 2 / dense step"), ("ph2 GB/s", "phase 2 bytes / phase 2 time"),
         *([("% peak", "phase 2 GB/s / the device's peak")] if peak_gbps else []),
+        *([("% copy", "phase 2 GB/s / the measured copy bandwidth")] if copy_gbps else []),
         ("chk %", "checks' share of the step"), ("K*", "mean FP16-key blocks per head"),
         ("T1/d", "Tier-1 bytes / dense FP16 bytes"),
         ("mir/d", "decoded mirror bytes (a CPU speed aid) / dense FP16 bytes")])
@@ -147,13 +157,15 @@ def attention_tables(records: list[dict], peak_gbps: float | None = None) -> lis
         p2, mem = r["phase2"], r["memory_bytes"]
         summary.rows.append([r["short_label"], short(p2["ratio_vs_dense"]), short(p2["gbps"]),
                              *([f"{100 * p2['gbps'] / peak_gbps:.0f}"] if peak_gbps else []),
+                             *([f"{100 * p2['gbps'] / copy_gbps:.0f}"] if copy_gbps else []),
                              short(100 * r["checks_share"]), short(r["k_star_mean"]),
                              short(mem["tier1"] / mem["dense"]),
                              short(mem.get("workspace", 0) / mem["dense"])])
     tables = [step_table(records, "One layer", CASE), phases, summary,
               *dispatch_tables(records)]
     target = target_table(records, peak_gbps)
-    return tables + ([target] if target and target.rows else [])
+    cpu = cpu_target_table(records, copy_gbps) if copy_gbps else None
+    return tables + [t for t in (target, cpu) if t and t.rows]
 
 
 def dispatch_tables(records: list[dict]) -> list[Table]:
@@ -194,9 +206,11 @@ def attention_notes(records: list[dict], peak_gbps: float | None = None) -> list
     return spread_warnings(records) + (target_lines(records, None) if peak_gbps is None else [])
 
 
-def attention_table(records: list[dict], peak_gbps: float | None = None) -> list[str]:
+def attention_table(records: list[dict], peak_gbps: float | None = None,
+                    copy_gbps: float | None = None) -> list[str]:
     """The report's markdown body for ``bench attention``."""
-    return markdown(attention_tables(records, peak_gbps), attention_notes(records, peak_gbps))
+    return markdown(attention_tables(records, peak_gbps, copy_gbps),
+                    attention_notes(records, peak_gbps))
 
 
 def target_table(records: list[dict], peak_gbps: float | None) -> Table | None:
@@ -223,6 +237,30 @@ def target_table(records: list[dict], peak_gbps: float | None) -> Table | None:
             add("step <= 1.5x dense", r, f"{ratio:.2f}x", ratio <= 1.5)
             add("checks <= 5% of step", r, f"{100 * r['checks_share']:.1f}%",
                 r["checks_share"] <= 0.05)
+    return table
+
+
+CPU_TARGET = (16384, 128, 4, 0.8)  # issue 55: N >= 16K, d = 128, 4:1 (32q/8kv): <= 0.8x dense
+
+
+def cpu_target_table(records: list[dict], copy_gbps: float) -> Table:
+    """Issue 55's CPU target for one layer step (certified <= 0.8x dense at 16K and beyond,
+    d = 128, 32 query / 8 kv heads), with the bytes each method reads per second as a share
+    of the measured copy bandwidth."""
+    least, head_dim, group, limit = CPU_TARGET
+    table = result_table("CPU targets (one layer step)", [
+        ("target", ""), ("case", ""), ("measured", ""), ("met", ""),
+        ("dense % copy", "dense GB/s / the measured copy bandwidth"),
+        ("cert % copy", "certified GB/s / the measured copy bandwidth")], keys=2)
+    for r in records:
+        case = r["case"]
+        if (case["head_dim"], case["group"]) != (head_dim, group) or case["context"] < least:
+            continue
+        ratio = r["ratio_vs_dense"]["certified"]
+        table.rows.append([f"step <= {limit}x dense", r.get("short_label", r["label"]),
+                           f"{ratio:.2f}x", "yes" if ratio <= limit else "no",
+                           *(f"{100 * r['gbps'][m] / copy_gbps:.0f}"
+                             for m in ("dense", "certified"))])
     return table
 
 

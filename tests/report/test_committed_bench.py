@@ -39,7 +39,7 @@ def rendered(payload: dict) -> list[str]:
                               bench_codecs.codec_notes(records))
     if kind == "attention":
         peak = payload.get("peak_gbps")
-        return bench.markdown(bench.attention_tables(records, peak),
+        return bench.markdown(bench.attention_tables(records, peak, payload.get("copy_gbps")),
                               bench.attention_notes(records, peak))
     if kind == "launches":
         return bench.markdown(bench.dispatch_tables(records), bench.LAUNCH_NOTES)
