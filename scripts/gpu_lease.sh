@@ -28,8 +28,11 @@ step() {  # step SECONDS NAME COMMAND...: run, log to $R/NAME.txt, record rc and
 SKIP=()
 $PY -c "import wandb" 2>/dev/null || SKIP+=(--ignore=tests/test_hygiene.py)
 $PY -c "import lm_eval" 2>/dev/null || SKIP+=(--ignore=tests/integrations/test_lm_eval.py)
+# -v: each test's outcome as it finishes, so a step cut by its limit still says which passed;
+# the files no lease has finished yet go first (GPU_FIRST; the 2026-11-28 lease ran out there)
+GPU_FIRST=${GPU_FIRST:-"tests/test_attention_batch.py tests/test_faults.py tests/test_tiers_contract.py tests/evict/test_summary.py"}
 step ${T_TESTS:-190} gpu_tests $PY -m pytest -m gpu -p no:cacheprovider -n 8 --dist load \
-  --timeout 170 --durations=25 -rfE "${SKIP[@]}" tests
+  --timeout 170 --durations=25 -v -rfE "${SKIP[@]}" $GPU_FIRST tests
 step ${T_LAUNCH:-70} launches $PY -m certkv.cli bench launches --out "$R" --force
 step ${T_ATTN_EAGER:-0} attention_eager $PY -m certkv.cli bench attention --context 32768 \
   --context 65536 --context 131072 --repeats 10 --compile off --out "$R/eager_segments" --force
