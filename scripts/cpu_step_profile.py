@@ -1,0 +1,169 @@
+"""Where one CPU layer step's time goes (issue 55): the numba backend's certified step (one
+compiled call, :mod:`certkv.kernels.numba_step`) split into the kernels it calls, beside the
+Python around that call and the dense step of the same layer, all in one process.
+
+The split runs the step's own body (``_step.py_func``, the same kernels on the same arrays:
+the compiled call's numbers) with each kernel timed as it is called; the compiled call itself
+is timed on the same arguments, and the whole step (layout, argument marshalling, certificate
+objects) as users call it. Medians over ``--repeats`` calls of each, after warm-up.
+
+    .venv/bin/python scripts/cpu_step_profile.py [--context 4096 --context 8192] [--repeats 200]
+        [--out DIR]
+
+The default layer is SmolLM2-135M's (3 kv heads x 3 query heads each, d = 64).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from certkv.bench import AttentionCase, device_info
+from certkv.bench.attention import layer_steps
+from certkv.bench.measure import timings
+from certkv.certify import fused_cpu, fused_select
+from certkv.files import write_atomic
+from certkv.kernels import numba_backend, numba_logits, numba_step
+
+# the kernels the compiled step calls, in its order: (module, function, what it computes)
+KERNELS = ((numba_logits, "_key_logits", "phase 1: INT8-key logits"),
+           (numba_backend, "_block_states", "phase 1: block softmax states, Delta_b"),
+           (fused_select, "_kernel", "selection (rung 1, value promotion)"),
+           (numba_logits, "_gated_logits", "phase 2: FP16-key logits of promoted blocks"),
+           (numba_backend, "_attend", "phase 2: softmax, value sums, checks"),
+           (fused_cpu, "_kernel", "certificate (eq. 15, Cor. 4.2, E_arith)"),
+           (fused_cpu, "_rungs", "rungs"))
+
+
+def step_arguments(certified) -> tuple:
+    """The arguments of the compiled call in one certified step ``certified()``."""
+    seen, real = [], numba_step._step
+
+    def keep(*args):
+        seen.append(args)
+        return real(*args)
+
+    numba_step._step = keep
+    try:
+        certified()
+    finally:
+        numba_step._step = real
+    if not seen:
+        sys.exit("this step does not run as one numba call (numba missing, or a store or "
+                 "setting numba_step.covers excludes); nothing to split.")
+    return seen[0]
+
+
+@contextmanager
+def timed_kernels(times: dict[str, list[float]]):
+    """Within the block, each kernel of :data:`KERNELS` appends its milliseconds to
+    ``times[name]`` per call."""
+    originals = [(module, name, getattr(module, name)) for module, name, _ in KERNELS]
+
+    def timer(key, fn):
+        def call(*args):
+            start = time.perf_counter()
+            out = fn(*args)
+            times[key].append(1e3 * (time.perf_counter() - start))
+            return out
+        return call
+
+    try:
+        for module, name, fn in originals:
+            setattr(module, name, timer(f"{module.__name__}.{name}", fn))
+        yield
+    finally:
+        for module, name, fn in originals:
+            setattr(module, name, fn)
+
+
+def profile(case: AttentionCase, repeats: int) -> dict:
+    """Medians (ms) of the dense step, the whole certified step, its compiled call and each
+    kernel of that call on ``case``'s layer."""
+    _, steps, _ = layer_steps(case, torch.device("cpu"), None, "auto")
+    args = step_arguments(steps["certified"])
+    med = {name: statistics.median(timings(steps[name], repeats)) for name in
+           ("dense", "certified")}
+    med["compiled"] = statistics.median(timings(lambda: numba_step._step(*args), repeats))
+    times = {f"{m.__name__}.{n}": [] for m, n, _ in KERNELS}
+    with timed_kernels(times):
+        timings(lambda: numba_step._step.py_func(*args), repeats)
+    calls = {name: len(t) // (repeats + 2) for name, t in times.items()}  # 2 warm-up calls
+    kernels = {name: statistics.median(t) if t else 0.0 for name, t in times.items()}
+    return {"case": case.__dict__, "label": case.label, "repeats": repeats, "ms": med,
+            "kernels": kernels, "calls": calls}
+
+
+def render(results: list[dict], info: dict, command: str) -> str:
+    """The report: each context's split as a column of one markdown table, with command,
+    commit and machine."""
+    first = results[0]["case"]
+    shape = (f"d = {first['head_dim']}, {first['kv_heads'] * first['group']} query / "
+             f"{first['kv_heads']} kv heads")
+    rows = [("dense step (FP32 SDPA over the layer's cache)", lambda r: r["ms"]["dense"]),
+            ("**certified step, as called**", lambda r: r["ms"]["certified"]),
+            ("Python around the compiled call",
+             lambda r: r["ms"]["certified"] - r["ms"]["compiled"]),
+            ("the compiled call", lambda r: r["ms"]["compiled"])]
+    rows += [(f"kernel: {what}", lambda r, k=f"{m.__name__}.{n}": r["kernels"][k])
+             for m, n, what in KERNELS]
+    head = " | ".join(f"N={r['case']['context']}: ms | %" for r in results)
+    lines = [f"# Where a CPU layer step's time goes ({shape})", "",
+             f"Command: `{command}`  ", f"Commit: `{info['commit']}`  ",
+             f"Device: {info['device']} (copy {info.get('copy_gbps', 'n/a')} GB/s measured); "
+             f"torch {info['torch']}, {torch.get_num_threads()} threads", "",
+             f"Medians of {results[0]['repeats']} calls each after 2 warm-up calls, one "
+             "process. %: share of the certified step. The kernels are timed one by one as the "
+             "compiled call's own body calls them (each call's dispatch from Python included).",
+             "", f"| part | {head} |", "| --- |" + " --- | --- |" * len(results)]
+    for name, value in rows:
+        cells = " | ".join(f"{value(r):.3f} | {100 * value(r) / r['ms']['certified']:.0f}"
+                           for r in results)
+        lines.append(f"| {name} | {cells} |")
+    lines.append("")
+    for r in results:
+        ms = r["ms"]
+        lines.append(f"N={r['case']['context']}: certified / dense "
+                     f"{ms['certified'] / ms['dense']:.2f}x; the kernels one by one sum to "
+                     f"{sum(r['kernels'].values()):.3f} ms, the compiled call "
+                     f"{ms['compiled']:.3f} ms.  ")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--context", type=int, action="append",
+                        help="context tokens (repeat for several; default 4096)")
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--kv-heads", type=int, default=3)
+    parser.add_argument("--group", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--out", type=Path, default=None,
+                        help="write cpu_step_profile.md and .json here")
+    a = parser.parse_args(argv)
+    contexts = a.context or [4096]
+    if min(contexts) < 1 or a.repeats < 1:
+        parser.error("--context and --repeats take positive numbers, e.g. --context 4096")
+    results = [profile(AttentionCase(n, a.head_dim, a.kv_heads, a.group), a.repeats)
+               for n in contexts]
+    info = device_info()
+    command = ("python scripts/cpu_step_profile.py " + " ".join(
+        sys.argv[1:] if argv is None else argv)).strip()
+    text = render(results, info, command)
+    print(text)
+    if a.out:
+        write_atomic(a.out / "cpu_step_profile.md", text)
+        write_atomic(a.out / "cpu_step_profile.json",
+                     json.dumps({"command": command, **info, "results": results}, indent=2)
+                     + "\n")
+
+
+if __name__ == "__main__":
+    main()
