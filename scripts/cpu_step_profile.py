@@ -1,6 +1,7 @@
 """Where one CPU layer step's time goes (issue 55): the numba backend's certified step (one
 compiled call, :mod:`certkv.kernels.numba_step`) split into the kernels it calls, beside the
-Python around that call and the dense step of the same layer, all in one process.
+Python around that call, the fallback (rungs 3-4) and the dense step of the same layer, all in
+one process.
 
 The split runs the step's own body (``_step.py_func``, the same kernels on the same arrays:
 the compiled call's numbers) with each kernel timed as it is called; the compiled call itself
@@ -31,6 +32,7 @@ from certkv.bench.measure import timings
 from certkv.certify import fused_cpu, fused_select
 from certkv.files import write_atomic
 from certkv.kernels import numba_backend, numba_logits, numba_step
+from certkv.step import QuantizedStep
 
 # the kernels the compiled step calls, in its order: (module, function, what it computes)
 KERNELS = ((numba_logits, "_key_logits", "phase 1: INT8-key logits"),
@@ -62,26 +64,26 @@ def step_arguments(certified) -> tuple:
 
 
 @contextmanager
-def timed_kernels(times: dict[str, list[float]]):
-    """Within the block, each kernel of :data:`KERNELS` appends its milliseconds to
-    ``times[name]`` per call."""
-    originals = [(module, name, getattr(module, name)) for module, name, _ in KERNELS]
+def timed(owners: list[tuple[object, str]], times: dict[str, list[float]]):
+    """Within the block, each function ``owner.name`` appends its milliseconds per call to
+    ``times["<owner's name>.<name>"]``."""
+    originals = [(owner, name, getattr(owner, name)) for owner, name in owners]
 
     def timer(key, fn):
-        def call(*args):
+        def call(*args, **kwargs):
             start = time.perf_counter()
-            out = fn(*args)
-            times[key].append(1e3 * (time.perf_counter() - start))
+            out = fn(*args, **kwargs)
+            times.setdefault(key, []).append(1e3 * (time.perf_counter() - start))
             return out
         return call
 
     try:
-        for module, name, fn in originals:
-            setattr(module, name, timer(f"{module.__name__}.{name}", fn))
+        for owner, name, fn in originals:
+            setattr(owner, name, timer(f"{owner.__name__}.{name}", fn))
         yield
     finally:
-        for module, name, fn in originals:
-            setattr(module, name, fn)
+        for owner, name, fn in originals:
+            setattr(owner, name, fn)
 
 
 def profile(case: AttentionCase, repeats: int) -> dict:
@@ -89,16 +91,21 @@ def profile(case: AttentionCase, repeats: int) -> dict:
     kernel of that call on ``case``'s layer."""
     _, steps, _ = layer_steps(case, torch.device("cpu"), None, "auto")
     args = step_arguments(steps["certified"])
-    med = {name: statistics.median(timings(steps[name], repeats)) for name in
-           ("dense", "certified")}
+    med = {"dense": statistics.median(timings(steps["dense"], repeats))}
+    fallback: dict[str, list[float]] = {}
+    with timed([(QuantizedStep, "_fallback")], fallback):
+        med["certified"] = statistics.median(timings(steps["certified"], repeats))
+    med["fallback"] = statistics.median(fallback["QuantizedStep._fallback"])
     med["compiled"] = statistics.median(timings(lambda: numba_step._step(*args), repeats))
     times = {f"{m.__name__}.{n}": [] for m, n, _ in KERNELS}
-    with timed_kernels(times):
+    with timed([(m, n) for m, n, _ in KERNELS], times):
         timings(lambda: numba_step._step.py_func(*args), repeats)
     calls = {name: len(t) // (repeats + 2) for name, t in times.items()}  # 2 warm-up calls
     kernels = {name: statistics.median(t) if t else 0.0 for name, t in times.items()}
+    _, cert = steps["certified"]()
     return {"case": case.__dict__, "label": case.label, "repeats": repeats, "ms": med,
-            "kernels": kernels, "calls": calls}
+            "kernels": kernels, "calls": calls, "dense_heads": int((cert.rung >= 3).sum()),
+            "heads": int(cert.rung.numel())}
 
 
 def render(results: list[dict], info: dict, command: str) -> str:
@@ -109,8 +116,10 @@ def render(results: list[dict], info: dict, command: str) -> str:
              f"{first['kv_heads']} kv heads")
     rows = [("dense step (FP32 SDPA over the layer's cache)", lambda r: r["ms"]["dense"]),
             ("**certified step, as called**", lambda r: r["ms"]["certified"]),
-            ("Python around the compiled call",
-             lambda r: r["ms"]["certified"] - r["ms"]["compiled"]),
+            ("Python around the compiled call and the fallback",
+             lambda r: r["ms"]["certified"] - r["ms"]["compiled"] - r["ms"]["fallback"]),
+            ("the fallback (rungs 3-4: dense heads over the FP16 originals)",
+             lambda r: r["ms"]["fallback"]),
             ("the compiled call", lambda r: r["ms"]["compiled"])]
     rows += [(f"kernel: {what}", lambda r, k=f"{m.__name__}.{n}": r["kernels"][k])
              for m, n, what in KERNELS]
@@ -131,7 +140,8 @@ def render(results: list[dict], info: dict, command: str) -> str:
     for r in results:
         ms = r["ms"]
         lines.append(f"N={r['case']['context']}: certified / dense "
-                     f"{ms['certified'] / ms['dense']:.2f}x; the kernels one by one sum to "
+                     f"{ms['certified'] / ms['dense']:.2f}x; {r['dense_heads']} of "
+                     f"{r['heads']} heads on rungs 3-4; the kernels one by one sum to "
                      f"{sum(r['kernels'].values()):.3f} ms, the compiled call "
                      f"{ms['compiled']:.3f} ms.  ")
     return "\n".join(lines) + "\n"
