@@ -28,7 +28,7 @@ import torch
 
 from certkv.bench import AttentionCase, device_info
 from certkv.bench.attention import layer_steps
-from certkv.bench.measure import timings
+from certkv.bench.measure import interleaved_timings, timings
 from certkv.certify import fused_cpu, fused_select
 from certkv.files import write_atomic
 from certkv.kernels import numba_backend, numba_logits, numba_step
@@ -91,12 +91,12 @@ def profile(case: AttentionCase, repeats: int) -> dict:
     kernel of that call on ``case``'s layer."""
     _, steps, _ = layer_steps(case, torch.device("cpu"), None, "auto")
     args = step_arguments(steps["certified"])
-    med = {"dense": statistics.median(timings(steps["dense"], repeats))}
     fallback: dict[str, list[float]] = {}
-    with timed([(QuantizedStep, "_fallback")], fallback):
-        med["certified"] = statistics.median(timings(steps["certified"], repeats))
+    with timed([(QuantizedStep, "_fallback")], fallback):  # in turn: a slow spell hits all
+        runs = interleaved_timings({"dense": steps["dense"], "certified": steps["certified"],
+                                    "compiled": lambda: numba_step._step(*args)}, repeats)
+    med = {name: statistics.median(t) for name, t in runs.items()}
     med["fallback"] = statistics.median(fallback["QuantizedStep._fallback"])
-    med["compiled"] = statistics.median(timings(lambda: numba_step._step(*args), repeats))
     times = {f"{m.__name__}.{n}": [] for m, n, _ in KERNELS}
     with timed([(m, n) for m, n, _ in KERNELS], times):
         timings(lambda: numba_step._step.py_func(*args), repeats)
@@ -129,8 +129,9 @@ def render(results: list[dict], info: dict, command: str) -> str:
              f"Device: {info['device']} (copy {info.get('copy_gbps', 'n/a')} GB/s measured); "
              f"torch {info['torch']}, {torch.get_num_threads()} threads", "",
              f"Medians of {results[0]['repeats']} calls each after 2 warm-up calls, one "
-             "process. %: share of the certified step. The kernels are timed one by one as the "
-             "compiled call's own body calls them (each call's dispatch from Python included).",
+             "process (the dense step, the certified step and its compiled call in turn). %: "
+             "share of the certified step. The kernels are timed one by one as the compiled "
+             "call's own body calls them (each call's dispatch from Python included).",
              "", f"| part | {head} |", "| --- |" + " --- | --- |" * len(results)]
     for name, value in rows:
         cells = " | ".join(f"{value(r):.3f} | {100 * value(r) / r['ms']['certified']:.0f}"
