@@ -64,7 +64,7 @@ def step_arguments(certified) -> tuple:
 
 
 @contextmanager
-def timed(owners: list[tuple[object, str]], times: dict[str, list[float]]):
+def timing_calls(owners: list[tuple[object, str]], times: dict[str, list[float]]):
     """Within the block, each function ``owner.name`` appends its milliseconds per call to
     ``times["<owner's name>.<name>"]``."""
     originals = [(owner, name, getattr(owner, name)) for owner, name in owners]
@@ -95,14 +95,14 @@ def profile(case: AttentionCase, repeats: int) -> dict:
     # both find the same data in cache); dense in its own loop, as its FP32 cache (25 MB at
     # 16K) would evict theirs
     fallback: dict[str, list[float]] = {}
-    with timed([(QuantizedStep, "_fallback")], fallback):
+    with timing_calls([(QuantizedStep, "_fallback")], fallback):
         runs = interleaved_timings({"certified": steps["certified"],
                                     "compiled": lambda: numba_step._step(*args)}, repeats)
     med = {name: statistics.median(t) for name, t in runs.items()}
     med["dense"] = statistics.median(timings(steps["dense"], repeats))
     med["fallback"] = statistics.median(fallback["QuantizedStep._fallback"])
     times = {f"{m.__name__}.{n}": [] for m, n, _ in KERNELS}
-    with timed([(m, n) for m, n, _ in KERNELS], times):
+    with timing_calls([(m, n) for m, n, _ in KERNELS], times):
         timings(lambda: numba_step._step.py_func(*args), repeats)
     calls = {name: len(t) // (repeats + 2) for name, t in times.items()}  # 2 warm-up calls
     kernels = {name: statistics.median(t) if t else 0.0 for name, t in times.items()}

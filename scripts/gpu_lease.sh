@@ -4,7 +4,8 @@
 # decode with CUDA graphs (T_ATTN_EAGER > 0 adds attention with the segments left eager, which
 # compiles nothing; T_BATCH > 0 the batched decode at 8K, batches of 1 and 4), each step under
 # its own time limit (0 skips it) so one slow step cannot starve the rest. Results: one
-# archive, $OUT/gpu.tar.gz (the tool brings back at most 8 files), and $OUT/summary.txt. The machine is offline: hydra, omegaconf, antlr4 and gguf travel as wheels.
+# archive, $OUT/gpu.tar.gz (the tool brings back at most 8 files), and $OUT/summary.txt. The
+# machine is offline: hydra, omegaconf, antlr4 and gguf travel as wheels.
 #   device run, carry [".whl"]:  bash scripts/gpu_lease.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,7 +31,8 @@ $PY -c "import wandb" 2>/dev/null || SKIP+=(--ignore=tests/test_hygiene.py)
 $PY -c "import lm_eval" 2>/dev/null || SKIP+=(--ignore=tests/integrations/test_lm_eval.py)
 # -v: each test's outcome as it finishes, so a step cut by its limit still says which passed;
 # the files no lease has finished yet go first (GPU_FIRST; the 2026-11-28 lease ran out there)
-GPU_FIRST=${GPU_FIRST:-"tests/test_attention_batch.py tests/test_faults.py tests/test_tiers_contract.py tests/evict/test_summary.py"}
+GPU_FIRST=${GPU_FIRST:-"tests/test_attention_batch.py tests/test_faults.py \
+tests/test_tiers_contract.py tests/evict/test_summary.py"}
 step ${T_TESTS:-190} gpu_tests $PY -m pytest -m gpu -p no:cacheprovider -n 8 --dist load \
   --timeout 170 --durations=25 -v -rfE "${SKIP[@]}" $GPU_FIRST tests
 step ${T_LAUNCH:-70} launches $PY -m certkv.cli bench launches --out "$R" --force

@@ -206,13 +206,6 @@ def attention_notes(records: list[dict], peak_gbps: float | None = None) -> list
     return spread_warnings(records) + (target_lines(records, None) if peak_gbps is None else [])
 
 
-def attention_table(records: list[dict], peak_gbps: float | None = None,
-                    copy_gbps: float | None = None) -> list[str]:
-    """The report's markdown body for ``bench attention``."""
-    return markdown(attention_tables(records, peak_gbps, copy_gbps),
-                    attention_notes(records, peak_gbps))
-
-
 def target_table(records: list[dict], peak_gbps: float | None) -> Table | None:
     """The #4 targets (GPU, N >= 32K): Phase 2 <= 0.75x dense at >= 60% of peak bandwidth;
     whole step at 64K <= 1.5x dense with the checks <= 5% of it. None without a known peak."""

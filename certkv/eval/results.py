@@ -36,10 +36,10 @@ def pack(path: Path) -> int:
     records: no name or time in the header), for committed runs, whose certificate records
     compress about three-fold; every reader of runs reads either. Returns the bytes saved."""
     data = path.read_bytes()
-    text = gzip.compress(data, compresslevel=9, mtime=0)
-    write_atomic(packed(path), text)
+    gz = gzip.compress(data, compresslevel=9, mtime=0)
+    write_atomic(packed(path), gz)
     os.remove(path)
-    return len(data) - len(text)
+    return len(data) - len(gz)
 
 
 class RunDir:
