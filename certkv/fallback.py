@@ -65,12 +65,20 @@ class Fallback:
         kernel's own rounding chain there and a step with non-finite ``q`` or appended K/V gets
         ``e_arith = inf`` (an invalid certificate; ``step.cert.e_final``, from the certificate
         segment: :func:`~certkv.certify.step_certify.device_arith`, arith item 7) and is
-        remembered for :meth:`synchronize`."""
+        remembered for :meth:`synchronize`. Where Phase 2's merge computed the certificate
+        (``step.pending``), the same launch decides the rungs first (rung 4, flags, returned
+        bounds, ``e_final``) and returns the output in ``q``'s dtype."""
         hq = q.shape[0]
+        seen = self._nonfinite_flags(q.device)  # in place: replays accumulate
+        if step.pending is not None:  # the rungs first, in the same launch
+            certified, finished = step.pending
+            out = self.backend.dense_flagged(q, None, store, step.out.contiguous(), scaling,
+                                             finish=(certified, finished, seen))
+            return out, finished.e_final
         bad = step.flags[hq:]
         out = self.backend.dense_flagged(q, step.flags[:hq], store, step.out.contiguous(),
                                          scaling)  # written in place: the pass's own output
-        self._nonfinite_flags(bad.device).logical_or_(bad)  # in place: replays accumulate
+        seen.logical_or_(bad)
         return out.to(q.dtype), step.cert.e_final
 
     def _nonfinite_flags(self, device: torch.device) -> torch.Tensor:

@@ -58,6 +58,7 @@ class _Step(NamedTuple):
     on_device: bool  # rungs 3-4 (and page-in where the backend can) without a host read
     pager: Callable  # plan [2, Hkv, n] -> PagedIn
     timer: PhaseTimer
+    in_phase2: bool = False  # the certificate in Phase 2's merge, the rungs in the fallback
 
 
 class QuantizedStep(Fallback):
@@ -102,6 +103,7 @@ class QuantizedStep(Fallback):
             with timer.phase("phase1"):  # INT8 logits, block log-masses, Delta_b (eq. 8)
                 scored = self.backend.phase1(qg, lay, scaling)
             scored, e_drop = self._drop_evicted(step, scored)
+            step = step._replace(in_phase2=on_device and e_drop is None)
             result, boost, dense_heads = self._passes(step, scored, e_drop, tolerant)
         with timer.phase("fallback"):
             if on_device:
@@ -180,10 +182,22 @@ class QuantizedStep(Fallback):
         l8 = scored.log_mass.reshape(hq, -1)
         checks = CheckInputs(l8, sel.delta_b, sel.promoted, lay.quantized, lad.r) \
             if certified and (lad.ranking_check or lad.boundary_check) else None
-        with timer.phase("phase2"):
+        spec = self._arith_spec(q, store, step.scaling, lay, step.on_device)
+        inputs = CertifyInputs(  # Phase 2's fields (None) follow it
+            l8=l8, l16=None, rho=None, spread=None, out=None, log_p=sel.log_p,
+            delta_b=sel.delta_b, delta=sel.delta, delta_chan=sel.delta_chan, v_max=sel.v_max,
+            v_rad=sel.v_rad, q_norm=sel.q_norm, promoted=sel.promoted, exact=sel.exact,
+            expanded=sel.expanded, value_kv=sel.value_kv, eta=lay.eta,
+            value_spec=lay.value_spec, key_spec=lay.key_spec, ranking=None, boundary=None,
+            canary_blocks=None, q=q, kv_bad=store.nonfinite_appended(),
+            key_abs_max=store.key_abs_max(), eta_max_kv=store.value_error_max(), kv_of=kv_of,
+            v_max_kv=store.value_norm_max() if step.on_device else None)
+        with timer.phase("phase2"):  # with the certificate in its merge where the backend can
             gate = sel.promoted.reshape(hkv, hq // hkv, -1)
+            extra = {"certify": self._certify_request(inputs, spec, lay)} \
+                if step.in_phase2 and self.backend.certifies_in_phase2(lay) else {}
             att = self.backend.phase2(step.qg, scored, lay, gate, (paged.keys, paged.values),
-                                      step.scaling, lad.eps_guard, checks)
+                                      step.scaling, lad.eps_guard, checks, **extra)
 
         # Ranking and boundary checks (eq. 17-18): Phase 2's epilogue, or one small call.
         l16 = att.log_mass.reshape(hq, -1)
@@ -191,25 +205,24 @@ class QuantizedStep(Fallback):
             ranking, boundary = self._rank_checks(checks, l16, att)
 
         # Certificate (eq. 15, Cor. 4.2), canary and rungs 3-4 (flags read by the caller).
-        with timer.phase("certificate"):
-            spec = self._arith_spec(q, store, step.scaling, lay, step.on_device)
-            out = att.out.reshape(hq, -1)
-            inputs = CertifyInputs(
-                l8=l8, l16=l16, rho=att.rho.reshape(hq, -1), spread=_spread(att).reshape(hq, -1),
-                out=out, log_p=sel.log_p, delta_b=sel.delta_b, delta=sel.delta,
-                delta_chan=sel.delta_chan, v_max=sel.v_max, v_rad=sel.v_rad,
-                q_norm=sel.q_norm, promoted=sel.promoted, exact=sel.exact,
-                expanded=sel.expanded, value_kv=sel.value_kv, eta=lay.eta,
-                value_spec=lay.value_spec, key_spec=lay.key_spec, ranking=ranking,
-                boundary=boundary, canary_blocks=att.canary, q=q,
-                kv_bad=store.nonfinite_appended(), key_abs_max=store.key_abs_max(),
-                eta_max_kv=store.value_error_max(), kv_of=kv_of,
-                v_max_kv=store.value_norm_max() if step.on_device else None)
-            cert = self._certify(inputs, spec, lay, step.on_device)
+        out = att.out.reshape(hq, -1)
+        inputs = inputs._replace(l16=l16, rho=att.rho.reshape(hq, -1),
+                                 spread=_spread(att).reshape(hq, -1), out=out, ranking=ranking,
+                                 boundary=boundary, canary_blocks=att.canary)
+        pending = None
+        if att.certified is not None:  # rungs left to the fallback kernel
+            from certkv.kernels.triton_certify import outputs
+
+            cert, finished = outputs(att.certified)
+            pending = (att.certified, finished)
+        else:
+            with timer.phase("certificate"):
+                cert = self._certify(inputs, spec, lay, step.on_device)
         blocks = BlockStats(inputs.rho, lay.eta, sel.delta_b, sel.v_rad, lay.quantized)
         mend = self._mend(step, checks, l16, sel, boundary) if force is None else None
         return StepPass(out, spec, cert, sel.delta, ranking, boundary, blocks,
-                        lay.num_quantized, paged.promotions, paged.paged_evicted, mend)
+                        lay.num_quantized, paged.promotions, paged.paged_evicted, mend,
+                        pending=pending)
 
     def _mend(self, step: _Step, checks: CheckInputs | None, l16, sel: Selection, boundary):
         """What targeted page-in needs where it applies (certified, the boundary check on, a
@@ -241,6 +254,20 @@ class QuantizedStep(Fallback):
         if self._fused_select(q.device, draw, boost, step.on_device, force):
             return fused_select.select(self.selector, self.ladder, self.value_policy, inputs)
         return self._segment("_select_step", q.device)(inputs)
+
+    def _certify_request(self, inputs: CertifyInputs, spec, lay: StepLayout):
+        """What Phase 2's merge needs to compute the certificate on the device path
+        (:class:`~certkv.kernels.triton_certify.CertifyRequest`): the inputs, the step's
+        scalars and weights at the layout's coefficients, the rungs' settings."""
+        from certkv.kernels.triton_certify import CertifyRequest, scalars
+
+        lad, device = self.ladder, inputs.q.device
+        coef = step_coefficients(spec, lay.num_blocks, _counted_tokens(lay, True), device)
+        par = scalars(spec, coef, float(self.selector.mass_inflation), device)
+        hq = inputs.q.shape[0]
+        return CertifyRequest(inputs, par, coef.weights, self.mode == "certified", lad.canary,
+                              max(1.0, lad.layer_dense_fraction * hq),
+                              int(lad.ranking_check) | 2 * int(lad.boundary_check))
 
     def _certify(self, inputs: CertifyInputs, spec, lay: StepLayout, on_device: bool):
         """The certificate segment at this step's coefficients: fused CPU loop nests, or the

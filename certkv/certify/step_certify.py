@@ -175,6 +175,9 @@ class StepPass:
     mend: tuple | None = None
     targeted: int = 0  # new (kv head, block) pairs it read whole
     mended: int = 0  # heads whose boundary check held after it
+    # a certificate computed in Phase 2's merge, whose rungs (``cert.rung``, ``flags``,
+    # ``returned``, ``e_final``) the device fallback writes: (what the merge wrote, where)
+    pending: tuple | None = None
 
     @property
     def flags(self) -> torch.Tensor:
@@ -207,6 +210,8 @@ class StepPass:
         """The step's certificate once the fallback chose ``e_arith`` (dense heads' own)."""
         c = self.cert
         e_key, e_val = c.returned
+        if boost is None and self.pending is not None:  # zeros the fallback kernel wrote
+            boost = self.pending[1].tol_level
         return Certificate(
             candidate_e_key=c.e_key, candidate_e_val=c.e_val, e_key=e_key, e_val=e_val,
             e_arith=e_arith, delta=self.delta, tail_mass=c.tail_mass, k_star=c.k_star,

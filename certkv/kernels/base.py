@@ -31,7 +31,7 @@ class Backend(ABC):
     def phase2(self, q, scored, lay, gate, staged, scaling, eps_guard, checks=None):
         """Attention over the blocks (``Attended``; eqs. 12-14), FP16 keys where ``gate``;
         ``staged``: the paged-in FP16 ``(keys, values)``, each staged blocks, a slot map or
-        None."""
+        None. A backend whose :meth:`certifies_in_phase2` says so also takes ``certify=``."""
 
     @abstractmethod
     def checks(self, l_int8, l_fp16, delta_b, promoted, quantized, r):
@@ -64,6 +64,13 @@ class Backend(ABC):
         """Whether the phases take a tail block with no token (a padded layout, graphs)."""
         return False
 
+    def certifies_in_phase2(self, lay) -> bool:
+        """Whether :meth:`phase2` takes ``certify=`` (a
+        :class:`~certkv.kernels.triton_certify.CertifyRequest`) and computes the certificate in
+        its merge, leaving the rungs to :meth:`dense_flagged` (``finish=``): a device step
+        without the certificate segment."""
+        return False
+
     def fuses_step(self, device: torch.device) -> bool:
         """Whether a whole default step on ``device`` can run as one fused call
         (:mod:`certkv.kernels.numba_step`)."""
@@ -82,8 +89,9 @@ class Backend(ABC):
         backend does not (the caller gathers the originals for :meth:`dense`)."""
         return None
 
-    def dense_flagged(self, q, flags, store, out, scaling):
-        """Dense attention written into the rows of ``out`` whose ``flags`` are set."""
+    def dense_flagged(self, q, flags, store, out, scaling, finish=None):
+        """Dense attention written into the rows of ``out`` whose ``flags`` are set (with
+        ``finish``: the rungs of a certificate from :meth:`phase2` decided first)."""
         raise NotImplementedError(f"the {self.name} backend has no device fallback")
 
     def fallback_rounding(self, store):

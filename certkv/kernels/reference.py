@@ -138,6 +138,7 @@ class Attended:
     spread: torch.Tensor | None = None
     ranking: torch.Tensor | None = None  # [Hq] eq. 17, where Phase 2 checked it
     boundary: torch.Tensor | None = None  # [Hq] eq. 18, likewise
+    certified: object = None  # the certificate, where Phase 2's merge computed it (Triton)
 
 
 def phase1(q: torch.Tensor, lay, scaling: float, scalar: torch.dtype = torch.float32) -> Scored:

@@ -32,6 +32,7 @@ import triton.language as tl
 
 from certkv.certify.arith import dot_chunk
 from certkv.kernels.reference import Attended, CheckInputs, Scored
+from certkv.kernels.triton_certify import CertifyRequest, certify_args, certify_head
 from certkv.kernels.triton_checks import check_head
 from certkv.kernels.triton_score import (
     blocks_per_program,
@@ -145,12 +146,19 @@ def _attend_kernel(s_ptr, q_ptr, kslot_ptr, kstaged_ptr, gate_ptr, delta_ptr,
 @triton.jit
 def _reduce_kernel(mb_ptr, lb_ptr, sb_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, rho_ptr, lm_ptr,
                    sp_ptr, l8_ptr, dt_ptr, prom_ptr, quant_ptr, rank_ptr, bound_ptr,
+                   logp_ptr, dch_ptr, exact_ptr, canb_ptr, vkv_ptr, s_vkv, eta_ptr, vspec_ptr,
+                   kspec_ptr, s_kv, delta_ptr, vmax_ptr, vrad_ptr, qnorm_ptr, q_ptr, kam_ptr,
+                   etamax_ptr, vmaxkv_ptr, par_ptr, w_ptr, expanded_ptr, res_ptr, resi_ptr,
+                   pre_ptr, canary_ptr,
                    n_blocks, n_splits, s_h, s_mh, s_ah, s_as, s_oh,
                    D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
-                   R: tl.constexpr, CHECKS: tl.constexpr):
+                   R: tl.constexpr, CHECKS: tl.constexpr, CERTIFY: tl.constexpr,
+                   G: tl.constexpr, CERTIFIED: tl.constexpr, CANARY: tl.constexpr,
+                   WANTED: tl.constexpr):
     """One program per query head merges its splits and writes its block masses, log-masses
     and spreads; with ``CHECKS``, then the ranking and boundary checks over those log-masses
-    (:func:`~certkv.kernels.triton_checks.check_head`)."""
+    (:func:`~certkv.kernels.triton_checks.check_head`); with ``CERTIFY``, then the head's
+    certificate (:func:`~certkv.kernels.triton_certify.certify_head`)."""
     h = tl.program_id(0)
     c = tl.arange(0, D)
     top = float("-inf")
@@ -169,7 +177,8 @@ def _reduce_kernel(mb_ptr, lb_ptr, sb_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, rho_p
         acc = tl.load(acc_ptr + h * s_ah + sp[:, None] * s_as + c[None, :],
                       mask=live[:, None], other=0.0)
         out += tl.sum(weight[:, None] * acc, axis=0)
-    tl.store(out_ptr + h * s_oh + c, out / total)
+    out = out / total
+    tl.store(out_ptr + h * s_oh + c, out)
     for start in range(0, n_blocks, BLOCK_N):
         b = start + tl.arange(0, BLOCK_N)
         live = b < n_blocks
@@ -180,18 +189,34 @@ def _reduce_kernel(mb_ptr, lb_ptr, sb_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, rho_p
         tl.store(rho_ptr + h * s_h + b, scale * lb / total, mask=live)
         tl.store(sp_ptr + h * s_h + b, scale * tl.sqrt_rn(sb) / total, mask=live)
         tl.store(lm_ptr + h * s_h + b, mb + log_or_minus_inf(lb), mask=live)
-    if CHECKS:  # the epilogue reads back the log-masses this program just wrote
+    ranking = True
+    boundary = True
+    if CHECKS or CERTIFY:  # the epilogues read back what this program just wrote
         tl.debug_barrier()
-        check_head(l8_ptr, lm_ptr, dt_ptr, prom_ptr, quant_ptr, rank_ptr, bound_ptr, h,
-                   n_blocks, s_h, R, BLOCK_N)
+    if CHECKS:
+        ranking, boundary = check_head(l8_ptr, lm_ptr, dt_ptr, prom_ptr, quant_ptr, rank_ptr,
+                                       bound_ptr, h, n_blocks, s_h, R, BLOCK_N)
+        if (WANTED & 1) == 0:  # a check the ladder leaves off passes
+            ranking = True
+        if (WANTED & 2) == 0:
+            boundary = True
+    if CERTIFY:
+        certify_head(h, n_blocks, s_h, l8_ptr, lm_ptr, rho_ptr, sp_ptr, logp_ptr, dt_ptr,
+                     dch_ptr, prom_ptr, exact_ptr, canb_ptr, vkv_ptr, s_vkv, eta_ptr, vspec_ptr,
+                     kspec_ptr, s_kv, delta_ptr, vmax_ptr, vrad_ptr, qnorm_ptr, q_ptr,
+                     kam_ptr, etamax_ptr, vmaxkv_ptr, par_ptr, w_ptr, out, ranking, boundary,
+                     expanded_ptr, res_ptr, resi_ptr, pre_ptr, canary_ptr, G, D, BLOCK_N,
+                     CERTIFIED, CANARY)
 
 
-def reduce_splits(m_b, l_b, m, lsum, acc, l2_b=None, checks: CheckInputs | None = None
-                  ) -> Attended:
+def reduce_splits(m_b, l_b, m, lsum, acc, l2_b=None, checks: CheckInputs | None = None,
+                  certify: CertifyRequest | None = None) -> Attended:
     """Merge per-split online-softmax states by log-sum-exp (one kernel); block masses
     ``rho_b = e^{m_b - top} l_b / total``, log-masses ``m_b + log l_b`` and spreads
     ``||p_b||_2 = e^{m_b - top} sqrt(l2_b) / total``; given ``checks``, the ranking and
-    boundary flags (eq. 17-18) in the same launch.
+    boundary flags (eq. 17-18) in the same launch; given ``certify``, the certificate too
+    (``Attended.certified``, :mod:`~certkv.kernels.triton_certify`; its ``canary_blocks``
+    Phase 2's, already written).
 
     Shapes: ``m_b, l_b, l2_b [Hkv, G, n]`` (``l2_b`` None: spreads of one-token blocks);
     ``m, lsum [Hkv, G, S]``; ``acc [Hkv, G, S, d]``; FP32.
@@ -206,24 +231,39 @@ def reduce_splits(m_b, l_b, m, lsum, acc, l2_b=None, checks: CheckInputs | None 
     out = torch.empty(hq, d, device=m.device)
     rho, log_mass, spread = (torch.empty_like(m_b) for _ in range(3))
     flags = torch.empty(2, hq, dtype=torch.bool, device=m.device)
-    if checks is None:  # valid pointers the kernel never reads
-        inputs, r = (m_b, m_b, flags, flags), 1
-    else:
-        inputs = tuple(x.contiguous() for x in (checks.l_int8.float(), checks.delta_b.float(),
-                                                checks.promoted, checks.quantized))
-        assert all(x.stride(0) == m_b.stride(0) for x in inputs[:3])
-        r = checks.r
+    inputs, r = _check_args(checks, certify, m_b, flags)
+    cert, certified = certify_args(certify, m_b, out)
     _reduce_kernel[(hq,)](m_b, l_b, l2_b, m, lsum, acc, out, rho, log_mass, spread,
-                          *inputs, flags[0], flags[1], n, n_splits,
+                          *inputs, flags[0], flags[1], *cert, n, n_splits,
                           m_b.stride(0), m.stride(0), acc.stride(0), acc.stride(1),
                           out.stride(0), D=d,
                           BLOCK_S=min(64, triton.next_power_of_2(n_splits)),
                           BLOCK_N=min(1024, triton.next_power_of_2(n)), R=r,
-                          CHECKS=checks is not None)
+                          CHECKS=checks is not None, CERTIFY=certify is not None, G=g,
+                          CERTIFIED=bool(certify and certify.certified),
+                          CANARY=bool(certify and certify.canary),
+                          WANTED=certify.wanted if certify else 3)
     return Attended(out=out.reshape(hkv, g, d), rho=rho.reshape(hkv, g, n),
                     log_mass=log_mass.reshape(hkv, g, n), spread=spread.reshape(hkv, g, n),
                     ranking=None if checks is None else flags[0],
-                    boundary=None if checks is None else flags[1])
+                    boundary=None if checks is None else flags[1],
+                    certified=certified or None)
+
+
+def _check_args(checks: CheckInputs | None, certify: CertifyRequest | None, m_b, flags):
+    """The merge's ``l8, delta_b, promoted [Hq, n], quantized [n]`` and ``r``: the checks', else
+    the certificate's (it reads the first three), else valid pointers the kernel never reads."""
+    if checks is not None:
+        inputs, r = (checks.l_int8.float(), checks.delta_b.float(), checks.promoted,
+                     checks.quantized), checks.r
+    elif certify is not None:
+        x = certify.x
+        inputs, r = (x.l8, x.delta_b, x.promoted, flags[0]), 1
+    else:
+        return (m_b, m_b, flags, flags), 1
+    inputs = tuple(x.contiguous() for x in inputs)  # the masks are read as bool
+    assert all(x.stride(0) == m_b.stride(0) for x in inputs[:3])
+    return inputs, r
 
 
 class FP16Slots(NamedTuple):
@@ -239,7 +279,8 @@ class FP16Slots(NamedTuple):
 
 def attend_blocks(scored: Scored, q: torch.Tensor, gate: torch.Tensor, sources: list,
                   fp16: FP16Slots, scaling: float, eps_guard: float, *,
-                  split: int | None = None, checks: CheckInputs | None = None) -> Attended:
+                  split: int | None = None, checks: CheckInputs | None = None,
+                  certify: CertifyRequest | None = None) -> Attended:
     """Phase 2 over ``n`` blocks given as :class:`~certkv.kernels.triton_sources.BlockSource`
     launches of value codes (one per precision, the last carrying the exact tail block: see
     :func:`~certkv.kernels.triton_sources.launches`), merged in one
@@ -252,8 +293,11 @@ def attend_blocks(scored: Scored, q: torch.Tensor, gate: torch.Tensor, sources: 
             originals ``(k, v)`` as ``[R, B, d]`` row views (strides only: Tier-2 is read in
             place, pinned host memory on CUDA), or None where no slot is ``<= -2``.
         checks: the ranking and boundary checks' inputs, run in the merge's epilogue, or None.
+        certify: the certificate's inputs, computed in the merge's epilogue after the checks
+            (:mod:`~certkv.kernels.triton_certify`), or None.
     Returns:
-        :class:`Attended` with the canary violations of the gated blocks (and the checks).
+        :class:`Attended` with the canary violations of the gated blocks (and the checks, and
+        the certificate).
     """
     scores = scored.scores.contiguous()
     hkv, g, n, _ = scores.shape
@@ -279,7 +323,9 @@ def attend_blocks(scored: Scored, q: torch.Tensor, gate: torch.Tensor, sources: 
               (m_b, l_b, l2_b, canary), (m, lsum, acc))
     for (src, tail, live, walked), base in zip(plan, bases, strict=False):
         _launch_attend(src, tail, (live, walked), base, shared, scaling, eps_guard, split)
-    att = reduce_splits(m_b, l_b, m, lsum, acc, l2_b, checks)
+    if certify is not None:  # the certificate reads this step's canary
+        certify = certify._replace(x=certify.x._replace(canary_blocks=canary))
+    att = reduce_splits(m_b, l_b, m, lsum, acc, l2_b, checks, certify)
     att.canary = canary
     return att
 

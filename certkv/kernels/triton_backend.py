@@ -88,11 +88,12 @@ class TritonBackend(Backend):
         return Scored(scores=s, log_mass=log_mass, delta_b=delta, log_spread=log_spread)
 
     def phase2(self, q, scored: Scored, lay: StepLayout, gate, staged, scaling, eps_guard,
-               checks: CheckInputs | None = None) -> Attended:
+               checks: CheckInputs | None = None, *, certify=None) -> Attended:
         """Phase 2, one split-KV kernel per precision (the last carrying the tail block) and
         one merge: gated FP16-key logits (and the canary) on staged key blocks, value codes
         unpacked in registers, staged FP16 values (value promotion) and exact blocks read in
-        place; the ranking and boundary checks (``checks``) in the merge's epilogue."""
+        place; the ranking and boundary checks (``checks``) and the certificate (``certify``,
+        a :class:`~certkv.kernels.triton_certify.CertifyRequest`) in the merge's epilogue."""
         sources = self._sources(lay, "value")
         if sources is None:
             return self.reference.phase2(q, scored, lay, gate, staged, scaling, eps_guard,
@@ -108,7 +109,7 @@ class TritonBackend(Backend):
             tier2 = lay.store.original_rows()[:2] if lay.num_completed else None
         fp16 = FP16Slots(key_slot, key_data, value_slot, value_data, tier2)
         return attend_blocks(scored, q, gate, sources, fp16, scaling, eps_guard,
-                             split=self.split, checks=checks)
+                             split=self.split, checks=checks, certify=certify)
 
     def decoded_mirror(self, device: torch.device) -> bool | str:
         """The reference's (:meth:`TorchBackend.decoded_mirror`): it runs every phase the
@@ -123,6 +124,11 @@ class TritonBackend(Backend):
     def pages_in_on_device(self, lay: StepLayout) -> bool:
         """Whether Phase 2 runs the kernels for this store (so that it can read slot maps the
         host never saw, :class:`SlotMap`); the reference needs the page-in on the host."""
+        return lay.kernel_sources("value") is not None
+
+    def certifies_in_phase2(self, lay: StepLayout) -> bool:
+        """Whether Phase 2 runs the kernels for this store: its merge then computes the
+        certificate (:mod:`~certkv.kernels.triton_certify`)."""
         return lay.kernel_sources("value") is not None
 
     def takes_empty_tail(self, lay: StepLayout) -> bool:
@@ -140,14 +146,16 @@ class TritonBackend(Backend):
     def dense(self, q, k, v, scaling):
         return dense_attention(q, k, v, scaling)
 
-    def dense_flagged(self, q, flags, store, out, scaling):
+    def dense_flagged(self, q, flags, store, out, scaling, finish=None):
         """Rungs 3-4 from the device's flags (no host read): dense attention on the FP16
         originals (Tier-2 in place, the tail block on the device) written into the rows of
-        ``out [Hq, d]`` (FP32) whose ``flags [Hq]`` are set."""
+        ``out [Hq, d]`` (FP32) whose ``flags [Hq]`` are set; with ``finish``, the rungs of a
+        certificate Phase 2's merge computed decided first, in the same launch
+        (:func:`~certkv.kernels.triton_fallback.dense_flagged`)."""
         from certkv.kernels.triton_fallback import dense_flagged
 
         return dense_flagged(q, flags, store.originals(), store.tail_buffers(),
-                             store.block_counts(), out, scaling)
+                             store.block_counts(), out, scaling, finish)
 
     def fallback_rounding(self, store) -> Rounding:
         """The rounding chain of :meth:`dense_flagged` (arith item 4)."""

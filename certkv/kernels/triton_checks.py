@@ -47,8 +47,8 @@ def _checks_kernel(l8_ptr, l16_ptr, delta_ptr, prom_ptr, quant_ptr, rank_ptr, bo
 @triton.jit
 def check_head(l8_ptr, l16_ptr, delta_ptr, prom_ptr, quant_ptr, rank_ptr, bound_ptr, h, n,
                s_h, R: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Eq. 17 and 18 of query head ``h`` (row ``h * s_h`` of the ``[Hq, n]`` inputs); also
-    the epilogue of Phase 2's merge (:mod:`certkv.kernels.triton_attend`)."""
+    """Eq. 17 and 18 of query head ``h`` (row ``h * s_h`` of the ``[Hq, n]`` inputs), stored
+    and returned; also the epilogue of Phase 2's merge (:mod:`certkv.kernels.triton_attend`)."""
     row = h * s_h
     upper = float("-inf")  # max over INT8 tail blocks of l8 + Delta_b (eq. 18)
     for start in range(0, n, BLOCK_N):
@@ -69,8 +69,10 @@ def check_head(l8_ptr, l16_ptr, delta_ptr, prom_ptr, quant_ptr, rank_ptr, bound_
         p16_v, p16_i = _next_ranked(l16_ptr, prom_ptr, row, n, p16_v, p16_i, BLOCK_N)
         ranking = ranking & (p8_i == p16_i)  # both n (no r-th block) also agree
     threshold = tl.where(p16_i < n, p16_v, float("-inf"))  # r-th FP16 log-mass, if any
+    boundary = upper <= threshold
     tl.store(rank_ptr + h, ranking.to(tl.int8))
-    tl.store(bound_ptr + h, (upper <= threshold).to(tl.int8))
+    tl.store(bound_ptr + h, boundary.to(tl.int8))
+    return ranking, boundary
 
 
 def ranking_and_boundary(l_int8: torch.Tensor, l_fp16: torch.Tensor, delta_b: torch.Tensor,

@@ -61,18 +61,87 @@ def _online_block(qs, f, k, v, live, m, den, acc, scaling):
 
 
 @triton.jit
-def _dense_flagged_kernel(q_ptr, flag_ptr, k2_ptr, v2_ptr, tk_ptr, tv_ptr, out_ptr,
+def _to_bf16(x):
+    """FP32 ``x`` rounded to the nearest BF16, ties to even, NaN kept (as ``torch``'s cast):
+    on the bits, since the interpreter's own conversion truncates."""
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    rounded = tl.where(x != x, (bits | 0x400000) >> 16, rounded)
+    return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def finish_group(kv, group, hq, pre_ptr, canary_ptr, kvbad_ptr, res_ptr, rung_ptr, flag_ptr,
+                 ret_ptr, final_ptr, tol_ptr, seen_ptr, least, GP: tl.constexpr, HP: tl.constexpr,
+                 CERTIFIED: tl.constexpr):
+    """Kv head ``kv``'s rungs (see the module) from every head's rung before rung 4 and canary
+    (``pre, canary``, :func:`certify_head`); writes its heads' ``rung`` (int64), ``flags``
+    (and, program 0, the two non-finite flags after them and into ``seen [2]``, or-ed),
+    returned E_key, E_val ``ret [2, Hq]``, final E_arith and tolerance level (0). Returns its
+    heads' flags ``[GP]``."""
+    every = tl.arange(0, HP)
+    member = every < hq
+    pre = tl.load(pre_ptr + every, mask=member, other=0)
+    dense = tl.sum((member & (pre >= 3)).to(tl.int32), axis=0)
+    ok = tl.min(tl.where(member, tl.load(canary_ptr + every, mask=member, other=1), 1)
+                .to(tl.int32), axis=0) != 0
+    q_bad = tl.max(tl.load(pre_ptr + hq + every, mask=member, other=0), axis=0) != 0
+    kv_bad = tl.load(kvbad_ptr) != 0
+    layer = False
+    if CERTIFIED:
+        layer = (~ok) | (dense.to(tl.float32) >= least)
+    g = tl.arange(0, GP)
+    heads = kv * group + g
+    mine = g < group
+    rung = tl.load(pre_ptr + heads, mask=mine, other=0)
+    rung = tl.where(layer, 4, rung)
+    flagged = rung >= 3
+    e_key = tl.load(res_ptr + heads, mask=mine, other=0.0)
+    e_val = tl.load(res_ptr + hq + heads, mask=mine, other=0.0)
+    e_arith = tl.load(res_ptr + 2 * hq + heads, mask=mine, other=0.0)
+    e_dense = tl.load(res_ptr + 6 * hq + heads, mask=mine, other=0.0)
+    final = tl.where(flagged, e_dense, e_arith)
+    final = tl.where(q_bad | kv_bad, float("inf"), final)
+    tl.store(rung_ptr + heads, rung.to(tl.int64), mask=mine)
+    tl.store(flag_ptr + heads, flagged.to(tl.int8), mask=mine)
+    tl.store(ret_ptr + heads, tl.where(flagged, 0.0, e_key), mask=mine)
+    tl.store(ret_ptr + hq + heads, tl.where(flagged, 0.0, e_val), mask=mine)
+    tl.store(final_ptr + heads, final, mask=mine)
+    tl.store(tol_ptr + heads, tl.zeros((GP,), tl.int64), mask=mine)
+    if kv == 0:
+        tl.store(flag_ptr + hq, q_bad.to(tl.int8))
+        tl.store(flag_ptr + hq + 1, kv_bad.to(tl.int8))
+        seen_q = tl.load(seen_ptr) != 0
+        seen_kv = tl.load(seen_ptr + 1) != 0
+        tl.store(seen_ptr, (seen_q | q_bad).to(tl.int8))
+        tl.store(seen_ptr + 1, (seen_kv | kv_bad).to(tl.int8))
+    return flagged & mine
+
+
+
+@triton.jit
+def _dense_flagged_kernel(q_ptr, flag_ptr, k2_ptr, v2_ptr, tk_ptr, tv_ptr, out_ptr, outq_ptr,
                           counts_ptr, group, scaling,
                           s2_h, s2_b, s2_t, st_h, st_t,
-                          B: tl.constexpr, D: tl.constexpr, GP: tl.constexpr):
+                          pre_ptr, canary_ptr, kvbad_ptr, res_ptr, rung_ptr, ret_ptr,
+                          final_ptr, tol_ptr, seen_ptr, hq, least,
+                          B: tl.constexpr, D: tl.constexpr, GP: tl.constexpr,
+                          FINISH: tl.constexpr, HP: tl.constexpr, CERTIFIED: tl.constexpr,
+                          BF16: tl.constexpr):
     kv = tl.program_id(0).to(tl.int64)  # offsets past 2^31 elements at long contexts
     g = tl.arange(0, GP)
     dim = tl.arange(0, D)
     heads = kv * group + g
     member = g < group
-    flagged = tl.load(flag_ptr + heads, mask=member, other=0) != 0
+    if FINISH:  # the rungs first: the flags come from them
+        flagged = finish_group(kv, group, hq, pre_ptr, canary_ptr, kvbad_ptr, res_ptr, rung_ptr,
+                               flag_ptr, ret_ptr, final_ptr, tol_ptr, seen_ptr, least, GP, HP,
+                               CERTIFIED)
+    else:
+        flagged = tl.load(flag_ptr + heads, mask=member, other=0) != 0
+    rows = heads[:, None] * D + dim[None, :]
     if tl.max(flagged.to(tl.int32), axis=0) != 0:
-        q = tl.load(q_ptr + heads[:, None] * D + dim[None, :], mask=member[:, None], other=0.0)
+        q = tl.load(q_ptr + rows, mask=member[:, None], other=0.0).to(tl.float32)
         f = _prescale(q)
         qs = q / f[:, None]
         m = tl.full((GP,), float("-inf"), tl.float32)
@@ -91,18 +160,28 @@ def _dense_flagged_kernel(q_ptr, flag_ptr, k2_ptr, v2_ptr, tk_ptr, tv_ptr, out_p
         v = tl.load(tv_ptr + base, mask=live[:, None], other=0.0).to(tl.float32)
         m, den, acc = _online_block(qs, f, k, v, live, m, den, acc, scaling)
         out = acc / den[:, None]
-        tl.store(out_ptr + heads[:, None] * D + dim[None, :], out,
-                 mask=(member & flagged)[:, None])
+        tl.store(out_ptr + rows, out, mask=(member & flagged)[:, None])
+    if FINISH:  # every row of the group in the caller's dtype (round to nearest)
+        tl.debug_barrier()
+        rows_out = tl.load(out_ptr + rows, mask=member[:, None], other=0.0)
+        if BF16:
+            rows_out = _to_bf16(rows_out)
+        tl.store(outq_ptr + rows, rows_out.to(outq_ptr.dtype.element_ty),
+                 mask=member[:, None])
 
 
-def dense_flagged(q: torch.Tensor, flags: torch.Tensor, originals: dict,
+def dense_flagged(q: torch.Tensor, flags: torch.Tensor | None, originals: dict,
                   tail: tuple[torch.Tensor, torch.Tensor], counts: torch.Tensor,
-                  out: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Write dense attention into the rows of ``out`` whose ``flags`` are set.
+                  out: torch.Tensor, scaling: float, finish=None) -> torch.Tensor:
+    """Write dense attention into the rows of ``out`` whose ``flags`` are set; with ``finish``
+    (``(Certified, Finished, seen)``: what Phase 2's merge computed of the certificate, where its
+    rungs go, the attention's non-finite flags ``seen [2]`` to or into), the flags are the rungs
+    :func:`finish_group` decides first, and the output comes back in ``q``'s dtype.
 
     Args:
         q: ``[Hq, D]`` queries (any float dtype up to FP32), on the device.
-        flags: bool ``[Hq]`` on the device: the heads to recompute (rungs 3-4).
+        flags: bool ``[Hq]`` on the device: the heads to recompute (rungs 3-4); with
+            ``finish``, None (``Finished.flags`` is written).
         originals: ``{"k", "v"}: [Hkv, capacity, B, D]`` FP16 completed blocks, in Tier-2 (host
             memory, pinned on CUDA) or Tier-1 (a lossless store); empty before the first.
         tail: ``(k, v)``, each ``[Hkv, B, D]`` FP16 tail buffers on the device.
@@ -110,7 +189,7 @@ def dense_flagged(q: torch.Tensor, flags: torch.Tensor, originals: dict,
             rows of the tail buffers are live (the store's
             :meth:`~certkv.cache.store.TieredKVStore.block_counts`).
         out: ``[Hq, D]`` FP32 on the device, written in place for flagged heads.
-    Returns ``out``. One launch; no host read.
+    Returns ``out`` (with ``finish``: in ``q``'s dtype). One launch; no host read.
     """
     hq, d = q.shape
     tail_k, tail_v = tail
@@ -123,9 +202,19 @@ def dense_flagged(q: torch.Tensor, flags: torch.Tensor, originals: dict,
     assert tail_k.stride(-1) == 1 and tail_k.stride() == tail_v.stride()
     assert out.dtype == torch.float32 and out.is_contiguous()
     group = hq // hkv
+    out_q = out if finish is None or q.dtype == torch.float32 else torch.empty_like(q)
+    if finish is None:
+        fin, least, certified = (flags,) * 2 + (out,) * 6 + (flags,), 0.0, False
+    else:
+        c, result, seen = finish
+        fin = (c.pre, c.canary, c.kv_bad, c.res, result.rung, result.returned, result.e_final,
+               result.tol_level, seen)
+        flags, least, certified = result.flags, c.least, c.certified
     _dense_flagged_kernel[(hkv,)](
-        q.float().contiguous(), flags.contiguous(), k2, v2, tail_k, tail_v, out,
+        q.contiguous(), flags, k2, v2, tail_k, tail_v, out, out_q,
         counts, group, float(scaling),
         k2.stride(0), k2.stride(1), k2.stride(2), tail_k.stride(0), tail_k.stride(1),
-        B=block, D=d, GP=triton.next_power_of_2(group))
-    return out
+        *fin, hq, float(least),
+        B=block, D=d, GP=triton.next_power_of_2(group), FINISH=finish is not None,
+        HP=triton.next_power_of_2(hq), CERTIFIED=certified, BF16=out_q.dtype == torch.bfloat16)
+    return out_q

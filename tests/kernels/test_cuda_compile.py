@@ -38,7 +38,7 @@ def quantizers():
 def certified_steps():
     """Steps over every quantizer: 16 blocks and a one-token tail (an integer argument equal
     to 1 is a constant to the JIT), scratch page-in, some heads on rungs 3-4 (r=3); a naive
-    step; the fused quantize-on-append kernel."""
+    step; a BF16 query; the fused quantize-on-append kernel."""
     k, v = make_kv(2, 16 * 16 + 1, 32, seed=3, outlier_channels=2)
     q = make_query(k, 3, seed=3, scale=4.0, peaked=True)
     for quantizer in quantizers():
@@ -47,6 +47,7 @@ def certified_steps():
         attn = CertifiedAttention(backend="triton", ladder=Ladder(r=3))
         attn(q, store, scratch=ScratchCache(8, 8))
     CertifiedAttention(backend="triton", mode="naive")(q, store)
+    CertifiedAttention(backend="triton")(q.bfloat16(), store)  # the output rounded to BF16
     TieredKVStore(2, 32, value_group=8, fused_encode=True).append(k, v)
 
 

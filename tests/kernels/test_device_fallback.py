@@ -118,7 +118,8 @@ def decode(attn, store, q, steps, scratch, seed=0):
 
 @pytest.mark.parametrize("capacity", [None, 0, 3, 40])
 def test_paging_in_on_the_device_equals_the_host_page_in(capacity):
-    """Same FP16 blocks, same order of reads: identical outputs and key and value terms, and
+    """Same FP16 blocks, same order of reads: identical outputs, key and value terms equal up to
+    the segment's FP32 rounding, and
     the same scratch hits and misses as the host-side LRU (blocks without a free slot count as
     misses in both; 40 holds every block), over steps that grow the store across a block
     boundary (12 blocks and a tail of 13 tokens: the third token appended completes block 13)."""
@@ -126,8 +127,8 @@ def test_paging_in_on_the_device_equals_the_host_page_in(capacity):
     for device_fallback in (True, False):
         store, q = layer(205, seed=3, peaked=False)
         scratch = None if capacity is None else ScratchCache(capacity, capacity)
-        # compile=False: both certificates from the same PyTorch segment (the device path's
-        # final e_arith has no fused CPU twin), so they compare bit for bit
+        # the device path's certificate comes from Phase 2's merge (FP64, rounded once), the
+        # host path's from the PyTorch segment (FP32): equal up to the segment's rounding
         attn = CertifiedAttention(backend="triton", device_fallback=device_fallback,
                                   compile=False)
         runs.append((decode(attn, store, q, 6, scratch), scratch))
@@ -138,7 +139,8 @@ def test_paging_in_on_the_device_equals_the_host_page_in(capacity):
         fast = cert_h.rung < 3
         assert torch.equal(out_d[fast], out_h[fast])
         for name in ("e_key", "e_val"):
-            assert torch.equal(getattr(cert_d, name)[fast], getattr(cert_h, name)[fast])
+            torch.testing.assert_close(getattr(cert_d, name)[fast], getattr(cert_h, name)[fast],
+                                       rtol=1e-5, atol=0)
         # the device path's arithmetic coefficients count the layout's n B token slots (a
         # captured step replays them as the tail fills): never below the host path's
         e_d, e_h = cert_d.e_arith[fast], cert_h.e_arith[fast]
