@@ -239,7 +239,8 @@ class QuantizedStep(Fallback):
 
     def _selection(self, step: _Step, scored, kv_of, boost, force=None) -> Selection:
         """The selection segment's inputs from Phase 1 and the layout, then the segment: one
-        fused CPU loop nest where it covers the step, else the PyTorch (compiled) segment."""
+        fused CPU loop nest where it covers the step, the backend's kernels on a device step
+        (:meth:`~certkv.kernels.base.Backend.select`), else the PyTorch (compiled) segment."""
         lay, q = step.lay, step.q
         certified = self.mode == "certified"
         draw = self.ladder.exploration_draw((q.shape[0], lay.quantized.numel()), q.device) \
@@ -253,6 +254,11 @@ class QuantizedStep(Fallback):
             scaling=step.scaling, boost=boost, force=force)  # on the device n_q changes in place
         if self._fused_select(q.device, draw, boost, step.on_device, force):
             return fused_select.select(self.selector, self.ladder, self.value_policy, inputs)
+        if step.in_phase2 and certified and fused_select.covers(
+                self.selector, self.ladder, self.value_policy, draw, boost, force):
+            chosen = self.backend.select(self.selector, self.ladder, self.value_policy, inputs)
+            if chosen is not None:  # the backend's kernels
+                return chosen
         return self._segment("_select_step", q.device)(inputs)
 
     def _certify_request(self, inputs: CertifyInputs, spec, lay: StepLayout):

@@ -64,6 +64,12 @@ class Backend(ABC):
         """Whether the phases take a tail block with no token (a padded layout, graphs)."""
         return False
 
+    def select(self, selector, ladder, value_policy, x):
+        """The default policy's selection (:func:`certkv.certify.fused_select.covers`) in this
+        backend's kernels (:class:`~certkv.certify.segment.Selection`), or None where it has
+        none for this step (the caller runs the selection segment)."""
+        return None
+
     def certifies_in_phase2(self, lay) -> bool:
         """Whether :meth:`phase2` takes ``certify=`` (a
         :class:`~certkv.kernels.triton_certify.CertifyRequest`) and computes the certificate in

@@ -126,6 +126,15 @@ class TritonBackend(Backend):
         host never saw, :class:`SlotMap`); the reference needs the page-in on the host."""
         return lay.kernel_sources("value") is not None
 
+    def select(self, selector, ladder, value_policy, x):
+        """The default policy's selection in one launch on a device step
+        (:mod:`~certkv.kernels.triton_select`); None for a host ``n_q`` (the host path)."""
+        if not isinstance(x.n_q, torch.Tensor):
+            return None
+        from certkv.kernels.triton_select import select
+
+        return select(selector, ladder, value_policy, x)
+
     def certifies_in_phase2(self, lay: StepLayout) -> bool:
         """Whether Phase 2 runs the kernels for this store: its merge then computes the
         certificate (:mod:`~certkv.kernels.triton_certify`)."""

@@ -1,5 +1,6 @@
-"""Selection by the PyTorch operators and by the fused CPU loop nest on one scenario of the
-contract test, compared (test_fused_select.py, test_fused_cpu.py)."""
+"""Selection by the PyTorch operators and by the fused CPU loop nest (or the Triton kernel) on
+one scenario of the contract test, compared (test_fused_select.py, test_fused_cpu.py,
+kernels/test_triton_select.py)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ DEFAULT = {"union": False, "value_policy": "local", "exploration": 0.0, "mode": 
            "tail_mass": "tight"}
 
 
-def both(sc):
-    """The selection of the scenario's first step by the operators and fused, with the
-    attention object, the layout and the Phase-1 scores."""
+def both(sc, select=None):
+    """The selection of the scenario's first step by the operators and fused (``select``: a
+    function like :func:`fused_select.select`, the default; its ``n_q`` a 0-d tensor when
+    ``select`` is given, as on the device path), with the attention object, the layout and the
+    Phase-1 scores."""
     store, q, attn = build({**sc, **DEFAULT})
     lay = StepLayout(store)
     hkv = store.num_kv_heads
@@ -31,7 +34,11 @@ def both(sc):
         v_max_kv=lay.v_max, v_rad_kv=lay.v_radius, kv_of=kv_of, draw=None,
         n_q=lay.num_quantized, scaling=scaling)
     operators = attn._select_step(inputs)
-    fused = fused_select.select(attn.selector, attn.ladder, attn.value_policy, inputs)
+    if select is None:
+        select = fused_select.select
+    else:
+        inputs = inputs._replace(n_q=lay.quantized_count)
+    fused = select(attn.selector, attn.ladder, attn.value_policy, inputs)
     return attn, lay, scored, operators, fused
 
 
@@ -53,11 +60,11 @@ def covered(sc) -> bool:
     return all(sc.get(key) == value for key, value in DEFAULT.items())
 
 
-def check_selections(sc) -> bool:
+def check_selections(sc, select=None) -> bool:
     """Assert that the scenario's selection by the operators and fused agree up to FP32
     rounding, and return whether every decision is the same (False: a coverage, expansion or
     value threshold fell within that rounding, so the two steps go on with different sets)."""
-    attn, lay, scored, ops, fused = both(sc)
+    attn, lay, scored, ops, fused = both(sc, select)
     names = ("log_p", "delta_b", "delta", "delta_chan", "v_max", "v_rad", "q_norm", "promoted",
              "expanded", "value_kv", "plan", "exact")
     o, f = dict(zip(names, ops, strict=True)), dict(zip(names, fused, strict=True))

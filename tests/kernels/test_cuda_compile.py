@@ -56,7 +56,7 @@ def test_every_launch_of_a_certified_step_compiles_for_cuda():
     with recording_launches() as launches:
         certified_steps()
     kernels = {x.name for x in launches}
-    assert {"_score_kernel", "_attend_kernel", "_reduce_kernel", "_checks_kernel",
+    assert {"_score_kernel", "_select_kernel", "_attend_kernel", "_reduce_kernel", "_checks_kernel",
             "_dense_flagged_kernel", "_fill_kernel", "_quantize_kernel",
             "_ecc_decode_kernel"} <= kernels, kernels
     failures = compile_for_cuda(launches)

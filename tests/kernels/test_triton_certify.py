@@ -17,7 +17,6 @@ from certkv.cache.scratch import ScratchCache
 from certkv.certify.ladder import Ladder
 from certkv.config import CONF_DIR
 from certkv.eval.runner import build
-from certkv.opcount import count_step
 from certkv.quant.rope import RopeSpec
 
 QUANTIZERS = sorted(p.stem for p in (CONF_DIR / "quantizer").glob("*.yaml"))
@@ -111,16 +110,3 @@ def test_every_quantizer_certifies_alike_in_the_merge(name, quantizer):
     got, want = both(q, store, ScratchCache(8, 8), ladder=Ladder(r=3))
     assert_same_certificate(got, want)
     check_heads(*got, q, store)
-
-
-def test_the_device_step_has_no_certificate_segment_and_no_eager_launch():
-    """The certificate in the merge and the rungs in the fallback kernel: 5 Triton launches
-    (Phase 1, the scratch fill, Phase 2, the merge, the fallback) and the two selection
-    segments, no eager operator, no host read (the segment path: 3 segments, 2 eager)."""
-    store, q = layer(300, seed=0, d=64, group=2)
-    attn, scratch = CertifiedAttention(backend="triton", compile=False), ScratchCache(4, 4)
-    attn(q, store, scratch=scratch)
-    counts = count_step(lambda: attn(q, store, scratch=scratch), attn)
-    assert "certificate" not in counts["by_phase"]
-    assert (counts["kernels"], counts["segments"], counts["eager_launches"],
-            counts["host_reads"]) == (5, 2, 0, 0)

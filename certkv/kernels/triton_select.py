@@ -1,0 +1,192 @@
+"""The selection in Triton (issue 55): paper 3.3's key set, rung 1, the value promotions (rung
+2) and the page-in plan of a device step in one launch, for the default policy.
+
+:func:`certkv.certify.step_select.select_step` states the selection as about 80 PyTorch
+operators (a compiled segment on CUDA); :mod:`certkv.certify.fused_select` computes the same
+for the default policy (``AdaptiveTopK`` by mass without the KV-group union, the tight tail
+mass, no ``e_key_tol``, exploration, boost or forced blocks, ``LocalThreshold`` values) as a
+numba loop nest, and :func:`select` here as one Triton program per kv head, walking its ``G``
+query heads: the log-sum-exp and the log-masses, the tightened ``Delta_b``, the blocks in
+promotion order (one sort of keys that pack the mass's bits above the block index, so that
+ties keep index order as the reference's stable sort), ``K*`` by coverage from the sorted
+masses' running sums, rung 1 on the tight tail mass, the value promotions, each head's
+radii, and per kv head the plan (FP16 keys any head promoted, FP16 values any head asked
+for). The whole row of ``n`` blocks is one tile (``n`` up to 2^20).
+
+Sums and log-sum-exps are FP64 rounded once, as :mod:`~certkv.certify.fused_select` takes
+them; a choice can differ from the operators' only where coverage or rung 1's threshold
+falls within their FP32 rounding, and every choice is certified alike.
+``tests/kernels/test_triton_select.py`` holds it to the segment.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from certkv.certify.segment import SelectInputs, Selection
+from certkv.kernels.triton_certify import _nmax, _nmin
+
+_INDEX_BITS = 21  # block index bits under a sort key's mass bits (2M blocks per head)
+
+
+@triton.jit
+def _lse(x, live):
+    """``logsumexp`` of the FP64 tile ``x`` over ``live`` (``-inf`` if none, NaN with NaN)."""
+    top = tl.max(tl.where(live, x, float("-inf")), axis=0) + tl.sum(
+        tl.where(live & (x != x), x, 0.0), axis=0)
+    shift = tl.where(tl.abs(top) == float("inf"), 0.0, top)
+    return tl.log(tl.sum(tl.where(live, tl.exp(x - shift), 0.0), axis=0)) + shift
+
+
+@triton.jit
+def _top(keys, sorted_keys, pos, k):
+    """Whether each block's sort key is among the ``k`` largest (keys are distinct)."""
+    lowest = -9223372036854775807 - 1
+    threshold = tl.max(tl.where(pos == k - 1, sorted_keys, lowest), axis=0)
+    return (k > 0) & (keys >= threshold)
+
+
+@triton.jit
+def _select_kernel(l8_ptr, dch_ptr, lsp_ptr, q_ptr, quant_ptr, eta_ptr, vspec_ptr, kerr_ptr,
+                   s_kv, vmax_ptr, vrad_ptr, nq_ptr, par_ptr, logp_ptr, db_ptr, delta_ptr,
+                   prom_ptr, expd_ptr, qn_ptr, radii_ptr, plan_ptr, exact_ptr, n,
+                   G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                   K_MIN: tl.constexpr, K_MAX: tl.constexpr, CAP: tl.constexpr,
+                   EXPAND: tl.constexpr, FACTOR_INT: tl.constexpr, TIGHT: tl.constexpr,
+                   INDEX_BITS: tl.constexpr):
+    kv = tl.program_id(0)
+    hq = tl.num_programs(0) * G
+    b = tl.arange(0, BLOCK_N)
+    live = b < n
+    c = tl.arange(0, D)
+    quantized = live & (tl.load(quant_ptr + b, mask=live, other=0) != 0)
+    eta = tl.load(eta_ptr + kv * s_kv + b, mask=live, other=0.0)
+    vspec = tl.load(vspec_ptr + kv * s_kv + b, mask=live, other=0.0)
+    kerr = tl.load(kerr_ptr + kv * s_kv + b, mask=live, other=0.0)
+    scaling = tl.load(par_ptr + 0)
+    tau_cov = tl.load(par_ptr + 1)
+    factor = tl.load(par_ptr + 2)
+    v_tol = tl.load(par_ptr + 3).to(tl.float32)
+    n_q = tl.load(nq_ptr).to(tl.int32)
+    k_cap = tl.minimum(n_q, K_MAX)
+    cap = tl.minimum(n_q, CAP)
+    v_max = tl.load(vmax_ptr + kv)
+    v_rad = _nmin(tl.load(vrad_ptr + kv), v_max)
+    want_k = b < 0  # all False: FP16 keys / values any head of the group asks for
+    want_v = b < 0
+    for g in tl.static_range(G):
+        h = kv * G + g
+        row = h * n
+        l8 = tl.load(l8_ptr + row + b, mask=live, other=0.0)
+        q = tl.load(q_ptr + h * D + c).to(tl.float64)
+        q_norm = tl.sqrt(tl.sum(q * q, axis=0)).to(tl.float32)
+        log_p = (l8.to(tl.float64) - _lse(l8.to(tl.float64), live)).to(tl.float32)
+        p = tl.exp(log_p)
+        dch = tl.load(dch_ptr + row + b, mask=live, other=0.0)
+        delta_b = _nmin(dch, scaling.to(tl.float32) * q_norm * kerr)
+        delta = tl.max(tl.where(live, delta_b, float("-inf")), axis=0) + tl.sum(
+            tl.where(live & (delta_b != delta_b), delta_b, 0.0), axis=0)
+        # promotion order: quantized blocks by mass descending (NaN first), then the rest,
+        # ties by index; K* by coverage from the sorted masses' running sums
+        bits = tl.where(p != p, 0x7FFFFFFF, p.to(tl.int32, bitcast=True))
+        prim = tl.where(quantized, bits, tl.where(live, -1, -2)).to(tl.int64)
+        keys = prim * (1 << INDEX_BITS) + ((1 << INDEX_BITS) - 1 - b)
+        ordered = tl.sort(keys, descending=True)
+        p_sorted = (ordered >> INDEX_BITS).to(tl.int32).to(tl.float32, bitcast=True)
+        p64 = tl.where(b < n_q, p_sorted.to(tl.float64), 0.0)  # quantized come first
+        p_all = tl.where(live, p.to(tl.float64), 0.0)
+        total = tl.sum(p_all, axis=0)
+        covered = tl.sum(tl.where(quantized, 0.0, p_all), axis=0)
+        target = tau_cov.to(tl.float32) * total.to(tl.float32)
+        before = covered + (tl.cumsum(p64, axis=0) - p64)  # covered before the j-th block
+        k = tl.sum(((b < n_q) & (before.to(tl.float32) < target)).to(tl.int32), axis=0)
+        k = tl.minimum(tl.maximum(k, K_MIN), k_cap)
+        # rung 1: min(1, e^{Delta_F} alpha_hat) above 1 - tau_cov widens the key set
+        tail = quantized & ~_top(keys, ordered, b, k)
+        d = tl.where(tail | ~live, 0.0, delta_b)
+        delta_f = tl.max(d, axis=0) + tl.sum(tl.where(d != d, d, 0.0), axis=0)
+        delta_f = _nmax(delta_f, 0.0)
+        log_bound = delta_f.to(tl.float64) + _lse(log_p.to(tl.float64), tail)
+        log_bound = tl.where((log_bound != log_bound) | (log_bound < 0.0), log_bound, 0.0)
+        k_new = k
+        if EXPAND:
+            if FACTOR_INT:
+                scaled = k * factor.to(tl.int32)
+            else:
+                scaled = tl.ceil(k.to(tl.float32) * factor.to(tl.float32)).to(tl.int32)
+            grown = tl.maximum(tl.minimum(tl.maximum(scaled, k + 1), cap), k)
+            k_new = tl.where(tl.exp(log_bound) > 1.0 - tau_cov, grown, k)
+        promoted = live & (~quantized | _top(keys, ordered, b, k_new))
+        # value promotion (rung 2): LocalThreshold's contribution, tight with the spread
+        contribution = p * eta
+        if TIGHT:
+            lsp = tl.load(lsp_ptr + row + b, mask=live, other=0.0)
+            spread = tl.exp(lsp - (l8 - log_p))
+            contribution = _nmin(contribution, spread * vspec)
+        value = live & (contribution > v_tol) & (eta > 0)
+        want_k = want_k | (promoted & quantized)
+        want_v = want_v | value
+        tl.store(logp_ptr + row + b, log_p, mask=live)
+        tl.store(db_ptr + row + b, delta_b, mask=live)
+        tl.store(prom_ptr + row + b, promoted.to(tl.int8), mask=live)
+        tl.store(delta_ptr + h, delta)
+        tl.store(expd_ptr + h, (k_new > k).to(tl.int8))
+        tl.store(qn_ptr + h, q_norm)
+        tl.store(radii_ptr + h, v_max)
+        tl.store(radii_ptr + hq + h, v_rad)
+    hkv = tl.num_programs(0)
+    tl.store(plan_ptr + kv * n + b, want_k.to(tl.int8), mask=live)
+    tl.store(plan_ptr + (hkv + kv) * n + b, want_v.to(tl.int8), mask=live)
+    if kv == 0:
+        tl.store(exact_ptr + b, (~quantized).to(tl.int8), mask=live)
+
+
+def select(selector, ladder, value_policy, x: SelectInputs) -> Selection:
+    """:func:`certkv.certify.step_select.select_step`'s
+    :class:`~certkv.certify.segment.Selection` for the default policy
+    (:func:`certkv.certify.fused_select.covers`) in one launch; ``x.n_q`` a host int or a 0-d
+    device tensor (the device path's, read by the kernel)."""
+    hkv, group, n = x.l8_kv.shape
+    hq, d = hkv * group, x.qg.shape[-1]
+    dev = x.l8_kv.device
+    lay = (x.eta, x.value_spec, x.key_err)
+    assert all(t.stride() == x.eta.stride() and t.stride(1) == 1 for t in lay)
+    n_q = x.n_q if isinstance(x.n_q, torch.Tensor) else torch.tensor(x.n_q, device=dev)
+    log_p, delta_b = (torch.empty(hq, n, device=dev) for _ in range(2))
+    promoted = torch.empty(hq, n, dtype=torch.bool, device=dev)
+    delta, q_norm = torch.empty(hq, device=dev), torch.empty(hq, device=dev)
+    expanded = torch.empty(hq, dtype=torch.bool, device=dev)
+    radii = torch.empty(2, hq, device=dev)
+    plan = torch.empty(2, hkv, n, dtype=torch.bool, device=dev)
+    exact = torch.empty(n, dtype=torch.bool, device=dev)
+    par = _scalars(float(x.scaling), float(selector.tau_cov), float(ladder.expand_factor),
+                   float(value_policy.v_tol), dev)
+    cap = 2 * selector.k_max if ladder.k_max is None else ladder.k_max
+    _select_kernel[(hkv,)](
+        x.l8_kv.contiguous(), x.delta_kv.contiguous(), x.log_spread_kv.contiguous(),
+        x.qg.contiguous(), x.quantized.contiguous(), *lay, x.eta.stride(0),
+        x.v_max_kv.contiguous(), x.v_rad_kv.contiguous(), n_q, par, log_p, delta_b, delta,
+        promoted, expanded, q_norm, radii, plan, exact, n,
+        G=group, D=d, BLOCK_N=triton.next_power_of_2(max(n, 1)), K_MIN=int(selector.k_min),
+        K_MAX=int(selector.k_max), CAP=int(cap), EXPAND=bool(ladder.expand),
+        FACTOR_INT=float(ladder.expand_factor) == int(ladder.expand_factor),
+        TIGHT=value_policy.contribution == "tight", INDEX_BITS=_INDEX_BITS)
+    return Selection(log_p, delta_b, delta, x.delta_kv.reshape(hq, n), radii[0], radii[1],
+                     q_norm.view(hkv, group), promoted, expanded, plan[1], plan, exact)
+
+
+_SCALARS: dict = {}
+
+
+def _scalars(scaling: float, tau_cov: float, factor: float, v_tol: float,
+             device: torch.device) -> torch.Tensor:
+    """The kernel's FP64 scalars on ``device``, one tensor per setting (a step replayed in a
+    graph copies nothing)."""
+    key = (scaling, tau_cov, factor, v_tol, device)
+    if key not in _SCALARS:
+        with torch.inference_mode(False):
+            _SCALARS[key] = torch.tensor([scaling, tau_cov, factor, v_tol],
+                                         dtype=torch.float64).to(device)
+    return _SCALARS[key]
