@@ -27,7 +27,6 @@ from typing import NamedTuple
 import torch
 
 from certkv.cache.appending import NONFINITE_KV
-from certkv.cache.device_scratch import slot_maps
 from certkv.cache.store import TieredKVStore
 from certkv.certify import fused_cpu, fused_select, targeted
 from certkv.certify.arith import U32, ArithSpec, as_tensors, step_coefficients
@@ -436,13 +435,9 @@ class QuantizedStep(Fallback):
             stage, record = partial(scratch.stage, store), partial(scratch.record, store)
         return lambda plan: stage_blocks(self.backend, lay, to_host(plan), stage, record)
 
-    _slot_maps = staticmethod(slot_maps)  # device page-in with its LRU bookkeeping, a segment
-
     def _page_in_on_device(self, scratch, lay, plan) -> PagedIn:
-        """:func:`~certkv.kernels.page_in.on_device` with this attention's compiled slot-map
-        segment and its empty pool."""
-        return on_device(self._segment("_slot_maps", lay.store.device), scratch, lay, plan,
-                         self._no_pool(lay.store))
+        """:func:`~certkv.kernels.page_in.on_device` with this attention's empty pool."""
+        return on_device(scratch, lay, plan, self._no_pool(lay.store))
 
     def _no_pool(self, store) -> torch.Tensor:
         """A one-block FP16 pool for slot maps without slots (never read; cached)."""

@@ -39,10 +39,10 @@ ONE_CALL_4K_CEILING = 110
 # returned bounds moved into segments or kernels. Issue 24's target: at most 10 launches on
 # CUDA. Since (issue 55) the certificate is the merge's epilogue and the rungs, the non-finite
 # flags' OR, the output's cast and the tolerance levels are the fallback kernel's prologue and
-# epilogue, and the default policy's selection is one Triton launch: the certificate and
-# selection segments and both eager operators are gone (issue 55's target: at most 6 Triton
-# launches and nothing else; the scratch's slot maps, one segment, remain).
-DEVICE_STEP = {"host_reads": 0, "kernels": 6, "segments": 1, "eager_launches": 0}
+# epilogue, the default policy's selection is one Triton launch and the scratch's bookkeeping
+# and fill are one more: the three segments and both eager operators are gone (issue 55's
+# target: at most 6 Triton launches and nothing else).
+DEVICE_STEP = {"host_reads": 0, "kernels": 6, "segments": 0, "eager_launches": 0}
 
 
 def layer(n=512, hkv=2, d=64, group=2, seed=0, mirror=False):

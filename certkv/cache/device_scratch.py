@@ -4,7 +4,8 @@ The same cache as :class:`~certkv.cache.scratch.ScratchCache`'s host LRU (paper 
 key / value capacities, least recently used slot first, never a slot used this step), but the
 slot table, owners and use stamps are device tensors and every decision is a fixed-shape
 tensor operation: the host never reads which blocks a step wants. Misses are copied from
-Tier-2 by one kernel (:func:`~certkv.kernels.triton_pagein.fill_slots`); wanted blocks that find
+Tier-2 by the page-in kernel (:func:`~certkv.kernels.triton_lru.page_in`, which also keeps
+these tables as :func:`lru_step` states them); wanted blocks that find
 no free slot are read by Phase 2 from Tier-2 in place (slot ``-2 - row``). Hits, misses, direct
 reads and host-to-device bytes are device counters, read when :meth:`counts` is asked.
 """
@@ -77,7 +78,7 @@ class DeviceLRU:
         """The bookkeeping a step's :func:`lru_step` updates in place, sized first to ``n``
         block columns of ``store`` (its completed blocks by default; a padded layout's width,
         so that the tables keep their size while blocks complete), then fill the slots it took
-        with :func:`~certkv.kernels.triton_pagein.fill_slots`."""
+        (:func:`~certkv.kernels.triton_lru.page_in`)."""
         self._ensure(store, store.num_blocks if n is None else n)
         return LRUTables(self.stamp, self.owner, self.slot_of, self.clock, self.tally)
 

@@ -1,7 +1,8 @@
 """The scratch cache's device-side bookkeeping (issue 24) against the host LRU it mirrors:
 every wanted block is served with its FP16 original (from a slot or from Tier-2 in place), and
-hits and misses equal the host LRU's on random request sequences over a growing store. The
-fill kernel runs under TRITON_INTERPRET=1 here."""
+hits and misses equal the host LRU's on random request sequences over a growing store; the
+page-in kernel (issue 55) keeps the tables as the PyTorch statement of the LRU does. The
+kernels run under TRITON_INTERPRET=1 here."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 from certkv import TieredKVStore
 from certkv.cache.device_scratch import DeviceLRU, slot_maps
 from certkv.cache.scratch import ScratchStats, _LRUBlocks
+from certkv.kernels.triton_lru import page_in
 
 
 def served(lru: DeviceLRU, slot: torch.Tensor, tier2: torch.Tensor, h: int, b: int):
@@ -23,15 +25,49 @@ def served(lru: DeviceLRU, slot: torch.Tensor, tier2: torch.Tensor, h: int, b: i
 
 
 def page_in_keys(lru: DeviceLRU, store, want: torch.Tensor):
-    """One step's key page-in as the attention step runs it (:func:`slot_maps` on the LRU's
-    tables, updated in place, one fill launch): ``(slot map [Hkv, n], Tier-2 rows)``."""
-    from certkv.kernels.triton_pagein import fill_slots
-
-    k2, _, width = store.original_rows()
+    """One step's key page-in as the attention step runs it (one launch of
+    :func:`~certkv.kernels.triton_lru.page_in` on the LRU's tables, updated in place):
+    ``(slot map [Hkv, n], Tier-2 rows)``."""
+    k2, v2, width = store.original_rows()
     plan = torch.stack([want, torch.zeros_like(want)])
-    maps, _, (_, need, src), _ = slot_maps(plan, width, lru.tables(store, want.shape[1]), None)
-    fill_slots([(need, src, k2, lru.pool)])
+    tables = [lru.tables(store, want.shape[1]), None]
+    maps, wanted = page_in(plan, width, tables, [lru.pool, lru.pool], (k2, v2))
+    assert wanted.tolist() == [int(want.sum()), 0]
     return maps[0], k2
+
+
+@settings(max_examples=examples(25), deadline=None)
+@given(seed=st.integers(0, 10_000), capacity=st.integers(0, 12), hkv=st.integers(1, 3),
+       steps=st.integers(1, 6), density=st.floats(0.05, 0.9))
+def test_the_page_in_kernel_keeps_the_tables_as_lru_step_states_them(seed, capacity, hkv,
+                                                                     steps, density):
+    """The kernel against the PyTorch statement of the LRU (:func:`slot_maps`, the reference):
+    the same slot maps and the same tables (stamps, owners, slot table, clock, tallies; the
+    entries that absorb masked scatters aside) after every step, keys and values with
+    different capacities in one launch."""
+    gen = torch.Generator().manual_seed(seed)
+    k, v = make_kv(hkv, 40 + 16 * steps, 16, seed=seed)
+    store = TieredKVStore(hkv, 16, block_size=8, value_group=8)
+    store.append(k[:, :40], v[:, :40])
+    kernel = [DeviceLRU(capacity), DeviceLRU(capacity + 3)]
+    reference = [DeviceLRU(capacity), DeviceLRU(capacity + 3)]
+    for step in range(steps):
+        n = store.num_blocks
+        plan = torch.rand(2, hkv, n, generator=gen) < density
+        k2, v2, width = store.original_rows()
+        got, wanted = page_in(plan, width, [lru.tables(store, n) for lru in kernel],
+                              [lru.pool for lru in kernel], (k2, v2))
+        want, promotions, *_ = slot_maps(plan, width, *(lru.tables(store, n)
+                                                        for lru in reference))
+        assert torch.equal(got, want) and int(wanted[1]) == int(promotions), step
+        for a, b in zip(kernel, reference, strict=True):  # the dummy entries aside
+            (*tables_a, clock_a, tally_a), (*tables_b, clock_b, tally_b) = (
+                lru.tables(store, n) for lru in (a, b))
+            assert all(torch.equal(x[:-1], y[:-1]) for x, y in zip(tables_a, tables_b,
+                                                                    strict=True)), step
+            assert torch.equal(clock_a, clock_b) and torch.equal(tally_a, tally_b), step
+        start = 40 + 16 * step
+        store.append(k[:, start:start + 16], v[:, start:start + 16])
 
 
 @settings(max_examples=examples(25), deadline=None)
@@ -59,25 +95,6 @@ def test_device_lru_serves_every_block_and_counts_like_the_host_lru(seed, capaci
         assert (hits, misses + direct) == (stats.hits, stats.misses), step
         start = 40 + 16 * step  # grow across block boundaries between steps
         store.append(k[:, start:start + 16], v[:, start:start + 16])
-
-
-def test_one_launch_fills_key_and_value_pools_of_different_sizes():
-    """The fill kernel copies exactly the marked slots of both pools (3 and 7 slots), each from
-    its own Tier-2 rows, and leaves every other slot as it was."""
-    from certkv.kernels.triton_pagein import fill_slots
-
-    gen = torch.Generator().manual_seed(5)
-    tier2 = [torch.randn(12, 8, 16, generator=gen).half() for _ in range(2)]
-    pools = [torch.zeros(3, 8, 16, dtype=torch.float16), torch.zeros(7, 8, 16,
-                                                                     dtype=torch.float16)]
-    needs = [torch.tensor([1, 0, 1], dtype=torch.int8),
-             torch.tensor([0, 1, 1, 0, 0, 1, 1], dtype=torch.int8)]
-    srcs = [torch.randint(0, 12, (3,), generator=gen), torch.randint(0, 12, (7,), generator=gen)]
-    fill_slots(list(zip(needs, srcs, tier2, pools, strict=True)))
-    for need, src, rows, pool in zip(needs, srcs, tier2, pools, strict=True):
-        for s, marked in enumerate(need.tolist()):
-            expected = rows[src[s]] if marked else torch.zeros(8, 16, dtype=torch.float16)
-            assert torch.equal(pool[s], expected)
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])  # device and host bookkeeping

@@ -65,31 +65,3 @@ def test_a_growing_cache_under_inference_mode_compiles_each_segment_once():
             graphs.append(counters["stats"]["unique_graphs"])
     assert all(seg.compiled is not None for seg in attention._compiled.values())
     assert graphs == [graphs[0]] * len(graphs), graphs
-
-
-def test_the_device_scratch_bookkeeping_compiles_to_one_graph_and_matches_eager():
-    """The scratch cache's device LRU (issue 24) is a segment too (on CUDA ~70 small ops per
-    kind eagerly): one graph, dynamic shapes, the eager slot maps and counts over growing
-    stores and tables."""
-    from certkv.cache.scratch import ScratchCache
-
-    k, v = make_kv(2, 260, 32, seed=3, outlier_channels=2)
-    results = []
-    for compile in (False, "aot_eager"):
-        store = TieredKVStore(2, 32, value_group=8)
-        store.append(k[:, :100], v[:, :100])
-        attention = CertifiedAttention(backend="triton", compile=compile)
-        scratch = ScratchCache(6, 6)
-        steps = []
-        for step, end in enumerate([100, 117, 141, 190, 260]):
-            store.append(k[:, store.num_tokens:end], v[:, store.num_tokens:end]) \
-                if end > store.num_tokens else None
-            steps.append(attention(make_query(k[:, :end], 3, seed=step, scale=3.0), store,
-                                   scratch=scratch))
-        results.append((steps, scratch.stats, attention))
-    (eager, eager_stats, _), (compiled, compiled_stats, attention) = results
-    for (a, ca), (b, cb) in zip(eager, compiled, strict=True):
-        assert torch.equal(a, b) and torch.equal(ca.bound, cb.bound)
-    assert eager_stats == compiled_stats and eager_stats.hits > 0
-    segment = attention._compiled["_slot_maps", "aot_eager"]
-    assert segment.compiled is not None

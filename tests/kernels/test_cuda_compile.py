@@ -57,7 +57,7 @@ def test_every_launch_of_a_certified_step_compiles_for_cuda():
         certified_steps()
     kernels = {x.name for x in launches}
     assert {"_score_kernel", "_select_kernel", "_attend_kernel", "_reduce_kernel", "_checks_kernel",
-            "_dense_flagged_kernel", "_fill_kernel", "_quantize_kernel",
+            "_dense_flagged_kernel", "_page_in_kernel", "_quantize_kernel",
             "_ecc_decode_kernel"} <= kernels, kernels
     failures = compile_for_cuda(launches)
     assert failures == {}, "\n\n".join(f"{name}:\n{msg}" for name, msg in failures.items())
