@@ -114,10 +114,12 @@ def _dense_dtype(device: torch.device) -> torch.dtype:
 LAUNCH_METHODS = ("dense", "naive", "certified", "certified-host")
 LAUNCH_NOTES = [
     "Triton: kernel launches. seg: calls of the step's pure tensor segments (selection, page-in "
-    "bookkeeping, certificate), each one compiled graph on CUDA (several kernels). eager: aten "
-    "operators outside both that compute or copy (a launch each on CUDA; views and allocations "
-    "are not counted). Issue 24's target: at most 10 launches per certified layer step on "
-    "CUDA. dense: SDPA on the FP16 cache on CUDA, the overflow-proof FP32 reference on CPU."]
+    "bookkeeping, certificate where the kernels do not compute them: a naive step, other "
+    "policies), each one compiled graph on CUDA (several kernels). eager: aten operators "
+    "outside both that compute or copy (a launch each on CUDA; views and allocations are not "
+    "counted). Issue 55's target: at most 6 Triton launches and nothing else per certified "
+    "layer step. dense: SDPA on the FP16 cache on CUDA, the overflow-proof FP32 reference on "
+    "CPU."]
 
 
 def bench_launches_case(case: AttentionCase, device: torch.device,
