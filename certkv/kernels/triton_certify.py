@@ -248,7 +248,15 @@ def certify_head(h, n, s_h, l8_ptr, l16_ptr, rho_ptr, sp_ptr, logp_ptr, db_ptr, 
         n_val += tl.sum((live & fp16).to(tl.int32), axis=0)
         bad = tl.load(canb_ptr + row + b, mask=live, other=0) != 0
         violated += tl.sum(bad.to(tl.int32), axis=0)
-    # pass 2: the log-sum-exps U_T (tight, eq. 8's Delta_b), Z_F, alpha_hat
+    # item 1: S, eps, kappa (and the dense path's eps, with its prescaled query)
+    qh = tl.load(q_ptr + h * D + c).to(tl.float64)
+    kam = tl.load(kam_ptr + kv * D + c).to(tl.float64)
+    mag = tl.sum(tl.abs(qh) * kam, axis=0) * mag_factor
+    dh = tl.load(delta_ptr + h).to(tl.float64)
+    eps = eps_a * (mag + dh) + (eps_b * dh + eps_c)
+    kappa = kappa0 + lu * (mag + dh)
+    # pass 2: the log-sum-exps U_T (tight, eq. 8's Delta_b), Z_F, alpha_hat, and the per-block
+    # TV bound as returned and at the widened inputs (item 2)
     s_u = _shift(top_u)
     s_uc = _shift(top_uc)
     s_z = _shift(top_z)
@@ -257,6 +265,14 @@ def certify_head(h, n, s_h, l8_ptr, l16_ptr, rho_ptr, sp_ptr, logp_ptr, db_ptr, 
     sum_uc = sum_u
     sum_z = sum_u
     sum_a = sum_u
+    grow = tl.exp(2.0 * eps)
+    lam_h = scaling * tl.load(qnorm_ptr + h).to(tl.float64)
+    num0 = sum_u
+    kept0 = sum_u
+    top0 = tl.full([], float("-inf"), tl.float64)
+    num1 = sum_u
+    kept1 = sum_u
+    top1 = top0
     for start in range(0, n, BLOCK_N):
         b = start + tl.arange(0, BLOCK_N)
         live = b < n
@@ -272,37 +288,8 @@ def certify_head(h, n, s_h, l8_ptr, l16_ptr, rho_ptr, sp_ptr, logp_ptr, db_ptr, 
         sum_uc += tl.sum(tl.where(tail, tl.exp(l8 + dch - s_uc), 0.0), axis=0)
         sum_z += tl.sum(tl.where(live & prom, tl.exp(l16 - s_z), 0.0), axis=0)
         sum_a += tl.sum(tl.where(tail, tl.exp(lp - s_a), 0.0), axis=0)
-    log_u = tl.log(sum_u) + s_u
-    log_u_chan = tl.log(sum_uc) + s_uc
-    log_z = tl.log(sum_z) + s_z
-    log_alpha = tl.log(sum_a) + s_a
-    cap = tl.where(log_u == float("-inf"), log_u, log_u - log_z)
-    cap_chan = tl.where(log_u_chan == float("-inf"), log_u_chan, log_u_chan - log_z)
-    # item 1: S, eps, kappa (and the dense path's eps, with its prescaled query)
-    qh = tl.load(q_ptr + h * D + c).to(tl.float64)
-    kam = tl.load(kam_ptr + kv * D + c).to(tl.float64)
-    mag = tl.sum(tl.abs(qh) * kam, axis=0) * mag_factor
-    dh = tl.load(delta_ptr + h).to(tl.float64)
-    eps = eps_a * (mag + dh) + (eps_b * dh + eps_c)
-    kappa = kappa0 + lu * (mag + dh)
-    # pass 3: the per-block TV bound as returned and at the widened inputs (item 2)
-    grow = tl.exp(2.0 * eps)
-    lam_h = scaling * tl.load(qnorm_ptr + h).to(tl.float64)
-    num0 = tl.full([], 0.0, tl.float64)
-    kept0 = num0
-    top0 = tl.full([], float("-inf"), tl.float64)
-    num1 = num0
-    kept1 = num0
-    top1 = top0
-    for start in range(0, n, BLOCK_N):
-        b = start + tl.arange(0, BLOCK_N)
-        live = b < n
-        prom = tl.load(prom_ptr + row + b, mask=live, other=0) != 0
-        exact = tl.load(exact_ptr + b, mask=live, other=0) != 0
-        tail = live & ~(prom | exact)
         rho = tl.load(rho_ptr + row + b, mask=live, other=0.0).to(tl.float64)
         spread = tl.load(sp_ptr + row + b, mask=live, other=0.0).to(tl.float64)
-        db = tl.load(db_ptr + row + b, mask=live, other=0.0).to(tl.float64)
         lam = lam_h * tl.load(kspec_ptr + krow + b, mask=live, other=0.0).to(tl.float64)
         n0, k0, t0 = _tv_terms(rho, tl.where(tail, db, 0.0), lam, spread, live)
         rho_w = tiny * grow + rho * ((1.0 + rho_rel) * grow)
@@ -315,6 +302,12 @@ def certify_head(h, n, s_h, l8_ptr, l16_ptr, rho_ptr, sp_ptr, logp_ptr, db_ptr, 
         num1 += n1
         kept1 += k1
         top1 = _nmax(top1, t1)
+    log_u = tl.log(sum_u) + s_u
+    log_u_chan = tl.log(sum_uc) + s_uc
+    log_z = tl.log(sum_z) + s_z
+    log_alpha = tl.log(sum_a) + s_a
+    cap = tl.where(log_u == float("-inf"), log_u, log_u - log_z)
+    cap_chan = tl.where(log_u_chan == float("-inf"), log_u_chan, log_u_chan - log_z)
     tv_block = _tv_bound(num0, kept0, top0)
     tv_block_plus = _tv_bound(num1, kept1, top1)
     # E_key (eq. 15 with both caps): returned, the paper's form, widened (item 2)
