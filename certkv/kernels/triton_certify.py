@@ -160,6 +160,24 @@ def _shift(top):
 
 
 @triton.jit
+def _logit_tile(start, n, row, l8_ptr, l16_ptr, logp_ptr, db_ptr, dch_ptr, prom_ptr,
+                exact_ptr, BLOCK_N: tl.constexpr):
+    """Blocks ``start .. start + BLOCK_N`` of a head's row: indices, live, promoted, exact and
+    INT8 tail masks, and FP64 ``l8, l16, log_p, delta_b, delta_chan``."""
+    b = start + tl.arange(0, BLOCK_N)
+    live = b < n
+    prom = tl.load(prom_ptr + row + b, mask=live, other=0) != 0
+    exact = tl.load(exact_ptr + b, mask=live, other=0) != 0
+    tail = live & ~(prom | exact)
+    l8 = tl.load(l8_ptr + row + b, mask=live, other=0.0).to(tl.float64)
+    l16 = tl.load(l16_ptr + row + b, mask=live, other=0.0).to(tl.float64)
+    lp = tl.load(logp_ptr + row + b, mask=live, other=0.0).to(tl.float64)
+    db = tl.load(db_ptr + row + b, mask=live, other=0.0).to(tl.float64)
+    dch = tl.load(dch_ptr + row + b, mask=live, other=0.0).to(tl.float64)
+    return b, live, prom, exact, tail, l8, l16, lp, db, dch
+
+
+@triton.jit
 def certify_head(h, n, s_h, l8_ptr, l16_ptr, rho_ptr, sp_ptr, logp_ptr, db_ptr, dch_ptr,
                  prom_ptr, exact_ptr, canb_ptr, vkv_ptr, s_vkv, eta_ptr, vspec_ptr, kspec_ptr,
                  s_kv, delta_ptr, vmax_ptr, vrad_ptr, qnorm_ptr, q_ptr, kam_ptr, etamax_ptr,
@@ -216,16 +234,9 @@ def certify_head(h, n, s_h, l8_ptr, l16_ptr, rho_ptr, sp_ptr, logp_ptr, db_ptr, 
     k_star = 0
     violated = 0
     for start in range(0, n, BLOCK_N):
-        b = start + tl.arange(0, BLOCK_N)
-        live = b < n
-        prom = tl.load(prom_ptr + row + b, mask=live, other=0) != 0
-        exact = tl.load(exact_ptr + b, mask=live, other=0) != 0
-        tail = live & ~(prom | exact)
-        l8 = tl.load(l8_ptr + row + b, mask=live, other=0.0).to(tl.float64)
-        l16 = tl.load(l16_ptr + row + b, mask=live, other=0.0).to(tl.float64)
-        lp = tl.load(logp_ptr + row + b, mask=live, other=0.0).to(tl.float64)
-        db = tl.load(db_ptr + row + b, mask=live, other=0.0).to(tl.float64)
-        dch = tl.load(dch_ptr + row + b, mask=live, other=0.0).to(tl.float64)
+        b, live, prom, exact, tail, l8, l16, lp, db, dch = _logit_tile(
+            start, n, row, l8_ptr, l16_ptr, logp_ptr, db_ptr, dch_ptr, prom_ptr, exact_ptr,
+            BLOCK_N)
         top_u = _nmax(top_u, _lse_top(l8 + db, tail))
         top_uc = _nmax(top_uc, _lse_top(l8 + dch, tail))
         top_z = _nmax(top_z, _lse_top(l16, live & prom))
@@ -274,16 +285,9 @@ def certify_head(h, n, s_h, l8_ptr, l16_ptr, rho_ptr, sp_ptr, logp_ptr, db_ptr, 
     kept1 = sum_u
     top1 = top0
     for start in range(0, n, BLOCK_N):
-        b = start + tl.arange(0, BLOCK_N)
-        live = b < n
-        prom = tl.load(prom_ptr + row + b, mask=live, other=0) != 0
-        exact = tl.load(exact_ptr + b, mask=live, other=0) != 0
-        tail = live & ~(prom | exact)
-        l8 = tl.load(l8_ptr + row + b, mask=live, other=0.0).to(tl.float64)
-        l16 = tl.load(l16_ptr + row + b, mask=live, other=0.0).to(tl.float64)
-        lp = tl.load(logp_ptr + row + b, mask=live, other=0.0).to(tl.float64)
-        db = tl.load(db_ptr + row + b, mask=live, other=0.0).to(tl.float64)
-        dch = tl.load(dch_ptr + row + b, mask=live, other=0.0).to(tl.float64)
+        b, live, prom, exact, tail, l8, l16, lp, db, dch = _logit_tile(
+            start, n, row, l8_ptr, l16_ptr, logp_ptr, db_ptr, dch_ptr, prom_ptr, exact_ptr,
+            BLOCK_N)
         sum_u += tl.sum(tl.where(tail, tl.exp(l8 + db - s_u), 0.0), axis=0)
         sum_uc += tl.sum(tl.where(tail, tl.exp(l8 + dch - s_uc), 0.0), axis=0)
         sum_z += tl.sum(tl.where(live & prom, tl.exp(l16 - s_z), 0.0), axis=0)
