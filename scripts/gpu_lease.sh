@@ -30,8 +30,9 @@ SKIP=()
 $PY -c "import wandb" 2>/dev/null || SKIP+=(--ignore=tests/test_hygiene.py)
 $PY -c "import lm_eval" 2>/dev/null || SKIP+=(--ignore=tests/integrations/test_lm_eval.py)
 # -v: each test's outcome as it finishes, so a step cut by its limit still says which passed;
-# the files no lease has finished yet go first (GPU_FIRST; the 2026-11-28 lease ran out there)
-GPU_FIRST=${GPU_FIRST:-"tests/test_attention_batch.py tests/test_faults.py \
+# the files no lease has finished yet go first (GPU_FIRST): test_gpu.py's device steps now run
+# the selection, page-in, certificate and rung kernels (issue 55) that no GPU has run yet
+GPU_FIRST=${GPU_FIRST:-"tests/test_gpu.py tests/test_attention_batch.py tests/test_faults.py \
 tests/test_tiers_contract.py tests/evict/test_summary.py"}
 step ${T_TESTS:-190} gpu_tests $PY -m pytest -m gpu -p no:cacheprovider -n 8 --dist load \
   --timeout 170 --durations=25 -v -rfE "${SKIP[@]}" $GPU_FIRST tests
@@ -40,8 +41,8 @@ step ${T_ATTN_EAGER:-0} attention_eager $PY -m certkv.cli bench attention --cont
   --context 65536 --context 131072 --repeats 10 --compile off --out "$R/eager_segments" --force
 step ${T_ATTN:-120} attention $PY -m certkv.cli bench attention --context 32768 --context 65536 \
   --context 131072 --repeats 10 --out "$R" --force
-step ${T_DECODE:-130} decode_graphs $PY -m certkv.cli bench decode --model llama31_8b --context 8192 \
-  --context 32768 --context 65536 --repeats 3 --graphs on --out "$R/graphs" --force
+step ${T_DECODE:-130} decode_graphs $PY -m certkv.cli bench decode --model llama31_8b \
+  --context 8192 --context 32768 --context 65536 --repeats 3 --graphs on --out "$R/graphs" --force
 step ${T_BATCH:-0} decode_batch $PY -m certkv.cli bench decode --model llama31_8b --context 8192 \
   --batch 1,4 --repeats 3 --out "$R/batch" --force
 tar -czf "$OUT/gpu.tar.gz" -C "$OUT" bench
