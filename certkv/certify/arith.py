@@ -338,10 +338,10 @@ def step_coefficients(spec: ArithSpec, n_blocks: int, n_tokens: int,
         kappa=2 * chained + LOG_ULPS * U32 * (log_n + 1), rho_rel=omega_rho,
         spread_rel=omega_spread,
         dense_acc=spec.dense_rounding.accumulation(0, n_tokens, spec.dense_u),
-        weights=_memoised_tensor(weights, device))
+        weights=memoised_tensor(weights, device))
 
 
-def _memoised_tensor(values: list[float], device) -> torch.Tensor:
+def memoised_tensor(values: list[float], device) -> torch.Tensor:
     """FP64 ``values`` on ``device`` (one non-blocking copy) for a memoised result: made
     outside inference mode, so that steps in and outside it read the same kind of tensor (a
     compiled segment guards on it and would recompile for the other kind)."""
@@ -376,7 +376,7 @@ def composition_weights(spec: ArithSpec, val_rel: float, val_abs: float,
 def as_tensors(coef: StepCoefficients, device) -> StepCoefficients:
     """The scalar coefficients as FP64 0-d tensors on ``device`` (one non-blocking copy, made
     once per memoised ``coef``: a step captured in a graph makes no host-to-device copy)."""
-    packed = _memoised_tensor(list(coef[:-1]), device)
+    packed = memoised_tensor(list(coef[:-1]), device)
     with torch.inference_mode(False):
         return StepCoefficients(*packed.unbind(), weights=coef.weights)
 

@@ -49,12 +49,10 @@ from certkv.certify.arith import (
     gamma,
     logit_rounding_form,
     magnitude_factor,
+    memoised_tensor,
 )
+from certkv.certify.fused_cpu import CAST_LIMIT
 from certkv.certify.segment import CertifyInputs, CertifyOutputs
-
-#: Positions of the step's FP64 scalars in the ``par`` tensor (:func:`scalars`).
-N_PAR = 26
-_F64_TINY, _F64_MAX = 2.2250738585072014e-308, 1.7976931348623157e308
 
 
 @triton.jit
@@ -150,6 +148,8 @@ def _tv_bound(num, kept, top):
 
 @triton.jit
 def _lse_top(x, live):
+    """The largest of ``x`` over ``live`` (``-inf`` if none, NaN with NaN): a log-sum-exp's
+    top."""
     return _amax(tl.where(live, x, float("-inf")), 0)
 
 
@@ -372,17 +372,12 @@ def _round_up(x, up_rel, up_abs):
     return (x * (1.0 + up_rel) + up_abs).to(tl.float32)
 
 
-#: ``|x|`` from which a cast of FP32 ``x`` to the query's dtype overflows (as
-#: :data:`certkv.certify.fused_cpu.CAST_LIMIT`; FP32 keeps every finite output).
-_CAST_LIMIT = {torch.float16: 65520.0, torch.bfloat16: 2.0**128 - 2.0**119}
-
-
 @lru_cache(maxsize=64)
 def scalars(spec: ArithSpec, coef: StepCoefficients, exponent: float,
             device: torch.device) -> torch.Tensor:
-    """The certificate's FP64 scalars ``[N_PAR]`` on ``device``, in :func:`certify_head`'s
-    order (memoised per step setting, one copy each: a step replayed in a graph copies
-    nothing). ``coef``: the step's coefficients as host floats."""
+    """The certificate's FP64 scalars on ``device``, in :func:`certify_head`'s order (memoised
+    per step setting, one copy each: a step replayed in a graph copies nothing). ``coef``: the
+    step's coefficients as host floats."""
     d = spec.head_dim
     eps_a, eps_b, eps_c = logit_rounding_form(spec.rounding.logit_gamma(d), spec.scaling, d)
     dense_a, _, _ = logit_rounding_form(spec.dense_rounding.logit_gamma(d, spec.dense_u),
@@ -393,10 +388,8 @@ def scalars(spec: ArithSpec, coef: StepCoefficients, exponent: float,
               float(coef.kappa), float(coef.rho_rel), float(coef.spread_rel), gamma(d + 8),
               LOG_ULPS * U32, TINY, ROUND_UP_REL, ROUND_UP_ABS,
               dense_a, under, FP16_MAX, float(coef.dense_acc), cast_a, cast_b, 1 + 4 * U32,
-              _CAST_LIMIT.get(spec.out_dtype, math.inf), 0.0, 0.0, 0.0, 0.0]
-    assert len(values) == N_PAR
-    with torch.inference_mode(False):
-        return torch.tensor(values, dtype=torch.float64).to(device, non_blocking=True)
+              CAST_LIMIT.get(spec.out_dtype, math.inf)]
+    return memoised_tensor(values, device)
 
 
 class Certified(NamedTuple):

@@ -21,12 +21,15 @@ falls within their FP32 rounding, and every choice is certified alike.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 import triton
 import triton.language as tl
 
+from certkv.certify.arith import memoised_tensor
 from certkv.certify.segment import SelectInputs, Selection
-from certkv.kernels.triton_certify import _nmax, _nmin
+from certkv.kernels.triton_certify import _amax, _lse_top, _nmax, _nmin, _shift
 
 _INDEX_BITS = 21  # block index bits under a sort key's mass bits (2M blocks per head)
 
@@ -34,9 +37,7 @@ _INDEX_BITS = 21  # block index bits under a sort key's mass bits (2M blocks per
 @triton.jit
 def _lse(x, live):
     """``logsumexp`` of the FP64 tile ``x`` over ``live`` (``-inf`` if none, NaN with NaN)."""
-    top = tl.max(tl.where(live, x, float("-inf")), axis=0) + tl.sum(
-        tl.where(live & (x != x), x, 0.0), axis=0)
-    shift = tl.where(tl.abs(top) == float("inf"), 0.0, top)
+    shift = _shift(_lse_top(x, live))
     return tl.log(tl.sum(tl.where(live, tl.exp(x - shift), 0.0), axis=0)) + shift
 
 
@@ -86,8 +87,7 @@ def _select_kernel(l8_ptr, dch_ptr, lsp_ptr, q_ptr, quant_ptr, eta_ptr, vspec_pt
         p = tl.exp(log_p)
         dch = tl.load(dch_ptr + row + b, mask=live, other=0.0)
         delta_b = _nmin(dch, scaling.to(tl.float32) * q_norm * kerr)
-        delta = tl.max(tl.where(live, delta_b, float("-inf")), axis=0) + tl.sum(
-            tl.where(live & (delta_b != delta_b), delta_b, 0.0), axis=0)
+        delta = _lse_top(delta_b, live)  # the largest Delta_b, NaN with NaN
         # promotion order: quantized blocks by mass descending (NaN first), then the rest,
         # ties by index; K* by coverage from the sorted masses' running sums
         bits = tl.where(p != p, 0x7FFFFFFF, p.to(tl.int32, bitcast=True))
@@ -106,8 +106,7 @@ def _select_kernel(l8_ptr, dch_ptr, lsp_ptr, q_ptr, quant_ptr, eta_ptr, vspec_pt
         # rung 1: min(1, e^{Delta_F} alpha_hat) above 1 - tau_cov widens the key set
         tail = quantized & ~_top(keys, ordered, b, k)
         d = tl.where(tail | ~live, 0.0, delta_b)
-        delta_f = tl.max(d, axis=0) + tl.sum(tl.where(d != d, d, 0.0), axis=0)
-        delta_f = _nmax(delta_f, 0.0)
+        delta_f = _nmax(_amax(d, 0), 0.0)
         log_bound = delta_f.to(tl.float64) + _lse(log_p.to(tl.float64), tail)
         log_bound = tl.where((log_bound != log_bound) | (log_bound < 0.0), log_bound, 0.0)
         k_new = k
@@ -146,14 +145,13 @@ def _select_kernel(l8_ptr, dch_ptr, lsp_ptr, q_ptr, quant_ptr, eta_ptr, vspec_pt
 def select(selector, ladder, value_policy, x: SelectInputs) -> Selection:
     """:func:`certkv.certify.step_select.select_step`'s
     :class:`~certkv.certify.segment.Selection` for the default policy
-    (:func:`certkv.certify.fused_select.covers`) in one launch; ``x.n_q`` a host int or a 0-d
-    device tensor (the device path's, read by the kernel)."""
+    (:func:`certkv.certify.fused_select.covers`) in one launch; ``x.n_q`` the device path's 0-d
+    tensor (read by the kernel: no host sync)."""
     hkv, group, n = x.l8_kv.shape
     hq, d = hkv * group, x.qg.shape[-1]
     dev = x.l8_kv.device
     lay = (x.eta, x.value_spec, x.key_err)
     assert all(t.stride() == x.eta.stride() and t.stride(1) == 1 for t in lay)
-    n_q = x.n_q if isinstance(x.n_q, torch.Tensor) else torch.tensor(x.n_q, device=dev)
     log_p, delta_b = (torch.empty(hq, n, device=dev) for _ in range(2))
     promoted = torch.empty(hq, n, dtype=torch.bool, device=dev)
     delta, q_norm = torch.empty(hq, device=dev), torch.empty(hq, device=dev)
@@ -167,7 +165,7 @@ def select(selector, ladder, value_policy, x: SelectInputs) -> Selection:
     _select_kernel[(hkv,)](
         x.l8_kv.contiguous(), x.delta_kv.contiguous(), x.log_spread_kv.contiguous(),
         x.qg.contiguous(), x.quantized.contiguous(), *lay, x.eta.stride(0),
-        x.v_max_kv.contiguous(), x.v_rad_kv.contiguous(), n_q, par, log_p, delta_b, delta,
+        x.v_max_kv.contiguous(), x.v_rad_kv.contiguous(), x.n_q, par, log_p, delta_b, delta,
         promoted, expanded, q_norm, radii, plan, exact, n,
         G=group, D=d, BLOCK_N=triton.next_power_of_2(max(n, 1)), K_MIN=int(selector.k_min),
         K_MAX=int(selector.k_max), CAP=int(cap), EXPAND=bool(ladder.expand),
@@ -177,16 +175,9 @@ def select(selector, ladder, value_policy, x: SelectInputs) -> Selection:
                      q_norm.view(hkv, group), promoted, expanded, plan[1], plan, exact)
 
 
-_SCALARS: dict = {}
-
-
+@lru_cache(maxsize=64)
 def _scalars(scaling: float, tau_cov: float, factor: float, v_tol: float,
              device: torch.device) -> torch.Tensor:
     """The kernel's FP64 scalars on ``device``, one tensor per setting (a step replayed in a
     graph copies nothing)."""
-    key = (scaling, tau_cov, factor, v_tol, device)
-    if key not in _SCALARS:
-        with torch.inference_mode(False):
-            _SCALARS[key] = torch.tensor([scaling, tau_cov, factor, v_tol],
-                                         dtype=torch.float64).to(device)
-    return _SCALARS[key]
+    return memoised_tensor([scaling, tau_cov, factor, v_tol], device)
