@@ -104,8 +104,8 @@ def bench_launches(
     from certkv import bench
 
     contexts = context or ([4104, 32776] if dev.type == "cuda" else [250, 1000])
-    cases = [bench.AttentionCase(n, d, h, g) for n in contexts for d, h, g in
-             ((128, 8, 4), (64, 3, 3))]
+    cases = [bench.AttentionCase(n, d, h, g) for n in contexts
+             for d, h, g in bench.LAUNCH_SHAPES]
     report = bench.BenchReport(f"launches_{dev.type}", _command(), out, force)
     with _user_errors():
         report.check()

@@ -162,10 +162,12 @@ def test_bench_attention_command_writes_report(tmp_path, monkeypatch):
     assert f"results: {tmp_path}/" in result.output.replace("\n", "")
 
 
-def test_bench_launches_command_counts_the_triton_step(tmp_path):
+def test_bench_launches_command_counts_the_triton_step(tmp_path, monkeypatch):
     """``certkv bench launches`` on CPU runs the kernels under the interpreter and reports
     what each method's layer step dispatches; the device step reads the host never, the host
-    variant twice."""
+    variant twice. Two small shapes (the report's own, 8 and 3 kv heads at d = 128 and 64, took
+    a minute interpreted; ``tests/test_opcount.py`` asserts the counts per step)."""
+    monkeypatch.setattr(bench, "LAUNCH_SHAPES", ((32, 2, 2), (16, 1, 3)))
     result = runner.invoke(app, ["bench", "launches", "--context", "40", "--device", "cpu",
                                  "--out", str(tmp_path), "--compile", "off"],
                            env={"COLUMNS": "100"})

@@ -25,6 +25,7 @@ from __future__ import annotations
 from certkv.bench.attention import (
     LAUNCH_METHODS,
     LAUNCH_NOTES,
+    LAUNCH_SHAPES,
     AttentionCase,
     bench_attention_case,
     bench_launches_case,
@@ -72,6 +73,7 @@ from certkv.bench.tables import (
 __all__ = [
     "LAUNCH_METHODS",
     "LAUNCH_NOTES",
+    "LAUNCH_SHAPES",
     "METHOD_COLORS",
     "MODEL_CONFIGS",
     "PEAK_GBPS",

@@ -112,6 +112,7 @@ def _dense_dtype(device: torch.device) -> torch.dtype:
 
 
 LAUNCH_METHODS = ("dense", "naive", "certified", "certified-host")
+LAUNCH_SHAPES = ((128, 8, 4), (64, 3, 3))  # (head_dim, kv heads, query heads per kv head)
 LAUNCH_NOTES = [
     "Triton: kernel launches. seg: calls of the step's pure tensor segments (selection, page-in "
     "bookkeeping, certificate where the kernels do not compute them: a naive step, other "

@@ -83,8 +83,37 @@ def install() -> bool:
 
     grid.__call__, helper.__call__ = launched, called
     tl.sort = _sorted(tl, interp)
+    _lighter_bookkeeping(interp)
     _INSTALLED = True
     return True
+
+
+def _lighter_bookkeeping(interp) -> None:
+    """Two costs of the interpreter's own that no compiled kernel pays: every 32-bit integer
+    add, subtract and multiply is checked for overflow by redoing it in int64 (a third of an
+    interpreted decode step; a compiled kernel checks only under ``debug``, which certkv never
+    sets), and the NumPy dtype of a Triton dtype is looked up by building a dict at each of
+    ~20 thousand calls a step (memoised here). Neither changes a value the kernels compute."""
+    import dataclasses
+
+    builder = getattr(interp, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
+    if dataclasses.is_dataclass(options) and hasattr(options, "sanitize_overflow"):
+        builder.options = dataclasses.replace(options, sanitize_overflow=False)
+    lookup = getattr(interp, "_get_np_dtype", None)
+    if lookup is not None and not hasattr(lookup, "memo"):
+        memo: dict = {}
+
+        def np_dtype(tt_dtype):
+            try:
+                return memo[tt_dtype]
+            except KeyError:
+                return memo.setdefault(tt_dtype, lookup(tt_dtype))
+            except TypeError:  # an unhashable dtype: the interpreter's own lookup
+                return lookup(tt_dtype)
+
+        np_dtype.memo = memo
+        interp._get_np_dtype = np_dtype
 
 
 def _sorted(tl, interp):
