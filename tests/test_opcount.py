@@ -43,6 +43,9 @@ ONE_CALL_4K_CEILING = 110
 # and fill are one more: the three segments and both eager operators are gone (issue 55's
 # target: at most 6 Triton launches and nothing else).
 DEVICE_STEP = {"host_reads": 0, "kernels": 6, "segments": 0, "eager_launches": 0}
+# A mixed-precision store (KIVI's FP16 window before 2-bit blocks) launched Phase 1 and Phase 2
+# once per precision (8 launches) until each phase became one launch whose programs are
+# grouped by precision (issue 55): the same 6.
 
 
 def layer(n=512, hkv=2, d=64, group=2, seed=0, mirror=False):
@@ -132,6 +135,26 @@ def test_the_device_step_launches_few_kernels_and_reads_nothing():
     from certkv.cache.scratch import ScratchCache
 
     store, q = layer(n=300)
+    attn, scratch = CertifiedAttention(backend="triton", compile=False), ScratchCache(4, 4)
+    attn(q, store, scratch=scratch)
+    counts = count_step(lambda: attn(q, store, scratch=scratch), attn)
+    assert {k: counts[k] for k in DEVICE_STEP} == DEVICE_STEP
+
+
+def test_a_mixed_precision_store_steps_in_the_same_launches():
+    """KIVI-2 blocks after an FP16 window (two precisions, and the tail block): each phase is
+    still one launch, so the device step launches what an int8_int4 store's does."""
+    from certkv.cache.scratch import ScratchCache
+    from certkv.quant import GroupAffineValueCodec, KiviKeyCodec, KVQuantizer
+
+    k, v = make_kv(2, 300, 64, seed=0, outlier_channels=2)
+    quantizer = KVQuantizer(KiviKeyCodec(bits=2), GroupAffineValueCodec(bits=2, group=32),
+                            block_size=16, residual=64)
+    store = TieredKVStore(2, 64, **quantizer.store_kwargs())
+    store.append(k, v)
+    precisions = [precision.label for precision, *_ in store.block_groups("value")]
+    assert precisions == ["FP16", "K2/V2"] and store.tail_len
+    q = make_query(k, 2, seed=0, peaked=True)
     attn, scratch = CertifiedAttention(backend="triton", compile=False), ScratchCache(4, 4)
     attn(q, store, scratch=scratch)
     counts = count_step(lambda: attn(q, store, scratch=scratch), attn)

@@ -48,6 +48,8 @@ def _describe(value):
         return _DTYPE + str(value.dtype).removeprefix("torch.")
     if value is None or isinstance(value, bool | int | float | str):
         return value
+    if isinstance(value, tuple):  # a bundle of arguments (or a constexpr tuple)
+        return tuple(_describe(x) for x in value)
     return getattr(value, "value", repr(value))  # tl.constexpr
 
 
@@ -114,9 +116,14 @@ def _compile_all(specs: list[dict], arch: int) -> dict[str, str]:
 
     driver.set_active(_NoDevice(arch))
 
-    def real(value):
+    def real(value, nested=False):
+        """A described argument as the JIT takes it: a tensor as its dtype (inside a tuple,
+        which the JIT specialises element by element, an empty tensor on the meta device)."""
+        if isinstance(value, list):  # a tuple (JSON has lists only)
+            return tuple(real(x, nested=True) for x in value)
         if isinstance(value, str) and value.startswith(_DTYPE):
-            return getattr(torch, value.removeprefix(_DTYPE))
+            dtype = getattr(torch, value.removeprefix(_DTYPE))
+            return torch.empty(1, dtype=dtype, device="meta") if nested else dtype
         return value
 
     failures: dict[str, str] = {}

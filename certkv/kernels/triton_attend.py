@@ -1,8 +1,8 @@
 """Triton Phase 2 (paper Alg. 1): one fused split-KV pass with mask-gated FP16 keys.
 
-One launch per precision holding blocks (``triton_sources``); grid ``(kv head, split)``: each
-program walks ``SPLIT`` of that precision's blocks for all ``G`` query heads of its kv head. Per
-block it
+One launch; grid ``(kv head, program)``, the programs in one group per precision holding blocks
+(``triton_sources.program_groups``, as Phase 1's): each program walks ``SPLIT`` of its
+precision's blocks for all ``G`` query heads of its kv head. Per block it
 
 * reads the Phase-1 logits; where ``key_slot[kv, block] >= 0`` it also reads the block's
   FP16 keys (staged from the scratch cache / Tier-2; a slot ``<= -2`` reads Tier-2's row
@@ -42,29 +42,51 @@ from certkv.kernels.triton_score import (
     load_group_queries,
     log_or_minus_inf,
 )
-from certkv.kernels.triton_sources import carries_tail, launches
+from certkv.kernels.triton_sources import carries_tail, program_groups
 
 
 @triton.jit
-def _attend_kernel(s_ptr, q_ptr, kslot_ptr, kstaged_ptr, gate_ptr, delta_ptr,
-                   code_ptr, vs_ptr, vo_ptr, blk_ptr, slot_ptr, vslot_ptr, vstaged_ptr,
-                   k2_ptr, v2_ptr, tv_ptr,
-                   mb_ptr, lb_ptr, sb_ptr, canary_ptr, m_ptr, l_ptr, acc_ptr,
-                   s_sk, s_sg, s_sn, s_qk, s_qg, s_ck, s_cn, s_ct, s_vk, s_vn, s_vt, s_lk,
-                   s_kp, s_kt, s_pp, s_pt, s_2p, s_2t, s_tk, s_tt, s_bk, s_bg, s_mk, s_mg,
-                   s_ak, s_ag, s_as,
-                   n_live, walked, split_base, counts_ptr, scaling,
-                   eps_guard, G: tl.constexpr, BLOCK_G: tl.constexpr, B: tl.constexpr,
-                   D: tl.constexpr, DOT_C: tl.constexpr, GROUP: tl.constexpr,
-                   SPLIT: tl.constexpr, FP16: tl.constexpr, BITS: tl.constexpr,
-                   TAIL: tl.constexpr, CARRIES: tl.constexpr):
+def _attend_kernel(query, scores, fp16, tail, blocks_out, state, counts_ptr, scaling,
+                   eps_guard, groups, G: tl.constexpr, BLOCK_G: tl.constexpr, B: tl.constexpr,
+                   D: tl.constexpr, DOT_C: tl.constexpr, SPLIT: tl.constexpr,
+                   LAYOUTS: tl.constexpr):
+    """Grid ``(kv head, program)``: the programs of every precision's blocks in one launch,
+    program ``p`` writing split state ``p``. The arguments come in bundles (pointers and their
+    strides, :func:`_launch_attend`); ``groups[k]``: precision ``k``'s programs ``[first,
+    end)`` and what they read; ``LAYOUTS[k]``: its ``(FP16, BITS, GROUP, TAIL, CARRIES)``."""
     kv = tl.program_id(0)
-    split = tl.program_id(1)
+    p = tl.program_id(1)
+    q_ptr, s_qk, s_qg = query
+    q = load_group_queries(q_ptr, kv, s_qk, s_qg, G, BLOCK_G, D)
+    for k in tl.static_range(len(LAYOUTS)):
+        src = groups[k]
+        if (p >= src[0]) & (p < src[1]):
+            _attend_split(q, kv, p, src, scores, fp16, tail, blocks_out, state, counts_ptr,
+                          scaling, eps_guard, G, BLOCK_G, B, D, DOT_C, SPLIT, LAYOUTS[k][0],
+                          LAYOUTS[k][1], LAYOUTS[k][2], LAYOUTS[k][3], LAYOUTS[k][4])
+
+
+@triton.jit
+def _attend_split(q, kv, p, src, scores, fp16, tail, blocks_out, state, counts_ptr, scaling,
+                  eps_guard, G: tl.constexpr, BLOCK_G: tl.constexpr, B: tl.constexpr,
+                  D: tl.constexpr, DOT_C: tl.constexpr, SPLIT: tl.constexpr,
+                  FP16: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+                  TAIL: tl.constexpr, CARRIES: tl.constexpr):
+    """Program ``p``'s ``SPLIT`` blocks of one precision (``src``), merged into split state
+    ``p`` (see the module)."""
+    (first, _, code_ptr, vs_ptr, vo_ptr, blk_ptr, slot_ptr, s_ck, s_cn, s_ct, s_vk, s_vn, s_vt,
+     n_live, walked) = src
+    s_ptr, gate_ptr, delta_ptr, s_sk, s_sg, s_sn = scores
+    kslot_ptr, kstaged_ptr, vslot_ptr, vstaged_ptr, k2_ptr, v2_ptr, s_lk, s_kp, s_kt, s_pp, \
+        s_pt, s_2p, s_2t = fp16
+    tv_ptr, s_tk, s_tt = tail
+    mb_ptr, lb_ptr, sb_ptr, canary_ptr, s_bk, s_bg = blocks_out
+    m_ptr, l_ptr, acc_ptr, s_mk, s_mg, s_ak, s_ag, s_as = state
+    split = p - first
     g = tl.arange(0, BLOCK_G)
     t = tl.arange(0, B)
     c = tl.arange(0, D)
     gmask = g < G
-    q = load_group_queries(q_ptr, kv, s_qk, s_qg, G, BLOCK_G, D)
     m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
     lsum = tl.zeros((BLOCK_G,), tl.float32)
     acc = tl.zeros((BLOCK_G, D), tl.float32)
@@ -136,10 +158,9 @@ def _attend_kernel(s_ptr, q_ptr, kslot_ptr, kstaged_ptr, gate_ptr, delta_ptr,
         lsum = lsum * alpha + l_b * beta
         acc = acc * alpha[:, None] + o_b * beta[:, None]
         m = m_new
-    out = split_base + split
-    tl.store(m_ptr + kv * s_mk + g * s_mg + out, m, mask=gmask)
-    tl.store(l_ptr + kv * s_mk + g * s_mg + out, lsum, mask=gmask)
-    tl.store(acc_ptr + kv * s_ak + g[:, None] * s_ag + out * s_as + c[None, :], acc,
+    tl.store(m_ptr + kv * s_mk + g * s_mg + p, m, mask=gmask)
+    tl.store(l_ptr + kv * s_mk + g * s_mg + p, lsum, mask=gmask)
+    tl.store(acc_ptr + kv * s_ak + g[:, None] * s_ag + p * s_as + c[None, :], acc,
              mask=gmask[:, None])
 
 
@@ -282,8 +303,8 @@ def attend_blocks(scored: Scored, q: torch.Tensor, gate: torch.Tensor, sources: 
                   split: int | None = None, checks: CheckInputs | None = None,
                   certify: CertifyRequest | None = None) -> Attended:
     """Phase 2 over ``n`` blocks given as :class:`~certkv.kernels.triton_sources.BlockSource`
-    launches of value codes (one per precision, the last carrying the exact tail block: see
-    :func:`~certkv.kernels.triton_sources.launches`), merged in one
+    groups of value codes (one per precision, the last carrying the exact tail block: see
+    :func:`~certkv.kernels.triton_sources.program_groups`) in one launch, merged in one
     reduction.
 
     Args:
@@ -303,17 +324,15 @@ def attend_blocks(scored: Scored, q: torch.Tensor, gate: torch.Tensor, sources: 
     hkv, g, n, _ = scores.shape
     d = q.shape[-1]
     split = split or blocks_per_program(n, hkv, scores.device)
-    plan = launches(sources, n)
-    bases = [0]
-    for _, _, live, _ in plan:
-        bases.append(bases[-1] + triton.cdiv(live, split))
+    plan = program_groups(sources, n)
+    programs = sum(triton.cdiv(live, split) for _, _, live, _ in plan)
     dev = scores.device
     m_b = torch.empty(hkv, g, n, device=dev)
     l_b, l2_b = torch.empty_like(m_b), torch.empty_like(m_b)
     canary = torch.empty(hkv, g, n, dtype=torch.bool, device=dev)  # every block written
-    m = torch.empty(hkv, g, bases[-1], device=dev)
+    m = torch.empty(hkv, g, programs, device=dev)
     lsum = torch.empty_like(m)
-    acc = torch.empty(hkv, g, bases[-1], d, device=dev)
+    acc = torch.empty(hkv, g, programs, d, device=dev)
     # masks are read as bool, in the [Hkv, G, n] layout of m_b and canary
     gate, delta = gate.contiguous(), scored.delta_b.float().contiguous()
     key_data, value_data = fp16.key_data.contiguous(), fp16.value_data.contiguous()
@@ -321,8 +340,7 @@ def attend_blocks(scored: Scored, q: torch.Tensor, gate: torch.Tensor, sources: 
     shared = (scores, q.float().contiguous(), fp16.key_slot.contiguous(), key_data,
               gate, delta, fp16.value_slot.contiguous(), value_data, tier2,
               (m_b, l_b, l2_b, canary), (m, lsum, acc))
-    for (src, tail, live, walked), base in zip(plan, bases, strict=False):
-        _launch_attend(src, tail, (live, walked), base, shared, scaling, eps_guard, split)
+    _launch_attend(plan, shared, scaling, eps_guard, split)
     if certify is not None:  # the certificate reads this step's canary
         certify = certify._replace(x=certify.x._replace(canary_blocks=canary))
     att = reduce_splits(m_b, l_b, m, lsum, acc, l2_b, checks, certify)
@@ -330,34 +348,38 @@ def attend_blocks(scored: Scored, q: torch.Tensor, gate: torch.Tensor, sources: 
     return att
 
 
-def _launch_attend(src, tail, entries, base, shared, scaling, eps_guard, split) -> None:
-    """One Phase-2 launch over ``src``'s blocks (and the ``tail`` source it carries, or
-    None; ``entries``: what it walks and the blocks earlier launches walked,
-    :func:`~certkv.kernels.triton_sources.launches`): block statistics at their indices,
-    split states from split ``base`` on."""
-    live, walked = entries
+def _launch_attend(plan, shared, scaling, eps_guard, split) -> None:
+    """Phase 2's one launch over the ``plan`` of
+    :func:`~certkv.kernels.triton_sources.program_groups` (a group of programs per precision, the
+    last carrying the tail block): block statistics at their indices, one split state per
+    program. The kernel's arguments go in bundles of pointers and their strides."""
     (scores, q, key_slot, key_data, gate, delta, value_slot, value_data, (k2, v2), blocks_out,
      state) = shared
     m_b, l_b, l2_b, canary = blocks_out
     m, lsum, acc = state
     hkv, g, _, bsz = scores.shape
     d = q.shape[-1]
-    lay = src.layout
-    data, vscale, voffset, blocks, slots = src.pointers()
-    tail_v = data if tail is None else tail.data  # [Hkv, 1, B, d] FP16 (never read if None)
-    _attend_kernel[(hkv, triton.cdiv(live, split))](
-        scores, q, key_slot, key_data, gate, delta,
-        data, vscale, voffset, blocks, slots, value_slot, value_data, k2, v2, tail_v,
-        m_b, l_b, l2_b, canary, m, lsum, acc,
-        scores.stride(0), scores.stride(1), scores.stride(2), q.stride(0), q.stride(1),
-        data.stride(0), data.stride(1), data.stride(2),
-        vscale.stride(0), vscale.stride(1), vscale.stride(2), value_slot.stride(0),
-        key_data.stride(0), key_data.stride(1), value_data.stride(0), value_data.stride(1),
-        k2.stride(0), k2.stride(1), tail_v.stride(0), tail_v.stride(2),
-        m_b.stride(0), m_b.stride(1), m.stride(0), m.stride(1),
-        acc.stride(0), acc.stride(1), acc.stride(2),
-        live, walked, base, src.counts,
-        float(scaling), float(eps_guard),
-        G=g, BLOCK_G=triton.next_power_of_2(g), B=bsz, D=d, DOT_C=dot_chunk(d),
-        GROUP=lay.group, SPLIT=split, FP16=lay.fp16, BITS=lay.bits, TAIL=src.is_tail,
-        CARRIES=carries_tail(src, tail))
+    tail_v = next((tail.data for _, tail, _, _ in plan if tail is not None), plan[-1][0].data)
+    groups, layouts, first = [], [], 0
+    for src, tail, live, walked in plan:
+        lay = src.layout
+        data, vscale, voffset, blocks, slots = src.pointers()
+        end = first + triton.cdiv(live, split)
+        groups.append((first, end, data, vscale, voffset, blocks, slots, data.stride(0),
+                       data.stride(1), data.stride(2), vscale.stride(0), vscale.stride(1),
+                       vscale.stride(2), live, walked))
+        layouts.append((lay.fp16, lay.bits, lay.group, src.is_tail, carries_tail(src, tail)))
+        first = end
+    _attend_kernel[(hkv, first)](
+        (q, q.stride(0), q.stride(1)),
+        (scores, gate, delta, scores.stride(0), scores.stride(1), scores.stride(2)),
+        (key_slot, key_data, value_slot, value_data, k2, v2, value_slot.stride(0),
+         key_data.stride(0), key_data.stride(1), value_data.stride(0), value_data.stride(1),
+         k2.stride(0), k2.stride(1)),
+        (tail_v, tail_v.stride(0), tail_v.stride(2)),
+        (m_b, l_b, l2_b, canary, m_b.stride(0), m_b.stride(1)),
+        (m, lsum, acc, m.stride(0), m.stride(1), acc.stride(0), acc.stride(1), acc.stride(2)),
+        plan[0][0].counts, float(scaling), float(eps_guard), tuple(groups),
+        G=g, BLOCK_G=triton.next_power_of_2(g), B=bsz, D=d, DOT_C=dot_chunk(d), SPLIT=split,
+        LAYOUTS=tuple(layouts))
+

@@ -1,10 +1,11 @@
 """Triton backend: Phase 1 from key codes, Phase 2 from value codes and gated FP16 keys, and
 the ranking/boundary checks.
 
-Each phase launches one kernel per precision holding blocks and one for the exact tail block
-(``triton_sources``): keys FP16 or 2/4/8-bit per channel (INT8 channel-affine, KIVI), values FP16
-or 2/4/8-bit per group, in any mix (exact sink and residual windows included). Used automatically
-on CUDA (``backend=auto``); on CPU it runs under ``TRITON_INTERPRET=1`` (tests, small shapes).
+Each phase is one launch, its programs grouped by precision (the exact tail block rides with the
+last group; ``triton_sources``): keys FP16 or 2/4/8-bit per channel (INT8 channel-affine, KIVI),
+values FP16 or 2/4/8-bit per group, in any mix (exact sink and residual windows included). Used
+automatically on CUDA (``backend=auto``); on CPU it runs under ``TRITON_INTERPRET=1`` (tests,
+small shapes).
 Codecs or shapes the kernels do not cover (3-bit codes, rotations, pre-RoPE keys, dense-and-
 sparse values, non-power-of-two B or d) fall back to the PyTorch reference per phase, with a
 one-time notice, so results never depend on the backend beyond FP32 rounding.
@@ -76,7 +77,7 @@ class TritonBackend(Backend):
         return None
 
     def phase1(self, q: torch.Tensor, lay: StepLayout, scaling: float) -> Scored:
-        """Phase 1, one kernel per precision holding blocks (and one for the exact tail block):
+        """Phase 1, one launch over every precision's blocks and the exact tail block:
         logits, log-masses, log-spreads and Delta_b of every block at its index."""
         sources = self._sources(lay, "key")
         if sources is None:
@@ -89,7 +90,7 @@ class TritonBackend(Backend):
 
     def phase2(self, q, scored: Scored, lay: StepLayout, gate, staged, scaling, eps_guard,
                checks: CheckInputs | None = None, *, certify=None) -> Attended:
-        """Phase 2, one split-KV kernel per precision (the last carrying the tail block) and
+        """Phase 2, one split-KV launch over every precision (the last carrying the tail block) and
         one merge: gated FP16-key logits (and the canary) on staged key blocks, value codes
         unpacked in registers, staged FP16 values (value promotion) and exact blocks read in
         place; the ranking and boundary checks (``checks``) and the certificate (``certify``,

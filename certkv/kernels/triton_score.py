@@ -1,7 +1,9 @@
 """Triton Phase 1 (paper Alg. 1): block logits, log-masses and Delta_b from key codes.
 
-One launch per precision holding blocks (``triton_sources``); grid ``(kv head, split)``: each
-program walks ``SPLIT`` of that precision's blocks through its index list; per block it loads the
+One launch; grid ``(kv head, program)``, the programs in one group per precision holding blocks
+(``triton_sources.program_groups``; the precision a compile-time constant of the group's branch
+of the kernel): each program walks ``SPLIT`` of its precision's blocks through its index list
+(the last group also the exact tail block); per block it loads the
 codes ``[B, d]`` (or the FP16 originals of an exact block) and the per-channel scale/offset once
 for all ``G`` query heads of the kv head (GQA-aware), dequantizes in registers (eq. 3) and
 writes, at the block's index,
@@ -27,7 +29,7 @@ import triton
 import triton.language as tl
 
 from certkv.certify.arith import dot_chunk
-from certkv.kernels.triton_sources import carries_tail, launches
+from certkv.kernels.triton_sources import carries_tail, program_groups
 
 
 @triton.jit
@@ -106,23 +108,42 @@ def log_or_minus_inf(total):
 
 
 @triton.jit
-def _score_kernel(q_ptr, code_ptr, scale_ptr, offset_ptr, blk_ptr, slot_ptr, tk_ptr,
-                  s_out, l_out, d_out, ls_out,
-                  s_qk, s_qg, s_ck, s_cn, s_ct, s_sk, s_sn, s_ok, s_og, s_on, s_lk, s_lg,
-                  s_tk, s_tt, n_live, walked, counts_ptr, scaling, bound_a,
-                  bound_b, G: tl.constexpr, BLOCK_G: tl.constexpr, B: tl.constexpr,
-                  D: tl.constexpr, DOT_C: tl.constexpr, SPLIT: tl.constexpr, FP16: tl.constexpr,
-                  BITS: tl.constexpr, BIAS: tl.constexpr, TAIL: tl.constexpr,
-                  CARRIES: tl.constexpr):
+def _score_kernel(q_ptr, tk_ptr, s_out, l_out, d_out, ls_out, s_qk, s_qg, s_ok, s_og, s_on,
+                  s_lk, s_lg, s_tk, s_tt, counts_ptr, scaling, groups, G: tl.constexpr,
+                  BLOCK_G: tl.constexpr, B: tl.constexpr, D: tl.constexpr,
+                  DOT_C: tl.constexpr, SPLIT: tl.constexpr, LAYOUTS: tl.constexpr):
+    """Grid ``(kv head, program)``: the programs of every precision's blocks in one launch.
+    ``groups[k]``: precision ``k``'s programs ``[first, end)`` and what they read
+    (:func:`_group_args`); ``LAYOUTS[k]``: its ``(FP16, BITS, BIAS, TAIL, CARRIES)``."""
     kv = tl.program_id(0)
+    p = tl.program_id(1)
+    q = load_group_queries(q_ptr, kv, s_qk, s_qg, G, BLOCK_G, D)
+    for k in tl.static_range(len(LAYOUTS)):
+        src = groups[k]
+        if (p >= src[0]) & (p < src[1]):
+            _score_split(q, kv, p - src[0], src, tk_ptr, s_out, l_out, d_out, ls_out, s_ok,
+                         s_og, s_on, s_lk, s_lg, s_tk, s_tt, counts_ptr, scaling, G, BLOCK_G,
+                         B, D, DOT_C, SPLIT, LAYOUTS[k][0], LAYOUTS[k][1], LAYOUTS[k][2],
+                         LAYOUTS[k][3], LAYOUTS[k][4])
+
+
+@triton.jit
+def _score_split(q, kv, split, src, tk_ptr, s_out, l_out, d_out, ls_out, s_ok, s_og, s_on,
+                 s_lk, s_lg, s_tk, s_tt, counts_ptr, scaling, G: tl.constexpr,
+                 BLOCK_G: tl.constexpr, B: tl.constexpr, D: tl.constexpr,
+                 DOT_C: tl.constexpr, SPLIT: tl.constexpr, FP16: tl.constexpr,
+                 BITS: tl.constexpr, BIAS: tl.constexpr, TAIL: tl.constexpr,
+                 CARRIES: tl.constexpr):
+    """One program's ``SPLIT`` blocks of one precision (``src``, :func:`_group_args`)."""
+    (_, _, code_ptr, scale_ptr, offset_ptr, blk_ptr, slot_ptr, s_ck, s_cn, s_ct, s_sk, s_sn,
+     n_live, walked, bound_a, bound_b) = src
     g = tl.arange(0, BLOCK_G)
     t = tl.arange(0, B)
     c = tl.arange(0, D)
     gmask = g < G
-    q = load_group_queries(q_ptr, kv, s_qk, s_qg, G, BLOCK_G, D)
     q_abs = tl.abs(q)
     for i in range(SPLIT):
-        e = tl.program_id(1) * SPLIT + i
+        e = split * SPLIT + i
         blk, slot, beyond, filled = entry(blk_ptr, slot_ptr, counts_ptr, e, n_live, walked,
                                           B, TAIL, CARRIES)
         rows = t < filled  # [B]: filled token slots
@@ -171,9 +192,9 @@ def blocks_per_program(n: int, hkv: int, device: torch.device, waves: int = 4) -
 
 def score_blocks(q: torch.Tensor, sources: list, n: int, block_size: int, scaling: float,
                  split: int | None = None):
-    """Phase 1 of ``q [Hkv, G, d]`` over ``n`` blocks given as :class:`BlockSource` launches
-    (one per precision, then the exact tail block; ``triton_sources.block_sources``), ``split``
-    blocks per program (``None``: :func:`blocks_per_program`).
+    """Phase 1 of ``q [Hkv, G, d]`` over ``n`` blocks given as :class:`BlockSource` groups (one
+    per precision, then the exact tail block; ``triton_sources.block_sources``) in one launch,
+    ``split`` blocks per program (``None``: :func:`blocks_per_program`).
 
     Returns ``(s [Hkv, G, n, B], log_mass, delta_b, log_spread [Hkv, G, n])``, all FP32, with
     ``-inf`` logits on empty tail slots and ``Delta_b = 0`` on exact blocks. Columns after the
@@ -187,29 +208,34 @@ def score_blocks(q: torch.Tensor, sources: list, n: int, block_size: int, scalin
     delta = torch.empty_like(log_mass)
     log_spread = torch.empty_like(log_mass)
     split = split or blocks_per_program(n, hkv, q.device)
-    for src, tail, live, walked in launches(sources, n):
-        _launch_scores(q, src, tail, (live, walked), (s, log_mass, delta, log_spread), scaling,
-                       split)
+    plan = program_groups(sources, n)
+    groups, layouts, programs = _group_args(plan, split)
+    tail_k = next((tail.data for _, tail, _, _ in plan if tail is not None), plan[-1][0].data)
+    _score_kernel[(hkv, programs)](
+        q, tail_k, s, log_mass, delta, log_spread, q.stride(0), q.stride(1),
+        s.stride(0), s.stride(1), s.stride(2), log_mass.stride(0), log_mass.stride(1),
+        tail_k.stride(0), tail_k.stride(2), sources[0].counts, float(scaling), groups,
+        G=group, BLOCK_G=triton.next_power_of_2(group), B=block_size, D=q.shape[2],
+        DOT_C=dot_chunk(q.shape[2]), SPLIT=split, LAYOUTS=layouts)
     return s, log_mass, delta, log_spread
 
 
-def _launch_scores(q, src, tail, entries, out, scaling, split) -> None:
-    """One Phase-1 launch over ``src``'s blocks (and the ``tail`` source it carries, or
-    None; ``entries``: what it walks and the blocks earlier launches walked,
-    :func:`~certkv.kernels.triton_sources.launches`), writing into ``out`` at their indices."""
-    live, walked = entries
-    s, log_mass, delta, log_spread = out
-    hkv, group, d = q.shape
-    lay = src.layout
-    data, scale, offset, blocks, slots = src.pointers()
-    tail_k = data if tail is None else tail.data  # [Hkv, 1, B, d] FP16 (never read if None)
-    _score_kernel[(hkv, triton.cdiv(live, split))](
-        q, data, scale, offset, blocks, slots, tail_k, s, log_mass, delta, log_spread,
-        q.stride(0), q.stride(1), data.stride(0), data.stride(1), data.stride(2),
-        scale.stride(0), scale.stride(1),
-        s.stride(0), s.stride(1), s.stride(2), log_mass.stride(0), log_mass.stride(1),
-        tail_k.stride(0), tail_k.stride(2), live, walked, src.counts, float(scaling),
-        float(lay.bound[0]), float(lay.bound[1]),
-        G=group, BLOCK_G=triton.next_power_of_2(group), B=s.shape[3], D=d, DOT_C=dot_chunk(d),
-        SPLIT=split, FP16=lay.fp16, BITS=lay.bits, BIAS=lay.bias, TAIL=src.is_tail,
-        CARRIES=carries_tail(src, tail))
+def _group_args(plan: list, split: int) -> tuple[tuple, tuple, int]:
+    """The launch's per-precision arguments from the plan of
+    :func:`~certkv.kernels.triton_sources.program_groups`: ``(groups, layouts, programs)``; group
+    ``k`` holds the programs ``[first, end)`` (``split`` blocks each) that walk plan entry
+    ``k`` and what they read (codes, FP16 scales, offsets, index lists, their strides, the
+    entries, the blocks walked before, the bound's coefficients); its layout ``(FP16, BITS,
+    BIAS, TAIL, CARRIES)`` is a compile-time constant."""
+    groups, layouts, first = [], [], 0
+    for src, tail, live, walked in plan:
+        lay = src.layout
+        data, scale, offset, blocks, slots = src.pointers()
+        end = first + triton.cdiv(live, split)
+        groups.append((first, end, data, scale, offset, blocks, slots, data.stride(0),
+                       data.stride(1), data.stride(2), scale.stride(0), scale.stride(1), live,
+                       walked, float(lay.bound[0]), float(lay.bound[1])))
+        layouts.append((lay.fp16, lay.bits, lay.bias, src.is_tail, carries_tail(src, tail)))
+        first = end
+    return tuple(groups), tuple(layouts), first
+

@@ -1,14 +1,15 @@
 """What the Triton kernels read: the blocks of one precision at a time.
 
 A mixed-precision Tier-1 (:class:`~certkv.cache.blocks.BlockTable`) keeps one buffer per
-precision. Each phase launches its kernel once per precision holding blocks; every launch walks
-that precision's blocks through an index list (block index, slot in the buffer) and writes its
-results at the global block indices, so the outputs are exactly those of one pass over all
-blocks in block order. The exact FP16 tail block is one more entry of the last launch (read
-from the store's tail buffer, :func:`launches`), or a launch of its own without completed
-blocks.
+precision. Each phase is one launch whose programs come in groups, one per precision holding
+blocks (:func:`program_groups`; the group's precision a compile-time constant of its branch of
+the kernel, its buffers the group's arguments): every group walks that precision's blocks
+through an index list (block index, slot in the buffer) and writes its results at the global
+block indices, so the outputs are exactly those of one pass over all blocks in block order. The
+exact FP16 tail block is one more entry of the last group (read from the store's tail buffer),
+or a group of its own without completed blocks.
 
-A launch reads one :class:`CodeLayout`:
+A group reads one :class:`CodeLayout`:
 
 * ``FP16``: the originals (an exact window, or FP16 values of ``int8_fp16``);
 * ``AFFINE``: unsigned ``bits``-wide codes packed ``8 // bits`` per byte along the channels
@@ -53,7 +54,7 @@ def value_layout(codec, head_dim: int) -> CodeLayout | None:
 
 @dataclass
 class BlockSource:
-    """One launch's blocks.
+    """One group's blocks (one precision's, or the tail block's).
 
     ``data``: FP16 originals ``[Hkv, slots, B, d]`` or codes ``[Hkv, slots, B, d * bits / 8]``;
     ``scale``/``offset``: keys ``[Hkv, slots, d]``, values ``[Hkv, slots, B, d / group]`` (None
@@ -79,7 +80,7 @@ class BlockSource:
         return self.blocks is None
 
     def pointers(self) -> tuple[torch.Tensor, ...]:
-        """``(data, scale, offset, blocks, slots)`` for a launch: what the layout does not read
+        """``(data, scale, offset, blocks, slots)`` for a group: what the layout does not read
         (FP16 scales, the tail's index lists) is ``data``, a valid pointer never read."""
         data = self.data
         scale = data if self.layout.fp16 else self.scale
@@ -91,7 +92,7 @@ class BlockSource:
 
 
 def block_sources(store, which: str, tail: bool | None = None) -> list[BlockSource] | None:
-    """The launches of one phase over ``store``: one per precision holding blocks (``which``:
+    """The program groups of one phase over ``store``: one per precision holding blocks (``which``:
     ``"key"`` or ``"value"`` codes), then the exact tail block if any (``tail``: whether to
     add it, even empty; default: when it holds tokens); None when a precision is not covered
     or ``B``/``d`` is not a power of two."""
@@ -122,18 +123,18 @@ def block_sources(store, which: str, tail: bool | None = None) -> list[BlockSour
     return sources
 
 
-def launches(sources: list[BlockSource], n: int
-             ) -> list[tuple[BlockSource, BlockSource | None, int, int]]:
-    """``(source, tail, entries, walked)`` per kernel launch over a layout of ``n`` block
-    columns: the exact tail block rides along with the last precision's launch as one more
-    entry (one launch fewer per phase), and gets a launch of its own only when no block is
-    completed. ``entries`` (host): what the launch walks, its blocks and, for the launch with
-    the tail, every column from the tail block's on: the columns after it are empty blocks (a
-    layout padded to a fixed width, whose launches stay the same while blocks complete), which
-    the kernels give a block's neutral values (no token: ``-inf`` logits, no mass, ``Delta_b =
-    0``). ``walked`` (host): the blocks of the launches before it, so that the launch with the
-    tail counts its own blocks on the device as the store's completed blocks less those (the
-    launches partition the completed blocks)."""
+def program_groups(sources: list[BlockSource], n: int
+                   ) -> list[tuple[BlockSource, BlockSource | None, int, int]]:
+    """``(source, tail, entries, walked)`` per program group of a phase's launch over a layout
+    of ``n`` block columns: the exact tail block rides along with the last precision's group as
+    one more entry, and is a group of its own only when no block is completed. ``entries``
+    (host): what the group walks, its blocks and, for the group with the tail, every column
+    from the tail block's on: the columns after it are empty blocks (a layout padded to a fixed
+    width, whose launches stay the same while blocks complete), which the kernels give a
+    block's neutral values (no token: ``-inf`` logits, no mass, ``Delta_b = 0``). ``walked``
+    (host): the blocks of the groups before it, so that the group with the tail counts its own
+    blocks on the device as the store's completed blocks less those (the groups partition the
+    completed blocks)."""
     if len(sources) > 1 and sources[-1].is_tail:
         pairs = [(src, None) for src in sources[:-2]] + [(sources[-2], sources[-1])]
     else:
@@ -147,7 +148,7 @@ def launches(sources: list[BlockSource], n: int
 
 
 def carries_tail(src: BlockSource, tail: BlockSource | None) -> bool:
-    """Whether a launch walks the tail block (and the empty blocks after it)."""
+    """Whether a group walks the tail block (and the empty blocks after it)."""
     return tail is not None or src.is_tail
 
 

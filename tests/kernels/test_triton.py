@@ -11,7 +11,6 @@ import triton  # noqa: F401 (a declared dev dependency: without it these tests f
 from helpers import (
     DEVICES,
     check_heads,
-    counting,
     cuda_layer,
     examples,
     kernel_launches,
@@ -25,8 +24,8 @@ from hypothesis import strategies as st
 from certkv import CertifiedAttention, ChannelAffineKeyCodec, TieredKVStore
 from certkv.cache.scratch import ScratchCache
 from certkv.certify.checks import canary_violations
-from certkv.kernels import triton_attend, triton_score
 from certkv.kernels.dispatch import get_backend
+from certkv.kernels.launch_hooks import wrap_triton_launches
 from certkv.kernels.layout import StagedBlocks, StepLayout
 from certkv.kernels.reference import Attended, Scored, TorchBackend, block_products
 from certkv.kernels.triton_attend import FP16Slots, attend_blocks
@@ -177,18 +176,19 @@ def mixed_case(seed=0, device="cpu"):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_phases_read_every_precision_of_a_mixed_store(device):
-    """One launch per precision in each phase (the last carries the tail block), every block at
-    its index: the kernels meet the flash-attention rule against FP64 on a four-precision
-    store, value promotion and gated keys included."""
+    """One launch per phase whose programs are grouped by precision (the last group carries
+    the tail block), every block at its index: the kernels meet the flash-attention rule
+    against FP64 on a four-precision store, value promotion and gated keys included."""
+
     store, qg = mixed_case(seed=1, device=device)
     held = store.block_groups("key")
     assert [p.label for p, *_ in held] == ["FP16", "K4/V4", "K2/V2"]  # the sink shares FP16
     lay = StepLayout(store)
     scaling = store.head_dim**-0.5
     launches = []
-    with pytest.MonkeyPatch.context() as mp:
-        for module, name in ((triton_score, "_launch_scores"), (triton_attend, "_launch_attend")):
-            mp.setattr(module, name, counting(getattr(module, name), launches, name))
+    restore = wrap_triton_launches(lambda kernel, launch, args, kwargs: (
+        launches.append(kernel.fn.__name__), launch(*args, **kwargs))[1])
+    try:
         kernel = TritonBackend(split=2).phase1(qg, lay, scaling)
         gate = torch.zeros(kernel.log_mass.shape, dtype=torch.bool, device=device)
         keys = staged(store, [0, 1], [2, 6], "k")
@@ -197,7 +197,9 @@ def test_phases_read_every_precision_of_a_mixed_store(device):
         ref = TorchBackend().phase1(qg, lay, scaling)
         args = (qg, ref, lay, gate, (keys, values), scaling, 1e-6)
         attended = TritonBackend(split=2).phase2(*args)
-    assert store.tail_len and launches == ["_launch_scores"] * 3 + ["_launch_attend"] * 3
+    finally:
+        restore()
+    assert store.tail_len and launches == ["_score_kernel", "_attend_kernel", "_reduce_kernel"]
     oracle = torch.einsum("kgd,kntd->kgnt", qg.double(), lay.keys.double()) * scaling
     oracle = oracle.masked_fill(~lay.valid, float("-inf"))
     flash_rule(kernel.scores, ref.scores, oracle, "scores")
