@@ -10,7 +10,7 @@ precision's blocks for all ``G`` query heads of its kv head. Per block it
   logits and uses them for
   the query heads whose ``gate`` is set (the promoted set K*), checking on the way the score
   canary ``|s_fp16 - s_int8| <= Delta_b + eps`` (Section 6) for those heads;
-* reads the value codes (2/4/8-bit), unpacked in registers with their FP16 group scale/offset,
+* reads the value codes (2/3/4/8-bit), unpacked in registers with their FP16 group scale/offset,
   or, where ``value_slot[kv, block] >= 0`` (or ``<= -2``: Tier-2 in place), staged FP16 values
   (value promotion), or, on an exact
   block (a window, the tail block), the store's FP16 values in place;

@@ -2,13 +2,12 @@
 the ranking/boundary checks.
 
 Each phase is one launch, its programs grouped by precision (the exact tail block rides with the
-last group; ``triton_sources``): keys FP16 or 2/4/8-bit per channel (INT8 channel-affine, KIVI),
-values FP16 or 2/4/8-bit per group, in any mix (exact sink and residual windows included). Used
-automatically on CUDA (``backend=auto``); on CPU it runs under ``TRITON_INTERPRET=1`` (tests,
-small shapes).
-Codecs or shapes the kernels do not cover (3-bit codes, rotations, pre-RoPE keys, dense-and-
-sparse values, non-power-of-two B or d) fall back to the PyTorch reference per phase, with a
-one-time notice, so results never depend on the backend beyond FP32 rounding.
+last group; ``triton_sources``): keys FP16 or 2/3/4/8-bit per channel (INT8 channel-affine, KIVI),
+values FP16 or 2/3/4/8-bit per group, in any mix (exact sink and residual windows included). Used
+automatically on CUDA (``backend=auto``); on CPU it runs under ``TRITON_INTERPRET=1`` (tests, small
+shapes). Codecs or shapes the kernels do not cover (per-token symmetric codes, rotations, pre-RoPE
+keys, dense-and-sparse values, non-power-of-two B or d) fall back to the PyTorch reference per
+phase, with a one-time notice, so results never depend on the backend beyond FP32 rounding.
 """
 
 from __future__ import annotations
@@ -45,7 +44,7 @@ def triton_available() -> bool:
 
 @dataclass
 class TritonBackend(Backend):
-    """Fused kernels for FP16 and 2/4/8-bit affine blocks of any mix of precisions; the
+    """Fused kernels for FP16 and 2/3/4/8-bit affine blocks of any mix of precisions; the
     reference for every other codec."""
 
     split: int | None = None  # blocks per program in Phase 1 / 2 (None: by SM count)
@@ -69,7 +68,7 @@ class TritonBackend(Backend):
         key = (which, repr(store.quantizer))
         if key not in _NOTICED:
             _NOTICED.add(key)
-            warnings.warn(f"the Triton kernels read {which}s as FP16 or 2/4/8-bit affine codes "
+            warnings.warn(f"the Triton kernels read {which}s as FP16 or 2/3/4/8-bit affine codes "
                           f"(keys per channel, values per group; powers of two B and d); a "
                           f"store with {store.quantizer.label} at B={store.block_size}, "
                           f"d={store.head_dim} runs that phase on the PyTorch reference.",

@@ -55,10 +55,20 @@ def channel_dot(q, k, BLOCK_G: tl.constexpr, B: tl.constexpr, D: tl.constexpr,
 @triton.jit
 def load_codes(ptr, base, t, c, s_t, mask, BITS: tl.constexpr):
     """Codes ``[B, D]`` as FP32 from ``ptr + base`` (row stride ``s_t``): int8 as stored at
-    ``BITS = 8``, else unsigned ``BITS``-wide codes packed ``8 // BITS`` per byte along the
-    channels (code ``i`` of a byte in its bits ``[i BITS, (i + 1) BITS)``)."""
+    ``BITS = 8``; 3-bit codes 8 to a run of 3 bytes (code ``i`` of a run in bits ``[3 i, 3 i +
+    3)`` of its little-endian 24-bit word, :mod:`certkv.quant.packing`: codes 2 and 5 straddle a
+    byte, read from two); else unsigned ``BITS``-wide codes packed ``8 // BITS`` per byte along
+    the channels (code ``i`` of a byte in its bits ``[i BITS, (i + 1) BITS)``)."""
     if BITS == 8:
         code = tl.load(ptr + base + t[:, None] * s_t + c[None, :], mask=mask, other=0)
+    elif BITS == 3:
+        bit = 3 * (c % 8)  # the code's first bit in its run's word
+        byte = (c // 8) * 3 + bit // 8
+        shift = bit % 8
+        rows = ptr + base + t[:, None] * s_t + byte[None, :]
+        low = tl.load(rows, mask=mask, other=0).to(tl.int32)
+        high = tl.load(rows + 1, mask=mask & (shift > 5)[None, :], other=0).to(tl.int32)
+        code = ((low | (high << 8)) >> shift[None, :]) & 7
     else:
         PER: tl.constexpr = 8 // BITS
         byte = tl.load(ptr + base + t[:, None] * s_t + c[None, :] // PER, mask=mask, other=0)

@@ -67,7 +67,7 @@ class GroupAffineValueCodec(ValueCodec):
         return out.reshape(codes.shape)
 
     def kernel_layout(self, head_dim: int) -> CodeLayout | None:
-        """``bits``-wide codes (2, 4 or 8) with a scale per token per group of channels."""
+        """``bits``-wide codes (2, 3, 4 or 8) with a scale per token per group of channels."""
         if (not keeps(self, GroupAffineValueCodec) or self.bits not in KERNEL_BITS
                 or head_dim % self.group):
             return None

@@ -75,7 +75,7 @@ class ChannelAffineKeyCodec(KeyCodec):
         return self.codes(blocks).float() * scale + offset
 
     def kernel_layout(self) -> CodeLayout | None:
-        """``bits``-wide codes per channel (2, 4 or 8; int8 stored signed, others biased)."""
+        """``bits``-wide codes per channel (2, 3, 4 or 8; int8 stored signed, others biased)."""
         if not keeps(self, ChannelAffineKeyCodec) or self.bits not in KERNEL_BITS:
             return None
         bias = 0 if self.bits == 8 else 1 << (self.bits - 1)

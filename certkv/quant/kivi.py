@@ -109,7 +109,7 @@ class KiviKeyCodec(KeyCodec):
         return self.codes(blocks).float() * scale + offset
 
     def kernel_layout(self) -> CodeLayout | None:
-        """``bits``-wide unsigned codes per channel (2, 4 or 8)."""
+        """``bits``-wide unsigned codes per channel (2, 3, 4 or 8)."""
         if not keeps(self, KiviKeyCodec) or self.bits not in KERNEL_BITS:
             return None
         return CodeLayout(False, self.bits, 0, self.bound_coefficients())

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from certkv.registry import inherits
 
-KERNEL_BITS = (2, 4, 8)  # code widths the kernels unpack (whole codes per byte)
+KERNEL_BITS = (2, 3, 4, 8)  # code widths the kernels unpack (3 bits: 8 codes per 3 bytes)
 
 
 @dataclass(frozen=True)

@@ -49,10 +49,15 @@ def merge_staged(values: torch.Tensor, staged) -> torch.Tensor:
     return values
 
 
-def case(hkv=2, group=3, d=32, tokens=75, seed=0, block=16, device="cpu"):
+def case(hkv=2, group=3, d=32, tokens=75, seed=0, block=16, device="cpu", bits=None):
+    """A store of ``tokens`` (INT8 keys and INT4 values, or both at ``bits``) and queries."""
     k, v = make_kv(hkv, tokens, d, seed=seed, outlier_channels=2)
-    store = TieredKVStore(hkv, d, block_size=block, value_group=8 if d < 128 else 16,
-                          device=device)
+    value_group = 8 if d < 128 else 16
+    codecs = {} if bits is None else {
+        "key_codec": ChannelAffineKeyCodec(bits=bits),
+        "value_codec": GroupAffineValueCodec(bits=bits, group=value_group)}
+    store = TieredKVStore(hkv, d, block_size=block, value_group=value_group, device=device,
+                          **codecs)
     store.append(k.to(device), v.to(device))
     q = make_query(k, group, seed=seed, scale=3.0, peaked=seed % 2 == 0)
     return store, q.reshape(hkv, group, d).to(device)
@@ -72,10 +77,12 @@ def flash_rule(kernel, ref, oracle, name):
 
 
 @pytest.mark.parametrize(("seed", "split", "shape"), [
-    (0, 1, {}), (1, 3, {}), (2, None, {}), (3, 8, {}),
+    (0, 1, {}), (1, 3, {}), (2, None, {}), (3, 8, {}), (5, 2, {"bits": 3}), (6, 2, {"bits": 2}),
     pytest.param(4, None, {**GPU_FULL, "tokens": 32768 + 7}, marks=pytest.mark.gpu),
 ])
 def test_phase1_flash_attention_rule(seed, split, shape):
+    """Phase 1's logits, log-masses, log-spreads and Delta_b against FP64 on the store's own
+    decoded keys (INT8 keys; 3-bit codes, two of each 8 straddling a byte; 2-bit)."""
     store, qg = case(seed=seed, **{"tokens": 75 + 40 * seed, **shape})
     lay = StepLayout(store)
     scaling = store.head_dim**-0.5
@@ -128,10 +135,12 @@ def staged(store, kv, blk, which):
 
 
 @pytest.mark.parametrize(("seed", "promote", "shape"), [
-    (0, False, {}), (1, True, {}), (2, True, {}), (3, False, {}),
+    (0, False, {}), (1, True, {}), (2, True, {}), (3, False, {}), (5, True, {"bits": 3}),
     pytest.param(4, True, {**GPU_FULL, "tokens": 32768 + 9}, marks=pytest.mark.gpu),
 ])
 def test_phase2_attend_flash_attention_rule(seed, promote, shape):
+    """Phase 2's output and block statistics against FP64 softmax attention over the store's
+    decoded values (INT4, or 3-bit codes) with staged FP16 keys and values."""
     store, qg = case(seed=seed, **{"tokens": 100, **shape})
     lay = StepLayout(store)
     scaling = store.head_dim**-0.5
@@ -347,25 +356,25 @@ def test_phase2_merge_runs_the_checks_in_its_epilogue(r, n):
 @st.composite
 def triton_scenarios(draw):
     """The contract's scenarios (every key and value width they draw, 2/4/8 bits, is one the
-    kernels cover) in a quantized mode (dense mode reaches no kernel), on at most 2 kv heads
-    and 5 full blocks and a partial tail (2 splits of 4 blocks; at most 64 tokens): the
-    interpreter takes about 0.3 s per program (kv head and split) and kernel. 3-bit codes,
-    which the kernels do not unpack, are the explicit fallback examples. ``scratch``: the
-    capacity of a scratch cache (None: none), whose device bookkeeping then serves page-in."""
+    kernels cover; 3-bit codes are explicit examples) in a quantized mode (dense mode reaches
+    no kernel), on at most 2 kv heads and 5 full blocks and a partial tail (2 splits of 4
+    blocks; at most 64 tokens): the interpreter takes about 0.3 s per program (kv head and
+    split) and kernel. ``scratch``: the capacity of a scratch cache (None: none), whose device
+    bookkeeping then serves page-in."""
     sc = draw(scenarios())
     return {**sc, "hkv": min(sc["hkv"], 2), "scratch": draw(st.sampled_from([None, 0, 2, 64])),
             "tokens": min(sc["tokens"], 64, 6 * sc["block"] - 1), "fp64_scalars": False,
             "mode": "naive" if sc["mode"] == "naive" else "certified"}
 
 
-FALLBACK = {**ADVERSARIAL, "tokens": 40, "scaling": None}
+SMALL_ADVERSARIAL = {**ADVERSARIAL, "tokens": 40, "scaling": None}
 
 
 @settings(max_examples=examples(14), suppress_health_check=[HealthCheck.too_slow])
 @given(sc=triton_scenarios())
-@example(sc={**FALLBACK, "key_bits": 8, "value_bits": 3})  # Phase 2 falls back
-@example(sc={**FALLBACK, "key_bits": 3, "value_bits": 4, "mode": "naive"})  # Phase 1 falls back
-@example(sc={**FALLBACK, "key_bits": 3, "value_bits": 3, "q_dtype": "float16"})  # both
+@example(sc={**SMALL_ADVERSARIAL, "key_bits": 8, "value_bits": 3})  # 3-bit values in Phase 2
+@example(sc={**SMALL_ADVERSARIAL, "key_bits": 3, "value_bits": 4, "mode": "naive"})  # 3-bit keys
+@example(sc={**SMALL_ADVERSARIAL, "key_bits": 3, "value_bits": 3, "q_dtype": "float16"})  # both
 def contract_with_triton_backend(runs, sc):
     store, q, attn = build(sc)
     attn.backend = TritonBackend(split=4)
@@ -403,8 +412,12 @@ def test_triton_and_torch_backends_agree_through_attention():
 
 
 def test_unsupported_codecs_fall_back_to_the_reference():
+    """Per-token symmetric keys (SmartKV's), which claim no kernel layout: Phase 1 runs on the
+    reference, with the kernels' results elsewhere."""
+    from certkv.quant import TokenSymmetricKeyCodec
+
     k, v = make_kv(2, 64, 32, seed=0)
-    store = TieredKVStore(2, 32, key_codec=ChannelAffineKeyCodec(bits=3))
+    store = TieredKVStore(2, 32, key_codec=TokenSymmetricKeyCodec(bits=8))
     store.append(k, v)
     q = make_query(k, 2, scale=2.0)
     a, _ = CertifiedAttention(backend="torch")(q, store)
