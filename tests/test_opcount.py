@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from helpers import make_kv, make_query
 
@@ -45,7 +46,9 @@ ONE_CALL_4K_CEILING = 110
 DEVICE_STEP = {"host_reads": 0, "kernels": 6, "segments": 0, "eager_launches": 0}
 # A mixed-precision store (KIVI's FP16 window before 2-bit blocks) launched Phase 1 and Phase 2
 # once per precision (8 launches) until each phase became one launch whose programs are
-# grouped by precision (issue 55): the same 6.
+# grouped by precision (issue 55): the same 6. SmartKV's store (2/3/4/8-bit symmetric codes
+# with a scale per token) ran both phases on the reference (3 kernels, a segment, 184 eager
+# operators and a host read) until the kernels read 3-bit codes and scales per token.
 
 
 def layer(n=512, hkv=2, d=64, group=2, seed=0, mirror=False):
@@ -141,19 +144,34 @@ def test_the_device_step_launches_few_kernels_and_reads_nothing():
     assert {k: counts[k] for k in DEVICE_STEP} == DEVICE_STEP
 
 
-def test_a_mixed_precision_store_steps_in_the_same_launches():
-    """KIVI-2 blocks after an FP16 window (two precisions, and the tail block): each phase is
-    still one launch, so the device step launches what an int8_int4 store's does."""
-    from certkv.cache.scratch import ScratchCache
+def kivi2_with_a_window():
     from certkv.quant import GroupAffineValueCodec, KiviKeyCodec, KVQuantizer
 
+    return KVQuantizer(KiviKeyCodec(bits=2), GroupAffineValueCodec(bits=2, group=32),
+                       block_size=16, residual=64)
+
+
+def smartkv():
+    from certkv.quant import SmartKVQuantizer
+
+    return SmartKVQuantizer(block_size=16, recency=64)
+
+
+@pytest.mark.parametrize(("quantizer", "precisions"), [
+    (kivi2_with_a_window, {"FP16", "K2/V2"}),
+    (smartkv, {"K3/V3", "K4/V4", "K8/V8"}),
+])
+def test_a_mixed_precision_store_steps_in_the_same_launches(quantizer, precisions):
+    """KIVI-2 blocks after an FP16 window, SmartKV's widths by importance (several precisions,
+    and the tail block): each phase is still one launch, so the device step launches what an
+    int8_int4 store's does."""
+    from certkv.cache.scratch import ScratchCache
+
     k, v = make_kv(2, 300, 64, seed=0, outlier_channels=2)
-    quantizer = KVQuantizer(KiviKeyCodec(bits=2), GroupAffineValueCodec(bits=2, group=32),
-                            block_size=16, residual=64)
-    store = TieredKVStore(2, 64, **quantizer.store_kwargs())
+    store = TieredKVStore(2, 64, **quantizer().store_kwargs())
     store.append(k, v)
-    precisions = [precision.label for precision, *_ in store.block_groups("value")]
-    assert precisions == ["FP16", "K2/V2"] and store.tail_len
+    held = {precision.label for precision, *_ in store.block_groups("value")}
+    assert held == precisions and store.tail_len
     q = make_query(k, 2, seed=0, peaked=True)
     attn, scratch = CertifiedAttention(backend="triton", compile=False), ScratchCache(4, 4)
     attn(q, store, scratch=scratch)

@@ -13,7 +13,12 @@ from certkv.config import CONF_DIR, config_groups
 from certkv.errors import ConfigError
 from certkv.kernels import get_backend
 from certkv.kernels.base import Backend
-from certkv.quant import ChannelAffineKeyCodec, GroupAffineValueCodec, KiviKeyCodec
+from certkv.quant import (
+    ChannelAffineKeyCodec,
+    GroupAffineValueCodec,
+    KiviKeyCodec,
+    RotatedKeyCodec,
+)
 from certkv.registry import (
     BACKENDS,
     KEY_CODECS,
@@ -112,7 +117,8 @@ def test_a_codec_subclass_that_changes_decoding_loses_the_kernel_layout():
     assert KiviKeyCodec(bits=4).kernel_layout() is not None
     assert Renamed(bits=4).kernel_layout() == KiviKeyCodec(bits=4).kernel_layout()
     assert Rescaled(bits=4).kernel_layout() is None
-    assert ChannelAffineKeyCodec(bits=3).kernel_layout() is None  # 3-bit codes: no kernel
+    assert ChannelAffineKeyCodec(bits=3).kernel_layout().bits == 3  # 8 codes to 3 bytes
+    assert RotatedKeyCodec(bits=4, subspaces=4).kernel_layout() is None  # no kernel decodes it
     assert GroupAffineValueCodec(bits=4, group=32).kernel_layout(64).group == 32
     assert GroupAffineValueCodec(bits=4, group=32).kernel_layout(48) is None
 

@@ -53,7 +53,8 @@ def _attend_kernel(query, scores, fp16, tail, blocks_out, state, counts_ptr, sca
     """Grid ``(kv head, program)``: the programs of every precision's blocks in one launch,
     program ``p`` writing split state ``p``. The arguments come in bundles (pointers and their
     strides, :func:`_launch_attend`); ``groups[k]``: precision ``k``'s programs ``[first,
-    end)`` and what they read; ``LAYOUTS[k]``: its ``(FP16, BITS, GROUP, TAIL, CARRIES)``."""
+    end)`` and what they read; ``LAYOUTS[k]``: its ``(FP16, BITS, GROUP, TAIL, CARRIES, BIAS,
+    TOKEN)``."""
     kv = tl.program_id(0)
     p = tl.program_id(1)
     q_ptr, s_qk, s_qg = query
@@ -63,7 +64,8 @@ def _attend_kernel(query, scores, fp16, tail, blocks_out, state, counts_ptr, sca
         if (p >= src[0]) & (p < src[1]):
             _attend_split(q, kv, p, src, scores, fp16, tail, blocks_out, state, counts_ptr,
                           scaling, eps_guard, G, BLOCK_G, B, D, DOT_C, SPLIT, LAYOUTS[k][0],
-                          LAYOUTS[k][1], LAYOUTS[k][2], LAYOUTS[k][3], LAYOUTS[k][4])
+                          LAYOUTS[k][1], LAYOUTS[k][2], LAYOUTS[k][3], LAYOUTS[k][4],
+                          LAYOUTS[k][5], LAYOUTS[k][6])
 
 
 @triton.jit
@@ -71,9 +73,11 @@ def _attend_split(q, kv, p, src, scores, fp16, tail, blocks_out, state, counts_p
                   eps_guard, G: tl.constexpr, BLOCK_G: tl.constexpr, B: tl.constexpr,
                   D: tl.constexpr, DOT_C: tl.constexpr, SPLIT: tl.constexpr,
                   FP16: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-                  TAIL: tl.constexpr, CARRIES: tl.constexpr):
+                  TAIL: tl.constexpr, CARRIES: tl.constexpr, BIAS: tl.constexpr,
+                  TOKEN: tl.constexpr):
     """Program ``p``'s ``SPLIT`` blocks of one precision (``src``), merged into split state
-    ``p`` (see the module)."""
+    ``p`` (see the module); value codes with a scale and an offset per group, or (``TOKEN``)
+    symmetric with a scale per token, ``(code - BIAS) s_t``."""
     (first, _, code_ptr, vs_ptr, vo_ptr, blk_ptr, slot_ptr, s_ck, s_cn, s_ct, s_vk, s_vn, s_vt,
      n_live, walked) = src
     s_ptr, gate_ptr, delta_ptr, s_sk, s_sg, s_sn = scores
@@ -132,8 +136,11 @@ def _attend_split(q, kv, p, src, scores, fp16, tail, blocks_out, state, counts_p
             code = load_codes(code_ptr, base, t, c, s_ct, read, BITS)
             grp = kv * s_vk + slot * s_vn + t[:, None] * s_vt + c[None, :] // GROUP
             vs = tl.load(vs_ptr + grp, mask=read, other=0.0).to(tl.float32)
-            vo = tl.load(vo_ptr + grp, mask=read, other=0.0).to(tl.float32)
-            v = code * vs + vo
+            if TOKEN:  # exact: an integer of at most 8 bits times an FP16 scale
+                v = (code - BIAS) * vs
+            else:
+                vo = tl.load(vo_ptr + grp, mask=read, other=0.0).to(tl.float32)
+                v = code * vs + vo
         if beyond:  # the tail block (FP16 values from the store's tail buffer) or an empty one
             v = tl.load(tv_ptr + kv * s_tk + t[:, None] * s_tt + c[None, :], mask=read,
                         other=0.0).to(tl.float32)
@@ -368,7 +375,8 @@ def _launch_attend(plan, shared, scaling, eps_guard, split) -> None:
         groups.append((first, end, data, vscale, voffset, blocks, slots, data.stride(0),
                        data.stride(1), data.stride(2), vscale.stride(0), vscale.stride(1),
                        vscale.stride(2), live, walked))
-        layouts.append((lay.fp16, lay.bits, lay.group, src.is_tail, carries_tail(src, tail)))
+        layouts.append((lay.fp16, lay.bits, lay.group, src.is_tail, carries_tail(src, tail),
+                        lay.bias, lay.token_scale))
         first = end
     _attend_kernel[(hkv, first)](
         (q, q.stride(0), q.stride(1)),

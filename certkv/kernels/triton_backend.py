@@ -5,7 +5,7 @@ Each phase is one launch, its programs grouped by precision (the exact tail bloc
 last group; ``triton_sources``): keys FP16 or 2/3/4/8-bit per channel (INT8 channel-affine, KIVI),
 values FP16 or 2/3/4/8-bit per group, in any mix (exact sink and residual windows included). Used
 automatically on CUDA (``backend=auto``); on CPU it runs under ``TRITON_INTERPRET=1`` (tests, small
-shapes). Codecs or shapes the kernels do not cover (per-token symmetric codes, rotations, pre-RoPE
+shapes). Codecs or shapes the kernels do not cover (InnerQ's, rotations, pre-RoPE
 keys, dense-and-sparse values, non-power-of-two B or d) fall back to the PyTorch reference per
 phase, with a one-time notice, so results never depend on the backend beyond FP32 rounding.
 """

@@ -124,7 +124,7 @@ def _score_kernel(q_ptr, tk_ptr, s_out, l_out, d_out, ls_out, s_qk, s_qg, s_ok, 
                   DOT_C: tl.constexpr, SPLIT: tl.constexpr, LAYOUTS: tl.constexpr):
     """Grid ``(kv head, program)``: the programs of every precision's blocks in one launch.
     ``groups[k]``: precision ``k``'s programs ``[first, end)`` and what they read
-    (:func:`_group_args`); ``LAYOUTS[k]``: its ``(FP16, BITS, BIAS, TAIL, CARRIES)``."""
+    (:func:`_group_args`); ``LAYOUTS[k]``: its ``(FP16, BITS, BIAS, TAIL, CARRIES, TOKEN)``."""
     kv = tl.program_id(0)
     p = tl.program_id(1)
     q = load_group_queries(q_ptr, kv, s_qk, s_qg, G, BLOCK_G, D)
@@ -134,7 +134,7 @@ def _score_kernel(q_ptr, tk_ptr, s_out, l_out, d_out, ls_out, s_qk, s_qg, s_ok, 
             _score_split(q, kv, p - src[0], src, tk_ptr, s_out, l_out, d_out, ls_out, s_ok,
                          s_og, s_on, s_lk, s_lg, s_tk, s_tt, counts_ptr, scaling, G, BLOCK_G,
                          B, D, DOT_C, SPLIT, LAYOUTS[k][0], LAYOUTS[k][1], LAYOUTS[k][2],
-                         LAYOUTS[k][3], LAYOUTS[k][4])
+                         LAYOUTS[k][3], LAYOUTS[k][4], LAYOUTS[k][5])
 
 
 @triton.jit
@@ -143,8 +143,9 @@ def _score_split(q, kv, split, src, tk_ptr, s_out, l_out, d_out, ls_out, s_ok, s
                  BLOCK_G: tl.constexpr, B: tl.constexpr, D: tl.constexpr,
                  DOT_C: tl.constexpr, SPLIT: tl.constexpr, FP16: tl.constexpr,
                  BITS: tl.constexpr, BIAS: tl.constexpr, TAIL: tl.constexpr,
-                 CARRIES: tl.constexpr):
-    """One program's ``SPLIT`` blocks of one precision (``src``, :func:`_group_args`)."""
+                 CARRIES: tl.constexpr, TOKEN: tl.constexpr):
+    """One program's ``SPLIT`` blocks of one precision (``src``, :func:`_group_args`); codes
+    with a scale per channel and an offset, or (``TOKEN``) symmetric with a scale per token."""
     (_, _, code_ptr, scale_ptr, offset_ptr, blk_ptr, slot_ptr, s_ck, s_cn, s_ct, s_sk, s_sn,
      n_live, walked, bound_a, bound_b) = src
     g = tl.arange(0, BLOCK_G)
@@ -164,11 +165,16 @@ def _score_split(q, kv, split, src, tk_ptr, s_out, l_out, d_out, ls_out, s_ok, s
             delta = tl.zeros((BLOCK_G,), tl.float32)
         else:
             code = load_codes(code_ptr, base, t, c, s_ct, rows[:, None], BITS)
-            scale = tl.load(scale_ptr + kv * s_sk + slot * s_sn + c).to(tl.float32)
-            offset = tl.load(offset_ptr + kv * s_sk + slot * s_sn + c).to(tl.float32)
-            k = (code - BIAS) * scale[None, :] + offset[None, :]  # eq. 3, in registers
-            bound = tl.where(scale > 0, bound_a * scale + bound_b * tl.abs(offset), 0.0)  # r_c
-            delta = tl.sum(q_abs * bound[None, :], axis=1) * scaling  # eq. 8
+            if TOKEN:  # (code - bias) s_t, exact; r_c = a max_t s_t on every channel
+                scale_t = tl.load(scale_ptr + kv * s_sk + slot * s_sn + t).to(tl.float32)
+                k = (code - BIAS) * scale_t[:, None]
+                bound = bound_a * tl.max(scale_t, axis=0) + c * 0.0
+            else:
+                scale = tl.load(scale_ptr + kv * s_sk + slot * s_sn + c).to(tl.float32)
+                offset = tl.load(offset_ptr + kv * s_sk + slot * s_sn + c).to(tl.float32)
+                k = (code - BIAS) * scale[None, :] + offset[None, :]  # eq. 3, in registers
+                bound = tl.where(scale > 0, bound_a * scale + bound_b * tl.abs(offset), 0.0)
+            delta = tl.sum(q_abs * bound[None, :], axis=1) * scaling  # eq. 8, r_c = bound
         if beyond:  # the tail block (FP16 keys from the store's tail buffer) or an empty one
             k = tl.load(tk_ptr + kv * s_tk + t[:, None] * s_tt + c[None, :],
                         mask=rows[:, None], other=0.0).to(tl.float32)
@@ -236,7 +242,7 @@ def _group_args(plan: list, split: int) -> tuple[tuple, tuple, int]:
     ``k`` holds the programs ``[first, end)`` (``split`` blocks each) that walk plan entry
     ``k`` and what they read (codes, FP16 scales, offsets, index lists, their strides, the
     entries, the blocks walked before, the bound's coefficients); its layout ``(FP16, BITS,
-    BIAS, TAIL, CARRIES)`` is a compile-time constant."""
+    BIAS, TAIL, CARRIES, TOKEN)`` is a compile-time constant."""
     groups, layouts, first = [], [], 0
     for src, tail, live, walked in plan:
         lay = src.layout
@@ -245,7 +251,8 @@ def _group_args(plan: list, split: int) -> tuple[tuple, tuple, int]:
         groups.append((first, end, data, scale, offset, blocks, slots, data.stride(0),
                        data.stride(1), data.stride(2), scale.stride(0), scale.stride(1), live,
                        walked, float(lay.bound[0]), float(lay.bound[1])))
-        layouts.append((lay.fp16, lay.bits, lay.bias, src.is_tail, carries_tail(src, tail)))
+        layouts.append((lay.fp16, lay.bits, lay.bias, src.is_tail, carries_tail(src, tail),
+                        lay.token_scale))
         first = end
     return tuple(groups), tuple(layouts), first
 

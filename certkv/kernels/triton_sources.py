@@ -19,7 +19,8 @@ A group reads one :class:`CodeLayout`:
 Covered: keys of :class:`~certkv.quant.int8_channel.ChannelAffineKeyCodec` and
 :class:`~certkv.quant.kivi.KiviKeyCodec` at 2, 3, 4 or 8 bits, values of
 :class:`~certkv.quant.int4_group.GroupAffineValueCodec` at 2, 3, 4 or 8 bits (3-bit codes 8 to
-3 bytes, :mod:`certkv.quant.packing`), and FP16 either side.
+3 bytes, :mod:`certkv.quant.packing`), SmartKV's symmetric codes with a scale per token
+(:mod:`certkv.quant.symmetric_token`) at 2, 3, 4 or 8 bits, and FP16 either side.
 Evicted blocks' summaries (:mod:`certkv.quant.summary`) need no kernel of their own: keys as
 8-bit affine codes that are all zero (one zero row broadcast with stride 0) with the midpoint
 ``(l + u) / 2`` as offset and the half range as scale, so the kernel's bound ``r_c = a scale +
@@ -28,7 +29,7 @@ whose every token is the centre (stride 0 over tokens).
 The same codecs ECC-protected (:mod:`certkv.quant.protect`) are read after the Triton ECC kernel
 decodes their words (:mod:`certkv.kernels.triton_ecc`); blocks that failed the integrity check are
 one more FP16 group over their originals (:meth:`TieredKVStore.block_groups`). Anything else
-(per-token symmetric codes, rotations, pre-RoPE keys, dense-and-sparse values, erasures to repair
+(InnerQ's codes, rotations, pre-RoPE keys, dense-and-sparse values, erasures to repair
 without the integrity check) returns None and the phase runs on the PyTorch reference.
 """
 

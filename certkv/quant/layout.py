@@ -18,7 +18,9 @@ class CodeLayout:
 
     ``fp16``: stored originals (``bits = 16``); else affine codes ``bits`` wide, ``bias``
     subtracted from the unsigned code, ``bound = (a, b)`` of ``r_c = a scale_c + b |offset_c|``
-    (keys; Delta_b, eq. 8) and ``group`` channels per scale (values).
+    (keys; Delta_b, eq. 8) and ``group`` channels per scale (values). ``token_scale``: symmetric
+    codes with one scale per token and no offset, ``x = (code - bias) scale_t`` (SmartKV's),
+    the keys' channel bound ``a max_t scale_t`` (values: ``group`` is the head dimension).
     """
 
     fp16: bool
@@ -26,6 +28,7 @@ class CodeLayout:
     bias: int = 0
     bound: tuple[float, float] = (0.0, 0.0)
     group: int = 1
+    token_scale: bool = False
 
 
 def keeps(codec, owner: type) -> bool:

@@ -25,6 +25,7 @@ import torch
 
 from certkv.quant.base import FP32_EPS, Blocks, KeyCodec, ValueCodec
 from certkv.quant.kivi import fp16_step
+from certkv.quant.layout import KERNEL_BITS, CodeLayout, keeps
 from certkv.quant.packing import check_bits, check_packable, pack_bits, unpack_bits
 from certkv.registry import KEY_CODECS, VALUE_CODECS
 
@@ -75,6 +76,21 @@ class _TokenSymmetric:
     def decode(self, blocks: Blocks) -> torch.Tensor:
         return decode_tokens(blocks, self.bits)
 
+    def _layout(self, owner: type, group: int = 1) -> CodeLayout | None:
+        """Codes offset by ``2^(b-1)``, one scale per token, no offset; the keys' channel bound
+        ``(1/2 + 8u qmax) max_t s_t`` (:func:`token_error`)."""
+        if not keeps(self, owner) or self.bits not in KERNEL_BITS:
+            return None
+        a = 0.5 + 8 * FP32_EPS * _qmax(self.bits)
+        return CodeLayout(False, self.bits, 1 << (self.bits - 1), (a, 0.0), group,
+                          token_scale=True)
+
+    def kernel_blocks(self, blocks: Blocks, block_size: int) -> Blocks:
+        """The scales as the kernels index a scale per token (the value kernel per group of
+        the whole head dimension: a trailing unit axis); the offset, never read, the same."""
+        scale = blocks["scale"] if self.kind == "key" else blocks["scale"].unsqueeze(-1)
+        return {"codes": blocks["codes"], "scale": scale, "offset": scale}
+
 
 @KEY_CODECS.register("token_symmetric")
 @dataclass
@@ -82,6 +98,10 @@ class TokenSymmetricKeyCodec(_TokenSymmetric, KeyCodec):
     """Keys: ``codes`` uint8 ``[Hkv, n, B, d * bits / 8]``, ``scale`` FP16 ``[Hkv, n, B]``."""
 
     kind: ClassVar[str] = "key"
+
+    def kernel_layout(self) -> CodeLayout | None:
+        """Symmetric per-token codes (2, 3, 4 or 8 bits): see :class:`CodeLayout`."""
+        return self._layout(TokenSymmetricKeyCodec)
 
     def channel_bound(self, blocks: Blocks) -> torch.Tensor:
         worst = token_error(blocks, self.bits).amax(dim=-1, keepdim=True)  # [Hkv, n, 1]
@@ -94,6 +114,11 @@ class TokenSymmetricValueCodec(_TokenSymmetric, ValueCodec):
     """Values: ``codes`` uint8 ``[Hkv, n, B, d * bits / 8]``, ``scale`` FP16 ``[Hkv, n, B]``."""
 
     kind: ClassVar[str] = "value"
+
+    def kernel_layout(self, head_dim: int) -> CodeLayout | None:
+        """Symmetric per-token codes (2, 3, 4 or 8 bits), one scale per token: a group of
+        ``head_dim`` channels."""
+        return self._layout(TokenSymmetricValueCodec, head_dim)
 
     def token_bound(self, blocks: Blocks) -> torch.Tensor:
         d = blocks["codes"].shape[-1] * 8 // self.bits

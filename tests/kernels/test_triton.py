@@ -33,7 +33,13 @@ from certkv.kernels.triton_backend import TritonBackend, slot_map
 from certkv.kernels.triton_checks import ranking_and_boundary
 from certkv.kernels.triton_score import score_blocks
 from certkv.kernels.triton_sources import block_sources
-from certkv.quant import GroupAffineValueCodec, KiviKeyCodec, TieredQuantizer
+from certkv.quant import (
+    GroupAffineValueCodec,
+    KiviKeyCodec,
+    TieredQuantizer,
+    TokenSymmetricKeyCodec,
+    TokenSymmetricValueCodec,
+)
 from certkv.quant.layout import KERNEL_BITS
 
 ATOL = 1e-6
@@ -49,13 +55,18 @@ def merge_staged(values: torch.Tensor, staged) -> torch.Tensor:
     return values
 
 
-def case(hkv=2, group=3, d=32, tokens=75, seed=0, block=16, device="cpu", bits=None):
-    """A store of ``tokens`` (INT8 keys and INT4 values, or both at ``bits``) and queries."""
+def case(hkv=2, group=3, d=32, tokens=75, seed=0, block=16, device="cpu", bits=None,
+         symmetric=False):
+    """A store of ``tokens`` (INT8 keys and INT4 values, or both at ``bits``: affine, or
+    ``symmetric`` with a scale per token as SmartKV's) and queries."""
     k, v = make_kv(hkv, tokens, d, seed=seed, outlier_channels=2)
     value_group = 8 if d < 128 else 16
     codecs = {} if bits is None else {
         "key_codec": ChannelAffineKeyCodec(bits=bits),
         "value_codec": GroupAffineValueCodec(bits=bits, group=value_group)}
+    if symmetric:
+        codecs = {"key_codec": TokenSymmetricKeyCodec(bits=bits),
+                  "value_codec": TokenSymmetricValueCodec(bits=bits)}
     store = TieredKVStore(hkv, d, block_size=block, value_group=value_group, device=device,
                           **codecs)
     store.append(k.to(device), v.to(device))
@@ -78,11 +89,13 @@ def flash_rule(kernel, ref, oracle, name):
 
 @pytest.mark.parametrize(("seed", "split", "shape"), [
     (0, 1, {}), (1, 3, {}), (2, None, {}), (3, 8, {}), (5, 2, {"bits": 3}), (6, 2, {"bits": 2}),
+    (7, 2, {"bits": 3, "symmetric": True}), (8, 4, {"bits": 8, "symmetric": True}),
     pytest.param(4, None, {**GPU_FULL, "tokens": 32768 + 7}, marks=pytest.mark.gpu),
 ])
 def test_phase1_flash_attention_rule(seed, split, shape):
     """Phase 1's logits, log-masses, log-spreads and Delta_b against FP64 on the store's own
-    decoded keys (INT8 keys; 3-bit codes, two of each 8 straddling a byte; 2-bit)."""
+    decoded keys (INT8 keys; 3-bit codes, two of each 8 straddling a byte; 2-bit; SmartKV's
+    symmetric codes with a scale per token)."""
     store, qg = case(seed=seed, **{"tokens": 75 + 40 * seed, **shape})
     lay = StepLayout(store)
     scaling = store.head_dim**-0.5
@@ -136,11 +149,13 @@ def staged(store, kv, blk, which):
 
 @pytest.mark.parametrize(("seed", "promote", "shape"), [
     (0, False, {}), (1, True, {}), (2, True, {}), (3, False, {}), (5, True, {"bits": 3}),
+    (6, True, {"bits": 2, "symmetric": True}), (7, False, {"bits": 4, "symmetric": True}),
     pytest.param(4, True, {**GPU_FULL, "tokens": 32768 + 9}, marks=pytest.mark.gpu),
 ])
 def test_phase2_attend_flash_attention_rule(seed, promote, shape):
     """Phase 2's output and block statistics against FP64 softmax attention over the store's
-    decoded values (INT4, or 3-bit codes) with staged FP16 keys and values."""
+    decoded values (INT4, 3-bit codes, SmartKV's symmetric codes with a scale per token) with
+    staged FP16 keys and values."""
     store, qg = case(seed=seed, **{"tokens": 100, **shape})
     lay = StepLayout(store)
     scaling = store.head_dim**-0.5
@@ -412,12 +427,12 @@ def test_triton_and_torch_backends_agree_through_attention():
 
 
 def test_unsupported_codecs_fall_back_to_the_reference():
-    """Per-token symmetric keys (SmartKV's), which claim no kernel layout: Phase 1 runs on the
-    reference, with the kernels' results elsewhere."""
-    from certkv.quant import TokenSymmetricKeyCodec
+    """Rotated keys, which claim no kernel layout: Phase 1 runs on the reference, with the
+    kernels' results elsewhere."""
+    from certkv.quant import RotatedKeyCodec
 
     k, v = make_kv(2, 64, 32, seed=0)
-    store = TieredKVStore(2, 32, key_codec=TokenSymmetricKeyCodec(bits=8))
+    store = TieredKVStore(2, 32, key_codec=RotatedKeyCodec(bits=4, subspaces=4))
     store.append(k, v)
     q = make_query(k, 2, scale=2.0)
     a, _ = CertifiedAttention(backend="torch")(q, store)
