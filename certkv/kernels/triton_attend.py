@@ -42,7 +42,7 @@ from certkv.kernels.triton_score import (
     load_group_queries,
     log_or_minus_inf,
 )
-from certkv.kernels.triton_sources import carries_tail, program_groups
+from certkv.kernels.triton_sources import kernel_groups, program_groups, tail_data
 
 
 @triton.jit
@@ -53,8 +53,8 @@ def _attend_kernel(query, scores, fp16, tail, blocks_out, state, counts_ptr, sca
     """Grid ``(kv head, program)``: the programs of every precision's blocks in one launch,
     program ``p`` writing split state ``p``. The arguments come in bundles (pointers and their
     strides, :func:`_launch_attend`); ``groups[k]``: precision ``k``'s programs ``[first,
-    end)`` and what they read; ``LAYOUTS[k]``: its ``(FP16, BITS, GROUP, TAIL, CARRIES, BIAS,
-    TOKEN)``."""
+    end)`` and what they read; ``LAYOUTS[k]``: its ``(FP16, BITS, BIAS, GROUP, TAIL, CARRIES,
+    TOKEN)`` (:func:`~certkv.kernels.triton_sources.kernel_groups`)."""
     kv = tl.program_id(0)
     p = tl.program_id(1)
     q_ptr, s_qk, s_qg = query
@@ -64,8 +64,8 @@ def _attend_kernel(query, scores, fp16, tail, blocks_out, state, counts_ptr, sca
         if (p >= src[0]) & (p < src[1]):
             _attend_split(q, kv, p, src, scores, fp16, tail, blocks_out, state, counts_ptr,
                           scaling, eps_guard, G, BLOCK_G, B, D, DOT_C, SPLIT, LAYOUTS[k][0],
-                          LAYOUTS[k][1], LAYOUTS[k][2], LAYOUTS[k][3], LAYOUTS[k][4],
-                          LAYOUTS[k][5], LAYOUTS[k][6])
+                          LAYOUTS[k][1], LAYOUTS[k][3], LAYOUTS[k][4], LAYOUTS[k][5],
+                          LAYOUTS[k][2], LAYOUTS[k][6])
 
 
 @triton.jit
@@ -79,7 +79,7 @@ def _attend_split(q, kv, p, src, scores, fp16, tail, blocks_out, state, counts_p
     ``p`` (see the module); value codes with a scale and an offset per group, or (``TOKEN``)
     symmetric with a scale per token, ``(code - BIAS) s_t``."""
     (first, _, code_ptr, vs_ptr, vo_ptr, blk_ptr, slot_ptr, s_ck, s_cn, s_ct, s_vk, s_vn, s_vt,
-     n_live, walked) = src
+     n_live, walked, _, _) = src
     s_ptr, gate_ptr, delta_ptr, s_sk, s_sg, s_sn = scores
     kslot_ptr, kstaged_ptr, vslot_ptr, vstaged_ptr, k2_ptr, v2_ptr, s_lk, s_kp, s_kt, s_pp, \
         s_pt, s_2p, s_2t = fp16
@@ -366,19 +366,9 @@ def _launch_attend(plan, shared, scaling, eps_guard, split) -> None:
     m, lsum, acc = state
     hkv, g, _, bsz = scores.shape
     d = q.shape[-1]
-    tail_v = next((tail.data for _, tail, _, _ in plan if tail is not None), plan[-1][0].data)
-    groups, layouts, first = [], [], 0
-    for src, tail, live, walked in plan:
-        lay = src.layout
-        data, vscale, voffset, blocks, slots = src.pointers()
-        end = first + triton.cdiv(live, split)
-        groups.append((first, end, data, vscale, voffset, blocks, slots, data.stride(0),
-                       data.stride(1), data.stride(2), vscale.stride(0), vscale.stride(1),
-                       vscale.stride(2), live, walked))
-        layouts.append((lay.fp16, lay.bits, lay.group, src.is_tail, carries_tail(src, tail),
-                        lay.bias, lay.token_scale))
-        first = end
-    _attend_kernel[(hkv, first)](
+    tail_v = tail_data(plan)
+    groups, layouts, programs = kernel_groups(plan, split)
+    _attend_kernel[(hkv, programs)](
         (q, q.stride(0), q.stride(1)),
         (scores, gate, delta, scores.stride(0), scores.stride(1), scores.stride(2)),
         (key_slot, key_data, value_slot, value_data, k2, v2, value_slot.stride(0),
@@ -387,7 +377,7 @@ def _launch_attend(plan, shared, scaling, eps_guard, split) -> None:
         (tail_v, tail_v.stride(0), tail_v.stride(2)),
         (m_b, l_b, l2_b, canary, m_b.stride(0), m_b.stride(1)),
         (m, lsum, acc, m.stride(0), m.stride(1), acc.stride(0), acc.stride(1), acc.stride(2)),
-        plan[0][0].counts, float(scaling), float(eps_guard), tuple(groups),
+        plan[0][0].counts, float(scaling), float(eps_guard), groups,
         G=g, BLOCK_G=triton.next_power_of_2(g), B=bsz, D=d, DOT_C=dot_chunk(d), SPLIT=split,
-        LAYOUTS=tuple(layouts))
+        LAYOUTS=layouts)
 

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from certkv.certify.arith import dot_chunk
-from certkv.kernels.triton_sources import carries_tail, program_groups
+from certkv.kernels.triton_sources import kernel_groups, program_groups, tail_data
 
 
 @triton.jit
@@ -123,8 +123,9 @@ def _score_kernel(q_ptr, tk_ptr, s_out, l_out, d_out, ls_out, s_qk, s_qg, s_ok, 
                   BLOCK_G: tl.constexpr, B: tl.constexpr, D: tl.constexpr,
                   DOT_C: tl.constexpr, SPLIT: tl.constexpr, LAYOUTS: tl.constexpr):
     """Grid ``(kv head, program)``: the programs of every precision's blocks in one launch.
-    ``groups[k]``: precision ``k``'s programs ``[first, end)`` and what they read
-    (:func:`_group_args`); ``LAYOUTS[k]``: its ``(FP16, BITS, BIAS, TAIL, CARRIES, TOKEN)``."""
+    ``groups[k]``: precision ``k``'s programs ``[first, end)`` and what they read;
+    ``LAYOUTS[k]``: its ``(FP16, BITS, BIAS, GROUP, TAIL, CARRIES, TOKEN)``
+    (:func:`~certkv.kernels.triton_sources.kernel_groups`)."""
     kv = tl.program_id(0)
     p = tl.program_id(1)
     q = load_group_queries(q_ptr, kv, s_qk, s_qg, G, BLOCK_G, D)
@@ -134,7 +135,7 @@ def _score_kernel(q_ptr, tk_ptr, s_out, l_out, d_out, ls_out, s_qk, s_qg, s_ok, 
             _score_split(q, kv, p - src[0], src, tk_ptr, s_out, l_out, d_out, ls_out, s_ok,
                          s_og, s_on, s_lk, s_lg, s_tk, s_tt, counts_ptr, scaling, G, BLOCK_G,
                          B, D, DOT_C, SPLIT, LAYOUTS[k][0], LAYOUTS[k][1], LAYOUTS[k][2],
-                         LAYOUTS[k][3], LAYOUTS[k][4], LAYOUTS[k][5])
+                         LAYOUTS[k][4], LAYOUTS[k][5], LAYOUTS[k][6])
 
 
 @triton.jit
@@ -144,9 +145,10 @@ def _score_split(q, kv, split, src, tk_ptr, s_out, l_out, d_out, ls_out, s_ok, s
                  DOT_C: tl.constexpr, SPLIT: tl.constexpr, FP16: tl.constexpr,
                  BITS: tl.constexpr, BIAS: tl.constexpr, TAIL: tl.constexpr,
                  CARRIES: tl.constexpr, TOKEN: tl.constexpr):
-    """One program's ``SPLIT`` blocks of one precision (``src``, :func:`_group_args`); codes
-    with a scale per channel and an offset, or (``TOKEN``) symmetric with a scale per token."""
-    (_, _, code_ptr, scale_ptr, offset_ptr, blk_ptr, slot_ptr, s_ck, s_cn, s_ct, s_sk, s_sn,
+    """One program's ``SPLIT`` blocks of one precision (``src``, :func:`~certkv.kernels.
+    triton_sources.kernel_groups`); codes with a scale per channel and an offset, or
+    (``TOKEN``) symmetric with a scale per token."""
+    (_, _, code_ptr, scale_ptr, offset_ptr, blk_ptr, slot_ptr, s_ck, s_cn, s_ct, s_sk, s_sn, _,
      n_live, walked, bound_a, bound_b) = src
     g = tl.arange(0, BLOCK_G)
     t = tl.arange(0, B)
@@ -225,8 +227,8 @@ def score_blocks(q: torch.Tensor, sources: list, n: int, block_size: int, scalin
     log_spread = torch.empty_like(log_mass)
     split = split or blocks_per_program(n, hkv, q.device)
     plan = program_groups(sources, n)
-    groups, layouts, programs = _group_args(plan, split)
-    tail_k = next((tail.data for _, tail, _, _ in plan if tail is not None), plan[-1][0].data)
+    groups, layouts, programs = kernel_groups(plan, split)
+    tail_k = tail_data(plan)
     _score_kernel[(hkv, programs)](
         q, tail_k, s, log_mass, delta, log_spread, q.stride(0), q.stride(1),
         s.stride(0), s.stride(1), s.stride(2), log_mass.stride(0), log_mass.stride(1),
@@ -234,25 +236,4 @@ def score_blocks(q: torch.Tensor, sources: list, n: int, block_size: int, scalin
         G=group, BLOCK_G=triton.next_power_of_2(group), B=block_size, D=q.shape[2],
         DOT_C=dot_chunk(q.shape[2]), SPLIT=split, LAYOUTS=layouts)
     return s, log_mass, delta, log_spread
-
-
-def _group_args(plan: list, split: int) -> tuple[tuple, tuple, int]:
-    """The launch's per-precision arguments from the plan of
-    :func:`~certkv.kernels.triton_sources.program_groups`: ``(groups, layouts, programs)``; group
-    ``k`` holds the programs ``[first, end)`` (``split`` blocks each) that walk plan entry
-    ``k`` and what they read (codes, FP16 scales, offsets, index lists, their strides, the
-    entries, the blocks walked before, the bound's coefficients); its layout ``(FP16, BITS,
-    BIAS, TAIL, CARRIES, TOKEN)`` is a compile-time constant."""
-    groups, layouts, first = [], [], 0
-    for src, tail, live, walked in plan:
-        lay = src.layout
-        data, scale, offset, blocks, slots = src.pointers()
-        end = first + triton.cdiv(live, split)
-        groups.append((first, end, data, scale, offset, blocks, slots, data.stride(0),
-                       data.stride(1), data.stride(2), scale.stride(0), scale.stride(1), live,
-                       walked, float(lay.bound[0]), float(lay.bound[1])))
-        layouts.append((lay.fp16, lay.bits, lay.bias, src.is_tail, carries_tail(src, tail),
-                        lay.token_scale))
-        first = end
-    return tuple(groups), tuple(layouts), first
 

@@ -149,6 +149,34 @@ def program_groups(sources: list[BlockSource], n: int
     return plan
 
 
+def kernel_groups(plan: list, split: int) -> tuple[tuple, tuple, int]:
+    """Both phases' per-group launch arguments from the ``plan`` of :func:`program_groups`:
+    ``(groups, layouts, programs)``. Group ``k`` holds the programs ``[first, end)`` (``split``
+    blocks each) that walk plan entry ``k`` and what they read: ``(first, end, codes, scale,
+    offset, blocks, slots, codes' strides (kv head, slot, token), scale's strides (kv head,
+    slot, token), entries, blocks walked before, the key bound's (a, b))``; its layout
+    ``(FP16, BITS, BIAS, GROUP, TAIL, CARRIES, TOKEN)`` is a compile-time constant of the
+    group's branch of the kernel (:class:`CodeLayout`)."""
+    groups, layouts, first = [], [], 0
+    for src, tail, live, walked in plan:
+        lay = src.layout
+        data, scale, offset, blocks, slots = src.pointers()
+        end = first + -(-live // split)
+        scale_strides = (*scale.stride()[:3], 0, 0)[:3]
+        groups.append((first, end, data, scale, offset, blocks, slots, *data.stride()[:3],
+                       *scale_strides, live, walked, float(lay.bound[0]), float(lay.bound[1])))
+        layouts.append((lay.fp16, lay.bits, lay.bias, lay.group, src.is_tail,
+                        carries_tail(src, tail), lay.token_scale))
+        first = end
+    return tuple(groups), tuple(layouts), first
+
+
+def tail_data(plan: list) -> torch.Tensor:
+    """The exact tail block's FP16 buffer ``[Hkv, 1, B, d]`` that a group of ``plan`` carries
+    (or, where none does, a tensor the kernels never read there)."""
+    return next((tail.data for _, tail, _, _ in plan if tail is not None), plan[-1][0].data)
+
+
 def carries_tail(src: BlockSource, tail: BlockSource | None) -> bool:
     """Whether a group walks the tail block (and the empty blocks after it)."""
     return tail is not None or src.is_tail
