@@ -91,6 +91,10 @@ def bench_launches(
     out: Annotated[Path | None, _out_option("launches_<device>")] = None,
     force: Annotated[bool, _force_option("launches_<device>")] = False,
     compile: Annotated[str, typer.Option(help=COMPILE_HELP)] = "auto",
+    quantizer: Annotated[str | None, typer.Option(
+        help="a conf/quantizer option for the store (default: the paper's INT8/INT4), e.g. "
+             "smartkv or kivi2 (several precisions); the report's name ends in _<quantizer>")
+    ] = None,
 ) -> None:
     """What one layer step of the Triton path dispatches (no timing): Triton launches, compiled
     segments, eager launching operators and host reads per method (CUDA launches on a GPU).
@@ -106,7 +110,8 @@ def bench_launches(
     contexts = context or ([4104, 32776] if dev.type == "cuda" else [250, 1000])
     cases = [bench.AttentionCase(n, d, h, g) for n in contexts
              for d, h, g in bench.LAUNCH_SHAPES]
-    report = bench.BenchReport(f"launches_{dev.type}", _command(), out, force)
+    codecs, suffix = _quantizer(quantizer), f"_{quantizer}" if quantizer else ""
+    report = bench.BenchReport(f"launches_{dev.type}{suffix}", _command(), out, force)
     with _user_errors():
         report.check()
     # the interpreter computes with NumPy, which warns on the IEEE infinities of masked lanes
@@ -114,9 +119,9 @@ def bench_launches(
     quiet = np.errstate(all="ignore") if dev.type == "cpu" else nullcontext()
     with quiet, bench.progress(len(bench.LAUNCH_METHODS) * len(cases),
                                "bench launches") as update:
-        records = [bench.bench_launches_case(case, dev, _compile(compile), update)
+        records = [bench.bench_launches_case(case, dev, _compile(compile), update, codecs)
                    for case in cases]
-    tables, notes = bench.dispatch_tables(records), bench.LAUNCH_NOTES
+    tables, notes = bench.dispatch_tables(records), bench.launch_notes(records)
     path = report.write(records, bench.markdown(tables, notes),
                         lambda p: bench.plot_launches(records, p))
     bench.show(tables, notes, path)

@@ -187,6 +187,22 @@ def test_bench_launches_command_counts_the_triton_step(tmp_path, monkeypatch):
     assert max(map(len, result.output.splitlines())) <= 100
 
 
+def test_bench_launches_takes_a_quantizer_and_names_its_precisions(tmp_path, monkeypatch):
+    """``--quantizer kivi2``: the store holds KIVI's FP16 window and 2-bit blocks, the report
+    is ``launches_cpu_kivi2`` and says which precisions it held; the certified step launches
+    what an INT8/INT4 store's does (one launch per phase whatever the mix)."""
+    monkeypatch.setattr(bench, "LAUNCH_SHAPES", ((32, 1, 2),))
+    result = runner.invoke(app, ["bench", "launches", "--context", "200", "--device", "cpu",
+                                 "--out", str(tmp_path), "--compile", "off",
+                                 "--quantizer", "kivi2"], env={"COLUMNS": "100"})
+    assert result.exit_code == 0, result.output
+    (record,) = json.loads((tmp_path / "launches_cpu_kivi2.json").read_text())["records"]
+    assert record["precisions"] == ["FP16", "K2/V2"]
+    certified = record["dispatch"]["certified"]
+    assert (certified["kernels"], certified["segments"], certified["eager_launches"]) == (6, 0, 0)
+    assert "FP16, K2/V2" in (tmp_path / "launches_cpu_kivi2.md").read_text()
+
+
 def test_bench_decode_command_writes_report(tmp_path, monkeypatch):
     calls: list = []
     monkeypatch.setattr(bench, "progress", _recording_progress(calls))

@@ -30,6 +30,7 @@ from certkv.bench.attention import (
     bench_attention_case,
     bench_launches_case,
     default_cases,
+    launch_notes,
 )
 from certkv.bench.decode import (
     MODEL_CONFIGS,
@@ -94,6 +95,7 @@ __all__ = [
     "device_info",
     "dispatch_tables",
     "interleaved_timings",
+    "launch_notes",
     "markdown",
     "model_spec",
     "offline_weights",

@@ -38,17 +38,18 @@ class AttentionCase:
         """For tables: ``N=4K d=128 4:1`` (context, head dim, query heads per kv head)."""
         return f"N={tokens(self.context)} d={self.head_dim} {self.group}:1"
 
-    def build(self, device: torch.device, decoded_mirror: bool | str = False):
+    def build(self, device: torch.device, decoded_mirror: bool | str = False, quantizer=None):
         """``(store, q, k16, v16)``: the case's keys and values in a store (with
-        ``decoded_mirror``, :class:`TieredKVStore`), a query, and the keys and values in
-        FP16."""
+        ``decoded_mirror`` and ``quantizer``'s codecs, :class:`TieredKVStore`; None: the
+        paper's INT8/INT4), a query, and the keys and values in FP16."""
         gen = torch.Generator().manual_seed(self.seed)
         shape = (self.kv_heads, self.context, self.head_dim)
         k = torch.randn(shape, generator=gen)
         k[..., : max(1, self.head_dim // 32)] *= 20  # outlier channels
         v = torch.randn(shape, generator=gen)
+        codecs = {} if quantizer is None else quantizer.store_kwargs()
         store = TieredKVStore(self.kv_heads, self.head_dim, device=device,
-                              decoded_mirror=decoded_mirror)
+                              decoded_mirror=decoded_mirror, **codecs)
         store.append(k.to(device), v.to(device))
         q = torch.randn(self.kv_heads * self.group, self.head_dim, generator=gen) * 2
         return store, q.to(device), k.to(device, torch.float16), v.to(device, torch.float16)
@@ -82,16 +83,16 @@ def bench_attention_case(case: AttentionCase, device: torch.device, repeats: int
 
 
 def layer_steps(case: AttentionCase, device: torch.device, compile: bool | str | None,
-                backend: str) -> tuple[TieredKVStore, dict, dict]:
+                backend: str, quantizer=None) -> tuple[TieredKVStore, dict, dict]:
     """``(store, steps, methods)`` of one case: a callable step per method and its
     :class:`CertifiedAttention` (None for dense). ``dense`` decodes straight from a resident
     cache in the device's compute dtype (:func:`_dense_dtype`), converted once here;
     ``certified`` uses a scratch cache; where the backend keeps the step on the device
     (Triton), ``certified-host`` is the same step with its page-in plan and fallback flags
-    read on the host (``device_fallback=False``)."""
+    read on the host (``device_fallback=False``); ``quantizer``: the store's (None: INT8/INT4)."""
     naive = CertifiedAttention(mode="naive", compile=compile, backend=backend)
     certified = CertifiedAttention(compile=compile, backend=backend)
-    store, q, k16, v16 = case.build(device, certified.decoded_mirror(device))
+    store, q, k16, v16 = case.build(device, certified.decoded_mirror(device), quantizer)
     scaling = case.head_dim ** -0.5
     dtype = _dense_dtype(device)
     qd, kd, vd = q.to(dtype), k16.to(dtype), v16.to(dtype)
@@ -123,22 +124,34 @@ LAUNCH_NOTES = [
     "CPU."]
 
 
+def launch_notes(records: list[dict]) -> list[str]:
+    """:data:`LAUNCH_NOTES`, and the precisions each case's store held (records that name
+    them)."""
+    held = [f"{r['short_label']}: {', '.join(r['precisions'])}" for r in records
+            if r.get("precisions")]
+    return [*LAUNCH_NOTES, *(["Precisions the store held (value codecs' labels): "
+                              + "; ".join(held) + "."] if held else [])]
+
+
 def bench_launches_case(case: AttentionCase, device: torch.device,
-                        compile: bool | str | None = None, update: Update = _quiet) -> dict:
+                        compile: bool | str | None = None, update: Update = _quiet,
+                        quantizer=None) -> dict:
     """What one layer step of the Triton path dispatches, per method
     (:data:`LAUNCH_METHODS`, :func:`layer_steps`), without timing it (on CPU the kernels run
     under ``TRITON_INTERPRET=1``): Triton launches, segment calls, eager launching operators,
     host reads, aten operators and, on CUDA, the launches the profiler records
-    (:class:`~certkv.opcount.StepCounter`)."""
-    _, steps, methods = layer_steps(case, device, compile, "triton")
+    (:class:`~certkv.opcount.StepCounter`), over a store of ``quantizer``'s (None: INT8/INT4)
+    with its precisions held."""
+    store, steps, methods = layer_steps(case, device, compile, "triton", quantizer)
     dispatch = {}
     for method in LAUNCH_METHODS:
         update(f"{case.short_label}: {method}")
         steps[method](), steps[method]()  # warm-up: compilation, the scratch's first fills
         dispatch[method] = count_step(steps[method], methods[method])
         update(f"{case.short_label}: {method}", advance=1)
+    held = sorted({precision.label for precision, *_ in store.block_groups("value")})
     return {"case": case.__dict__, "label": case.label, "short_label": case.short_label,
-            "dispatch": dispatch}
+            "dispatch": dispatch, "precisions": held}
 
 
 def _attention_record(case: AttentionCase, store: TieredKVStore, cert, ms_stats: dict,

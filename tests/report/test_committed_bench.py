@@ -42,7 +42,7 @@ def rendered(payload: dict) -> list[str]:
         return bench.markdown(bench.attention_tables(records, peak, payload.get("copy_gbps")),
                               bench.attention_notes(records, peak))
     if kind == "launches":
-        return bench.markdown(bench.dispatch_tables(records), bench.LAUNCH_NOTES)
+        return bench.markdown(bench.dispatch_tables(records), bench.launch_notes(records))
     assert kind == "decode", payload["command"]
     if any(w.startswith("--batch") for w in words):
         return bench.markdown(batching.batch_tables(records), batching.batch_notes(records))
