@@ -332,7 +332,8 @@ def attend_blocks(scored: Scored, q: torch.Tensor, gate: torch.Tensor, sources: 
     d = q.shape[-1]
     split = split or blocks_per_program(n, hkv, scores.device)
     plan = program_groups(sources, n)
-    programs = sum(triton.cdiv(live, split) for _, _, live, _ in plan)
+    grouped = kernel_groups(plan, split)  # (groups, layouts, programs)
+    programs = grouped[2]
     dev = scores.device
     m_b = torch.empty(hkv, g, n, device=dev)
     l_b, l2_b = torch.empty_like(m_b), torch.empty_like(m_b)
@@ -347,7 +348,7 @@ def attend_blocks(scored: Scored, q: torch.Tensor, gate: torch.Tensor, sources: 
     shared = (scores, q.float().contiguous(), fp16.key_slot.contiguous(), key_data,
               gate, delta, fp16.value_slot.contiguous(), value_data, tier2,
               (m_b, l_b, l2_b, canary), (m, lsum, acc))
-    _launch_attend(plan, shared, scaling, eps_guard, split)
+    _launch_attend(plan, grouped, shared, scaling, eps_guard, split)
     if certify is not None:  # the certificate reads this step's canary
         certify = certify._replace(x=certify.x._replace(canary_blocks=canary))
     att = reduce_splits(m_b, l_b, m, lsum, acc, l2_b, checks, certify)
@@ -355,10 +356,11 @@ def attend_blocks(scored: Scored, q: torch.Tensor, gate: torch.Tensor, sources: 
     return att
 
 
-def _launch_attend(plan, shared, scaling, eps_guard, split) -> None:
+def _launch_attend(plan, grouped, shared, scaling, eps_guard, split) -> None:
     """Phase 2's one launch over the ``plan`` of
-    :func:`~certkv.kernels.triton_sources.program_groups` (a group of programs per precision, the
-    last carrying the tail block): block statistics at their indices, one split state per
+    :func:`~certkv.kernels.triton_sources.program_groups` with its ``grouped`` arguments
+    (:func:`~certkv.kernels.triton_sources.kernel_groups`: a group of programs per precision,
+    the last carrying the tail block): block statistics at their indices, one split state per
     program. The kernel's arguments go in bundles of pointers and their strides."""
     (scores, q, key_slot, key_data, gate, delta, value_slot, value_data, (k2, v2), blocks_out,
      state) = shared
@@ -366,8 +368,8 @@ def _launch_attend(plan, shared, scaling, eps_guard, split) -> None:
     m, lsum, acc = state
     hkv, g, _, bsz = scores.shape
     d = q.shape[-1]
+    groups, layouts, programs = grouped
     tail_v = tail_data(plan)
-    groups, layouts, programs = kernel_groups(plan, split)
     _attend_kernel[(hkv, programs)](
         (q, q.stride(0), q.stride(1)),
         (scores, gate, delta, scores.stride(0), scores.stride(1), scores.stride(2)),

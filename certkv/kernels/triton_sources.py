@@ -162,9 +162,9 @@ def kernel_groups(plan: list, split: int) -> tuple[tuple, tuple, int]:
         lay = src.layout
         data, scale, offset, blocks, slots = src.pointers()
         end = first + -(-live // split)
-        scale_strides = (*scale.stride()[:3], 0, 0)[:3]
         groups.append((first, end, data, scale, offset, blocks, slots, *data.stride()[:3],
-                       *scale_strides, live, walked, float(lay.bound[0]), float(lay.bound[1])))
+                       *scale.stride()[:3], live, walked, float(lay.bound[0]),
+                       float(lay.bound[1])))
         layouts.append((lay.fp16, lay.bits, lay.bias, lay.group, src.is_tail,
                         carries_tail(src, tail), lay.token_scale))
         first = end

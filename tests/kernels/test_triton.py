@@ -210,8 +210,12 @@ def test_phases_read_every_precision_of_a_mixed_store(device):
     lay = StepLayout(store)
     scaling = store.head_dim**-0.5
     launches = []
-    restore = wrap_triton_launches(lambda kernel, launch, args, kwargs: (
-        launches.append(kernel.fn.__name__), launch(*args, **kwargs))[1])
+
+    def named(kernel, launch, args, kwargs):  # each launch by its kernel's name
+        launches.append(kernel.fn.__name__)
+        return launch(*args, **kwargs)
+
+    restore = wrap_triton_launches(named)
     try:
         kernel = TritonBackend(split=2).phase1(qg, lay, scaling)
         gate = torch.zeros(kernel.log_mass.shape, dtype=torch.bool, device=device)
