@@ -231,7 +231,7 @@ class BlockTable:
 
     @property
     def num_blocks(self) -> int:
-        return len(self.precision)
+        return self._num_blocks  # len(self.precision), kept by _refresh (a step asks ~16 times)
 
     def _place(self, pid: int, count: int) -> torch.Tensor:
         """Slots for ``count`` new blocks of precision ``pid``: freed slots first (oldest
@@ -288,6 +288,7 @@ class BlockTable:
     def _refresh(self) -> None:
         """Recompute what decode steps read (host values and the device mask) once per change
         of the table, so a step reads no host tensor (``tests/test_host_reads``)."""
+        self._num_blocks = len(self.precision)
         exact = torch.tensor([p.exact for p in self.precisions], dtype=torch.bool)
         lossy = ~exact[self.precision]
         self._num_quantized = int(lossy.sum())

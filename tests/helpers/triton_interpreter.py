@@ -84,6 +84,7 @@ def install() -> bool:
     grid.__call__, helper.__call__ = launched, called
     tl.sort = _sorted(tl, interp)
     _lighter_bookkeeping(interp)
+    _memoised_types(tl.core)
     _INSTALLED = True
     return True
 
@@ -114,6 +115,43 @@ def _lighter_bookkeeping(interp) -> None:
 
         np_dtype.memo = memo
         interp._get_np_dtype = np_dtype
+
+
+def _memoised_types(core) -> None:
+    """Every interpreted operation builds a block type (its shape unwrapped, checked to be
+    powers of two, its name formatted) and a tensor (its shape and element count as constexprs)
+    anew, about a quarter of an interpreted decode step. Both depend only on the element type
+    and the shape, so they are computed once per (element type, shape) of plain integers; any
+    other shape takes Triton's own path. The objects are the same, so is every value."""
+    block_type, tensor = core.block_type, core.tensor
+    if getattr(block_type.__init__, "memo", None) is not None:
+        return
+    make_type, make_tensor = block_type.__init__, tensor.__init__
+    types: dict = {}
+    shapes: dict = {}
+
+    def type_init(self, element_ty, shape):
+        key = (element_ty.name, tuple(shape)) if all(type(s) is int for s in shape) else None
+        made = types.get(key) if key is not None else None
+        if made is None:
+            make_type(self, element_ty, shape)
+            if key is not None:
+                types[key] = (self.shape, self.numel, self.name)
+            return
+        self.element_ty = element_ty
+        self.shape, self.numel, self.name = made
+
+    def tensor_init(self, handle, type):
+        made = shapes.get(type.name)  # a block type's name is its element type and shape
+        if made is None:
+            make_tensor(self, handle, type)
+            shapes[type.name] = (self.numel, self.shape)
+            return
+        self.handle, self.type, self.dtype = handle, type, type.scalar
+        self.numel, self.shape = made
+
+    type_init.memo, tensor_init.memo = types, shapes
+    block_type.__init__, tensor.__init__ = type_init, tensor_init
 
 
 def _sorted(tl, interp):
