@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import bz2
 import gzip
+import hashlib
 import lzma
 import os
 import struct
 import subprocess
 import tempfile
+import weakref
 import zlib
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -300,6 +303,16 @@ def book_text(name: str = "emma", cache_dir: str | Path | None = None) -> str:
 
 def encode(tokenizer: Any, text: str) -> list[int]:
     """Token ids of ``text`` without special tokens (HF tokenizers) or plain ``encode(text)``."""
+    return _remembered(tokenizer, (text,), lambda: [_encode(tokenizer, text)])[0]
+
+
+def encode_many(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    """:func:`encode` of each of ``texts``, as one batch where the tokenizer takes one (HF
+    tokenizers: a book's sentences in one call instead of thousands)."""
+    return _remembered(tokenizer, tuple(texts), lambda: _encode_many(tokenizer, texts))
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
     try:
         ids = tokenizer.encode(text, add_special_tokens=False)
     except TypeError:
@@ -307,14 +320,54 @@ def encode(tokenizer: Any, text: str) -> list[int]:
     return list(getattr(ids, "ids", ids))
 
 
-def encode_many(tokenizer: Any, texts: list[str]) -> list[list[int]]:
-    """:func:`encode` of each of ``texts``, as one batch where the tokenizer takes one (HF
-    tokenizers: a book's sentences in one call instead of thousands)."""
+def _encode_many(tokenizer: Any, texts: list[str]) -> list[list[int]]:
     try:
         batch = tokenizer(texts, add_special_tokens=False)["input_ids"]
     except (TypeError, KeyError, AttributeError):
-        return [encode(tokenizer, text) for text in texts]
+        return [_encode(tokenizer, text) for text in texts]
     return [list(ids) for ids in batch]
+
+
+REMEMBER_CHARS = 20_000  # texts at least this long are tokenized once per process and tokenizer
+REMEMBERED = 8  # the most recent such encodings kept (a book's ids: a few MB of Python ints)
+_ENCODED: OrderedDict = OrderedDict()  # (tokenizer fingerprint, texts) -> ids
+_FINGERPRINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _remembered(tokenizer: Any, texts: tuple[str, ...], encode_now) -> list[list[int]]:
+    """``encode_now()``, or the ids of the same long ``texts`` under an identical tokenizer
+    encoded earlier in this process (copies: callers may change them). A book is tokenized
+    whole for perplexity windows and sentence by sentence for needle fillers, each about 0.2 s;
+    a sweep or a test session runs that again for every job otherwise. Identical means the same
+    serialized tokenizer (its normalizer, pre-tokenizer, model and added tokens), whatever
+    object or path it came from; tokenizers without one are never remembered."""
+    key = None
+    if sum(map(len, texts)) >= REMEMBER_CHARS:
+        fingerprint = _fingerprint(tokenizer)
+        key = None if fingerprint is None else (fingerprint, texts)
+    if key is None:
+        return encode_now()
+    if key not in _ENCODED:
+        _ENCODED[key] = encode_now()
+        while len(_ENCODED) > REMEMBERED:
+            _ENCODED.popitem(last=False)
+    _ENCODED.move_to_end(key)
+    return [list(ids) for ids in _ENCODED[key]]
+
+
+def _fingerprint(tokenizer: Any) -> str | None:
+    """A digest of an HF fast tokenizer's serialization (once per tokenizer object), or None."""
+    try:
+        if tokenizer in _FINGERPRINTS:
+            return _FINGERPRINTS[tokenizer]
+    except TypeError:  # not weakly referenceable, or unhashable
+        return None
+    to_str = getattr(getattr(tokenizer, "backend_tokenizer", None), "to_str", None)
+    if to_str is None:
+        return None
+    digest = hashlib.sha256(to_str().encode()).hexdigest()
+    _FINGERPRINTS[tokenizer] = digest
+    return digest
 
 
 def token_windows(

@@ -210,3 +210,38 @@ def test_a_batch_of_texts_encodes_as_each_text_alone():
             return [ord(c) for c in text]
 
     assert encode_many(Plain(), texts) == [[ord(c) for c in t] for t in texts]
+
+
+def test_a_long_text_is_tokenized_once_per_process_and_identical_tokenizer(monkeypatch):
+    """A book-sized text (at least ``REMEMBER_CHARS``) is tokenized once per process: a second
+    tokenizer object loaded the same way gets the remembered ids without a tokenizer call, as
+    copies (changing them changes nothing remembered); a tokenizer that differs (one added
+    token) tokenizes again and gets its own ids; short texts are never remembered."""
+    from collections import OrderedDict
+
+    from certkv.eval.corpora import REMEMBER_CHARS, encode, encode_many
+    from certkv.models.loading import load_tokenizer
+
+    monkeypatch.setattr(corpora, "_ENCODED", OrderedDict())
+    calls = []
+    for name in ("_encode", "_encode_many"):
+        original = getattr(corpora, name)
+        monkeypatch.setattr(corpora, name, lambda *a, _f=original, _n=name: calls.append(_n)
+                            or _f(*a))
+    words = ("It", "was", "a", "truth", "universally", "acknowledged", "zzqx", "that", "man")
+    text = " ".join(words[i * 7 % len(words)] for i in range(REMEMBER_CHARS // 3))
+    sentences = [text[i:i + 500] for i in range(0, len(text), 500)]
+    first, again = load_tokenizer(), load_tokenizer()
+    ids = encode(first, text)
+    pieces = encode_many(first, sentences)
+    assert calls == ["_encode", "_encode_many"]
+    ids[0] = -1
+    assert encode(again, text) == encode(first, text) != ids and pieces[0][0] != -1
+    assert encode_many(again, sentences) == pieces and len(calls) == 2
+    assert encode(again, "a short text") == first.encode("a short text", add_special_tokens=False)
+    assert encode(again, "a short text") and calls[2:] == ["_encode", "_encode"]
+    extended = load_tokenizer()
+    extended.add_tokens(["zzqx"])
+    own = encode(extended, text)
+    assert calls[-1] == "_encode" and len(calls) == 5
+    assert own == extended.encode(text, add_special_tokens=False) != encode(first, text)
