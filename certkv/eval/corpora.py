@@ -21,8 +21,11 @@ import tempfile
 import weakref
 import zlib
 from collections import OrderedDict
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from certkv.errors import CertKVError
 from certkv.files import data_dir, write_atomic
@@ -329,7 +332,7 @@ def _encode_many(tokenizer: Any, texts: list[str]) -> list[list[int]]:
 
 
 REMEMBER_CHARS = 20_000  # texts at least this long are tokenized once per process and tokenizer
-REMEMBERED = 8  # the most recent such encodings kept (a book's ids: a few MB of Python ints)
+REMEMBERED = 8  # the most recent such encodings kept (a book's ids: about 2 MB)
 _ENCODED: OrderedDict = OrderedDict()  # (tokenizer fingerprint, texts) -> ids
 _FINGERPRINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -348,11 +351,15 @@ def _remembered(tokenizer: Any, texts: tuple[str, ...], encode_now) -> list[list
     if key is None:
         return encode_now()
     if key not in _ENCODED:
-        _ENCODED[key] = encode_now()
+        encoded = encode_now()
+        _ENCODED[key] = (np.fromiter((i for ids in encoded for i in ids), np.int64),
+                         np.cumsum([0, *map(len, encoded)]))  # 8 bytes a token, not ~36
         while len(_ENCODED) > REMEMBERED:
             _ENCODED.popitem(last=False)
+        return encoded
     _ENCODED.move_to_end(key)
-    return [list(ids) for ids in _ENCODED[key]]
+    flat, ends = _ENCODED[key]
+    return [flat[a:b].tolist() for a, b in pairwise(ends)]
 
 
 def _fingerprint(tokenizer: Any) -> str | None:
