@@ -121,8 +121,9 @@ def _memoised_types(core) -> None:
     """Every interpreted operation builds a block type (its shape unwrapped, checked to be
     powers of two, its name formatted) and a tensor (its shape and element count as constexprs)
     anew, about a quarter of an interpreted decode step. Both depend only on the element type
-    and the shape, so they are computed once per (element type, shape) of plain integers; any
-    other shape takes Triton's own path. The objects are the same, so is every value."""
+    and the shape, so they are computed once per (element type, shape) of plain integers and
+    handed to every later one (any other shape takes Triton's own path): each attribute holds
+    what Triton's own constructor gives it, so every kernel computes the same values."""
     block_type, tensor = core.block_type, core.tensor
     if getattr(block_type.__init__, "memo", None) is not None:
         return
