@@ -20,15 +20,13 @@ import argparse
 import json
 import statistics
 import sys
-import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from certkv.bench import AttentionCase, device_info
 from certkv.bench.attention import layer_steps
-from certkv.bench.measure import interleaved_timings, timings
+from certkv.bench.measure import interleaved_timings, timing_calls, timings
 from certkv.certify import fused_cpu, fused_select
 from certkv.files import write_atomic
 from certkv.kernels import numba_backend, numba_logits, numba_step
@@ -61,29 +59,6 @@ def step_arguments(certified) -> tuple:
         sys.exit("this step does not run as one numba call (numba missing, or a store or "
                  "setting numba_step.covers excludes); nothing to split.")
     return seen[0]
-
-
-@contextmanager
-def timing_calls(owners: list[tuple[object, str]], times: dict[str, list[float]]):
-    """Within the block, each function ``owner.name`` appends its milliseconds per call to
-    ``times["<owner's name>.<name>"]``."""
-    originals = [(owner, name, getattr(owner, name)) for owner, name in owners]
-
-    def timer(key, fn):
-        def call(*args, **kwargs):
-            start = time.perf_counter()
-            out = fn(*args, **kwargs)
-            times.setdefault(key, []).append(1e3 * (time.perf_counter() - start))
-            return out
-        return call
-
-    try:
-        for owner, name, fn in originals:
-            setattr(owner, name, timer(f"{owner.__name__}.{name}", fn))
-        yield
-    finally:
-        for owner, name, fn in originals:
-            setattr(owner, name, fn)
 
 
 def profile(case: AttentionCase, repeats: int) -> dict:

@@ -480,3 +480,28 @@ def test_bench_decode_takes_a_quantizer_for_the_quantized_methods(tmp_path):
     message = " ".join(bad.output.split())
     assert bad.exit_code != 0
     assert "--quantizer kivi9 is not a conf/quantizer option; use one of" in message
+
+
+def test_timing_calls_counts_outermost_calls_per_label_and_restores_what_it_wrapped():
+    """Calls of one label inside another (a method calling its sibling of the same label) are
+    timed once; an inherited method wrapped on a subclass is the base's again afterwards, and
+    the base never saw the wrapper."""
+    from certkv.bench.measure import timing_calls
+
+    class Base:
+        def outer(self):
+            return self.inner() + 1
+
+        def inner(self):
+            return 1
+
+    class Sub(Base):
+        def own(self):
+            return self.outer()
+
+    times: dict = {}
+    with timing_calls([(Sub, "outer", "both"), (Sub, "inner", "both"), (Sub, "own")], times):
+        assert Sub().own() == 2 and Base().outer() == 2
+    assert len(times["both"]) == 1 and len(times["Sub.own"]) == 1  # inner: inside outer
+    assert "outer" not in vars(Sub) and "inner" not in vars(Sub)
+    assert vars(Sub)["own"] is Sub.own and Sub.outer is Base.outer

@@ -98,6 +98,42 @@ def interleaved_timings(fns: dict[str, Callable[[], object]], repeats: int,
     return times
 
 
+@contextmanager
+def timing_calls(owners: list[tuple], times: dict[str, list[float]]):
+    """Within the block, each function ``owner.name`` of ``owners`` (``(owner, name)`` or
+    ``(owner, name, label)``) appends its milliseconds per call to ``times[label]`` (default
+    label ``"<owner's name>.<name>"``); a call made inside another call of the same label
+    (a method that calls its sibling, a recursion) is not counted again. An inherited function
+    is timed for ``owner`` and its subclasses only, and inherited again afterwards."""
+    originals = [(owner, name, getattr(owner, name), rest[0] if rest else None,
+                  name in vars(owner)) for owner, name, *rest in owners]
+    active: set[str] = set()
+
+    def timer(key, fn):
+        def call(*args, **kwargs):
+            if key in active:
+                return fn(*args, **kwargs)
+            active.add(key)
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                times.setdefault(key, []).append(1e3 * (time.perf_counter() - start))
+                active.discard(key)
+        return call
+
+    try:
+        for owner, name, fn, label, _ in originals:
+            setattr(owner, name, timer(label or f"{owner.__name__}.{name}", fn))
+        yield
+    finally:
+        for owner, name, fn, _, own in originals:
+            if own:
+                setattr(owner, name, fn)
+            else:  # inherited: the subclass's lookup goes to its base again
+                delattr(owner, name)
+
+
 def timed(fn, repeats: int, warmup: int = 2) -> float:
     """Median milliseconds of ``fn()`` after ``warmup`` calls."""
     return statistics.median(timings(fn, repeats, warmup))
