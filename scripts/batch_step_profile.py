@@ -28,6 +28,7 @@ from certkv.bench import device_info
 from certkv.bench.batch import BatchRun, batch_prompts
 from certkv.bench.decode import _decode_model, _decode_prompt
 from certkv.bench.measure import timing_calls
+from certkv.bench.tables import share_rows
 from certkv.cache.store import TieredKVStore
 from certkv.files import write_atomic
 from certkv.kernels import numba_step
@@ -75,19 +76,16 @@ def profile(lm, text: list[int], context: int, batch: int, steps: int) -> dict:
 def render(results: list[dict], info: dict, command: str, weights: str) -> str:
     """The report: each batch's split as two columns (ms per step, % of the step) of one
     markdown table, with command, commit and machine."""
-    head = " | ".join(f"N={r['context']} B={r['batch']}: ms | %" for r in results)
     lines = ["# Where a batch decode step's time goes (SmolLM2-135M, certified, CPU)", "",
              f"Command: `{command}`  ", f"Commit: `{info['commit']}`  ",
              f"Device: {info['device']}; torch {info['torch']}, {torch.get_num_threads()} "
              f"threads; {weights} weights", "",
              f"Per decode step (the mean of {results[0]['steps']} steps after 2 warm-up steps, "
              "each part timed around the functions it calls, outermost calls only). %: share of "
-             "the step.", "", f"| part | {head} |", "| --- |" + " --- | --- |" * len(results)]
-    for name, key in ROWS:
-        cells = " | ".join(f"{r['ms'][key]:.1f} | {100 * r['ms'][key] / r['ms']['total']:.0f}"
-                           for r in results)
-        lines.append(f"| {name} | {cells} |")
-    lines.append("")
+             "the step.", "",
+             *share_rows([(name, lambda r, k=key: r["ms"][k]) for name, key in ROWS], results,
+                         [f"N={r['context']} B={r['batch']}" for r in results],
+                         lambda r: r["ms"]["total"], digits=1), ""]
     for r in results:
         calls = r["calls"]
         lines.append(f"N={r['context']} B={r['batch']}: {calls['steps']:.0f} certified steps "

@@ -27,6 +27,7 @@ import torch
 from certkv.bench import AttentionCase, device_info
 from certkv.bench.attention import layer_steps
 from certkv.bench.measure import interleaved_timings, timing_calls, timings
+from certkv.bench.tables import share_rows
 from certkv.certify import fused_cpu, fused_select
 from certkv.files import write_atomic
 from certkv.kernels import numba_backend, numba_logits, numba_step
@@ -102,7 +103,6 @@ def render(results: list[dict], info: dict, command: str) -> str:
             ("the compiled call", lambda r: r["ms"]["compiled"])]
     rows += [(f"kernel: {what}", lambda r, k=f"{m.__name__}.{n}": r["kernels"][k])
              for m, n, what in KERNELS]
-    head = " | ".join(f"N={r['case']['context']}: ms | %" for r in results)
     lines = [f"# Where a CPU layer step's time goes ({shape})", "",
              f"Command: `{command}`  ", f"Commit: `{info['commit']}`  ",
              f"Device: {info['device']} (copy {info.get('copy_gbps', 'n/a')} GB/s measured); "
@@ -110,13 +110,9 @@ def render(results: list[dict], info: dict, command: str) -> str:
              f"Medians of {results[0]['repeats']} calls each after 2 warm-up calls, one "
              "process (the certified step and its compiled call in turn, the dense step apart). %: "
              "share of the certified step. The kernels are timed one by one as the compiled "
-             "call's own body calls them (each call's dispatch from Python included).",
-             "", f"| part | {head} |", "| --- |" + " --- | --- |" * len(results)]
-    for name, value in rows:
-        cells = " | ".join(f"{value(r):.3f} | {100 * value(r) / r['ms']['certified']:.0f}"
-                           for r in results)
-        lines.append(f"| {name} | {cells} |")
-    lines.append("")
+             "call's own body calls them (each call's dispatch from Python included).", "",
+             *share_rows(rows, results, [f"N={r['case']['context']}" for r in results],
+                         lambda r: r["ms"]["certified"]), ""]
     for r in results:
         ms = r["ms"]
         lines.append(f"N={r['case']['context']}: certified / dense "

@@ -265,3 +265,17 @@ def target_lines(records: list[dict], peak_gbps: float | None) -> list[str]:
                 "dense, checks <= 5% of it) apply to the GPU kernels; this device has no known "
                 "peak bandwidth, so they are not evaluated here."]
     return markdown_table(table)[2:]
+
+
+def share_rows(parts: list[tuple], columns: list[dict], labels: list[str], total,
+               digits: int = 3) -> list[str]:
+    """A markdown table of where time goes: a row per part ``(name, value(column) -> ms)``, for
+    each column (a profile's record, headed ``labels[i]``) its milliseconds and its share of
+    ``total(column)`` in percent (the profiling scripts' reports)."""
+    head = " | ".join(f"{label}: ms | %" for label in labels)
+    lines = [f"| part | {head} |", "| --- |" + " --- | --- |" * len(columns)]
+    for name, value in parts:
+        cells = " | ".join(f"{value(c):.{digits}f} | {100 * value(c) / total(c):.0f}"
+                           for c in columns)
+        lines.append(f"| {name} | {cells} |")
+    return lines
