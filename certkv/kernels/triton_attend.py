@@ -64,16 +64,16 @@ def _attend_kernel(query, scores, fp16, tail, blocks_out, state, counts_ptr, sca
         if (p >= src[0]) & (p < src[1]):
             _attend_split(q, kv, p, src, scores, fp16, tail, blocks_out, state, counts_ptr,
                           scaling, eps_guard, G, BLOCK_G, B, D, DOT_C, SPLIT, LAYOUTS[k][0],
-                          LAYOUTS[k][1], LAYOUTS[k][3], LAYOUTS[k][4], LAYOUTS[k][5],
-                          LAYOUTS[k][2], LAYOUTS[k][6])
+                          LAYOUTS[k][1], LAYOUTS[k][2], LAYOUTS[k][3], LAYOUTS[k][4],
+                          LAYOUTS[k][5], LAYOUTS[k][6])
 
 
 @triton.jit
 def _attend_split(q, kv, p, src, scores, fp16, tail, blocks_out, state, counts_ptr, scaling,
                   eps_guard, G: tl.constexpr, BLOCK_G: tl.constexpr, B: tl.constexpr,
                   D: tl.constexpr, DOT_C: tl.constexpr, SPLIT: tl.constexpr,
-                  FP16: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-                  TAIL: tl.constexpr, CARRIES: tl.constexpr, BIAS: tl.constexpr,
+                  FP16: tl.constexpr, BITS: tl.constexpr, BIAS: tl.constexpr,
+                  GROUP: tl.constexpr, TAIL: tl.constexpr, CARRIES: tl.constexpr,
                   TOKEN: tl.constexpr):
     """Program ``p``'s ``SPLIT`` blocks of one precision (``src``), merged into split state
     ``p`` (see the module); value codes with a scale and an offset per group, or (``TOKEN``)
