@@ -63,7 +63,8 @@ def _legends(ax, methods: list[str], shapes: list[tuple[str, str, str]]) -> None
 
 
 def plot_launches(records: list[dict], path: Path) -> None:
-    """Per case, one stacked bar per method (named above it with its total): Triton launches,
+    """Per case (the store's precisions under it where the records name them), one stacked bar
+    per method (named above it with its total): Triton launches,
     segment calls, eager launching operators; a tick at the CUDA launches the profiler counted
     (GPU only) and a dashed line at issue 55's target (:data:`LAUNCH_TARGET`; issue 24's was
     10)."""
@@ -89,12 +90,21 @@ def plot_launches(records: list[dict], path: Path) -> None:
             ax.plot(x, cuda, "k_", markersize=14, label="CUDA launches" if i == 0 else None)
     ax.axhline(LAUNCH_TARGET, color="grey", linestyle="--", linewidth=1,
                label=f"issue 55's target ({LAUNCH_TARGET} launches, certified)")
-    ax.set_xticks(range(len(records)), [r["short_label"] for r in records])
+    ticks = [_case_label(r) for r in records]
+    ax.set_xticks(range(len(records)), ticks)
     ax.set_ylabel("launches per layer step (segments counted once)")
     ax.set_ylim(0, ax.get_ylim()[1] * 1.35)
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2)
+    below = 0.1 + 0.07 * max((t.count("\n") for t in ticks), default=0)  # under the ticks
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -below), ncol=2)
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
+
+
+def _case_label(record: dict) -> str:
+    """A launch case's tick: its shape, and under it the precisions its store held (records of
+    ``bench launches --quantizer``), so figures of different stores say which they show."""
+    held = record.get("precisions")
+    return record["short_label"] + (f"\n{', '.join(held)}" if held else "")
 
 
 def plot_attention(records: list[dict], path: Path) -> None:
