@@ -89,16 +89,17 @@ class QuantizedStep(Fallback):
         timer = self.timer or NULL_TIMER
         tolerant = self.mode == "certified" and self.ladder.bound_tolerance
         on_device = self._on_device(q, tolerant)  # no host read: flags, and page-in if covered
-        with timer.phase("layout"):
-            lay = self._layout(store, on_device)
         hkv = store.num_kv_heads
         qg = q.float().reshape(hkv, q.shape[0] // hkv, -1)
-        step = _Step(q, qg, lay, scaling, on_device, self._pager(lay, scratch, on_device), timer)
         boost, e_drop = None, None
         if numba_step.covers(self, q, store, on_device, tolerant):
-            result = self._one_call(step, scratch)
+            result = self._one_call(q, qg, store, scaling, scratch, timer)
             dense_heads = self._host_flags(result.flags)[0]
         else:
+            with timer.phase("layout"):
+                lay = self._layout(store, on_device)
+            step = _Step(q, qg, lay, scaling, on_device, self._pager(lay, scratch, on_device),
+                         timer)
             with timer.phase("phase1"):  # INT8 logits, block log-masses, Delta_b (eq. 8)
                 scored = self.backend.phase1(qg, lay, scaling)
             scored, e_drop = self._drop_evicted(step, scored)
@@ -286,17 +287,22 @@ class QuantizedStep(Fallback):
             coef = as_tensors(coef, device)
         return self._segment("_certify_step", device)(inputs, spec, coef)
 
-    def _one_call(self, step: _Step, scratch) -> StepPass:
+    def _one_call(self, q, qg, store, scaling, scratch, timer) -> StepPass:
         """Phase 1 and one certified pass as one compiled call on the numba backend
-        (:mod:`certkv.kernels.numba_step`: the phase-by-phase step's numbers, bit for bit); the
-        scratch cache counts the FP16 blocks read from Tier-2 in place as the host page-in has
-        it do."""
-        q, lay = step.q, step.lay
-        store = lay.store
-        spec = self._arith_spec(q, store, step.scaling, lay)
-        coef = step_coefficients(spec, lay.num_blocks, _counted_tokens(lay, False), q.device)
-        with step.timer.phase("step"):
-            f = numba_step.run(self, q, step.qg, lay, step.scaling, spec, coef)
+        (:mod:`certkv.kernels.numba_step`: the phase-by-phase step's numbers, bit for bit) over
+        the store's arrays (made again only when a block completes or a buffer grows:
+        :func:`~certkv.kernels.numba_step.store_arrays`); the scratch cache counts the FP16
+        blocks read from Tier-2 in place as the host page-in has it do."""
+        with timer.phase("layout"):
+            arrays = numba_step.store_arrays(store)
+        key = (self.backend.name, q.dtype, scaling, self.selector.mass_inflation)
+        spec = arrays.specs.get(key)
+        if spec is None:  # once per store layout and query kind
+            spec = self._arith_spec(q, store, scaling, StepLayout(store, read=False))
+            arrays.specs[key] = spec
+        coef = step_coefficients(spec, arrays.num_blocks, store.num_tokens, q.device)
+        with timer.phase("step"):
+            f = numba_step.run(self, q, qg, store, arrays, scaling, spec, coef)
         if scratch is not None:
             for which, mask in zip("kv", f.plan, strict=True):
                 if mask.any():
@@ -304,9 +310,9 @@ class QuantizedStep(Fallback):
         cert = CertifyOutputs(f.e_key, f.e_val, f.e_arith, f.tail_mass, f.k_star, f.canary,
                               f.rung, f.value_blocks, f.flags, f.paper_key, f.paper_val,
                               f.returned, None)
-        blocks = BlockStats(f.rho, lay.eta, f.delta_b, f.v_rad, lay.quantized)
+        blocks = BlockStats(f.rho, arrays.eta, f.delta_b, f.v_rad, arrays.quantized)
         return StepPass(f.out, spec, cert, f.delta, f.ranking, f.boundary, blocks,
-                        lay.num_quantized, int(f.plan[1].sum()))
+                        arrays.num_quantized, int(f.plan[1].sum()))
 
     def _layout(self, store: TieredKVStore, on_device: bool) -> StepLayout:
         """The step's layout: on the device path with the kernels running both phases, a tail

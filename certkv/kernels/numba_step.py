@@ -22,6 +22,7 @@ and no phase timer (a :class:`~certkv.timing.PhaseTimer` times the phases one ca
 from __future__ import annotations
 
 import math
+import weakref
 from typing import NamedTuple
 
 import numpy as np
@@ -32,6 +33,7 @@ from certkv.certify.fused_cpu import as_array, jit, kept_array, kept_bits, use_t
 from certkv.kernels import numba_backend as nb
 from certkv.kernels import numba_logits as nl
 from certkv.kernels import numba_values as nv
+from certkv.kernels.layout import StepLayout
 
 _F32 = np.float32
 QUERY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # exact in FP32 and FP64
@@ -74,31 +76,110 @@ class Fused(NamedTuple):
     plan: torch.Tensor  # [2, Hkv, n] FP16 keys, FP16 values wanted
 
 
-def run(attention, q: torch.Tensor, qg: torch.Tensor, lay, scaling: float, spec,
-        coef) -> Fused:
-    """One certified pass of ``attention`` (:func:`covers`) over the step layout ``lay``:
-    ``q [Hq, d]`` in the caller's dtype, ``qg [Hkv, G, d]`` its FP32 copy; ``spec, coef``:
-    the arithmetic bound's facts and step coefficients."""
-    store, ladder = lay.store, attention.ladder
-    hkv, group, d = qg.shape
-    hq, n = hkv * group, lay.num_blocks
-    checks = ladder.r if (ladder.ranking_check or ladder.boundary_check) else 0
-    per_kv = np.stack([kept_array(x) for x in (lay.eta, lay.value_spec, lay.key_err,
-                                               lay.key_spec)])
+class StoreArrays(NamedTuple):
+    """What :func:`_step` reads of a store, as NumPy views of the tensors it keeps, with the
+    layout facts the step's result needs (:func:`store_arrays`). Every array views memory the
+    store writes in place while :attr:`key` holds (the tail's tokens, running maxima, the
+    mirror's slot bias), so one set serves every step until a block completes or a buffer
+    grows; the tail's fill, the query and the step's coefficients are read at each step."""
+
+    key: tuple | None  # (graph signature, completed blocks, tail present); None: never kept
+    num_blocks: int  # n, the tail block included
+    num_quantized: int
+    eta: torch.Tensor  # [Hkv, n] (the certificate's block statistics)
+    quantized: torch.Tensor  # [n]
+    keys: tuple  # Phase 1's key sources but the tail's fill (:func:`_step`'s ``keys[:-1]``)
+    bias: np.ndarray  # [n, B]
+    bound: np.ndarray  # [Hkv, n, d]
+    mask: np.ndarray  # [n] quantized
+    per_kv: tuple  # eta, value_spec, key_err, key_spec [Hkv, n]
+    v_max: np.ndarray  # [Hkv]
+    v_rad: np.ndarray  # [Hkv]
+    originals: tuple  # FP16 original keys' bits, row width, completed blocks
+    values: tuple  # value sources (numba_values.sources)
+    pool: np.ndarray  # FP16 original values' bits [R, B, d]
+    width: int
+    key_abs_max: np.ndarray  # [Hkv, d]
+    eta_max: np.ndarray  # [Hkv]
+    specs: dict  # (query dtype, scaling, mass inflation) -> ArithSpec, filled by the caller
+
+
+_ARRAYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # store -> StoreArrays
+
+
+def store_arrays(store) -> StoreArrays:
+    """:class:`StoreArrays` of ``store`` for this step: the last step's while the store's
+    buffers, completed blocks and tail presence are the same (its
+    :meth:`~certkv.cache.views.StoreViews.graph_signature`, which a CUDA graph replays on for
+    the same reason: every buffer a step reads in place stays where it is), else made from a
+    new :class:`~certkv.kernels.layout.StepLayout`. A store without a signature (stages, a
+    byte budget, eviction, protection, a tracker) or with a view that would be a copy is made
+    again at every step."""
+    signature = store.graph_signature()
+    key = None if signature is None else (signature, store.num_blocks, store.tail_len > 0)
+    kept_now = _ARRAYS.get(store)
+    if key is not None and kept_now is not None and kept_now.key == key:
+        return kept_now
+    made = _store_arrays(store, StepLayout(store), key)
+    if made.key is not None:
+        _ARRAYS[store] = made
+    return made
+
+
+def _store_arrays(store, lay: StepLayout, key: tuple | None) -> StoreArrays:
+    """:class:`StoreArrays` from the step layout ``lay``; ``key`` None unless every array the
+    store writes within a key (the slot bias, the running maxima, the tail's bits, a mirror's
+    rows) views its tensor's memory: a copy would be stale at the next step. The others (codes,
+    annotations, Tier-2 rows) change only when a block completes."""
+    n, d = lay.num_blocks, store.head_dim
     _, v16, width = store.original_rows() if store.num_blocks else (None, None, 0)
     pool = np.zeros((1, store.block_size, d), np.int16) if v16 is None else kept_bits(v16)
+    keys = (*nl.int8_keys(store), *nl._other_keys(store), nl._tail(store)[0])
+    arrays = StoreArrays(
+        key, n, int(lay.num_quantized), lay.eta, lay.quantized, keys,
+        as_array(lay.slot_bias.view(n, store.block_size)), kept_array(lay.key_bound),
+        kept_array(lay.quantized),
+        tuple(kept_array(x) for x in (lay.eta, lay.value_spec, lay.key_err, lay.key_spec)),
+        as_array(lay.v_max), as_array(lay.v_radius),
+        (*nl._original_keys(store), store.num_blocks), nv.sources(store, lay), pool, width,
+        kept_array(store.key_abs_max()), kept_array(store.value_error_max()), {})
+    mirror_keys, mirror_values = store.decoded_with_tail()
+    live = [(arrays.bias, lay.slot_bias), (arrays.v_max, lay.v_max),
+            (arrays.v_rad, lay.v_radius), (arrays.key_abs_max, store.key_abs_max()),
+            (arrays.eta_max, store.value_error_max()), (keys[9], store.tail_buffers()[0]),
+            (arrays.values[-1], store.tail_buffers()[1])]
+    if mirror_keys is not None:
+        live.append((keys[5], mirror_keys))
+    if mirror_values is not None:
+        live.append((arrays.values[0], mirror_values))
+    if not all(_in_place(x, t) for x, t in live):
+        arrays = arrays._replace(key=None)
+    return arrays
+
+
+def _in_place(x: np.ndarray, t: torch.Tensor) -> bool:
+    """Whether ``x`` lies in ``t``'s memory (a view, not a copy)."""
+    start, size = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+    return start <= x.ctypes.data and x.ctypes.data + x.nbytes <= start + size
+
+
+def run(attention, q: torch.Tensor, qg: torch.Tensor, store, arrays: StoreArrays,
+        scaling: float, spec, coef) -> Fused:
+    """One certified pass of ``attention`` (:func:`covers`) over ``store`` as ``arrays``
+    (:func:`store_arrays`) hold it: ``q [Hq, d]`` in the caller's dtype, ``qg [Hkv, G, d]``
+    its FP32 copy; ``spec, coef``: the arithmetic bound's facts and step coefficients."""
+    ladder, a = attention.ladder, arrays
+    hkv, group, d = qg.shape
+    hq = hkv * group
+    checks = ladder.r if (ladder.ranking_check or ladder.boundary_check) else 0
     use_threads(torch.get_num_threads())
     res = _step(
-        group, as_array(qg.reshape(hq, d)), _F32(scaling),
-        (*nl.int8_keys(store), *nl._other_keys(store), *nl._tail(store)),
-        as_array(lay.slot_bias.view(n, store.block_size)), kept_array(lay.key_bound),
-        kept_array(lay.quantized), per_kv, as_array(lay.v_max), as_array(lay.v_radius),
+        group, as_array(qg.reshape(hq, d)), _F32(scaling), (*a.keys, store.tail_len), a.bias,
+        a.bound, a.mask, a.per_kv, a.v_max, a.v_rad,
         fused_select.params(attention.selector, ladder, attention.value_policy, scaling,
-                            lay.num_quantized), int(lay.num_quantized),
-        (*nl._original_keys(store), store.num_blocks), nv.sources(store, lay),
-        pool, width, _F32(ladder.eps_guard), checks,
-        (ladder.ranking_check, ladder.boundary_check),
-        kept_array(store.key_abs_max()), kept_array(store.value_error_max()),
+                            a.num_quantized), a.num_quantized, a.originals, a.values,
+        a.pool, a.width, _F32(ladder.eps_guard), checks,
+        (ladder.ranking_check, ladder.boundary_check), a.key_abs_max, a.eta_max,
         *fused_cpu._params(spec, coef, attention.selector.mass_inflation),
         (bool(store.nonfinite_appended()), fused_cpu.CAST_LIMIT.get(q.dtype, math.inf),
          ladder.canary, max(1.0, ladder.layer_dense_fraction * hq)))
@@ -118,8 +199,8 @@ def _step(group, q, scaling, keys, bias, bound, quantized, per_kv, v_max, v_rad,
 
     ``q [Hq, d]`` FP32 (head ``h`` reads kv head ``h // group``); ``keys``: Phase 1's key
     sources (:func:`numba_logits._key_logits` from ``slot`` to ``fill``); ``bias [n, B]``;
-    ``bound [Hkv, n, d]``; ``quantized [n]``; ``per_kv [4, Hkv, n]``: ``eta, value_spec,
-    key_err, key_spec``; ``v_max, v_rad [Hkv]``; ``originals``: the FP16 original keys'
+    ``bound [Hkv, n, d]``; ``quantized [n]``; ``per_kv``: ``eta, value_spec, key_err,
+    key_spec``, ``[Hkv, n]`` each; ``v_max, v_rad [Hkv]``; ``originals``: the FP16 original keys'
     bits ``[R, B, d]``, their row width and the completed block count; ``values``: the value
     sources (:func:`~certkv.kernels.numba_values.sources`); ``pool [R, B, d]`` the FP16
     original values' bits at row ``kv * width + b``; ``r`` the checks' top-``r`` (0: none),
@@ -131,7 +212,7 @@ def _step(group, q, scaling, keys, bias, bound, quantized, per_kv, v_max, v_rad,
     hq, d = q.shape
     hkv = hq // group
     n, bsz = bias.shape
-    eta, value_spec, key_err, key_spec = per_kv[0], per_kv[1], per_kv[2], per_kv[3]
+    eta, value_spec, key_err, key_spec = per_kv
     slot, codes, scale, offset, cwidth, mirror, mwidth, okeys, owidth, tail, fill = keys
     orig, orig_width, completed = originals
     # Phase 1: INT8 logits, block softmax states, log-masses, log-spreads, Delta_b (eq. 8)

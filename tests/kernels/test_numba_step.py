@@ -34,19 +34,21 @@ def one_calls(monkeypatch):
     return calls
 
 
-def decode_both(k, v, mirror, q_dtype=torch.float32, group=3, **attention):
-    """Decode the last 20 tokens of ``k, v`` on one store (sink and residual windows), each step
-    by the one call and phase by phase (a :class:`PhaseTimer` asks for the phases), each with
-    its own scratch cache; asserts the outputs and certificates equal bit for bit and returns
-    the certificates and both caches."""
+def decode_both(k, v, mirror, q_dtype=torch.float32, group=3, steps=20, quantizer=None,
+                **attention):
+    """Decode the last ``steps`` tokens of ``k, v`` on one store (``quantizer``, default sink
+    and residual windows), each step by the one call and phase by phase (a
+    :class:`PhaseTimer` asks for the phases), each with its own scratch cache; asserts the
+    outputs and certificates equal bit for bit and returns the certificates and both
+    caches."""
     hkv, n, d = k.shape
-    store = TieredKVStore(hkv, d, quantizer=KVQuantizer(sink=16, residual=32),
-                          decoded_mirror=mirror)
-    store.append(k[:, :-20], v[:, :-20])
+    quantizer = quantizer or KVQuantizer(sink=16, residual=32)
+    store = TieredKVStore(hkv, d, quantizer=quantizer, decoded_mirror=mirror)
+    store.append(k[:, :-steps], v[:, :-steps])
     fused, phased = CertifiedAttention(**attention), CertifiedAttention(**attention)
     phased.timer = PhaseTimer()
     caches, certs = (ScratchCache(4, 4), ScratchCache(4, 4)), []
-    for t in range(n - 20, n):
+    for t in range(n - steps, n):
         q = make_query(k[:, :t], group, seed=t, peaked=t % 3 > 0).to(q_dtype)
         (out, cert), (out_p, cert_p) = (attn(q, store, scratch=c)
                                         for attn, c in zip((fused, phased), caches, strict=True))
@@ -67,6 +69,33 @@ def test_one_call_gives_the_phase_by_phase_steps(one_calls, mirror, q_dtype):
     assert len(one_calls) == 20  # every fused step, no phased one
     assert cache.stats == cache_p.stats and cache.stats.misses > 0
     assert sum(int(c.k_star.sum()) for c in certs) > 0  # FP16 keys were paged in
+
+
+@pytest.mark.parametrize("mirror", [True, "lean"])
+def test_store_arrays_are_kept_until_a_block_completes_or_a_buffer_grows(one_calls, mirror,
+                                                                         monkeypatch):
+    """From a 5-token prompt, 100 decode steps (blocks complete, the buffers grow): each step
+    over the arrays kept from an earlier one equals the phase-by-phase step made afresh, bit
+    for bit, and the arrays are made once per store layout (completed blocks, tail present,
+    buffer sizes), not once per step. Where an array would be a copy of the store's memory
+    (a whole mirror's block-major keys as head rows) they are made at every step, as are
+    those of a store with age windows (its blocks change precision as tokens arrive)."""
+    made, real = [], numba_step._store_arrays
+
+    def making(*args):
+        arrays = real(*args)
+        made.append(arrays.key)  # None: not kept
+        return arrays
+
+    monkeypatch.setattr(numba_step, "_store_arrays", making)
+    k, v = make_kv(2, 105, 32, seed=11, outlier_channels=2)
+    decode_both(k, v, mirror, steps=100, quantizer=KVQuantizer())
+    assert len(one_calls) == 100
+    kept = [key for key in made if key is not None]
+    assert len(kept) == len(set(kept))  # each layout's arrays made once at most
+    if mirror == "lean":  # every array a view of the store's memory: kept between steps
+        assert None not in made and len(made) < 20
+        assert len({key[0] for key in kept}) > 1  # a buffer grew: made again
 
 
 @pytest.mark.parametrize("attention", [
