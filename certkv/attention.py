@@ -102,7 +102,10 @@ class CertifiedAttention(QuantizedStep):
         ``scratch`` (optional) serves promoted FP16 blocks from device memory before Tier-2.
         """
         self._check(q, store)
-        scaling = _scaling(store.head_dim, scaling)
+        return self._step(q, store, _scaling(store.head_dim, scaling), scratch)
+
+    def _step(self, q, store, scaling: float, scratch) -> tuple[torch.Tensor, Certificate]:
+        """A checked step (:meth:`__call__`) at the softmax scale ``scaling``."""
         q_dev = q.to(store.device)
         if self.mode == "dense":  # the baseline: no host reads on accelerators, as plain SDPA
             if store.device.type == "cpu":
@@ -133,9 +136,12 @@ class CertifiedAttention(QuantizedStep):
         copied).
         """
         self._check_batch(q, stores, scratches)
+        scaling = _scaling(stores[0].head_dim, scaling)  # one for the batch
         outs, certs = [], []
         for b, store in enumerate(stores):
-            out, cert = self(q[b], store, scaling, None if scratches is None else scratches[b])
+            self._check(q[b], store)
+            out, cert = self._step(q[b], store, scaling,
+                                   None if scratches is None else scratches[b])
             cert.sequence = b
             outs.append(out)
             certs.append(cert)

@@ -96,18 +96,19 @@ def _batched(module, query, handle: StoreHandle, attention_mask, scaling, dropou
     require(tq == 1 or not any(store.num_tokens for store in layer.stores), CertKVError,
             "a batch is prefilled in one call (generate() does); a second prompt chunk for a "
             "batch is not supported: pass each prompt whole.")
-    for b, store in enumerate(layer.stores):
+    if tq == 1:  # a decode step: each sequence's one token (a step of padding is refused)
+        for b, store in enumerate(layer.stores):
+            store.append(new_k[b], new_v[b])
+        out, certs = layer.cache.attention.batch(query[:, :, 0, :], layer.stores, scaling,
+                                                 scratches=layer.scratches)
+        layer.record_batch(certs)
+        return out.view(batch, 1, hq, d).to(query.dtype), None
+    for b, store in enumerate(layer.stores):  # the prompts, their padding left out
         keep = real[b]
         store.append(new_k[b][:, keep], new_v[b][:, keep])
-        if tq > 1:
-            store.observe_prompt(query[b][:, keep].detach(), scaling)  # SnapKV's queries
-    if tq > 1:
-        return sdpa_attention_forward(module, query, new_k, new_v, attention_mask,
-                                      dropout=dropout, scaling=scaling, **kwargs)
-    out, certs = layer.cache.attention.batch(query[:, :, 0, :], layer.stores, scaling,
-                                             scratches=layer.scratches)
-    layer.record_batch(certs)
-    return out.view(batch, 1, hq, d).to(query.dtype), None
+        store.observe_prompt(query[b][:, keep].detach(), scaling)  # SnapKV's queries
+    return sdpa_attention_forward(module, query, new_k, new_v, attention_mask, dropout=dropout,
+                                  scaling=scaling, **kwargs)
 
 
 def _real_tokens(attention_mask, batch: int, tq: int, device) -> torch.Tensor:
