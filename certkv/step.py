@@ -303,8 +303,9 @@ class QuantizedStep(Fallback):
         coef = step_coefficients(spec, arrays.num_blocks, store.num_tokens, q.device)
         with timer.phase("step"):
             f = numba_step.run(self, q, qg, store, arrays, scaling, spec, coef)
+        plan = f.plan.numpy()  # [2, Hkv, n] FP16 keys, values read
         if scratch is not None:
-            for which, mask in zip("kv", f.plan, strict=True):
+            for which, mask in zip("kv", plan, strict=True):
                 if mask.any():
                     scratch.record(store, mask, which)
         cert = CertifyOutputs(f.e_key, f.e_val, f.e_arith, f.tail_mass, f.k_star, f.canary,
@@ -312,7 +313,7 @@ class QuantizedStep(Fallback):
                               f.returned, None)
         blocks = BlockStats(f.rho, arrays.eta, f.delta_b, f.v_rad, arrays.quantized)
         return StepPass(f.out, spec, cert, f.delta, f.ranking, f.boundary, blocks,
-                        arrays.num_quantized, int(f.plan[1].sum()))
+                        arrays.num_quantized, int(plan[1].sum()))
 
     def _layout(self, store: TieredKVStore, on_device: bool) -> StepLayout:
         """The step's layout: on the device path with the kernels running both phases, a tail

@@ -257,11 +257,11 @@ class ScratchCache:
         ``(kv_heads[i], blocks[i])`` (host indices): see :meth:`_LRUBlocks.stage`."""
         return self._lru[which].stage(store, which, kv_heads, blocks, self._host)
 
-    def record(self, store, mask: torch.Tensor, which: str) -> None:
+    def record(self, store, mask: torch.Tensor | np.ndarray, which: str) -> None:
         """Count a request of keys (``which="k"``) or values (``"v"``) for the blocks ``mask
-        [Hkv, n]`` (a host bool tensor) sets that the backend serves from Tier-2 in place (no
-        copy): see :meth:`_LRUBlocks.record`."""
-        self._lru[which].record(store, mask.numpy(), self._host)
+        [Hkv, n]`` (a host bool tensor or array) sets that the backend serves from Tier-2 in
+        place (no copy): see :meth:`_LRUBlocks.record`."""
+        self._lru[which].record(store, np.asarray(mask), self._host)
 
     def device_lru(self, which: str) -> DeviceLRU:
         """The device bookkeeping of keys (``which="k"``) or values (``"v"``): a step updates
