@@ -26,9 +26,10 @@ CERTIFIED_4K_CEILING = 500
 # resolve_conj, resolve_neg, together about 0.6 us) and each phase's few reshapes.
 FUSED_4K_CEILING = 305
 # Where the store keeps a decoded mirror (as in a model) that step is one compiled call
-# (certkv.kernels.numba_step): 96 aten operators when this was set, the NumPy views of its
-# inputs (those a store keeps between steps made once) and the torch views of its results.
-ONE_CALL_4K_CEILING = 110
+# (certkv.kernels.numba_step): 96 aten operators when this was first set (the NumPy views of its
+# inputs and the torch views of its results), 43 since its store's arrays are kept between
+# steps (numba_step.store_arrays): the torch views of its results, the query's FP32 copy.
+ONE_CALL_4K_CEILING = 50
 # The Triton path's certified layer step with a partial tail block (device page-in with a
 # scratch cache, device fallback) launched 5 Triton kernels (Phase 1 and Phase 2, the tail block
 # carried by their last launch; the scratch fill of keys and values; the merge, the checks in
