@@ -35,7 +35,7 @@ from certkv.kernels import numba_step
 from certkv.models.hf_cache import TieredLayer
 
 # (owner, function, label): what each step is split into (a label counts outermost calls only)
-TIMED = ((numba_step, "_step", "compiled"), (CertifiedAttention, "__call__", "steps"),
+TIMED = ((numba_step, "_step", "compiled"), (CertifiedAttention, "_step", "steps"),
          (TieredKVStore, "append", "append"), (TieredKVStore, "_commit_blocks", "completions"),
          (TieredLayer, "record", "bookkeeping"), (TieredLayer, "record_batch", "bookkeeping"),
          (torch.nn.Linear, "forward", "linear"))
