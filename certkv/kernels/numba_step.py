@@ -77,11 +77,12 @@ class Fused(NamedTuple):
 
 
 class StoreArrays(NamedTuple):
-    """What :func:`_step` reads of a store, as NumPy views of the tensors it keeps, with the
-    layout facts the step's result needs (:func:`store_arrays`). Every array views memory the
-    store writes in place while :attr:`key` holds (the tail's tokens, running maxima, the
-    mirror's slot bias), so one set serves every step until a block completes or a buffer
-    grows; the tail's fill, the query and the step's coefficients are read at each step."""
+    """What :func:`_step` reads of a store, as NumPy arrays of the tensors it keeps, with the
+    layout facts the step's result needs (:func:`store_arrays`). While :attr:`key` holds, the
+    arrays the store writes between steps (the tail's tokens, the running maxima, the mirror's
+    slot bias and rows) view its memory and the others (codes, annotations, Tier-2 rows) do not
+    change, so one set serves every step until a block completes or a buffer grows; the tail's
+    fill, the query and the step's coefficients are read at each step."""
 
     key: tuple | None  # (graph signature, completed blocks, tail present); None: never kept
     num_blocks: int  # n, the tail block included
@@ -101,10 +102,11 @@ class StoreArrays(NamedTuple):
     width: int
     key_abs_max: np.ndarray  # [Hkv, d]
     eta_max: np.ndarray  # [Hkv]
-    specs: dict  # (query dtype, scaling, mass inflation) -> ArithSpec, filled by the caller
+    specs: dict  # (backend, query dtype, scaling, mass inflation) -> ArithSpec (the caller's)
 
 
 _ARRAYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # store -> StoreArrays
+_MIRROR_KEYS, _TAIL_KEYS = 5, 9  # in StoreArrays.keys: after int8_keys' 5; the tail's bits last
 
 
 def store_arrays(store) -> StoreArrays:
@@ -144,13 +146,14 @@ def _store_arrays(store, lay: StepLayout, key: tuple | None) -> StoreArrays:
         (*nl._original_keys(store), store.num_blocks), nv.sources(store, lay), pool, width,
         kept_array(store.key_abs_max()), kept_array(store.value_error_max()), {})
     mirror_keys, mirror_values = store.decoded_with_tail()
+    tail_k, tail_v = store.tail_buffers()
     live = [(arrays.bias, lay.slot_bias), (arrays.v_max, lay.v_max),
             (arrays.v_rad, lay.v_radius), (arrays.key_abs_max, store.key_abs_max()),
-            (arrays.eta_max, store.value_error_max()), (keys[9], store.tail_buffers()[0]),
-            (arrays.values[-1], store.tail_buffers()[1])]
+            (arrays.eta_max, store.value_error_max()), (keys[_TAIL_KEYS], tail_k),
+            (arrays.values[-1], tail_v)]  # numba_values.sources: the tail's bits last
     if mirror_keys is not None:
-        live.append((keys[5], mirror_keys))
-    if mirror_values is not None:
+        live.append((keys[_MIRROR_KEYS], mirror_keys))
+    if mirror_values is not None:  # numba_values.sources: the mirror's values first
         live.append((arrays.values[0], mirror_values))
     if not all(_in_place(x, t) for x, t in live):
         arrays = arrays._replace(key=None)
