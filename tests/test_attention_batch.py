@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from certkv import CertifiedAttention, TieredKVStore
-from certkv.errors import ConfigError, ShapeError
+from certkv.errors import ConfigError, EmptyStoreError, ShapeError
 from certkv.quant import KVQuantizer
 
 
@@ -145,3 +145,16 @@ def test_a_batch_whose_queries_and_stores_disagree_is_refused_naming_the_fix():
         CertifiedAttention().batch(torch.randn(4, D), stores)
     with pytest.raises(ShapeError, match="one per sequence or none"):
         CertifiedAttention().batch(torch.randn(2, 4, D), stores, scratches=[None])
+
+
+def test_a_batch_with_a_bad_scale_or_an_empty_store_is_refused_naming_the_fix():
+    """The scale is read once for the batch and each sequence's store checked as when stepped
+    alone: the same one sentence each."""
+    stores = stores_of([KVQuantizer()] * 2)
+    q = torch.randn(2, 4, D)
+    with pytest.raises(ConfigError, match=r"scaling=-1 must be a finite positive number; pass "
+                                          r"the model's softmax scale"):
+        CertifiedAttention().batch(q, stores, scaling=-1)
+    stores[1] = TieredKVStore(stores[0].num_kv_heads, D)
+    with pytest.raises(EmptyStoreError, match="append the prompt's keys and values"):
+        CertifiedAttention().batch(q, stores)
