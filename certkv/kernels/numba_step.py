@@ -106,7 +106,6 @@ class StoreArrays(NamedTuple):
 
 
 _ARRAYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # store -> StoreArrays
-_MIRROR_KEYS, _TAIL_KEYS = 5, 9  # in StoreArrays.keys: after int8_keys' 5; the tail's bits last
 
 
 def store_arrays(store) -> StoreArrays:
@@ -136,7 +135,8 @@ def _store_arrays(store, lay: StepLayout, key: tuple | None) -> StoreArrays:
     n, d = lay.num_blocks, store.head_dim
     _, v16, width = store.original_rows() if store.num_blocks else (None, None, 0)
     pool = np.zeros((1, store.block_size, d), np.int16) if v16 is None else kept_bits(v16)
-    keys = (*nl.int8_keys(store), *nl._other_keys(store), nl._tail(store)[0])
+    other_keys, tail_bits = nl._other_keys(store), nl._tail(store)[0]
+    keys = (*nl.int8_keys(store), *other_keys, tail_bits)
     arrays = StoreArrays(
         key, n, int(lay.num_quantized), lay.eta, lay.quantized, keys,
         as_array(lay.slot_bias.view(n, store.block_size)), kept_array(lay.key_bound),
@@ -149,10 +149,10 @@ def _store_arrays(store, lay: StepLayout, key: tuple | None) -> StoreArrays:
     tail_k, tail_v = store.tail_buffers()
     live = [(arrays.bias, lay.slot_bias), (arrays.v_max, lay.v_max),
             (arrays.v_rad, lay.v_radius), (arrays.key_abs_max, store.key_abs_max()),
-            (arrays.eta_max, store.value_error_max()), (keys[_TAIL_KEYS], tail_k),
+            (arrays.eta_max, store.value_error_max()), (tail_bits, tail_k),
             (arrays.values[-1], tail_v)]  # numba_values.sources: the tail's bits last
-    if mirror_keys is not None:
-        live.append((keys[_MIRROR_KEYS], mirror_keys))
+    if mirror_keys is not None:  # numba_logits._other_keys: the mirror's rows first
+        live.append((other_keys[0], mirror_keys))
     if mirror_values is not None:  # numba_values.sources: the mirror's values first
         live.append((arrays.values[0], mirror_values))
     if not all(_in_place(x, t) for x, t in live):
