@@ -37,6 +37,21 @@ def _check_contribution(contribution: str) -> None:
             f"value_policy.contribution={contribution!r} is unknown; use 'tight' or 'paper'.")
 
 
+def fewest_covering(terms: torch.Tensor, limit: float | torch.Tensor) -> torch.Tensor:
+    """Bool like ``terms [..., m]`` (non-negative): per row, the fewest entries whose removal
+    leaves the rest summing to at most ``limit`` (a number, or ``[...]`` per row), the largest
+    first (ties in index order). No smaller set does: any ``j`` entries removed leave at least
+    the sum of all but the ``j`` largest."""
+    if isinstance(limit, torch.Tensor):
+        limit = limit.unsqueeze(-1)
+    ranked, order = torch.sort(terms, dim=-1, descending=True, stable=True)
+    # suffix sums (what is left if entries j.. stay), summed from the small end so tiny terms
+    # are not lost to cancellation against the total
+    remaining = torch.flip(torch.cumsum(torch.flip(ranked, [-1]), dim=-1), [-1])
+    needed = (remaining > limit) & (ranked > 0)
+    return torch.zeros_like(needed).scatter(-1, order, needed)
+
+
 def contribution_of(mass: torch.Tensor, eta: torch.Tensor, contribution: str,
                     spread: torch.Tensor | None, sigma: torch.Tensor | None) -> torch.Tensor:
     """Per-block value error ``[Hq, n]`` for (an estimate or upper bound of) the block masses
@@ -114,12 +129,7 @@ class GreedyBudget(ValuePolicy):
         spread_ub = None if log_spread is None else torch.minimum(
             rho_ub, torch.exp((inflate + log_spread).clamp(max=0.0)))
         contribution = contribution_of(rho_ub, eta, self.contribution, spread_ub, sigma)
-        ranked, order = torch.sort(contribution, dim=-1, descending=True, stable=True)
-        # suffix sums (what is left if blocks j.. stay INT4), summed from the small end so tiny
-        # contributions are not lost to cancellation against the total
-        remaining = torch.flip(torch.cumsum(torch.flip(ranked, [-1]), dim=-1), [-1])
-        needed = (remaining > self.e_val_budget) & (ranked > 0)
-        return torch.zeros_like(needed).scatter(-1, order, needed)
+        return fewest_covering(contribution, self.e_val_budget)
 
 
 @VALUE_POLICIES.register("none")

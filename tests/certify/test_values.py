@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from certkv import CertifiedAttention, GreedyBudget, LocalThreshold, NoValuePromotion, TieredKVStore
+from certkv.certify.values import fewest_covering
 from certkv.errors import ConfigError
 
 
@@ -19,6 +20,32 @@ def test_local_threshold_is_per_block():
     eta = torch.tensor([[0.2, 0.1, 0.5]])
     mask = LocalThreshold(v_tol=0.05).select(log_p, eta, torch.zeros(1))
     assert mask.tolist() == [[True, False, True]]  # 0.10 > 0.05, 0.03 <= 0.05, 0.10 > 0.05
+
+
+def fewest_by_search(terms: list[float], limit: float) -> int:
+    """The fewest entries whose removal leaves the rest at most ``limit``, trying every set."""
+    import itertools
+
+    for size in range(len(terms) + 1):
+        for chosen in itertools.combinations(range(len(terms)), size):
+            if sum(t for i, t in enumerate(terms) if i not in chosen) <= limit:
+                return size
+    raise AssertionError("removing every entry leaves 0")
+
+
+def test_fewest_covering_sets_are_the_fewest_that_leave_at_most_the_limit():
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        m = 1 + trial % 7
+        terms = torch.rand(3, m, generator=gen, dtype=torch.float64) ** 3  # skewed
+        terms[0, : m // 2] = terms[0, 0]  # ties
+        terms[1, m // 2:] = 0.0  # zeros are never taken
+        limit = float(torch.rand(1, generator=gen)) * float(terms.sum(dim=1).max())
+        sets = fewest_covering(terms, torch.full((3,), limit, dtype=torch.float64))
+        for h in range(3):
+            assert float(terms[h][~sets[h]].sum()) <= limit  # what stays meets the limit
+            assert int(sets[h].sum()) == fewest_by_search(terms[h].tolist(), limit)
+            assert not sets[h][terms[h] == 0].any()
 
 
 def test_greedy_budget_promotes_largest_contributions_first():
