@@ -1,0 +1,293 @@
+"""Where certified eviction's frontier lies (issue 56): how much of the evicted values a
+certificate must read back to bound a head's value error by ``tol``, even if it knew every
+logit exactly.
+
+An evicted block keeps its values as a centre and a radius (the summaries' value codec,
+:class:`~certkv.quant.summary.SummaryValueCodec`), so the certificate's value term over the
+evicted blocks it does not read is at least ``sum_b min(rho_b eta_b, s_b ||p_b||_2)``
+(Cor. 4.2 as certkv sharpens it: ``rho_b`` the block's attention mass, ``p_b`` its tokens'
+probabilities, ``eta_b`` the radius, ``s_b`` the spectral norm of the block's value errors).
+Here the masses and probabilities are the exact FP64 ones, as no summary of the keys can
+give them: a certificate built on any key summary sees them only through upper bounds, so it
+must read at least as much. The fewest blocks whose reading brings that sum to ``tol`` are the
+largest terms (:func:`~certkv.certify.values.fewest_covering`); a kv head reads the union of
+its query heads' sets.
+
+Run on real SmolLM2 decode steps: a dense prefill of ``N`` tokens of the default book, then
+teacher-forced decode steps, every layer's query, keys and values taken from the model's own
+attention call (FP16-rounded keys and values, as Tier-2 holds them). The evicted blocks are
+those the real policies evict at each Tier-1 budget (a :class:`TieredKVStore` per layer fed the
+same keys and values, INT8 keys and INT4 values, box summaries), and those an idealised policy
+would, which keeps, at the same count, the blocks with the most attention at that very step
+(``topmass``: no policy can fit a step better).
+
+    .venv/bin/python scripts/evict_frontier.py [--context 4096] [--steps 8] [--budget 0.25]
+        [--tol 0.05] [--weights auto|real|random] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from certkv.bench import device_info
+from certkv.bench.decode import _decode_model, _decode_prompt
+from certkv.cache.store import TieredKVStore
+from certkv.certify.bounds import spectral_norm_upper
+from certkv.certify.values import fewest_covering
+from certkv.evict import StreamingEviction
+from certkv.files import write_atomic
+from certkv.quant import KVQuantizer
+from certkv.quant.summary import SummaryValueCodec
+
+TOLS = (0.01, 0.05, 0.1, 0.5)
+POLICIES = ("streaming", "topmass")
+
+
+def block_probabilities(q: torch.Tensor, k: torch.Tensor, scaling: float, block: int
+                        ) -> torch.Tensor:
+    """FP64 attention probabilities of the completed blocks' tokens ``[Hq, n, B]`` for queries
+    ``q [Hq, d]`` over keys ``k [Hkv, T, d]`` (GQA: head ``h`` reads kv head ``h // G``)."""
+    hkv, tokens, _ = k.shape
+    group = q.shape[0] // hkv
+    logits = torch.einsum("hgd,htd->hgt", q.double().view(hkv, group, -1), k.double()) * scaling
+    p = torch.softmax(logits, dim=-1).reshape(q.shape[0], tokens)
+    n = tokens // block
+    return p[:, : n * block].reshape(q.shape[0], n, block)
+
+
+def value_notes(v: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(eta_b, s_b)`` ``[Hkv, n]`` of the completed blocks of FP16 values ``v [Hkv, T, d]``
+    held as summaries: the codec's own radius and the spectral norm of its error block."""
+    hkv, tokens, d = v.shape
+    n = tokens // block
+    blocks = v[:, : n * block].reshape(hkv, n, block, d)
+    codec = SummaryValueCodec()
+    codec.validate(d, block)
+    encoded = codec.encode(blocks)
+    spectral = spectral_norm_upper(codec.decode(encoded).double() - blocks.double())
+    return encoded["radius"].double(), spectral
+
+
+def value_terms(p: torch.Tensor, eta: torch.Tensor, spectral: torch.Tensor, group: int
+                ) -> torch.Tensor:
+    """``min(rho_b eta_b, s_b ||p_b||_2)`` ``[Hq, n]`` per query head and block (Cor. 4.2)."""
+    rho, norm = p.sum(dim=-1), p.norm(dim=-1)
+    per_head = torch.repeat_interleave
+    return torch.minimum(rho * per_head(eta, group, 0), norm * per_head(spectral, group, 0))
+
+
+def step_reads(terms: torch.Tensor, evicted: torch.Tensor, group: int, tol: float
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(value blocks read per kv head [Hkv], whether each query head needs none [Hq])`` for
+    one layer step: the union over each kv head's query heads of the fewest covering sets over the
+    ``evicted [n]`` blocks' ``terms [Hq, n]``."""
+    sets = fewest_covering(terms[:, evicted], tol)
+    per_kv = sets.view(-1, group, sets.shape[1]).any(dim=1)
+    return per_kv.sum(dim=1), ~sets.any(dim=1)
+
+
+class Tally:
+    """Sums over head-steps for one (context, policy, budget)."""
+
+    def __init__(self) -> None:
+        self.steps = self.kept = self.blocks = 0
+        self.mass, self.e_val = [], []
+        self.read = dict.fromkeys(TOLS, 0)
+        self.free = dict.fromkeys(TOLS, 0)
+        self.heads = 0
+
+    def add(self, p, terms, evicted, group) -> None:
+        n = evicted.numel()
+        self.steps += 1
+        self.blocks += n
+        self.kept += int((~evicted).sum())
+        self.heads += p.shape[0]
+        self.mass.append(p.sum(dim=-1)[:, evicted].sum(dim=1))
+        self.e_val.append(terms[:, evicted].sum(dim=1))
+        for tol in TOLS:
+            read, free = step_reads(terms, evicted, group, tol)
+            self.read[tol] += int(read.sum())
+            self.free[tol] += int(free.sum())
+
+    def summary(self, hkv: int) -> dict:
+        evicted = (self.blocks - self.kept) * hkv  # (kv head, block) pairs
+        mass, e_val = torch.cat(self.mass), torch.cat(self.e_val)
+        return {
+            "layer_steps": self.steps, "kept_fraction": self.kept / self.blocks,
+            "evicted_mass": _quantiles(mass), "e_val_unread": _quantiles(e_val),
+            "read_of_evicted": {str(t): self.read[t] / max(evicted, 1) for t in TOLS},
+            # FP16 values read / the dense FP16 keys and values of the completed blocks
+            "read_of_dense_kv": {str(t): self.read[t] / (2 * self.blocks * hkv) for t in TOLS},
+            "heads_reading_none": {str(t): self.free[t] / self.heads for t in TOLS},
+        }
+
+
+def _quantiles(x: torch.Tensor) -> dict[str, float]:
+    q = torch.quantile(x.double(), torch.tensor([0.5, 0.95], dtype=torch.float64))
+    return {"p50": float(q[0]), "p95": float(q[1])}
+
+
+class Capture:
+    """The model's attention, dense (SDPA), with every decode step's query, keys and values
+    handed to ``on_step(layer, q [Hq, d], k, v [Hkv, T, d] FP16, scaling)``."""
+
+    def __init__(self, on_step) -> None:
+        self.on_step = on_step
+
+    def __call__(self, module, query, key, value, attention_mask, **kwargs):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        if query.shape[2] == 1:  # a decode step (batch 1)
+            scaling = kwargs.get("scaling") or module.scaling
+            self.on_step(module.layer_idx, query[0, :, 0].detach(), key[0].detach().half(),
+                         value[0].detach().half(), float(scaling))
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+class Frontier:
+    """Per layer: a store per budget (the streaming policy's real choices) kept in step with the
+    model's cache; per decode step the tallies of both policies."""
+
+    def __init__(self, budgets, block: int) -> None:
+        self.budgets, self.block = budgets, block
+        self.stores: dict = {}
+        self.tallies = {(pol, b): Tally() for pol in POLICIES for b in budgets}
+        self.hkv = 0
+
+    def on_step(self, layer, q, k, v, scaling) -> None:
+        hkv = self.hkv = k.shape[0]
+        group = q.shape[0] // hkv
+        self._follow(layer, k, v)
+        p = block_probabilities(q, k, scaling, self.block)
+        eta, spectral = value_notes(v, self.block)
+        terms = value_terms(p, eta, spectral, group)
+        for budget in self.budgets:
+            evicted = self.stores[layer, budget].evicted_mask()[: p.shape[1]].cpu()
+            self.tallies["streaming", budget].add(p, terms, evicted, group)
+            ideal = torch.ones_like(evicted)  # the same count, the most attended blocks kept
+            ideal[p.sum(dim=(0, 2)).topk(int((~evicted).sum())).indices] = False
+            self.tallies["topmass", budget].add(p, terms, ideal, group)
+
+    def _follow(self, layer, k, v) -> None:
+        """Append to each of the layer's stores what the model's cache gained since."""
+        for budget in self.budgets:
+            store = self.stores.get((layer, budget))
+            if store is None:
+                policy = StreamingEviction(budget=budget)
+                store = TieredKVStore(k.shape[0], k.shape[2], block_size=self.block,
+                                      quantizer=KVQuantizer(block_size=self.block)
+                                      .with_eviction(policy))
+                self.stores[layer, budget] = store
+            new = k.shape[1] - store.num_tokens
+            store.append(k[:, -new:], v[:, -new:])
+
+
+def frontier(model: str, context: int, steps: int, budgets, weights: str = "auto",
+             block: int = 16) -> dict:
+    """The tallies' summaries after ``steps`` teacher-forced decode steps on ``context`` tokens."""
+    from transformers import AttentionInterface, DynamicCache
+
+    from certkv.models.hook import cache_kwargs
+
+    lm, used = _decode_model(model, weights, torch.device("cpu"), torch.float32)
+    ids = _decode_prompt(lm, context + steps)
+    state = Frontier(budgets, block)
+    AttentionInterface.register("certkv_frontier", Capture(state.on_step))
+    lm.model.set_attn_implementation("certkv_frontier")
+    cache = DynamicCache()
+    with torch.no_grad():
+        lm.model(torch.tensor([ids[:context]]), **cache_kwargs(lm.model, cache))
+        for s in range(steps):
+            lm.model(torch.tensor([[ids[context + s]]]), **cache_kwargs(lm.model, cache))
+    return {"model": model, "weights": used, "context": context, "steps": steps,
+            "block": block, "tols": list(TOLS),
+            "rows": [{"policy": pol, "budget": b, **t.summary(state.hkv)}
+                     for (pol, b), t in state.tallies.items()]}
+
+
+def markdown(runs: list[dict], command: str, info: dict) -> str:
+    """The report: one table per context."""
+    lines = ["# Certified eviction's frontier: the evicted values a certificate must read",
+             "", f"Command: `{command}`  ", f"Commit: `{info['commit']}`  ",
+             f"Device: {info['device']}; torch {info['torch']}", "",
+             "Per (policy, Tier-1 budget): the completed blocks kept in Tier-1, the attention "
+             "mass on the evicted ones and their value term with nothing read (medians over "
+             "head-steps), and for each tolerance the fewest evicted FP16 value blocks a "
+             "certificate must read (exact masses; the union over a kv head's query heads), as "
+             "a share of the evicted (kv head, block) pairs and of the dense FP16 keys and "
+             "values, with the share of head-steps that need none.", ""]
+    for run in runs:
+        lines += [f"## {run['model']}, N = {run['context']}, {run['steps']} decode steps "
+                  f"({run['weights']} weights)", "",
+                  "| policy | budget | kept | evicted mass | E_val unread | tol | read / evicted "
+                  "| read / dense KV | heads reading none |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for row in run["rows"]:
+            for tol in run["tols"]:
+                t = str(tol)
+                lines.append(
+                    f"| {row['policy']} | {row['budget']:.0%} | {row['kept_fraction']:.2f} | "
+                    f"{row['evicted_mass']['p50']:.3f} | {row['e_val_unread']['p50']:.2f} | "
+                    f"{tol:g} | {row['read_of_evicted'][t]:.2f} | "
+                    f"{row['read_of_dense_kv'][t]:.3f} | {row['heads_reading_none'][t]:.2f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(runs: list[dict], path: Path) -> None:
+    """Value bytes read against the tolerance, a line per (context, policy, budget)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for run in runs:
+        for row in run["rows"]:
+            ys = [row["read_of_dense_kv"][str(t)] for t in run["tols"]]
+            style = "-" if row["policy"] == "streaming" else "--"
+            ax.plot(run["tols"], ys, style, marker="o",
+                    label=f"N={run['context']} {row['policy']} {row['budget']:.0%}")
+    ax.axhline(0.1, color="grey", lw=0.8, ls=":")
+    ax.set_xscale("log")
+    ax.set_xlabel("tolerance on the evicted blocks' value term (E_val)")
+    ax.set_ylabel("FP16 values read / dense FP16 KV bytes")
+    ax.set_title("Fewest evicted values a certificate must read (exact masses)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2_135m")
+    parser.add_argument("--context", type=int, action="append")
+    parser.add_argument("--steps", type=int, default=8, help="decode steps per context")
+    parser.add_argument("--budget", type=float, action="append")
+    parser.add_argument("--weights", default="auto", choices=["auto", "real", "random"])
+    parser.add_argument("--out", type=Path, default=None)
+    a = parser.parse_args(argv)
+    runs = [frontier(a.model, n, a.steps, a.budget or [0.25, 0.10], a.weights)
+            for n in a.context or [4096]]
+    from certkv.provenance import source_commit
+
+    info = {**device_info(), "commit": source_commit()}
+    command = "python scripts/evict_frontier.py " + " ".join(argv or sys.argv[1:])
+    text = markdown(runs, command, info)
+    print(text)
+    if a.out:
+        a.out.mkdir(parents=True, exist_ok=True)
+        write_atomic(a.out / "README.md", text + "\n")
+        write_atomic(a.out / "frontier.json",
+                     json.dumps({"command": command, **info, "runs": runs}, indent=1) + "\n")
+        plot(runs, a.out / "frontier.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""scripts/evict_frontier.py: the fewest evicted values a certificate must read (issue 56)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import script
+
+
+@pytest.fixture(scope="module")
+def frontier():
+    return script("evict_frontier.py")
+
+
+def test_value_terms_are_the_sharpened_cor_4_2_terms_on_exact_probabilities(frontier):
+    gen = torch.Generator().manual_seed(1)
+    block, d = 4, 8
+    q = torch.randn(4, d, generator=gen)  # 4 query heads, 2 kv heads
+    k = torch.randn(2, 3 * block + 1, d, generator=gen).half()  # 3 blocks and a tail token
+    v = torch.randn(2, 3 * block + 1, d, generator=gen).half()
+    p = frontier.block_probabilities(q, k, 0.5, block)
+    assert p.shape == (4, 3, block) and float(p.sum()) < 4  # the tail token holds the rest
+    eta, spectral = frontier.value_notes(v, block)
+    terms = frontier.value_terms(p, eta, spectral, 2)
+    for h in range(4):
+        for b in range(3):
+            vb = v[h // 2, b * block:(b + 1) * block].double()
+            centre = ((vb.amax(0) + vb.amin(0)) / 2).half().double()
+            err = vb - centre
+            actual = float((p[h, b, :, None] * err).sum(0).norm())  # what the block errs by
+            radius = float(err.norm(dim=1).max())
+            assert actual <= float(terms[h, b]) * (1 + 1e-9)  # the term bounds it
+            assert float(terms[h, b]) <= float(p[h, b].sum()) * radius * (1 + 1e-6)
+
+
+def test_the_frontier_of_a_tiny_model_reads_less_as_the_tolerance_grows(frontier):
+    out = frontier.frontier("tiny_random", 96, 2, [0.5], weights="real")
+    assert out["context"] == 96 and {r["policy"] for r in out["rows"]} == {"streaming",
+                                                                          "topmass"}
+    for row in out["rows"]:
+        assert 0 < row["kept_fraction"] < 1 and row["layer_steps"] > 0
+        reads = [row["read_of_evicted"][str(t)] for t in out["tols"]]
+        assert all(0 <= a <= 1 for a in reads) and reads == sorted(reads, reverse=True)
+        free = [row["heads_reading_none"][str(t)] for t in out["tols"]]
+        assert free == sorted(free)
+    text = frontier.markdown([out], "cmd", {"commit": "x", "device": "cpu", "torch": "t"})
+    assert "| streaming | 50% |" in text and "| topmass | 50% |" in text
