@@ -19,7 +19,6 @@ the exact FP16 partial tail block.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from functools import partial
 from typing import NamedTuple
@@ -36,6 +35,7 @@ from certkv.certify.segment import CertifyInputs, CertifyOutputs, SelectInputs, 
 from certkv.certify.step_certify import StepPass, certify_fused, certify_step
 from certkv.certify.step_select import select_step
 from certkv.errors import NonFiniteError, require
+from certkv.escalation import Escalation
 from certkv.fallback import NONFINITE_Q, Fallback, record_faults
 from certkv.kernels import numba_step
 from certkv.kernels.compiled import CompiledSegment
@@ -43,8 +43,6 @@ from certkv.kernels.layout import StepLayout
 from certkv.kernels.page_in import NOTHING, PagedIn, on_device, stage_blocks, tier2_stage
 from certkv.kernels.reference import CheckInputs, dense_rounding, without_blocks
 from certkv.timing import NULL_TIMER, PhaseTimer
-
-TOL_LEVELS = 3  # bound-tolerance escalation: 1 widest key set, 2 + FP16 values, 3 dense
 
 
 class _Step(NamedTuple):
@@ -60,7 +58,7 @@ class _Step(NamedTuple):
     in_phase2: bool = False  # the certificate in Phase 2's merge, the rungs in the fallback
 
 
-class QuantizedStep(Fallback):
+class QuantizedStep(Escalation, Fallback):
     """The naive and certified steps and their fallback (see the module); the base class of
     :class:`~certkv.attention.CertifiedAttention`, whose fields it reads."""
 
@@ -117,49 +115,7 @@ class QuantizedStep(Fallback):
             record_faults(cert, store)
         return out, cert
 
-    def _passes(self, step: _Step, scored, e_drop, tolerant):
-        """The passes over Phase 1's scores: one, or with a bound tolerance (``tolerant``) up
-        to :data:`TOL_LEVELS` escalations of the heads over it (1: the widest key set, 2: also
-        FP16 values, 3: dense). Returns ``(StepPass, boost [Hq] or None, dense heads)`` (host
-        indices of the heads for the host fallback; None on the device path)."""
-        boost, dense_heads, q = None, None, step.q
-        for _ in range(TOL_LEVELS):
-            result = self._mended_pass(step, scored, boost)
-            if e_drop is not None:  # summaries corrupted by faults: no finite E_drop, dense
-                result.at_least(3, ~(e_drop < math.inf))
-            if step.on_device:  # never tolerant: one pass
-                return result, boost, None
-            over = self.ladder.over_tolerance(result.bound, result.out.norm(dim=-1)) \
-                if tolerant else None
-            dense_heads, over_heads = self._host_flags(result.flags, over)
-            if over_heads.numel() == 0:
-                return result, boost, dense_heads
-            boost = (torch.zeros(q.shape[0], dtype=torch.long, device=q.device)
-                     if boost is None else boost)
-            boost = torch.where(over, torch.clamp(boost + 1, max=TOL_LEVELS), boost)
-        # still over after the widest pass: dense
-        over = torch.zeros(q.shape[0], dtype=torch.bool, device=q.device)
-        over[over_heads.to(q.device, non_blocking=True)] = True
-        boost[over] = TOL_LEVELS
-        result.at_least(3, over)
-        return result, boost, torch.unique(torch.cat([dense_heads, over_heads]))
-
-    def _mended_pass(self, step: _Step, scored, boost) -> StepPass:
-        """A pass, and where its boundary check (eq. 18) failed on a store with evicted blocks,
-        a second pass that also reads the blocks that broke it (FP16 keys, and values where
-        lossy), within
-        ``ladder.page_in_budget`` (:mod:`certkv.certify.targeted`); what it read and mended
-        goes into the certificate."""
-        first = self._pass(step, scored, boost)
-        if first.mend is None:
-            return first
-        force, pairs = targeted.plan(*first.mend, self.ladder.page_in_budget)
-        result = self._pass(step, scored, boost, force)
-        result.mend, result.targeted = None, pairs
-        result.mended = int((result.boundary & ~first.boundary).sum())
-        return result
-
-    def _pass(self, step: _Step, scored, boost, force=None) -> StepPass:
+    def _pass(self, step: _Step, scored, boost, force=None, mendable=True) -> StepPass:
         """Selection, page-in, Phase 2, checks and the certificate of one pass over the
         Phase-1 ``scored`` (``boost [Hq]``: the bound-tolerance escalation level per head, or
         None; ``force [Hq, n]``: blocks promoted by targeted page-in, or None); the fallback is
@@ -219,10 +175,10 @@ class QuantizedStep(Fallback):
             with timer.phase("certificate"):
                 cert = self._certify(inputs, spec, lay, step.on_device)
         blocks = BlockStats(inputs.rho, lay.eta, sel.delta_b, sel.v_rad, lay.quantized)
-        mend = self._mend(step, checks, l16, sel, boundary) if force is None else None
+        mend = self._mend(step, checks, l16, sel, boundary) if mendable else None
         return StepPass(out, spec, cert, sel.delta, ranking, boundary, blocks,
                         lay.num_quantized, paged.promotions, paged.paged_evicted, mend,
-                        pending=pending)
+                        pending=pending, read=(sel.promoted, sel.value_kv))
 
     def _mend(self, step: _Step, checks: CheckInputs | None, l16, sel: Selection, boundary):
         """What targeted page-in needs where it applies (certified, the boundary check on, a

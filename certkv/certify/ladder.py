@@ -54,6 +54,12 @@ class Ladder:
             rung 3, at most this many new (kv head, block) pairs per layer step (``None``: no
             cap; 0, the default: off, the paper's rung 3 at once). Host path only (the torch
             and numba backends): the device path goes to rung 3.
+        tol_page_in: with a bound tolerance, a head over it first reads (FP16 keys and values)
+            the fewest blocks whose share of its bound, left out, brings the rest within half
+            of what its tolerance leaves beside E_arith, the largest shares first
+            (:func:`~certkv.certify.targeted.tolerance_plan`), and only then climbs to the
+            widest key set, FP16 values and dense attention (``False``, the default: at once).
+            Its reads count in the certificate's ``targeted`` pairs.
     """
 
     expand: bool = True
@@ -72,6 +78,7 @@ class Ladder:
     bound_tol: float | None = None
     bound_rtol: float | None = None
     page_in_budget: int | None = 0
+    tol_page_in: bool = False
 
     def __post_init__(self) -> None:
         require(self.tail_mass in TAIL_MASS, ConfigError,
@@ -96,6 +103,8 @@ class Ladder:
                                    and budget >= 0), ConfigError,
                 f"ladder.page_in_budget={self.page_in_budget!r} must be a whole number of "
                 "(kv head, block) pairs >= 0 (0: off) or null (no cap), e.g. 64.")
+        require(isinstance(self.tol_page_in, bool), ConfigError,
+                f"ladder.tol_page_in={self.tol_page_in!r} must be true or false.")
         self._generators: dict[str, torch.Generator] = {}
 
     def exploration_draw(self, shape: tuple[int, ...], device: torch.device | str):
@@ -113,11 +122,14 @@ class Ladder:
         """Whether a bound tolerance is set (``bound_tol`` or ``bound_rtol``)."""
         return self.bound_tol is not None or self.bound_rtol is not None
 
+    def tolerance(self, out_norm: torch.Tensor) -> torch.Tensor:
+        """FP64 ``[Hq]``: each head's tolerance ``bound_tol + bound_rtol * ||out_h||``."""
+        return (self.bound_tol or 0.0) + (self.bound_rtol or 0.0) * out_norm.double()
+
     def over_tolerance(self, bound: torch.Tensor, out_norm: torch.Tensor) -> torch.Tensor:
-        """Heads ``[Hq]`` whose ``bound`` exceeds ``bound_tol + bound_rtol * out_norm`` (a
-        non-finite bound exceeds every tolerance)."""
-        tol = (self.bound_tol or 0.0) + (self.bound_rtol or 0.0) * out_norm.double()
-        return ~(bound.double() <= tol)
+        """Heads ``[Hq]`` whose ``bound`` exceeds :meth:`tolerance` (a non-finite bound
+        exceeds every tolerance)."""
+        return ~(bound.double() <= self.tolerance(out_norm))
 
     def key_cap(self, selector_k_max: int, n_quantized: int | torch.Tensor) -> int | torch.Tensor:
         """The most blocks rung 1 may read with FP16 keys: ``k_max`` or ``2 K_max``, at most

@@ -178,6 +178,9 @@ class StepPass:
     # a certificate computed in Phase 2's merge, whose rungs (``cert.rung``, ``flags``,
     # ``returned``, ``e_final``) the device fallback writes: (what the merge wrote, where)
     pending: tuple | None = None
+    # what the pass read: FP16 keys ``[Hq, n]`` and FP16 values ``[Hkv, n]`` (the bound
+    # tolerance's targeted page-in plans from them), or None
+    read: tuple | None = None
 
     @property
     def flags(self) -> torch.Tensor:

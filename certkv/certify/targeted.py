@@ -1,5 +1,7 @@
 """Targeted page-in (issue 56): mend a failed boundary check (eq. 18) by reading the blocks that
-break it (FP16 keys, and values where theirs are lossy) instead of sending the head to rung 3.
+break it (FP16 keys, and values where theirs are lossy) instead of sending the head to rung 3;
+and bring a head over its bound tolerance within it by reading the fewest blocks that carry its
+bound (:func:`tolerance_plan`) before the ladder's widest sets.
 
 Eq. 18 fails for a head when some block it reads from quantized keys (or from an evicted
 block's summary) has an upper-bounded log-mass ``l_b + Delta_b`` above the ``r``-th FP16
@@ -16,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from certkv.certify.checks import NEG_INF, boundary_terms, top_r
+from certkv.certify.values import fewest_covering
 
 
 def boundary_breakers(l_int8: torch.Tensor, l_fp16: torch.Tensor, delta_b: torch.Tensor,
@@ -49,3 +52,40 @@ def plan(breakers: torch.Tensor, upper: torch.Tensor, paged: torch.Tensor,
         count = budget
     readable = (new | paged).repeat_interleave(group, dim=0)
     return breakers & readable, count
+
+
+def tolerance_plan(blocks, read: tuple, over: torch.Tensor, limit: torch.Tensor
+                   ) -> tuple[torch.Tensor, int]:
+    """The blocks that heads over their bound tolerance read next, whole (FP16 keys and
+    values; ``ladder.tol_page_in``), ``[Hq, n]``, and how many new (kv head, block) pairs that
+    is (pairs whose keys the pass did not read).
+
+    Per head in ``over [Hq]``: the fewest blocks it still reads lossily whose shares of its
+    bound, left out, bring the rest to at most ``limit [Hq]`` (FP64), the largest first
+    (:func:`~certkv.certify.values.fewest_covering`). A block's share, from the pass's
+    :class:`~certkv.certify.certificate.BlockStats` (Phase-2 masses ``rho_b``, tightened
+    ``Delta_b``, ``eta_b``, the head's value radius ``R``) and ``read`` (the FP16 keys ``[Hq,
+    n]`` and values ``[Hkv, n]`` it read): where its keys were lossy, ``R`` times its term of
+    the per-block TV bound's first lane, ``(e^{D_b} - 1) rho_b / W``
+    (:func:`~certkv.certify.bounds.block_tv_bound`); where its values were, ``rho_b eta_b``
+    (Cor. 4.2). The shares only rank and count blocks: the pass that reads them certifies
+    afresh."""
+    keys_read, values_read = read
+    hq, n = keys_read.shape
+    group = hq // values_read.shape[0]
+    rho = blocks.mass.double()
+    delta = blocks.delta.double().clamp(max=80.0)  # e^80: every such block goes first anyway
+    lossy_keys = blocks.quantized & ~keys_read
+    eta = blocks.eta.double().repeat_interleave(group, dim=0)
+    lossy_values = (eta > 0) & ~values_read.repeat_interleave(group, dim=0)
+    shrink = torch.where(lossy_keys, rho * -torch.expm1(-delta), 0.0).sum(dim=-1)
+    w = torch.maximum(1.0 - shrink, torch.exp(-torch.where(lossy_keys, delta, 0.0)
+                                               .amax(dim=-1)))
+    key_share = torch.where(lossy_keys & (rho > 0), torch.expm1(delta) * rho, 0.0)
+    key_share = key_share * (blocks.radius.double() / w).unsqueeze(-1)
+    value_share = torch.where(lossy_values, rho * eta, 0.0)
+    plan = fewest_covering(key_share + value_share, limit.clamp(min=0.0))
+    plan &= over.unsqueeze(-1)
+    paged = (keys_read & blocks.quantized).view(-1, group, n).any(dim=1)
+    new = plan.view(-1, group, n).any(dim=1) & ~paged
+    return plan, int(new.sum())

@@ -31,8 +31,9 @@ def evict_of(run: RunData, variant: str) -> dict:
 def series_of(run: RunData, variant: str) -> str:
     """``naive``, ``certified`` or e.g. ``certified, keys2, targeted, bound_tol 0.05``: the
     mode, with the summary where it is not the default box, targeted page-in where it is on
-    (``ladder.page_in_budget``, with its cap) and the ladder's bound tolerance, where the
-    variant (or the run) sets them."""
+    (``ladder.page_in_budget``, with its cap) and the ladder's bound tolerance (with ``tol
+    page-in`` where ``ladder.tol_page_in`` reaches it), where the variant (or the run) sets
+    them."""
     entry = run.variant_entry(variant)
     ladder = {**(run.config.get("ladder") or {}), **(entry.get("ladder") or {})}
     summary = evict_of(run, variant).get("summary", "box")
@@ -42,6 +43,9 @@ def series_of(run: RunData, variant: str) -> str:
         parts.append("targeted" if budget is None else f"targeted {budget}")
     parts += [f"{k} {ladder[k]:g}" for k in ("bound_tol", "bound_rtol")
               if ladder.get(k) is not None]
+    if ladder.get("tol_page_in") and (ladder.get("bound_tol") is not None
+                                      or ladder.get("bound_rtol") is not None):
+        parts.append("tol page-in")
     mode = run.modes[variant]
     return ", ".join([mode, *parts]) if mode == "certified" else mode
 

@@ -310,8 +310,31 @@ def test_bound_tol_escalates_keys_then_values_then_dense():
     assert (cert.value_blocks[values & (cert.rung < 3)] > 0).all()
 
 
+@pytest.mark.parametrize("backend", ["torch", "numba"])
+def test_tol_page_in_reads_the_blocks_carrying_a_bound_before_the_widest_sets(backend):
+    """With ``ladder.tol_page_in`` a head over its tolerance first reads the fewest blocks
+    whose share of its bound leaves the rest within it: every head still within the tolerance
+    or dense, but on fewer FP16 keys than the widest escalation reads and fewer heads
+    escalated to it."""
+    store, q = two_bit_layer()
+    for tol in (0.1, 0.02):
+        certs = {}
+        for on in (False, True):
+            attn = CertifiedAttention(backend=backend,
+                                      ladder=Ladder(bound_tol=tol, tol_page_in=on))
+            out, certs[on] = attn(q, store)
+            check_tolerance(out, certs[on], q, store, attn)
+        off, on = certs[False], certs[True]
+        assert (off.tol_level > 0).any()  # without it, heads escalate to the widest set
+        assert int(on.k_star.sum()) < int(off.k_star.sum())
+        assert int((on.tol_level > 0).sum()) < int((off.tol_level > 0).sum())
+
+
 def test_bound_tol_is_off_by_default_and_checked():
     assert not Ladder().bound_tolerance
+    assert not Ladder().tol_page_in
+    with pytest.raises(ConfigError, match="tol_page_in"):
+        Ladder(tol_page_in="yes")
     with pytest.raises(ConfigError, match="bound_tol=-1"):
         Ladder(bound_tol=-1)
     with pytest.raises(ConfigError, match="bound_rtol=inf"):
@@ -329,11 +352,12 @@ def test_bound_tol_holds_on_adversarial_layers():
 
     @settings(max_examples=examples(80), suppress_health_check=[HealthCheck.too_slow])
     @given(scenarios(), st.sampled_from([(0.0, None), (1e-3, None), (0.05, None), (1.0, None),
-                                         (None, 0.01), (None, 0.2), (0.01, 0.05)]))
-    def check(sc, tolerance):
+                                         (None, 0.01), (None, 0.2), (0.01, 0.05)]),
+           st.booleans())
+    def check(sc, tolerance, tol_page_in):
         store, q, attn = build({**sc, "mode": "certified"})
         attn.ladder = dataclasses.replace(attn.ladder, bound_tol=tolerance[0],
-                                          bound_rtol=tolerance[1])
+                                          bound_rtol=tolerance[1], tol_page_in=tol_page_in)
         out, cert = attn(q, store, sc["scaling"])
         check_tolerance(out, cert, q, store, attn, sc["scaling"])
     check()

@@ -67,3 +67,49 @@ def test_the_budget_reads_the_largest_upper_bounds_first(x, budget):
         chosen, left = score[new], score[wanted & ~new]
         if chosen.numel() and left.numel():
             assert left.max() <= chosen.min()
+
+
+def test_tolerance_plan_leaves_each_over_head_at_most_its_limit_by_the_fewest_blocks():
+    """The plan takes, per head over its tolerance, the fewest blocks whose shares (the
+    per-block TV term times R where keys are lossy, rho eta where values are; recomputed here)
+    leave the rest within the limit; heads within it and blocks already read whole take none."""
+    from certkv.certify.certificate import BlockStats
+    from certkv.certify.targeted import tolerance_plan
+
+    g = torch.Generator().manual_seed(3)
+    hkv, group, n = 2, 2, 12
+    hq = hkv * group
+    mass = torch.softmax(torch.randn(hq, n, generator=g) * 2, dim=-1)
+    delta = torch.rand(hq, n, generator=g) * 3
+    eta = torch.rand(hkv, n, generator=g)
+    radius = torch.rand(hq, generator=g) + 0.5
+    quantized = torch.ones(n, dtype=torch.bool)
+    quantized[-1] = False  # the exact tail block
+    eta[:, -1] = 0
+    keys_read = torch.zeros(hq, n, dtype=torch.bool)
+    keys_read[:, 0] = True  # block 0's keys read by every head
+    values_read = torch.zeros(hkv, n, dtype=torch.bool)
+    values_read[:, 1] = True
+    over = torch.tensor([True, True, False, True])
+    limit = torch.tensor([0.05, 0.5, 0.05, 0.0], dtype=torch.float64)
+    blocks = BlockStats(mass, eta, delta, radius, quantized)
+    plan, pairs = tolerance_plan(blocks, (keys_read, values_read), over, limit)
+
+    rho, d = mass.double(), delta.double()
+    lossy_k = quantized & ~keys_read
+    w = torch.maximum(1 - (rho * (1 - torch.exp(-d)) * lossy_k).sum(-1),
+                      torch.exp(-(d * lossy_k).amax(-1)))
+    shares = (torch.expm1(d) * rho * lossy_k) * (radius.double() / w)[:, None]
+    eta_q = eta.double().repeat_interleave(group, 0)
+    shares += rho * eta_q * ~values_read.repeat_interleave(group, 0)
+    assert not plan[2].any()  # within its tolerance
+    assert not plan[:, -1].any()  # the exact tail block carries nothing
+    for h in (0, 1, 3):
+        left = shares[h][~plan[h]].sum()
+        assert left <= limit[h]
+        # no smaller set: without its smallest chosen share the rest exceeds the limit
+        chosen = shares[h][plan[h]]
+        assert left + chosen.min() > limit[h]
+    assert plan[3].sum() == (shares[3] > 0).sum()  # a limit of 0: every lossy share
+    paged = keys_read.view(hkv, group, n).any(1)
+    assert pairs == int((plan.view(hkv, group, n).any(1) & ~paged).sum())

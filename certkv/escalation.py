@@ -1,0 +1,84 @@
+"""The passes of a quantized step beyond the first (paper 3.4's ladder, and issue 56's targeted
+page-in): where a head's boundary check (eq. 18) fails on a store with evicted blocks, a pass
+that also reads the blocks that broke it (``ladder.page_in_budget``); and with a bound tolerance
+(``ladder.bound_tol`` / ``bound_rtol``), passes for the heads whose returned bound exceeds it:
+with ``ladder.tol_page_in`` first one that reads the fewest blocks carrying their bound
+(:func:`~certkv.certify.targeted.tolerance_plan`), then the widest key set, then FP16 values
+for it, then dense attention.
+
+:class:`Escalation` is a base of :class:`~certkv.step.QuantizedStep`, whose ``_pass`` (one pass
+of selection, page-in, Phase 2, checks and certificate over Phase 1's scores), ``_mend`` and
+``_host_flags`` it calls. A pass only chooses what is read: each computes its certificate
+afresh, so no escalation can weaken one.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from certkv.certify import targeted
+from certkv.certify.step_certify import StepPass
+
+TOL_LEVELS = 3  # bound-tolerance escalation: 1 widest key set, 2 + FP16 values, 3 dense
+
+
+class Escalation:
+    """The escalating passes of a step (see the module)."""
+
+    def _passes(self, step, scored, e_drop, tolerant):
+        """The passes over Phase 1's scores: one, or with a bound tolerance (``tolerant``) up
+        to :data:`TOL_LEVELS` escalations of the heads over it (1: the widest key set, 2: also
+        FP16 values, 3: dense), after one targeted pass where ``ladder.tol_page_in`` asks for
+        it. Returns ``(StepPass, boost [Hq] or None, dense heads)`` (host indices of the heads
+        for the host fallback; None on the device path)."""
+        boost, force, q = None, None, step.q
+        targeted_first, passes, pairs = tolerant and self.ladder.tol_page_in, 0, 0
+        while True:
+            result = self._mended_pass(step, scored, boost, force)
+            result.targeted += pairs
+            if e_drop is not None:  # summaries corrupted by faults: no finite E_drop, dense
+                result.at_least(3, ~(e_drop < math.inf))
+            if step.on_device:  # never tolerant: one pass
+                return result, boost, None
+            norm = result.out.norm(dim=-1)
+            over = self.ladder.over_tolerance(result.bound, norm) if tolerant else None
+            dense_heads, over_heads = self._host_flags(result.flags, over)
+            if over_heads.numel() == 0:
+                return result, boost, dense_heads
+            if targeted_first:  # once: the blocks that carry the bound, before wider sets
+                targeted_first = False
+                limit = (self.ladder.tolerance(norm) - result.cert.e_arith.double()) / 2
+                plan, pairs = targeted.tolerance_plan(result.blocks, result.read, over, limit)
+                if bool(plan.any()):
+                    force = plan if force is None else force | plan
+                    continue
+            boost = (torch.zeros(q.shape[0], dtype=torch.long, device=q.device)
+                     if boost is None else boost)
+            boost = torch.where(over, torch.clamp(boost + 1, max=TOL_LEVELS), boost)
+            passes += 1
+            if passes == TOL_LEVELS:
+                break
+        # still over after the widest pass: dense
+        over = torch.zeros(q.shape[0], dtype=torch.bool, device=q.device)
+        over[over_heads.to(q.device, non_blocking=True)] = True
+        boost[over] = TOL_LEVELS
+        result.at_least(3, over)
+        return result, boost, torch.unique(torch.cat([dense_heads, over_heads]))
+
+    def _mended_pass(self, step, scored, boost, force=None) -> StepPass:
+        """A pass (reading ``force [Hq, n]``'s blocks whole, where given), and where its
+        boundary check (eq. 18) failed on a store with evicted blocks, a second pass that also
+        reads the blocks that broke it (FP16 keys, and values where lossy), within
+        ``ladder.page_in_budget`` (:mod:`certkv.certify.targeted`); what it read and mended
+        goes into the certificate."""
+        first = self._pass(step, scored, boost, force)
+        if first.mend is None:
+            return first
+        mend, pairs = targeted.plan(*first.mend, self.ladder.page_in_budget)
+        result = self._pass(step, scored, boost, mend if force is None else mend | force,
+                            mendable=False)
+        result.mend, result.targeted = None, pairs
+        result.mended = int((result.boundary & ~first.boundary).sum())
+        return result
