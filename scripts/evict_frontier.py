@@ -1,28 +1,28 @@
-"""Where certified eviction's frontier lies (issue 56): how much of the evicted values a
-certificate must read back to bound a head's value error by ``tol``, even if it knew every
-logit exactly.
+"""Where certified eviction's frontier lies (issue 56): how many FP16 value blocks a
+certificate must read to bound a head's value error by ``tol``, even if it knew every logit
+exactly.
 
-An evicted block keeps its values as a centre and a radius (the summaries' value codec,
-:class:`~certkv.quant.summary.SummaryValueCodec`), so the certificate's value term over the
-evicted blocks it does not read is at least ``sum_b min(rho_b eta_b, s_b ||p_b||_2)``
-(Cor. 4.2 as certkv sharpens it: ``rho_b`` the block's attention mass, ``p_b`` its tokens'
-probabilities, ``eta_b`` the radius, ``s_b`` the spectral norm of the block's value errors).
-Here the masses and probabilities are the exact FP64 ones, as no summary of the keys can
-give them: a certificate built on any key summary sees them only through upper bounds, so it
-must read at least as much. The fewest blocks whose reading brings that sum to ``tol`` are the
-largest terms (:func:`~certkv.certify.values.fewest_covering`); a kv head reads the union of
-its query heads' sets.
+A kept block holds INT4 values (the paper's codec), an evicted one a centre and a radius (the
+summaries' value codec, :class:`~certkv.quant.summary.SummaryValueCodec`), so the certificate's
+value term over the blocks whose values it does not read is at least ``sum_b min(rho_b eta_b,
+s_b ||p_b||_2)`` (Cor. 4.2 as certkv sharpens it: ``rho_b`` the block's attention mass, ``p_b``
+its tokens' probabilities, ``eta_b`` the codec's largest per-token error, ``s_b`` the spectral
+norm of the block's value errors). Here the masses and probabilities are the exact FP64 ones,
+which no summary of the keys gives: a certificate built on any key summary sees them only
+through upper bounds, so it must read at least as much. The fewest blocks whose reading brings
+that sum to ``tol`` are the largest terms (:func:`~certkv.certify.values.fewest_covering`); a
+kv head reads the union of its query heads' sets.
 
 Run on real SmolLM2 decode steps: a dense prefill of ``N`` tokens of the default book, then
 teacher-forced decode steps, every layer's query, keys and values taken from the model's own
 attention call (FP16-rounded keys and values, as Tier-2 holds them). The evicted blocks are
-those the real policies evict at each Tier-1 budget (a :class:`TieredKVStore` per layer fed the
-same keys and values, INT8 keys and INT4 values, box summaries), and those an idealised policy
-would, which keeps, at the same count, the blocks with the most attention at that very step
-(``topmass``: no policy can fit a step better).
+none (``none``), those the streaming policy evicts at each Tier-1 budget (a
+:class:`TieredKVStore` per layer fed the same keys and values, INT8 keys and INT4 values, box
+summaries), and those an idealised policy would, which keeps, at the same count, the blocks
+with the most attention at that very step (``topmass``: no policy can fit a step better).
 
     .venv/bin/python scripts/evict_frontier.py [--context 4096] [--steps 8] [--budget 0.25]
-        [--tol 0.05] [--weights auto|real|random] [--out DIR]
+        [--weights auto|real|random] [--out DIR]
 """
 
 from __future__ import annotations
@@ -60,17 +60,16 @@ def block_probabilities(q: torch.Tensor, k: torch.Tensor, scaling: float, block:
     return p[:, : n * block].reshape(q.shape[0], n, block)
 
 
-def value_notes(v: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+def value_notes(v: torch.Tensor, block: int, codec) -> tuple[torch.Tensor, torch.Tensor]:
     """``(eta_b, s_b)`` ``[Hkv, n]`` of the completed blocks of FP16 values ``v [Hkv, T, d]``
-    held as summaries: the codec's own radius and the spectral norm of its error block."""
+    held by the value ``codec``: its largest per-token error on its own decode (Cor. 4.2's
+    ``eta_b``, as the store annotates it) and the spectral norm of its error block."""
     hkv, tokens, d = v.shape
     n = tokens // block
     blocks = v[:, : n * block].reshape(hkv, n, block, d)
-    codec = SummaryValueCodec()
     codec.validate(d, block)
-    encoded = codec.encode(blocks)
-    spectral = spectral_norm_upper(codec.decode(encoded).double() - blocks.double())
-    return encoded["radius"].double(), spectral
+    err = codec.decode(codec.encode(blocks)).double() - blocks.double()
+    return err.norm(dim=-1).amax(dim=-1), spectral_norm_upper(err)
 
 
 def value_terms(p: torch.Tensor, eta: torch.Tensor, spectral: torch.Tensor, group: int
@@ -81,48 +80,50 @@ def value_terms(p: torch.Tensor, eta: torch.Tensor, spectral: torch.Tensor, grou
     return torch.minimum(rho * per_head(eta, group, 0), norm * per_head(spectral, group, 0))
 
 
-def step_reads(terms: torch.Tensor, evicted: torch.Tensor, group: int, tol: float
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(value blocks read per kv head [Hkv], whether each query head needs none [Hq])`` for
-    one layer step: the union over each kv head's query heads of the fewest covering sets over the
-    ``evicted [n]`` blocks' ``terms [Hq, n]``."""
-    sets = fewest_covering(terms[:, evicted], tol)
-    per_kv = sets.view(-1, group, sets.shape[1]).any(dim=1)
-    return per_kv.sum(dim=1), ~sets.any(dim=1)
+def step_reads(terms: torch.Tensor, group: int, tol: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(value blocks read [Hkv, n], whether each query head needs none [Hq])`` for one layer
+    step: per kv head, the union over its query heads of the fewest blocks whose ``terms [Hq,
+    n]``, left out, leave the rest at most ``tol``."""
+    sets = fewest_covering(terms, tol)
+    return sets.view(-1, group, sets.shape[1]).any(dim=1), ~sets.any(dim=1)
 
 
 class Tally:
     """Sums over head-steps for one (context, policy, budget)."""
 
     def __init__(self) -> None:
-        self.steps = self.kept = self.blocks = 0
+        self.steps = self.kept = self.blocks = self.heads = 0
         self.mass, self.e_val = [], []
         self.read = dict.fromkeys(TOLS, 0)
+        self.read_evicted = dict.fromkeys(TOLS, 0)
         self.free = dict.fromkeys(TOLS, 0)
-        self.heads = 0
 
     def add(self, p, terms, evicted, group) -> None:
-        n = evicted.numel()
+        """One layer step: block probabilities ``p [Hq, n, B]``, every completed block's value
+        term ``terms [Hq, n]`` (the kept blocks' codec, the evicted ones' summary) and the
+        ``evicted [n]`` mask."""
         self.steps += 1
-        self.blocks += n
+        self.blocks += evicted.numel()
         self.kept += int((~evicted).sum())
         self.heads += p.shape[0]
         self.mass.append(p.sum(dim=-1)[:, evicted].sum(dim=1))
-        self.e_val.append(terms[:, evicted].sum(dim=1))
+        self.e_val.append(terms.sum(dim=1))
         for tol in TOLS:
-            read, free = step_reads(terms, evicted, group, tol)
+            read, free = step_reads(terms, group, tol)
             self.read[tol] += int(read.sum())
+            self.read_evicted[tol] += int(read[:, evicted].sum())
             self.free[tol] += int(free.sum())
 
     def summary(self, hkv: int) -> dict:
-        evicted = (self.blocks - self.kept) * hkv  # (kv head, block) pairs
         mass, e_val = torch.cat(self.mass), torch.cat(self.e_val)
+        dense = 2 * self.blocks * hkv  # the dense FP16 keys and values, in value blocks
         return {
             "layer_steps": self.steps, "kept_fraction": self.kept / self.blocks,
             "evicted_mass": _quantiles(mass), "e_val_unread": _quantiles(e_val),
-            "read_of_evicted": {str(t): self.read[t] / max(evicted, 1) for t in TOLS},
-            # FP16 values read / the dense FP16 keys and values of the completed blocks
-            "read_of_dense_kv": {str(t): self.read[t] / (2 * self.blocks * hkv) for t in TOLS},
+            # FP16 value blocks read / the dense FP16 keys and values of the completed blocks
+            "read_of_dense_kv": {str(t): self.read[t] / dense for t in TOLS},
+            "evicted_share_of_reads": {str(t): self.read_evicted[t] / max(self.read[t], 1)
+                                       for t in TOLS},
             "heads_reading_none": {str(t): self.free[t] / self.heads for t in TOLS},
         }
 
@@ -151,12 +152,13 @@ class Capture:
 
 class Frontier:
     """Per layer: a store per budget (the streaming policy's real choices) kept in step with the
-    model's cache; per decode step the tallies of both policies."""
+    model's cache; per decode step the tallies of no eviction and of both policies."""
 
     def __init__(self, budgets, block: int) -> None:
         self.budgets, self.block = budgets, block
         self.stores: dict = {}
-        self.tallies = {(pol, b): Tally() for pol in POLICIES for b in budgets}
+        self.tallies = {("none", 1.0): Tally(),
+                        **{(pol, b): Tally() for pol in POLICIES for b in budgets}}
         self.hkv = 0
 
     def on_step(self, layer, q, k, v, scaling) -> None:
@@ -164,14 +166,22 @@ class Frontier:
         group = q.shape[0] // hkv
         self._follow(layer, k, v)
         p = block_probabilities(q, k, scaling, self.block)
-        eta, spectral = value_notes(v, self.block)
-        terms = value_terms(p, eta, spectral, group)
+        kept = value_notes(v, self.block, KVQuantizer(block_size=self.block).value_codec)
+        summary = value_notes(v, self.block, SummaryValueCodec())
+
+        def add(policy, budget, evicted):
+            eta, spectral = (torch.where(evicted, s, c) for s, c in zip(summary, kept,
+                                                                         strict=True))
+            self.tallies[policy, budget].add(p, value_terms(p, eta, spectral, group), evicted,
+                                             group)
+
+        add("none", 1.0, torch.zeros(p.shape[1], dtype=torch.bool))
         for budget in self.budgets:
             evicted = self.stores[layer, budget].evicted_mask()[: p.shape[1]].cpu()
-            self.tallies["streaming", budget].add(p, terms, evicted, group)
+            add("streaming", budget, evicted)
             ideal = torch.ones_like(evicted)  # the same count, the most attended blocks kept
             ideal[p.sum(dim=(0, 2)).topk(int((~evicted).sum())).indices] = False
-            self.tallies["topmass", budget].add(p, terms, ideal, group)
+            add("topmass", budget, ideal)
 
     def _follow(self, layer, k, v) -> None:
         """Append to each of the layer's stores what the model's cache gained since."""
@@ -212,20 +222,21 @@ def frontier(model: str, context: int, steps: int, budgets, weights: str = "auto
 
 def markdown(runs: list[dict], command: str, info: dict) -> str:
     """The report: one table per context."""
-    lines = ["# Certified eviction's frontier: the evicted values a certificate must read",
-             "", f"Command: `{command}`  ", f"Commit: `{info['commit']}`  ",
+    lines = ["# Certified eviction's frontier: the values a certificate must read", "",
+             f"Command: `{command}`  ", f"Commit: `{info['commit']}`  ",
              f"Device: {info['device']}; torch {info['torch']}", "",
-             "Per (policy, Tier-1 budget): the completed blocks kept in Tier-1, the attention "
-             "mass on the evicted ones and their value term with nothing read (medians over "
-             "head-steps), and for each tolerance the fewest evicted FP16 value blocks a "
-             "certificate must read (exact masses; the union over a kv head's query heads), as "
-             "a share of the evicted (kv head, block) pairs and of the dense FP16 keys and "
-             "values, with the share of head-steps that need none.", ""]
+             "Per (policy, Tier-1 budget): the completed blocks kept in Tier-1 (INT8 keys, INT4 "
+             "values), the attention mass on the evicted ones (summaries: centre and radius) and "
+             "the value term of every block with nothing read (medians over head-steps); for "
+             "each tolerance, the fewest FP16 value blocks a certificate must read to bring that "
+             "term within it on exact masses (the union over a kv head's query heads), as a "
+             "share of the dense FP16 keys and values, the share of them that are evicted "
+             "blocks, and the share of head-steps that need none.", ""]
     for run in runs:
         lines += [f"## {run['model']}, N = {run['context']}, {run['steps']} decode steps "
                   f"({run['weights']} weights)", "",
-                  "| policy | budget | kept | evicted mass | E_val unread | tol | read / evicted "
-                  "| read / dense KV | heads reading none |",
+                  "| policy | budget | kept | evicted mass | E_val unread | tol | read / dense KV "
+                  "| evicted of read | heads reading none |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for row in run["rows"]:
             for tol in run["tols"]:
@@ -233,8 +244,9 @@ def markdown(runs: list[dict], command: str, info: dict) -> str:
                 lines.append(
                     f"| {row['policy']} | {row['budget']:.0%} | {row['kept_fraction']:.2f} | "
                     f"{row['evicted_mass']['p50']:.3f} | {row['e_val_unread']['p50']:.2f} | "
-                    f"{tol:g} | {row['read_of_evicted'][t]:.2f} | "
-                    f"{row['read_of_dense_kv'][t]:.3f} | {row['heads_reading_none'][t]:.2f} |")
+                    f"{tol:g} | {row['read_of_dense_kv'][t]:.3f} | "
+                    f"{row['evicted_share_of_reads'][t]:.2f} | "
+                    f"{row['heads_reading_none'][t]:.2f} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -250,14 +262,14 @@ def plot(runs: list[dict], path: Path) -> None:
     for run in runs:
         for row in run["rows"]:
             ys = [row["read_of_dense_kv"][str(t)] for t in run["tols"]]
-            style = "-" if row["policy"] == "streaming" else "--"
+            style = {"none": ":", "streaming": "-"}.get(row["policy"], "--")
             ax.plot(run["tols"], ys, style, marker="o",
                     label=f"N={run['context']} {row['policy']} {row['budget']:.0%}")
     ax.axhline(0.1, color="grey", lw=0.8, ls=":")
     ax.set_xscale("log")
-    ax.set_xlabel("tolerance on the evicted blocks' value term (E_val)")
+    ax.set_xlabel("tolerance on the value term (E_val)")
     ax.set_ylabel("FP16 values read / dense FP16 KV bytes")
-    ax.set_title("Fewest evicted values a certificate must read (exact masses)")
+    ax.set_title("Fewest FP16 values a certificate must read (exact masses)")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

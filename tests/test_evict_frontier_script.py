@@ -20,7 +20,9 @@ def test_value_terms_are_the_sharpened_cor_4_2_terms_on_exact_probabilities(fron
     v = torch.randn(2, 3 * block + 1, d, generator=gen).half()
     p = frontier.block_probabilities(q, k, 0.5, block)
     assert p.shape == (4, 3, block) and float(p.sum()) < 4  # the tail token holds the rest
-    eta, spectral = frontier.value_notes(v, block)
+    from certkv.quant.summary import SummaryValueCodec
+
+    eta, spectral = frontier.value_notes(v, block, SummaryValueCodec())
     terms = frontier.value_terms(p, eta, spectral, 2)
     for h in range(4):
         for b in range(3):
@@ -35,13 +37,17 @@ def test_value_terms_are_the_sharpened_cor_4_2_terms_on_exact_probabilities(fron
 
 def test_the_frontier_of_a_tiny_model_reads_less_as_the_tolerance_grows(frontier):
     out = frontier.frontier("tiny_random", 96, 2, [0.5], weights="real")
-    assert out["context"] == 96 and {r["policy"] for r in out["rows"]} == {"streaming",
-                                                                          "topmass"}
+    assert out["context"] == 96
+    assert {r["policy"] for r in out["rows"]} == {"none", "streaming", "topmass"}
     for row in out["rows"]:
-        assert 0 < row["kept_fraction"] < 1 and row["layer_steps"] > 0
-        reads = [row["read_of_evicted"][str(t)] for t in out["tols"]]
-        assert all(0 <= a <= 1 for a in reads) and reads == sorted(reads, reverse=True)
+        evicts = row["policy"] != "none"
+        assert (0 < row["kept_fraction"] < 1) == evicts and row["layer_steps"] > 0
+        reads = [row["read_of_dense_kv"][str(t)] for t in out["tols"]]
+        assert all(0 <= a <= 0.5 for a in reads) and reads == sorted(reads, reverse=True)
+        shares = row["evicted_share_of_reads"].values()
+        assert all(0 <= a <= 1 for a in shares) and (evicts or not any(shares))
         free = [row["heads_reading_none"][str(t)] for t in out["tols"]]
         assert free == sorted(free)
     text = frontier.markdown([out], "cmd", {"commit": "x", "device": "cpu", "torch": "t"})
-    assert "| streaming | 50% |" in text and "| topmass | 50% |" in text
+    for row in ("| none | 100% |", "| streaming | 50% |", "| topmass | 50% |"):
+        assert row in text
