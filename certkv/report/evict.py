@@ -141,7 +141,8 @@ def evict_table(run: RunData) -> Table | None:
                   "paged/step": "evicted (kv head, block) pairs paged in per decode step, all "
                                 "layers",
                   "targeted": "(kv head, block) pairs read whole per decode step to mend a "
-                              "failed boundary check (ladder.page_in_budget)",
+                              "failed boundary check (ladder.page_in_budget) or to bring a "
+                              "head within its bound tolerance (ladder.tol_page_in)",
                   "mended": "head-steps whose boundary check held after that page-in (no "
                             "rung 3 for it)",
                   "H2D": "host-to-device KiB per step", "T1": "Tier-1 bytes / dense bytes",

@@ -17,6 +17,10 @@ def test_a_series_names_the_summary_targeted_page_in_and_tolerance():
     assert series_of(run, "age-box") == "certified"
     assert series_of(run, "age-box-targeted") == "certified, targeted"
     assert series_of(run, "age-keys2-tol") == "certified, keys2, bound_tol 0.05"
+    paged = RunData.load(REPORTS / "tol_4k" / "run")
+    assert series_of(paged, "snapkv-keys2-tol-paged") == \
+        "certified, keys2, bound_tol 0.05, tol page-in"
+    assert series_of(paged, "certified-tol") == "certified, bound_tol 0.05"
     older = RunData.load(REPORTS / "evict_4k" / "run")  # runs from before the fields: as before
     assert series_of(older, "age-25-certified-tol") == "certified, bound_tol 0.05"
 
