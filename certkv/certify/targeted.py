@@ -65,8 +65,8 @@ def tolerance_plan(blocks, read: tuple, over: torch.Tensor, limit: torch.Tensor
     (:func:`~certkv.certify.values.fewest_covering`). A block's share, from the pass's
     :class:`~certkv.certify.certificate.BlockStats` (Phase-2 masses ``rho_b``, tightened
     ``Delta_b``, ``eta_b``, the head's value radius ``R``) and ``read`` (the FP16 keys ``[Hq,
-    n]`` and values ``[Hkv, n]`` it read): where its keys were lossy, ``R`` times its term of
-    the per-block TV bound's first lane, ``(e^{D_b} - 1) rho_b / W``
+    n]`` and values ``[Hkv, n]`` it read): where its keys were lossy, ``2 R`` times its term
+    of the per-block TV bound's first lane, ``(e^{D_b} - 1) rho_b / W``
     (:func:`~certkv.certify.bounds.block_tv_bound`); where its values were, ``rho_b eta_b``
     (Cor. 4.2). The shares only rank and count blocks: the pass that reads them certifies
     afresh."""
@@ -82,7 +82,7 @@ def tolerance_plan(blocks, read: tuple, over: torch.Tensor, limit: torch.Tensor
     w = torch.maximum(1.0 - shrink, torch.exp(-torch.where(lossy_keys, delta, 0.0)
                                                .amax(dim=-1)))
     key_share = torch.where(lossy_keys & (rho > 0), torch.expm1(delta) * rho, 0.0)
-    key_share = key_share * (blocks.radius.double() / w).unsqueeze(-1)
+    key_share = key_share * (2.0 * blocks.radius.double() / w).unsqueeze(-1)  # E_key = 2 R TV
     value_share = torch.where(lossy_values, rho * eta, 0.0)
     plan = fewest_covering(key_share + value_share, limit.clamp(min=0.0))
     plan &= over.unsqueeze(-1)

@@ -99,7 +99,7 @@ def test_tolerance_plan_leaves_each_over_head_at_most_its_limit_by_the_fewest_bl
     lossy_k = quantized & ~keys_read
     w = torch.maximum(1 - (rho * (1 - torch.exp(-d)) * lossy_k).sum(-1),
                       torch.exp(-(d * lossy_k).amax(-1)))
-    shares = (torch.expm1(d) * rho * lossy_k) * (radius.double() / w)[:, None]
+    shares = (torch.expm1(d) * rho * lossy_k) * (2 * radius.double() / w)[:, None]
     eta_q = eta.double().repeat_interleave(group, 0)
     shares += rho * eta_q * ~values_read.repeat_interleave(group, 0)
     assert not plan[2].any()  # within its tolerance
