@@ -37,15 +37,18 @@ import torch
 from certkv.bench import device_info
 from certkv.bench.decode import _decode_model, _decode_prompt
 from certkv.cache.store import TieredKVStore
-from certkv.certify.bounds import spectral_norm_upper
+from certkv.certify.bounds import block_deltas, spectral_norm_upper, tightened_deltas
 from certkv.certify.values import fewest_covering
+from certkv.errors import BudgetError
 from certkv.evict import StreamingEviction
 from certkv.files import write_atomic
 from certkv.quant import KVQuantizer
 from certkv.quant.summary import SummaryValueCodec
+from certkv.registry import SUMMARIES
 
 TOLS = (0.01, 0.05, 0.1, 0.5)
 POLICIES = ("streaming", "topmass")
+KEY_SUMMARIES = ("box", "keys2")
 
 
 def block_probabilities(q: torch.Tensor, k: torch.Tensor, scaling: float, block: int
@@ -80,6 +83,45 @@ def value_terms(p: torch.Tensor, eta: torch.Tensor, spectral: torch.Tensor, grou
     return torch.minimum(rho * per_head(eta, group, 0), norm * per_head(spectral, group, 0))
 
 
+def key_deltas(q: torch.Tensor, k: torch.Tensor, scaling: float, block: int, codec
+               ) -> torch.Tensor:
+    """``Delta_b [Hq, n]``: the largest logit error of each completed block's keys held by the
+    key ``codec``, as the step bounds it: eq. 8's channel form, tightened by ``scaling ||q||``
+    times the block's largest per-token key error (its decode's, plus the codec's decode slack,
+    as the store annotates it; :func:`~certkv.certify.bounds.tightened_deltas`)."""
+    hkv, tokens, d = k.shape
+    n = tokens // block
+    blocks = k[:, : n * block].reshape(hkv, n, block, d)
+    codec.validate(d, block)
+    encoded = codec.encode(blocks)
+    err = (codec.decode(encoded).double() - blocks.double()).norm(dim=-1).amax(dim=-1)
+    key_err = err + codec.decode_slack(encoded).double().norm(dim=-1)
+    qg = q.double().view(hkv, -1, d)
+    channel = block_deltas(qg, codec.channel_bound(encoded).double(), scaling).double()
+    return tightened_deltas(channel, qg.norm(dim=-1), key_err, scaling).reshape(q.shape[0], n)
+
+
+def key_terms(p: torch.Tensor, delta: torch.Tensor, radius: torch.Tensor) -> torch.Tensor:
+    """Each block's share of E_key ``[Hq, n]`` were its keys read lossily: twice the value
+    radius ``R [Hq]`` (E_key = 2 R TV) times its term of the per-block TV bound on the exact
+    masses ``rho_b``,
+    ``(e^{D_b} - 1) rho_b / W`` (:func:`~certkv.certify.bounds.block_tv_bound`'s first lane,
+    every block's keys lossy; the shares ``ladder.tol_page_in`` ranks blocks by)."""
+    rho = p.sum(dim=-1)
+    d = delta.clamp(max=80.0)
+    w = torch.maximum(1.0 - (rho * -torch.expm1(-d)).sum(dim=-1), torch.exp(-d.amax(dim=-1)))
+    return (2.0 * radius / w).unsqueeze(-1) * torch.expm1(d) * rho
+
+
+def value_radius(v: torch.Tensor) -> torch.Tensor:
+    """``R [Hkv]``: ``min(max_t ||v_t||, max_t ||v_t - c||)`` with ``c`` the values' per-channel
+    midrange (the store fixes its centre from the prompt's values; here all of them)."""
+    x = v.double()
+    centre = (x.amax(dim=1) + x.amin(dim=1)) / 2
+    return torch.minimum(x.norm(dim=-1).amax(dim=-1),
+                         (x - centre.unsqueeze(1)).norm(dim=-1).amax(dim=-1))
+
+
 def step_reads(terms: torch.Tensor, group: int, tol: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(value blocks read [Hkv, n], whether each query head needs none [Hq])`` for one layer
     step: per kv head, the union over its query heads of the fewest blocks whose ``terms [Hq,
@@ -89,9 +131,11 @@ def step_reads(terms: torch.Tensor, group: int, tol: float) -> tuple[torch.Tenso
 
 
 class Tally:
-    """Sums over head-steps for one (context, policy, budget)."""
+    """Sums over head-steps for one (context, policy, budget); ``whole``: a block read is read
+    whole (FP16 keys and values), else its values only."""
 
-    def __init__(self) -> None:
+    def __init__(self, whole: bool = False) -> None:
+        self.whole = whole
         self.steps = self.kept = self.blocks = self.heads = 0
         self.mass, self.e_val = [], []
         self.read = dict.fromkeys(TOLS, 0)
@@ -116,11 +160,11 @@ class Tally:
 
     def summary(self, hkv: int) -> dict:
         mass, e_val = torch.cat(self.mass), torch.cat(self.e_val)
-        dense = 2 * self.blocks * hkv  # the dense FP16 keys and values, in value blocks
+        dense = 2 * self.blocks * hkv / (2 if self.whole else 1)  # dense KV, in blocks read
         return {
             "layer_steps": self.steps, "kept_fraction": self.kept / self.blocks,
             "evicted_mass": _quantiles(mass), "e_val_unread": _quantiles(e_val),
-            # FP16 value blocks read / the dense FP16 keys and values of the completed blocks
+            # FP16 blocks read / the dense FP16 keys and values of the completed blocks
             "read_of_dense_kv": {str(t): self.read[t] / dense for t in TOLS},
             "evicted_share_of_reads": {str(t): self.read_evicted[t] / max(self.read[t], 1)
                                        for t in TOLS},
@@ -151,14 +195,19 @@ class Capture:
 
 
 class Frontier:
-    """Per layer: a store per budget (the streaming policy's real choices) kept in step with the
-    model's cache; per decode step the tallies of no eviction and of both policies."""
+    """Per layer: a store per (summary, budget) (the streaming policy's real choices) kept in
+    step with the model's cache; per decode step the tallies of no eviction and of both
+    policies (values read, box summaries), and of no eviction and streaming per summary (blocks
+    read whole, against certkv's key and value terms)."""
 
     def __init__(self, budgets, block: int) -> None:
         self.budgets, self.block = budgets, block
         self.stores: dict = {}
         self.tallies = {("none", 1.0): Tally(),
                         **{(pol, b): Tally() for pol in POLICIES for b in budgets}}
+        self.whole = {("int8", 1.0): Tally(whole=True),
+                      **{(summ, b): Tally(whole=True) for summ in KEY_SUMMARIES
+                         for b in budgets}}
         self.hkv = 0
 
     def on_step(self, layer, q, k, v, scaling) -> None:
@@ -166,35 +215,56 @@ class Frontier:
         group = q.shape[0] // hkv
         self._follow(layer, k, v)
         p = block_probabilities(q, k, scaling, self.block)
-        kept = value_notes(v, self.block, KVQuantizer(block_size=self.block).value_codec)
+        quantizer = KVQuantizer(block_size=self.block)
+        kept = value_notes(v, self.block, quantizer.value_codec)
         summary = value_notes(v, self.block, SummaryValueCodec())
+        radius = value_radius(v).repeat_interleave(group)
 
-        def add(policy, budget, evicted):
+        def values(evicted):
             eta, spectral = (torch.where(evicted, s, c) for s, c in zip(summary, kept,
                                                                          strict=True))
-            self.tallies[policy, budget].add(p, value_terms(p, eta, spectral, group), evicted,
-                                             group)
+            return value_terms(p, eta, spectral, group)
 
-        add("none", 1.0, torch.zeros(p.shape[1], dtype=torch.bool))
+        none = torch.zeros(p.shape[1], dtype=torch.bool)
+        self.tallies["none", 1.0].add(p, values(none), none, group)
+        int8 = key_deltas(q, k, scaling, self.block, quantizer.key_codec)
+        self.whole["int8", 1.0].add(p, key_terms(p, int8, radius) + values(none), none, group)
         for budget in self.budgets:
-            evicted = self.stores[layer, budget].evicted_mask()[: p.shape[1]].cpu()
-            add("streaming", budget, evicted)
+            evicted = self.stores[layer, "box", budget].evicted_mask()[: p.shape[1]].cpu()
+            self.tallies["streaming", budget].add(p, values(evicted), evicted, group)
             ideal = torch.ones_like(evicted)  # the same count, the most attended blocks kept
             ideal[p.sum(dim=(0, 2)).topk(int((~evicted).sum())).indices] = False
-            add("topmass", budget, ideal)
+            self.tallies["topmass", budget].add(p, values(ideal), ideal, group)
+        for name in KEY_SUMMARIES:
+            codec = SUMMARIES.get(name, "evict.summary")().precision().key_codec
+            loose = key_deltas(q, k, scaling, self.block, codec)
+            for budget in self.budgets:
+                store = self.stores[layer, name, budget]
+                if store is None:  # the summary alone exceeds this budget
+                    continue
+                evicted = store.evicted_mask()[: p.shape[1]].cpu()
+                terms = key_terms(p, torch.where(evicted, loose, int8), radius)
+                self.whole[name, budget].add(p, terms + values(evicted), evicted, group)
 
     def _follow(self, layer, k, v) -> None:
-        """Append to each of the layer's stores what the model's cache gained since."""
-        for budget in self.budgets:
-            store = self.stores.get((layer, budget))
-            if store is None:
-                policy = StreamingEviction(budget=budget)
-                store = TieredKVStore(k.shape[0], k.shape[2], block_size=self.block,
-                                      quantizer=KVQuantizer(block_size=self.block)
-                                      .with_eviction(policy))
-                self.stores[layer, budget] = store
-            new = k.shape[1] - store.num_tokens
-            store.append(k[:, -new:], v[:, -new:])
+        """Append to each of the layer's stores what the model's cache gained since (a summary
+        whose blocks alone exceed a budget gets no store there)."""
+        for name in KEY_SUMMARIES:
+            for budget in self.budgets:
+                key = (layer, name, budget)
+                if key not in self.stores:
+                    policy = StreamingEviction(budget=budget, summary=name)
+                    self.stores[key] = TieredKVStore(
+                        k.shape[0], k.shape[2], block_size=self.block,
+                        quantizer=KVQuantizer(block_size=self.block).with_eviction(policy))
+                store = self.stores[key]
+                if store is None:
+                    continue
+                new = k.shape[1] - store.num_tokens
+                try:
+                    store.append(k[:, -new:], v[:, -new:])
+                except BudgetError:
+                    self.stores[key] = None
 
 
 def frontier(model: str, context: int, steps: int, budgets, weights: str = "auto",
@@ -217,7 +287,9 @@ def frontier(model: str, context: int, steps: int, budgets, weights: str = "auto
     return {"model": model, "weights": used, "context": context, "steps": steps,
             "block": block, "tols": list(TOLS),
             "rows": [{"policy": pol, "budget": b, **t.summary(state.hkv)}
-                     for (pol, b), t in state.tallies.items()]}
+                     for (pol, b), t in state.tallies.items()],
+            "whole_rows": [{"keys": name, "budget": b, **t.summary(state.hkv)}
+                           for (name, b), t in state.whole.items() if t.steps]}
 
 
 def markdown(runs: list[dict], command: str, info: dict) -> str:
@@ -244,6 +316,20 @@ def markdown(runs: list[dict], command: str, info: dict) -> str:
                 lines.append(
                     f"| {row['policy']} | {row['budget']:.0%} | {row['kept_fraction']:.2f} | "
                     f"{row['evicted_mass']['p50']:.3f} | {row['e_val_unread']['p50']:.2f} | "
+                    f"{tol:g} | {row['read_of_dense_kv'][t]:.3f} | "
+                    f"{row['evicted_share_of_reads'][t]:.2f} | "
+                    f"{row['heads_reading_none'][t]:.2f} |")
+        lines += ["", "With the key terms, blocks read whole (FP16 keys and values) against the "
+                  "per-block TV bound's share of E_key on exact masses plus the value terms, for "
+                  "streaming with each key summary (`int8`: no eviction; a summary whose blocks "
+                  "alone exceed a budget has no row there):", "",
+                  "| keys | budget | kept | tol | read / dense KV | evicted of read "
+                  "| heads reading none |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        for row in run["whole_rows"]:
+            for tol in run["tols"]:
+                t = str(tol)
+                lines.append(
+                    f"| {row['keys']} | {row['budget']:.0%} | {row['kept_fraction']:.2f} | "
                     f"{tol:g} | {row['read_of_dense_kv'][t]:.3f} | "
                     f"{row['evicted_share_of_reads'][t]:.2f} | "
                     f"{row['heads_reading_none'][t]:.2f} |")
