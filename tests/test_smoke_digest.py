@@ -27,6 +27,10 @@ import pytest
 # numba's code generation.
 PINNED = "78804ba2e908e86b"
 PINNED_BATCHED = "6566d79577213354"  # the default task.*.batch_size=4: NIAH's 2 trials at once
+# (alone, batched) where numba compiles for another CPU (llvmlite's host CPU name): on a Zen 5
+# (znver5, AVX-512) the same code (cda6d29, before issue 56's tolerance page-in, and after it)
+# gives these, its compiled loops vectorised differently in their last bits
+PINNED_BY_CPU = {"znver5": ("3c18b49a3e6a0958", "fa63f4dffb2c16a4")}
 ONE_AT_A_TIME = ["task.perplexity.batch_size=1", "task.niah.batch_size=1"]
 TIMINGS = ("ms_per_step", "batch_size")  # how fast, not what
 ONE_THREAD = {name: "1" for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")}
@@ -40,6 +44,13 @@ def digest(run) -> str:
             record = {k: v for k, v in json.loads(line).items() if k not in TIMINGS}
             h.update(json.dumps(record, sort_keys=True).encode())
     return h.hexdigest()[:16]
+
+
+def pinned() -> tuple[str, str]:
+    """The (alone, batched) digests pinned for the CPU numba compiles for here."""
+    import llvmlite.binding as llvm
+
+    return PINNED_BY_CPU.get(llvm.get_host_cpu_name(), (PINNED, PINNED_BATCHED))
 
 
 def tiny_run(out, *overrides):
@@ -59,8 +70,7 @@ def records(run) -> list[dict]:
 def test_the_tiny_run_gives_the_pinned_generations_and_certificates_alone_and_batched(tmp_path):
     alone, batched = tiny_run(tmp_path / "alone", *ONE_AT_A_TIME), tiny_run(tmp_path / "batched")
     assert len(records(alone)) == 9 and all("ms_per_step" in r for r in records(alone))
-    assert digest(alone) == PINNED
-    assert digest(batched) == PINNED_BATCHED
+    assert (digest(alone), digest(batched)) == pinned()
     # a batch changes the model's matrix products in their last bits, never what a record says
     # (records come variant by variant within a batch: matched by their key)
     key = lambda r: (r["task"], r["sample"], r["variant"])  # noqa: E731
