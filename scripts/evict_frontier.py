@@ -208,6 +208,7 @@ class Frontier:
         self.whole = {("int8", 1.0): Tally(whole=True),
                       **{(summ, b): Tally(whole=True) for summ in KEY_SUMMARIES
                          for b in budgets}}
+        self.delta = {name: [0.0, 0.0] for name in ("int8", *KEY_SUMMARIES, "keys4")}
         self.hkv = 0
 
     def on_step(self, layer, q, k, v, scaling) -> None:
@@ -229,22 +230,30 @@ class Frontier:
         self.tallies["none", 1.0].add(p, values(none), none, group)
         int8 = key_deltas(q, k, scaling, self.block, quantizer.key_codec)
         self.whole["int8", 1.0].add(p, key_terms(p, int8, radius) + values(none), none, group)
+        self._note_delta("int8", p, int8)
         for budget in self.budgets:
             evicted = self.stores[layer, "box", budget].evicted_mask()[: p.shape[1]].cpu()
             self.tallies["streaming", budget].add(p, values(evicted), evicted, group)
             ideal = torch.ones_like(evicted)  # the same count, the most attended blocks kept
             ideal[p.sum(dim=(0, 2)).topk(int((~evicted).sum())).indices] = False
             self.tallies["topmass", budget].add(p, values(ideal), ideal, group)
-        for name in KEY_SUMMARIES:
+        for name in (*KEY_SUMMARIES, "keys4"):
             codec = SUMMARIES.get(name, "evict.summary")().precision().key_codec
             loose = key_deltas(q, k, scaling, self.block, codec)
-            for budget in self.budgets:
+            self._note_delta(name, p, loose)
+            for budget in self.budgets if name in KEY_SUMMARIES else ():
                 store = self.stores[layer, name, budget]
                 if store is None:  # the summary alone exceeds this budget
                     continue
                 evicted = store.evicted_mask()[: p.shape[1]].cpu()
                 terms = key_terms(p, torch.where(evicted, loose, int8), radius)
                 self.whole[name, budget].add(p, terms + values(evicted), evicted, group)
+
+    def _note_delta(self, name: str, p: torch.Tensor, delta: torch.Tensor) -> None:
+        """Add one layer step's ``Delta_b [Hq, n]``, weighted by the blocks' exact masses."""
+        rho = p.sum(dim=-1)
+        self.delta[name][0] += float((rho * delta).sum())
+        self.delta[name][1] += float(rho.sum())
 
     def _follow(self, layer, k, v) -> None:
         """Append to each of the layer's stores what the model's cache gained since (a summary
@@ -289,7 +298,9 @@ def frontier(model: str, context: int, steps: int, budgets, weights: str = "auto
             "rows": [{"policy": pol, "budget": b, **t.summary(state.hkv)}
                      for (pol, b), t in state.tallies.items()],
             "whole_rows": [{"keys": name, "budget": b, **t.summary(state.hkv)}
-                           for (name, b), t in state.whole.items() if t.steps]}
+                           for (name, b), t in state.whole.items() if t.steps],
+            # each key codec's Delta_b (nats), the mean over every block weighted by its mass
+            "key_delta": {name: a / w for name, (a, w) in state.delta.items()}}
 
 
 def markdown(runs: list[dict], command: str, info: dict) -> str:
@@ -319,6 +330,9 @@ def markdown(runs: list[dict], command: str, info: dict) -> str:
                     f"{tol:g} | {row['read_of_dense_kv'][t]:.3f} | "
                     f"{row['evicted_share_of_reads'][t]:.2f} | "
                     f"{row['heads_reading_none'][t]:.2f} |")
+        deltas = ", ".join(f"{name} {x:.3g}" for name, x in run["key_delta"].items())
+        lines += ["", f"Each key codec's `Delta_b` (nats; the mean over every completed block, "
+                  f"weighted by its exact mass): {deltas}."]
         lines += ["", "With the key terms, blocks read whole (FP16 keys and values) against the "
                   "per-block TV bound's share of E_key on exact masses plus the value terms, for "
                   "streaming with each key summary (`int8`: no eviction; a summary whose blocks "

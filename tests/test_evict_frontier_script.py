@@ -71,6 +71,8 @@ def test_the_frontier_of_a_tiny_model_reads_less_as_the_tolerance_grows(frontier
         assert free == sorted(free)
     assert {(r["keys"], r["budget"]) for r in out["whole_rows"]} == {
         ("int8", 1.0), ("box", 0.5), ("keys2", 0.5)}
+    delta = out["key_delta"]  # every summary's logits looser than INT8 keys', box the loosest
+    assert 0 < delta["int8"] < delta["keys4"] < delta["keys2"] < delta["box"]
     for row in out["whole_rows"]:
         reads = [row["read_of_dense_kv"][str(t)] for t in out["tols"]]
         assert all(0 <= a <= 1 for a in reads) and reads == sorted(reads, reverse=True)
