@@ -42,7 +42,7 @@ class Escalation:
                 result.at_least(3, ~(e_drop < math.inf))
             if step.on_device:  # never tolerant: one pass
                 return result, boost, None
-            norm = result.out.norm(dim=-1)
+            norm = result.out.norm(dim=-1) if tolerant else None
             over = self.ladder.over_tolerance(result.bound, norm) if tolerant else None
             dense_heads, over_heads = self._host_flags(result.flags, over)
             if over_heads.numel() == 0:
