@@ -38,6 +38,7 @@ from certkv.bench import device_info
 from certkv.bench.decode import _decode_model, _decode_prompt
 from certkv.cache.store import TieredKVStore
 from certkv.certify.bounds import block_deltas, spectral_norm_upper, tightened_deltas
+from certkv.certify.targeted import key_shares
 from certkv.certify.values import fewest_covering
 from certkv.errors import BudgetError
 from certkv.evict import StreamingEviction
@@ -102,15 +103,10 @@ def key_deltas(q: torch.Tensor, k: torch.Tensor, scaling: float, block: int, cod
 
 
 def key_terms(p: torch.Tensor, delta: torch.Tensor, radius: torch.Tensor) -> torch.Tensor:
-    """Each block's share of E_key ``[Hq, n]`` were its keys read lossily: twice the value
-    radius ``R [Hq]`` (E_key = 2 R TV) times its term of the per-block TV bound on the exact
-    masses ``rho_b``,
-    ``(e^{D_b} - 1) rho_b / W`` (:func:`~certkv.certify.bounds.block_tv_bound`'s first lane,
-    every block's keys lossy; the shares ``ladder.tol_page_in`` ranks blocks by)."""
-    rho = p.sum(dim=-1)
-    d = delta.clamp(max=80.0)
-    w = torch.maximum(1.0 - (rho * -torch.expm1(-d)).sum(dim=-1), torch.exp(-d.amax(dim=-1)))
-    return (2.0 * radius / w).unsqueeze(-1) * torch.expm1(d) * rho
+    """Each block's share of E_key ``[Hq, n]`` were its keys read lossily, on the exact masses
+    (:func:`~certkv.certify.targeted.key_shares`, the shares ``ladder.tol_page_in`` ranks
+    blocks by; every block's keys lossy)."""
+    return key_shares(p.sum(dim=-1), delta, radius, torch.ones_like(delta, dtype=torch.bool))
 
 
 def value_radius(v: torch.Tensor) -> torch.Tensor:

@@ -54,6 +54,22 @@ def plan(breakers: torch.Tensor, upper: torch.Tensor, paged: torch.Tensor,
     return breakers & readable, count
 
 
+def key_shares(rho: torch.Tensor, delta: torch.Tensor, radius: torch.Tensor,
+               lossy: torch.Tensor) -> torch.Tensor:
+    """Each block's share of E_key ``[Hq, n]`` (FP64) where its keys are ``lossy [Hq, n]`` (0
+    elsewhere): ``2 R`` (``R [Hq]`` the value radius; E_key = 2 R TV) times its term of the
+    per-block TV bound's first lane, ``(e^{D_b} - 1) rho_b / W`` with ``W >= max(1 - sum_b rho_b
+    (1 - e^{-D_b}), e^{-max_b D_b})`` over the lossy blocks
+    (:func:`~certkv.certify.bounds.block_tv_bound`), for block masses ``rho`` and logit error
+    bounds ``delta`` ``[Hq, n]``."""
+    rho = rho.double()
+    d = delta.double().clamp(max=80.0)  # e^80: every such block ranks first anyway
+    shrink = torch.where(lossy, rho * -torch.expm1(-d), 0.0).sum(dim=-1)
+    w = torch.maximum(1.0 - shrink, torch.exp(-torch.where(lossy, d, 0.0).amax(dim=-1)))
+    share = torch.where(lossy & (rho > 0), torch.expm1(d) * rho, 0.0)
+    return share * (2.0 * radius.double() / w).unsqueeze(-1)
+
+
 def tolerance_plan(blocks, read: tuple, over: torch.Tensor, limit: torch.Tensor
                    ) -> tuple[torch.Tensor, int]:
     """The blocks that heads over their bound tolerance read next, whole (FP16 keys and
@@ -65,24 +81,16 @@ def tolerance_plan(blocks, read: tuple, over: torch.Tensor, limit: torch.Tensor
     (:func:`~certkv.certify.values.fewest_covering`). A block's share, from the pass's
     :class:`~certkv.certify.certificate.BlockStats` (Phase-2 masses ``rho_b``, tightened
     ``Delta_b``, ``eta_b``, the head's value radius ``R``) and ``read`` (the FP16 keys ``[Hq,
-    n]`` and values ``[Hkv, n]`` it read): where its keys were lossy, ``2 R`` times its term
-    of the per-block TV bound's first lane, ``(e^{D_b} - 1) rho_b / W``
-    (:func:`~certkv.certify.bounds.block_tv_bound`); where its values were, ``rho_b eta_b``
-    (Cor. 4.2). The shares only rank and count blocks: the pass that reads them certifies
-    afresh."""
+    n]`` and values ``[Hkv, n]`` it read): where its keys were lossy, :func:`key_shares`; where
+    its values were, ``rho_b eta_b`` (Cor. 4.2). The shares only rank and count blocks: the
+    pass that reads them certifies afresh."""
     keys_read, values_read = read
     hq, n = keys_read.shape
     group = hq // values_read.shape[0]
     rho = blocks.mass.double()
-    delta = blocks.delta.double().clamp(max=80.0)  # e^80: every such block goes first anyway
-    lossy_keys = blocks.quantized & ~keys_read
+    key_share = key_shares(rho, blocks.delta, blocks.radius, blocks.quantized & ~keys_read)
     eta = blocks.eta.double().repeat_interleave(group, dim=0)
     lossy_values = (eta > 0) & ~values_read.repeat_interleave(group, dim=0)
-    shrink = torch.where(lossy_keys, rho * -torch.expm1(-delta), 0.0).sum(dim=-1)
-    w = torch.maximum(1.0 - shrink, torch.exp(-torch.where(lossy_keys, delta, 0.0)
-                                               .amax(dim=-1)))
-    key_share = torch.where(lossy_keys & (rho > 0), torch.expm1(delta) * rho, 0.0)
-    key_share = key_share * (2.0 * blocks.radius.double() / w).unsqueeze(-1)  # E_key = 2 R TV
     value_share = torch.where(lossy_values, rho * eta, 0.0)
     plan = fewest_covering(key_share + value_share, limit.clamp(min=0.0))
     plan &= over.unsqueeze(-1)
