@@ -317,15 +317,9 @@ def markdown(runs: list[dict], command: str, info: dict) -> str:
                   "| policy | budget | kept | evicted mass | E_val unread | tol | read / dense KV "
                   "| evicted of read | heads reading none |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-        for row in run["rows"]:
-            for tol in run["tols"]:
-                t = str(tol)
-                lines.append(
-                    f"| {row['policy']} | {row['budget']:.0%} | {row['kept_fraction']:.2f} | "
-                    f"{row['evicted_mass']['p50']:.3f} | {row['e_val_unread']['p50']:.2f} | "
-                    f"{tol:g} | {row['read_of_dense_kv'][t]:.3f} | "
-                    f"{row['evicted_share_of_reads'][t]:.2f} | "
-                    f"{row['heads_reading_none'][t]:.2f} |")
+        lines += _table_rows(run["rows"], run["tols"], lambda row: (
+            f"{row['policy']} | {row['budget']:.0%} | {row['kept_fraction']:.2f} | "
+            f"{row['evicted_mass']['p50']:.3f} | {row['e_val_unread']['p50']:.2f}"))
         deltas = ", ".join(f"{name} {x:.3g}" for name, x in run["key_delta"].items())
         lines += ["", f"Each key codec's `Delta_b` (nats; the mean over every completed block, "
                   f"weighted by its exact mass): {deltas}."]
@@ -335,16 +329,18 @@ def markdown(runs: list[dict], command: str, info: dict) -> str:
                   "alone exceed a budget has no row there):", "",
                   "| keys | budget | kept | tol | read / dense KV | evicted of read "
                   "| heads reading none |", "| --- | --- | --- | --- | --- | --- | --- |"]
-        for row in run["whole_rows"]:
-            for tol in run["tols"]:
-                t = str(tol)
-                lines.append(
-                    f"| {row['keys']} | {row['budget']:.0%} | {row['kept_fraction']:.2f} | "
-                    f"{tol:g} | {row['read_of_dense_kv'][t]:.3f} | "
-                    f"{row['evicted_share_of_reads'][t]:.2f} | "
-                    f"{row['heads_reading_none'][t]:.2f} |")
+        lines += _table_rows(run["whole_rows"], run["tols"], lambda row: (
+            f"{row['keys']} | {row['budget']:.0%} | {row['kept_fraction']:.2f}"))
         lines.append("")
     return "\n".join(lines)
+
+
+def _table_rows(rows: list[dict], tols: list[float], lead) -> list[str]:
+    """A markdown row per (row, tolerance): ``lead(row)``'s cells, the tolerance, the share of
+    the dense KV bytes read, the evicted share of it and the head-steps that read none."""
+    return [f"| {lead(row)} | {tol:g} | {row['read_of_dense_kv'][str(tol)]:.3f} | "
+            f"{row['evicted_share_of_reads'][str(tol)]:.2f} | "
+            f"{row['heads_reading_none'][str(tol)]:.2f} |" for row in rows for tol in tols]
 
 
 def plot(runs: list[dict], path: Path) -> None:
