@@ -7,9 +7,9 @@ with ``ladder.tol_page_in`` first one that reads the fewest blocks carrying thei
 for it, then dense attention.
 
 :class:`Escalation` is a base of :class:`~certkv.step.QuantizedStep`, whose ``_pass`` (one pass
-of selection, page-in, Phase 2, checks and certificate over Phase 1's scores), ``_mend`` and
-``_host_flags`` it calls. A pass only chooses what is read: each computes its certificate
-afresh, so no escalation can weaken one.
+of selection, page-in, Phase 2, checks and certificate over Phase 1's scores, with what a
+failed boundary check asks to read) and ``_host_flags`` it calls. A pass only chooses what is
+read: each computes its certificate afresh, so no escalation can weaken one.
 """
 
 from __future__ import annotations
