@@ -36,15 +36,15 @@ import torch
 
 from certkv.bench import device_info
 from certkv.bench.decode import _decode_model, _decode_prompt
+from certkv.cache.annotations import block_annotations
 from certkv.cache.store import TieredKVStore
-from certkv.certify.bounds import block_deltas, spectral_norm_upper, tightened_deltas
+from certkv.certify.bounds import block_deltas, tightened_deltas
 from certkv.certify.targeted import key_shares
 from certkv.certify.values import fewest_covering
 from certkv.errors import BudgetError
 from certkv.evict import StreamingEviction
 from certkv.files import write_atomic
 from certkv.quant import KVQuantizer
-from certkv.quant.summary import SummaryValueCodec
 from certkv.registry import SUMMARIES
 
 TOLS = (0.01, 0.05, 0.1, 0.5)
@@ -64,16 +64,24 @@ def block_probabilities(q: torch.Tensor, k: torch.Tensor, scaling: float, block:
     return p[:, : n * block].reshape(q.shape[0], n, block)
 
 
-def value_notes(v: torch.Tensor, block: int, codec) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(eta_b, s_b)`` ``[Hkv, n]`` of the completed blocks of FP16 values ``v [Hkv, T, d]``
-    held by the value ``codec``: its largest per-token error on its own decode (Cor. 4.2's
-    ``eta_b``, as the store annotates it) and the spectral norm of its error block."""
-    hkv, tokens, d = v.shape
+def block_notes(k: torch.Tensor, v: torch.Tensor, block: int, precision
+                ) -> tuple[dict, torch.Tensor]:
+    """The completed blocks of FP16 keys and values ``k, v [Hkv, T, d]`` held at ``precision``:
+    the store's own write-time annotations ``[Hkv, n]`` (:func:`~certkv.cache.annotations.
+    block_annotations`: ``eta``, ``value_spec``, ``key_err`` with the codec's decode slack,
+    ``nu``, ``v_radius``) and the key codec's channel bound ``[Hkv, n, d]``. The centre of the
+    radius is the values' per-channel midrange (the store fixes its own from the prompt's)."""
+    hkv, tokens, d = k.shape
     n = tokens // block
-    blocks = v[:, : n * block].reshape(hkv, n, block, d)
-    codec.validate(d, block)
-    err = codec.decode(codec.encode(blocks)).double() - blocks.double()
-    return err.norm(dim=-1).amax(dim=-1), spectral_norm_upper(err)
+    kb, vb = (x[:, : n * block].reshape(hkv, n, block, d) for x in (k, v))
+    key_codec, value_codec = precision.key_codec, precision.value_codec
+    key_codec.validate(d, block)
+    value_codec.validate(d, block)
+    keys, values = key_codec.encode(kb), value_codec.encode(vb)
+    x = v.float()
+    centre = (x.amax(dim=1) + x.amin(dim=1)) / 2
+    notes = block_annotations(kb, vb, key_codec, value_codec, keys, values, centre)
+    return notes, key_codec.channel_bound(keys)
 
 
 def value_terms(p: torch.Tensor, eta: torch.Tensor, spectral: torch.Tensor, group: int
@@ -84,22 +92,17 @@ def value_terms(p: torch.Tensor, eta: torch.Tensor, spectral: torch.Tensor, grou
     return torch.minimum(rho * per_head(eta, group, 0), norm * per_head(spectral, group, 0))
 
 
-def key_deltas(q: torch.Tensor, k: torch.Tensor, scaling: float, block: int, codec
+def key_deltas(q: torch.Tensor, scaling: float, notes: dict, channel_bound: torch.Tensor
                ) -> torch.Tensor:
-    """``Delta_b [Hq, n]``: the largest logit error of each completed block's keys held by the
-    key ``codec``, as the step bounds it: eq. 8's channel form, tightened by ``scaling ||q||``
-    times the block's largest per-token key error (its decode's, plus the codec's decode slack,
-    as the store annotates it; :func:`~certkv.certify.bounds.tightened_deltas`)."""
-    hkv, tokens, d = k.shape
-    n = tokens // block
-    blocks = k[:, : n * block].reshape(hkv, n, block, d)
-    codec.validate(d, block)
-    encoded = codec.encode(blocks)
-    err = (codec.decode(encoded).double() - blocks.double()).norm(dim=-1).amax(dim=-1)
-    key_err = err + codec.decode_slack(encoded).double().norm(dim=-1)
-    qg = q.double().view(hkv, -1, d)
-    channel = block_deltas(qg, codec.channel_bound(encoded).double(), scaling).double()
-    return tightened_deltas(channel, qg.norm(dim=-1), key_err, scaling).reshape(q.shape[0], n)
+    """``Delta_b [Hq, n]``: the largest logit error of each completed block's keys, as the step
+    bounds it from their annotations (:func:`block_notes`): eq. 8's channel form, tightened by
+    ``scaling ||q||`` times the block's largest per-token key error
+    (:func:`~certkv.certify.bounds.tightened_deltas`)."""
+    hkv, n = notes["key_err"].shape
+    qg = q.double().view(hkv, -1, q.shape[-1])
+    channel = block_deltas(qg, channel_bound.double(), scaling).double()
+    return tightened_deltas(channel, qg.norm(dim=-1), notes["key_err"].double(),
+                            scaling).reshape(q.shape[0], n)
 
 
 def key_terms(p: torch.Tensor, delta: torch.Tensor, radius: torch.Tensor) -> torch.Tensor:
@@ -107,15 +110,6 @@ def key_terms(p: torch.Tensor, delta: torch.Tensor, radius: torch.Tensor) -> tor
     (:func:`~certkv.certify.targeted.key_shares`, the shares ``ladder.tol_page_in`` ranks
     blocks by; every block's keys lossy)."""
     return key_shares(p.sum(dim=-1), delta, radius, torch.ones_like(delta, dtype=torch.bool))
-
-
-def value_radius(v: torch.Tensor) -> torch.Tensor:
-    """``R [Hkv]``: ``min(max_t ||v_t||, max_t ||v_t - c||)`` with ``c`` the values' per-channel
-    midrange (the store fixes its centre from the prompt's values; here all of them)."""
-    x = v.double()
-    centre = (x.amax(dim=1) + x.amin(dim=1)) / 2
-    return torch.minimum(x.norm(dim=-1).amax(dim=-1),
-                         (x - centre.unsqueeze(1)).norm(dim=-1).amax(dim=-1))
 
 
 def step_reads(terms: torch.Tensor, group: int, tol: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -212,19 +206,22 @@ class Frontier:
         group = q.shape[0] // hkv
         self._follow(layer, k, v)
         p = block_probabilities(q, k, scaling, self.block)
-        quantizer = KVQuantizer(block_size=self.block)
-        kept = value_notes(v, self.block, quantizer.value_codec)
-        summary = value_notes(v, self.block, SummaryValueCodec())
-        radius = value_radius(v).repeat_interleave(group)
+        kept, kept_bound = block_notes(k, v, self.block,
+                                       KVQuantizer(block_size=self.block).precisions()[1])
+        held = {name: block_notes(k, v, self.block, SUMMARIES.get(name)().precision())
+                for name in (*KEY_SUMMARIES, "keys4")}  # every summary: the same value notes
+        summary = held["box"][0]
+        radius = torch.minimum(kept["nu"], kept["v_radius"]).amax(dim=-1)
+        radius = radius.double().repeat_interleave(group)
 
         def values(evicted):
-            eta, spectral = (torch.where(evicted, s, c) for s, c in zip(summary, kept,
-                                                                         strict=True))
+            eta, spectral = (torch.where(evicted, summary[name], kept[name]).double()
+                             for name in ("eta", "value_spec"))
             return value_terms(p, eta, spectral, group)
 
         none = torch.zeros(p.shape[1], dtype=torch.bool)
         self.tallies["none", 1.0].add(p, values(none), none, group)
-        int8 = key_deltas(q, k, scaling, self.block, quantizer.key_codec)
+        int8 = key_deltas(q, scaling, kept, kept_bound)
         self.whole["int8", 1.0].add(p, key_terms(p, int8, radius) + values(none), none, group)
         self._note_delta("int8", p, int8)
         for budget in self.budgets:
@@ -233,9 +230,8 @@ class Frontier:
             ideal = torch.ones_like(evicted)  # the same count, the most attended blocks kept
             ideal[p.sum(dim=(0, 2)).topk(int((~evicted).sum())).indices] = False
             self.tallies["topmass", budget].add(p, values(ideal), ideal, group)
-        for name in (*KEY_SUMMARIES, "keys4"):
-            codec = SUMMARIES.get(name, "evict.summary")().precision().key_codec
-            loose = key_deltas(q, k, scaling, self.block, codec)
+        for name, (notes, bound) in held.items():
+            loose = key_deltas(q, scaling, notes, bound)
             self._note_delta(name, p, loose)
             for budget in self.budgets if name in KEY_SUMMARIES else ():
                 store = self.stores[layer, name, budget]

@@ -6,6 +6,8 @@ import pytest
 import torch
 from helpers import script
 
+from certkv.registry import SUMMARIES
+
 
 @pytest.fixture(scope="module")
 def frontier():
@@ -22,7 +24,8 @@ def test_key_terms_bound_what_the_keys_change_in_the_output(frontier):
     v = torch.randn(1, 3 * block, d, generator=gen).half()
     p = frontier.block_probabilities(q, k, 0.5, block)
     delta = torch.full((2, 3), 0.3, dtype=torch.float64)
-    radius = frontier.value_radius(v).repeat_interleave(2)
+    notes, _ = frontier.block_notes(k, v, block, SUMMARIES.get("box")().precision())
+    radius = torch.minimum(notes["nu"], notes["v_radius"]).amax(dim=-1).repeat_interleave(2)
     terms = frontier.key_terms(p, delta, radius)
     logits = (q.double() @ k[0].double().T) * 0.5
     centre = (v[0].double().amax(0) + v[0].double().amin(0)) / 2
@@ -41,10 +44,8 @@ def test_value_terms_are_the_sharpened_cor_4_2_terms_on_exact_probabilities(fron
     v = torch.randn(2, 3 * block + 1, d, generator=gen).half()
     p = frontier.block_probabilities(q, k, 0.5, block)
     assert p.shape == (4, 3, block) and float(p.sum()) < 4  # the tail token holds the rest
-    from certkv.quant.summary import SummaryValueCodec
-
-    eta, spectral = frontier.value_notes(v, block, SummaryValueCodec())
-    terms = frontier.value_terms(p, eta, spectral, 2)
+    notes, _ = frontier.block_notes(k, v, block, SUMMARIES.get("box")().precision())
+    terms = frontier.value_terms(p, notes["eta"].double(), notes["value_spec"].double(), 2)
     for h in range(4):
         for b in range(3):
             vb = v[h // 2, b * block:(b + 1) * block].double()
