@@ -265,7 +265,7 @@ def _params(spec: ArithSpec, coef: StepCoefficients, exponent: float) -> tuple:
                      coef.spread_rel, gamma(d + 8)], dtype=np.float64), as_array(coef.weights)
 
 
-_HALF_SCALE = np.float32(2.0**112)  # 2^(127 - 15): a half's exponent bits placed in a float's
+HALF_SCALE = np.float32(2.0**112)  # 2^(127 - 15): a half's exponent bits placed in a float's
 
 
 @jit
@@ -282,14 +282,21 @@ def decode_half(bits, keys):
             out[t, c] = (np.int32(bits[t, c]) & 0x7FFF) << 13
     for t in range(bsz):
         for c in range(d):
-            keys[t, c] = keys[t, c] * _HALF_SCALE
+            keys[t, c] = keys[t, c] * HALF_SCALE
     for t in range(bsz):
         for c in range(d):
-            h = np.int32(bits[t, c])
-            magnitude = h & 0x7FFF
-            word = out[t, c]
-            word = (0x7F800000 | ((magnitude & 0x3FF) << 13)) if magnitude >= 0x7C00 else word
-            out[t, c] = word | ((h & 0x8000) << 16)
+            out[t, c] = half_word(bits[t, c], out[t, c])
+
+
+@jit(inline="always")
+def half_word(bits, word):
+    """The FP32 word of the half ``bits`` given ``word``, its magnitude bits moved and scaled
+    (:func:`decode_half`'s first two steps): infinities and NaNs (exponent 31) set, then the
+    sign bit."""
+    h = np.int32(bits)
+    magnitude = h & 0x7FFF
+    word = (0x7F800000 | ((magnitude & 0x3FF) << 13)) if magnitude >= 0x7C00 else word
+    return word | ((h & 0x8000) << 16)
 
 
 def as_array(x: torch.Tensor) -> np.ndarray:

@@ -256,15 +256,15 @@ def _chunk_values(kv, chunk, weights, alphas, values, vslot, pool, part, o_b, bl
     d]``."""
     group = part.shape[0]
     part[:] = 0.0
-    bsz, d = block16.shape
-    scale, offset = np.empty((2, bsz, d // values[7]), _F32)  # decoded per-group FP16 scales
+    d = block16.shape[1]
+    words = np.empty((2, d // values[7]), np.int32)  # a token's per-group scales and offsets
     for b in range(chunk * SUM_CHUNK, min((chunk + 1) * SUM_CHUNK, vslot.shape[1])):
         row = vslot[kv, b]
         if row >= 0:
             decode_half(pool[row], block16)
             block, permuted = block16, False
         else:
-            block, permuted = nv.load(kv, b, values, block16, scale, offset)
+            block, permuted = nv.load(kv, b, values, block16, words)
         o_b[:] = 0.0
         for g in range(group):
             _block_product(weights[g][b], alphas[g, b], block, o_b[g])
