@@ -247,6 +247,11 @@ class Certificate:
         return out
 
 
+def _listed(cert: Certificate | list[Certificate]) -> list[Certificate]:
+    """A layer's logged certificates as a list (:meth:`CertificateLog.record`)."""
+    return [cert] if isinstance(cert, Certificate) else cert
+
+
 class CertificateLog:
     """Collects the certificates of every layer and decode step of a generation.
 
@@ -260,9 +265,12 @@ class CertificateLog:
         self.keep = keep
         self.steps: list[dict] = []
         self.heads: list[dict] = []
-        self._pending: list[tuple[int, Certificate]] = []
+        self._pending: list[tuple[int, Certificate | list[Certificate]]] = []
 
-    def record(self, layer_idx: int, cert: Certificate) -> None:
+    def record(self, layer_idx: int, cert: Certificate | list[Certificate]) -> None:
+        """Log ``layer_idx``'s certificate of this step, or a batch step's certificates (one per
+        sequence: a layer's heads are every sequence's, joined when the step closes, so the
+        batch pays one :meth:`Certificate.cat` a step, not one a layer)."""
         if layer_idx == 0 and self._pending:
             self.flush()
         self._pending.append((layer_idx, cert))
@@ -272,16 +280,18 @@ class CertificateLog:
         if not self._pending:
             return
         step = len(self.steps)
-        certs = [c for _, c in self._pending]
+        certs = [c for _, layer in self._pending for c in _listed(layer)]
         summary = Certificate.cat(certs).summary()
         if not math.isfinite(summary["bound_max"]):  # only non-finite inputs lead here
             self._pending = []
             raise NonFiniteError("a head's error bound is not finite because q, k or v held NaN "
                                  "or Inf; check the model's activations before attention.")
-        self.steps.append({"step": step, "layers": len(certs), **summary})
+        self.steps.append({"step": step, "layers": len(self._pending), **summary})
         if self.keep == "full":
             for layer, cert in self._pending:
-                self.heads.extend({"step": step, "layer": layer, **r} for r in cert.head_records())
+                joined = cert if isinstance(cert, Certificate) else Certificate.cat(cert)
+                self.heads.extend({"step": step, "layer": layer, **r}
+                                  for r in joined.head_records())
         self._pending = []
 
     def reset(self) -> None:

@@ -21,7 +21,7 @@ from certkv.attention import CertifiedAttention
 from certkv.cache import thresholds
 from certkv.cache.scratch import ScratchCache, ScratchStats
 from certkv.cache.store import TieredKVStore
-from certkv.certify.certificate import Certificate, CertificateLog
+from certkv.certify.certificate import CertificateLog
 from certkv.errors import CertKVError, ConfigError, require
 from certkv.quant.importance import ImportanceBoard
 from certkv.quant.kv import KVQuantizer
@@ -209,7 +209,7 @@ class TieredLayer(DynamicLayer):
 
     def record_batch(self, certs: list) -> None:
         """A batch step's certificates, one per sequence: each sequence's log and store get its
-        own, the cache's log one over the batch (every sequence's heads)."""
+        own, the cache's log all of them (joined over the batch when the step closes)."""
         cache = self.cache
         for cert, store, log, sequence in zip(certs, self.stores,
                                               cache.sequence_logs(len(certs)), self.sequences,
@@ -217,7 +217,7 @@ class TieredLayer(DynamicLayer):
             cert.sequence = sequence  # its place in the batch as it entered, not as it is now
             log.record(self.layer_idx, cert)
             store.observe(cert)
-        cache.log.record(self.layer_idx, Certificate.cat(certs))
+        cache.log.record(self.layer_idx, list(certs))
 
     @property
     def cache(self) -> TieredCache:
