@@ -172,7 +172,7 @@ class _Captured:
     graph: object | None = None
     inputs: tuple = ()  # the tensors a replay's inputs are copied into
     outputs: _Packed | None = None
-    layers: tuple = ()  # GraphedDecode: the layer of each captured certificate
+    layers: tuple = ()  # GraphedDecode: (layer, a batch's) of each captured record
 
 
 def _new_graph(graph: Callable | None, attention, pool_owner) -> object:
@@ -313,9 +313,9 @@ class _Packed:
 
 class GraphedDecode:
     """A transformers model's decode step over a :class:`~certkv.models.hf_cache.TieredCache`
-    captured whole, once per bucket, and replayed: every layer's projections, the token's
-    append, the certified attention and the MLP, then the logits (issue 24: a whole-model
-    decode step in one graph; see the module for the buckets).
+    (one sequence or a batch) captured whole, once per bucket, and replayed: every layer's
+    projections, the token's append, the certified attention and the MLP, then the logits
+    (issue 24: a whole-model decode step in one graph; see the module for the buckets).
 
     A step is captured when every layer's store is graphable and its attention step reads
     no host value (:meth:`CertifiedAttention.graph_layout`, :meth:`~CertifiedAttention.
@@ -328,7 +328,11 @@ class GraphedDecode:
     eager host work once in ``B`` steps per layer), so the step whose token fills a block
     replays too. The other steps run eagerly: a bucket's first step, and every step while the
     attention has a phase timer. A replay then logs each layer's certificate, as the eager
-    step does.
+    step does. A batch (a cache of several sequences, :meth:`~certkv.models.hf_cache.
+    TieredCache.batch_of`) is captured the same way: each sequence's token appended in place
+    to its own stores, its position from a device buffer (the batch's ``position_ids``), one
+    certified step per sequence and layer (:meth:`CertifiedAttention.batch`), a certificate
+    per sequence; the bucket covers every sequence's stores (one leaving starts a new one).
 
     Args:
         model: the model, with the certkv attention (:func:`certkv.models.enable`).
@@ -352,38 +356,43 @@ class GraphedDecode:
         self._pool = None
         self.captures = self.replays = self.steps = 0
 
-    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        """Logits ``[1, 1, vocab]`` of decoding ``ids [1, 1]`` (int64 token ids on the model's
-        device) with the cache, which takes the token."""
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``[B, 1, vocab]`` of decoding ``ids [B, 1]`` (int64 token ids on the model's
+        device, one per sequence of the cache) with the cache, which takes the tokens;
+        ``positions [B]``: each sequence's position (a batch's shorter sequences count from
+        their own first token, as the batch's ``position_ids``; default: the cache's length)."""
         _needs_cuda(self.graph, ids.device)
         self.steps += 1
         for store in self.cache.stores():  # the block the last token filled, quantized now
             store.flush_tail()
+        if positions is None:
+            positions = torch.full((ids.shape[0],), self.cache.get_seq_length(),
+                                   dtype=torch.long, device=ids.device)
         key = self._signature(ids)
         step = self._step
         if key is None:
-            return self._forward(ids)
+            return self._forward(ids, position_ids=positions[:, None])
         if step is None or step.signature != key:  # a new bucket: one eager step first
             self._step = _Captured(key)
-            return self._forward(ids)
+            return self._forward(ids, position_ids=positions[:, None])
         if step.graph is None:
-            return self._capture(step, ids)
-        step.inputs[0].copy_(ids)
-        step.inputs[1].fill_(self.cache.get_seq_length())
+            return self._capture(step, ids, positions)
+        static_ids, static_positions, cache_position = step.inputs
+        static_ids.copy_(ids)
+        static_positions.copy_(positions[:, None])
+        cache_position.fill_(self.cache.get_seq_length())
         step.graph.replay()
         self.replays += 1
-        for store in self._stores():
+        for store in self.cache.stores():
             store.advance_tail()
         return self._logged(step)
 
-    def _stores(self) -> list:
-        return [layer.store for layer in self.cache.layers]
-
     def _signature(self, ids: torch.Tensor) -> tuple | None:
-        """What the step's capture depends on (every layer's :meth:`CertifiedAttention.
-        graph_layout`), or None for a step that runs eagerly."""
-        attention, stores = self.attention, self._stores()
-        if attention.timer is not None or ids.shape != (1, 1) \
+        """What the step's capture depends on (every sequence's and layer's
+        :meth:`CertifiedAttention.graph_layout`), or None for a step that runs eagerly."""
+        attention, stores = self.attention, self.cache.stores()
+        sequences = len(self.cache.layers[0].stores) if self.cache.layers else 0
+        if attention.timer is not None or ids.shape != (sequences, 1) \
                 or any(store is None for store in stores):
             return None
         probe = torch.empty(0, dtype=self.model.dtype, device=ids.device)  # the queries' dtype
@@ -398,9 +407,9 @@ class GraphedDecode:
         return self.model(input_ids=ids, use_cache=True, **cache_kwargs(self.model, self.cache),
                           **kwargs).logits
 
-    def _capture(self, step: _Captured, ids: torch.Tensor) -> torch.Tensor:
+    def _capture(self, step: _Captured, ids: torch.Tensor, positions: torch.Tensor):
         cache = self.cache
-        static_ids = ids.clone()
+        static_ids, static_positions = ids.clone(), positions[:, None].clone()
         position = torch.full((1,), cache.get_seq_length(), dtype=torch.long, device=ids.device)
         graph = _new_graph(self.graph, self.attention, self)
         collected: list = []
@@ -408,11 +417,12 @@ class GraphedDecode:
         def decode() -> _Packed:
             cache.captured = collected
             try:
-                logits = self._forward(static_ids, position_ids=position.view(1, 1),
+                logits = self._forward(static_ids, position_ids=static_positions,
                                        cache_position=position)
             finally:
                 cache.captured = None
-            return _Packed(logits, *(cert for _, cert in collected))
+            return _Packed(logits, *(cert for _, certs in collected
+                                     for cert in _certificates(certs)))
 
         try:
             step.outputs = graph.capture(decode)
@@ -420,17 +430,28 @@ class GraphedDecode:
             raise GraphCaptureError(
                 f"capturing a decode step failed ({err}); the cache now holds the token in "
                 f"part: decode this sequence again with graphs=false.") from err
-        step.graph, step.inputs = graph, (static_ids, position)
-        step.layers = tuple(layer for layer, _ in collected)
+        step.graph, step.inputs = graph, (static_ids, static_positions, position)
+        step.layers = tuple((layer, isinstance(certs, list)) for layer, certs in collected)
         self.captures += 1
         return self._logged(step)
 
     def _logged(self, step: _Captured) -> torch.Tensor:
         """The captured step's logits and certificates as new tensors, the certificates
-        logged as the eager step logs them."""
+        logged as the eager step logs them (a batch's layer: one per sequence)."""
         logits, certs = step.outputs.copied()
-        for index, cert in zip(step.layers, certs, strict=True):
+        certs = iter(certs)
+        for index, batched in step.layers:
             layer = self.cache.layers[index]
-            cert.num_blocks = layer.store.num_quantized()  # the one host field a bucket changes
-            layer.record(cert)
+            mine = [next(certs) for _ in layer.stores] if batched else [next(certs)]
+            for cert, store in zip(mine, layer.stores, strict=True):
+                cert.num_blocks = store.num_quantized()  # the one host field a bucket changes
+            if batched:
+                layer.record_batch(mine)
+            else:
+                layer.record(mine[0])
         return logits
+
+
+def _certificates(logged) -> list:
+    """A captured layer's certificates: one, or a batch's (one per sequence)."""
+    return logged if isinstance(logged, list) else [logged]

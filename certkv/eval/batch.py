@@ -31,6 +31,7 @@ from transformers import DynamicCache
 
 from certkv.eval.decode import Decoder, Session, _sync, end_of_sequence_ids
 from certkv.eval.hf_quantized import joinable
+from certkv.graphs import GraphedDecode
 from certkv.models.hf_cache import TieredCache
 from certkv.models.hook import cache_kwargs
 
@@ -138,12 +139,13 @@ class BatchDecoder:
     """Decode steps of prepared :class:`Decoder` objects (one method, a cache each) as one
     forward pass: their caches joined into one batch (:meth:`TieredCache.batch_of`, or the
     model's own caches left-padded), each sequence at its own positions. A batch of one is
-    its decoder's own step (CUDA graphs included). Each step's time goes to every decoder in
-    the batch (its ``step_ms``)."""
+    its decoder's own step; a method with graphs captures the batch's whole steps
+    (:class:`~certkv.graphs.GraphedDecode`, a bucket per set of sequences). Each step's time
+    goes to every decoder in the batch (its ``step_ms``)."""
 
     def __init__(self, decoders: list[Decoder]) -> None:
         self.decoders = list(decoders)
-        self.cache = None
+        self.cache = self.graph = None
         if len(self.decoders) > 1:
             self._join()
 
@@ -161,6 +163,9 @@ class BatchDecoder:
         width = max(lengths)
         self.cache = (TieredCache.batch_of(caches) if isinstance(caches[0], TieredCache)
                       else left_padded(caches, width))
+        graph = self.decoders[0].graph  # a method with graphs: the batch's steps captured too
+        self.graph = None if graph is None else GraphedDecode(self.lm.model, self.cache,
+                                                              graph.graph)
         self.positions = torch.tensor(lengths, device=device)
         self.mask = (torch.arange(width, device=device)[None]
                      >= (width - self.positions)[:, None]).long()
@@ -175,9 +180,12 @@ class BatchDecoder:
         self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
         _sync(self.lm.device)
         start = time.perf_counter()
-        logits = self.lm.model(input_ids=ids, attention_mask=self.mask,
-                               position_ids=self.positions[:, None], use_cache=True,
-                               **cache_kwargs(self.lm.model, self.cache)).logits
+        if self.graph is None:
+            logits = self.lm.model(input_ids=ids, attention_mask=self.mask,
+                                   position_ids=self.positions[:, None], use_cache=True,
+                                   **cache_kwargs(self.lm.model, self.cache)).logits
+        else:  # certkv's decode attention reads no mask: a graph's step takes none
+            logits = self.graph(ids, self.positions)
         _sync(self.lm.device)
         ms = 1e3 * (time.perf_counter() - start)
         self.positions = self.positions + 1

@@ -299,8 +299,8 @@ def _run_validated(cfg: DictConfig, built: Experiment, out_dir: str, progress: b
         check_budget(variant.name, variant.quantizer, lm.num_kv_heads, lm.head_dim, shortest)
     for task in tasks:  # a batch too large for memory: refused before anything is written
         lengths = [len(s.prefix) for t, s in plan if t is task]
-        if min(batch_size(task, cfg), len(lengths)) > 1:
-            check_batch_memory(task.name, batch_size(task, cfg), lm, max(lengths))
+        if min(task.batch_size, len(lengths)) > 1:
+            check_batch_memory(task.name, task.batch_size, lm, max(lengths))
     run = RunDir(out_dir)
     run.write_config(OmegaConf.to_yaml(cfg, resolve=True))
     planned = len(plan) * len(variants)
@@ -322,7 +322,7 @@ def _run_validated(cfg: DictConfig, built: Experiment, out_dir: str, progress: b
     with RunProgress(planned, enabled=progress) as shown:
         for task in tasks:
             samples = [s for t, s in plan if t is task]
-            size = batch_size(task, cfg)
+            size = task.batch_size
             for start in range(0, len(samples), size):
                 group = Group(task, samples[start : start + size], size)
                 _run_group(run, group, variants, Prefills(lm, spec, exchange), shown,
@@ -351,12 +351,6 @@ def _exchange(out_dir: str, variants: list[Method], lm, cfg: DictConfig,
         "stop_ids": sorted(end_of_sequence_ids(lm)), "threads": cfg.get("threads"),
         "command": command})
     return exchange
-
-
-def batch_size(task, cfg: DictConfig) -> int:
-    """The sequences ``task`` decodes at once: its ``batch_size``, 1 with ``graphs=true``
-    (a CUDA graph captures one sequence's step)."""
-    return 1 if cfg.get("graphs", False) else task.batch_size
 
 
 @dataclass

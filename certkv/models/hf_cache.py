@@ -164,15 +164,16 @@ class TieredLayer(DynamicLayer):
         self._writable()
         self.positions += key_states.shape[2]
         if batch == 1:  # one sequence: appended here (a batch's, by the attention, unpadded)
-            capturing = self.cache.captured is not None
-            append = self.stores[0].append_in_place if capturing else self.stores[0].append
-            append(key_states[0], value_states[0])
-        else:
-            require(self.cache.captured is None, CertKVError,
-                    "CUDA graphs capture one sequence's decode step; decode a batch with "
-                    "graphs=false.")
+            self.append(0, key_states[0], value_states[0])
         handle = StoreHandle(self, key_states, value_states)
         return handle, handle
+
+    def append(self, sequence: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append ``k, v [Hkv, T, d]`` to sequence ``sequence``'s store: in place while a decode
+        step is being captured (:meth:`TieredKVStore.append_in_place`, one token), else
+        :meth:`TieredKVStore.append`."""
+        store = self.stores[sequence]
+        (store.append if self.cache.captured is None else store.append_in_place)(k, v)
 
     def _writable(self) -> None:
         """A store made or written under ``torch.inference_mode()`` holds inference tensors,
@@ -209,8 +210,12 @@ class TieredLayer(DynamicLayer):
 
     def record_batch(self, certs: list) -> None:
         """A batch step's certificates, one per sequence: each sequence's log and store get its
-        own, the cache's log all of them (joined over the batch when the step closes)."""
+        own, the cache's log all of them (joined over the batch when the step closes); while a
+        step is being captured, the cache's ``captured`` keeps them (as :meth:`record`)."""
         cache = self.cache
+        if cache.captured is not None:
+            cache.captured.append((self.layer_idx, list(certs)))
+            return
         for cert, store, log, sequence in zip(certs, self.stores,
                                               cache.sequence_logs(len(certs)), self.sequences,
                                               strict=True):

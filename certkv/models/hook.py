@@ -92,13 +92,14 @@ def _batched(module, query, handle: StoreHandle, attention_mask, scaling, dropou
     (:meth:`~certkv.attention.CertifiedAttention.batch`)."""
     layer, new_k, new_v = handle.layer, handle.new_keys, handle.new_values
     batch, hq, tq, d = query.shape
-    real = _real_tokens(attention_mask, batch, tq, query.device)
+    capturing = layer.cache.captured is not None  # a graph's step reads no host value
+    real = None if capturing else _real_tokens(attention_mask, batch, tq, query.device)
     require(tq == 1 or not any(store.num_tokens for store in layer.stores), CertKVError,
             "a batch is prefilled in one call (generate() does); a second prompt chunk for a "
             "batch is not supported: pass each prompt whole.")
     if tq == 1:  # a decode step: each sequence's one token (a step of padding is refused)
-        for b, store in enumerate(layer.stores):
-            store.append(new_k[b], new_v[b])
+        for b in range(batch):
+            layer.append(b, new_k[b], new_v[b])
         out, certs = layer.cache.attention.batch(query[:, :, 0, :], layer.stores, scaling,
                                                  scratches=layer.scratches)
         layer.record_batch(certs)

@@ -119,3 +119,37 @@ def test_a_batch_is_bitwise_alone_once_the_models_products_are_row_by_row(
     for a, b in zip(alone, batched, strict=True):
         one, many = a.session.certificate_record(), b.session.certificate_record()
         assert one == many
+
+
+@pytest.mark.slow
+def test_a_batch_with_graphs_replays_its_whole_steps_bitwise_as_each_request_alone(
+        lm, no_eos, rows_alone, monkeypatch):
+    """A method with graphs (the Triton kernels in the interpreter, each step recorded and
+    replayed as a CUDA graph replays it) decodes a batch as its whole captured steps
+    (:class:`~certkv.graphs.GraphedDecode` over the joined caches, a new bucket when a request
+    leaves): with the model's products row by row, every request's tokens, log-probabilities
+    and certificate record are those of decoding it alone with graphs, and the batch's steps
+    were replayed."""
+    from certkv.graphs import GraphedAttention, RecordedGraph
+
+    replays = []
+    replay = RecordedGraph.replay
+    monkeypatch.setattr(RecordedGraph, "replay", lambda g: replays.append(1) or replay(g))
+
+    def graphed_requests() -> list[Request]:
+        method = Method("certified", "certified",
+                        GraphedAttention(CertifiedAttention(backend="triton", compile=False),
+                                         RecordedGraph))
+        return [Request(Prefill(lm, ids[:-1]).session(method), ids[-1],
+                        max_new_tokens=(8, 4, 8)[i])
+                for i, ids in enumerate(prompts()[1:4])]
+
+    alone, batched = graphed_requests(), graphed_requests()
+    one = answer_all(alone, 1)
+    replayed_alone = len(replays)
+    many = answer_all(batched, 3)
+    assert replayed_alone > 0 and len(replays) - replayed_alone > 0
+    for a, b in zip(one, many, strict=True):
+        assert (a.tokens, a.logprobs, b.batch) == (b.tokens, b.logprobs, 3)
+    for a, b in zip(alone, batched, strict=True):
+        assert a.session.certificate_record() == b.session.certificate_record()
