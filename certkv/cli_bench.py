@@ -217,7 +217,8 @@ def bench_decode(
     codecs, suffix = _quantizer(quantizer), f"_{quantizer}" if quantizer else ""
     if batch:
         _bench_batches(model, contexts, batch, dev, repeats=repeats, dtype=torch_dtype, out=out,
-                       force=force, weights=weights, quantizer=(codecs, suffix))
+                       force=force, weights=weights, quantizer=(codecs, suffix),
+                       graphs=graphs == "on")
         return
     report = bench.BenchReport(f"decode_{model}_{dev.type}{suffix}", _command(), out, force)
     with _user_errors():
@@ -258,7 +259,7 @@ def _check_quantizers(names: list[str]) -> None:
 
 
 def _bench_batches(model, contexts, batches, dev, *, repeats, dtype, out, force,
-                   weights, quantizer) -> None:
+                   weights, quantizer, graphs) -> None:
     """``bench decode --batch``: throughput of batches (:mod:`certkv.bench.batch`)."""
     from certkv import bench
     from certkv.bench import batch as batching
@@ -277,7 +278,7 @@ def _bench_batches(model, contexts, batches, dev, *, repeats, dtype, out, force,
             _user_errors():
         records = batching.bench_batches(model, contexts, sorted(set(batches)), dev, repeats,
                                          dtype, update=update, weights=weights,
-                                         quantizer=codecs)
+                                         quantizer=codecs, graphs=graphs)
     tables = batching.batch_tables(records)
     notes = batching.batch_notes(records)
     path = report.write(records, bench.markdown(tables, notes),

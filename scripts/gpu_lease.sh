@@ -2,7 +2,8 @@
 # One lent GPU call (about 15 minutes of device time a task, 10 minutes a call): the `gpu`
 # tests in parallel, the launch count, attention at 32K-128K and the whole Llama-3.1-8B-shaped
 # decode with CUDA graphs (T_ATTN_EAGER > 0 adds attention with the segments left eager, which
-# compiles nothing; T_BATCH > 0 the batched decode at 8K, batches of 1 and 4), each step under
+# compiles nothing; T_BATCH > 0 the batched decode at 8K, batches of 1 and 4, T_BATCH_GRAPHS > 0
+# the same with each batch step replayed as a CUDA graph), each step under
 # its own time limit (0 skips it) so one slow step cannot starve the rest. Results: one
 # archive, $OUT/gpu.tar.gz (the tool brings back at most 8 files), and $OUT/summary.txt. The
 # machine is offline: hydra, omegaconf, antlr4 and gguf travel as wheels.
@@ -45,6 +46,8 @@ step ${T_DECODE:-130} decode_graphs $PY -m certkv.cli bench decode --model llama
   --context 8192 --context 32768 --context 65536 --repeats 3 --graphs on --out "$R/graphs" --force
 step ${T_BATCH:-0} decode_batch $PY -m certkv.cli bench decode --model llama31_8b --context 8192 \
   --batch 1,4 --repeats 3 --out "$R/batch" --force
+step ${T_BATCH_GRAPHS:-0} decode_batch_graphs $PY -m certkv.cli bench decode --model llama31_8b \
+  --context 8192 --batch 1,4 --repeats 3 --graphs on --out "$R/batch_graphs" --force
 tar -czf "$OUT/gpu.tar.gz" -C "$OUT" bench
 { cat "$R/machine.txt" "$R/steps.txt"; tail -5 "$R/gpu_tests.txt"; } >"$OUT/summary.txt"
 cat "$OUT/summary.txt"

@@ -13,6 +13,7 @@ import torch
 from typer.testing import CliRunner
 
 from certkv import bench
+from certkv.bench import batch as batching
 from certkv.cli import app
 from certkv.files import fresh_dir
 
@@ -458,8 +459,15 @@ def test_bench_decode_batch_writes_throughput_and_memory_per_sequence(tmp_path, 
     assert "| N | B | dense | naive | certified | c/d | xB1 |" in report
     assert "| T1 | ann | T2 | mir | scr | fp16 |" in report  # scratch pools counted too
     assert (tmp_path / "decode_batch_smollm2_135m_cpu.png").stat().st_size > 0
+    assert not one["graphs"] and "CUDA graphs" not in report
+    graphed = batching.batch_tables([{**row, "graphs": True} for row in rows])
+    assert graphed[0].title.endswith("(K8/V4, CUDA graphs): decode throughput, tokens/s over "
+                                     "the batch (median step)")
     bad = runner.invoke(app, ["bench", "decode", "--batch", "1,0", "--device", "cpu"])
     assert bad.exit_code != 0 and "--batch takes positive batch sizes (got 1,0)" in bad.output
+    on_cpu = runner.invoke(app, ["bench", "decode", "--batch", "1,4", "--graphs", "on",
+                                 "--device", "cpu"])
+    assert on_cpu.exit_code != 0 and "use --graphs off" in on_cpu.output
 
 
 def test_bench_decode_takes_a_quantizer_for_the_quantized_methods(tmp_path):

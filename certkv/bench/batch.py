@@ -40,13 +40,16 @@ class BatchRun:
     """One method's decoding of a batch of prompts, as the evaluation runner decodes them
     (:mod:`certkv.eval.batch`): each prompt prefilled alone, then one greedy token of every
     sequence per :meth:`step`, the caches joined (one store per sequence; dense: the model's
-    own cache left-padded)."""
+    own cache left-padded); with ``graphs``, naive's and certified's whole batch steps in CUDA
+    graphs (:class:`~certkv.graphs.GraphedDecode`)."""
 
-    def __init__(self, lm, prompts: list[list[int]], mode: str, quantizer=None) -> None:
+    def __init__(self, lm, prompts: list[list[int]], mode: str, quantizer=None,
+                 graphs: bool = False) -> None:
         from certkv.eval.batch import BatchDecoder
         from certkv.eval.decode import Method, Prefill
 
-        method = Method.build(mode, mode, quantizer=None if mode == "dense" else quantizer)
+        method = Method.build(mode, mode, quantizer=None if mode == "dense" else quantizer,
+                              graphs=graphs and mode != "dense")
         self.quantizer = method.quantizer.label  # naive's and certified's codecs
         self.decoders = [Prefill(lm, p[:-1]).session(method).decoder() for p in prompts]
         self.batch = BatchDecoder(self.decoders)
@@ -63,11 +66,12 @@ class BatchRun:
 
 def bench_batches(model: str, contexts: list[int], batches: list[int], device: torch.device,
                   repeats: int, dtype: torch.dtype, *, update: Update = _quiet,
-                  weights: str = "auto", quantizer=None) -> list[dict]:
+                  weights: str = "auto", quantizer=None, graphs: bool = False) -> list[dict]:
     """Per context and batch size: each method's step time (min / median / max of ``repeats``
     after warm-up, the methods' steps interleaved), tokens per second over the batch, and the
     certified cache's bytes per sequence; ``quantizer`` (a :class:`~certkv.quant.KVQuantizer`,
-    default the paper's INT8/INT4) is naive's and certified's."""
+    default the paper's INT8/INT4) is naive's and certified's, ``graphs`` replays their whole
+    steps as CUDA graphs (:class:`BatchRun`)."""
     update(f"{model}: building the model ({weights} weights)")
     lm, used = _decode_model(model, weights, device, dtype)
     records = []
@@ -76,12 +80,12 @@ def bench_batches(model: str, contexts: list[int], batches: list[int], device: t
         for batch in batches:
             label = f"N={tokens(context)} B={batch}"
             update(f"{label}: prefill of every method")
-            decoders = {mode: BatchRun(lm, batch_prompts(text, context, batch), mode, quantizer)
-                        for mode in MODES}
+            decoders = {mode: BatchRun(lm, batch_prompts(text, context, batch), mode, quantizer,
+                                       graphs) for mode in MODES}
             update(f"{label}: decode steps in turn")
             timed = interleaved_timings({m: d.step for m, d in decoders.items()}, repeats)
             row = {"model": model, "weights": used, "context": context, "batch": batch,
-                   "quantizer": decoders["certified"].quantizer,
+                   "quantizer": decoders["certified"].quantizer, "graphs": graphs,
                    "ms_stats": {m: stats(t) for m, t in timed.items()}}
             row["ms"] = {m: s["median"] for m, s in row["ms_stats"].items()}
             row["tokens_per_s"] = {m: 1e3 * batch / ms for m, ms in row["ms"].items()}
@@ -112,7 +116,9 @@ def batch_notes(records: list[dict]) -> list[str]:
 def batch_tables(records: list[dict]):
     """Tokens per second per context, batch size and method, and memory per sequence."""
     model = records[0]["model"] if records else ""
-    codecs = f" ({records[0]['quantizer']})" if records and "quantizer" in records[0] else ""
+    named = [records[0]["quantizer"]] if records and "quantizer" in records[0] else []
+    named += ["CUDA graphs"] if records and records[0].get("graphs") else []
+    codecs = f" ({', '.join(named)})" if named else ""
     speed = result_table(
         f"{model}{codecs}: decode throughput, tokens/s over the batch (median step)",
         [("N", "context tokens of the longest sequence (the shortest: 3N/4)"),
