@@ -173,3 +173,17 @@ def test_a_model_decode_step_captured_whole_in_a_cuda_graph_replays_as_eager():
         runs.append((greedy_decode(model, cache, ids, 40, decode), cache.log.steps))
     assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1] == runs[1][1]
     assert decode.captures >= 2 and decode.replays == 40 - 2 * decode.captures
+
+
+def test_a_batch_decode_step_captured_whole_in_a_cuda_graph_replays_as_eager():
+    """A batch's whole decode step on CUDA (GraphedDecode with CudaGraph over joined caches,
+    each sequence at its own position, one leaving midway): the replayed steps give the eager
+    batched steps' logits and every sequence's step log."""
+    from helpers.models import decode_a_batch, tiny_model
+
+    _, model = tiny_model()
+    model = model.cuda().half()
+    eager = decode_a_batch(model, CertifiedAttention(), device="cuda")
+    graphed = decode_a_batch(model, CertifiedAttention(), graphed=True, device="cuda")
+    assert all(torch.equal(a, b) for a, b in zip(eager.logits, graphed.logits, strict=True))
+    assert eager.logs == graphed.logs and graphed.decode.replays > 0

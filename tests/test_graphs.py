@@ -377,50 +377,16 @@ def test_a_batch_decodes_the_same_with_its_whole_steps_replayed():
     gives the eager batched steps' logits bit for bit, and every sequence's step log, through
     block completions; a sequence's growing buffers or its leaving make a new bucket, and the
     sequences that go on decode as before."""
-    from helpers.models import tiny_model
-
-    from certkv.graphs import GraphedDecode
-    from certkv.models import cache_kwargs
-    from certkv.models.hf_cache import CacheSpec, TieredCache
-    from certkv.quant import KVQuantizer
+    from helpers.models import decode_a_batch, tiny_model
 
     _, model = tiny_model()
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 512, (1, n), generator=gen) for n in (9, 12, 5)]
-    runs = []
-    for graphed in (False, True):
-        attn = CertifiedAttention(backend="triton", compile=False)
-        attn.pad_layout = True  # as the graphed decode pads the layouts
-        caches = []
-        with torch.inference_mode():
-            for ids in prompts:
-                cache = TieredCache(2, attn, KVQuantizer(block_size=4),
-                                    CacheSpec(scratch_key_blocks=4, scratch_value_blocks=4))
-                cache.defer_commit = True  # as GraphedDecode sets it
-                model(input_ids=ids, **cache_kwargs(model, cache))
-                caches.append(cache)
-            batch = TieredCache.batch_of(caches)
-            decode = GraphedDecode(model, batch, RecordedGraph) if graphed else None
-            positions = torch.tensor([ids.shape[1] for ids in prompts])
-            tokens, logits = torch.tensor([[3], [5], [7]]), []
-            for step in range(10):
-                if step == 6:  # the second sequence finishes and leaves
-                    batch.batch_select_indices(torch.tensor([0, 2]))
-                    positions, tokens = positions[[0, 2]], tokens[[0, 2]]
-                if decode is None:
-                    out = model(input_ids=tokens, position_ids=positions[:, None],
-                                **cache_kwargs(model, batch)).logits
-                else:
-                    out = decode(tokens, positions)
-                logits.append(out[:, -1])
-                tokens, positions = out[:, -1:].argmax(dim=-1), positions + 1
-        for cache in caches:
-            cache.log.flush()
-        runs.append((logits, [cache.log.steps for cache in caches]))
-    (logits_e, steps_e), (logits_g, steps_g) = runs
-    assert all(torch.equal(a, b) for a, b in zip(logits_e, logits_g, strict=True))
-    assert steps_e == steps_g and [len(s) for s in steps_g] == [10, 6, 10]
+    eager = decode_a_batch(model, CertifiedAttention(backend="triton", compile=False))
+    graphed = decode_a_batch(model, CertifiedAttention(backend="triton", compile=False),
+                             graphed=True, graph=RecordedGraph)
+    assert all(torch.equal(a, b) for a, b in zip(eager.logits, graphed.logits, strict=True))
+    assert eager.logs == graphed.logs and [len(s) for s in graphed.logs] == [10, 6, 10]
     # buckets (each: an eager step, a capture, then replays): steps 0-3 (replays at 2 and 3,
     # the first sequence's block filled at 2 and quantized before 3), 4-5 (the second
     # sequence's buffers grew), 6 (it left), 7-9 (the first's buffers grew; a replay at 9)
+    decode = graphed.decode
     assert (decode.captures, decode.replays, decode.steps) == (3, 3, 10)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import copy
+from typing import NamedTuple
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from certkv import CertifiedAttention
-from certkv.models import enable
+from certkv.models import cache_kwargs, enable
 from helpers import check_heads
 
 SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -93,3 +94,56 @@ def left_padded(prompts: list[torch.Tensor], pad: int = 0) -> tuple[torch.Tensor
         ids[b, longest - len(p):] = p
         mask[b, longest - len(p):] = 1
     return ids, mask
+
+
+class BatchDecode(NamedTuple):
+    """What :func:`decode_a_batch` returns."""
+
+    logits: list  # [B, V] per step (B shrinks when a sequence leaves)
+    logs: list  # each sequence's step log
+    decode: object  # the GraphedDecode, or None
+
+
+def decode_a_batch(model, attention, graphed: bool = False, graph=None, steps: int = 10,
+                   leave_at: int = 6, lengths=(9, 12, 5), device: str = "cpu") -> BatchDecode:
+    """Greedy decoding of a batch: prompts of ``lengths`` tokens, each prefilled alone into its
+    own cache (``attention``, padded layouts, deferred commits, as a graphed decode has them),
+    joined (:meth:`TieredCache.batch_of`) and decoded ``steps`` tokens at each sequence's own
+    positions, the second sequence leaving at step ``leave_at``; ``graphed``: through
+    :class:`~certkv.graphs.GraphedDecode` with the graph class ``graph`` (None: CUDA graphs),
+    else the model's eager forward."""
+    from certkv.graphs import GraphedDecode
+    from certkv.models.hf_cache import CacheSpec, TieredCache
+    from certkv.quant import KVQuantizer
+
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 512, (1, n), generator=gen).to(device) for n in lengths]
+    attention.pad_layout = True  # as the graphed decode pads the layouts
+    caches = []
+    with torch.inference_mode():
+        for ids in prompts:
+            cache = TieredCache(len(model.model.layers), attention, KVQuantizer(block_size=4),
+                                CacheSpec(scratch_key_blocks=4, scratch_value_blocks=4))
+            cache.defer_commit = True  # as GraphedDecode sets it
+            model(input_ids=ids, **cache_kwargs(model, cache))
+            caches.append(cache)
+        batch = TieredCache.batch_of(caches)
+        decode = GraphedDecode(model, batch, graph) if graphed else None
+        positions = torch.tensor(lengths, device=device)
+        tokens = torch.tensor([[3 + 2 * b] for b in range(len(lengths))], device=device)
+        logits = []
+        for step in range(steps):
+            if step == leave_at:  # the second sequence finishes and leaves
+                rows = torch.tensor([b for b in range(len(lengths)) if b != 1], device=device)
+                batch.batch_select_indices(rows)
+                positions, tokens = positions[rows], tokens[rows]
+            if decode is None:
+                out = model(input_ids=tokens, position_ids=positions[:, None],
+                            **cache_kwargs(model, batch)).logits
+            else:
+                out = decode(tokens, positions)
+            logits.append(out[:, -1])
+            tokens, positions = out[:, -1:].argmax(dim=-1), positions + 1
+    for cache in caches:
+        cache.log.flush()
+    return BatchDecode(logits, [cache.log.steps for cache in caches], decode)
