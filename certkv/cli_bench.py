@@ -216,8 +216,8 @@ def bench_decode(
         _fail(f"--dtype {dtype!r} is unknown; use auto, float32, float16 or bfloat16.")
     codecs, suffix = _quantizer(quantizer), f"_{quantizer}" if quantizer else ""
     if batch:
-        _bench_batches(model, contexts, batch, dev, repeats=repeats, dtype=torch_dtype, out=out,
-                       force=force, weights=weights, quantizer=(codecs, suffix),
+        _bench_batches(model, contexts, batch, dev, repeats=repeats, dtype=torch_dtype,
+                       written=(out, force), weights=weights, quantizer=(codecs, suffix),
                        graphs=graphs == "on")
         return
     report = bench.BenchReport(f"decode_{model}_{dev.type}{suffix}", _command(), out, force)
@@ -258,9 +258,10 @@ def _check_quantizers(names: list[str]) -> None:
                   f"{', '.join(known)}.")
 
 
-def _bench_batches(model, contexts, batches, dev, *, repeats, dtype, out, force,
-                   weights, quantizer, graphs) -> None:
-    """``bench decode --batch``: throughput of batches (:mod:`certkv.bench.batch`)."""
+def _bench_batches(model, contexts, batches, dev, *, repeats, dtype, written, weights,
+                   quantizer, graphs) -> None:
+    """``bench decode --batch``: throughput of batches (:mod:`certkv.bench.batch`);
+    ``written``: the report's ``(--out, --force)``, ``quantizer``: ``(codecs, name suffix)``."""
     from certkv import bench
     from certkv.bench import batch as batching
 
@@ -270,8 +271,8 @@ def _bench_batches(model, contexts, batches, dev, *, repeats, dtype, out, force,
               "1,4,16.")
     batches = [int(size) for size in sizes]
     codecs, suffix = quantizer
-    report = bench.BenchReport(f"decode_batch_{model}_{dev.type}{suffix}", _command(), out,
-                               force)
+    report = bench.BenchReport(f"decode_batch_{model}_{dev.type}{suffix}", _command(),
+                               *written)
     with _user_errors():
         report.check()
     with bench.progress(len(contexts) * len(batches), "bench decode --batch") as update, \
