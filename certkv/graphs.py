@@ -383,8 +383,7 @@ class GraphedDecode:
         cache_position.fill_(self.cache.get_seq_length())
         step.graph.replay()
         self.replays += 1
-        for store in self.cache.stores():
-            store.advance_tail()
+        self.cache.advance_replayed()
         return self._logged(step)
 
     def _signature(self, ids: torch.Tensor) -> tuple | None:

@@ -385,6 +385,7 @@ def test_a_batch_decodes_the_same_with_its_whole_steps_replayed():
                              graphed=True, graph=RecordedGraph)
     assert all(torch.equal(a, b) for a, b in zip(eager.logits, graphed.logits, strict=True))
     assert eager.logs == graphed.logs and [len(s) for s in graphed.logs] == [10, 6, 10]
+    assert eager.length == graphed.length == 12 + 10  # the widest prompt and its steps
     # buckets (each: an eager step, a capture, then replays): steps 0-3 (replays at 2 and 3,
     # the first sequence's block filled at 2 and quantized before 3), 4-5 (the second
     # sequence's buffers grew), 6 (it left), 7-9 (the first's buffers grew; a replay at 9)

@@ -382,6 +382,16 @@ class TieredCache(Cache):
         """Every layer's stores (a batch's: every sequence's, layer by layer)."""
         return [store for layer in self.layers for store in layer.stores]
 
+    def advance_replayed(self) -> None:
+        """The host half of a replayed decode step (:class:`~certkv.graphs.GraphedDecode`), whose
+        appends wrote each token on the device: every store's tail count
+        (:meth:`TieredKVStore.advance_tail`) and every layer's position count, as the eager
+        step's :meth:`TieredLayer.update` leaves them."""
+        for layer in self.layers:
+            layer.positions += 1
+            for store in layer.stores:
+                store.advance_tail()
+
     def check_memory(self, batch: int, elements: int, device: torch.device) -> None:
         """Before a batch's prefill allocates: its caches (every layer: Tier-1 codes,
         annotations, Tier-2 FP16 originals and a CPU store's decoded mirror, estimated at

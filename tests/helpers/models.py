@@ -102,6 +102,7 @@ class BatchDecode(NamedTuple):
     logits: list  # [B, V] per step (B shrinks when a sequence leaves)
     logs: list  # each sequence's step log
     decode: object  # the GraphedDecode, or None
+    length: int  # the batch cache's get_seq_length() at the end
 
 
 def decode_a_batch(model, attention, graphed: bool = False, graph=None, steps: int = 10,
@@ -146,4 +147,5 @@ def decode_a_batch(model, attention, graphed: bool = False, graph=None, steps: i
             tokens, positions = out[:, -1:].argmax(dim=-1), positions + 1
     for cache in caches:
         cache.log.flush()
-    return BatchDecode(logits, [cache.log.steps for cache in caches], decode)
+    return BatchDecode(logits, [cache.log.steps for cache in caches], decode,
+                       batch.get_seq_length())
