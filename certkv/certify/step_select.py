@@ -69,7 +69,8 @@ def select_step(policy, x: SelectInputs) -> Selection:
     promoted, expanded = key_set(policy, keys, x.draw, x.boost, x.force) if certified else (
         exact.expand(hq, -1), torch.zeros(hq, dtype=torch.bool, device=exact.device))
     log_spread = x.log_spread_kv.reshape(hq, n) - (l8 - log_p)  # minus each head's log-sum-exp
-    value_kv = value_promotion(policy, log_p, x.eta, delta, log_spread, x.value_spec) \
+    shift = torch.where(promoted, delta_b, torch.zeros_like(delta_b))  # Phase 2's logit moves
+    value_kv = value_promotion(policy, log_p, x.eta, shift, log_spread, x.value_spec) \
         if certified else torch.zeros_like(x.eta, dtype=torch.bool)
     if x.boost is not None:  # level 2: FP16 values for the boosted heads' promoted blocks
         extra = promoted & x.quantized & (x.boost >= 2).unsqueeze(-1)
@@ -157,16 +158,17 @@ def key_bound(log_p, tail, delta_b, delta, v_max, exponent, tv_cap=None):
                                       tv_cap)
 
 
-def value_promotion(policy, log_p, eta, delta, log_spread, value_spec):
+def value_promotion(policy, log_p, eta, shift, log_spread, value_spec):
     """Blocks read with FP16 values, per kv head ``[Hkv, n]`` (the union of its query heads'):
-    the value policy sees ``[Hkv, G, n]`` views, the per-kv-head ``eta`` and ``value_spec``
-    broadcast over the group; only blocks with a value error (``eta > 0``: quantized ones) can
-    be promoted."""
+    the value policy sees ``[Hkv, G, n]`` views (``shift [Hq, n]``: how far Phase 2 may move
+    each block's logits from Phase 1's, :func:`~certkv.certify.values.phase2_mass_factor`), the
+    per-kv-head ``eta`` and ``value_spec`` broadcast over the group; only blocks with a value
+    error (``eta > 0``: quantized ones) can be promoted."""
     hkv = eta.shape[0]
     hq, n = log_p.shape
     grouped = (hkv, hq // hkv, n)
     eta_g = eta.unsqueeze(1)
-    chosen = policy.value_policy.select(log_p.view(grouped), eta_g, delta.view(hkv, -1),
+    chosen = policy.value_policy.select(log_p.view(grouped), eta_g, shift.view(grouped),
                                         log_spread=log_spread.view(grouped),
                                         sigma=value_spec.unsqueeze(1))
     return (chosen & (eta_g > 0)).any(dim=1)

@@ -2,8 +2,10 @@
 
 A policy sees, per query head, the Phase-1 block log-masses ``log_p_hat: [..., n]``
 (normalised; logs so that masses that underflow FP32 keep their meaning), the stored value
-errors ``eta`` (0 for blocks whose values are exact), the head's ``delta: [...]`` (max score
-perturbation over quantized blocks) and, for the tight contribution, the Phase-1 block
+errors ``eta`` (0 for blocks whose values are exact), ``delta``: a bound on how far Phase 2's
+logits move from Phase 1's, per block ``[..., n]`` (the attention step passes ``Delta_b`` on the
+blocks whose FP16 keys Phase 2 reads, 0 elsewhere) or per head ``[...]``, and, for the tight
+contribution, the Phase-1 block
 log-spreads ``log_spread: [..., n]`` (``log ||p_hat_b||_2``) and the value-error spectral
 norms ``sigma``; it returns a boolean promotion mask ``[..., n]``. The leading dims are the
 query heads (``[Hq]``, or ``[Hkv, G]`` grouped by kv head, as the attention step passes them);
@@ -63,6 +65,22 @@ def contribution_of(mass: torch.Tensor, eta: torch.Tensor, contribution: str,
     return torch.minimum(paper, spread * sigma)
 
 
+def phase2_mass_factor(log_p_hat: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """``log F_b [..., n]`` with every Phase-2 block mass ``rho_b <= F_b p_hat_b`` and token
+    weight ``p_t <= F_b p_hat_t`` (``t`` in ``b``), for Phase-1 block log-masses ``log_p_hat
+    [..., n]`` (normalised) and ``delta``: the head's ``Delta [...]`` (every Phase-2 logit
+    within ``Delta`` of its Phase-1 one: ``F_b = e^{2 Delta}``, Lemma A.1), or per block ``[...,
+    n]`` the bound ``Delta'_b`` on block ``b``'s logit shift (``Delta_b`` where Phase 2 reads
+    its FP16 keys, 0 where it reuses Phase 1's logits). Then ``e^{s2_t} <= e^{Delta'_b}
+    e^{s1_t}`` and the normaliser ``Z2 >= Z1 sum_c e^{-Delta'_c} p_hat_c``, so ``F_b =
+    e^{Delta'_b} / sum_c e^{-Delta'_c} p_hat_c``: never above ``e^{2 max_c Delta'_c}``, and a
+    block whose logits Phase 2 does not move (an evicted block's loose summary among them)
+    adds nothing to the others'."""
+    if delta.dim() < log_p_hat.dim():
+        return 2.0 * delta.unsqueeze(-1)
+    return delta - torch.logsumexp(log_p_hat - delta, dim=-1, keepdim=True)
+
+
 class ValuePolicy:
     """Base of value policies: which blocks' values a step reads in FP16 (paper 3.4). The
     step asks a policy what it can do (:meth:`fuses_on_cpu`), never its type."""
@@ -106,12 +124,12 @@ class LocalThreshold(ValuePolicy):
 class GreedyBudget(ValuePolicy):
     """Hard budget: promote by descending contribution until E_val <= ``e_val_budget``.
 
-    ``rho_ub_b = min(1, e^{2 Delta} p_hat_b)`` upper-bounds the Phase-2 block mass (Lemma A.1:
-    Phase-1 and Phase-2 logits differ by at most Delta per token), and likewise every token's
-    weight, so ``||p_b||_2 <= min(rho_ub_b, e^{2 Delta} ||p_hat_b||_2)``. The contribution is
-    ``rho_ub_b eta_b`` (``paper``) or ``min(rho_ub_b eta_b, sigma_b spread_ub_b)`` (``tight``),
-    so the achieved E_val of the same form (Cor. 4.2, sharpened) is at most the budget once the
-    policy has run.
+    ``rho_ub_b = min(1, F_b p_hat_b)`` upper-bounds the Phase-2 block mass and ``F_b
+    ||p_hat_b||_2`` its spread (:func:`phase2_mass_factor`: ``F_b = e^{2 Delta}`` from the head's
+    ``Delta``, Lemma A.1, or the tighter per-block factor where the step passes each block's
+    logit shift). The contribution is ``rho_ub_b eta_b`` (``paper``) or ``min(rho_ub_b eta_b,
+    sigma_b spread_ub_b)`` (``tight``), so the achieved E_val of the same form (Cor. 4.2,
+    sharpened) is at most the budget once the policy has run.
     """
 
     e_val_budget: float = 0.05
@@ -124,7 +142,7 @@ class GreedyBudget(ValuePolicy):
 
     def select(self, log_p_hat: torch.Tensor, eta: torch.Tensor, delta: torch.Tensor,
                log_spread: torch.Tensor | None = None, sigma: torch.Tensor | None = None):
-        inflate = 2.0 * delta.unsqueeze(-1)
+        inflate = phase2_mass_factor(log_p_hat, delta)
         rho_ub = torch.exp((inflate + log_p_hat).clamp(max=0.0))
         spread_ub = None if log_spread is None else torch.minimum(
             rho_ub, torch.exp((inflate + log_spread).clamp(max=0.0)))

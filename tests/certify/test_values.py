@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from certkv import CertifiedAttention, GreedyBudget, LocalThreshold, NoValuePromotion, TieredKVStore
-from certkv.certify.values import fewest_covering
+from certkv.certify.values import fewest_covering, phase2_mass_factor
 from certkv.errors import ConfigError
 
 
@@ -55,6 +55,46 @@ def test_greedy_budget_promotes_largest_contributions_first():
     assert GreedyBudget(0.13).select(log_p, eta, torch.zeros(1)).sum() == 1
     assert not GreedyBudget(0.5).select(log_p, eta, torch.zeros(1)).any()
     assert not NoValuePromotion().select(log_p, eta, torch.zeros(1)).any()
+
+
+@given(seed=st.integers(0, 1000), loose=st.sampled_from([0.0, 1.0, 30.0]))
+def test_the_phase2_mass_factor_bounds_every_block_mass_and_token_weight(seed, loose):
+    """``phase2_mass_factor`` against the test's own logits: Phase-1 logits of 12 blocks of 4
+    tokens, Phase-2 logits each moved within its block's ``Delta'_b`` (0 on blocks whose logits
+    Phase 2 reuses; one of those with a loose ``Delta_b`` up to 30 that Phase 2 never reads):
+    every Phase-2 block mass and token weight is at most ``F_b`` times its Phase-1 one, the
+    per-block factor never exceeds the head's ``e^{2 Delta}``, and the loose unread block
+    leaves the factor of the others as if it had none."""
+    gen = torch.Generator().manual_seed(seed)
+    s1 = 3 * torch.randn(2, 12, 4, dtype=torch.float64, generator=gen)
+    delta_b = torch.rand(2, 12, dtype=torch.float64, generator=gen)
+    delta_b[:, 5] = loose  # a summary's loose bound
+    read = torch.rand(2, 12, generator=gen) < 0.5
+    read[:, 5] = False  # Phase 2 reuses its Phase-1 logits
+    shift = torch.where(read, delta_b, torch.zeros_like(delta_b))
+    moves = (2 * torch.rand(2, 12, 4, dtype=torch.float64, generator=gen) - 1) * shift[..., None]
+    p1, p2 = (torch.softmax(x.reshape(2, -1), dim=-1).reshape(2, 12, 4) for x in (s1, s1 + moves))
+    log_p_hat = p1.sum(-1).log()
+    factor = phase2_mass_factor(log_p_hat, shift).exp()
+    assert (p2.sum(-1) <= factor * p1.sum(-1) * (1 + 1e-12)).all()
+    assert (p2 <= factor[..., None] * p1 * (1 + 1e-12)).all()
+    head = phase2_mass_factor(log_p_hat, delta_b.amax(dim=-1)).exp()
+    assert (factor <= head * (1 + 1e-12)).all()
+    unread = shift.clone()
+    unread[:, 5] = 0.0
+    assert torch.equal(factor, phase2_mass_factor(log_p_hat, unread).exp())
+
+
+def test_greedy_budget_is_not_made_to_promote_everything_by_a_block_phase2_does_not_read():
+    """With the head's largest ``Delta`` (a loose evicted summary's, 20), every block's mass
+    bound is 1 and the budget promotes every block with a value error; with each block's own
+    shift (0 where Phase 2 reuses Phase 1's logits) it promotes what the masses ask."""
+    log_p = torch.tensor([[0.4, 0.3, 0.2, 0.05, 0.05]]).log()
+    eta = torch.full((1, 5), 0.1)
+    policy = GreedyBudget(0.05)
+    assert policy.select(log_p, eta, torch.tensor([20.0])).all()
+    shift = torch.zeros(1, 5)  # no block's keys read in FP16: Phase 2 reuses every logit
+    assert policy.select(log_p, eta, shift).tolist() == [[True, True, False, False, False]]
 
 
 @given(seed=st.integers(0, 1000), budget=st.sampled_from([0.0, 0.01, 0.05, 0.2]),
