@@ -406,7 +406,8 @@ class GraphedDecode:
         return self.model(input_ids=ids, use_cache=True, **cache_kwargs(self.model, self.cache),
                           **kwargs).logits
 
-    def _capture(self, step: _Captured, ids: torch.Tensor, positions: torch.Tensor):
+    def _capture(self, step: _Captured, ids: torch.Tensor,
+                 positions: torch.Tensor) -> torch.Tensor:
         cache = self.cache
         static_ids, static_positions = ids.clone(), positions[:, None].clone()
         position = torch.full((1,), cache.get_seq_length(), dtype=torch.long, device=ids.device)
