@@ -8,8 +8,10 @@ for it, then dense attention.
 
 :class:`Escalation` is a base of :class:`~certkv.step.QuantizedStep`, whose ``_pass`` (one pass
 of selection, page-in, Phase 2, checks and certificate over Phase 1's scores, with what a
-failed boundary check asks to read) and ``_host_flags`` it calls. A pass only chooses what is
-read: each computes its certificate afresh, so no escalation can weaken one.
+failed boundary check asks to read) and ``_host_flags`` it calls; ``_pass`` asks
+:meth:`Escalation._tolerance_ahead` what a tolerant step's first pass reads besides its
+selection. A pass only chooses what is read: each computes its certificate afresh, so no
+escalation can weaken one.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import math
 import torch
 
 from certkv.certify import targeted
+from certkv.certify.certificate import BlockStats
 from certkv.certify.step_certify import StepPass
 
 TOL_LEVELS = 3  # bound-tolerance escalation: 1 widest key set, 2 + FP16 values, 3 dense
@@ -35,8 +38,10 @@ class Escalation:
         for the host fallback; None on the device path)."""
         boost, force, q = None, None, step.q
         targeted_first, passes, pairs = tolerant and self.ladder.tol_page_in, 0, 0
+        ahead = targeted_first and not step.on_device  # the first pass plans ahead too
         while True:
-            result = self._mended_pass(step, scored, boost, force)
+            result = self._mended_pass(step, scored, boost, force, ahead)
+            ahead = False
             result.targeted += pairs
             if e_drop is not None:  # summaries corrupted by faults: no finite E_drop, dense
                 result.at_least(3, ~(e_drop < math.inf))
@@ -51,8 +56,9 @@ class Escalation:
                 targeted_first = False
                 limit = (self.ladder.tolerance(norm) - result.cert.e_arith.double()) / 2
                 plan, pairs = targeted.tolerance_plan(result.blocks, result.read, over, limit)
-                if bool(plan.any()):
-                    force = plan if force is None else force | plan
+                if bool(plan.any()):  # with what the pass planned ahead, read again
+                    force = plan if result.forced is None else result.forced | plan
+                    pairs += result.ahead
                     continue
             boost = (torch.zeros(q.shape[0], dtype=torch.long, device=q.device)
                      if boost is None else boost)
@@ -67,18 +73,41 @@ class Escalation:
         result.at_least(3, over)
         return result, boost, torch.unique(torch.cat([dense_heads, over_heads]))
 
-    def _mended_pass(self, step, scored, boost, force=None) -> StepPass:
-        """A pass (reading ``force [Hq, n]``'s blocks whole, where given), and where its
-        boundary check (eq. 18) failed on a store with evicted blocks, a second pass that also
-        reads the blocks that broke it (FP16 keys, and values where lossy), within
+    def _mended_pass(self, step, scored, boost, force=None, ahead=False) -> StepPass:
+        """A pass (reading ``force [Hq, n]``'s blocks whole, where given; with ``ahead`` also
+        the blocks a bound tolerance plans from Phase 1, :meth:`_tolerance_ahead`), and where
+        its boundary check (eq. 18) failed on a store with evicted blocks, a second pass that
+        also reads the blocks that broke it (FP16 keys, and values where lossy), within
         ``ladder.page_in_budget`` (:mod:`certkv.certify.targeted`); what it read and mended
         goes into the certificate."""
-        first = self._pass(step, scored, boost, force)
+        first = self._pass(step, scored, boost, force, ahead=ahead)
         if first.mend is None:
             return first
         mend, pairs = targeted.plan(*first.mend, self.ladder.page_in_budget)
+        force = first.forced  # what the first pass read whole (planned ahead included)
         result = self._pass(step, scored, boost, mend if force is None else mend | force,
                             mendable=False)
-        result.mend, result.targeted = None, pairs
+        result.mend, result.targeted = None, pairs + first.targeted
+        result.forced, result.ahead = force, first.ahead  # the mends: made again if needed
         result.mended = int((result.boundary & ~first.boundary).sum())
         return result
+
+    def _tolerance_ahead(self, lay, sel):
+        """With ``ladder.tol_page_in`` and an absolute ``bound_tol``, the blocks a tolerant
+        step's first pass reads whole besides its selection: per head, the fewest whose shares
+        of its bound, estimated from the Phase-1 masses, leave the rest within half of
+        ``bound_tol`` (:func:`~certkv.certify.targeted.tolerance_plan`, which the second pass
+        plans from the Phase-2 masses), so that most heads reach their tolerance in one pass.
+        ``(plan [Hq, n], new pairs)``, or ``(None, 0)`` where nothing is planned. The pass
+        certifies afresh whatever it reads: an estimate only changes what is read."""
+        if not (self.mode == "certified" and self.ladder.tol_page_in
+                and self.ladder.bound_tol is not None):
+            return None, 0
+        hq = sel.promoted.shape[0]
+        blocks = BlockStats(sel.log_p.exp(), lay.eta, sel.delta_b, sel.v_rad, lay.quantized)
+        everyone = torch.ones(hq, dtype=torch.bool, device=sel.promoted.device)
+        limit = torch.full((hq,), self.ladder.bound_tol / 2, dtype=torch.float64,
+                           device=sel.promoted.device)
+        plan, pairs = targeted.tolerance_plan(blocks, (sel.promoted, sel.value_kv), everyone,
+                                              limit)
+        return (plan, pairs) if bool(plan.any()) else (None, 0)

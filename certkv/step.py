@@ -115,12 +115,14 @@ class QuantizedStep(Escalation, Fallback):
             record_faults(cert, store)
         return out, cert
 
-    def _pass(self, step: _Step, scored, boost, force=None, mendable=True) -> StepPass:
+    def _pass(self, step: _Step, scored, boost, force=None, mendable=True,
+              ahead=False) -> StepPass:
         """Selection, page-in, Phase 2, checks and the certificate of one pass over the
         Phase-1 ``scored`` (``boost [Hq]``: the bound-tolerance escalation level per head, or
-        None; ``force [Hq, n]``: blocks promoted by targeted page-in, or None); the fallback is
-        left to the caller (on the device path the certificate segment also returns every
-        head's dense ``e_arith`` for it)."""
+        None; ``force [Hq, n]``: blocks promoted by targeted page-in, or None; ``ahead``: also
+        the blocks :meth:`_tolerance_ahead` plans); the fallback is left to the caller (on the
+        device path the certificate segment also returns every head's dense ``e_arith`` for
+        it)."""
         q, lay, timer, device = step.q, step.lay, step.timer, step.q.device
         store, lad = lay.store, self.ladder
         hkv, certified = store.num_kv_heads, self.mode == "certified"
@@ -130,6 +132,10 @@ class QuantizedStep(Escalation, Fallback):
         # Selection (paper 3.3), rung 1 and value promotion (rung 2): device tensors only
         with timer.phase("select"):
             sel = self._selection(step, scored, kv_of, boost, force)
+            planned, ahead_pairs = self._tolerance_ahead(lay, sel) if ahead else (None, 0)
+            if planned is not None:
+                force = planned if force is None else force | planned
+                sel = self._selection(step, scored, kv_of, boost, force)
 
         # Page-in (on the host: the step's first host read; on the device: none) and Phase 2
         # (gated keys, FP16 values).
@@ -176,9 +182,12 @@ class QuantizedStep(Escalation, Fallback):
                 cert = self._certify(inputs, spec, lay, step.on_device)
         blocks = BlockStats(inputs.rho, lay.eta, sel.delta_b, sel.v_rad, lay.quantized)
         mend = self._mend(step, checks, l16, sel, boundary) if mendable else None
-        return StepPass(out, spec, cert, sel.delta, ranking, boundary, blocks,
-                        lay.num_quantized, paged.promotions, paged.paged_evicted, mend,
-                        pending=pending, read=(sel.promoted, sel.value_kv))
+        result = StepPass(out, spec, cert, sel.delta, ranking, boundary, blocks,
+                          lay.num_quantized, paged.promotions, paged.paged_evicted, mend,
+                          pending=pending, read=(sel.promoted, sel.value_kv))
+        result.targeted = result.ahead = ahead_pairs
+        result.forced = force
+        return result
 
     def _mend(self, step: _Step, checks: CheckInputs | None, l16, sel: Selection, boundary):
         """What targeted page-in needs where it applies (certified, the boundary check on, a

@@ -59,7 +59,9 @@ class Ladder:
             of what its tolerance leaves beside E_arith, the largest shares first
             (:func:`~certkv.certify.targeted.tolerance_plan`), and only then climbs to the
             widest key set, FP16 values and dense attention (``False``, the default: at once).
-            Its reads count in the certificate's ``targeted`` pairs.
+            With an absolute ``bound_tol`` the first pass already reads what the same plan
+            picks from the Phase-1 masses. Its reads count in the certificate's ``targeted``
+            pairs.
     """
 
     expand: bool = True

@@ -181,6 +181,10 @@ class StepPass:
     # what the pass read: FP16 keys ``[Hq, n]`` and FP16 values ``[Hkv, n]`` (the bound
     # tolerance's targeted page-in plans from them), or None
     read: tuple | None = None
+    # a bound tolerance's blocks it read whole ``[Hq, n]`` (targeted page-in's mends aside),
+    # or None, and how many new (kv head, block) pairs it planned ahead (Phase-1 masses)
+    forced: torch.Tensor | None = None
+    ahead: int = 0
 
     @property
     def flags(self) -> torch.Tensor:

@@ -330,6 +330,30 @@ def test_tol_page_in_reads_the_blocks_carrying_a_bound_before_the_widest_sets(ba
         assert int((on.tol_level > 0).sum()) < int((off.tol_level > 0).sum())
 
 
+@pytest.mark.parametrize("backend", ["torch", "numba"])
+def test_tol_page_in_plans_ahead_so_most_steps_take_one_pass(backend, monkeypatch):
+    """The first pass of a tolerant step also reads the blocks planned from its Phase-1
+    masses (``QuantizedStep._tolerance_ahead``): on the 2-bit layer it takes fewer passes
+    than planning only after a pass, every head within the tolerance or dense either way."""
+    from certkv.step import QuantizedStep
+
+    store, q = two_bit_layer()
+    passes, real_pass, real_ahead = [], QuantizedStep._pass, QuantizedStep._tolerance_ahead
+    monkeypatch.setattr(QuantizedStep, "_pass",
+                        lambda self, *a, **k: passes.append(1) or real_pass(self, *a, **k))
+    counts = {}
+    for ahead in (False, True):
+        monkeypatch.setattr(QuantizedStep, "_tolerance_ahead",
+                            real_ahead if ahead else lambda *a: (None, 0))
+        attn = CertifiedAttention(backend=backend, ladder=Ladder(bound_tol=0.02,
+                                                                  tol_page_in=True))
+        passes.clear()
+        out, cert = attn(q, store)
+        check_tolerance(out, cert, q, store, attn)
+        counts[ahead] = len(passes)
+    assert counts[True] < counts[False]
+
+
 def test_bound_tol_is_off_by_default_and_checked():
     assert not Ladder().bound_tolerance
     assert not Ladder().tol_page_in
