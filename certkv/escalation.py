@@ -38,7 +38,8 @@ class Escalation:
         for the host fallback; None on the device path)."""
         boost, force, q = None, None, step.q
         targeted_first, passes, pairs = tolerant and self.ladder.tol_page_in, 0, 0
-        ahead = targeted_first and not step.on_device  # the first pass plans ahead too
+        # with an absolute tolerance the first pass plans ahead too (_tolerance_ahead)
+        ahead = targeted_first and not step.on_device and self.ladder.bound_tol is not None
         while True:
             result = self._mended_pass(step, scored, boost, force, ahead)
             ahead = False
@@ -93,16 +94,14 @@ class Escalation:
         return result
 
     def _tolerance_ahead(self, lay, sel):
-        """With ``ladder.tol_page_in`` and an absolute ``bound_tol``, the blocks a tolerant
-        step's first pass reads whole besides its selection: per head, the fewest whose shares
-        of its bound, estimated from the Phase-1 masses, leave the rest within half of
-        ``bound_tol`` (:func:`~certkv.certify.targeted.tolerance_plan`, which the second pass
-        plans from the Phase-2 masses), so that most heads reach their tolerance in one pass.
-        ``(plan [Hq, n], new pairs)``, or ``(None, 0)`` where nothing is planned. The pass
-        certifies afresh whatever it reads: an estimate only changes what is read."""
-        if not (self.mode == "certified" and self.ladder.tol_page_in
-                and self.ladder.bound_tol is not None):
-            return None, 0
+        """The blocks a tolerant step's first pass reads whole besides its selection (where
+        :meth:`_passes` asks: ``ladder.tol_page_in`` with an absolute ``bound_tol``, on the
+        host path): per head, the fewest whose shares of its bound, estimated from the Phase-1
+        masses, leave the rest within half of ``bound_tol``
+        (:func:`~certkv.certify.targeted.tolerance_plan`, which the second pass plans from the
+        Phase-2 masses), so that most heads reach their tolerance in one pass. ``(plan [Hq,
+        n], new pairs)``, or ``(None, 0)`` where nothing is planned. The pass certifies afresh
+        whatever it reads: an estimate only changes what is read."""
         hq = sel.promoted.shape[0]
         blocks = BlockStats(sel.log_p.exp(), lay.eta, sel.delta_b, sel.v_rad, lay.quantized)
         everyone = torch.ones(hq, dtype=torch.bool, device=sel.promoted.device)

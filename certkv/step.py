@@ -182,12 +182,10 @@ class QuantizedStep(Escalation, Fallback):
                 cert = self._certify(inputs, spec, lay, step.on_device)
         blocks = BlockStats(inputs.rho, lay.eta, sel.delta_b, sel.v_rad, lay.quantized)
         mend = self._mend(step, checks, l16, sel, boundary) if mendable else None
-        result = StepPass(out, spec, cert, sel.delta, ranking, boundary, blocks,
-                          lay.num_quantized, paged.promotions, paged.paged_evicted, mend,
-                          pending=pending, read=(sel.promoted, sel.value_kv))
-        result.targeted = result.ahead = ahead_pairs
-        result.forced = force
-        return result
+        return StepPass(out, spec, cert, sel.delta, ranking, boundary, blocks,
+                        lay.num_quantized, paged.promotions, paged.paged_evicted, mend,
+                        targeted=ahead_pairs, pending=pending, read=(sel.promoted, sel.value_kv),
+                        forced=force, ahead=ahead_pairs)
 
     def _mend(self, step: _Step, checks: CheckInputs | None, l16, sel: Selection, boundary):
         """What targeted page-in needs where it applies (certified, the boundary check on, a
