@@ -134,6 +134,16 @@ class Certificate:
     def num_heads(self) -> int:
         return int(self.rung.numel())
 
+    def fp16_blocks_read(self) -> torch.Tensor:
+        """Quantized blocks this step read in FP16, over its heads (0-d, on the step's device):
+        per head its blocks read with FP16 keys (``k_star``) plus its KV group's blocks read
+        with FP16 values (``value_blocks``), every block twice (keys and values) on rungs 3-4.
+        Divided by ``2 num_blocks`` per head it is the share of the quantized cache a head
+        reads in FP16 (:meth:`CertificateLog.flush`'s ``fp16_read_share``)."""
+        whole = 2 * self.num_blocks
+        read = torch.where(self.rung >= 3, whole, self.k_star + self.value_blocks)
+        return read.clamp(max=whole).sum()
+
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor of this certificate: the per-head fields', then the block
         statistics' (what :meth:`mapped` with ``blocks`` maps)."""
@@ -247,6 +257,20 @@ class Certificate:
         return out
 
 
+def _read_share(certs: list[Certificate]) -> float:
+    """The share of the quantized blocks' dense bytes a step's heads read in FP16 (keys and
+    values, from Tier-2 or the scratch; 1 for a dense head), over the heads of ``certs``:
+    per certificate, since a batch's sequences hold different numbers of blocks."""
+    whole = sum(2 * c.num_blocks * c.num_heads for c in certs)
+    if not whole:
+        return 0.0
+    per_device: dict[torch.device, torch.Tensor] = {}  # one read back per device
+    for c in certs:
+        read = c.fp16_blocks_read().double()
+        per_device[read.device] = per_device.get(read.device, 0) + read
+    return sum(float(read) for read in per_device.values()) / whole
+
+
 def _listed(cert: Certificate | list[Certificate]) -> list[Certificate]:
     """A layer's logged certificates as a list (:meth:`CertificateLog.record`)."""
     return [cert] if isinstance(cert, Certificate) else cert
@@ -282,6 +306,7 @@ class CertificateLog:
         step = len(self.steps)
         certs = [c for _, layer in self._pending for c in _listed(layer)]
         summary = Certificate.cat(certs).summary()
+        summary["fp16_read_share"] = _read_share(certs)
         if not math.isfinite(summary["bound_max"]):  # only non-finite inputs lead here
             self._pending = []
             raise NonFiniteError("a head's error bound is not finite because q, k or v held NaN "

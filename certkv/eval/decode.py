@@ -326,4 +326,6 @@ def certificate_record(caches: list[CacheTelemetry]) -> dict:
         record[f"{name}_per_step"] = (statistics.fmean(s.get(name, 0) for s in steps)
                                       if steps else 0.0)
     record["k_star_mean"] = statistics.fmean(s["k_star_mean"] for s in steps) if steps else 0.0
+    record["fp16_read_share"] = (statistics.fmean(s.get("fp16_read_share", 0.0) for s in steps)
+                                 if steps else 0.0)
     return record

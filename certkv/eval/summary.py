@@ -43,6 +43,10 @@ def certificate_summary(records: list[dict]) -> dict:
               if "scratch_bytes" in r and r.get("dense_bytes")]  # absent in older runs
     out["scratch_over_dense"] = statistics.fmean(filled) if filled else None
     out["h2d_bytes_per_step"] = sum(r["h2d_bytes"] for r in records) / steps
+    read = [(r["fp16_read_share"], r["steps"]) for r in records
+            if "fp16_read_share" in r and r["steps"]]  # absent in older runs
+    out["fp16_read_share"] = (sum(x * n for x, n in read) / sum(n for _, n in read)
+                              if read else None)
     for name in ("corrected_words", "erased_words", "corrupted_blocks"):  # protect (seed 003)
         out[f"{name}_per_step"] = sum(r.get(f"{name}_per_step", 0.0) * r["steps"]
                                       for r in records) / steps
