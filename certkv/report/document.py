@@ -111,7 +111,8 @@ def write_report(report: Report, out_dir: str | Path) -> Path:
     try:
         for run in report.runs:
             for name, draw in {**plots.FIGURES, "faults": faults.perplexity_vs_rate,
-                                "evict": evict.quality_vs_budget}.items():
+                                "evict": evict.quality_vs_budget,
+                                "frontier": evict.frontier}.items():
                 path = out / "figures" / f"{slug(run.label)}_{name}.png"
                 path.parent.mkdir(parents=True, exist_ok=True)
                 if draw(run, path):

@@ -99,6 +99,11 @@ def _scratch(cert: dict) -> str:
     return "-" if share is None else f"{share:.3f}"
 
 
+def _read(cert: dict) -> str:
+    share = cert.get("fp16_read_share")
+    return "-" if share is None else f"{100 * share:.0f}"
+
+
 def _delta(q: dict | None, digits: int) -> str:
     return "-" if q is None else fmt_interval(q["delta"], digits)
 
@@ -121,6 +126,7 @@ def evict_table(run: RunData) -> Table | None:
                      f"{cert.get('targeted_per_step', 0.0):.0f}" if steps else "-",
                      f"{100 * cert.get('mended_rate', 0.0):.1f}" if steps else "-",
                      f"{cert.get('h2d_bytes_per_step', 0.0) / 2**10:.0f}" if steps else "-",
+                     _read(cert) if steps else "-",
                      f"{cert.get('tier1_over_dense', 0.0):.3f}", _scratch(cert),
                      fmt(r["x_dense"], 2)])
     dense = {t: next((r["quality"][t]["dense"] for r in evicting
@@ -129,7 +135,7 @@ def evict_table(run: RunData) -> Table | None:
     return Table(f"Eviction ({run.label}; issue 23)",
                  ["method", "policy", "budget", "ppl delta [95% CI]", "NIAH delta",
                   "RULER delta", "page-in %", "paged/step", "targeted", "mended %", "H2D KiB",
-                  "T1", "scr", "x dense"], rows,
+                  "FP16 %", "T1", "scr", "x dense"], rows,
                  f"Dense: {shown}. Quality: the method's paired delta to dense with its 95% CI "
                  "(values in the quality table). naive drops evicted tokens (kvpress); "
                  "certified reads their summaries in the bound and pages blocks in from Tier-2 "
@@ -145,7 +151,11 @@ def evict_table(run: RunData) -> Table | None:
                               "head within its bound tolerance (ladder.tol_page_in)",
                   "mended": "head-steps whose boundary check held after that page-in (no "
                             "rung 3 for it)",
-                  "H2D": "host-to-device KiB per step", "T1": "Tier-1 bytes / dense bytes",
+                  "H2D": "host-to-device KiB per step",
+                  "FP16": "share of the quantized cache a head reads in FP16 per step, keys and "
+                          "values, from Tier-2 or the scratch (every block on rungs 3-4; -: "
+                          "not recorded)",
+                  "T1": "Tier-1 bytes / dense bytes",
                   "scr": "FP16 blocks the scratch cache holds / dense bytes (on a CPU store, "
                          "what a device scratch would hold; device memory in use: T1 + scr; "
                          "-: not recorded)",
@@ -162,14 +172,15 @@ def quality_vs_budget(run: RunData, path: Path) -> bool:
     """Left: perplexity against the budget per policy (naive dashed, certified solid, certified
     with a bound tolerance dash-dotted, kvpress dotted, dense dotted); right, where certified
     variants evict: their page-in traffic (host-to-device KiB per step). A run of one budget
-    gets the frontier instead (:func:`_frontier`)."""
+    gets the frontier instead: :func:`frontier` where its records count the FP16 reads, else
+    :func:`_frontier` over host-to-device bytes (runs from before the count)."""
     from certkv.report.look import _figure, _save, legend_right, style
 
     rows = [r for r in _evicting(run) if r["quality"].get("perplexity")]
     if not rows:
         return False
     if len({r["budget"] for r in rows}) == 1:  # one budget: the frontier against bytes read
-        return _frontier(rows, path)
+        return False if _reads_recorded(rows) else _frontier(rows, path)
     paged = any(r["series"] not in ("naive", "kvpress") for r in rows)
     fig, axes = _figure(9.0 if paged else 4.5, 3.2, 1, 1 + paged)
     left, right = axes[0] if paged else (axes[0][0], None)
@@ -208,7 +219,9 @@ def _perplexity_axis(ax, rows: list[dict]) -> None:
     ax.set_yscale("log")
     plain = FuncFormatter(lambda y, _: f"{y:,.0f}" if y >= 1000 else f"{y:.4g}")
     ax.yaxis.set_major_formatter(plain)
-    ax.yaxis.set_minor_formatter(plain)
+    low, high = ax.get_ylim()
+    if high < 10 * low:  # within a decade: label the minor ticks too (else they overlap)
+        ax.yaxis.set_minor_formatter(plain)
     ax.set_ylabel("perplexity (log)")
 
 
@@ -242,3 +255,67 @@ def _frontier(rows: list[dict], path: Path) -> bool:
                      fontsize=9)
     legend_right(fig)
     return _save(fig, path)
+
+
+def _reads_recorded(rows: list[dict]) -> bool:
+    """Whether every certified row counts what its steps read in FP16 (``fp16_read_share``,
+    absent in runs from before the count)."""
+    certified = [r for r in rows if r["mode"] == "certified"]
+    return bool(certified) and all(r["cert"].get("fp16_read_share") is not None
+                                   for r in certified)
+
+
+def frontier(run: RunData, path: Path) -> bool:
+    """Issue 56's frontier: each task's quality (a column per task, then step time against
+    dense) against the share of the cache a step reads in FP16 (keys and values, from Tier-2
+    or the scratch: what a certificate pays for, whatever the scratch hides from the
+    host-to-device bytes), a row per Tier-1 budget; a colour per series (mode, summary,
+    tolerance), a marker per policy, dense dotted. Drawn where the records count the reads."""
+    from certkv.report.look import MARKERS, _figure, _save, legend_right, style
+
+    rows = [r for r in _evicting(run) if r["mode"] in ("naive", "certified")]
+    if not _reads_recorded(rows):
+        return False
+    tasks = [t for t in _TASKS if any(r["quality"].get(t) for r in rows)]
+    budgets = sorted({r["budget"] for r in rows}, reverse=True)
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    series = list(dict.fromkeys(r["series"] for r in rows))
+    fig, axes = _figure(2.9 * (len(tasks) + 1), 2.5 * len(budgets), len(budgets), len(tasks) + 1)
+    for i, budget in enumerate(budgets):
+        for r in (r for r in rows if r["budget"] == budget):
+            x = 100 * (r["cert"].get("fp16_read_share") or 0.0)
+            mark = {"marker": MARKERS[policies.index(r["policy"]) % len(MARKERS)],
+                    "color": style(series.index(r["series"]))["color"], "linestyle": "none"}
+            ys = [r["quality"][t]["method"] if r["quality"].get(t) else None for t in tasks]
+            for ax, y in zip(axes[i], [*ys, r["x_dense"]], strict=True):
+                if y is not None:
+                    ax.plot([x], [y], **mark)
+        for j, task in enumerate(tasks):
+            _frontier_axis(axes[i][j], task, rows, f"{task}, Tier-1 {100 * budget:.0f}%")
+        _frontier_axis(axes[i][-1], "speed", rows, f"step time, Tier-1 {100 * budget:.0f}%")
+    for k, name in enumerate(series):
+        axes[0][0].plot([], [], color=style(k)["color"], marker="s", linestyle="none",
+                        label=name)
+    for j, policy in enumerate(policies):
+        axes[0][0].plot([], [], color="grey", marker=MARKERS[j % len(MARKERS)],
+                        linestyle="none", label=policy)
+    legend_right(fig)
+    return _save(fig, path)
+
+
+def _frontier_axis(ax, task: str, rows: list[dict], title: str) -> None:
+    """One frontier panel's reference line (dense), scale, labels and title."""
+    ax.set_xlim(-3, 103)
+    ax.set_xlabel("FP16 read per step (% of the cache)", fontsize=8)
+    ax.set_title(title, fontsize=9)
+    if task == "speed":
+        ax.axhline(1.0, color="black", linestyle=":", linewidth=1)
+        ax.set_ylim(bottom=0)
+        ax.set_ylabel("step time / dense", fontsize=8)
+    elif task == "perplexity":
+        _perplexity_axis(ax, [r for r in rows if r["quality"].get("perplexity")])
+    else:
+        dense = next(r["quality"][task]["dense"] for r in rows if r["quality"].get(task))
+        ax.axhline(dense, color="black", linestyle=":", linewidth=1, label="dense (FP16)")
+        ax.set_ylim(-0.05, 1.05)
+        ax.set_ylabel(f"{task} score", fontsize=8)

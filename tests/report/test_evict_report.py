@@ -50,3 +50,46 @@ def test_only_variants_that_evict_join_the_eviction_table_and_figure(tmp_path):
     with Image.open(path) as image:
         width, height = image.size
     assert width < 2 * height  # one panel and its legend (two panels: about 3x as wide)
+
+
+def _with_read_shares(run_dir: Path, tmp_path: Path) -> Path:
+    """A copy of a committed run whose certificate records count the FP16 reads (runs from
+    before the count lack ``fp16_read_share``): each record's share its K* over the blocks."""
+    import gzip
+    import json
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    path = copy / "certificates.jsonl.gz"
+    with gzip.open(path, "rt") as f:
+        records = [json.loads(line) for line in f]
+    for r in records:
+        r["fp16_read_share"] = min(1.0, r["k_star_mean"] / 256)
+    with gzip.open(path, "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    return copy
+
+
+def test_the_frontier_draws_each_tasks_quality_and_speed_per_budget_over_the_reads(
+        tmp_path, monkeypatch):
+    """Issue 56's frontier: a row per Tier-1 budget, a panel per task and one for the step
+    time, over the share of the cache read in FP16; runs from before the count get none."""
+    import certkv.report.look as look
+    from certkv.report.evict import frontier
+
+    older = RunData.load(REPORTS / "evict_4k" / "run")
+    assert not frontier(older, tmp_path / "none.png")
+    drawn = []
+    monkeypatch.setattr(look, "_save", lambda fig, path: drawn.append(fig) or True)
+    run = RunData.load(_with_read_shares(REPORTS / "evict_4k" / "run", tmp_path))
+    assert frontier(run, tmp_path / "frontier.png")
+    titles = [ax.get_title() for ax in drawn[0].axes]
+    assert titles == [f"{t}, Tier-1 {b}%" for b in (50, 25, 10)
+                      for t in ("perplexity", "niah", "ruler", "step time")]
+    certified = [r for r in evict_rows(run) if r["mode"] == "certified"]
+    points = sum(len(line.get_xdata()) for line in drawn[0].axes[3].lines
+                 if line.get_linestyle() == "None")
+    assert points == sum(1 for r in evict_rows(run) if r["budget"] == 0.5
+                         and r["mode"] in ("naive", "certified"))
+    assert certified and all(r["cert"]["fp16_read_share"] is not None for r in certified)
