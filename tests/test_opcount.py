@@ -158,14 +158,22 @@ def smartkv():
     return SmartKVQuantizer(block_size=16, recency=64)
 
 
+def innerq_with_a_window():
+    from certkv.quant import InnerQKeyCodec, InnerQValueCodec, KVQuantizer
+
+    return KVQuantizer(InnerQKeyCodec(bits=2), InnerQValueCodec(bits=2), block_size=16,
+                       residual=64)
+
+
 @pytest.mark.parametrize(("quantizer", "precisions"), [
     (kivi2_with_a_window, {"FP16", "K2/V2"}),
     (smartkv, {"K3/V3", "K4/V4", "K8/V8"}),
+    (innerq_with_a_window, {"FP16", "K2/V2"}),
 ])
 def test_a_mixed_precision_store_steps_in_the_same_launches(quantizer, precisions):
     """KIVI-2 blocks after an FP16 window, SmartKV's widths by importance (several precisions,
-    and the tail block): each phase is still one launch, so the device step launches what an
-    int8_int4 store's does."""
+    and the tail block), InnerQ's groups after an FP16 window: each phase is still one launch,
+    so the device step launches what an int8_int4 store's does."""
     from certkv.cache.scratch import ScratchCache
 
     k, v = make_kv(2, 300, 64, seed=0, outlier_channels=2)

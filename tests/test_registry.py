@@ -16,6 +16,8 @@ from certkv.kernels.base import Backend
 from certkv.quant import (
     ChannelAffineKeyCodec,
     GroupAffineValueCodec,
+    InnerQKeyCodec,
+    InnerQValueCodec,
     KiviKeyCodec,
     RotatedKeyCodec,
 )
@@ -121,6 +123,14 @@ def test_a_codec_subclass_that_changes_decoding_loses_the_kernel_layout():
     assert RotatedKeyCodec(bits=4, subspaces=4).kernel_layout() is None  # no kernel decodes it
     assert GroupAffineValueCodec(bits=4, group=32).kernel_layout(64).group == 32
     assert GroupAffineValueCodec(bits=4, group=32).kernel_layout(48) is None
+    assert InnerQKeyCodec(bits=3).kernel_layout().inner  # InnerQ's groups, 3-bit codes too
+
+    class Signed(InnerQValueCodec):
+        def decode(self, blocks):
+            return -super().decode(blocks)
+
+    assert InnerQValueCodec(bits=2).kernel_layout(64).inner
+    assert Signed(bits=2).kernel_layout(64) is None
 
 
 def test_a_backend_states_capabilities_and_defaults_the_rest():

@@ -44,8 +44,9 @@ def triton_available() -> bool:
 
 @dataclass
 class TritonBackend(Backend):
-    """Fused kernels for FP16 and 2/3/4/8-bit affine blocks of any mix of precisions; the
-    reference for every other codec."""
+    """Fused kernels for FP16, 2/3/4/8-bit affine, per-token symmetric and InnerQ blocks of any
+    mix of precisions (:class:`~certkv.quant.layout.CodeLayout`); the reference for every other
+    codec."""
 
     split: int | None = None  # blocks per program in Phase 1 / 2 (None: by SM count)
     name: str = "triton"
@@ -68,8 +69,9 @@ class TritonBackend(Backend):
         key = (which, repr(store.quantizer))
         if key not in _NOTICED:
             _NOTICED.add(key)
-            warnings.warn(f"the Triton kernels read {which}s as FP16 or 2/3/4/8-bit affine codes "
-                          f"(keys per channel, values per group; powers of two B and d); a "
+            warnings.warn(f"the Triton kernels read {which}s as FP16, 2/3/4/8-bit affine codes "
+                          f"(keys per channel, values per group), per-token symmetric codes or "
+                          f"InnerQ's groups (powers of two B and d); a "
                           f"store with {store.quantizer.label} at B={store.block_size}, "
                           f"d={store.head_dim} runs that phase on the PyTorch reference.",
                           RuntimeWarning, stacklevel=4)

@@ -77,6 +77,52 @@ def load_codes(ptr, base, t, c, s_t, mask, BITS: tl.constexpr):
 
 
 @triton.jit
+def inner_group_values(code, scale, word, sym, neg):
+    """InnerQ's decode (:func:`certkv.quant.innerq.decode_groups`), elementwise in FP32:
+    ``q S + Z`` (one rounding: ``q S`` is exact) with ``Z`` the slot's bits, or ``+-m S``
+    where the group is symmetric (``neg``: the element's sign bit in the slot)."""
+    mag = code * scale
+    return tl.where(sym, tl.where(neg, -mag, mag), mag + word.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def power_of_two(e):
+    """``2^e`` in FP32, exactly, for int32 exponents of normal numbers (the bits themselves)."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def inner_keys(code, scale_ptr, slot_ptr, mode_ptr, norm_ptr, group_base, mode_base,
+               norm_base, s_st, rows, bound_a, bound_b, B: tl.constexpr, D: tl.constexpr,
+               GROUP: tl.constexpr, NORM: tl.constexpr):
+    """One block of InnerQ keys (seed 002: per token, groups of ``GROUP`` channels) from its
+    codes ``[B, D]`` (FP32) -> ``(keys [B, D], r [D])``: the keys in original units and the
+    channel bound ``max_t (a S + b |Z|) 2^e_c`` over the block's filled tokens ``rows``
+    (:meth:`certkv.quant.innerq.InnerQKeyCodec.channel_bound`). A group ``(t, c // GROUP)``
+    has its scale and slot at ``group_base + t s_st + c // GROUP`` and its mode bit at
+    ``t (D / GROUP) + c // GROUP`` of the block's packed flags."""
+    t = tl.arange(0, B)
+    c = tl.arange(0, D)
+    member = rows[:, None] & (c[None, :] < D)
+    at = group_base + t[:, None] * s_st + (c // GROUP)[None, :]
+    scale = tl.load(scale_ptr + at, mask=member, other=0.0).to(tl.float32)
+    word = tl.load(slot_ptr + at, mask=member, other=0)
+    flag = t[:, None] * (D // GROUP) + (c // GROUP)[None, :]
+    sym = ((tl.load(mode_ptr + mode_base + flag // 8, mask=member, other=0).to(tl.int32)
+            >> (flag % 8)) & 1) != 0
+    neg = ((word >> (c % GROUP)[None, :]) & 1) != 0
+    k = inner_group_values(code, scale, word, sym, neg)
+    zero = tl.where(sym, 0.0, tl.abs(word.to(tl.float32, bitcast=True)))
+    r = tl.where(scale > 0, bound_a * scale + bound_b * zero, 0.0)
+    bound = tl.max(tl.where(member, r, 0.0), axis=0)  # [D]
+    if NORM:  # x 2^e_c, exact: keys and bound in original units
+        p2 = power_of_two(tl.load(norm_ptr + norm_base + c).to(tl.int32))
+        k = k * p2[None, :]
+        bound = bound * p2
+    return k, bound
+
+
+@triton.jit
 def entry(blk_ptr, slot_ptr, counts_ptr, e, n_live, walked, B: tl.constexpr,
           TAIL: tl.constexpr, CARRIES: tl.constexpr):
     """``(block index, slot, beyond, filled)`` of entry ``e`` of a launch. The launch's blocks
@@ -135,7 +181,8 @@ def _score_kernel(q_ptr, tk_ptr, s_out, l_out, d_out, ls_out, s_qk, s_qg, s_ok, 
             _score_split(q, kv, p - src[0], src, tk_ptr, s_out, l_out, d_out, ls_out, s_ok,
                          s_og, s_on, s_lk, s_lg, s_tk, s_tt, counts_ptr, scaling, G, BLOCK_G,
                          B, D, DOT_C, SPLIT, LAYOUTS[k][0], LAYOUTS[k][1], LAYOUTS[k][2],
-                         LAYOUTS[k][4], LAYOUTS[k][5], LAYOUTS[k][6])
+                         LAYOUTS[k][3], LAYOUTS[k][4], LAYOUTS[k][5], LAYOUTS[k][6],
+                         LAYOUTS[k][7], LAYOUTS[k][8])
 
 
 @triton.jit
@@ -143,13 +190,15 @@ def _score_split(q, kv, split, src, tk_ptr, s_out, l_out, d_out, ls_out, s_ok, s
                  s_lk, s_lg, s_tk, s_tt, counts_ptr, scaling, G: tl.constexpr,
                  BLOCK_G: tl.constexpr, B: tl.constexpr, D: tl.constexpr,
                  DOT_C: tl.constexpr, SPLIT: tl.constexpr, FP16: tl.constexpr,
-                 BITS: tl.constexpr, BIAS: tl.constexpr, TAIL: tl.constexpr,
-                 CARRIES: tl.constexpr, TOKEN: tl.constexpr):
+                 BITS: tl.constexpr, BIAS: tl.constexpr, GROUP: tl.constexpr,
+                 TAIL: tl.constexpr, CARRIES: tl.constexpr, TOKEN: tl.constexpr,
+                 INNER: tl.constexpr, NORM: tl.constexpr):
     """One program's ``SPLIT`` blocks of one precision (``src``, :func:`~certkv.kernels.
     triton_sources.kernel_groups`); codes with a scale per channel and an offset, or
-    (``TOKEN``) symmetric with a scale per token."""
-    (_, _, code_ptr, scale_ptr, offset_ptr, blk_ptr, slot_ptr, s_ck, s_cn, s_ct, s_sk, s_sn, _,
-     n_live, walked, bound_a, bound_b) = src
+    (``TOKEN``) symmetric with a scale per token, or (``INNER``) InnerQ's groups of ``GROUP``
+    channels per token (:func:`inner_keys`)."""
+    (_, _, code_ptr, scale_ptr, offset_ptr, blk_ptr, slot_ptr, s_ck, s_cn, s_ct, s_sk, s_sn, s_st,
+     n_live, walked, bound_a, bound_b, mode_ptr, s_mk, s_mn, norm_ptr, s_ek, s_en) = src
     g = tl.arange(0, BLOCK_G)
     t = tl.arange(0, B)
     c = tl.arange(0, D)
@@ -167,7 +216,12 @@ def _score_split(q, kv, split, src, tk_ptr, s_out, l_out, d_out, ls_out, s_ok, s
             delta = tl.zeros((BLOCK_G,), tl.float32)
         else:
             code = load_codes(code_ptr, base, t, c, s_ct, rows[:, None], BITS)
-            if TOKEN:  # (code - bias) s_t, exact; r_c = a max_t s_t on every channel
+            if INNER:  # InnerQ: groups of GROUP channels per token, exponents per channel
+                k, bound = inner_keys(code, scale_ptr, offset_ptr, mode_ptr, norm_ptr,
+                                      kv * s_sk + slot * s_sn, kv * s_mk + slot * s_mn,
+                                      kv * s_ek + slot * s_en, s_st, rows, bound_a, bound_b,
+                                      B, D, GROUP, NORM)
+            elif TOKEN:  # (code - bias) s_t, exact; r_c = a max_t s_t on every channel
                 scale_t = tl.load(scale_ptr + kv * s_sk + slot * s_sn + t).to(tl.float32)
                 k = (code - BIAS) * scale_t[:, None]
                 bound = bound_a * tl.max(scale_t, axis=0) + c * 0.0

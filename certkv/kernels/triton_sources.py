@@ -29,8 +29,11 @@ whose every token is the centre (stride 0 over tokens).
 The same codecs ECC-protected (:mod:`certkv.quant.protect`) are read after the Triton ECC kernel
 decodes their words (:mod:`certkv.kernels.triton_ecc`); blocks that failed the integrity check are
 one more FP16 group over their originals (:meth:`TieredKVStore.block_groups`). Anything else
-(InnerQ's codes, rotations, pre-RoPE keys, dense-and-sparse values, erasures to repair
-without the integrity check) returns None and the phase runs on the PyTorch reference.
+InnerQ's groups along the reduced dimension (:mod:`certkv.quant.innerq`: keys per token over
+32 channels, values per channel over the block's tokens, asymmetric, symmetric or either per
+group, keys with their per-channel exponents) are one more layout (``inner``). Anything else
+(rotations, pre-RoPE keys, dense-and-sparse values, erasures to repair without the integrity
+check) returns None and the phase runs on the PyTorch reference.
 """
 
 from __future__ import annotations
@@ -76,10 +79,20 @@ class BlockSource:
     slots: torch.Tensor | None
     count: int  # blocks in this launch (host)
     counts: torch.Tensor  # int32 [2]: (completed blocks, tail fill) of the store (device)
+    mode: torch.Tensor | None = None  # inner groups: packed symmetric flags [Hkv, slots, bytes]
+    norm: torch.Tensor | None = None  # inner groups' keys: int8 channel exponents [Hkv, slots, d]
 
     @property
     def is_tail(self) -> bool:
         return self.blocks is None
+
+    def inner_pointers(self) -> tuple:
+        """``(mode, its strides (kv head, slot), norm, its strides)`` of inner groups (the
+        layout's ``inner`` and ``norm``); ``data`` with zero strides where there are none."""
+        out = []
+        for x in (self.mode, self.norm):
+            out += [self.data, 0, 0] if x is None else [x, x.stride(0), x.stride(1)]
+        return tuple(out)
 
     def pointers(self) -> tuple[torch.Tensor, ...]:
         """``(data, scale, offset, blocks, slots)`` for a group: what the layout does not read
@@ -117,7 +130,9 @@ def block_sources(store, which: str, tail: bool | None = None) -> list[BlockSour
         codes = codec.kernel_blocks(codes, store.block_size)
         data = codes["data"] if layout.fp16 else codes["codes"]
         sources.append(BlockSource(layout, data, codes.get("scale"), codes.get("offset"),
-                                   blocks, slots, blocks.shape[0], counts))
+                                   blocks, slots, blocks.shape[0], counts,
+                                   codes.get("mode") if layout.inner else None,
+                                   codes.get("norm") if layout.norm else None))
     if store.tail_len if tail is None else tail:
         tail = store.tail_buffers()[0 if which == "key" else 1]
         sources.append(BlockSource(CodeLayout(fp16=True), tail.unsqueeze(1), None, None, None,
@@ -154,9 +169,10 @@ def kernel_groups(plan: list, split: int) -> tuple[tuple, tuple, int]:
     ``(groups, layouts, programs)``. Group ``k`` holds the programs ``[first, end)`` (``split``
     blocks each) that walk plan entry ``k`` and what they read: ``(first, end, codes, scale,
     offset, blocks, slots, codes' strides (kv head, slot, token), scale's strides (kv head,
-    slot, token), entries, blocks walked before, the key bound's (a, b))``; its layout
-    ``(FP16, BITS, BIAS, GROUP, TAIL, CARRIES, TOKEN)`` is a compile-time constant of the
-    group's branch of the kernel (:class:`CodeLayout`)."""
+    slot, token), entries, blocks walked before, the key bound's (a, b), then inner groups'
+    mode flags and channel exponents with their strides (:meth:`BlockSource.inner_pointers`))``;
+    its layout ``(FP16, BITS, BIAS, GROUP, TAIL, CARRIES, TOKEN, INNER, NORM)`` is a
+    compile-time constant of the group's branch of the kernel (:class:`CodeLayout`)."""
     groups, layouts, first = [], [], 0
     for src, tail, live, walked in plan:
         lay = src.layout
@@ -164,9 +180,9 @@ def kernel_groups(plan: list, split: int) -> tuple[tuple, tuple, int]:
         end = first + -(-live // split)
         groups.append((first, end, data, scale, offset, blocks, slots, *data.stride()[:3],
                        *scale.stride()[:3], live, walked, float(lay.bound[0]),
-                       float(lay.bound[1])))
+                       float(lay.bound[1]), *src.inner_pointers()))
         layouts.append((lay.fp16, lay.bits, lay.bias, lay.group, src.is_tail,
-                        carries_tail(src, tail), lay.token_scale))
+                        carries_tail(src, tail), lay.token_scale, lay.inner, lay.norm))
         first = end
     return tuple(groups), tuple(layouts), first
 

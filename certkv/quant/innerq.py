@@ -51,6 +51,7 @@ import torch
 from certkv.errors import ConfigError, require
 from certkv.quant.base import FP32_EPS, Blocks, KeyCodec, LayerContext, ValueCodec
 from certkv.quant.kivi import fp16_step
+from certkv.quant.layout import KERNEL_BITS, CodeLayout, keeps
 from certkv.quant.packing import (
     check_bits,
     check_packable,
@@ -145,11 +146,17 @@ def _zero_magnitude(groups: Groups) -> torch.Tensor:
     return torch.where(groups.sym, torch.zeros_like(zero), zero)
 
 
+def _bound_coefficients(bits: int) -> tuple[float, float]:
+    """``(a, b)`` of :func:`group_bound`'s ``r = a S + b |Z|``."""
+    return 0.5 + _FP_SLACK * ((1 << bits) - 1), _FP_SLACK
+
+
 def group_bound(groups: Groups, bits: int) -> torch.Tensor:
     """FP32 ``[...]``: every element of a group is within this of its original (module
     docstring); 0 for a constant asymmetric group."""
     scale = groups.scale.float()
-    bound = (0.5 + _FP_SLACK * ((1 << bits) - 1)) * scale + _FP_SLACK * _zero_magnitude(groups)
+    a, b = _bound_coefficients(bits)
+    bound = a * scale + b * _zero_magnitude(groups)
     return torch.where(scale > 0, bound, torch.zeros_like(bound))
 
 
@@ -241,6 +248,19 @@ class InnerQKeyCodec(KeyCodec):
         floor = torch.ceil(torch.log2(block_max)) - 15
         return torch.maximum(key_exponents(layer_max).unsqueeze(1).double(), floor).to(torch.int8)
 
+    def kernel_layout(self) -> CodeLayout | None:
+        """Groups of ``group`` channels per token, 2, 3, 4 or 8 bits, with the channel
+        exponents where normalized (:class:`CodeLayout`'s ``inner``); the bound's ``(a, b)``
+        are :func:`group_bound`'s."""
+        if not keeps(self, InnerQKeyCodec) or self.bits not in KERNEL_BITS:
+            return None
+        return CodeLayout(False, self.bits, 0, _bound_coefficients(self.bits), self.group,
+                          inner=True, norm=self.normalize)
+
+    def kernel_blocks(self, blocks: Blocks, block_size: int) -> Blocks:
+        """The stored tensors as they are (views): the slot is the kernels' ``offset``."""
+        return {**blocks, "offset": blocks["slot"]}
+
     def groups(self, blocks: Blocks) -> Groups:
         """The stored groups: codes ``[Hkv, n, B, d / group, group]``, the rest ``[Hkv, n, B,
         d / group]``."""
@@ -300,6 +320,17 @@ class InnerQValueCodec(ValueCodec):
         groups = quantize_groups(x, self.bits, group_mode(self.mode, layer))
         return {"codes": pack_bits(groups.codes.transpose(-1, -2), self.bits),
                 "scale": groups.scale, "slot": groups.slot, "mode": pack_flags(groups.sym)}
+
+    def kernel_layout(self, head_dim: int) -> CodeLayout | None:
+        """Groups of the block's tokens per channel, 2, 3, 4 or 8 bits (:class:`CodeLayout`'s
+        ``inner``)."""
+        if not keeps(self, InnerQValueCodec) or self.bits not in KERNEL_BITS:
+            return None
+        return CodeLayout(False, self.bits, 0, _bound_coefficients(self.bits), inner=True)
+
+    def kernel_blocks(self, blocks: Blocks, block_size: int) -> Blocks:
+        """The stored tensors as they are (views): the slot is the kernels' ``offset``."""
+        return {**blocks, "offset": blocks["slot"]}
 
     def groups(self, blocks: Blocks) -> Groups:
         """The stored groups: codes ``[Hkv, n, d, B]``, the rest ``[Hkv, n, d]``."""

@@ -21,6 +21,12 @@ class CodeLayout:
     (keys; Delta_b, eq. 8) and ``group`` channels per scale (values). ``token_scale``: symmetric
     codes with one scale per token and no offset, ``x = (code - bias) scale_t`` (SmartKV's),
     the keys' channel bound ``a max_t scale_t`` (values: ``group`` is the head dimension).
+    ``inner``: InnerQ's groups along the reduced dimension (seed 002), keys per token over
+    ``group`` channels, values per channel over the block's tokens; each group an FP16 scale
+    ``S``, an int32 slot (an FP32 zero-point ``Z``, or the group's sign bits) and a mode bit
+    (packed ``mode`` flags): ``x = q S + Z``, or ``+-m S`` where symmetric; the keys' channel
+    bound ``max_t (a S + b |Z|)`` over the block's tokens (``|Z|`` of asymmetric groups only),
+    times ``2^e_c`` where ``norm`` (per-channel exponents of the block).
     """
 
     fp16: bool
@@ -29,6 +35,8 @@ class CodeLayout:
     bound: tuple[float, float] = (0.0, 0.0)
     group: int = 1
     token_scale: bool = False
+    inner: bool = False
+    norm: bool = False
 
 
 def keeps(codec, owner: type) -> bool:

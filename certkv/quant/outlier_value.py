@@ -169,8 +169,8 @@ class OutlierValueCodec(ValueCodec):
             dense = grouped.float() * scale + blocks["offset"].float().unsqueeze(-1)
         else:
             dense = self._codebook(codes.device)[grouped.long()] * scale
-        hkv, n = codes.shape[:2]
-        flat = dense.reshape(hkv, n, -1)
+        hkv, n, block, d = codes.shape
+        flat = dense.reshape(hkv, n, block * d)  # (no -1: a store's first, empty encode)
         flat = flat.scatter(-1, blocks["sparse_idx"].long(), blocks["sparse_val"].float())
         return flat.reshape(codes.shape)
 

@@ -16,7 +16,7 @@ from certkv.config import CONF_DIR
 from certkv.eval.runner import build
 from certkv.evict import StreamingEviction
 from certkv.kernels.cuda_compile import compile_for_cuda, recording_launches
-from certkv.quant import GroupAffineValueCodec, KiviKeyCodec, KVQuantizer
+from certkv.quant import GroupAffineValueCodec, KiviKeyCodec, KVQuantizer, OutlierValueCodec
 from certkv.quant.protect import FaultModel, Protection
 from certkv.quant.rope import RopeSpec
 
@@ -26,7 +26,8 @@ QUANTIZERS = sorted(p.stem for p in (CONF_DIR / "quantizer").glob("*.yaml"))
 def quantizers():
     """Every quantizer in ``conf/``; the paper's and the tiered one also with eviction, the
     paper's with Hamming(8,4) protection; 3-bit KIVI keys and values (no config holds 3-bit
-    codes the kernels read)."""
+    codes the kernels read); KVQuant's dense-and-sparse values, which no kernel reads, so
+    that Phase 2 runs on the reference and the checks take their own launch."""
     for name in QUANTIZERS:
         node = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "quantizer" / f"{name}.yaml"))
         quantizer = build(node, "quantizer").with_rope(RopeSpec.from_theta(1e4, 32))
@@ -36,6 +37,7 @@ def quantizers():
         if name == "int8_int4":
             yield quantizer.with_protection(Protection("hamming84", "zero", True, FaultModel()))
     yield KVQuantizer(KiviKeyCodec(bits=3), GroupAffineValueCodec(bits=3, group=8))
+    yield KVQuantizer(KiviKeyCodec(bits=4), OutlierValueCodec(bits=3, group=32))
 
 
 def certified_steps():

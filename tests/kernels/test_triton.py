@@ -244,6 +244,55 @@ def test_phases_read_every_precision_of_a_mixed_store(device):
     assert torch.equal(attended.canary, expected.canary) and not attended.canary.any()
 
 
+@pytest.mark.parametrize(("bits", "mode", "normalize"), [
+    (2, "hybrid", True), (3, "hybrid", False), (4, "sym", True), (8, "asym", True)])
+def test_phases_read_innerq_groups(bits, mode, normalize):
+    """InnerQ's groups along the reduced dimension (keys per token over 16 channels with
+    their per-channel exponents, values per channel over the block's tokens; asymmetric,
+    symmetric and either per group) are read by both phases' kernels, not the reference: the
+    logits, Delta_b and the outputs meet the flash-attention rule against FP64 over the
+    codec's own decode, with a staged FP16 block and a promoted value block."""
+    from certkv.quant import KVQuantizer
+    from certkv.quant.innerq import InnerQKeyCodec, InnerQValueCodec
+
+    quantizer = KVQuantizer(InnerQKeyCodec(bits=bits, group=16, mode=mode, normalize=normalize),
+                            InnerQValueCodec(bits=bits, mode=mode), 16)
+    store = TieredKVStore(2, 32, block_size=16, quantizer=quantizer)
+    k, v = make_kv(2, 117, 32, seed=bits, outlier_channels=2)
+    store.append(k, v)
+    qg = make_query(k, 3, seed=bits, scale=3.0, peaked=True).reshape(2, 3, 32)
+    lay = StepLayout(store)
+    scaling = store.head_dim**-0.5
+    with kernel_launches() as launches:
+        kernel = TritonBackend(split=2).phase1(qg, lay, scaling)
+        ref = TorchBackend().phase1(qg, lay, scaling)
+        gate = torch.zeros(kernel.log_mass.shape, dtype=torch.bool)
+        gate[0, :, 2] = gate[1, 1, 5] = True
+        args = (qg, ref, lay, gate, (staged(store, [0, 1], [2, 5], "k"),
+                                     staged(store, [1], [3], "v")), scaling, 1e-6)
+        attended = TritonBackend(split=2).phase2(*args)
+    assert launches["phase1"] == 1 and launches["phase2"] == 1, launches
+    nc = lay.num_completed
+    codec = quantizer.key_codec
+    decoded = codec.decode({name: x[:, :nc] for name, x in store.block_groups("key")[0][1]
+                            .items()})
+    torch.testing.assert_close(lay.keys[:, :nc], decoded, rtol=0, atol=0)  # the oracle's keys
+    oracle = torch.einsum("kgd,kntd->kgnt", qg.double(), lay.keys.double()) * scaling
+    oracle = oracle.masked_fill(~lay.valid, float("-inf"))
+    flash_rule(kernel.scores, ref.scores, oracle, "scores")
+    oracle_delta = scaling * torch.einsum("kgd,knd->kgn", qg.double().abs(),
+                                          codec.channel_bound(
+                                              {name: x[:, :nc] for name, x in
+                                               store.block_groups("key")[0][1].items()})
+                                          .double())
+    flash_rule(kernel.delta_b[..., :nc], ref.delta_b[..., :nc], oracle_delta, "delta_b")
+    expected = TorchBackend().phase2(*args)
+    for name in ("out", "rho", "log_mass", "spread"):
+        torch.testing.assert_close(getattr(attended, name), getattr(expected, name),
+                                   rtol=1e-5, atol=1e-6)
+    assert torch.equal(attended.canary, expected.canary) and not attended.canary.any()
+
+
 def _phases_at(store, qg, n, gate, keys, values):
     """Phase 1 and Phase 2 kernels over ``n`` block columns (the store's blocks, its tail
     block, and empty blocks after it), promoted blocks as the first columns' slot maps."""

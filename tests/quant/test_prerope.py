@@ -308,6 +308,19 @@ def exact_decode(codec, enc):
     return flat.reshape(codes.shape)
 
 
+def test_dense_and_sparse_values_alone_make_a_store_that_decodes_its_first_empty_blocks():
+    """Regression: a store whose only value codec is dense-and-sparse encodes zero blocks at
+    allocation; decoding them reshaped with ``-1`` failed."""
+    from helpers import make_kv
+
+    from certkv import TieredKVStore
+
+    store = TieredKVStore(2, 32, value_codec=OutlierValueCodec(bits=3, group=32))
+    k, v = make_kv(2, 40, 32)
+    store.append(k, v)
+    assert store.num_quantized() == 2
+
+
 def test_bytes_per_token_at_d64_b32():
     for levels, expected in (("nonuniform", 30.625), ("uniform", 34.625)):
         codec = OutlierValueCodec(bits=3, group=32, levels=levels)
