@@ -212,7 +212,7 @@ def quality_vs_budget(run: RunData, path: Path) -> bool:
 
 def _perplexity_axis(ax, rows: list[dict]) -> None:
     """Dense's perplexity as a dotted line, a log axis with plain labels."""
-    from matplotlib.ticker import FuncFormatter
+    from matplotlib.ticker import FuncFormatter, NullFormatter
 
     ax.axhline(rows[0]["quality"]["perplexity"]["dense"], color="black", linestyle=":",
                linewidth=1, label="dense (FP16)")
@@ -220,8 +220,8 @@ def _perplexity_axis(ax, rows: list[dict]) -> None:
     plain = FuncFormatter(lambda y, _: f"{y:,.0f}" if y >= 1000 else f"{y:.4g}")
     ax.yaxis.set_major_formatter(plain)
     low, high = ax.get_ylim()
-    if high < 10 * low:  # within a decade: label the minor ticks too (else they overlap)
-        ax.yaxis.set_minor_formatter(plain)
+    # within a decade: label the minor ticks too; beyond, the decades alone (else they overlap)
+    ax.yaxis.set_minor_formatter(plain if high < 10 * low else NullFormatter())
     ax.set_ylabel("perplexity (log)")
 
 

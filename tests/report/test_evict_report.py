@@ -52,29 +52,11 @@ def test_only_variants_that_evict_join_the_eviction_table_and_figure(tmp_path):
     assert width < 2 * height  # one panel and its legend (two panels: about 3x as wide)
 
 
-def _with_read_shares(run_dir: Path, tmp_path: Path) -> Path:
-    """A copy of a committed run whose certificate records count the FP16 reads (runs from
-    before the count lack ``fp16_read_share``): each record's share its K* over the blocks."""
-    import gzip
-    import json
-    import shutil
-
-    copy = tmp_path / "run"
-    shutil.copytree(run_dir, copy)
-    path = copy / "certificates.jsonl.gz"
-    with gzip.open(path, "rt") as f:
-        records = [json.loads(line) for line in f]
-    for r in records:
-        r["fp16_read_share"] = min(1.0, r["k_star_mean"] / 256)
-    with gzip.open(path, "wt") as f:
-        f.writelines(json.dumps(r) + "\n" for r in records)
-    return copy
-
-
 def test_the_frontier_draws_each_tasks_quality_and_speed_per_budget_over_the_reads(
         tmp_path, monkeypatch):
-    """Issue 56's frontier: a row per Tier-1 budget, a panel per task and one for the step
-    time, over the share of the cache read in FP16; runs from before the count get none."""
+    """Issue 56's frontier on the committed tasks run: a row per Tier-1 budget, a panel per task
+    and one for the step time, over the share of the cache read in FP16 (every naive and
+    certified variant a point); runs from before the count get none."""
     import certkv.report.look as look
     from certkv.report.evict import frontier
 
@@ -82,14 +64,17 @@ def test_the_frontier_draws_each_tasks_quality_and_speed_per_budget_over_the_rea
     assert not frontier(older, tmp_path / "none.png")
     drawn = []
     monkeypatch.setattr(look, "_save", lambda fig, path: drawn.append(fig) or True)
-    run = RunData.load(_with_read_shares(REPORTS / "evict_4k" / "run", tmp_path))
+    run = RunData.load(REPORTS / "tasks_4k" / "run")
     assert frontier(run, tmp_path / "frontier.png")
     titles = [ax.get_title() for ax in drawn[0].axes]
-    assert titles == [f"{t}, Tier-1 {b}%" for b in (50, 25, 10)
+    assert titles == [f"{t}, Tier-1 {b}%" for b in (25, 10)
                       for t in ("perplexity", "niah", "ruler", "step time")]
-    certified = [r for r in evict_rows(run) if r["mode"] == "certified"]
-    points = sum(len(line.get_xdata()) for line in drawn[0].axes[3].lines
-                 if line.get_linestyle() == "None")
-    assert points == sum(1 for r in evict_rows(run) if r["budget"] == 0.5
-                         and r["mode"] in ("naive", "certified"))
-    assert certified and all(r["cert"]["fp16_read_share"] is not None for r in certified)
+    rows = evict_rows(run)
+    for ax, budget in ((drawn[0].axes[3], 0.25), (drawn[0].axes[7], 0.1)):
+        points = [(x, y) for line in ax.lines if line.get_linestyle() == "None"
+                  for x, y in zip(line.get_xdata(), line.get_ydata(), strict=True)]
+        mine = [r for r in rows if r["budget"] == budget]
+        assert sorted(x for x, _ in points) == sorted(
+            100 * r["cert"]["fp16_read_share"] for r in mine)
+    assert all(r["cert"]["fp16_read_share"] == 0 for r in rows if r["mode"] == "naive")
+    assert all(r["cert"]["fp16_read_share"] > 0.8 for r in rows if r["mode"] == "certified")
