@@ -134,16 +134,6 @@ class Certificate:
     def num_heads(self) -> int:
         return int(self.rung.numel())
 
-    def fp16_blocks_read(self) -> torch.Tensor:
-        """Quantized blocks this step read in FP16, over its heads (0-d, on the step's device):
-        per head its blocks read with FP16 keys (``k_star``) plus its KV group's blocks read
-        with FP16 values (``value_blocks``), every block twice (keys and values) on rungs 3-4.
-        Divided by ``2 num_blocks`` per head it is the share of the quantized cache a head
-        reads in FP16 (:meth:`CertificateLog.flush`'s ``fp16_read_share``)."""
-        whole = 2 * self.num_blocks
-        read = torch.where(self.rung >= 3, whole, self.k_star + self.value_blocks)
-        return read.clamp(max=whole).sum()
-
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor of this certificate: the per-head fields', then the block
         statistics' (what :meth:`mapped` with ``blocks`` maps)."""
@@ -257,18 +247,21 @@ class Certificate:
         return out
 
 
-def _read_share(certs: list[Certificate]) -> float:
-    """The share of the quantized blocks' dense bytes a step's heads read in FP16 (keys and
-    values, from Tier-2 or the scratch; 1 for a dense head), over the heads of ``certs``:
-    per certificate, since a batch's sequences hold different numbers of blocks."""
-    whole = sum(2 * c.num_blocks * c.num_heads for c in certs)
-    if not whole:
+def _read_share(joined: Certificate, certs: list[Certificate]) -> float:
+    """The share of the quantized blocks' dense bytes a step's heads read in FP16, keys and
+    values, from Tier-2 or the scratch: per head of ``joined`` (``certs`` joined,
+    :meth:`Certificate.cat`) its blocks read with FP16 keys (``k_star``) plus its KV group's
+    blocks read with FP16 values (``value_blocks``), every block twice on rungs 3-4, against its
+    own certificate's ``2 num_blocks`` (a batch's sequences hold different numbers of blocks);
+    a few operators a step, whatever the layers."""
+    heads = torch.tensor([c.num_heads for c in certs])
+    whole = torch.repeat_interleave(torch.tensor([2 * c.num_blocks for c in certs]), heads)
+    total = int(whole.sum())
+    if not total:
         return 0.0
-    per_device: dict[torch.device, torch.Tensor] = {}  # one read back per device
-    for c in certs:
-        read = c.fp16_blocks_read().double()
-        per_device[read.device] = per_device.get(read.device, 0) + read
-    return sum(float(read) for read in per_device.values()) / whole
+    whole = whole.to(joined.rung.device)
+    read = torch.where(joined.rung >= 3, whole, joined.k_star + joined.value_blocks)
+    return float(torch.minimum(read, whole).sum()) / total
 
 
 def _listed(cert: Certificate | list[Certificate]) -> list[Certificate]:
@@ -305,8 +298,9 @@ class CertificateLog:
             return
         step = len(self.steps)
         certs = [c for _, layer in self._pending for c in _listed(layer)]
-        summary = Certificate.cat(certs).summary()
-        summary["fp16_read_share"] = _read_share(certs)
+        joined = Certificate.cat(certs)
+        summary = joined.summary()
+        summary["fp16_read_share"] = _read_share(joined, certs)
         if not math.isfinite(summary["bound_max"]):  # only non-finite inputs lead here
             self._pending = []
             raise NonFiniteError("a head's error bound is not finite because q, k or v held NaN "
