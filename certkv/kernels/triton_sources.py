@@ -28,7 +28,7 @@ b |offset|`` with ``(a, b) = (1, u32)`` is the codec's channel bound; values as 
 whose every token is the centre (stride 0 over tokens).
 The same codecs ECC-protected (:mod:`certkv.quant.protect`) are read after the Triton ECC kernel
 decodes their words (:mod:`certkv.kernels.triton_ecc`); blocks that failed the integrity check are
-one more FP16 group over their originals (:meth:`TieredKVStore.block_groups`). Anything else
+one more FP16 group over their originals (:meth:`TieredKVStore.block_groups`).
 InnerQ's groups along the reduced dimension (:mod:`certkv.quant.innerq`: keys per token over
 32 channels, values per channel over the block's tokens, asymmetric, symmetric or either per
 group, keys with their per-channel exponents) are one more layout (``inner``). Anything else
