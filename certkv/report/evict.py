@@ -229,22 +229,17 @@ def _frontier(rows: list[dict], path: Path) -> bool:
     """One budget's frontier (issue 56): perplexity (left) and step time against dense (right)
     over the host-to-device KiB each method reads per step; a colour per series (mode, summary,
     targeted page-in, tolerance), a marker per policy."""
-    from certkv.report.look import MARKERS, _figure, _save, legend_right, style
+    from certkv.report.look import _figure, _save, legend_right
 
     fig, axes = _figure(9.0, 3.4, 1, 2)
     left, right = axes[0]
     policies = list(dict.fromkeys(r["policy"] for r in rows))
-    for k, series in enumerate(dict.fromkeys(r["series"] for r in rows)):
-        colour = style(k)["color"]
-        for r in (r for r in rows if r["series"] == series):
-            x = r["cert"].get("h2d_bytes_per_step", 0.0) / 2**10
-            marker = MARKERS[policies.index(r["policy"]) % len(MARKERS)]
-            for ax, y in ((left, r["quality"]["perplexity"]["method"]), (right, r["x_dense"])):
-                ax.plot([x], [y], marker=marker, color=colour, linestyle="none")
-        left.plot([], [], color=colour, marker="s", linestyle="none", label=series)
-    for j, policy in enumerate(policies):
-        left.plot([], [], color="grey", marker=MARKERS[j % len(MARKERS)], linestyle="none",
-                  label=policy)
+    series = list(dict.fromkeys(r["series"] for r in rows))
+    for r in sorted(rows, key=lambda r: series.index(r["series"])):  # a series at a time
+        x = r["cert"].get("h2d_bytes_per_step", 0.0) / 2**10
+        for ax, y in ((left, r["quality"]["perplexity"]["method"]), (right, r["x_dense"])):
+            ax.plot([x], [y], **_point(r, series, policies))
+    _legend_keys(left, series, policies)
     _perplexity_axis(left, rows)
     right.axhline(1.0, color="black", linestyle=":", linewidth=1)
     right.set_ylim(bottom=0)
@@ -271,7 +266,7 @@ def frontier(run: RunData, path: Path) -> bool:
     or the scratch: what a certificate pays for, whatever the scratch hides from the
     host-to-device bytes), a row per Tier-1 budget; a colour per series (mode, summary,
     tolerance), a marker per policy, dense dotted. Drawn where the records count the reads."""
-    from certkv.report.look import MARKERS, _figure, _save, legend_right, style
+    from certkv.report.look import _figure, _save, legend_right
 
     rows = [r for r in _evicting(run) if r["mode"] in ("naive", "certified")]
     if not _reads_recorded(rows):
@@ -284,21 +279,14 @@ def frontier(run: RunData, path: Path) -> bool:
     for i, budget in enumerate(budgets):
         for r in (r for r in rows if r["budget"] == budget):
             x = 100 * (r["cert"].get("fp16_read_share") or 0.0)
-            mark = {"marker": MARKERS[policies.index(r["policy"]) % len(MARKERS)],
-                    "color": style(series.index(r["series"]))["color"], "linestyle": "none"}
             ys = [r["quality"][t]["method"] if r["quality"].get(t) else None for t in tasks]
             for ax, y in zip(axes[i], [*ys, r["x_dense"]], strict=True):
                 if y is not None:
-                    ax.plot([x], [y], **mark)
+                    ax.plot([x], [y], **_point(r, series, policies))
         for j, task in enumerate(tasks):
             _frontier_axis(axes[i][j], task, rows, f"{task}, Tier-1 {100 * budget:.0f}%")
         _frontier_axis(axes[i][-1], "speed", rows, f"step time, Tier-1 {100 * budget:.0f}%")
-    for k, name in enumerate(series):
-        axes[0][0].plot([], [], color=style(k)["color"], marker="s", linestyle="none",
-                        label=name)
-    for j, policy in enumerate(policies):
-        axes[0][0].plot([], [], color="grey", marker=MARKERS[j % len(MARKERS)],
-                        linestyle="none", label=policy)
+    _legend_keys(axes[0][0], series, policies)
     legend_right(fig)
     return _save(fig, path)
 
@@ -319,3 +307,23 @@ def _frontier_axis(ax, task: str, rows: list[dict], title: str) -> None:
         ax.axhline(dense, color="black", linestyle=":", linewidth=1, label="dense (FP16)")
         ax.set_ylim(-0.05, 1.05)
         ax.set_ylabel(f"{task} score", fontsize=8)
+
+
+def _point(row: dict, series: list[str], policies: list[str]) -> dict:
+    """How a frontier draws ``row``'s point: its series' colour, its policy's marker."""
+    from certkv.report.look import MARKERS, style
+
+    return {"marker": MARKERS[policies.index(row["policy"]) % len(MARKERS)],
+            "color": style(series.index(row["series"]))["color"], "linestyle": "none"}
+
+
+def _legend_keys(ax, series: list[str], policies: list[str]) -> None:
+    """The frontiers' legend keys on ``ax``: a coloured square per series, a grey marker per
+    policy."""
+    from certkv.report.look import MARKERS, style
+
+    for k, name in enumerate(series):
+        ax.plot([], [], color=style(k)["color"], marker="s", linestyle="none", label=name)
+    for j, policy in enumerate(policies):
+        ax.plot([], [], color="grey", marker=MARKERS[j % len(MARKERS)], linestyle="none",
+                label=policy)
