@@ -274,17 +274,13 @@ def test_phases_read_innerq_groups(bits, mode, normalize):
     assert launches["phase1"] == 1 and launches["phase2"] == 1, launches
     nc = lay.num_completed
     codec = quantizer.key_codec
-    decoded = codec.decode({name: x[:, :nc] for name, x in store.block_groups("key")[0][1]
-                            .items()})
-    torch.testing.assert_close(lay.keys[:, :nc], decoded, rtol=0, atol=0)  # the oracle's keys
+    held = {name: x[:, :nc] for name, x in store.block_groups("key")[0][1].items()}
+    torch.testing.assert_close(lay.keys[:, :nc], codec.decode(held), rtol=0, atol=0)  # oracle's
     oracle = torch.einsum("kgd,kntd->kgnt", qg.double(), lay.keys.double()) * scaling
     oracle = oracle.masked_fill(~lay.valid, float("-inf"))
     flash_rule(kernel.scores, ref.scores, oracle, "scores")
     oracle_delta = scaling * torch.einsum("kgd,knd->kgn", qg.double().abs(),
-                                          codec.channel_bound(
-                                              {name: x[:, :nc] for name, x in
-                                               store.block_groups("key")[0][1].items()})
-                                          .double())
+                                          codec.channel_bound(held).double())
     flash_rule(kernel.delta_b[..., :nc], ref.delta_b[..., :nc], oracle_delta, "delta_b")
     expected = TorchBackend().phase2(*args)
     for name in ("out", "rho", "log_mass", "spread"):
