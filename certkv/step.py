@@ -30,6 +30,7 @@ from certkv.cache.store import TieredKVStore
 from certkv.certify import fused_cpu, fused_select, targeted
 from certkv.certify.arith import U32, ArithSpec, as_tensors, step_coefficients
 from certkv.certify.certificate import BlockStats
+from certkv.certify.checks import paged_summaries
 from certkv.certify.dropped import dropped_error, dropped_mass
 from certkv.certify.segment import CertifyInputs, CertifyOutputs, SelectInputs, Selection
 from certkv.certify.step_certify import StepPass, certify_fused, certify_step
@@ -144,6 +145,8 @@ class QuantizedStep(Escalation, Fallback):
         l8 = scored.log_mass.reshape(hq, -1)
         checks = CheckInputs(l8, sel.delta_b, sel.promoted, lay.quantized, lad.r) \
             if certified and (lad.ranking_check or lad.boundary_check) else None
+        summaries = None if checks is None or lad.rank_summaries or not lad.ranking_check \
+            else _evicted_columns(lay)  # eq. 17 after Phase 2, paged-in summaries by FP16
         spec = self._arith_spec(q, store, step.scaling, lay, step.on_device)
         inputs = CertifyInputs(  # Phase 2's fields (None) follow it
             l8=l8, l16=None, rho=None, spread=None, out=None, log_p=sel.log_p,
@@ -157,12 +160,16 @@ class QuantizedStep(Escalation, Fallback):
         with timer.phase("phase2"):  # with the certificate in its merge where the backend can
             gate = sel.promoted.reshape(hkv, hq // hkv, -1)
             extra = {"certify": self._certify_request(inputs, spec, lay)} \
-                if step.in_phase2 and self.backend.certifies_in_phase2(lay) else {}
+                if step.in_phase2 and summaries is None \
+                and self.backend.certifies_in_phase2(lay) else {}
             att = self.backend.phase2(step.qg, scored, lay, gate, (paged.keys, paged.values),
-                                      step.scaling, lad.eps_guard, checks, **extra)
+                                      step.scaling, lad.eps_guard,
+                                      checks if summaries is None else None, **extra)
 
         # Ranking and boundary checks (eq. 17-18): Phase 2's epilogue, or one small call.
         l16 = att.log_mass.reshape(hq, -1)
+        if summaries is not None:  # a promoted evicted block ranks by its FP16 log-mass
+            checks = checks._replace(l_int8=paged_summaries(l8, l16, sel.promoted, summaries))
         with timer.phase("checks"):
             ranking, boundary = self._rank_checks(checks, l16, att)
 
@@ -301,11 +308,9 @@ class QuantizedStep(Escalation, Fallback):
         store = lay.store
         if self.mode != "naive" or store.evicted_pid is None:
             return scored, None
-        evicted = store.evicted_mask()  # host
-        if not bool(evicted.any()):
+        dropped = _evicted_columns(lay)
+        if dropped is None:
             return scored, None
-        extra = torch.zeros(lay.num_blocks - evicted.numel(), dtype=torch.bool)
-        dropped = torch.cat([evicted, extra]).to(store.device, non_blocking=True)
         hq, group = q.shape[0], q.shape[0] // store.num_kv_heads
         mass = dropped_mass(self._arith_spec(q, store, step.scaling, lay), q=q,
                             key_abs_max=store.key_abs_max(), l8=scored.log_mass.reshape(hq, -1),
@@ -466,3 +471,16 @@ def to_host(x: torch.Tensor) -> torch.Tensor:
     """Every device-to-host read of a decode step goes through here (at most two per step:
     the page-in plan and the fallback flags); tests count the calls."""
     return x.to("cpu")
+
+
+def _evicted_columns(lay: StepLayout) -> torch.Tensor | None:
+    """Bool ``[n]`` on the store's device: the layout's columns held at their Tier-1 summary
+    only (evicted), False on the tail block's and after; None where no block is evicted."""
+    store = lay.store
+    if store.evicted_pid is None:
+        return None
+    evicted = store.evicted_mask()  # host
+    if not bool(evicted.any()):
+        return None
+    extra = torch.zeros(lay.num_blocks - evicted.numel(), dtype=torch.bool)
+    return torch.cat([evicted, extra]).to(store.device, non_blocking=True)

@@ -84,6 +84,17 @@ def rank_checks(l_int8, l_fp16, delta_b, promoted, quantized, r: int):
             _boundary(values[1], count, l_int8, delta_b, quantized & ~promoted, r))
 
 
+def paged_summaries(l_int8: torch.Tensor, l_fp16: torch.Tensor, promoted: torch.Tensor,
+                    summaries: torch.Tensor) -> torch.Tensor:
+    """Eq. 17's Phase-1 log-masses ``[Hq, n]`` with every promoted block held at its Tier-1
+    summary (``summaries [n]``: evicted) at its FP16 log-mass instead (``ladder.rank_summaries
+    = False``): such a block was read whole from Tier-2, and its summary bounds its logits by
+    an interval (eq. 18 checks that while it stays unread), it does not rank them. The other
+    blocks keep their scores from codes, so the check still compares the codes' order with the
+    originals'; eq. 18 reads only unpromoted blocks, which keep theirs."""
+    return torch.where(summaries & promoted, l_fp16, l_int8)
+
+
 def canary_violations(
     s_int8: torch.Tensor, s_fp16: torch.Tensor, delta_b: torch.Tensor, eps_guard: float
 ) -> torch.Tensor:

@@ -62,6 +62,12 @@ class Ladder:
             With an absolute ``bound_tol`` the first pass already reads what the same plan
             picks from the Phase-1 masses. Its reads count in the certificate's ``targeted``
             pairs.
+        rank_summaries: on stores with evicted blocks, what eq. 17 compares for a promoted
+            block held at its Tier-1 summary: its summary's estimate, as a code's (``True``,
+            the default), or its FP16 log-mass in both rankings (``False``): the block was
+            read from Tier-2 whole, and its summary claims an interval of logits, which eq. 18
+            checks while the block stays unread, not an order. Code-scored blocks are ranked
+            as before; the certificate's bound does not depend on it (rungs 3-4 are monitors).
     """
 
     expand: bool = True
@@ -81,6 +87,7 @@ class Ladder:
     bound_rtol: float | None = None
     page_in_budget: int | None = 0
     tol_page_in: bool = False
+    rank_summaries: bool = True
 
     def __post_init__(self) -> None:
         require(self.tail_mass in TAIL_MASS, ConfigError,
@@ -105,8 +112,9 @@ class Ladder:
                                    and budget >= 0), ConfigError,
                 f"ladder.page_in_budget={self.page_in_budget!r} must be a whole number of "
                 "(kv head, block) pairs >= 0 (0: off) or null (no cap), e.g. 64.")
-        require(isinstance(self.tol_page_in, bool), ConfigError,
-                f"ladder.tol_page_in={self.tol_page_in!r} must be true or false.")
+        for name in ("tol_page_in", "rank_summaries"):
+            require(isinstance(getattr(self, name), bool), ConfigError,
+                    f"ladder.{name}={getattr(self, name)!r} must be true or false.")
         self._generators: dict[str, torch.Generator] = {}
 
     def exploration_draw(self, shape: tuple[int, ...], device: torch.device | str):

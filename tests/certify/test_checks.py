@@ -9,6 +9,8 @@ from certkv.certify.checks import (
     boundary_ok,
     canary_violations,
     exploration_mask,
+    paged_summaries,
+    rank_checks,
     ranking_consistent,
     top_r,
 )
@@ -35,6 +37,25 @@ def test_ranking_ignores_unpromoted_blocks_and_short_sets():
     promoted = torch.tensor([[True, False, True, False]])
     assert ranking_consistent(l8, l16, promoted, r=1).all()
     assert ranking_consistent(l8, l16, promoted, r=5).all()  # only 2 promoted: compare those
+
+
+def test_a_paged_summary_ranks_by_its_originals_and_codes_still_by_theirs():
+    """``paged_summaries``: a promoted summary block (1) takes its FP16 log-mass in eq. 17's
+    Phase-1 list, so its estimate's misorder no longer fails the check; a misorder between
+    blocks scored from codes (0, 2) still does; an unpromoted summary block (3) keeps its
+    estimate, which eq. 18 bounds."""
+    summaries = torch.tensor([False, True, False, True])
+    promoted = torch.tensor([[True, True, False, False], [True, False, True, False]])
+    l8 = torch.tensor([[5.0, 6.0, 1.0, 2.0], [5.0, 0.0, 4.0, 2.0]])
+    l16 = torch.tensor([[5.0, 4.0, 1.0, 9.0], [4.0, 0.0, 5.0, 9.0]])
+    paged = paged_summaries(l8, l16, promoted, summaries)
+    assert paged.tolist() == [[5.0, 4.0, 1.0, 2.0], [5.0, 0.0, 4.0, 2.0]]
+    delta = torch.zeros(2, 4)
+    quantized = torch.ones(4, dtype=torch.bool)
+    assert ranking_consistent(l8, l16, promoted, r=1).tolist() == [False, False]
+    ranking, boundary = rank_checks(paged, l16, delta, promoted, quantized, r=1)
+    assert ranking.tolist() == [True, False]
+    assert torch.equal(boundary, rank_checks(l8, l16, delta, promoted, quantized, r=1)[1])
 
 
 def test_boundary_check_fires_when_a_tail_block_could_enter_top_r():
