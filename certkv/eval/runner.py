@@ -12,12 +12,12 @@ import shlex
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields, is_dataclass
 from pathlib import Path
 
 import torch
 from hydra.errors import InstantiationException
-from hydra.utils import instantiate
+from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from certkv.attention import CertifiedAttention
@@ -227,15 +227,35 @@ def record_settings(cfg: DictConfig) -> dict[str, object]:
 
 
 def _difference(old, new, path: str) -> str | None:
-    """The first value that differs, as ``path: old -> new`` (keys only one side has are not
-    differences: a field added to a component later keeps its earlier behaviour)."""
+    """The first value that differs, as ``path: old -> new``. A key only the new settings have
+    (a field added to a component since the records were made) differs where it is set away
+    from the field's default, the behaviour the records were made with (:func:`_added`); a key
+    only the old ones have (a field since removed) does not."""
     if isinstance(old, dict) and isinstance(new, dict):
-        for key in sorted(set(old) & set(new), key=str):
-            found = _difference(old[key], new[key], f"{path}.{key}" if path else str(key))
+        for key in sorted(new, key=str):
+            at = f"{path}.{key}" if path else str(key)
+            found = (_difference(old[key], new[key], at) if key in old
+                     else _added(new, key, at))
             if found:
                 return found
         return None
     return None if old == new else f"{path}: {old!r} -> {new!r}"
+
+
+def _added(node: dict, key: str, path: str) -> str | None:
+    """``path: (not set: default) -> value`` where ``node``'s field ``key``, which the records
+    predate, holds another value than the default of ``node``'s ``_target_`` dataclass; None
+    where it holds the default, or where the default is not a plain value this can know."""
+    try:
+        cls = get_class(node.get("_target_") or "")
+    except Exception:  # no target, or one that no longer imports: nothing to compare with
+        return None
+    field = next((f for f in fields(cls) if f.name == key), None) if is_dataclass(cls) else None
+    default = None if field is None else field.default
+    if field is None or not isinstance(default, bool | int | float | str | type(None)) \
+            or node[key] == default:
+        return None
+    return f"{path}: (not set: {default!r}) -> {node[key]!r}"
 
 
 def check_resume(out_dir: str, cfg: DictConfig) -> None:

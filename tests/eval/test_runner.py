@@ -44,3 +44,29 @@ def test_a_run_recorded_before_a_class_moved_resumes(tmp_path):
                             "cache": {"_target_": new_path}, "variants": []})
     old = OmegaConf.create({**OmegaConf.to_container(cfg), "cache": {"_target_": old_path}})
     assert record_settings(old) == record_settings(cfg)
+
+
+def test_a_field_added_since_a_run_resumes_at_its_default_and_refuses_away_from_it(tmp_path):
+    """A component field the run's records predate (absent from its config.yaml) is the
+    behaviour they were made with at the field's default: the run resumes; set away from it,
+    the records would mix two settings, so the rerun refuses in one sentence naming it."""
+    import json
+
+    from omegaconf import OmegaConf
+
+    from certkv.errors import ConfigError
+    from certkv.eval.results import RunDir
+    from certkv.eval.runner import check_resume
+
+    def config(ladder: dict, variant: dict):
+        return OmegaConf.create({"model": {}, "seed": 0, "backend": {}, "cache": {}, "task": {},
+                                 "ladder": {"_target_": "certkv.Ladder", "r": 1, **ladder},
+                                 "variants": [{"name": "c", "mode": "certified", **variant}]})
+
+    (tmp_path / RunDir.CONFIG).write_text(OmegaConf.to_yaml(config({}, {})))
+    (tmp_path / RunDir.SAMPLES).write_text(json.dumps({"task": "niah", "variant": "c"}) + "\n")
+    check_resume(str(tmp_path), config({"rank_summaries": True}, {}))  # the default: resumes
+    changed = config({"rank_summaries": True}, {"ladder": {"rank_summaries": False}})
+    with pytest.raises(ConfigError, match=r"\(variant c: ladder\.rank_summaries: \(not set: "
+                                          r"True\) -> False\); pass another run directory"):
+        check_resume(str(tmp_path), changed)
