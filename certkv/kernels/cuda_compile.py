@@ -134,8 +134,17 @@ def _compile_all(specs: list[dict], arch: int) -> dict[str, str]:
                           **{k: real(v) for k, v in spec["kwargs"]})
         except Exception as exc:  # the compiler's refusal, reported per kernel
             lines = str(exc).strip().splitlines() or [repr(exc)]
-            failures.setdefault(f"{spec['module']}.{spec['name']}", "\n".join(lines[-12:]))
+            cause = _root_cause(exc)  # the frame a nested call failed in says only "at 15:12"
+            lines += [] if cause is exc else [f"caused by: {cause!r}"]
+            failures.setdefault(f"{spec['module']}.{spec['name']}", "\n".join(lines[-13:]))
     return failures
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    """The innermost exception a compiler error was raised from (its ``__cause__`` chain)."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    return exc
 
 
 if __name__ == "__main__":
