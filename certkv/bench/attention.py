@@ -16,6 +16,7 @@ from certkv.cache.scratch import ScratchCache
 from certkv.cache.store import TieredKVStore
 from certkv.kernels.reference import dense_attention
 from certkv.opcount import count_step
+from certkv.quant.rope import RopeSpec
 
 
 @dataclass
@@ -47,6 +48,8 @@ class AttentionCase:
         k = torch.randn(shape, generator=gen)
         k[..., : max(1, self.head_dim // 32)] *= 20  # outlier channels
         v = torch.randn(shape, generator=gen)
+        if quantizer is not None:  # pre-RoPE codecs: these keys under LLaMA's theta 10,000
+            quantizer = quantizer.with_rope(RopeSpec.from_theta(1e4, self.head_dim))
         codecs = {} if quantizer is None else quantizer.store_kwargs()
         store = TieredKVStore(self.kv_heads, self.head_dim, device=device,
                               decoded_mirror=decoded_mirror, **codecs)
