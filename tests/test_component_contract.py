@@ -60,7 +60,7 @@ def test_every_component_keeps_the_contract_on_the_cpu_backends(quantizer, backe
 # and attended by the reference (the rest of the step still runs the kernels). Each entry is a
 # quantizer whose draws may hold such blocks.
 TRITON_REFERENCE_BLOCKS = {
-    "tiers": "the archive's rotated and pre-RoPE 3-bit codecs",
+    "tiers": "the kvquant archive's pre-RoPE 3-bit keys and dense-and-sparse values",
 }
 
 

@@ -120,7 +120,14 @@ def test_a_codec_subclass_that_changes_decoding_loses_the_kernel_layout():
     assert Renamed(bits=4).kernel_layout() == KiviKeyCodec(bits=4).kernel_layout()
     assert Rescaled(bits=4).kernel_layout() is None
     assert ChannelAffineKeyCodec(bits=3).kernel_layout().bits == 3  # 8 codes to 3 bytes
-    assert RotatedKeyCodec(bits=4, subspaces=4).kernel_layout() is None  # no kernel decodes it
+    assert RotatedKeyCodec(bits=4, subspaces=4).kernel_layout().subspaces == 4  # rotated back
+    assert RotatedKeyCodec(bits=4, subspaces=16).kernel_layout() is None  # beyond FP32 headroom
+
+    class Flipped(RotatedKeyCodec):
+        def _decode(self, blocks):
+            return -super()._decode(blocks)
+
+    assert Flipped(bits=4, subspaces=4).kernel_layout() is None
     assert GroupAffineValueCodec(bits=4, group=32).kernel_layout(64).group == 32
     assert GroupAffineValueCodec(bits=4, group=32).kernel_layout(48) is None
     assert InnerQKeyCodec(bits=3).kernel_layout().inner  # InnerQ's groups, 3-bit codes too

@@ -77,8 +77,13 @@ def test_contract_over_mixed_precision_stores(sc):
 
 def covered(sc) -> dict:
     """``sc`` restricted to what the kernels read (2/4-bit KIVI keys and group values, FP16
-    windows; the 2-bit KIVI archive) on small shapes for the interpreter."""
-    return {**sc, "bits": 2 if sc["bits"] == 3 else sc["bits"], "archive": "kivi2",
+    windows; the 2-bit KIVI archive, or on odd seeds the Hadamard-rotated one, whose rotation
+    the kernels run as a matmul of tiles of at least 16) on small shapes for the
+    interpreter."""
+    rotation = sc["seed"] % 2 == 1
+    return {**sc, "bits": 2 if sc["bits"] == 3 else sc["bits"],
+            "archive": "rotation" if rotation else "kivi2",
+            "block": 16 if rotation else sc["block"],
             "tokens": min(sc["tokens"], 90), "steps": min(sc["steps"], 2),
             "q_dtype": "float16" if sc["q_dtype"] == "bfloat16" else sc["q_dtype"]}
 

@@ -42,6 +42,7 @@ from certkv.kernels.triton_score import (
     load_codes,
     load_group_queries,
     log_or_minus_inf,
+    rotate_back,
 )
 from certkv.kernels.triton_sources import kernel_groups, program_groups, tail_data
 
@@ -55,7 +56,7 @@ def _attend_kernel(query, scores, fp16, tail, blocks_out, state, counts_ptr, sca
     program ``p`` writing split state ``p``. The arguments come in bundles (pointers and their
     strides, :func:`_launch_attend`); ``groups[k]``: precision ``k``'s programs ``[first,
     end)`` and what they read; ``LAYOUTS[k]``: its ``(FP16, BITS, BIAS, GROUP, TAIL, CARRIES,
-    TOKEN, INNER, NORM)`` (:func:`~certkv.kernels.triton_sources.kernel_groups`)."""
+    TOKEN, INNER, NORM, ROT)`` (:func:`~certkv.kernels.triton_sources.kernel_groups`)."""
     kv = tl.program_id(0)
     p = tl.program_id(1)
     q_ptr, s_qk, s_qg = query
@@ -66,7 +67,7 @@ def _attend_kernel(query, scores, fp16, tail, blocks_out, state, counts_ptr, sca
             _attend_split(q, kv, p, src, scores, fp16, tail, blocks_out, state, counts_ptr,
                           scaling, eps_guard, G, BLOCK_G, B, D, DOT_C, SPLIT, LAYOUTS[k][0],
                           LAYOUTS[k][1], LAYOUTS[k][2], LAYOUTS[k][3], LAYOUTS[k][4],
-                          LAYOUTS[k][5], LAYOUTS[k][6], LAYOUTS[k][7])
+                          LAYOUTS[k][5], LAYOUTS[k][6], LAYOUTS[k][7], LAYOUTS[k][9])
 
 
 @triton.jit
@@ -75,13 +76,14 @@ def _attend_split(q, kv, p, src, scores, fp16, tail, blocks_out, state, counts_p
                   D: tl.constexpr, DOT_C: tl.constexpr, SPLIT: tl.constexpr,
                   FP16: tl.constexpr, BITS: tl.constexpr, BIAS: tl.constexpr,
                   GROUP: tl.constexpr, TAIL: tl.constexpr, CARRIES: tl.constexpr,
-                  TOKEN: tl.constexpr, INNER: tl.constexpr):
+                  TOKEN: tl.constexpr, INNER: tl.constexpr, ROT: tl.constexpr):
     """Program ``p``'s ``SPLIT`` blocks of one precision (``src``), merged into split state
     ``p`` (see the module); value codes with a scale and an offset per group, or (``TOKEN``)
     symmetric with a scale per token, ``(code - BIAS) s_t``, or (``INNER``) InnerQ's groups
-    of the block's tokens per channel."""
+    of the block's tokens per channel, or (``ROT``) rotated coordinates with a scale and an
+    offset per token and subspace, rotated back in registers."""
     (first, _, code_ptr, vs_ptr, vo_ptr, blk_ptr, slot_ptr, s_ck, s_cn, s_ct, s_vk, s_vn, s_vt,
-     n_live, walked, _, _, mode_ptr, s_fk, s_fn, _, _, _) = src
+     n_live, walked, _, _, mode_ptr, s_fk, s_fn, _, _, _, basis_ptr) = src
     s_ptr, gate_ptr, delta_ptr, s_sk, s_sg, s_sn = scores
     kslot_ptr, kstaged_ptr, vslot_ptr, vstaged_ptr, k2_ptr, v2_ptr, s_lk, s_kp, s_kt, s_pp, \
         s_pt, s_2p, s_2t = fp16
@@ -143,6 +145,12 @@ def _attend_split(q, kv, p, src, scores, fp16, tail, blocks_out, state, counts_p
                             mask=read, other=0).to(tl.int32)
             sym = ((flags >> (c % 8)[None, :]) & 1) != 0
             v = inner_group_values(code, vs, word, sym, ((word >> t[:, None]) & 1) != 0)
+        elif ROT > 0:  # rotated coordinates per token and subspace, rotated back
+            code = load_codes(code_ptr, base, t, c, s_ct, read, BITS)
+            grp = kv * s_vk + slot * s_vn + t[:, None] * s_vt + c[None, :] // (D // ROT)
+            z = (code * tl.load(vs_ptr + grp, mask=read, other=0.0).to(tl.float32)
+                 + tl.load(vo_ptr + grp, mask=read, other=0.0).to(tl.float32))
+            v = rotate_back(z, basis_ptr, D)
         else:  # codes unpacked in registers with their FP16 group scale/offset
             code = load_codes(code_ptr, base, t, c, s_ct, read, BITS)
             grp = kv * s_vk + slot * s_vn + t[:, None] * s_vt + c[None, :] // GROUP

@@ -122,6 +122,49 @@ def inner_keys(code, scale_ptr, slot_ptr, mode_ptr, norm_ptr, group_base, mode_b
     return k, bound
 
 
+U32 = tl.constexpr(2.0**-24)  # FP32's unit roundoff
+
+
+@triton.jit
+def rotate_back(z, basis_ptr, D: tl.constexpr):
+    """Rotated coordinates ``z [B, D]`` back to channels, ``z (H D)`` (the rotation codecs'
+    decode ``D H^T z`` per token, :mod:`certkv.quant.rotation`), with the FP32 basis ``[D, D]``
+    (entries +-1) in one FP32 matmul: IEEE products and sums, no TF32 (the codec's
+    ``decode_slack`` bounds any FP32 evaluation of it)."""
+    i = tl.arange(0, D)
+    basis = tl.load(basis_ptr + i[:, None] * D + i[None, :])
+    return tl.dot(z, basis, input_precision="ieee")
+
+
+@triton.jit
+def rotated_keys(code, scale_ptr, offset_ptr, basis_ptr, base, s_st, rows, bound_a, bound_b,
+                 BITS: tl.constexpr, B: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr):
+    """One block of rotated keys (seed 004's rotation archive: ``ROT`` subspaces, a scale and
+    an offset per token and subspace at ``base + t s_st + j``) from its codes ``[B, D]`` (FP32)
+    -> ``(keys [B, D], r [D])``: ``z = code s + o`` rotated back (:func:`rotate_back`), and the
+    channel bound, the same on every channel, ``g max_t (a sum_j s_tj + (b + (D + 2) u) sum_j
+    zmax_tj)`` over the filled tokens ``rows`` (:meth:`~certkv.quant.rotation.RotatedKeyCodec.
+    channel_bound` plus its ``decode_slack``: this rotation is an FP32 one; its few sums over
+    subspaces stay within the codec's relative headroom ``a``)."""
+    t = tl.arange(0, B)
+    c = tl.arange(0, D)
+    GR: tl.constexpr = D // ROT
+    at = base + t[:, None] * s_st + (c // GR)[None, :]
+    member = rows[:, None] & (c[None, :] < D)
+    z = (code * tl.load(scale_ptr + at, mask=member, other=0.0).to(tl.float32)
+         + tl.load(offset_ptr + at, mask=member, other=0.0).to(tl.float32))
+    j = tl.arange(0, ROT)
+    sub = base + t[:, None] * s_st + j[None, :]
+    held = rows[:, None] & (j[None, :] < ROT)
+    s_j = tl.load(scale_ptr + sub, mask=held, other=0.0).to(tl.float32)
+    o_j = tl.load(offset_ptr + sub, mask=held, other=0.0).to(tl.float32)
+    zmax = tl.maximum(tl.abs(o_j), tl.abs(o_j + ((1 << BITS) - 1) * s_j))
+    per_token = GR * (bound_a * tl.sum(s_j, axis=1)
+                      + (bound_b + (D + 2) * U32) * tl.sum(zmax, axis=1))
+    bound = tl.max(tl.where(rows, per_token, 0.0), axis=0) + c * 0.0
+    return rotate_back(z, basis_ptr, D), bound
+
+
 @triton.jit
 def entry(blk_ptr, slot_ptr, counts_ptr, e, n_live, walked, B: tl.constexpr,
           TAIL: tl.constexpr, CARRIES: tl.constexpr):
@@ -170,7 +213,7 @@ def _score_kernel(q_ptr, tk_ptr, s_out, l_out, d_out, ls_out, s_qk, s_qg, s_ok, 
                   DOT_C: tl.constexpr, SPLIT: tl.constexpr, LAYOUTS: tl.constexpr):
     """Grid ``(kv head, program)``: the programs of every precision's blocks in one launch.
     ``groups[k]``: precision ``k``'s programs ``[first, end)`` and what they read;
-    ``LAYOUTS[k]``: its ``(FP16, BITS, BIAS, GROUP, TAIL, CARRIES, TOKEN)``
+    ``LAYOUTS[k]``: its ``(FP16, BITS, BIAS, GROUP, TAIL, CARRIES, TOKEN, INNER, NORM, ROT)``
     (:func:`~certkv.kernels.triton_sources.kernel_groups`)."""
     kv = tl.program_id(0)
     p = tl.program_id(1)
@@ -182,7 +225,7 @@ def _score_kernel(q_ptr, tk_ptr, s_out, l_out, d_out, ls_out, s_qk, s_qg, s_ok, 
                          s_og, s_on, s_lk, s_lg, s_tk, s_tt, counts_ptr, scaling, G, BLOCK_G,
                          B, D, DOT_C, SPLIT, LAYOUTS[k][0], LAYOUTS[k][1], LAYOUTS[k][2],
                          LAYOUTS[k][3], LAYOUTS[k][4], LAYOUTS[k][5], LAYOUTS[k][6],
-                         LAYOUTS[k][7], LAYOUTS[k][8])
+                         LAYOUTS[k][7], LAYOUTS[k][8], LAYOUTS[k][9])
 
 
 @triton.jit
@@ -192,13 +235,15 @@ def _score_split(q, kv, split, src, tk_ptr, s_out, l_out, d_out, ls_out, s_ok, s
                  DOT_C: tl.constexpr, SPLIT: tl.constexpr, FP16: tl.constexpr,
                  BITS: tl.constexpr, BIAS: tl.constexpr, GROUP: tl.constexpr,
                  TAIL: tl.constexpr, CARRIES: tl.constexpr, TOKEN: tl.constexpr,
-                 INNER: tl.constexpr, NORM: tl.constexpr):
+                 INNER: tl.constexpr, NORM: tl.constexpr, ROT: tl.constexpr):
     """One program's ``SPLIT`` blocks of one precision (``src``, :func:`~certkv.kernels.
     triton_sources.kernel_groups`); codes with a scale per channel and an offset, or
     (``TOKEN``) symmetric with a scale per token, or (``INNER``) InnerQ's groups of ``GROUP``
-    channels per token (:func:`inner_keys`)."""
+    channels per token (:func:`inner_keys`), or (``ROT``) rotated coordinates in ``ROT``
+    subspaces (:func:`rotated_keys`)."""
     (_, _, code_ptr, scale_ptr, offset_ptr, blk_ptr, slot_ptr, s_ck, s_cn, s_ct, s_sk, s_sn, s_st,
-     n_live, walked, bound_a, bound_b, mode_ptr, s_mk, s_mn, norm_ptr, s_ek, s_en) = src
+     n_live, walked, bound_a, bound_b, mode_ptr, s_mk, s_mn, norm_ptr, s_ek, s_en,
+     basis_ptr) = src
     g = tl.arange(0, BLOCK_G)
     t = tl.arange(0, B)
     c = tl.arange(0, D)
@@ -221,6 +266,10 @@ def _score_split(q, kv, split, src, tk_ptr, s_out, l_out, d_out, ls_out, s_ok, s
                                       kv * s_sk + slot * s_sn, kv * s_mk + slot * s_mn,
                                       kv * s_ek + slot * s_en, s_st, rows, bound_a, bound_b,
                                       B, D, GROUP, NORM)
+            elif ROT > 0:  # rotated coordinates, rotated back in registers
+                k, bound = rotated_keys(code, scale_ptr, offset_ptr, basis_ptr,
+                                        kv * s_sk + slot * s_sn, s_st, rows, bound_a, bound_b,
+                                        BITS, B, D, ROT)
             elif TOKEN:  # (code - bias) s_t, exact; r_c = a max_t s_t on every channel
                 scale_t = tl.load(scale_ptr + kv * s_sk + slot * s_sn + t).to(tl.float32)
                 k = (code - BIAS) * scale_t[:, None]

@@ -31,9 +31,11 @@ decodes their words (:mod:`certkv.kernels.triton_ecc`); blocks that failed the i
 one more FP16 group over their originals (:meth:`TieredKVStore.block_groups`).
 InnerQ's groups along the reduced dimension (:mod:`certkv.quant.innerq`: keys per token over
 32 channels, values per channel over the block's tokens, asymmetric, symmetric or either per
-group, keys with their per-channel exponents) are one more layout (``inner``). Anything else
-(rotations, pre-RoPE keys, dense-and-sparse values, erasures to repair without the integrity
-check) returns None and the phase runs on the PyTorch reference.
+group, keys with their per-channel exponents) are one more layout (``inner``), and seed 004's
+rotation archive (:mod:`certkv.quant.rotation`: per-token affine codes of Hadamard-rotated
+coordinates, rotated back in registers by one FP32 matmul with the codec's basis) another
+(``subspaces``). Anything else (pre-RoPE keys, dense-and-sparse values, erasures to repair
+without the integrity check) returns None and the phase runs on the PyTorch reference.
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ class BlockSource:
     counts: torch.Tensor  # int32 [2]: (completed blocks, tail fill) of the store (device)
     mode: torch.Tensor | None = None  # inner groups: packed symmetric flags [Hkv, slots, bytes]
     norm: torch.Tensor | None = None  # inner groups' keys: int8 channel exponents [Hkv, slots, d]
+    basis: torch.Tensor | None = None  # rotated codes: FP32 H D [d, d] (CodeLayout.subspaces)
 
     @property
     def is_tail(self) -> bool:
@@ -93,6 +96,13 @@ class BlockSource:
         for x in (self.mode, self.norm):
             out += [self.data, 0, 0] if x is None else [x, x.stride(0), x.stride(1)]
         return tuple(out)
+
+    def basis_pointer(self) -> torch.Tensor:
+        """The rotation's basis ``[d, d]`` (contiguous) of rotated codes, else ``data``."""
+        if self.basis is None:
+            return self.data
+        assert self.basis.is_contiguous()
+        return self.basis
 
     def pointers(self) -> tuple[torch.Tensor, ...]:
         """``(data, scale, offset, blocks, slots)`` for a group: what the layout does not read
@@ -125,14 +135,15 @@ def block_sources(store, which: str, tail: bool | None = None) -> list[BlockSour
                                            else wrapped.inner_blocks(codes))
         layout = (key_layout(codec) if which == "key"
                   else value_layout(codec, store.head_dim))
-        if layout is None:
-            return None
+        if layout is None or (layout.subspaces and min(store.block_size, store.head_dim) < 16):
+            return None  # (a rotation is a matmul: tensor tiles of at least 16 on a GPU)
         codes = codec.kernel_blocks(codes, store.block_size)
         data = codes["data"] if layout.fp16 else codes["codes"]
         sources.append(BlockSource(layout, data, codes.get("scale"), codes.get("offset"),
                                    blocks, slots, blocks.shape[0], counts,
                                    codes.get("mode") if layout.inner else None,
-                                   codes.get("norm") if layout.norm else None))
+                                   codes.get("norm") if layout.norm else None,
+                                   codes.get("basis") if layout.subspaces else None))
     if store.tail_len if tail is None else tail:
         tail = store.tail_buffers()[0 if which == "key" else 1]
         sources.append(BlockSource(CodeLayout(fp16=True), tail.unsqueeze(1), None, None, None,
@@ -170,9 +181,10 @@ def kernel_groups(plan: list, split: int) -> tuple[tuple, tuple, int]:
     blocks each) that walk plan entry ``k`` and what they read: ``(first, end, codes, scale,
     offset, blocks, slots, codes' strides (kv head, slot, token), scale's strides (kv head,
     slot, token), entries, blocks walked before, the key bound's (a, b), then inner groups'
-    mode flags and channel exponents with their strides (:meth:`BlockSource.inner_pointers`))``;
-    its layout ``(FP16, BITS, BIAS, GROUP, TAIL, CARRIES, TOKEN, INNER, NORM)`` is a
-    compile-time constant of the group's branch of the kernel (:class:`CodeLayout`)."""
+    mode flags and channel exponents with their strides (:meth:`BlockSource.inner_pointers`),
+    then a rotation's basis (:meth:`BlockSource.basis_pointer`))``; its layout ``(FP16, BITS,
+    BIAS, GROUP, TAIL, CARRIES, TOKEN, INNER, NORM, ROT)`` is a compile-time constant of the
+    group's branch of the kernel (:class:`CodeLayout`; ``ROT`` its ``subspaces``)."""
     groups, layouts, first = [], [], 0
     for src, tail, live, walked in plan:
         lay = src.layout
@@ -180,9 +192,10 @@ def kernel_groups(plan: list, split: int) -> tuple[tuple, tuple, int]:
         end = first + -(-live // split)
         groups.append((first, end, data, scale, offset, blocks, slots, *data.stride()[:3],
                        *scale.stride()[:3], live, walked, float(lay.bound[0]),
-                       float(lay.bound[1]), *src.inner_pointers()))
+                       float(lay.bound[1]), *src.inner_pointers(), src.basis_pointer()))
         layouts.append((lay.fp16, lay.bits, lay.bias, lay.group, src.is_tail,
-                        carries_tail(src, tail), lay.token_scale, lay.inner, lay.norm))
+                        carries_tail(src, tail), lay.token_scale, lay.inner, lay.norm,
+                        lay.subspaces))
         first = end
     return tuple(groups), tuple(layouts), first
 

@@ -27,6 +27,13 @@ class CodeLayout:
     (packed ``mode`` flags): ``x = q S + Z``, or ``+-m S`` where symmetric; the keys' channel
     bound ``max_t (a S + b |Z|)`` over the block's tokens (``|Z|`` of asymmetric groups only),
     times ``2^e_c`` where ``norm`` (per-channel exponents of the block).
+    ``subspaces``: codes of rotated coordinates (seed 004's rotation archive,
+    :mod:`certkv.quant.rotation`), a scale and an offset per token per subspace of ``d /
+    subspaces`` channels, ``z = code s + o``, rotated back as ``x = z (H D)`` with the source's
+    FP32 ``basis [d, d]`` (entries +-1) in one FP32 matmul; the keys' channel bound, the same
+    for every channel, ``g max_t (a sum_j s_tj + (b + (d + 2) u) sum_j zmax_tj)``: the
+    codec's own ``(a, b)`` plus its ``decode_slack`` for any FP32 evaluation of the rotation
+    (0: not rotated).
     """
 
     fp16: bool
@@ -37,6 +44,7 @@ class CodeLayout:
     token_scale: bool = False
     inner: bool = False
     norm: bool = False
+    subspaces: int = 0
 
 
 def keeps(codec, owner: type) -> bool:

@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -74,14 +75,24 @@ from certkv.quant.base import (
     round_up_fp32,
 )
 from certkv.quant.kivi import fp16_step
+from certkv.quant.layout import KERNEL_BITS, CodeLayout, keeps
 from certkv.quant.packing import check_bits, check_packable, pack_bits, unpack_bits
-from certkv.registry import KEY_CODECS, VALUE_CODECS
+from certkv.registry import KEY_CODECS, VALUE_CODECS, inherits
 
 ROTATIONS = ("hadamard", "random_hadamard")
 MAX_HEAD_DIM = 256  # FP64 encode and decode are exact up to here (module docstring)
 
 _REL = 1 + 2.0**-20  # relative headroom on the half steps (exact error: 1 + 2^-44)
 _MAG = 4 * FP32_EPS  # headroom on the magnitude: the FP32 cast (u) with room to spare
+# the kernels evaluate the keys' channel bound in FP32 over the subspaces: the relative
+# headroom _REL covers that evaluation for up to this many (module docstring of quant.layout)
+KERNEL_SUBSPACES = 8
+
+
+@lru_cache(maxsize=32)
+def _kernel_basis(rotation: str, seed: int, d: int, device: str) -> torch.Tensor:
+    """FP32 ``H D [d, d]`` (entries +-1, exact) on ``device``, made once per codec setting."""
+    return _Rotated(rotation=rotation, seed=seed).basis(d).float().to(device)
 
 
 def hadamard(d: int, dtype: torch.dtype = torch.float64, device=None) -> torch.Tensor:
@@ -183,6 +194,22 @@ class _Rotated:
         out = fwht(z_hat) * self.signs(d, codes.device)  # D H^T z_hat, exact (H^T = H)
         return out.float()
 
+    def _layout(self, owner: type) -> CodeLayout | None:
+        """Per-token affine codes of rotated coordinates (:class:`CodeLayout`'s
+        ``subspaces``), 2/3/4/8 bits and up to :data:`KERNEL_SUBSPACES` subspaces; the keys'
+        ``(a, b)`` of :meth:`RotatedKeyCodec.channel_bound` per subspace width."""
+        same = keeps(self, owner) and inherits(self, owner, "_encode", "_decode", "basis",
+                                                "signs", "decode_slack")
+        if not same or self.bits not in KERNEL_BITS or self.subspaces > KERNEL_SUBSPACES:
+            return None
+        return CodeLayout(False, self.bits, bound=(_REL / 2, _MAG), subspaces=self.subspaces)
+
+    def kernel_blocks(self, blocks: Blocks, block_size: int) -> Blocks:
+        """The stored tensors (views) and the basis ``H D`` in FP32 (``basis [d, d]``)."""
+        codes = blocks["codes"]
+        d = codes.shape[-1] * 8 // self.bits
+        return {**blocks, "basis": _kernel_basis(self.rotation, self.seed, d, str(codes.device))}
+
     def _terms(self, blocks: Blocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """FP64 ``(s_j, zmax_j, exact_t, g)``: scales and magnitude bounds ``[Hkv, n, B, m]``,
         where a token reconstructs exactly ``[Hkv, n, B]``, the subspace width."""
@@ -203,6 +230,9 @@ class RotatedKeyCodec(_Rotated, KeyCodec):
 
     def encode(self, k: torch.Tensor) -> Blocks:
         return self._encode(k)
+
+    def kernel_layout(self) -> CodeLayout | None:
+        return self._layout(RotatedKeyCodec)
 
     def decode(self, blocks: Blocks) -> torch.Tensor:
         return self._decode(blocks)
@@ -239,6 +269,9 @@ class RotatedValueCodec(_Rotated, ValueCodec):
 
     def encode(self, v: torch.Tensor) -> Blocks:
         return self._encode(v)
+
+    def kernel_layout(self, head_dim: int) -> CodeLayout | None:
+        return self._layout(RotatedValueCodec)
 
     def decode(self, blocks: Blocks) -> torch.Tensor:
         return self._decode(blocks)

@@ -289,6 +289,53 @@ def test_phases_read_innerq_groups(bits, mode, normalize):
     assert torch.equal(attended.canary, expected.canary) and not attended.canary.any()
 
 
+@pytest.mark.parametrize(("bits", "subspaces", "rotation"), [
+    (2, 4, "random_hadamard"), (3, 2, "hadamard"), (4, 8, "random_hadamard"),
+    (8, 1, "hadamard")])
+def test_phases_read_rotated_codes(bits, subspaces, rotation):
+    """Seed 004's rotation archive (Hadamard-rotated coordinates, a scale and an offset per
+    token and subspace) is read by both phases' kernels, not the reference: the codes rotated
+    back in registers give logits and outputs within the flash-attention rule against FP64 over
+    the codec's own decode, and a Delta_b between the codec's channel bound and that bound plus
+    its decode slack (what an FP32 rotation may add), with a staged FP16 block and a promoted
+    value block."""
+    from certkv.quant import KVQuantizer, RotatedKeyCodec, RotatedValueCodec
+
+    codecs = [c(bits=bits, subspaces=subspaces, rotation=rotation, seed=bits)
+              for c in (RotatedKeyCodec, RotatedValueCodec)]
+    store = TieredKVStore(2, 32, block_size=16, quantizer=KVQuantizer(*codecs, 16))
+    k, v = make_kv(2, 117, 32, seed=bits, outlier_channels=2)
+    store.append(k, v)
+    qg = make_query(k, 3, seed=bits, scale=3.0, peaked=True).reshape(2, 3, 32)
+    lay = StepLayout(store)
+    scaling = store.head_dim**-0.5
+    with kernel_launches() as launches:
+        kernel = TritonBackend(split=2).phase1(qg, lay, scaling)
+        ref = TorchBackend().phase1(qg, lay, scaling)
+        gate = torch.zeros(kernel.log_mass.shape, dtype=torch.bool)
+        gate[0, :, 2] = gate[1, 1, 5] = True
+        args = (qg, ref, lay, gate, (staged(store, [0, 1], [2, 5], "k"),
+                                     staged(store, [1], [3], "v")), scaling, 1e-6)
+        attended = TritonBackend(split=2).phase2(*args)
+    assert launches["phase1"] == 1 and launches["phase2"] == 1, launches
+    nc = lay.num_completed
+    held = {name: x[:, :nc] for name, x in store.block_groups("key")[0][1].items()}
+    oracle = torch.einsum("kgd,kntd->kgnt", qg.double(), lay.keys.double()) * scaling
+    oracle = oracle.masked_fill(~lay.valid, float("-inf"))
+    flash_rule(kernel.scores, ref.scores, oracle, "scores")
+    per_channel = [codecs[0].channel_bound(held).double(),
+                   codecs[0].channel_bound(held).double() + codecs[0].decode_slack(held)]
+    low, high = (scaling * torch.einsum("kgd,knd->kgn", qg.double().abs(), x)
+                 for x in per_channel)
+    delta = kernel.delta_b[..., :nc].double()
+    assert (delta >= low * (1 - 1e-6)).all() and (delta <= high * (1 + 1e-6)).all()
+    expected = TorchBackend().phase2(*args)
+    for name in ("out", "rho", "log_mass", "spread"):
+        torch.testing.assert_close(getattr(attended, name), getattr(expected, name),
+                                   rtol=1e-5, atol=1e-6)
+    assert torch.equal(attended.canary, expected.canary) and not attended.canary.any()
+
+
 def _phases_at(store, qg, n, gate, keys, values):
     """Phase 1 and Phase 2 kernels over ``n`` block columns (the store's blocks, its tail
     block, and empty blocks after it), promoted blocks as the first columns' slot maps."""
@@ -476,12 +523,14 @@ def test_triton_and_torch_backends_agree_through_attention():
 
 
 def test_unsupported_codecs_fall_back_to_the_reference():
-    """Rotated keys, which claim no kernel layout: Phase 1 runs on the reference, with the
-    kernels' results elsewhere."""
-    from certkv.quant import RotatedKeyCodec
+    """Dense-and-sparse values, which claim no kernel layout: Phase 2 runs on the reference,
+    with the kernels' results elsewhere."""
+    from certkv.quant import OutlierValueCodec
 
     k, v = make_kv(2, 64, 32, seed=0)
-    store = TieredKVStore(2, 32, key_codec=RotatedKeyCodec(bits=4, subspaces=4))
+    codec = OutlierValueCodec(bits=3, group=32)
+    assert codec.kernel_layout(32) is None
+    store = TieredKVStore(2, 32, value_codec=codec)
     store.append(k, v)
     q = make_query(k, 2, scale=2.0)
     a, _ = CertifiedAttention(backend="torch")(q, store)
