@@ -5,6 +5,8 @@ full sizes on CUDA."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import pytest
 import torch
 import triton  # noqa: F401 (a declared dev dependency: without it these tests fail, never skip)
@@ -36,6 +38,9 @@ from certkv.kernels.triton_sources import block_sources
 from certkv.quant import (
     GroupAffineValueCodec,
     KiviKeyCodec,
+    KVQuantizer,
+    RotatedKeyCodec,
+    RotatedValueCodec,
     TieredQuantizer,
     TokenSymmetricKeyCodec,
     TokenSymmetricValueCodec,
@@ -244,23 +249,30 @@ def test_phases_read_every_precision_of_a_mixed_store(device):
     assert torch.equal(attended.canary, expected.canary) and not attended.canary.any()
 
 
-@pytest.mark.parametrize(("bits", "mode", "normalize"), [
-    (2, "hybrid", True), (3, "hybrid", False), (4, "sym", True), (8, "asym", True)])
-def test_phases_read_innerq_groups(bits, mode, normalize):
-    """InnerQ's groups along the reduced dimension (keys per token over 16 channels with
-    their per-channel exponents, values per channel over the block's tokens; asymmetric,
-    symmetric and either per group) are read by both phases' kernels, not the reference: the
-    logits, Delta_b and the outputs meet the flash-attention rule against FP64 over the
-    codec's own decode, with a staged FP16 block and a promoted value block."""
-    from certkv.quant import KVQuantizer
-    from certkv.quant.innerq import InnerQKeyCodec, InnerQValueCodec
+class KernelPhases(NamedTuple):
+    """Both phases of a store's step on the kernels and on the reference, and the oracle."""
 
-    quantizer = KVQuantizer(InnerQKeyCodec(bits=bits, group=16, mode=mode, normalize=normalize),
-                            InnerQValueCodec(bits=bits, mode=mode), 16)
+    lay: StepLayout
+    kernel: Scored  # Phase 1, kernels
+    ref: Scored  # Phase 1, reference
+    held: dict  # the key codes of the completed blocks
+    qg: torch.Tensor  # the query [Hkv, G, d]
+
+    def delta(self, channel_bound: torch.Tensor) -> torch.Tensor:
+        """FP64 ``Delta_b = scaling sum_c |q_c| r_c`` of a channel bound ``[Hkv, n, d]``."""
+        return self.lay.store.head_dim**-0.5 * torch.einsum(
+            "kgd,knd->kgn", self.qg.double().abs(), channel_bound.double())
+
+
+def kernel_phases(quantizer, seed: int) -> KernelPhases:
+    """117 tokens with outlier channels in a store of ``quantizer`` (B = 16, d = 32, 2 kv
+    heads, 3 query heads each): both phases on the kernels (one launch each, not the reference)
+    and on the reference, with a staged FP16 key block and a promoted value block; Phase 2's
+    outputs, block statistics and canary checked against the reference's here."""
     store = TieredKVStore(2, 32, block_size=16, quantizer=quantizer)
-    k, v = make_kv(2, 117, 32, seed=bits, outlier_channels=2)
+    k, v = make_kv(2, 117, 32, seed=seed, outlier_channels=2)
     store.append(k, v)
-    qg = make_query(k, 3, seed=bits, scale=3.0, peaked=True).reshape(2, 3, 32)
+    qg = make_query(k, 3, seed=seed, scale=3.0, peaked=True).reshape(2, 3, 32)
     lay = StepLayout(store)
     scaling = store.head_dim**-0.5
     with kernel_launches() as launches:
@@ -272,21 +284,36 @@ def test_phases_read_innerq_groups(bits, mode, normalize):
                                      staged(store, [1], [3], "v")), scaling, 1e-6)
         attended = TritonBackend(split=2).phase2(*args)
     assert launches["phase1"] == 1 and launches["phase2"] == 1, launches
-    nc = lay.num_completed
-    codec = quantizer.key_codec
-    held = {name: x[:, :nc] for name, x in store.block_groups("key")[0][1].items()}
-    torch.testing.assert_close(lay.keys[:, :nc], codec.decode(held), rtol=0, atol=0)  # oracle's
-    oracle = torch.einsum("kgd,kntd->kgnt", qg.double(), lay.keys.double()) * scaling
-    oracle = oracle.masked_fill(~lay.valid, float("-inf"))
-    flash_rule(kernel.scores, ref.scores, oracle, "scores")
-    oracle_delta = scaling * torch.einsum("kgd,knd->kgn", qg.double().abs(),
-                                          codec.channel_bound(held).double())
-    flash_rule(kernel.delta_b[..., :nc], ref.delta_b[..., :nc], oracle_delta, "delta_b")
     expected = TorchBackend().phase2(*args)
     for name in ("out", "rho", "log_mass", "spread"):
         torch.testing.assert_close(getattr(attended, name), getattr(expected, name),
                                    rtol=1e-5, atol=1e-6)
     assert torch.equal(attended.canary, expected.canary) and not attended.canary.any()
+    nc = lay.num_completed
+    held = {name: x[:, :nc] for name, x in store.block_groups("key")[0][1].items()}
+    oracle = torch.einsum("kgd,kntd->kgnt", qg.double(), lay.keys.double()) * scaling
+    oracle = oracle.masked_fill(~lay.valid, float("-inf"))
+    flash_rule(kernel.scores, ref.scores, oracle, "scores")
+    return KernelPhases(lay, kernel, ref, held, qg)
+
+
+@pytest.mark.parametrize(("bits", "mode", "normalize"), [
+    (2, "hybrid", True), (3, "hybrid", False), (4, "sym", True), (8, "asym", True)])
+def test_phases_read_innerq_groups(bits, mode, normalize):
+    """InnerQ's groups along the reduced dimension (keys per token over 16 channels with
+    their per-channel exponents, values per channel over the block's tokens; asymmetric,
+    symmetric and either per group) are read by both phases' kernels, not the reference: the
+    logits, Delta_b and the outputs meet the flash-attention rule against FP64 over the
+    codec's own decode, with a staged FP16 block and a promoted value block."""
+    from certkv.quant.innerq import InnerQKeyCodec, InnerQValueCodec
+
+    quantizer = KVQuantizer(InnerQKeyCodec(bits=bits, group=16, mode=mode, normalize=normalize),
+                            InnerQValueCodec(bits=bits, mode=mode), 16)
+    run = kernel_phases(quantizer, bits)
+    nc, codec = run.lay.num_completed, quantizer.key_codec
+    torch.testing.assert_close(run.lay.keys[:, :nc], codec.decode(run.held), rtol=0, atol=0)
+    flash_rule(run.kernel.delta_b[..., :nc], run.ref.delta_b[..., :nc],
+               run.delta(codec.channel_bound(run.held)), "delta_b")
 
 
 @pytest.mark.parametrize(("bits", "subspaces", "rotation"), [
@@ -299,41 +326,13 @@ def test_phases_read_rotated_codes(bits, subspaces, rotation):
     the codec's own decode, and a Delta_b between the codec's channel bound and that bound plus
     its decode slack (what an FP32 rotation may add), with a staged FP16 block and a promoted
     value block."""
-    from certkv.quant import KVQuantizer, RotatedKeyCodec, RotatedValueCodec
-
     codecs = [c(bits=bits, subspaces=subspaces, rotation=rotation, seed=bits)
               for c in (RotatedKeyCodec, RotatedValueCodec)]
-    store = TieredKVStore(2, 32, block_size=16, quantizer=KVQuantizer(*codecs, 16))
-    k, v = make_kv(2, 117, 32, seed=bits, outlier_channels=2)
-    store.append(k, v)
-    qg = make_query(k, 3, seed=bits, scale=3.0, peaked=True).reshape(2, 3, 32)
-    lay = StepLayout(store)
-    scaling = store.head_dim**-0.5
-    with kernel_launches() as launches:
-        kernel = TritonBackend(split=2).phase1(qg, lay, scaling)
-        ref = TorchBackend().phase1(qg, lay, scaling)
-        gate = torch.zeros(kernel.log_mass.shape, dtype=torch.bool)
-        gate[0, :, 2] = gate[1, 1, 5] = True
-        args = (qg, ref, lay, gate, (staged(store, [0, 1], [2, 5], "k"),
-                                     staged(store, [1], [3], "v")), scaling, 1e-6)
-        attended = TritonBackend(split=2).phase2(*args)
-    assert launches["phase1"] == 1 and launches["phase2"] == 1, launches
-    nc = lay.num_completed
-    held = {name: x[:, :nc] for name, x in store.block_groups("key")[0][1].items()}
-    oracle = torch.einsum("kgd,kntd->kgnt", qg.double(), lay.keys.double()) * scaling
-    oracle = oracle.masked_fill(~lay.valid, float("-inf"))
-    flash_rule(kernel.scores, ref.scores, oracle, "scores")
-    per_channel = [codecs[0].channel_bound(held).double(),
-                   codecs[0].channel_bound(held).double() + codecs[0].decode_slack(held)]
-    low, high = (scaling * torch.einsum("kgd,knd->kgn", qg.double().abs(), x)
-                 for x in per_channel)
-    delta = kernel.delta_b[..., :nc].double()
+    run = kernel_phases(KVQuantizer(*codecs, 16), bits)
+    bound = codecs[0].channel_bound(run.held).double()
+    low, high = run.delta(bound), run.delta(bound + codecs[0].decode_slack(run.held))
+    delta = run.kernel.delta_b[..., : run.lay.num_completed].double()
     assert (delta >= low * (1 - 1e-6)).all() and (delta <= high * (1 + 1e-6)).all()
-    expected = TorchBackend().phase2(*args)
-    for name in ("out", "rho", "log_mass", "spread"):
-        torch.testing.assert_close(getattr(attended, name), getattr(expected, name),
-                                   rtol=1e-5, atol=1e-6)
-    assert torch.equal(attended.canary, expected.canary) and not attended.canary.any()
 
 
 def _phases_at(store, qg, n, gate, keys, values):
@@ -581,7 +580,6 @@ def test_the_quantize_kernel_leaves_evicted_blocks_to_their_summary_codec():
     main precision only; an evicted block's summary is written by its own codec (on an H200
     the kernel was asked for a summary's value group and every evicting store failed)."""
     from certkv.evict import StreamingEviction
-    from certkv.quant import KVQuantizer
 
     k, v = make_kv(2, 256, 32, seed=4, outlier_channels=2)
     stores = [TieredKVStore(2, 32, fused_encode=fused, quantizer=KVQuantizer(
