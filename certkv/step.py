@@ -222,10 +222,10 @@ class QuantizedStep(Escalation, Fallback):
             v_rad_kv=lay.v_radius, kv_of=kv_of, draw=draw,
             n_q=lay.quantized_count if step.on_device else lay.num_quantized,
             scaling=step.scaling, boost=boost, force=force)  # on the device n_q changes in place
-        if self._fused_select(q.device, draw, boost, step.on_device, force):
+        if self._fused_select(q.device, draw, boost, step.on_device):
             return fused_select.select(self.selector, self.ladder, self.value_policy, inputs)
-        if step.in_phase2 and certified and fused_select.covers(
-                self.selector, self.ladder, self.value_policy, draw, boost, force):
+        if step.in_phase2 and certified and force is None and fused_select.covers(
+                self.selector, self.ladder, self.value_policy, draw, boost):
             chosen = self.backend.select(self.selector, self.ladder, self.value_policy, inputs)
             if chosen is not None:  # the backend's kernels
                 return chosen
@@ -346,14 +346,13 @@ class QuantizedStep(Escalation, Fallback):
         return (self.compile is None and device.type == "cpu" and not on_device
                 and fused_cpu.AVAILABLE)
 
-    def _fused_select(self, device: torch.device, draw, boost, on_device=False,
-                      force=None) -> bool:
+    def _fused_select(self, device: torch.device, draw, boost, on_device=False) -> bool:
         """Whether selection runs as one fused CPU loop nest: where the certificate does
         (:meth:`_fused_cpu`), on a certified step with the default policy
         (:func:`fused_select.covers`)."""
         return (self._fused_cpu(device, on_device) and self.mode == "certified"
                 and fused_select.covers(self.selector, self.ladder, self.value_policy, draw,
-                                        boost, force))
+                                        boost))
 
     def _compiler(self, device: torch.device) -> str | None:
         """The ``torch.compile`` backend of this device's segments, or None (eager)."""

@@ -31,12 +31,12 @@ from certkv.certify.values import LocalThreshold
 _F32 = np.float32
 
 
-def covers(selector, ladder, value_policy, draw, boost, force=None) -> bool:
+def covers(selector, ladder, value_policy, draw, boost) -> bool:
     """Whether :func:`select` computes this step's selection (the default policy, nothing
-    boosted or forced)."""
+    boosted; blocks forced by targeted page-in join it, :func:`force_blocks`)."""
     return (selector.fuses_on_cpu() and value_policy.fuses_on_cpu()
             and ladder.tail_mass == "tight" and ladder.e_key_tol is None
-            and draw is None and boost is None and force is None)
+            and draw is None and boost is None)
 
 
 @jit
@@ -180,6 +180,22 @@ def select(selector: AdaptiveTopK, ladder, value_policy: LocalThreshold,
         params(selector, ladder, value_policy, scaling, n_q), int(n_q), group, out_f, out_b,
         q_norm, expanded, plan, radii, exact)
     out_f, out_b, plan, radii = (torch.from_numpy(t) for t in (out_f, out_b, plan, radii))
+    promoted = out_b[0]
+    if x.force is not None:
+        promoted, plan = force_blocks(promoted, plan, x.force, quantized, x.eta)
     return Selection(out_f[0], out_f[1], out_f[2, :, 0], delta_chan, radii[0], radii[1],
-                     torch.from_numpy(q_norm).view(hkv, group), out_b[0],
+                     torch.from_numpy(q_norm).view(hkv, group), promoted,
                      torch.from_numpy(expanded), plan[1], plan, torch.from_numpy(exact))
+
+
+def force_blocks(promoted: torch.Tensor, plan: torch.Tensor, force: torch.Tensor,
+                 quantized: torch.Tensor, eta: torch.Tensor):
+    """The key set ``[Hq, n]`` and page-in ``plan [2, Hkv, n]`` with the blocks targeted page-in
+    reads whole (``force [Hq, n]``: FP16 keys, and FP16 values where lossy), as
+    :func:`~certkv.certify.step_select.select_step` adds them: after rung 1, and without moving
+    the default value policy's promotions (its contributions do not read the key set)."""
+    hkv, n = eta.shape
+    promoted = promoted | force
+    per_kv = force.view(hkv, -1, n).any(dim=1)
+    keys = promoted.view(hkv, -1, n).any(dim=1) & quantized
+    return promoted, torch.stack([keys, plan[1] | (per_kv & (eta > 0))])

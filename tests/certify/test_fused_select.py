@@ -40,6 +40,38 @@ def test_decisions_match_on_a_model_like_step():
         torch.testing.assert_close(out_f, out_o, rtol=1e-5, atol=1e-6)
 
 
+def test_blocks_forced_by_targeted_page_in_join_the_fused_selection_as_the_operators_add_them():
+    """The blocks a tolerant step reads whole (``force``, :mod:`certkv.certify.targeted`) go
+    into the key set after rung 1 and into the value plan where lossy: the fused selection with
+    them equals the operators' (which it replaces on every such pass), decision for decision."""
+    from certkv.certify import fused_select
+    from certkv.certify.segment import SelectInputs
+    from certkv.kernels.layout import StepLayout
+
+    k, v = make_kv(3, 900, 64, seed=5, outlier_channels=2)
+    store = TieredKVStore(3, 64, block_size=16, decoded_mirror=True)
+    store.append(k, v)
+    attn, lay = CertifiedAttention(), StepLayout(store)
+    q = make_query(k, 3, seed=2, scale=2.0, peaked=True)
+    qg = q.float().reshape(3, 3, 64)
+    scored = attn.backend.phase1(qg, lay, 0.125)
+    force = torch.rand(9, lay.num_blocks, generator=torch.Generator().manual_seed(0)) < 0.1
+    inputs = SelectInputs(
+        qg=qg, l8_kv=scored.log_mass, delta_kv=scored.delta_b,
+        log_spread_kv=scored.log_spread, quantized=lay.quantized, eta=lay.eta,
+        value_spec=lay.value_spec, key_err=lay.key_err, v_max_kv=lay.v_max,
+        v_rad_kv=lay.v_radius, kv_of=attn._kv_of(9, 3, q.device), draw=None,
+        n_q=lay.num_quantized, scaling=0.125, force=force)
+    operators = attn._select_step(inputs)
+    fused = fused_select.select(attn.selector, attn.ladder, attn.value_policy, inputs)
+    unforced = fused_select.select(attn.selector, attn.ladder, attn.value_policy,
+                                   inputs._replace(force=None))
+    assert (fused.promoted & ~unforced.promoted).any()  # the force reads more than the set
+    for name in ("promoted", "expanded", "value_kv", "plan", "exact"):
+        assert torch.equal(getattr(fused, name), getattr(operators, name)), name
+    assert attn._fused_select(torch.device("cpu"), None, None)
+
+
 @pytest.mark.parametrize(("component", "value"), [
     ("selector", AdaptiveTopK(rank="upper")), ("selector", AdaptiveTopK(kv_group_union=True)),
     ("ladder", Ladder(tail_mass="paper")), ("ladder", Ladder(e_key_tol=0.1)),
