@@ -82,3 +82,24 @@ def test_without_evicted_blocks_the_setting_changes_nothing(backend):
 def test_a_bad_rank_summaries_is_one_sentence():
     with pytest.raises(ConfigError, match=r"ladder\.rank_summaries='no' must be true or false"):
         Ladder(rank_summaries="no")
+
+
+def test_the_device_path_checks_after_phase_2_with_paged_summaries():
+    """Without a tolerance the Triton step reads no host value and would run the checks in
+    Phase 2's merge; with ``rank_summaries=false`` on an evicting store they run after it on the
+    FP16 log-masses, the certificate and rungs outside the merge: the contract on every head,
+    and no more ranking failures than the summaries' estimates give."""
+    store, k = store_of(True)
+    counts = {}
+    for rank_summaries in (True, False):
+        attn = CertifiedAttention(backend=BACKENDS["triton"](),
+                                  ladder=Ladder(rank_summaries=rank_summaries))
+        assert attn._on_device(make_query(k, 2), False)  # the device path, flags unread
+        certs = []
+        for seed in range(8):
+            q = make_query(k, 2, seed=seed, scale=3.0, peaked=True)
+            out, cert = attn(q, store)
+            check_heads(out, cert, q, store)
+            certs.append(cert)
+        counts[rank_summaries] = failures(certs, "ranking_ok")
+    assert counts[False] <= counts[True]
