@@ -42,7 +42,7 @@ from certkv.kernels.triton_score import (
     load_codes,
     load_group_queries,
     log_or_minus_inf,
-    rotate_back,
+    rotated_back,
 )
 from certkv.kernels.triton_sources import kernel_groups, program_groups, tail_data
 
@@ -148,9 +148,7 @@ def _attend_split(q, kv, p, src, scores, fp16, tail, blocks_out, state, counts_p
         elif ROT > 0:  # rotated coordinates per token and subspace, rotated back
             code = load_codes(code_ptr, base, t, c, s_ct, read, BITS)
             grp = kv * s_vk + slot * s_vn + t[:, None] * s_vt + c[None, :] // (D // ROT)
-            z = (code * tl.load(vs_ptr + grp, mask=read, other=0.0).to(tl.float32)
-                 + tl.load(vo_ptr + grp, mask=read, other=0.0).to(tl.float32))
-            v = rotate_back(z, basis_ptr, D)
+            v = rotated_back(code, vs_ptr, vo_ptr, grp, read, basis_ptr, D)
         else:  # codes unpacked in registers with their FP16 group scale/offset
             code = load_codes(code_ptr, base, t, c, s_ct, read, BITS)
             grp = kv * s_vk + slot * s_vn + t[:, None] * s_vt + c[None, :] // GROUP

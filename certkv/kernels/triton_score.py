@@ -137,6 +137,16 @@ def rotate_back(z, basis_ptr, D: tl.constexpr):
 
 
 @triton.jit
+def rotated_back(code, scale_ptr, offset_ptr, at, mask, basis_ptr, D: tl.constexpr):
+    """Rotated codes ``[B, D]`` (FP32) decoded with the scale and offset of each element's
+    subspace at ``at [B, D]`` (``z = code s + o``, one rounding: ``code s`` is exact) and
+    rotated back to channels (:func:`rotate_back`); masked elements decode to 0."""
+    z = (code * tl.load(scale_ptr + at, mask=mask, other=0.0).to(tl.float32)
+         + tl.load(offset_ptr + at, mask=mask, other=0.0).to(tl.float32))
+    return rotate_back(z, basis_ptr, D)
+
+
+@triton.jit
 def rotated_keys(code, scale_ptr, offset_ptr, basis_ptr, base, s_st, rows, bound_a, bound_b,
                  BITS: tl.constexpr, B: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr):
     """One block of rotated keys (seed 004's rotation archive: ``ROT`` subspaces, a scale and
@@ -150,9 +160,8 @@ def rotated_keys(code, scale_ptr, offset_ptr, basis_ptr, base, s_st, rows, bound
     c = tl.arange(0, D)
     GR: tl.constexpr = D // ROT
     at = base + t[:, None] * s_st + (c // GR)[None, :]
-    member = rows[:, None] & (c[None, :] < D)
-    z = (code * tl.load(scale_ptr + at, mask=member, other=0.0).to(tl.float32)
-         + tl.load(offset_ptr + at, mask=member, other=0.0).to(tl.float32))
+    keys = rotated_back(code, scale_ptr, offset_ptr, at, rows[:, None] & (c[None, :] < D),
+                        basis_ptr, D)
     j = tl.arange(0, ROT)
     sub = base + t[:, None] * s_st + j[None, :]
     held = rows[:, None] & (j[None, :] < ROT)
@@ -162,7 +171,7 @@ def rotated_keys(code, scale_ptr, offset_ptr, basis_ptr, base, s_st, rows, bound
     per_token = GR * (bound_a * tl.sum(s_j, axis=1)
                       + (bound_b + (D + 2) * U32) * tl.sum(zmax, axis=1))
     bound = tl.max(tl.where(rows, per_token, 0.0), axis=0) + c * 0.0
-    return rotate_back(z, basis_ptr, D), bound
+    return keys, bound
 
 
 @triton.jit

@@ -206,9 +206,8 @@ class _Rotated:
 
     def kernel_blocks(self, blocks: Blocks, block_size: int) -> Blocks:
         """The stored tensors (views) and the basis ``H D`` in FP32 (``basis [d, d]``)."""
-        codes = blocks["codes"]
-        d = codes.shape[-1] * 8 // self.bits
-        return {**blocks, "basis": _kernel_basis(self.rotation, self.seed, d, str(codes.device))}
+        return {**blocks, "basis": _kernel_basis(self.rotation, self.seed, self._head_dim(blocks),
+                                                 str(blocks["codes"].device))}
 
     def _terms(self, blocks: Blocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """FP64 ``(s_j, zmax_j, exact_t, g)``: scales and magnitude bounds ``[Hkv, n, B, m]``,
