@@ -26,6 +26,7 @@ import torch
 from certkv.certify.fused_cpu import _lse, _nmin, as_array, jit, prange, use_threads
 from certkv.certify.segment import SelectInputs, Selection
 from certkv.certify.select import AdaptiveTopK
+from certkv.certify.step_select import forced_values
 from certkv.certify.values import LocalThreshold
 
 _F32 = np.float32
@@ -196,6 +197,5 @@ def force_blocks(promoted: torch.Tensor, plan: torch.Tensor, force: torch.Tensor
     the default value policy's promotions (its contributions do not read the key set)."""
     hkv, n = eta.shape
     promoted = promoted | force
-    per_kv = force.view(hkv, -1, n).any(dim=1)
     keys = promoted.view(hkv, -1, n).any(dim=1) & quantized
-    return promoted, torch.stack([keys, plan[1] | (per_kv & (eta > 0))])
+    return promoted, torch.stack([keys, plan[1] | forced_values(force, eta)])

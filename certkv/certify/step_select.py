@@ -76,10 +76,18 @@ def select_step(policy, x: SelectInputs) -> Selection:
         extra = promoted & x.quantized & (x.boost >= 2).unsqueeze(-1)
         value_kv = value_kv | (extra.reshape(hkv, group, n).any(dim=1) & (x.eta > 0))
     if x.force is not None:  # targeted page-in reads its blocks whole: FP16 values too
-        value_kv = value_kv | (x.force.reshape(hkv, group, n).any(dim=1) & (x.eta > 0))
+        value_kv = value_kv | forced_values(x.force, x.eta)
     need_keys = promoted.view(hkv, group, n).any(dim=1) & x.quantized
     return Selection(log_p, delta_b, delta, delta_chan, v_max, v_rad, q_norm, promoted,
                      expanded, value_kv, torch.stack([need_keys, value_kv]), exact)
+
+
+def forced_values(force: torch.Tensor, eta: torch.Tensor) -> torch.Tensor:
+    """``[Hkv, n]``: the blocks whose FP16 values targeted page-in reads (``force [Hq, n]``:
+    blocks read whole), where any query head of the kv head forces one with lossy values
+    (``eta [Hkv, n] > 0``)."""
+    hkv, n = eta.shape
+    return force.view(hkv, -1, n).any(dim=1) & (eta > 0)
 
 
 def key_set(policy, x: KeySetInputs, draw, boost=None, force=None):
