@@ -284,6 +284,14 @@ class CertificateLog:
         self.heads: list[dict] = []
         self._pending: list[tuple[int, Certificate | list[Certificate]]] = []
 
+    def copy(self) -> CertificateLog:
+        """An independent log with this one's steps so far (beam search: a beam that continues
+        another's sequence continues its log; the records themselves are shared, never changed)."""
+        new = CertificateLog(self.keep)
+        new.steps, new.heads, new._pending = list(self.steps), list(self.heads), \
+            list(self._pending)
+        return new
+
     def record(self, layer_idx: int, cert: Certificate | list[Certificate]) -> None:
         """Log ``layer_idx``'s certificate of this step, or a batch step's certificates (one per
         sequence: a layer's heads are every sequence's, joined when the step closes, so the

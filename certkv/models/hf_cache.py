@@ -5,7 +5,8 @@
 (``certkv.models.hook``) receives that handle as ``key`` and runs dense SDPA for prefill and
 :class:`CertifiedAttention` for every single-token decode step. Works with ``model(...)`` loops
 and ``model.generate(...)``, for one sequence or a left-padded batch (one store per sequence
-and layer, :meth:`~certkv.attention.CertifiedAttention.batch`; padding never enters a store).
+and layer, :meth:`~certkv.attention.CertifiedAttention.batch`; padding never enters a store),
+sampled, greedy or by beam search (:meth:`TieredLayer.reorder_cache`).
 """
 
 from __future__ import annotations
@@ -26,9 +27,6 @@ from certkv.errors import CertKVError, ConfigError, require
 from certkv.quant.importance import ImportanceBoard
 from certkv.quant.kv import KVQuantizer
 
-_BEAMS = ("beam search (generate() with num_beams > 1) reorders the cache's sequences at every "
-          "step, which certkv leaves out; use num_beams=1 (greedy or sampling: batches of prompts "
-          "and num_return_sequences work).")
 _ONE_SEQUENCE = ("{what} holds one sequence's stores; this cache decodes a batch of {n}: use "
                  "layer.stores (one per sequence), or decode one sequence per cache.")
 
@@ -265,7 +263,23 @@ class TieredLayer(DynamicLayer):
         self.scratches = [self._new_scratch() for _ in self.stores]
 
     def reorder_cache(self, beam_idx) -> None:
-        raise CertKVError(_BEAMS)
+        """Beam search: sequence ``i`` continues sequence ``beam_idx[i]``. A sequence one beam
+        chooses moves there (nothing is copied); one several beams choose is copied for each
+        but the first (:meth:`TieredKVStore.clone`: its blocks, tail, tiers, statistics and
+        Tier-2 originals, every copy its own from then on, with a scratch cache of its own);
+        one no beam chooses leaves the batch."""
+        stores, scratches = [], []
+        for j, first in _beams(beam_idx):
+            if first:
+                stores.append(self.stores[j])
+                scratches.append(self.scratches[j])
+                continue
+            copy = self.stores[j].clone()
+            copy.join(self.cache.board, self.layer_idx)
+            stores.append(copy)
+            scratches.append(self._new_scratch())
+        self.stores, self.scratches = stores, scratches
+        self.sequences = list(range(len(stores)))  # a beam's place is its sequence
 
     def crop(self, *args, **kwargs) -> None:
         raise CertKVError("cropping the cache (assisted or speculative decoding) is not "
@@ -425,6 +439,17 @@ class TieredCache(Cache):
                                 if i not in keep]
             self._sequence_logs = [self._sequence_logs[i] for i in keep]
 
+    def reorder_cache(self, beam_idx) -> None:
+        """Beam search (:meth:`TieredLayer.reorder_cache` on every layer): each sequence's
+        certificate log follows its beam too, copied where several beams continue one
+        sequence (a beam's log holds its own history); a sequence no beam chooses leaves with
+        its log (the cache's :attr:`log` keeps every step it took)."""
+        super().reorder_cache(beam_idx)
+        if self._sequence_logs:
+            logs = self._sequence_logs
+            self._sequence_logs = [logs[j] if first else logs[j].copy()
+                                   for j, first in _beams(beam_idx)]
+
     @classmethod
     def batch_of(cls, caches: list[TieredCache]) -> TieredCache:
         """One cache decoding the sequences of ``caches`` (one sequence each, one method) as a
@@ -476,3 +501,14 @@ class TieredCache(Cache):
         counts = [s.eviction_counts() for s in self.stores()]
         eviction = {name: sum(c[name] for c in counts) for name in counts[0]} if counts else {}
         return CacheTelemetry(self.log, self.bytes(), self.scratch_stats(), eviction)
+
+
+def _beams(beam_idx) -> list[tuple[int, bool]]:
+    """``(j, first)`` per beam of a reorder: the sequence ``j`` it continues, and whether it is
+    the first beam to continue ``j`` (which takes the sequence itself; later ones copy it)."""
+    seen: set[int] = set()
+    out = []
+    for j in (int(i) for i in beam_idx):
+        out.append((j, j not in seen))
+        seen.add(j)
+    return out

@@ -222,6 +222,70 @@ def test_num_return_sequences_samples_a_batch_of_independent_sequences():
     assert len(cache.layers[0].stores) == 3 and cache.layers[0].stores[0].num_tokens == 45
 
 
+def forced_log_prob(model, seq: torch.Tensor, start: int) -> float:
+    """The summed log-probabilities of ``seq[start:]`` given what comes before it, decoded
+    alone through a fresh :class:`TieredCache` (prompt prefilled, then one token a step)."""
+    cache, total = TieredCache(2, CertifiedAttention()), 0.0
+    with torch.no_grad():
+        logits = model(seq[None, :start], **cache_kwargs(model, cache)).logits[0, -1]
+        for t in range(start, len(seq)):
+            total += torch.log_softmax(logits.double(), -1)[seq[t]].item()
+            if t + 1 < len(seq):
+                logits = model(seq[None, t:t + 1], **cache_kwargs(model, cache)).logits[0, -1]
+    return total
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
+def test_beam_search_scores_every_beam_as_its_own_sequence_decoded_alone(model_type):
+    """Beam search reorders the batch at every step: each returned beam's score (its tokens'
+    summed log-probabilities, ``length_penalty=0``) must be what its own sequence gets decoded
+    alone, which a beam reading another beam's cache would not give; every head keeps the
+    contract meanwhile (ContractChecker: each beam's oracle is its own copy of the data)."""
+    _, model = tiny_model(model_type)
+    checker = ContractChecker(CertifiedAttention())
+    cache = TieredCache(2, checker)
+    ids = prompt(40)
+    out = model.generate(ids, max_new_tokens=6, num_beams=3, num_return_sequences=3,
+                         do_sample=False, length_penalty=0.0, early_stopping=True,
+                         output_scores=True, return_dict_in_generate=True, pad_token_id=0,
+                         **cache_kwargs(model, cache))
+    assert len({tuple(s.tolist()) for s in out.sequences}) == 3  # three different beams
+    for seq, score in zip(out.sequences, out.sequences_scores, strict=True):
+        assert forced_log_prob(model, seq, 40) == pytest.approx(score.item(), abs=1e-4)
+    assert checker.head_steps == 5 * 2 * 3 * 4  # steps x layers x beams x heads
+    assert [s.num_tokens for s in cache.layers[0].stores] == [45] * 3
+    cache.telemetry()  # closes the last step
+    assert [len(log.steps) for log in cache.sequence_logs(3)] == [5] * 3
+
+
+def test_a_reorder_moves_each_chosen_sequence_and_copies_one_chosen_twice():
+    """``reorder_cache([2, 0, 0])``: beam 0 takes sequence 2's store itself, beam 1 sequence
+    0's, beam 2 an independent copy of it (what is appended to one is not in the other);
+    sequence 1 leaves; the sequences' logs follow their beams."""
+    _, model = tiny_model()
+    cache = TieredCache(2, CertifiedAttention())
+    ids, mask = left_padded([prompt(n, seed=n)[0] for n in (40, 23, 57)])
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, **cache_kwargs(model, cache))
+        step = torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], dim=1)
+        model(out.logits[:, -1:].argmax(-1), attention_mask=step, **cache_kwargs(model, cache))
+    cache.telemetry()  # closes the step
+    layer, logs = cache.layers[0], cache.sequence_logs(3)
+    assert [len(log.steps) for log in logs] == [1] * 3
+    before = list(layer.stores)
+    cache.reorder_cache(torch.tensor([2, 0, 0]))
+    after = layer.stores
+    assert after[0] is before[2] and after[1] is before[0] and after[2] is not before[0]
+    assert all(torch.equal(a, b) for a, b in zip(after[2].dense_kv(), before[0].dense_kv(),
+                                                 strict=True))
+    k, v = make_kv(after[2].num_kv_heads, 1, after[2].head_dim, seed=5)
+    after[2].append(k, v)
+    assert after[2].num_tokens == after[1].num_tokens + 1
+    new_logs = cache.sequence_logs(3)
+    assert new_logs[0] is logs[2] and new_logs[1] is logs[0] and new_logs[2] is not logs[0]
+    assert new_logs[2].steps == logs[0].steps and new_logs[2].steps is not logs[0].steps
+
+
 def test_a_batch_padded_on_the_right_is_refused_naming_the_fix():
     _, model = tiny_model()
     ids, mask = left_padded([prompt(30)[0], prompt(20)[0]])
