@@ -179,17 +179,34 @@ def tiers_with_a_rotation_archive():
     return quantizer
 
 
+def tiers_with_a_kvquant_archive():
+    from omegaconf import OmegaConf
+
+    from certkv.config import CONF_DIR
+    from certkv.eval.runner import build
+    from certkv.quant import PreRoPEKeyCodec
+    from certkv.quant.rope import RopeSpec
+
+    node = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "quantizer" / "tiers.yaml"))
+    node.update(block_size=16, hot=32, stale=128, archive="kvquant")
+    quantizer = build(node, "quantizer").with_rope(RopeSpec.from_theta(1e4, 64))
+    assert isinstance(quantizer.archives["kvquant"].key_codec, PreRoPEKeyCodec)
+    return quantizer
+
+
 @pytest.mark.parametrize(("quantizer", "precisions"), [
     (kivi2_with_a_window, {"FP16", "K2/V2"}),
     (smartkv, {"K3/V3", "K4/V4", "K8/V8"}),
     (innerq_with_a_window, {"FP16", "K2/V2"}),
     (tiers_with_a_rotation_archive, {"FP16", "K4/V4", "K2/V2"}),
+    (tiers_with_a_kvquant_archive, {"FP16", "K4/V4", "K3/V3"}),
 ])
 def test_a_mixed_precision_store_steps_in_the_same_launches(quantizer, precisions):
     """KIVI-2 blocks after an FP16 window, SmartKV's widths by importance (several precisions,
     and the tail block), InnerQ's groups after an FP16 window, seed 004's tiers (hot FP16, warm
-    KIVI-4, the Hadamard-rotated archive): each phase is still one launch, so the device step
-    launches what an int8_int4 store's does."""
+    KIVI-4, the Hadamard-rotated archive or KVQuant's pre-RoPE keys and dense-and-sparse
+    values): each phase is still one launch, so the device step launches what an int8_int4
+    store's does."""
     from certkv.cache.scratch import ScratchCache
 
     k, v = make_kv(2, 300, 64, seed=0, outlier_channels=2)

@@ -140,6 +140,34 @@ def test_a_codec_subclass_that_changes_decoding_loses_the_kernel_layout():
     assert Signed(bits=2).kernel_layout(64) is None
 
 
+def test_kvquants_codecs_claim_their_layouts_only_where_the_kernels_can_read_them():
+    """Pre-RoPE keys over plain per-channel codes with a RoPE to rotate by (post-RoPE: the
+    inner codec's own layout); dense-and-sparse values by their levels; a subclass that
+    decodes its own way loses the claim."""
+    from certkv.quant import OutlierValueCodec, PreRoPEKeyCodec
+    from certkv.quant.rope import RopeSpec
+
+    rope = RopeSpec.from_theta(1e4, 64)
+    kivi3 = KiviKeyCodec(bits=3)
+    layout = PreRoPEKeyCodec(inner=kivi3, rope=rope).kernel_layout()
+    assert layout.rope and layout.bits == 3 and layout.bound == kivi3.bound_coefficients()
+    assert layout.slack == kivi3.slack_coefficients()
+    assert PreRoPEKeyCodec(inner=kivi3).kernel_layout() is None  # no RoPE to rotate by
+    assert PreRoPEKeyCodec(inner=InnerQKeyCodec(bits=3), rope=rope).kernel_layout() is None
+    post = PreRoPEKeyCodec(inner=kivi3, key_mode="post_rope", rope=rope)
+    assert post.kernel_layout() == kivi3.kernel_layout()
+    assert OutlierValueCodec(bits=3, group=32).kernel_layout(64).codebook
+    uniform = OutlierValueCodec(bits=2, group=32, levels="uniform").kernel_layout(64)
+    assert uniform.outliers and not uniform.codebook
+    assert OutlierValueCodec(bits=3, group=32).kernel_layout(48) is None  # 32 does not divide
+
+    class Shifted(OutlierValueCodec):
+        def decode(self, blocks):
+            return super().decode(blocks) + 0.0
+
+    assert Shifted(bits=3, group=32).kernel_layout(64) is None
+
+
 def test_a_backend_states_capabilities_and_defaults_the_rest():
     class Minimal(Backend):
         def phase1(self, q, lay, scaling): ...

@@ -26,6 +26,8 @@ from certkv.quant import (
     GroupAffineValueCodec,
     KiviKeyCodec,
     KVQuantizer,
+    OutlierValueCodec,
+    Precision,
     TieredQuantizer,
 )
 from certkv.quant.rope import RopeSpec
@@ -76,14 +78,12 @@ def test_contract_over_mixed_precision_stores(sc):
 
 
 def covered(sc) -> dict:
-    """``sc`` restricted to what the kernels read (2/4-bit KIVI keys and group values, FP16
-    windows; the 2-bit KIVI archive, or on odd seeds the Hadamard-rotated one, whose rotation
-    the kernels run as a matmul of tiles of at least 16) on small shapes for the
-    interpreter."""
-    rotation = sc["seed"] % 2 == 1
-    return {**sc, "bits": 2 if sc["bits"] == 3 else sc["bits"],
-            "archive": "rotation" if rotation else "kivi2",
-            "block": 16 if rotation else sc["block"],
+    """``sc`` on small shapes for the interpreter, its archive by the seed: the 2-bit KIVI
+    one, the Hadamard-rotated one (whose rotation the kernels run as a matmul of tiles of at
+    least 16) or KVQuant's (pre- or post-RoPE 3-bit keys, dense-and-sparse values)."""
+    archive = ("kivi2", "rotation", "kvquant")[sc["seed"] % 3]
+    return {**sc, "bits": 2 if sc["bits"] == 3 else sc["bits"], "archive": archive,
+            "block": 16 if archive == "rotation" else sc["block"],
             "tokens": min(sc["tokens"], 90), "steps": min(sc["steps"], 2),
             "q_dtype": "float16" if sc["q_dtype"] == "bfloat16" else sc["q_dtype"]}
 
@@ -118,14 +118,28 @@ def test_contract_over_mixed_stores_with_the_compiled_kernels(sc):
     check_mixed_triton_contract(sc, "cuda")
 
 
+class _OwnDecode(OutlierValueCodec):
+    """Dense-and-sparse values with a decode of their own (the same numbers): a codec the
+    kernels cannot know they understand (:func:`certkv.quant.layout.keeps`)."""
+
+    def decode(self, blocks):
+        return super().decode(blocks)
+
+
 @pytest.mark.skipif(not triton_available(), reason="needs triton (TRITON_INTERPRET=1 on CPU)")
-def test_triton_backend_falls_back_on_uncovered_archives():
-    """3-bit pre-RoPE keys with dense-and-sparse values are not in the kernels: a store holding
-    them runs its phases on the reference (one notice) and still certifies every head."""
+def test_triton_backend_falls_back_on_an_archive_it_does_not_read():
+    """An archive whose value codec decodes in its own way (a subclass) is not read by the
+    kernels: a store holding it runs Phase 2 on the reference (one notice) and still
+    certifies every head."""
     sc = {"kind": "tiers", "block": 8, "group_size": 8, "sink": 4, "hot": 8, "warm": 16,
-          "archive": "auto", "key_mode": "pre_rope", "tokens": 100, "steps": 2, "per_step": 9,
-          "gqa": 2, "q_scale": 1.0, "peaked": True, "q_dtype": "float16", "seed": 3}
-    store = TieredKVStore(2, D, block_size=8, quantizer=quantizer(sc))
+          "archive": "kvquant", "key_mode": "pre_rope", "tokens": 100, "steps": 2,
+          "per_step": 9, "gqa": 2, "q_scale": 1.0, "peaked": True, "q_dtype": "float16",
+          "seed": 3}
+    q = quantizer(sc)
+    keys = q.archives["kvquant"].key_codec
+    q.archives["kvquant"] = Precision(keys, _OwnDecode(bits=3, group=8))
+    assert _OwnDecode(bits=3, group=8).kernel_layout(D) is None
+    store = TieredKVStore(2, D, block_size=8, quantizer=q)
     k, v = make_kv(2, 100, D, seed=3, outlier_channels=2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -48,6 +48,19 @@ from certkv.kernels.triton_sources import kernel_groups, program_groups, tail_da
 
 
 @triton.jit
+def with_outliers(v, idx_ptr, val_ptr, base, m, on, B: tl.constexpr, D: tl.constexpr):
+    """A dense decode ``v [B, D]`` with the block's ``m`` exact outliers in place (flat index
+    ``t D + c`` and FP16 value at ``base + i``, :mod:`certkv.quant.outlier_value`), read only
+    where ``on``."""
+    flat = tl.arange(0, B)[:, None] * D + tl.arange(0, D)[None, :]
+    for i in range(m):
+        at = tl.load(idx_ptr + base + i, mask=on, other=-1).to(tl.int32)
+        x = tl.load(val_ptr + base + i, mask=on, other=0.0).to(tl.float32)
+        v = tl.where(flat == at, x, v)
+    return v
+
+
+@triton.jit
 def _attend_kernel(query, scores, fp16, tail, blocks_out, state, counts_ptr, scaling,
                    eps_guard, groups, G: tl.constexpr, BLOCK_G: tl.constexpr, B: tl.constexpr,
                    D: tl.constexpr, DOT_C: tl.constexpr, SPLIT: tl.constexpr,
@@ -56,7 +69,8 @@ def _attend_kernel(query, scores, fp16, tail, blocks_out, state, counts_ptr, sca
     program ``p`` writing split state ``p``. The arguments come in bundles (pointers and their
     strides, :func:`_launch_attend`); ``groups[k]``: precision ``k``'s programs ``[first,
     end)`` and what they read; ``LAYOUTS[k]``: its ``(FP16, BITS, BIAS, GROUP, TAIL, CARRIES,
-    TOKEN, INNER, NORM, ROT)`` (:func:`~certkv.kernels.triton_sources.kernel_groups`)."""
+    TOKEN, INNER, NORM, ROT, CODEBOOK, OUTLIERS, ROPE)``
+    (:func:`~certkv.kernels.triton_sources.kernel_groups`)."""
     kv = tl.program_id(0)
     p = tl.program_id(1)
     q_ptr, s_qk, s_qg = query
@@ -67,7 +81,8 @@ def _attend_kernel(query, scores, fp16, tail, blocks_out, state, counts_ptr, sca
             _attend_split(q, kv, p, src, scores, fp16, tail, blocks_out, state, counts_ptr,
                           scaling, eps_guard, G, BLOCK_G, B, D, DOT_C, SPLIT, LAYOUTS[k][0],
                           LAYOUTS[k][1], LAYOUTS[k][2], LAYOUTS[k][3], LAYOUTS[k][4],
-                          LAYOUTS[k][5], LAYOUTS[k][6], LAYOUTS[k][7], LAYOUTS[k][9])
+                          LAYOUTS[k][5], LAYOUTS[k][6], LAYOUTS[k][7], LAYOUTS[k][9],
+                          LAYOUTS[k][10], LAYOUTS[k][11])
 
 
 @triton.jit
@@ -76,14 +91,18 @@ def _attend_split(q, kv, p, src, scores, fp16, tail, blocks_out, state, counts_p
                   D: tl.constexpr, DOT_C: tl.constexpr, SPLIT: tl.constexpr,
                   FP16: tl.constexpr, BITS: tl.constexpr, BIAS: tl.constexpr,
                   GROUP: tl.constexpr, TAIL: tl.constexpr, CARRIES: tl.constexpr,
-                  TOKEN: tl.constexpr, INNER: tl.constexpr, ROT: tl.constexpr):
+                  TOKEN: tl.constexpr, INNER: tl.constexpr, ROT: tl.constexpr,
+                  CODEBOOK: tl.constexpr, OUTLIERS: tl.constexpr):
     """Program ``p``'s ``SPLIT`` blocks of one precision (``src``), merged into split state
     ``p`` (see the module); value codes with a scale and an offset per group, or (``TOKEN``)
-    symmetric with a scale per token, ``(code - BIAS) s_t``, or (``INNER``) InnerQ's groups
-    of the block's tokens per channel, or (``ROT``) rotated coordinates with a scale and an
-    offset per token and subspace, rotated back in registers."""
+    symmetric with a scale per token, ``(code - BIAS) s_t``, or (``CODEBOOK``) normal-float
+    levels times a scale per group, or (``INNER``) InnerQ's groups of the block's tokens per
+    channel, or (``ROT``) rotated coordinates with a scale and an offset per token and
+    subspace, rotated back in registers; with ``OUTLIERS``, the block's exact entries in
+    place (:func:`with_outliers`)."""
     (first, _, code_ptr, vs_ptr, vo_ptr, blk_ptr, slot_ptr, s_ck, s_cn, s_ct, s_vk, s_vn, s_vt,
-     n_live, walked, _, _, mode_ptr, s_fk, s_fn, _, _, _, basis_ptr) = src
+     n_live, walked, _, _, mode_ptr, s_fk, s_fn, _, _, _, basis_ptr, idx_ptr, val_ptr,
+     levels_ptr, s_xk, s_xn, n_out, _, _, _) = src
     s_ptr, gate_ptr, delta_ptr, s_sk, s_sg, s_sn = scores
     kslot_ptr, kstaged_ptr, vslot_ptr, vstaged_ptr, k2_ptr, v2_ptr, s_lk, s_kp, s_kt, s_pp, \
         s_pt, s_2p, s_2t = fp16
@@ -155,9 +174,14 @@ def _attend_split(q, kv, p, src, scores, fp16, tail, blocks_out, state, counts_p
             vs = tl.load(vs_ptr + grp, mask=read, other=0.0).to(tl.float32)
             if TOKEN:  # exact: an integer of at most 8 bits times an FP16 scale
                 v = (code - BIAS) * vs
+            elif CODEBOOK:  # normal-float levels: L[code] S, one rounding (the codec's)
+                v = tl.load(levels_ptr + code.to(tl.int32), mask=read, other=0.0) * vs
             else:
                 vo = tl.load(vo_ptr + grp, mask=read, other=0.0).to(tl.float32)
                 v = code * vs + vo
+            if OUTLIERS:  # dense-and-sparse: the block's exact entries in place
+                v = with_outliers(v, idx_ptr, val_ptr, kv * s_xk + slot * s_xn, n_out,
+                                  live, B, D)
         if beyond:  # the tail block (FP16 values from the store's tail buffer) or an empty one
             v = tl.load(tv_ptr + kv * s_tk + t[:, None] * s_tt + c[None, :], mask=read,
                         other=0.0).to(tl.float32)

@@ -5,10 +5,11 @@ Each phase is one launch, its programs grouped by precision (the exact tail bloc
 last group; ``triton_sources``): keys FP16 or 2/3/4/8-bit per channel (INT8 channel-affine, KIVI),
 values FP16 or 2/3/4/8-bit per group, in any mix (exact sink and residual windows included). Used
 automatically on CUDA (``backend=auto``); on CPU it runs under ``TRITON_INTERPRET=1`` (tests, small
-shapes). InnerQ's groups and seed 004's Hadamard-rotated codes are read by the same launches;
-codecs or shapes the kernels do not cover (pre-RoPE keys, dense-and-sparse values,
-non-power-of-two B or d) fall back to the PyTorch reference per phase, with a one-time notice,
-so results never depend on the backend beyond FP32 rounding.
+shapes). InnerQ's groups, seed 004's Hadamard-rotated codes and KVQuant's pre-RoPE keys and
+dense-and-sparse values are read by the same launches; codecs or shapes the kernels do not cover
+(a codec that claims no kernel layout, non-power-of-two B or d) fall back to the PyTorch
+reference per phase, with a one-time notice, so results never depend on the backend beyond FP32
+rounding.
 """
 
 from __future__ import annotations
@@ -45,9 +46,9 @@ def triton_available() -> bool:
 
 @dataclass
 class TritonBackend(Backend):
-    """Fused kernels for FP16, 2/3/4/8-bit affine, per-token symmetric, InnerQ and rotated
-    blocks of any mix of precisions (:class:`~certkv.quant.layout.CodeLayout`); the reference
-    for every other codec."""
+    """Fused kernels for FP16, 2/3/4/8-bit affine, per-token symmetric, InnerQ, rotated,
+    pre-RoPE and dense-and-sparse blocks of any mix of precisions
+    (:class:`~certkv.quant.layout.CodeLayout`); the reference for every other codec."""
 
     split: int | None = None  # blocks per program in Phase 1 / 2 (None: by SM count)
     name: str = "triton"
@@ -72,10 +73,11 @@ class TritonBackend(Backend):
             _NOTICED.add(key)
             warnings.warn(f"the Triton kernels read {which}s as FP16, 2/3/4/8-bit affine codes "
                           f"(keys per channel, values per group), per-token symmetric codes, "
-                          f"InnerQ's groups or rotated codes (powers of two B and d); a "
-                          f"store with {store.quantizer.label} at B={store.block_size}, "
-                          f"d={store.head_dim} runs that phase on the PyTorch reference.",
-                          RuntimeWarning, stacklevel=4)
+                          f"InnerQ's groups, rotated codes, pre-RoPE keys or dense-and-sparse "
+                          f"values of the codecs that claim a kernel layout (powers of two B "
+                          f"and d); a store with {store.quantizer.label} at "
+                          f"B={store.block_size}, d={store.head_dim} runs that phase on the "
+                          "PyTorch reference.", RuntimeWarning, stacklevel=4)
         return None
 
     def phase1(self, q: torch.Tensor, lay: StepLayout, scaling: float) -> Scored:

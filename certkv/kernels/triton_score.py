@@ -205,6 +205,59 @@ def entry(blk_ptr, slot_ptr, counts_ptr, e, n_live, walked, B: tl.constexpr,
     filled = tl.where(beyond, tl.where(e == n_entries, tail_rows, 0), B)
     return blk, slot, beyond, filled
 
+ROPE_REL = tl.constexpr(2.0**-11 + 2.0**-19 + 2.0**-20)  # prerope._REL + _SLACK_REL
+ROPE_ABS = tl.constexpr(2.0**-24)  # prerope._ABS
+ROPE_FLOOR = tl.constexpr(2.0**-125)  # a flushed subnormal, and prerope's _TINY terms
+ROPE_MARGIN = tl.constexpr(1.0 + 2.0**-16)  # this FP32 evaluation against the codec's FP64
+
+
+@triton.jit
+def pair_norm(x, y):
+    """``sqrt(x^2 + y^2)`` elementwise in FP32, IEEE square root, scaled by the larger
+    magnitude so that no square under- or overflows (0 where both are 0)."""
+    big = tl.maximum(tl.abs(x), tl.abs(y))
+    ratio = tl.minimum(tl.abs(x), tl.abs(y)) / tl.where(big > 0, big, 1.0)
+    return big * tl.sqrt_rn(1.0 + ratio * ratio)
+
+
+@triton.jit
+def rope_keys(code, code_ptr, scale_ptr, offset_ptr, base, meta, s_ct, rows, pos_ptr, cos_ptr,
+              sin_ptr, pos_at, half, a, bound, slack, BITS: tl.constexpr, BIAS: tl.constexpr,
+              B: tl.constexpr, D: tl.constexpr):
+    """One block of pre-RoPE keys (KVQuant's, :mod:`certkv.quant.prerope`) from its inner
+    codes ``[B, D]`` (FP32; scale and offset per channel at ``meta``) -> ``(keys [B, D], r
+    [D])``: the inner decode ``x`` and its partner channels' ``x'`` (channel ``c + D/2`` mod
+    ``D``, its codes read again) rotated to post-RoPE at positions ``pos + t`` with the FP32
+    tables ``[P, half]``, ``a (x cos -+ x' sin)``; and the channel bound, the codec's
+    ``channel_bound`` plus its ``decode_slack`` (from the inner ``bound`` and ``slack``
+    coefficients, the pair norms of the inner bounds ``R`` and slacks ``S`` and the largest
+    pair norm ``P`` of the decode, plus ``S`` for the codec's own inner decode), evaluated in
+    FP32 and widened by :data:`ROPE_MARGIN` (its few roundings) and :data:`ROPE_FLOOR`."""
+    t = tl.arange(0, B)
+    c = tl.arange(0, D)
+    partner = (c + D // 2) % D
+    scale = tl.load(scale_ptr + meta + c).to(tl.float32)
+    offset = tl.load(offset_ptr + meta + c).to(tl.float32)
+    scale_p = tl.load(scale_ptr + meta + partner).to(tl.float32)
+    offset_p = tl.load(offset_ptr + meta + partner).to(tl.float32)
+    x = (code - BIAS) * scale[None, :] + offset[None, :]
+    code_p = load_codes(code_ptr, base, t, partner, s_ct, rows[:, None], BITS)
+    x_p = (code_p - BIAS) * scale_p[None, :] + offset_p[None, :]
+    row = (tl.load(pos_ptr + pos_at) + t).to(tl.int64)[:, None] * half + (c % (D // 2))[None, :]
+    held = rows[:, None] & (c[None, :] < D)
+    cos = tl.load(cos_ptr + row, mask=held, other=0.0)
+    sin = tl.load(sin_ptr + row, mask=held, other=0.0)
+    sign = tl.where(c < D // 2, -1.0, 1.0)
+    keys = a * (x * cos + x_p * (sign[None, :] * sin))
+    r = tl.where(scale > 0, bound[0] * scale + bound[1] * tl.abs(offset), 0.0)
+    r_p = tl.where(scale_p > 0, bound[0] * scale_p + bound[1] * tl.abs(offset_p), 0.0)
+    s = tl.where(scale > 0, slack[0] * scale + slack[1] * tl.abs(offset), 0.0)
+    s_p = tl.where(scale_p > 0, slack[0] * scale_p + slack[1] * tl.abs(offset_p), 0.0)
+    big_r, big_s = pair_norm(r, r_p), pair_norm(s, s_p)
+    big_p = tl.max(tl.where(held, pair_norm(x, x_p), 0.0), axis=0) + big_s
+    total = a * (big_r + big_s + ROPE_REL * (big_p + big_r + big_s) + ROPE_ABS)
+    return keys, total * ROPE_MARGIN + ROPE_FLOOR
+
 
 @triton.jit
 def log_or_minus_inf(total):
@@ -222,8 +275,8 @@ def _score_kernel(q_ptr, tk_ptr, s_out, l_out, d_out, ls_out, s_qk, s_qg, s_ok, 
                   DOT_C: tl.constexpr, SPLIT: tl.constexpr, LAYOUTS: tl.constexpr):
     """Grid ``(kv head, program)``: the programs of every precision's blocks in one launch.
     ``groups[k]``: precision ``k``'s programs ``[first, end)`` and what they read;
-    ``LAYOUTS[k]``: its ``(FP16, BITS, BIAS, GROUP, TAIL, CARRIES, TOKEN, INNER, NORM, ROT)``
-    (:func:`~certkv.kernels.triton_sources.kernel_groups`)."""
+    ``LAYOUTS[k]``: its ``(FP16, BITS, BIAS, GROUP, TAIL, CARRIES, TOKEN, INNER, NORM, ROT,
+    CODEBOOK, OUTLIERS, ROPE)`` (:func:`~certkv.kernels.triton_sources.kernel_groups`)."""
     kv = tl.program_id(0)
     p = tl.program_id(1)
     q = load_group_queries(q_ptr, kv, s_qk, s_qg, G, BLOCK_G, D)
@@ -234,7 +287,7 @@ def _score_kernel(q_ptr, tk_ptr, s_out, l_out, d_out, ls_out, s_qk, s_qg, s_ok, 
                          s_og, s_on, s_lk, s_lg, s_tk, s_tt, counts_ptr, scaling, G, BLOCK_G,
                          B, D, DOT_C, SPLIT, LAYOUTS[k][0], LAYOUTS[k][1], LAYOUTS[k][2],
                          LAYOUTS[k][3], LAYOUTS[k][4], LAYOUTS[k][5], LAYOUTS[k][6],
-                         LAYOUTS[k][7], LAYOUTS[k][8], LAYOUTS[k][9])
+                         LAYOUTS[k][7], LAYOUTS[k][8], LAYOUTS[k][9], LAYOUTS[k][12])
 
 
 @triton.jit
@@ -244,15 +297,16 @@ def _score_split(q, kv, split, src, tk_ptr, s_out, l_out, d_out, ls_out, s_ok, s
                  DOT_C: tl.constexpr, SPLIT: tl.constexpr, FP16: tl.constexpr,
                  BITS: tl.constexpr, BIAS: tl.constexpr, GROUP: tl.constexpr,
                  TAIL: tl.constexpr, CARRIES: tl.constexpr, TOKEN: tl.constexpr,
-                 INNER: tl.constexpr, NORM: tl.constexpr, ROT: tl.constexpr):
+                 INNER: tl.constexpr, NORM: tl.constexpr, ROT: tl.constexpr,
+                 ROPE: tl.constexpr):
     """One program's ``SPLIT`` blocks of one precision (``src``, :func:`~certkv.kernels.
     triton_sources.kernel_groups`); codes with a scale per channel and an offset, or
     (``TOKEN``) symmetric with a scale per token, or (``INNER``) InnerQ's groups of ``GROUP``
     channels per token (:func:`inner_keys`), or (``ROT``) rotated coordinates in ``ROT``
-    subspaces (:func:`rotated_keys`)."""
+    subspaces (:func:`rotated_keys`), or (``ROPE``) pre-RoPE keys (:func:`rope_keys`)."""
     (_, _, code_ptr, scale_ptr, offset_ptr, blk_ptr, slot_ptr, s_ck, s_cn, s_ct, s_sk, s_sn, s_st,
      n_live, walked, bound_a, bound_b, mode_ptr, s_mk, s_mn, norm_ptr, s_ek, s_en,
-     basis_ptr) = src
+     basis_ptr, pos_ptr, cos_ptr, sin_ptr, s_xk, s_xn, half, rope_a, slack_a, slack_b) = src
     g = tl.arange(0, BLOCK_G)
     t = tl.arange(0, B)
     c = tl.arange(0, D)
@@ -279,6 +333,11 @@ def _score_split(q, kv, split, src, tk_ptr, s_out, l_out, d_out, ls_out, s_ok, s
                 k, bound = rotated_keys(code, scale_ptr, offset_ptr, basis_ptr,
                                         kv * s_sk + slot * s_sn, s_st, rows, bound_a, bound_b,
                                         BITS, B, D, ROT)
+            elif ROPE:  # pre-RoPE codes decoded, rotated to post-RoPE in registers
+                k, bound = rope_keys(code, code_ptr, scale_ptr, offset_ptr, base,
+                                     kv * s_sk + slot * s_sn, s_ct, rows, pos_ptr, cos_ptr,
+                                     sin_ptr, kv * s_xk + slot * s_xn, half, rope_a,
+                                     (bound_a, bound_b), (slack_a, slack_b), BITS, BIAS, B, D)
             elif TOKEN:  # (code - bias) s_t, exact; r_c = a max_t s_t on every channel
                 scale_t = tl.load(scale_ptr + kv * s_sk + slot * s_sn + t).to(tl.float32)
                 k = (code - BIAS) * scale_t[:, None]

@@ -34,8 +34,12 @@ InnerQ's groups along the reduced dimension (:mod:`certkv.quant.innerq`: keys pe
 group, keys with their per-channel exponents) are one more layout (``inner``), and seed 004's
 rotation archive (:mod:`certkv.quant.rotation`: per-token affine codes of Hadamard-rotated
 coordinates, rotated back in registers by one FP32 matmul with the codec's basis) another
-(``subspaces``). Anything else (pre-RoPE keys, dense-and-sparse values, erasures to repair
-without the integrity check) returns None and the phase runs on the PyTorch reference.
+(``subspaces``). KVQuant's archive (seed 004's ``kvquant``) is two more: pre-RoPE keys
+(:mod:`certkv.quant.prerope`: the inner per-channel codes decoded, then rotated to post-RoPE
+with FP32 cosines and sines of each token's position, ``rope``) and dense-and-sparse values
+(:mod:`certkv.quant.outlier_value`: normal-float or affine group codes, then the block's exact
+outliers in place, ``codebook`` and ``outliers``). Anything else (erasures to repair without
+the integrity check) returns None and the phase runs on the PyTorch reference.
 """
 
 from __future__ import annotations
@@ -84,6 +88,7 @@ class BlockSource:
     mode: torch.Tensor | None = None  # inner groups: packed symmetric flags [Hkv, slots, bytes]
     norm: torch.Tensor | None = None  # inner groups' keys: int8 channel exponents [Hkv, slots, d]
     basis: torch.Tensor | None = None  # rotated codes: FP32 H D [d, d] (CodeLayout.subspaces)
+    aux: tuple | None = None  # outliers / codebook, or rope: see aux_pointers
 
     @property
     def is_tail(self) -> bool:
@@ -104,12 +109,22 @@ class BlockSource:
         assert self.basis.is_contiguous()
         return self.basis
 
+    def aux_pointers(self) -> tuple:
+        """``(p0, p1, p2, stride (kv head), stride (slot), count, scalar)``: a dense-and-sparse
+        layout's outlier indices and values ``[Hkv, slots, m]`` and codebook levels with ``m``;
+        a pre-RoPE layout's block positions ``[Hkv, slots]`` and FP32 cosine and sine tables
+        ``[P, d/2]`` with ``d/2`` and the attention scaling; ``data`` with zero strides where
+        there are none."""
+        if self.aux is None:
+            return self.data, self.data, self.data, 0, 0, 0, 0.0
+        return self.aux
+
     def pointers(self) -> tuple[torch.Tensor, ...]:
         """``(data, scale, offset, blocks, slots)`` for a group: what the layout does not read
         (FP16 scales, the tail's index lists) is ``data``, a valid pointer never read."""
         data = self.data
         scale = data if self.layout.fp16 else self.scale
-        offset = data if self.layout.fp16 else self.offset
+        offset = scale if self.layout.fp16 or self.offset is None else self.offset
         assert data.stride(3) == 1 and scale.stride() == offset.stride()
         if self.is_tail:
             return data, scale, offset, data, data
@@ -143,12 +158,31 @@ def block_sources(store, which: str, tail: bool | None = None) -> list[BlockSour
                                    blocks, slots, blocks.shape[0], counts,
                                    codes.get("mode") if layout.inner else None,
                                    codes.get("norm") if layout.norm else None,
-                                   codes.get("basis") if layout.subspaces else None))
+                                   codes.get("basis") if layout.subspaces else None,
+                                   _aux(codec, layout, codes, data, store)))
     if store.tail_len if tail is None else tail:
         tail = store.tail_buffers()[0 if which == "key" else 1]
         sources.append(BlockSource(CodeLayout(fp16=True), tail.unsqueeze(1), None, None, None,
                                    None, 0, counts))
     return sources
+
+
+def _aux(codec, layout: CodeLayout, codes: dict, data: torch.Tensor, store) -> tuple | None:
+    """:meth:`BlockSource.aux_pointers` of a dense-and-sparse or pre-RoPE layout, else None."""
+    if layout.outliers or layout.codebook:
+        idx, val = codes["sparse_idx"], codes["sparse_val"]
+        m = idx.shape[-1]
+        assert idx.stride() == val.stride()
+        levels = codes.get("levels", data)
+        if not m:  # no outlier: valid pointers never read
+            return data, data, levels, 0, 0, 0, 0.0
+        return idx, val, levels, idx.stride(0), idx.stride(1), m, 0.0
+    if layout.rope:
+        pos = codes["pos"]
+        cos, sin = codec.rope_tables(store.block_capacity() * store.block_size, store.device)
+        return pos, cos, sin, pos.stride(0), pos.stride(1), cos.shape[1], \
+            float(codec.rope.attention_scaling)
+    return None
 
 
 def program_groups(sources: list[BlockSource], n: int
@@ -182,9 +216,11 @@ def kernel_groups(plan: list, split: int) -> tuple[tuple, tuple, int]:
     offset, blocks, slots, codes' strides (kv head, slot, token), scale's strides (kv head,
     slot, token), entries, blocks walked before, the key bound's (a, b), then inner groups'
     mode flags and channel exponents with their strides (:meth:`BlockSource.inner_pointers`),
-    then a rotation's basis (:meth:`BlockSource.basis_pointer`))``; its layout ``(FP16, BITS,
-    BIAS, GROUP, TAIL, CARRIES, TOKEN, INNER, NORM, ROT)`` is a compile-time constant of the
-    group's branch of the kernel (:class:`CodeLayout`; ``ROT`` its ``subspaces``)."""
+    then a rotation's basis (:meth:`BlockSource.basis_pointer`), then the outliers' or the
+    rotary tables' bundle (:meth:`BlockSource.aux_pointers`) and the pre-RoPE inner codes'
+    slack (a, b))``; its layout ``(FP16, BITS, BIAS, GROUP, TAIL, CARRIES, TOKEN, INNER, NORM,
+    ROT, CODEBOOK, OUTLIERS, ROPE)`` is a compile-time constant of the group's branch of the
+    kernel (:class:`CodeLayout`; ``ROT`` its ``subspaces``)."""
     groups, layouts, first = [], [], 0
     for src, tail, live, walked in plan:
         lay = src.layout
@@ -192,10 +228,11 @@ def kernel_groups(plan: list, split: int) -> tuple[tuple, tuple, int]:
         end = first + -(-live // split)
         groups.append((first, end, data, scale, offset, blocks, slots, *data.stride()[:3],
                        *scale.stride()[:3], live, walked, float(lay.bound[0]),
-                       float(lay.bound[1]), *src.inner_pointers(), src.basis_pointer()))
+                       float(lay.bound[1]), *src.inner_pointers(), src.basis_pointer(),
+                       *src.aux_pointers(), float(lay.slack[0]), float(lay.slack[1])))
         layouts.append((lay.fp16, lay.bits, lay.bias, lay.group, src.is_tail,
                         carries_tail(src, tail), lay.token_scale, lay.inner, lay.norm,
-                        lay.subspaces))
+                        lay.subspaces, lay.codebook, lay.outliers, lay.rope))
         first = end
     return tuple(groups), tuple(layouts), first
 

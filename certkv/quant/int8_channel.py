@@ -96,6 +96,11 @@ class ChannelAffineKeyCodec(KeyCodec):
         slack = _FP_SLACK * (self._half_range * scale + offset.abs())
         return torch.where(scale > 0, slack, torch.zeros_like(slack))
 
+    def slack_coefficients(self) -> tuple[float, float]:
+        """``(a, b)``: :meth:`decode_slack` is ``a sigma_c + b |z_c|`` where ``sigma_c > 0`` (up
+        to the FP32 rounding of its evaluation)."""
+        return _FP_SLACK * self._half_range, _FP_SLACK
+
     def channel_bound(self, blocks: Blocks) -> torch.Tensor:
         scale, offset = blocks["scale"], blocks["offset"]
         a, b = self.bound_coefficients()

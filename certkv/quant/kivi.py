@@ -128,6 +128,11 @@ class KiviKeyCodec(KeyCodec):
         slack = _FP_SLACK * (self.levels * scale + offset.abs())
         return torch.where(scale > 0, slack, torch.zeros_like(slack))
 
+    def slack_coefficients(self) -> tuple[float, float]:
+        """``(a, b)``: :meth:`decode_slack` is ``a s_c + b |l_c|`` where ``s_c > 0`` (up to the
+        FP32 rounding of its evaluation)."""
+        return _FP_SLACK * self.levels, _FP_SLACK
+
     def channel_bound(self, blocks: Blocks) -> torch.Tensor:
         scale, offset = blocks["scale"].float(), blocks["offset"].float()
         a, b = self.bound_coefficients()

@@ -34,6 +34,16 @@ class CodeLayout:
     for every channel, ``g max_t (a sum_j s_tj + (b + (d + 2) u) sum_j zmax_tj)``: the
     codec's own ``(a, b)`` plus its ``decode_slack`` for any FP32 evaluation of the rotation
     (0: not rotated).
+    ``codebook``: values ``x = L[code] S`` with the codec's FP32 levels ``L`` (the source's
+    ``levels``) and an FP16 absmax ``S`` per token per ``group`` channels (normal-float codes);
+    ``outliers``: each block's exact sparse entries (flat index ``t d + c`` and FP16 value, a
+    fixed count per block) replace the dense decode there (KVQuant's dense-and-sparse values).
+    ``rope``: pre-RoPE keys (KVQuant's), plain affine per-channel codes as above, rotated to
+    post-RoPE in registers with FP32 cosines and sines of the stored positions' angles
+    (``x'_c = a (x_c cos - x_c+d/2 sin)``, ``x'_c+d/2 = a (x_c+d/2 cos + x_c sin)``); the keys'
+    channel bound is the codec's (:meth:`~certkv.quant.prerope.PreRoPEKeyCodec.channel_bound`)
+    plus its ``decode_slack``, from the inner codes' ``bound`` and ``slack`` coefficients
+    ``(a, b)`` of ``a scale_c + b |offset_c|``, evaluated in FP32 with a relative margin.
     """
 
     fp16: bool
@@ -45,6 +55,10 @@ class CodeLayout:
     inner: bool = False
     norm: bool = False
     subspaces: int = 0
+    codebook: bool = False
+    outliers: bool = False
+    rope: bool = False
+    slack: tuple[float, float] = (0.0, 0.0)
 
 
 def keeps(codec, owner: type) -> bool:

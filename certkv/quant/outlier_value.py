@@ -38,6 +38,7 @@ import torch
 
 from certkv.errors import ConfigError, require
 from certkv.quant.base import FP32_EPS, Blocks, ValueCodec, round_up_fp16
+from certkv.quant.layout import KERNEL_BITS, CodeLayout, keeps
 from certkv.quant.packing import check_bits, check_packable, pack_bits, unpack_bits
 from certkv.registry import VALUE_CODECS
 
@@ -58,6 +59,12 @@ def normal_float_levels(bits: int) -> tuple[float, ...]:
     values = (values / values.abs().max()).sort().values.float()
     values[0], values[-1] = -1.0, 1.0
     return tuple(values.tolist())
+
+
+@cache
+def _kernel_levels(bits: int, device: str) -> torch.Tensor:
+    """FP32 ``[2^bits]`` normal-float levels on ``device``, made once per setting."""
+    return torch.tensor(normal_float_levels(bits), dtype=torch.float32, device=device)
 
 
 def _up32(x: torch.Tensor) -> torch.Tensor:
@@ -160,6 +167,23 @@ class OutlierValueCodec(ValueCodec):
         blocks["sparse_idx"] = idx.to(torch.int16)
         blocks["sparse_val"] = flat.gather(-1, idx).to(torch.float16)  # exact: FP16 originals
         return blocks
+
+    def kernel_layout(self, head_dim: int) -> CodeLayout | None:
+        """``bits``-wide codes (2, 3, 4 or 8) per token in groups of ``group`` channels, decoded
+        by the normal-float ``codebook`` (``L[code] S``) or affinely (``levels="uniform"``),
+        then the block's exact outliers in place (:class:`~certkv.quant.layout.CodeLayout`)."""
+        if not keeps(self, OutlierValueCodec) or self.bits not in KERNEL_BITS \
+                or head_dim % self.group:
+            return None
+        return CodeLayout(False, self.bits, group=self.group,
+                          codebook=self.levels == "nonuniform", outliers=True)
+
+    def kernel_blocks(self, blocks: Blocks, block_size: int) -> Blocks:
+        """The stored tensors (views) and, for normal-float codes, the FP32 levels
+        (``levels [2^bits]``, the codebook :meth:`decode` indexes)."""
+        if self.levels == "uniform":
+            return blocks
+        return {**blocks, "levels": _kernel_levels(self.bits, str(blocks["codes"].device))}
 
     def decode(self, blocks: Blocks) -> torch.Tensor:
         codes = unpack_bits(blocks["codes"], self.bits)

@@ -50,7 +50,7 @@ rotates forward with exactly the angles encode rotated back with.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -58,6 +58,7 @@ import torch
 from certkv.errors import ConfigError, require
 from certkv.quant.base import Blocks, KeyCodec, LayerContext
 from certkv.quant.int8_channel import ChannelAffineKeyCodec
+from certkv.quant.layout import CodeLayout, keeps
 from certkv.registry import KEY_CODECS
 
 if TYPE_CHECKING:  # certkv.models imports the cache, which imports certkv.quant
@@ -78,6 +79,22 @@ def _up32(x: torch.Tensor) -> torch.Tensor:
     """Non-negative FP64 -> FP32, never below ``x``: inflate past one FP32 rounding (and the
     FP64 evaluation of the bound formulas) before rounding to nearest."""
     return (x * (1 + 2.0**-21) + 2.0**-149).float()
+
+
+_TABLES: dict = {}  # (RopeSpec, device) -> every table made (a graph may still read an old one)
+
+
+def _rope_tables(rope: RopeSpec, device: torch.device, positions: int):
+    """:meth:`PreRoPEKeyCodec.rope_tables`: the newest table of ``(rope, device)`` while it
+    covers ``positions``, else one of twice the positions (at least 4096), kept with the
+    others."""
+    made = _TABLES.setdefault((rope, str(device)), [])
+    if not made or made[-1][0].shape[0] < positions:
+        size = max(4096, 2 * positions)
+        theta = rope.angles(torch.arange(size, dtype=torch.float64, device=device))
+        made.append((torch.cos(theta).float().contiguous(),
+                     torch.sin(theta).float().contiguous()))
+    return made[-1]
 
 
 def _pair_norm(x: torch.Tensor) -> torch.Tensor:
@@ -196,6 +213,34 @@ class PreRoPEKeyCodec(KeyCodec):
                 "pre-RoPE keys exceed the FP16 range (|k| / attention_scaling near 65504); use "
                 "key_mode=post_rope.")
         return pre
+
+    def kernel_layout(self) -> CodeLayout | None:
+        """Pre-RoPE keys: the inner codec's plain per-channel affine layout, rotated forward in
+        registers (:class:`~certkv.quant.layout.CodeLayout`'s ``rope``), where the inner codec
+        states its ``decode_slack`` coefficients; post-RoPE keys: the inner codec's layout."""
+        inner = self.inner.kernel_layout()
+        if not self.pre_rope:
+            return inner
+        plain = inner is not None and not (inner.fp16 or inner.token_scale or inner.inner
+                                           or inner.norm or inner.subspaces or inner.rope)
+        if not (plain and self.rope is not None and keeps(self, PreRoPEKeyCodec)
+                and hasattr(self.inner, "slack_coefficients")):
+            return None
+        return replace(inner, rope=True, slack=tuple(self.inner.slack_coefficients()))
+
+    def kernel_blocks(self, blocks: Blocks, block_size: int) -> Blocks:
+        """The inner codec's kernel blocks, with the block start positions (``pos``)."""
+        if not self.pre_rope:
+            return self.inner.kernel_blocks(blocks, block_size)
+        return {**self.inner.kernel_blocks(self._inner_blocks(blocks), block_size),
+                "pos": blocks["pos"]}
+
+    def rope_tables(self, positions: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """FP32 ``(cos, sin) [P, d/2]`` (``P >= positions``) of the FP64 angles this codec
+        rotates with, rounded once: what a kernel's rotation reads at each token's position
+        (``decode_slack`` covers their rounding), made once per RoPE, device and doubling of
+        ``P``."""
+        return _rope_tables(self._rope(), torch.device(device), positions)
 
     def decode(self, blocks: Blocks) -> torch.Tensor:
         if not self.pre_rope:

@@ -25,23 +25,33 @@ QUANTIZERS = sorted(p.stem for p in (CONF_DIR / "quantizer").glob("*.yaml"))
 
 def quantizers():
     """Every quantizer in ``conf/``; the paper's and the tiered one also with eviction, the
-    paper's with Hamming(8,4) protection, the tiered one with its rotation archive; 3-bit KIVI
-    keys and values (no config holds 3-bit codes the kernels read); KVQuant's dense-and-sparse
-    values, which no kernel reads, so that Phase 2 runs on the reference and the checks take
-    their own launch."""
+    paper's with Hamming(8,4) protection, the tiered one with its rotation archive and with
+    KVQuant's (pre-RoPE keys, dense-and-sparse values, normal-float and uniform levels); 3-bit
+    KIVI keys and values; values of a codec no kernel reads, so that Phase 2 runs on the
+    reference and the checks take their own launch."""
     for name in QUANTIZERS:
         node = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "quantizer" / f"{name}.yaml"))
         quantizer = build(node, "quantizer").with_rope(RopeSpec.from_theta(1e4, 32))
         yield quantizer
         if name in ("int8_int4", "tiers"):
             yield quantizer.with_eviction(StreamingEviction(budget=0.5, sink=16))
-        if name == "tiers":  # the Hadamard-rotated archive (auto picks it from 2,048 tokens)
-            node.update(hot=32, stale=96, archive="rotation")
-            yield build(node, "quantizer")
+        if name == "tiers":  # the rotated and KVQuant archives (auto: from 2,048 / 8,192)
+            for archive in ("rotation", "kvquant"):
+                node.update(hot=32, stale=96, archive=archive)
+                yield build(node, "quantizer").with_rope(RopeSpec.from_theta(1e4, 32))
         if name == "int8_int4":
             yield quantizer.with_protection(Protection("hamming84", "zero", True, FaultModel()))
     yield KVQuantizer(KiviKeyCodec(bits=3), GroupAffineValueCodec(bits=3, group=8))
-    yield KVQuantizer(KiviKeyCodec(bits=4), OutlierValueCodec(bits=3, group=32))
+    yield KVQuantizer(KiviKeyCodec(bits=4), OutlierValueCodec(bits=2, group=32,
+                                                              levels="uniform"))
+    yield KVQuantizer(KiviKeyCodec(bits=4), _OwnDecode(bits=3, group=32))
+
+
+class _OwnDecode(OutlierValueCodec):
+    """Dense-and-sparse values decoded their own way: no kernel layout (the reference)."""
+
+    def decode(self, blocks):
+        return super().decode(blocks)
 
 
 def certified_steps():

@@ -335,6 +335,34 @@ def test_phases_read_rotated_codes(bits, subspaces, rotation):
     assert (delta >= low * (1 - 1e-6)).all() and (delta <= high * (1 + 1e-6)).all()
 
 
+@pytest.mark.parametrize(("bits", "levels", "inner"), [
+    (3, "nonuniform", "kivi"), (2, "uniform", "kivi"), (4, "nonuniform", "int8_channel"),
+    (8, "uniform", "kivi")])
+def test_phases_read_the_kvquant_archive(bits, levels, inner):
+    """KVQuant's archive (seed 004's ``kvquant``: pre-RoPE keys, dense-and-sparse values) is
+    read by both phases' kernels, not the reference: the inner codes decoded and rotated to
+    post-RoPE in registers with FP32 cosines and sines of each token's position give logits
+    within the flash-attention rule against FP64 over the codec's own decode, with a Delta_b
+    between the codec's channel bound and that bound plus its decode slack (widened by the
+    kernel's FP32 margin only); the values' normal-float or affine codes with the block's exact
+    outliers in place give Phase 2's outputs (checked in ``kernel_phases``)."""
+    from certkv.quant.outlier_value import OutlierValueCodec
+    from certkv.quant.prerope import PreRoPEKeyCodec
+    from certkv.quant.rope import RopeSpec
+
+    inner_codec = (KiviKeyCodec if inner == "kivi" else ChannelAffineKeyCodec)(bits=bits)
+    keys = PreRoPEKeyCodec(inner=inner_codec, rope=RopeSpec.from_theta(1e4, 32, 1.25))
+    values = OutlierValueCodec(bits=bits, group=16, levels=levels, outlier_fraction=0.02)
+    assert keys.kernel_layout().rope and values.kernel_layout(32).outliers
+    run = kernel_phases(KVQuantizer(keys, values, 16), bits)
+    nc = run.lay.num_completed
+    torch.testing.assert_close(run.lay.keys[:, :nc], keys.decode(run.held), rtol=0, atol=0)
+    bound = keys.channel_bound(run.held).double()
+    low, high = run.delta(bound), run.delta(bound + keys.decode_slack(run.held))
+    delta = run.kernel.delta_b[..., :nc].double()
+    assert (delta >= low * (1 - 1e-6)).all() and (delta <= high * (1 + 2**-14)).all()
+
+
 def _phases_at(store, qg, n, gate, keys, values):
     """Phase 1 and Phase 2 kernels over ``n`` block columns (the store's blocks, its tail
     block, and empty blocks after it), promoted blocks as the first columns' slot maps."""
@@ -522,13 +550,18 @@ def test_triton_and_torch_backends_agree_through_attention():
 
 
 def test_unsupported_codecs_fall_back_to_the_reference():
-    """Dense-and-sparse values, which claim no kernel layout: Phase 2 runs on the reference,
-    with the kernels' results elsewhere."""
+    """Values of a codec that decodes in its own way (a subclass of the dense-and-sparse one),
+    which claims no kernel layout: Phase 2 runs on the reference, with the kernels' results
+    elsewhere."""
     from certkv.quant import OutlierValueCodec
 
+    class OwnDecode(OutlierValueCodec):
+        def decode(self, blocks):
+            return super().decode(blocks)
+
     k, v = make_kv(2, 64, 32, seed=0)
-    codec = OutlierValueCodec(bits=3, group=32)
-    assert codec.kernel_layout(32) is None
+    codec = OwnDecode(bits=3, group=32)
+    assert codec.kernel_layout(32) is None and OutlierValueCodec(bits=3).kernel_layout(32)
     store = TieredKVStore(2, 32, value_codec=codec)
     store.append(k, v)
     q = make_query(k, 2, scale=2.0)
