@@ -93,7 +93,8 @@ def bench_launches(
     compile: Annotated[str, typer.Option(help=COMPILE_HELP)] = "auto",
     quantizer: Annotated[str | None, typer.Option(
         help="a conf/quantizer option for the store (default: the paper's INT8/INT4), e.g. "
-             "smartkv or kivi2 (several precisions); the report's name ends in _<quantizer>")
+             "smartkv or kivi2 (several precisions), with changes after a colon "
+             "(tiers:archive=kvquant,stale=256); the report's name ends in _<quantizer>")
     ] = None,
 ) -> None:
     """What one layer step of the Triton path dispatches (no timing): Triton launches, compiled
@@ -110,7 +111,7 @@ def bench_launches(
     contexts = context or ([4104, 32776] if dev.type == "cuda" else [250, 1000])
     cases = [bench.AttentionCase(n, d, h, g) for n in contexts
              for d, h, g in bench.LAUNCH_SHAPES]
-    codecs, suffix = _quantizer(quantizer), f"_{quantizer}" if quantizer else ""
+    codecs, suffix = _quantizer(quantizer)
     report = bench.BenchReport(f"launches_{dev.type}{suffix}", _command(), out, force)
     with _user_errors():
         report.check()
@@ -185,7 +186,8 @@ def bench_decode(
              "(writes decode_batch_<model>_<device>)")] = None,
     quantizer: Annotated[str | None, typer.Option(
         help="a conf/quantizer option for the quantized methods (default: the paper's "
-             "INT8/INT4), e.g. smartkv; the report's name ends in _<quantizer>")] = None,
+             "INT8/INT4), e.g. smartkv, with changes after a colon (kivi2:residual=0); the "
+             "report's name ends in _<quantizer>")] = None,
 ) -> None:
     """Whole-model decode step, dense vs certified, Table 16 phase shares: the model's real
     weights on a book's text where installed (attention as in use), else random weights.
@@ -214,7 +216,7 @@ def bench_decode(
                    "bfloat16": torch.bfloat16}.get(dtype)
     if torch_dtype is None:
         _fail(f"--dtype {dtype!r} is unknown; use auto, float32, float16 or bfloat16.")
-    codecs, suffix = _quantizer(quantizer), f"_{quantizer}" if quantizer else ""
+    codecs, suffix = _quantizer(quantizer)
     if batch:
         _bench_batches(model, contexts, batch, dev, repeats=repeats, dtype=torch_dtype,
                        written=(out, force), weights=weights, quantizer=(codecs, suffix),
@@ -233,18 +235,27 @@ def bench_decode(
     bench.show(tables, notes, path)
 
 
-def _quantizer(name: str | None):
-    """The :class:`~certkv.quant.KVQuantizer` of ``conf/quantizer/<name>.yaml`` (None: the
-    default); an unknown name is one sentence naming the options."""
-    if name is None:
-        return None
+def _quantizer(spec: str | None):
+    """``(quantizer, report name suffix)`` of ``--quantizer NAME[:key=value,...]``: the
+    :class:`~certkv.quant.KVQuantizer` of ``conf/quantizer/<NAME>.yaml`` with the changes
+    (dotted keys, YAML values, as ``${option:...}``), and ``_NAME[_key-value...]``; ``(None,
+    "")`` for the default. An unknown name or a change without ``=`` is one sentence naming
+    the fix."""
+    if spec is None:
+        return None, ""
     from hydra.utils import instantiate
 
     from certkv.config import option
 
+    name, _, rest = spec.partition(":")
+    changes = [c.strip() for c in rest.split(",") if c.strip()]
     _check_quantizers([name])
+    if rest and (not changes or not all("=" in c for c in changes)):
+        _fail(f"--quantizer {spec}: changes go after the name as key=value pairs separated by "
+              "commas, e.g. --quantizer tiers:archive=kvquant,stale=256.")
+    suffix = "".join(f"_{c.replace('=', '-').replace('.', '-')}" for c in changes)
     with _user_errors():
-        return instantiate(option("quantizer", name))
+        return instantiate(option("quantizer", name, *changes)), f"_{name}{suffix}"
 
 
 def _check_quantizers(names: list[str]) -> None:

@@ -204,6 +204,28 @@ def test_bench_launches_takes_a_quantizer_and_names_its_precisions(tmp_path, mon
     assert "FP16, K2/V2" in (tmp_path / "launches_cpu_kivi2.md").read_text()
 
 
+def test_bench_launches_takes_changes_to_a_quantizer_after_a_colon(tmp_path, monkeypatch):
+    """``--quantizer tiers:archive=kvquant,...``: the tiers with KVQuant's archive (pre-RoPE
+    keys, dense-and-sparse values) from a short context, in a report named after the changes;
+    the certified step launches what an INT8/INT4 store's does. A change without ``=`` is one
+    sentence naming the form."""
+    monkeypatch.setattr(bench, "LAUNCH_SHAPES", ((32, 1, 2),))
+    spec = "tiers:archive=kvquant,hot=32,stale=128,block_size=16"
+    result = runner.invoke(app, ["bench", "launches", "--context", "300", "--device", "cpu",
+                                 "--out", str(tmp_path), "--compile", "off",
+                                 "--quantizer", spec], env={"COLUMNS": "100"})
+    assert result.exit_code == 0, result.output
+    name = "launches_cpu_tiers_archive-kvquant_hot-32_stale-128_block_size-16"
+    (record,) = json.loads((tmp_path / f"{name}.json").read_text())["records"]
+    assert record["precisions"] == ["FP16", "K3/V3", "K4/V4"]
+    certified = record["dispatch"]["certified"]
+    assert (certified["kernels"], certified["segments"], certified["eager_launches"]) == (6, 0, 0)
+    bad = runner.invoke(app, ["bench", "launches", "--quantizer", "tiers:archive",
+                              "--device", "cpu"])
+    message = " ".join(bad.output.split())
+    assert bad.exit_code != 0 and "key=value pairs separated by commas" in message
+
+
 def test_bench_decode_command_writes_report(tmp_path, monkeypatch):
     calls: list = []
     monkeypatch.setattr(bench, "progress", _recording_progress(calls))
