@@ -32,7 +32,7 @@ from certkv.bench.tables import share_rows
 from certkv.cache.store import TieredKVStore
 from certkv.files import write_atomic
 from certkv.kernels import numba_step
-from certkv.models.hf_cache import TieredLayer
+from certkv.models.tiered_layer import TieredLayer
 
 # (owner, function, label): what each step is split into (a label counts outermost calls only)
 TIMED = ((numba_step, "_step", "compiled"), (CertifiedAttention, "_step", "steps"),

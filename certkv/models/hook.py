@@ -21,7 +21,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from certkv.errors import CertKVError, require
-from certkv.models.hf_cache import StoreHandle
+from certkv.models.tiered_layer import StoreHandle
 
 NAME = "certkv"
 _RECORDING: ContextVar[PromptQueries | None] = ContextVar("certkv_prompt_queries", default=None)
