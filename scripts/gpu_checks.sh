@@ -23,6 +23,9 @@ SKIP=()
 # what a layer step launches on CUDA (Triton launches, segments, eager operators, and the
 # CUDA kernels the profiler records): issue 24's launch count, measured on the device
 "$PY" -m certkv.cli bench launches --out "$OUTDIR" --force
+# ... over the tiers with KVQuant's archive (pre-RoPE keys, dense-and-sparse values)
+"$PY" -m certkv.cli bench launches --quantizer tiers:archive=kvquant --context 4104 \
+  --out "$OUTDIR" --force
 if [[ "${1:-}" == "--quick" ]]; then
   "$PY" -m certkv.cli bench attention --context 65536 --repeats 50 --out "$OUTDIR" --force
   exit
