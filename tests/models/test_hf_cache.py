@@ -258,6 +258,26 @@ def test_beam_search_scores_every_beam_as_its_own_sequence_decoded_alone(model_t
     assert [len(log.steps) for log in cache.sequence_logs(3)] == [5] * 3
 
 
+def test_beam_search_over_a_left_padded_batch_scores_each_beam_as_its_prompt_alone():
+    """Two prompts of different lengths, left-padded, three beams each: every returned beam
+    scores what its own prompt and tokens score decoded alone (padding never enters a beam's
+    cache, and beams of one prompt never read another's)."""
+    _, model = tiny_model()
+    prompts = [prompt(n, seed=n)[0] for n in (40, 23)]
+    ids, mask = left_padded(prompts)
+    cache = TieredCache(2, ContractChecker(CertifiedAttention()))
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=5, num_beams=3,
+                         num_return_sequences=2, do_sample=False, length_penalty=0.0,
+                         early_stopping=True, output_scores=True, return_dict_in_generate=True,
+                         pad_token_id=0, **cache_kwargs(model, cache))
+    width = ids.shape[1]
+    for i, (seq, score) in enumerate(zip(out.sequences, out.sequences_scores, strict=True)):
+        own = prompts[i // 2]
+        alone = forced_log_prob(model, torch.cat([own, seq[width:]]), len(own))
+        assert alone == pytest.approx(score.item(), abs=1e-4), i
+    assert [s.num_tokens for s in cache.layers[0].stores] == [44] * 3 + [27] * 3
+
+
 def test_a_reorder_moves_each_chosen_sequence_and_copies_one_chosen_twice():
     """``reorder_cache([2, 0, 0])``: beam 0 takes sequence 2's store itself, beam 1 sequence
     0's, beam 2 an independent copy of it (what is appended to one is not in the other);
