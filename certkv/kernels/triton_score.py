@@ -77,6 +77,21 @@ def load_codes(ptr, base, t, c, s_t, mask, BITS: tl.constexpr):
 
 
 @triton.jit
+def affine_keys(code, scale, offset, BIAS: tl.constexpr):
+    """Per-channel affine key codes ``[B, D]`` (FP32) decoded with their channels' scales and
+    offsets ``[D]``: ``(code - BIAS) scale + offset`` (eq. 3)."""
+    return (code - BIAS) * scale[None, :] + offset[None, :]
+
+
+@triton.jit
+def channel_terms(scale, offset, a, b):
+    """``a scale + b |offset|`` elementwise (per channel ``[D]``, or per group element ``[B,
+    D]``), 0 where the scale is 0 (a constant channel or group decodes exactly): a codec's
+    channel bound or decode slack from its coefficients ``(a, b)``."""
+    return tl.where(scale > 0, a * scale + b * tl.abs(offset), 0.0)
+
+
+@triton.jit
 def inner_group_values(code, scale, word, sym, neg):
     """InnerQ's decode (:func:`certkv.quant.innerq.decode_groups`), elementwise in FP32:
     ``q S + Z`` (one rounding: ``q S`` is exact) with ``Z`` the slot's bits, or ``+-m S``
@@ -113,7 +128,7 @@ def inner_keys(code, scale_ptr, slot_ptr, mode_ptr, norm_ptr, group_base, mode_b
     neg = ((word >> (c % GROUP)[None, :]) & 1) != 0
     k = inner_group_values(code, scale, word, sym, neg)
     zero = tl.where(sym, 0.0, tl.abs(word.to(tl.float32, bitcast=True)))
-    r = tl.where(scale > 0, bound_a * scale + bound_b * zero, 0.0)
+    r = channel_terms(scale, zero, bound_a, bound_b)
     bound = tl.max(tl.where(member, r, 0.0), axis=0)  # [D]
     if NORM:  # x 2^e_c, exact: keys and bound in original units
         p2 = power_of_two(tl.load(norm_ptr + norm_base + c).to(tl.int32))
@@ -240,20 +255,19 @@ def rope_keys(code, code_ptr, scale_ptr, offset_ptr, base, meta, s_ct, rows, pos
     offset = tl.load(offset_ptr + meta + c).to(tl.float32)
     scale_p = tl.load(scale_ptr + meta + partner).to(tl.float32)
     offset_p = tl.load(offset_ptr + meta + partner).to(tl.float32)
-    x = (code - BIAS) * scale[None, :] + offset[None, :]
+    x = affine_keys(code, scale, offset, BIAS)
     code_p = load_codes(code_ptr, base, t, partner, s_ct, rows[:, None], BITS)
-    x_p = (code_p - BIAS) * scale_p[None, :] + offset_p[None, :]
+    x_p = affine_keys(code_p, scale_p, offset_p, BIAS)
     row = (tl.load(pos_ptr + pos_at) + t).to(tl.int64)[:, None] * half + (c % (D // 2))[None, :]
     held = rows[:, None] & (c[None, :] < D)
     cos = tl.load(cos_ptr + row, mask=held, other=0.0)
     sin = tl.load(sin_ptr + row, mask=held, other=0.0)
     sign = tl.where(c < D // 2, -1.0, 1.0)
     keys = a * (x * cos + x_p * (sign[None, :] * sin))
-    r = tl.where(scale > 0, bound[0] * scale + bound[1] * tl.abs(offset), 0.0)
-    r_p = tl.where(scale_p > 0, bound[0] * scale_p + bound[1] * tl.abs(offset_p), 0.0)
-    s = tl.where(scale > 0, slack[0] * scale + slack[1] * tl.abs(offset), 0.0)
-    s_p = tl.where(scale_p > 0, slack[0] * scale_p + slack[1] * tl.abs(offset_p), 0.0)
-    big_r, big_s = pair_norm(r, r_p), pair_norm(s, s_p)
+    big_r = pair_norm(channel_terms(scale, offset, bound[0], bound[1]),
+                      channel_terms(scale_p, offset_p, bound[0], bound[1]))
+    big_s = pair_norm(channel_terms(scale, offset, slack[0], slack[1]),
+                      channel_terms(scale_p, offset_p, slack[0], slack[1]))
     big_p = tl.max(tl.where(held, pair_norm(x, x_p), 0.0), axis=0) + big_s
     total = a * (big_r + big_s + ROPE_REL * (big_p + big_r + big_s) + ROPE_ABS)
     return keys, total * ROPE_MARGIN + ROPE_FLOOR
@@ -345,8 +359,8 @@ def _score_split(q, kv, split, src, tk_ptr, s_out, l_out, d_out, ls_out, s_ok, s
             else:
                 scale = tl.load(scale_ptr + kv * s_sk + slot * s_sn + c).to(tl.float32)
                 offset = tl.load(offset_ptr + kv * s_sk + slot * s_sn + c).to(tl.float32)
-                k = (code - BIAS) * scale[None, :] + offset[None, :]  # eq. 3, in registers
-                bound = tl.where(scale > 0, bound_a * scale + bound_b * tl.abs(offset), 0.0)
+                k = affine_keys(code, scale, offset, BIAS)  # eq. 3, in registers
+                bound = channel_terms(scale, offset, bound_a, bound_b)
             delta = tl.sum(q_abs * bound[None, :], axis=1) * scaling  # eq. 8, r_c = bound
         if beyond:  # the tail block (FP16 keys from the store's tail buffer) or an empty one
             k = tl.load(tk_ptr + kv * s_tk + t[:, None] * s_tt + c[None, :],

@@ -217,9 +217,7 @@ class TieredLayer(DynamicLayer):
                 stores.append(self.stores[j])
                 scratches.append(self.scratches[j])
                 continue
-            copy = self.stores[j].clone()
-            copy.join(self.cache.board, self.layer_idx)
-            stores.append(copy)
+            stores += self._copies([self.stores[j]])
             scratches.append(self._new_scratch())
         self.stores, self.scratches = stores, scratches
         self.sequences = list(range(len(stores)))  # a beam's place is its sequence

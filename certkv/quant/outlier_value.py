@@ -62,8 +62,9 @@ def normal_float_levels(bits: int) -> tuple[float, ...]:
 
 
 @cache
-def _kernel_levels(bits: int, device: str) -> torch.Tensor:
-    """FP32 ``[2^bits]`` normal-float levels on ``device``, made once per setting."""
+def _level_table(bits: int, device: str) -> torch.Tensor:
+    """FP32 ``[2^bits]`` normal-float levels on ``device``, made once per setting (the codec's
+    decode and the kernels index the same table; nothing writes it)."""
     return torch.tensor(normal_float_levels(bits), dtype=torch.float32, device=device)
 
 
@@ -118,7 +119,7 @@ class OutlierValueCodec(ValueCodec):
                 f"index range ({_INDEX_LIMIT}); use block_size <= {_INDEX_LIMIT // head_dim}.")
 
     def _codebook(self, device: torch.device) -> torch.Tensor:
-        return torch.tensor(normal_float_levels(self.bits), dtype=torch.float32, device=device)
+        return _level_table(self.bits, str(device))
 
     def _half_gap(self) -> float:
         levels = torch.tensor(normal_float_levels(self.bits), dtype=torch.float64)
@@ -183,7 +184,7 @@ class OutlierValueCodec(ValueCodec):
         (``levels [2^bits]``, the codebook :meth:`decode` indexes)."""
         if self.levels == "uniform":
             return blocks
-        return {**blocks, "levels": _kernel_levels(self.bits, str(blocks["codes"].device))}
+        return {**blocks, "levels": self._codebook(blocks["codes"].device)}
 
     def decode(self, blocks: Blocks) -> torch.Tensor:
         codes = unpack_bits(blocks["codes"], self.bits)
