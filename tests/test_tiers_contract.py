@@ -13,7 +13,7 @@ import warnings
 
 import pytest
 from helpers import check_heads, check_steps, examples, make_kv, make_query, step_draws
-from helpers.contract import archives
+from helpers.contract import OwnDecodeValues, archives
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -26,7 +26,6 @@ from certkv.quant import (
     GroupAffineValueCodec,
     KiviKeyCodec,
     KVQuantizer,
-    OutlierValueCodec,
     Precision,
     TieredQuantizer,
 )
@@ -118,14 +117,6 @@ def test_contract_over_mixed_stores_with_the_compiled_kernels(sc):
     check_mixed_triton_contract(sc, "cuda")
 
 
-class _OwnDecode(OutlierValueCodec):
-    """Dense-and-sparse values with a decode of their own (the same numbers): a codec the
-    kernels cannot know they understand (:func:`certkv.quant.layout.keeps`)."""
-
-    def decode(self, blocks):
-        return super().decode(blocks)
-
-
 @pytest.mark.skipif(not triton_available(), reason="needs triton (TRITON_INTERPRET=1 on CPU)")
 def test_triton_backend_falls_back_on_an_archive_it_does_not_read():
     """An archive whose value codec decodes in its own way (a subclass) is not read by the
@@ -137,8 +128,8 @@ def test_triton_backend_falls_back_on_an_archive_it_does_not_read():
           "seed": 3}
     q = quantizer(sc)
     keys = q.archives["kvquant"].key_codec
-    q.archives["kvquant"] = Precision(keys, _OwnDecode(bits=3, group=8))
-    assert _OwnDecode(bits=3, group=8).kernel_layout(D) is None
+    q.archives["kvquant"] = Precision(keys, OwnDecodeValues(bits=3, group=8))
+    assert OwnDecodeValues(bits=3, group=8).kernel_layout(D) is None
     store = TieredKVStore(2, D, block_size=8, quantizer=q)
     k, v = make_kv(2, 100, D, seed=3, outlier_channels=2)
     with warnings.catch_warnings(record=True) as caught:

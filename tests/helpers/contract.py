@@ -33,6 +33,15 @@ from helpers import check_heads, make_kv, make_query
 BACKENDS = {"torch": TorchBackend, "numba": NumbaBackend}
 
 
+class OwnDecodeValues(OutlierValueCodec):
+    """Dense-and-sparse values with a decode of their own (the same numbers): a codec the
+    kernels cannot know they understand (:func:`certkv.quant.layout.keeps`), so it claims no
+    kernel layout and its blocks run on the PyTorch reference."""
+
+    def decode(self, blocks):
+        return super().decode(blocks)
+
+
 @st.composite
 def scenarios(draw):
     d = draw(st.sampled_from([8, 16, 32, 64]))

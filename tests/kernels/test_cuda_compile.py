@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import make_kv, make_query
+from helpers.contract import OwnDecodeValues
 from omegaconf import OmegaConf
 
 from certkv import CertifiedAttention, TieredKVStore
@@ -44,14 +45,8 @@ def quantizers():
     yield KVQuantizer(KiviKeyCodec(bits=3), GroupAffineValueCodec(bits=3, group=8))
     yield KVQuantizer(KiviKeyCodec(bits=4), OutlierValueCodec(bits=2, group=32,
                                                               levels="uniform"))
-    yield KVQuantizer(KiviKeyCodec(bits=4), _OwnDecode(bits=3, group=32))
+    yield KVQuantizer(KiviKeyCodec(bits=4), OwnDecodeValues(bits=3, group=32))
 
-
-class _OwnDecode(OutlierValueCodec):
-    """Dense-and-sparse values decoded their own way: no kernel layout (the reference)."""
-
-    def decode(self, blocks):
-        return super().decode(blocks)
 
 
 def certified_steps():

@@ -19,7 +19,14 @@ from helpers import (
     make_kv,
     make_query,
 )
-from helpers.contract import ADVERSARIAL, archives, build, check_contract, scenarios
+from helpers.contract import (
+    ADVERSARIAL,
+    OwnDecodeValues,
+    archives,
+    build,
+    check_contract,
+    scenarios,
+)
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -555,12 +562,8 @@ def test_unsupported_codecs_fall_back_to_the_reference():
     elsewhere."""
     from certkv.quant import OutlierValueCodec
 
-    class OwnDecode(OutlierValueCodec):
-        def decode(self, blocks):
-            return super().decode(blocks)
-
     k, v = make_kv(2, 64, 32, seed=0)
-    codec = OwnDecode(bits=3, group=32)
+    codec = OwnDecodeValues(bits=3, group=32)
     assert codec.kernel_layout(32) is None and OutlierValueCodec(bits=3).kernel_layout(32)
     store = TieredKVStore(2, 32, value_codec=codec)
     store.append(k, v)
