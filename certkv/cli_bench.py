@@ -76,7 +76,7 @@ def bench_attention(
                    for case in cases]
     peak = report.info["peak_gbps"]
     tables = bench.attention_tables(records, peak, report.info.get("copy_gbps"))
-    notes = bench.attention_notes(records, peak)
+    notes = bench.attention_notes(records, peak) + bench.tuning_notes(dev)
     path = report.write(records, bench.markdown(tables, notes),
                         lambda p: bench.plot_attention(records, p))
     bench.show(tables, notes, path)

@@ -19,7 +19,9 @@ mkdir -p "$OUTDIR"
 SKIP=()
 "$PY" -c "import wandb" 2>/dev/null || SKIP+=(--ignore=tests/test_hygiene.py)
 "$PY" -c "import lm_eval" 2>/dev/null || SKIP+=(--ignore=tests/integrations/test_lm_eval.py)
-"$PY" -m pytest -m gpu -p no:cacheprovider "${SKIP[@]}" tests 2>&1 | tee "$OUTDIR/gpu_tests.txt"
+# the tests' many small shapes run at the default launch configuration (no tuning time)
+CERTKV_AUTOTUNE=0 "$PY" -m pytest -m gpu -p no:cacheprovider "${SKIP[@]}" tests 2>&1 \
+  | tee "$OUTDIR/gpu_tests.txt"
 # what a layer step launches on CUDA (Triton launches, segments, eager operators, and the
 # CUDA kernels the profiler records): issue 24's launch count, measured on the device
 "$PY" -m certkv.cli bench launches --out "$OUTDIR" --force

@@ -31,6 +31,7 @@ from certkv.bench.attention import (
     bench_launches_case,
     default_cases,
     launch_notes,
+    tuning_notes,
 )
 from certkv.bench.decode import (
     MODEL_CONFIGS,
@@ -113,4 +114,5 @@ __all__ = [
     "timed",
     "timings",
     "tokens",
+    "tuning_notes",
 ]

@@ -53,6 +53,9 @@ def _describe(value):
     return getattr(value, "value", repr(value))  # tl.constexpr
 
 
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg", "ir_override")  # a config's
+
+
 @contextmanager
 def recording_launches() -> Iterator[set[Launch]]:
     """Within the block, every Triton launch adds its :class:`Launch` to the yielded set."""
@@ -63,7 +66,7 @@ def recording_launches() -> Iterator[set[Launch]]:
     def record(kernel, launch, args, kwargs):
         fn = kernel.fn
         options = tuple(sorted((k, _describe(v)) for k, v in kwargs.items()
-                               if k not in ("grid", "warmup")))
+                               if k not in ("grid", "warmup", *LAUNCH_OPTIONS)))
         launches.add(Launch(fn.__module__, fn.__name__,
                             tuple(_describe(a) for a in args), options))
         return launch(*args, **kwargs)
@@ -75,12 +78,16 @@ def recording_launches() -> Iterator[set[Launch]]:
         restore()
 
 
-def compile_for_cuda(launches, arch: int = 90, timeout: float = 900) -> dict[str, str]:
+def compile_for_cuda(launches, arch: int = 90, timeout: float = 900,
+                     every_config: bool = False) -> dict[str, str]:
     """Compile ``launches`` for CUDA compute capability ``arch`` in a fresh process (no
     interpreter, no device needed); returns ``{"module.name": compiler message}`` of those
-    that fail (empty when every one compiles)."""
+    that fail (empty when every one compiles). A kernel tuned over launch configurations
+    (:mod:`~certkv.kernels.triton_tune`) compiles at its default one, or, with
+    ``every_config``, at each."""
     specs = [{"module": x.module, "name": x.name, "args": list(x.args),
-              "kwargs": [list(kv) for kv in x.kwargs]} for x in sorted(launches, key=repr)]
+              "kwargs": [list(kv) for kv in x.kwargs], "every_config": every_config}
+             for x in sorted(launches, key=repr)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-m", __name__, str(arch)], input=json.dumps(specs),
                           capture_output=True, text=True, env=env, timeout=timeout, check=False)
@@ -127,11 +134,18 @@ def _compile_all(specs: list[dict], arch: int) -> dict[str, str]:
         return value
 
     failures: dict[str, str] = {}
+    from certkv.kernels.triton_tune import DEFAULT, untuned
+
     for spec in specs:
-        kernel = getattr(importlib.import_module(spec["module"]), spec["name"])
+        tuned = getattr(importlib.import_module(spec["module"]), spec["name"])
+        kernel = untuned(tuned)
+        configs = (tuned.configs if spec["every_config"] else [DEFAULT]) \
+            if kernel is not tuned else [None]
         try:
-            kernel.warmup(*map(real, spec["args"]), grid=(1,),
-                          **{k: real(v) for k, v in spec["kwargs"]})
+            for config in configs:
+                kernel.warmup(*map(real, spec["args"]), grid=(1,),
+                              **{k: real(v) for k, v in spec["kwargs"]},
+                              **(config.all_kwargs() if config else {}))
         except Exception as exc:  # the compiler's refusal, reported per kernel
             lines = str(exc).strip().splitlines() or [repr(exc)]
             cause = _root_cause(exc)  # the frame a nested call failed in says only "at 15:12"

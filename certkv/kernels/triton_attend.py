@@ -45,6 +45,7 @@ from certkv.kernels.triton_score import (
     rotated_back,
 )
 from certkv.kernels.triton_sources import kernel_groups, program_groups, tail_data
+from certkv.kernels.triton_tune import autotuned
 
 
 @triton.jit
@@ -60,6 +61,7 @@ def with_outliers(v, idx_ptr, val_ptr, base, m, on, B: tl.constexpr, D: tl.const
     return v
 
 
+@autotuned
 @triton.jit
 def _attend_kernel(query, scores, fp16, tail, blocks_out, state, counts_ptr, scaling,
                    eps_guard, groups, G: tl.constexpr, BLOCK_G: tl.constexpr, B: tl.constexpr,

@@ -30,6 +30,7 @@ import triton.language as tl
 
 from certkv.certify.arith import dot_chunk
 from certkv.kernels.triton_sources import kernel_groups, program_groups, tail_data
+from certkv.kernels.triton_tune import autotuned
 
 
 @triton.jit
@@ -282,6 +283,7 @@ def log_or_minus_inf(total):
     return tl.where(empty, float("-inf"), tl.log(tl.where(empty, 1.0, total)))
 
 
+@autotuned
 @triton.jit
 def _score_kernel(q_ptr, tk_ptr, s_out, l_out, d_out, ls_out, s_qk, s_qg, s_ok, s_og, s_on,
                   s_lk, s_lg, s_tk, s_tt, counts_ptr, scaling, groups, G: tl.constexpr,
