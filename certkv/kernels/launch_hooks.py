@@ -29,3 +29,24 @@ def wrap_triton_launches(wrap):
         for cls, run in saved.items():
             cls.run = run
     return restore
+
+
+_QUIET: list = []  # the restore function of the one quiet wrapper, once installed
+
+
+def quiet_interpreter() -> None:
+    """Under ``TRITON_INTERPRET=1``, run every Triton launch with NumPy's floating-point
+    warnings off, once per process: the interpreter computes with NumPy, which warns of the IEEE
+    infinities and NaNs of masked lanes, empty sums (``log 0 = -inf``) and vacuous bounds
+    that the kernels mean and a GPU computes silently. Nothing changes on a GPU."""
+    import os
+
+    if _QUIET or os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    import numpy as np
+
+    def quiet(kernel, launch, args, kwargs):
+        with np.errstate(all="ignore"):
+            return launch(*args, **kwargs)
+
+    _QUIET.append(wrap_triton_launches(quiet))

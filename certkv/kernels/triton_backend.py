@@ -23,6 +23,7 @@ import torch
 from certkv.certify.arith import Rounding, dot_depth
 from certkv.errors import ConfigError, require
 from certkv.kernels.base import Backend
+from certkv.kernels.launch_hooks import quiet_interpreter
 from certkv.kernels.layout import SlotMap, StagedBlocks, StepLayout
 from certkv.kernels.reference import (
     Attended,
@@ -58,6 +59,7 @@ class TritonBackend(Backend):
         require(triton_available(), ConfigError,
                 "backend=triton needs triton and a CUDA GPU (or TRITON_INTERPRET=1 on CPU); use "
                 "backend=torch.")
+        quiet_interpreter()
         self.reference = TorchBackend()
 
     def _sources(self, lay: StepLayout, which: str) -> list | None:

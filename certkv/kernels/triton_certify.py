@@ -53,6 +53,7 @@ from certkv.certify.arith import (
 )
 from certkv.certify.fused_cpu import CAST_LIMIT
 from certkv.certify.segment import CertifyInputs, CertifyOutputs
+from certkv.kernels.triton_score import log_or_minus_inf
 
 
 @triton.jit
@@ -112,12 +113,19 @@ def _widen(x, slack, log_u):
 
 
 @triton.jit
+def _exp_where(mask, x):
+    """``exp(x)`` where ``mask``, 0 elsewhere, never evaluating ``exp`` of a masked lane (whose
+    value may overflow: the interpreter's NumPy would warn of it)."""
+    return tl.exp(tl.where(mask, x, float("-inf")))
+
+
+@triton.jit
 def _key_bound(v, delta, delta_tail, log_alpha, exponent, cap_logit, tv_cap):
     """:func:`~certkv.certify.bounds.key_error_bound` for one head and lane (FP64)."""
     log_tail = _nmin(exponent * delta + log_alpha, 0.0)
     log_tail = _nmin(log_tail, _log_sigmoid(cap_logit))
     x = 2.0 * delta_tail
-    log_a3 = log_tail + (x + tl.log(-_expm1(-x)))
+    log_a3 = log_tail + (x + log_or_minus_inf(-_expm1(-x)))
     log_a3 = tl.where(log_tail == float("-inf"), log_tail, log_a3)
     tv = _nmin(_tanh(delta_tail / 2.0), tl.exp(_nmin(log_a3, 0.0)))
     return 2.0 * v * _nmin(tv, tv_cap)
@@ -288,10 +296,10 @@ def certify_head(h, n, s_h, l8_ptr, l16_ptr, rho_ptr, sp_ptr, logp_ptr, db_ptr, 
         b, live, prom, exact, tail, l8, l16, lp, db, dch = _logit_tile(
             start, n, row, l8_ptr, l16_ptr, logp_ptr, db_ptr, dch_ptr, prom_ptr, exact_ptr,
             BLOCK_N)
-        sum_u += tl.sum(tl.where(tail, tl.exp(l8 + db - s_u), 0.0), axis=0)
-        sum_uc += tl.sum(tl.where(tail, tl.exp(l8 + dch - s_uc), 0.0), axis=0)
-        sum_z += tl.sum(tl.where(live & prom, tl.exp(l16 - s_z), 0.0), axis=0)
-        sum_a += tl.sum(tl.where(tail, tl.exp(lp - s_a), 0.0), axis=0)
+        sum_u += tl.sum(_exp_where(tail, l8 + db - s_u), axis=0)
+        sum_uc += tl.sum(_exp_where(tail, l8 + dch - s_uc), axis=0)
+        sum_z += tl.sum(_exp_where(live & prom, l16 - s_z), axis=0)
+        sum_a += tl.sum(_exp_where(tail, lp - s_a), axis=0)
         rho = tl.load(rho_ptr + row + b, mask=live, other=0.0).to(tl.float64)
         spread = tl.load(sp_ptr + row + b, mask=live, other=0.0).to(tl.float64)
         lam = lam_h * tl.load(kspec_ptr + krow + b, mask=live, other=0.0).to(tl.float64)
@@ -306,10 +314,10 @@ def certify_head(h, n, s_h, l8_ptr, l16_ptr, rho_ptr, sp_ptr, logp_ptr, db_ptr, 
         num1 += n1
         kept1 += k1
         top1 = _nmax(top1, t1)
-    log_u = tl.log(sum_u) + s_u
-    log_u_chan = tl.log(sum_uc) + s_uc
-    log_z = tl.log(sum_z) + s_z
-    log_alpha = tl.log(sum_a) + s_a
+    log_u = log_or_minus_inf(sum_u) + s_u  # an empty sum: -inf, without log(0)
+    log_u_chan = log_or_minus_inf(sum_uc) + s_uc
+    log_z = log_or_minus_inf(sum_z) + s_z
+    log_alpha = log_or_minus_inf(sum_a) + s_a
     cap = tl.where(log_u == float("-inf"), log_u, log_u - log_z)
     cap_chan = tl.where(log_u_chan == float("-inf"), log_u_chan, log_u_chan - log_z)
     tv_block = _tv_bound(num0, kept0, top0)

@@ -30,6 +30,7 @@ import triton.language as tl
 from certkv.certify.arith import memoised_tensor
 from certkv.certify.segment import SelectInputs, Selection
 from certkv.kernels.triton_certify import _amax, _lse_top, _nmax, _nmin, _shift
+from certkv.kernels.triton_score import log_or_minus_inf
 
 _INDEX_BITS = 21  # block index bits under a sort key's mass bits (2M blocks per head)
 
@@ -38,7 +39,7 @@ _INDEX_BITS = 21  # block index bits under a sort key's mass bits (2M blocks per
 def _lse(x, live):
     """``logsumexp`` of the FP64 tile ``x`` over ``live`` (``-inf`` if none, NaN with NaN)."""
     shift = _shift(_lse_top(x, live))
-    return tl.log(tl.sum(tl.where(live, tl.exp(x - shift), 0.0), axis=0)) + shift
+    return log_or_minus_inf(tl.sum(tl.where(live, tl.exp(x - shift), 0.0), axis=0)) + shift
 
 
 @triton.jit
