@@ -375,18 +375,26 @@ def main(argv: list[str] | None = None) -> None:
     a = parser.parse_args(argv)
     runs = [frontier(a.model, n, a.steps, a.budget or [0.25, 0.10], a.weights)
             for n in a.context or [4096]]
+    publish("evict_frontier.py", runs, markdown, argv, a.out, "frontier")
+    if a.out:
+        plot(runs, a.out / "frontier.png")
+
+
+def publish(script: str, runs: list[dict], markdown, argv, out: Path | None, stem: str) -> None:
+    """Print ``markdown(runs, command, info)`` (the command that ran ``scripts/<script>``, the
+    commit and device) and, with ``out``, write it there as README.md beside ``<stem>.json``
+    (the command, the info and the runs), each atomically."""
     from certkv.provenance import source_commit
 
     info = {**device_info(), "commit": source_commit()}
-    command = "python scripts/evict_frontier.py " + " ".join(argv or sys.argv[1:])
+    command = f"python scripts/{script} " + " ".join(argv or sys.argv[1:])
     text = markdown(runs, command, info)
     print(text)
-    if a.out:
-        a.out.mkdir(parents=True, exist_ok=True)
-        write_atomic(a.out / "README.md", text + "\n")
-        write_atomic(a.out / "frontier.json",
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        write_atomic(out / "README.md", text + "\n")
+        write_atomic(out / f"{stem}.json",
                      json.dumps({"command": command, **info, "runs": runs}, indent=1) + "\n")
-        plot(runs, a.out / "frontier.png")
 
 
 if __name__ == "__main__":

@@ -29,18 +29,15 @@ only if it bounds logits more tightly than ``keys2`` for about its bytes.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from evict_frontier import Capture, block_notes, block_probabilities, key_deltas
+from evict_frontier import Capture, block_notes, block_probabilities, key_deltas, publish
 
-from certkv.bench import device_info
 from certkv.bench.decode import _decode_model, _decode_prompt
-from certkv.files import write_atomic
 from certkv.quant import KVQuantizer
 from certkv.registry import SUMMARIES
 
@@ -216,17 +213,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=None)
     a = parser.parse_args(argv)
     runs = [summary_bounds(a.model, n, a.steps, a.weights) for n in a.context or [4096]]
-    from certkv.provenance import source_commit
-
-    info = {**device_info(), "commit": source_commit()}
-    command = "python scripts/summary_bounds.py " + " ".join(argv or sys.argv[1:])
-    text = markdown(runs, command, info)
-    print(text)
-    if a.out:
-        a.out.mkdir(parents=True, exist_ok=True)
-        write_atomic(a.out / "README.md", text + "\n")
-        write_atomic(a.out / "summary_bounds.json",
-                     json.dumps({"command": command, **info, "runs": runs}, indent=1) + "\n")
+    publish("summary_bounds.py", runs, markdown, argv, a.out, "summary_bounds")
 
 
 if __name__ == "__main__":
