@@ -35,7 +35,10 @@ $PY -c "import lm_eval" 2>/dev/null || SKIP+=(--ignore=tests/integrations/test_l
 # the selection, page-in, certificate and rung kernels (issue 55) that no GPU has run yet
 GPU_FIRST=${GPU_FIRST:-"tests/test_gpu.py tests/test_attention_batch.py tests/test_faults.py \
 tests/test_tiers_contract.py tests/evict/test_summary.py"}
-step ${T_TESTS:-190} gpu_tests $PY -m pytest -m gpu -p no:cacheprovider -n 8 --dist load \
+# the tests' many small shapes at the default launch configuration (no tuning time; the
+# benches below tune Phase 1 and 2 and list what they kept: certkv/kernels/triton_tune.py)
+step ${T_TESTS:-190} gpu_tests env CERTKV_AUTOTUNE=0 $PY -m pytest -m gpu -p no:cacheprovider \
+  -n 8 --dist load \
   --timeout 170 --durations=25 -v -rfE "${SKIP[@]}" $GPU_FIRST tests
 step ${T_LAUNCH:-70} launches $PY -m certkv.cli bench launches --out "$R" --force
 step ${T_ATTN_EAGER:-0} attention_eager $PY -m certkv.cli bench attention --context 32768 \

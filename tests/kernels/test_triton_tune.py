@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_kv, make_query
+from helpers import check_heads, cuda_layer, make_kv, make_query
 
 from certkv import CertifiedAttention, TieredKVStore
 from certkv.bench import tuning_notes
@@ -87,3 +87,29 @@ def test_every_tuned_config_compiles_for_cuda():
     assert all(k not in dict(x.kwargs) for x in tuned for k in ("num_warps", "num_stages"))
     failures = compile_for_cuda(tuned, every_config=True)
     assert failures == {}, "\n\n".join(f"{name}:\n{msg}" for name, msg in failures.items())
+
+
+@pytest.mark.gpu
+def test_on_cuda_each_shape_tunes_once_before_its_capture_and_replays_equal_eager(monkeypatch):
+    """Tuning on: the first eager step of a shape times the configs and keeps one; the graphed
+    attention's capture of the same shape reuses it (no timing inside a capture), so replays
+    equal the eager steps bit for bit and every head keeps its bound."""
+    from certkv.graphs import GraphedAttention
+
+    monkeypatch.setenv(triton_tune.ENV, "1")
+    stores, qs = zip(*(cuda_layer(4, 3000, 128, group=4) for _ in range(2)), strict=True)
+    eager = CertifiedAttention()
+    eager.pad_layout = True
+    graphed = GraphedAttention(CertifiedAttention())
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for step in range(20):
+        k, v = (torch.randn(4, 1, 128, device="cuda", generator=gen).half() for _ in range(2))
+        for store in stores:
+            store.append(k, v)
+        out_e, cert_e = eager(qs[0], stores[0])
+        out_g, cert_g = graphed(qs[0], stores[1])
+        assert torch.equal(out_e, out_g) and torch.equal(cert_e.bound, cert_g.bound), step
+        check_heads(out_g, cert_g, qs[0], stores[1])
+    shapes = [shape for name, shape, _ in triton_tune.chosen() if name == "_score_kernel"]
+    assert any(shape.startswith("G=4 B=16 D=128") for shape in shapes)
+    assert graphed.captures >= 1 and graphed.replays >= 1
