@@ -268,23 +268,32 @@ class Frontier:
                     self.stores[key] = None
 
 
-def frontier(model: str, context: int, steps: int, budgets, weights: str = "auto",
-             block: int = 16) -> dict:
-    """The tallies' summaries after ``steps`` teacher-forced decode steps on ``context`` tokens."""
+def captured_decode(model: str, weights: str, context: int, steps: int, on_step,
+                    name: str) -> str:
+    """A dense prefill of ``context`` tokens of the default book, then ``steps`` teacher-forced
+    decode steps, each layer's attention handing ``on_step`` its query, keys and values
+    (:class:`Capture`, registered as ``name``); returns the weights used."""
     from transformers import AttentionInterface, DynamicCache
 
     from certkv.models.hook import cache_kwargs
 
     lm, used = _decode_model(model, weights, torch.device("cpu"), torch.float32)
     ids = _decode_prompt(lm, context + steps)
-    state = Frontier(budgets, block)
-    AttentionInterface.register("certkv_frontier", Capture(state.on_step))
-    lm.model.set_attn_implementation("certkv_frontier")
+    AttentionInterface.register(name, Capture(on_step))
+    lm.model.set_attn_implementation(name)
     cache = DynamicCache()
     with torch.no_grad():
         lm.model(torch.tensor([ids[:context]]), **cache_kwargs(lm.model, cache))
         for s in range(steps):
             lm.model(torch.tensor([[ids[context + s]]]), **cache_kwargs(lm.model, cache))
+    return used
+
+
+def frontier(model: str, context: int, steps: int, budgets, weights: str = "auto",
+             block: int = 16) -> dict:
+    """The tallies' summaries after ``steps`` teacher-forced decode steps on ``context`` tokens."""
+    state = Frontier(budgets, block)
+    used = captured_decode(model, weights, context, steps, state.on_step, "certkv_frontier")
     return {"model": model, "weights": used, "context": context, "steps": steps,
             "block": block, "tols": list(TOLS),
             "rows": [{"policy": pol, "budget": b, **t.summary(state.hkv)}

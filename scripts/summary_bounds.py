@@ -35,9 +35,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from evict_frontier import Capture, block_notes, block_probabilities, key_deltas, publish
+from evict_frontier import (
+    block_notes,
+    block_probabilities,
+    captured_decode,
+    key_deltas,
+    publish,
+)
 
-from certkv.bench.decode import _decode_model, _decode_prompt
 from certkv.quant import KVQuantizer
 from certkv.registry import SUMMARIES
 
@@ -91,7 +96,7 @@ def proposed(name: str, qg: torch.Tensor, kb: torch.Tensor, scaling: float
         held = low + torch.round((coords - low) / step.clamp_min(1e-300)) * step
         half = step / 2
     else:
-        held, half = (low + high) / 2 + 0 * coords, (high - low) / 2
+        held, half = ((low + high) / 2).expand_as(coords), (high - low) / 2
     residual = y - torch.einsum("hntp,hnpd->hntd", coords, basis)
     norms = residual.norm(dim=-1)  # [Hkv, n, B]
     if "norms" not in name:
@@ -162,20 +167,9 @@ def summary_bounds(model: str, context: int, steps: int, weights: str = "auto",
                    block: int = 16) -> dict:
     """Every summary's mass-weighted ``Delta`` over ``steps`` teacher-forced decode steps after
     a dense prefill of ``context`` tokens of the default book."""
-    from transformers import AttentionInterface, DynamicCache
-
-    from certkv.models.hook import cache_kwargs
-
-    lm, used = _decode_model(model, weights, torch.device("cpu"), torch.float32)
-    ids = _decode_prompt(lm, context + steps)
     tally = Tally(block)
-    AttentionInterface.register("certkv_summary_bounds", Capture(tally.on_step))
-    lm.model.set_attn_implementation("certkv_summary_bounds")
-    cache = DynamicCache()
-    with torch.no_grad():
-        lm.model(torch.tensor([ids[:context]]), **cache_kwargs(lm.model, cache))
-        for s in range(steps):
-            lm.model(torch.tensor([[ids[context + s]]]), **cache_kwargs(lm.model, cache))
+    used = captured_decode(model, weights, context, steps, tally.on_step,
+                           "certkv_summary_bounds")
     return {"model": model, "weights": used, "context": context, "steps": steps,
             "block": block, "head_dim": tally.d, "rows": tally.rows()}
 

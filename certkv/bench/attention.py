@@ -136,6 +136,9 @@ def launch_notes(records: list[dict]) -> list[str]:
                               + "; ".join(held) + "."] if held else [])]
 
 
+TUNE_OFF = "CERTKV_AUTOTUNE=0 pins num_warps=4, num_stages=3"
+
+
 def tuning_notes(device: torch.device) -> list[str]:
     """On CUDA, the launch configuration tuning kept for each shape the tuned kernels ran at
     (:mod:`~certkv.kernels.triton_tune`); nothing elsewhere (no tuning there)."""
@@ -147,9 +150,6 @@ def tuning_notes(device: torch.device) -> list[str]:
     return [f"Triton launch configurations kept by tuning ({TUNE_OFF}): "
             + "; ".join(f"{name} at {shape}: {config}" for name, shape, config in rows)
             + "."] if rows else []
-
-
-TUNE_OFF = "CERTKV_AUTOTUNE=0 pins num_warps=4, num_stages=3"
 
 
 def bench_launches_case(case: AttentionCase, device: torch.device,
