@@ -157,8 +157,19 @@ class CudaGraph:
             self.graph.register_generator_state(generator)
 
     def capture(self, fn: Callable):
-        with torch.cuda.graph(self.graph, pool=self.pool):
-            out = fn()
+        kept = self.kept = []  # every launch's arguments, as long as the graph replays them:
+        # a kernel's records (:mod:`certkv.kernels.records`) are kept only by a cache
+
+        def keep(kernel, launch, args, kwargs):
+            kept.append((args, kwargs))
+            return launch(*args, **kwargs)
+
+        restore = wrap_triton_launches(keep)
+        try:
+            with torch.cuda.graph(self.graph, pool=self.pool):
+                out = fn()
+        finally:
+            restore()
         self.graph.replay()  # capture only records: this step's results come from a replay
         return out
 

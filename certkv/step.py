@@ -142,6 +142,25 @@ class QuantizedStep(Escalation, Fallback):
         # (gated keys, FP16 values).
         with timer.phase("page_in"):
             paged = step.pager(sel.plan) if certified else NOTHING
+        checks, summaries, spec, inputs = self._pass_inputs(step, scored, sel, kv_of)
+        with timer.phase("phase2"):  # with the certificate in its merge where the backend can
+            gate = sel.promoted.reshape(hkv, hq // hkv, -1)
+            extra = {"certify": self._certify_request(inputs, spec, lay)} \
+                if step.in_phase2 and summaries is None \
+                and self.backend.certifies_in_phase2(lay) else {}
+            att = self.backend.phase2(step.qg, scored, lay, gate, (paged.keys, paged.values),
+                                      step.scaling, lad.eps_guard,
+                                      checks if summaries is None else None, **extra)
+        return self._pass_result(step, sel, paged, att, (checks, summaries, spec, inputs),
+                                 mendable=mendable, force=force, ahead_pairs=ahead_pairs)
+
+    def _pass_inputs(self, step: _Step, scored, sel: Selection, kv_of):
+        """What a pass's Phase 2 and certificate read besides Phase 2's own results:
+        ``(checks, summaries, spec, inputs)`` (the ranking and boundary checks' inputs or None,
+        the evicted columns the checks rank by FP16 log-mass or None, the arithmetic bound's
+        facts, the certificate's :class:`CertifyInputs` with Phase 2's fields None)."""
+        q, lay, lad = step.q, step.lay, self.ladder
+        store, certified, hq = lay.store, self.mode == "certified", q.shape[0]
         l8 = scored.log_mass.reshape(hq, -1)
         checks = CheckInputs(l8, sel.delta_b, sel.promoted, lay.quantized, lad.r) \
             if certified and (lad.ranking_check or lad.boundary_check) else None
@@ -157,23 +176,23 @@ class QuantizedStep(Escalation, Fallback):
             canary_blocks=None, q=q, kv_bad=store.nonfinite_appended(),
             key_abs_max=store.key_abs_max(), eta_max_kv=store.value_error_max(), kv_of=kv_of,
             v_max_kv=store.value_norm_max() if step.on_device else None)
-        with timer.phase("phase2"):  # with the certificate in its merge where the backend can
-            gate = sel.promoted.reshape(hkv, hq // hkv, -1)
-            extra = {"certify": self._certify_request(inputs, spec, lay)} \
-                if step.in_phase2 and summaries is None \
-                and self.backend.certifies_in_phase2(lay) else {}
-            att = self.backend.phase2(step.qg, scored, lay, gate, (paged.keys, paged.values),
-                                      step.scaling, lad.eps_guard,
-                                      checks if summaries is None else None, **extra)
+        return checks, summaries, spec, inputs
 
-        # Ranking and boundary checks (eq. 17-18): Phase 2's epilogue, or one small call.
+    def _pass_result(self, step: _Step, sel: Selection, paged, att, pass_inputs, *,
+                     mendable=True, force=None, ahead_pairs=0, finished=None) -> StepPass:
+        """A pass's :class:`StepPass` from Phase 2's results ``att`` and ``pass_inputs``
+        (:meth:`_pass_inputs`): the ranking and boundary checks (eq. 17-18: Phase 2's
+        epilogue, or one small call), and the certificate (eq. 15, Cor. 4.2), computed in
+        Phase 2's merge (its rungs left to the fallback kernel, which writes them into
+        ``finished`` where given) or by the certificate segment."""
+        checks, summaries, spec, inputs = pass_inputs
+        lay, timer, hq = step.lay, step.timer, step.q.shape[0]
+        l8 = inputs.l8
         l16 = att.log_mass.reshape(hq, -1)
         if summaries is not None:  # a promoted evicted block ranks by its FP16 log-mass
             checks = checks._replace(l_int8=paged_summaries(l8, l16, sel.promoted, summaries))
         with timer.phase("checks"):
             ranking, boundary = self._rank_checks(checks, l16, att)
-
-        # Certificate (eq. 15, Cor. 4.2), canary and rungs 3-4 (flags read by the caller).
         out = att.out.reshape(hq, -1)
         inputs = inputs._replace(l16=l16, rho=att.rho.reshape(hq, -1),
                                  spread=_spread(att).reshape(hq, -1), out=out, ranking=ranking,
@@ -182,7 +201,7 @@ class QuantizedStep(Escalation, Fallback):
         if att.certified is not None:  # rungs left to the fallback kernel
             from certkv.kernels.triton_certify import outputs
 
-            cert, finished = outputs(att.certified)
+            cert, finished = outputs(att.certified, finished)
             pending = (att.certified, finished)
         else:
             with timer.phase("certificate"):

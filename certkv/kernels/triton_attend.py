@@ -19,7 +19,7 @@ precision's blocks for all ``G`` query heads of its kv head. Per block it
 
 Every launch writes its own split states (each split holds at least one block, so there are at
 most ``n`` of them, which the rounding chain counts on); the splits are merged by log-sum-exp
-in :func:`reduce_splits`.
+in :func:`~certkv.kernels.triton_merge.reduce_splits`.
 """
 
 from __future__ import annotations
@@ -31,20 +31,27 @@ import triton
 import triton.language as tl
 
 from certkv.certify.arith import dot_chunk
+from certkv.kernels.records import integer, pointer, records
 from certkv.kernels.reference import Attended, CheckInputs, Scored
-from certkv.kernels.triton_certify import CertifyRequest, certify_args, certify_head
-from certkv.kernels.triton_checks import check_head
+from certkv.kernels.triton_certify import CertifyRequest
+from certkv.kernels.triton_merge import (
+    CertifyBatch,
+    Merged,
+    as_batch,
+    batch_checks,
+    reduce_batch,
+)
 from certkv.kernels.triton_score import (
     blocks_per_program,
     channel_dot,
     entry,
+    group_fields,
     inner_group_values,
     load_codes,
     load_group_queries,
-    log_or_minus_inf,
     rotated_back,
 )
-from certkv.kernels.triton_sources import kernel_groups, program_groups, tail_data
+from certkv.kernels.triton_sources import batch_groups, program_groups, tail_data
 from certkv.kernels.triton_tune import autotuned
 
 
@@ -63,24 +70,45 @@ def with_outliers(v, idx_ptr, val_ptr, base, m, on, B: tl.constexpr, D: tl.const
 
 @autotuned
 @triton.jit
-def _attend_kernel(query, scores, fp16, tail, blocks_out, state, counts_ptr, scaling,
-                   eps_guard, groups, G: tl.constexpr, BLOCK_G: tl.constexpr, B: tl.constexpr,
-                   D: tl.constexpr, DOT_C: tl.constexpr, SPLIT: tl.constexpr,
-                   LAYOUTS: tl.constexpr):
-    """Grid ``(kv head, program)``: the programs of every precision's blocks in one launch,
-    program ``p`` writing split state ``p``. The arguments come in bundles (pointers and their
-    strides, :func:`_launch_attend`); ``groups[k]``: precision ``k``'s programs ``[first,
-    end)`` and what they read; ``LAYOUTS[k]``: its ``(FP16, BITS, BIAS, GROUP, TAIL, CARRIES,
-    TOKEN, INNER, NORM, ROT, CODEBOOK, OUTLIERS, ROPE)``
+def _attend_kernel(query, scores, slots, seq_ptr, blocks_out, state, scaling, eps_guard,
+                   G: tl.constexpr, BLOCK_G: tl.constexpr, B: tl.constexpr, D: tl.constexpr,
+                   DOT_C: tl.constexpr, SPLIT: tl.constexpr, LAYOUTS: tl.constexpr,
+                   KINDS: tl.constexpr):
+    """Grid ``(kv head, program, sequence)``: the programs of every precision's blocks of
+    every sequence of a batch in one launch, program ``p`` of sequence ``s`` writing its split
+    state ``p``. The step's tensors come in bundles of a pointer, its strides and its sequence
+    stride (:func:`_launch_attend`); sequence ``s``'s record (:mod:`~certkv.kernels.records`)
+    holds its tail block's values, block counts, FP16 pools and Tier-2 rows with their strides,
+    then per group of ``LAYOUTS`` its programs ``[first, end)`` and what they read
+    (:func:`~certkv.kernels.triton_score.group_fields`); ``LAYOUTS[k]``: ``(FP16, BITS, BIAS,
+    GROUP, TAIL, CARRIES, TOKEN, INNER, NORM, ROT, CODEBOOK, OUTLIERS, ROPE)``
     (:func:`~certkv.kernels.triton_sources.kernel_groups`)."""
     kv = tl.program_id(0)
     p = tl.program_id(1)
-    q_ptr, s_qk, s_qg = query
-    q = load_group_queries(q_ptr, kv, s_qk, s_qg, G, BLOCK_G, D)
+    seq = tl.program_id(2)
+    rec = seq_ptr + seq * len(KINDS)
+    q_ptr, s_qs, s_qk, s_qg = query
+    q = load_group_queries(q_ptr + seq * s_qs, kv, s_qk, s_qg, G, BLOCK_G, D)
+    s_ptr, gate_ptr, delta_ptr, s_ss, s_bs, s_sk, s_sg, s_sn = scores
+    scored = (s_ptr + seq * s_ss, gate_ptr + seq * s_bs, delta_ptr + seq * s_bs, s_sk, s_sg,
+              s_sn)
+    kslot_ptr, vslot_ptr, s_ls, s_lk = slots
+    fp16 = (kslot_ptr + seq * s_ls, pointer(rec, 4, KINDS[4]), vslot_ptr + seq * s_ls,
+            pointer(rec, 5, KINDS[5]), pointer(rec, 6, KINDS[6]), pointer(rec, 7, KINDS[7]),
+            s_lk, integer(rec, 8), integer(rec, 9), integer(rec, 10), integer(rec, 11),
+            integer(rec, 12), integer(rec, 13))
+    tail = (pointer(rec, 0, KINDS[0]), integer(rec, 1), integer(rec, 2))
+    mb_ptr, lb_ptr, sb_ptr, canary_ptr, s_bk, s_bg = blocks_out
+    blocks = (mb_ptr + seq * s_bs, lb_ptr + seq * s_bs, sb_ptr + seq * s_bs,
+              canary_ptr + seq * s_bs, s_bk, s_bg)
+    m_ptr, l_ptr, acc_ptr, s_ms, s_mk, s_mg, s_as0, s_ak, s_ag, s_as = state
+    split_state = (m_ptr + seq * s_ms, l_ptr + seq * s_ms, acc_ptr + seq * s_as0, s_mk, s_mg,
+                   s_ak, s_ag, s_as)
+    counts_ptr = pointer(rec, 3, KINDS[3])
     for k in tl.static_range(len(LAYOUTS)):
-        src = groups[k]
+        src = group_fields(rec, 14 + 33 * k, KINDS)
         if (p >= src[0]) & (p < src[1]):
-            _attend_split(q, kv, p, src, scores, fp16, tail, blocks_out, state, counts_ptr,
+            _attend_split(q, kv, p, src, scored, fp16, tail, blocks, split_state, counts_ptr,
                           scaling, eps_guard, G, BLOCK_G, B, D, DOT_C, SPLIT, LAYOUTS[k][0],
                           LAYOUTS[k][1], LAYOUTS[k][2], LAYOUTS[k][3], LAYOUTS[k][4],
                           LAYOUTS[k][5], LAYOUTS[k][6], LAYOUTS[k][7], LAYOUTS[k][9],
@@ -214,129 +242,6 @@ def _attend_split(q, kv, p, src, scores, fp16, tail, blocks_out, state, counts_p
              mask=gmask[:, None])
 
 
-@triton.jit
-def _reduce_kernel(mb_ptr, lb_ptr, sb_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, rho_ptr, lm_ptr,
-                   sp_ptr, l8_ptr, dt_ptr, prom_ptr, quant_ptr, rank_ptr, bound_ptr,
-                   logp_ptr, dch_ptr, exact_ptr, canb_ptr, vkv_ptr, s_vkv, eta_ptr, vspec_ptr,
-                   kspec_ptr, s_kv, delta_ptr, vmax_ptr, vrad_ptr, qnorm_ptr, q_ptr, kam_ptr,
-                   etamax_ptr, vmaxkv_ptr, par_ptr, w_ptr, expanded_ptr, res_ptr, resi_ptr,
-                   pre_ptr, canary_ptr,
-                   n_blocks, n_splits, s_h, s_mh, s_ah, s_as, s_oh,
-                   D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
-                   R: tl.constexpr, CHECKS: tl.constexpr, CERTIFY: tl.constexpr,
-                   G: tl.constexpr, CERTIFIED: tl.constexpr, CANARY: tl.constexpr,
-                   WANTED: tl.constexpr):
-    """One program per query head merges its splits and writes its block masses, log-masses
-    and spreads; with ``CHECKS``, then the ranking and boundary checks over those log-masses
-    (:func:`~certkv.kernels.triton_checks.check_head`); with ``CERTIFY``, then the head's
-    certificate (:func:`~certkv.kernels.triton_certify.certify_head`)."""
-    h = tl.program_id(0)
-    c = tl.arange(0, D)
-    top = float("-inf")
-    for start in range(0, n_splits, BLOCK_S):
-        sp = start + tl.arange(0, BLOCK_S)
-        mv = tl.load(m_ptr + h * s_mh + sp, mask=sp < n_splits, other=float("-inf"))
-        top = tl.maximum(top, tl.max(mv, axis=0))
-    total = 0.0
-    out = tl.zeros((D,), tl.float32)
-    for start in range(0, n_splits, BLOCK_S):
-        sp = start + tl.arange(0, BLOCK_S)
-        live = sp < n_splits
-        mv = tl.load(m_ptr + h * s_mh + sp, mask=live, other=float("-inf"))
-        weight = tl.where(live, tl.exp(mv - top), 0.0)
-        total += tl.sum(weight * tl.load(l_ptr + h * s_mh + sp, mask=live, other=0.0), axis=0)
-        acc = tl.load(acc_ptr + h * s_ah + sp[:, None] * s_as + c[None, :],
-                      mask=live[:, None], other=0.0)
-        out += tl.sum(weight[:, None] * acc, axis=0)
-    out = out / total
-    tl.store(out_ptr + h * s_oh + c, out)
-    for start in range(0, n_blocks, BLOCK_N):
-        b = start + tl.arange(0, BLOCK_N)
-        live = b < n_blocks
-        mb = tl.load(mb_ptr + h * s_h + b, mask=live, other=float("-inf"))
-        lb = tl.load(lb_ptr + h * s_h + b, mask=live, other=1.0)
-        sb = tl.load(sb_ptr + h * s_h + b, mask=live, other=1.0)
-        scale = tl.exp(mb - top)
-        tl.store(rho_ptr + h * s_h + b, scale * lb / total, mask=live)
-        tl.store(sp_ptr + h * s_h + b, scale * tl.sqrt_rn(sb) / total, mask=live)
-        tl.store(lm_ptr + h * s_h + b, mb + log_or_minus_inf(lb), mask=live)
-    ranking = True
-    boundary = True
-    if CHECKS or CERTIFY:  # the epilogues read back what this program just wrote
-        tl.debug_barrier()
-    if CHECKS:
-        ranking, boundary = check_head(l8_ptr, lm_ptr, dt_ptr, prom_ptr, quant_ptr, rank_ptr,
-                                       bound_ptr, h, n_blocks, s_h, R, BLOCK_N)
-        if (WANTED & 1) == 0:  # a check the ladder leaves off passes
-            ranking = True
-        if (WANTED & 2) == 0:
-            boundary = True
-    if CERTIFY:
-        certify_head(h, n_blocks, s_h, l8_ptr, lm_ptr, rho_ptr, sp_ptr, logp_ptr, dt_ptr,
-                     dch_ptr, prom_ptr, exact_ptr, canb_ptr, vkv_ptr, s_vkv, eta_ptr, vspec_ptr,
-                     kspec_ptr, s_kv, delta_ptr, vmax_ptr, vrad_ptr, qnorm_ptr, q_ptr,
-                     kam_ptr, etamax_ptr, vmaxkv_ptr, par_ptr, w_ptr, out, ranking, boundary,
-                     expanded_ptr, res_ptr, resi_ptr, pre_ptr, canary_ptr, G, D, BLOCK_N,
-                     CERTIFIED, CANARY)
-
-
-def reduce_splits(m_b, l_b, m, lsum, acc, l2_b=None, checks: CheckInputs | None = None,
-                  certify: CertifyRequest | None = None) -> Attended:
-    """Merge per-split online-softmax states by log-sum-exp (one kernel); block masses
-    ``rho_b = e^{m_b - top} l_b / total``, log-masses ``m_b + log l_b`` and spreads
-    ``||p_b||_2 = e^{m_b - top} sqrt(l2_b) / total``; given ``checks``, the ranking and
-    boundary flags (eq. 17-18) in the same launch; given ``certify``, the certificate too
-    (``Attended.certified``, :mod:`~certkv.kernels.triton_certify`; its ``canary_blocks``
-    Phase 2's, already written).
-
-    Shapes: ``m_b, l_b, l2_b [Hkv, G, n]`` (``l2_b`` None: spreads of one-token blocks);
-    ``m, lsum [Hkv, G, S]``; ``acc [Hkv, G, S, d]``; FP32.
-    """
-    hkv, g, n = m_b.shape
-    n_splits, d = acc.shape[2], acc.shape[3]
-    hq = hkv * g
-    l2_b = l_b.square() if l2_b is None else l2_b
-    m_b, l_b, l2_b = m_b.reshape(hq, n), l_b.reshape(hq, n), l2_b.reshape(hq, n)
-    m, lsum, acc = m.reshape(hq, n_splits), lsum.reshape(hq, n_splits), acc.reshape(hq, n_splits,
-                                                                                      d)
-    out = torch.empty(hq, d, device=m.device)
-    rho, log_mass, spread = (torch.empty_like(m_b) for _ in range(3))
-    flags = torch.empty(2, hq, dtype=torch.bool, device=m.device)
-    inputs, r = _check_args(checks, certify, m_b, flags)
-    cert, certified = certify_args(certify, m_b, out)
-    _reduce_kernel[(hq,)](m_b, l_b, l2_b, m, lsum, acc, out, rho, log_mass, spread,
-                          *inputs, flags[0], flags[1], *cert, n, n_splits,
-                          m_b.stride(0), m.stride(0), acc.stride(0), acc.stride(1),
-                          out.stride(0), D=d,
-                          BLOCK_S=min(64, triton.next_power_of_2(n_splits)),
-                          BLOCK_N=min(1024, triton.next_power_of_2(n)), R=r,
-                          CHECKS=checks is not None, CERTIFY=certify is not None, G=g,
-                          CERTIFIED=bool(certify and certify.certified),
-                          CANARY=bool(certify and certify.canary),
-                          WANTED=certify.wanted if certify else 3)
-    return Attended(out=out.reshape(hkv, g, d), rho=rho.reshape(hkv, g, n),
-                    log_mass=log_mass.reshape(hkv, g, n), spread=spread.reshape(hkv, g, n),
-                    ranking=None if checks is None else flags[0],
-                    boundary=None if checks is None else flags[1],
-                    certified=certified or None)
-
-
-def _check_args(checks: CheckInputs | None, certify: CertifyRequest | None, m_b, flags):
-    """The merge's ``l8, delta_b, promoted [Hq, n], quantized [n]`` and ``r``: the checks', else
-    the certificate's (it reads the first three), else valid pointers the kernel never reads."""
-    if checks is not None:
-        inputs, r = (checks.l_int8.float(), checks.delta_b.float(), checks.promoted,
-                     checks.quantized), checks.r
-    elif certify is not None:
-        x = certify.x
-        inputs, r = (x.l8, x.delta_b, x.promoted, flags[0]), 1
-    else:
-        return (m_b, m_b, flags, flags), 1
-    inputs = tuple(x.contiguous() for x in inputs)  # the masks are read as bool
-    assert all(x.stride(0) == m_b.stride(0) for x in inputs[:3])
-    return inputs, r
-
-
 class FP16Slots(NamedTuple):
     """Where Phase 2 finds FP16 keys and values: int32 ``[Hkv, n]`` slots into FP16 blocks
     ``[P, B, d]`` (-1: not staged; ``<= -2``: row ``-2 - slot`` of ``tier2``)."""
@@ -370,59 +275,97 @@ def attend_blocks(scored: Scored, q: torch.Tensor, gate: torch.Tensor, sources: 
         :class:`Attended` with the canary violations of the gated blocks (and the checks, and
         the certificate).
     """
-    scores = scored.scores.contiguous()
-    hkv, g, n, _ = scores.shape
-    d = q.shape[-1]
-    split = split or blocks_per_program(n, hkv, scores.device)
-    plan = program_groups(sources, n)
-    grouped = kernel_groups(plan, split)  # (groups, layouts, programs)
-    programs = grouped[2]
-    dev = scores.device
-    m_b = torch.empty(hkv, g, n, device=dev)
-    l_b, l2_b = torch.empty_like(m_b), torch.empty_like(m_b)
-    canary = torch.empty(hkv, g, n, dtype=torch.bool, device=dev)  # every block written
-    m = torch.empty(hkv, g, programs, device=dev)
-    lsum = torch.empty_like(m)
-    acc = torch.empty(hkv, g, programs, d, device=dev)
-    # masks are read as bool, in the [Hkv, G, n] layout of m_b and canary
-    gate, delta = gate.contiguous(), scored.delta_b.float().contiguous()
-    key_data, value_data = fp16.key_data.contiguous(), fp16.value_data.contiguous()
-    tier2 = fp16.tier2 or (key_data, key_data)  # never read without a slot <= -2
-    shared = (scores, q.float().contiguous(), fp16.key_slot.contiguous(), key_data,
-              gate, delta, fp16.value_slot.contiguous(), value_data, tier2,
-              (m_b, l_b, l2_b, canary), (m, lsum, acc))
-    _launch_attend(plan, grouped, shared, scaling, eps_guard, split)
-    if certify is not None:  # the certificate reads this step's canary
-        certify = certify._replace(x=certify.x._replace(canary_blocks=canary))
-    att = reduce_splits(m_b, l_b, m, lsum, acc, l2_b, checks, certify)
-    att.canary = canary
+    n = scored.scores.shape[2]
+    slots = (fp16.key_slot[None], fp16.value_slot[None])
+    pools = [(fp16.key_data, fp16.value_data, fp16.tier2)]
+    if certify is not None:
+        certify = as_batch(certify, checks.quantized if checks is not None else None)
+    batch = Phase2Batch(scored.scores[None], scored.delta_b[None], q[None], gate[None], slots,
+                        [(sources, n, pools[0])])
+    merged, canary = attend_batch(batch, scaling, eps_guard, split=split,
+                                  checks=batch_checks(checks), certify=certify)
+    att = merged.sequence(0, [n], q.shape[1])
+    att.canary = canary[0]
     return att
 
 
-def _launch_attend(plan, grouped, shared, scaling, eps_guard, split) -> None:
-    """Phase 2's one launch over the ``plan`` of
-    :func:`~certkv.kernels.triton_sources.program_groups` with its ``grouped`` arguments
-    (:func:`~certkv.kernels.triton_sources.kernel_groups`: a group of programs per precision,
-    the last carrying the tail block): block statistics at their indices, one split state per
-    program. The kernel's arguments go in bundles of pointers and their strides."""
-    (scores, q, key_slot, key_data, gate, delta, value_slot, value_data, (k2, v2), blocks_out,
-     state) = shared
+class Phase2Batch(NamedTuple):
+    """A batch's Phase 2 inputs: the step's tensors with a leading sequence axis (``W`` block
+    columns) and what each sequence reads of its own."""
+
+    scores: torch.Tensor  # [S, Hkv, G, W, B] Phase-1 logits
+    delta: torch.Tensor  # [S, Hkv, G, W] Phase 1's Delta_b
+    q: torch.Tensor  # [S, Hkv, G, d]
+    gate: torch.Tensor  # bool [S, Hkv, G, W]: FP16-key logits where staged
+    slots: tuple  # the FP16 key and value slot maps, int32 [S, Hkv, W] each (FP16Slots')
+    sequences: list  # per sequence (value groups, blocks n, (key pool, value pool, tier2))
+
+
+def attend_batch(batch: Phase2Batch, scaling: float, eps_guard: float, *,
+                 split: int | None = None, checks: CheckInputs | None = None,
+                 certify: CertifyBatch | None = None) -> tuple[Merged, torch.Tensor]:
+    """:func:`attend_blocks` for a batch of sequences: one launch of Phase 2 over every
+    sequence's blocks and one merge (:func:`reduce_batch`); sequence ``s``'s value groups
+    (:class:`~certkv.kernels.triton_sources.BlockSource`) over its ``n_s`` blocks, its pools
+    as :class:`FP16Slots` holds them. Returns the merge and the canary ``[S, Hkv, G, W]``."""
+    nseq, hkv, g, width, _ = batch.scores.shape
+    d = batch.q.shape[-1]
+    dev = batch.scores.device
+    widths = [n for _, n, _ in batch.sequences]
+    split = split or blocks_per_program(sum(widths), hkv, dev)
+    plans = [program_groups(src, n) for src, n, _ in batch.sequences]
+    fields, layouts, programs, each = batch_groups(plans, split)
+    m_b = torch.empty(nseq, hkv, g, width, device=dev)
+    l_b, l2_b = torch.empty_like(m_b), torch.empty_like(m_b)
+    canary = torch.empty(nseq, hkv, g, width, dtype=torch.bool, device=dev)
+    m = torch.empty(nseq, hkv, g, programs, device=dev)
+    lsum = torch.empty_like(m)
+    acc = torch.empty(nseq, hkv, g, programs, d, device=dev)
+    rows = [(*_pool_fields(plan, pool), *own)
+            for (_, _, pool), plan, own in zip(batch.sequences, plans, fields, strict=True)]
+    rec = records(rows, dev)
+    step = (batch.scores.contiguous(), batch.q.float().contiguous(), batch.gate.contiguous(),
+            batch.delta.float().contiguous(), [x.contiguous() for x in batch.slots])
+    _launch_attend(step, rec, (m_b, l_b, l2_b, canary), (m, lsum, acc), layouts, split,
+                   (scaling, eps_guard))
+    if certify is not None:  # the certificate reads this step's canary
+        certify = certify._replace(x=certify.x._replace(canary_blocks=canary))
+    merged = reduce_batch((m_b, l_b, l2_b, m, lsum, acc), widths, each, checks, certify)
+    return merged, canary
+
+
+def _pool_fields(plan, pool) -> tuple:
+    """A sequence's record fields before its groups: its tail block's values and strides,
+    block counts, FP16 key and value pools and Tier-2 rows with their strides."""
+    key_data, value_data, tier2 = pool
+    tail_v = tail_data(plan)
+    k2, v2 = tier2 or (key_data, key_data)  # never read without a slot <= -2
+    assert k2.stride() == v2.stride() and key_data.stride(-1) == value_data.stride(-1) == 1
+    return (tail_v, tail_v.stride(0), tail_v.stride(2), plan[0][0].counts, key_data,
+            value_data, k2, v2, key_data.stride(0), key_data.stride(1), value_data.stride(0),
+            value_data.stride(1), k2.stride(0), k2.stride(1))
+
+
+def _launch_attend(step, rec, blocks_out, state, layouts, split, scalars) -> None:
+    """Phase 2's one launch over every sequence's groups (the ``layouts`` of
+    :func:`~certkv.kernels.triton_sources.batch_groups`, read through the records ``rec``):
+    block statistics at their indices, one split state per program. The step's tensors go in
+    bundles of pointers, their strides and their sequence strides."""
+    scores, q, gate, delta, (key_slot, value_slot) = step
     m_b, l_b, l2_b, canary = blocks_out
     m, lsum, acc = state
-    hkv, g, _, bsz = scores.shape
+    nseq, hkv, g, _, bsz = scores.shape
     d = q.shape[-1]
-    groups, layouts, programs = grouped
-    tail_v = tail_data(plan)
-    _attend_kernel[(hkv, programs)](
-        (q, q.stride(0), q.stride(1)),
-        (scores, gate, delta, scores.stride(0), scores.stride(1), scores.stride(2)),
-        (key_slot, key_data, value_slot, value_data, k2, v2, value_slot.stride(0),
-         key_data.stride(0), key_data.stride(1), value_data.stride(0), value_data.stride(1),
-         k2.stride(0), k2.stride(1)),
-        (tail_v, tail_v.stride(0), tail_v.stride(2)),
-        (m_b, l_b, l2_b, canary, m_b.stride(0), m_b.stride(1)),
-        (m, lsum, acc, m.stride(0), m.stride(1), acc.stride(0), acc.stride(1), acc.stride(2)),
-        plan[0][0].counts, float(scaling), float(eps_guard), groups,
+    assert gate.stride() == delta.stride() == m_b.stride() == canary.stride()
+    assert key_slot.stride() == value_slot.stride()
+    _attend_kernel[(hkv, m.shape[3], nseq)](
+        (q, q.stride(0), q.stride(1), q.stride(2)),
+        (scores, gate, delta, scores.stride(0), m_b.stride(0), scores.stride(1),
+         scores.stride(2), scores.stride(3)),
+        (key_slot, value_slot, key_slot.stride(0), key_slot.stride(1)), rec.table,
+        (m_b, l_b, l2_b, canary, m_b.stride(1), m_b.stride(2)),
+        (m, lsum, acc, m.stride(0), m.stride(1), m.stride(2), acc.stride(0), acc.stride(1),
+         acc.stride(2), acc.stride(3)),
+        float(scalars[0]), float(scalars[1]),
         G=g, BLOCK_G=triton.next_power_of_2(g), B=bsz, D=d, DOT_C=dot_chunk(d), SPLIT=split,
-        LAYOUTS=layouts)
-
+        LAYOUTS=layouts, KINDS=rec.kinds)

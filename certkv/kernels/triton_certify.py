@@ -424,20 +424,27 @@ class Finished(NamedTuple):
     tol_level: torch.Tensor  # int64 [Hq]: 0 (the device path has no bound tolerance)
 
 
-def outputs(c: Certified) -> tuple[CertifyOutputs, Finished]:
+def outputs(c: Certified, done: Finished | None = None
+            ) -> tuple[CertifyOutputs, Finished]:
     """The pass's :class:`~certkv.certify.segment.CertifyOutputs` over what the merge wrote,
     and the :class:`Finished` tensors in it that the fallback kernel fills in (read nothing of
-    the rungs before it ran)."""
+    the rungs before it ran): ``done`` where given (a batch's, :func:`finished`), else new."""
     hq = c.res.shape[1]
-    dev = c.res.device
-    done = Finished(torch.empty(hq, dtype=torch.int64, device=dev),
-                    torch.empty(hq + 2, dtype=torch.bool, device=dev),
-                    torch.empty(2, hq, device=dev), torch.empty(hq, device=dev),
-                    torch.empty(hq, dtype=torch.int64, device=dev))
+    done = done or finished(1, hq, c.res.device, one=True)
     res, resi = c.res, c.resi
     return CertifyOutputs(res[0], res[1], res[2], res[3], resi[0], c.canary, done.rung, resi[1],
                           done.flags, res[4], res[5], (done.returned[0], done.returned[1]),
                           done.e_final), done
+
+
+def finished(nseq: int, hq: int, dev: torch.device, one: bool = False) -> Finished:
+    """:class:`Finished` tensors for ``nseq`` sequences (a leading sequence axis, or, with
+    ``one``, none)."""
+    lead = () if one else (nseq,)
+    return Finished(torch.empty(*lead, hq, dtype=torch.int64, device=dev),
+                    torch.empty(*lead, hq + 2, dtype=torch.bool, device=dev),
+                    torch.empty(*lead, 2, hq, device=dev), torch.empty(*lead, hq, device=dev),
+                    torch.empty(*lead, hq, dtype=torch.int64, device=dev))
 
 
 class CertifyRequest(NamedTuple):
@@ -453,33 +460,3 @@ class CertifyRequest(NamedTuple):
     canary: bool
     least: float
     wanted: int
-
-
-def certify_args(req: CertifyRequest | None, m_b: torch.Tensor, out: torch.Tensor):
-    """The merge kernel's certificate arguments (after ``bound_ptr``) and the
-    :class:`Certified` it will write; without ``req``, valid pointers never read and None.
-    ``m_b [Hq, n]`` gives the block tensors' row stride."""
-    hq = m_b.shape[0]
-    dev = m_b.device
-    if req is None:
-        flag = torch.empty(1, dtype=torch.bool, device=dev)
-        return (m_b, m_b, flag, flag, flag, 0, m_b, m_b, m_b, 0, out, out, out, out, out, out,
-                out, out, out, out, flag, out, out, out, flag), None
-    x = req.x
-    per_block = tuple(t.contiguous() for t in (x.log_p, x.delta_chan, x.canary_blocks
-                                                .reshape(hq, -1)))
-    assert all(t.stride(0) == m_b.stride(0) for t in per_block)
-    lay = (x.eta, x.value_spec, x.key_spec)
-    assert all(t.stride() == x.eta.stride() and t.stride(1) == 1 for t in lay)
-    value_kv = x.value_kv.contiguous()
-    res = torch.empty(7, hq, device=dev)
-    resi = torch.empty(2, hq, dtype=torch.int64, device=dev)
-    pre = torch.empty(2, hq, dtype=torch.int32, device=dev)
-    canary = torch.empty(hq, dtype=torch.bool, device=dev)
-    args = (*per_block[:2], x.exact.contiguous(), per_block[2], value_kv, value_kv.stride(0),
-            *lay, x.eta.stride(0), x.delta.contiguous(), x.v_max.contiguous(),
-            x.v_rad.contiguous(), x.q_norm.contiguous(), x.q.contiguous(),
-            x.key_abs_max.contiguous(), x.eta_max_kv.contiguous(), x.v_max_kv.contiguous(),
-            req.par, req.weights, x.expanded.contiguous(), res, resi, pre, canary)
-    done = Certified(res, resi, pre, canary, x.kv_bad, req.certified, req.least)
-    return args, done

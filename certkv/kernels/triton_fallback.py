@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from certkv.certify.arith import Rounding
+from certkv.kernels.records import integer, pointer, records
 
 
 def fallback_rounding(block_size: int) -> Rounding:
@@ -111,31 +112,49 @@ def finish_group(kv, group, hq, pre_ptr, canary_ptr, kvbad_ptr, res_ptr, rung_pt
     if kv == 0:
         tl.store(flag_ptr + hq, q_bad.to(tl.int8))
         tl.store(flag_ptr + hq + 1, kv_bad.to(tl.int8))
-        seen_q = tl.load(seen_ptr) != 0
-        seen_kv = tl.load(seen_ptr + 1) != 0
-        tl.store(seen_ptr, (seen_q | q_bad).to(tl.int8))
-        tl.store(seen_ptr + 1, (seen_kv | kv_bad).to(tl.int8))
+        one = tl.full([], 1, tl.int8)  # or-ed in: set only, so sequences never race
+        tl.store(seen_ptr, one, mask=q_bad)
+        tl.store(seen_ptr + 1, one, mask=kv_bad)
     return flagged & mine
 
 
 
 @triton.jit
-def _dense_flagged_kernel(q_ptr, flag_ptr, k2_ptr, v2_ptr, tk_ptr, tv_ptr, out_ptr, outq_ptr,
-                          counts_ptr, group, scaling,
-                          s2_h, s2_b, s2_t, st_h, st_t,
-                          pre_ptr, canary_ptr, kvbad_ptr, res_ptr, rung_ptr, ret_ptr,
-                          final_ptr, tol_ptr, seen_ptr, hq, least,
-                          B: tl.constexpr, D: tl.constexpr, GP: tl.constexpr,
-                          FINISH: tl.constexpr, HP: tl.constexpr, CERTIFIED: tl.constexpr,
-                          BF16: tl.constexpr):
+def _dense_flagged_kernel(q_ptr, flag_ptr, out_ptr, outq_ptr, seq_ptr, group, scaling, pre_ptr,
+                          canary_ptr, res_ptr, rung_ptr, ret_ptr, final_ptr, tol_ptr, seen_ptr,
+                          hq, least, KINDS: tl.constexpr, B: tl.constexpr, D: tl.constexpr,
+                          GP: tl.constexpr, FINISH: tl.constexpr, HP: tl.constexpr,
+                          CERTIFIED: tl.constexpr, BF16: tl.constexpr):
+    """Grid ``(kv head, sequence)``: the step's tensors contiguous with a leading sequence
+    axis (:func:`dense_flagged_batch`), sequence ``s``'s Tier-2 rows, tail buffers, block
+    counts and non-finite K/V flag in its record."""
     kv = tl.program_id(0).to(tl.int64)  # offsets past 2^31 elements at long contexts
+    seq = tl.program_id(1)
+    rec = seq_ptr + seq * len(KINDS)
+    k2_ptr = pointer(rec, 0, KINDS[0])
+    v2_ptr = pointer(rec, 1, KINDS[1])
+    tk_ptr = pointer(rec, 2, KINDS[2])
+    tv_ptr = pointer(rec, 3, KINDS[3])
+    counts_ptr = pointer(rec, 4, KINDS[4])
+    s2_h = integer(rec, 5)
+    s2_b = integer(rec, 6)
+    s2_t = integer(rec, 7)
+    st_h = integer(rec, 8)
+    st_t = integer(rec, 9)
+    rows_at = seq * hq * D
+    q_ptr += rows_at
+    out_ptr += rows_at
+    outq_ptr += rows_at
+    flag_ptr += seq * (hq + 2)
     g = tl.arange(0, GP)
     dim = tl.arange(0, D)
     heads = kv * group + g
     member = g < group
     if FINISH:  # the rungs first: the flags come from them
-        flagged = finish_group(kv, group, hq, pre_ptr, canary_ptr, kvbad_ptr, res_ptr, rung_ptr,
-                               flag_ptr, ret_ptr, final_ptr, tol_ptr, seen_ptr, least, GP, HP,
+        flagged = finish_group(kv, group, hq, pre_ptr + seq * 2 * hq, canary_ptr + seq * hq,
+                               pointer(rec, 10, KINDS[10]), res_ptr + seq * 7 * hq,
+                               rung_ptr + seq * hq, flag_ptr, ret_ptr + seq * 2 * hq,
+                               final_ptr + seq * hq, tol_ptr + seq * hq, seen_ptr, least, GP, HP,
                                CERTIFIED)
     else:
         flagged = tl.load(flag_ptr + heads, mask=member, other=0) != 0
@@ -191,30 +210,52 @@ def dense_flagged(q: torch.Tensor, flags: torch.Tensor | None, originals: dict,
         out: ``[Hq, D]`` FP32 on the device, written in place for flagged heads.
     Returns ``out`` (with ``finish``: in ``q``'s dtype). One launch; no host read.
     """
-    hq, d = q.shape
-    tail_k, tail_v = tail
-    hkv, block = tail_k.shape[0], tail_k.shape[1]
-    if not originals:  # no completed block yet: a valid pointer the loop never reads
-        k2 = v2 = tail_k[:, None]
-    else:
-        k2, v2 = originals["k"], originals["v"]
-    assert k2.stride(-1) == 1 and k2.stride() == v2.stride() and k2.shape[2] == block
-    assert tail_k.stride(-1) == 1 and tail_k.stride() == tail_v.stride()
+    if finish is not None:
+        c, result, seen = finish
+        c = c._replace(res=c.res[None], pre=c.pre[None], canary=c.canary[None],
+                       kv_bad=[c.kv_bad])
+        result = result._replace(**{k: getattr(result, k)[None] for k in result._fields})
+        finish = c, result, seen
+    return dense_flagged_batch(q[None], None if flags is None else flags[None],
+                               [(originals, tail, counts)], out[None], scaling, finish)[0]
+
+
+def dense_flagged_batch(q: torch.Tensor, flags: torch.Tensor | None, stores: list[tuple],
+                        out: torch.Tensor, scaling: float, finish=None) -> torch.Tensor:
+    """:func:`dense_flagged` over a batch in one launch: ``q, out [S, Hq, D]``, ``flags
+    [S, Hq + 2]`` (a batch of one's may be ``[1, Hq]``), or None with ``finish`` (its tensors
+    with a leading sequence axis, one ``kv_bad`` per sequence); ``stores[s]``: sequence
+    ``s``'s ``(originals, tail, counts)``.
+    Returns ``out`` (with ``finish``: in ``q``'s dtype), ``[S, Hq, D]``."""
+    nseq, hq, d = q.shape
     assert out.dtype == torch.float32 and out.is_contiguous()
+    q = q.contiguous()
+    rows, hkv, block = [], None, None
+    kv_bads = finish[0].kv_bad if finish is not None else [None] * nseq
+    for (originals, (tail_k, tail_v), counts), kv_bad in zip(stores, kv_bads, strict=True):
+        hkv, block = tail_k.shape[0], tail_k.shape[1]
+        if not originals:  # no completed block yet: a valid pointer the loop never reads
+            k2 = v2 = tail_k[:, None]
+        else:
+            k2, v2 = originals["k"], originals["v"]
+        assert k2.stride(-1) == 1 and k2.stride() == v2.stride() and k2.shape[2] == block
+        assert tail_k.stride(-1) == 1 and tail_k.stride() == tail_v.stride()
+        rows.append((k2, v2, tail_k, tail_v, counts, k2.stride(0), k2.stride(1), k2.stride(2),
+                     tail_k.stride(0), tail_k.stride(1), kv_bad))
+    rec = records(rows, q.device)
     group = hq // hkv
     out_q = out if finish is None or q.dtype == torch.float32 else torch.empty_like(q)
     if finish is None:
-        fin, least, certified = (flags,) * 2 + (out,) * 6 + (flags,), 0.0, False
+        fin, least, certified = (flags, flags) + (out,) * 5 + (flags,), 0.0, False
     else:
         c, result, seen = finish
-        fin = (c.pre, c.canary, c.kv_bad, c.res, result.rung, result.returned, result.e_final,
+        fin = (c.pre, c.canary, c.res, result.rung, result.returned, result.e_final,
                result.tol_level, seen)
         flags, least, certified = result.flags, c.least, c.certified
-    _dense_flagged_kernel[(hkv,)](
-        q.contiguous(), flags, k2, v2, tail_k, tail_v, out, out_q,
-        counts, group, float(scaling),
-        k2.stride(0), k2.stride(1), k2.stride(2), tail_k.stride(0), tail_k.stride(1),
-        *fin, hq, float(least),
-        B=block, D=d, GP=triton.next_power_of_2(group), FINISH=finish is not None,
-        HP=triton.next_power_of_2(hq), CERTIFIED=certified, BF16=out_q.dtype == torch.bfloat16)
+    assert all(x.is_contiguous() and x.shape[0] == nseq for x in fin[:-1])
+    _dense_flagged_kernel[(hkv, nseq)](
+        q, flags, out, out_q, rec.table, group, float(scaling), *fin, hq, float(least),
+        KINDS=rec.kinds, B=block, D=d, GP=triton.next_power_of_2(group),
+        FINISH=finish is not None, HP=triton.next_power_of_2(hq), CERTIFIED=certified,
+        BF16=out_q.dtype == torch.bfloat16)
     return out_q

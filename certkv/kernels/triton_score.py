@@ -29,7 +29,8 @@ import triton
 import triton.language as tl
 
 from certkv.certify.arith import dot_chunk
-from certkv.kernels.triton_sources import kernel_groups, program_groups, tail_data
+from certkv.kernels.records import integer, pointer, real, records
+from certkv.kernels.triton_sources import batch_groups, program_groups, tail_data
 from certkv.kernels.triton_tune import autotuned
 
 
@@ -283,27 +284,57 @@ def log_or_minus_inf(total):
     return tl.where(empty, float("-inf"), tl.log(tl.where(empty, 1.0, total)))
 
 
+@triton.jit
+def group_fields(rec, K: tl.constexpr, KINDS: tl.constexpr):
+    """One group's arguments from its sequence's record (fields ``K`` to ``K + 32``,
+    :func:`~certkv.kernels.triton_sources.batch_groups`), in
+    :func:`~certkv.kernels.triton_sources.kernel_groups`' order."""
+    return (integer(rec, K), integer(rec, K + 1), pointer(rec, K + 2, KINDS[K + 2]),
+            pointer(rec, K + 3, KINDS[K + 3]), pointer(rec, K + 4, KINDS[K + 4]),
+            pointer(rec, K + 5, KINDS[K + 5]), pointer(rec, K + 6, KINDS[K + 6]),
+            integer(rec, K + 7), integer(rec, K + 8), integer(rec, K + 9), integer(rec, K + 10),
+            integer(rec, K + 11), integer(rec, K + 12), integer(rec, K + 13),
+            integer(rec, K + 14), real(rec, K + 15), real(rec, K + 16),
+            pointer(rec, K + 17, KINDS[K + 17]), integer(rec, K + 18), integer(rec, K + 19),
+            pointer(rec, K + 20, KINDS[K + 20]), integer(rec, K + 21), integer(rec, K + 22),
+            pointer(rec, K + 23, KINDS[K + 23]), pointer(rec, K + 24, KINDS[K + 24]),
+            pointer(rec, K + 25, KINDS[K + 25]), pointer(rec, K + 26, KINDS[K + 26]),
+            integer(rec, K + 27), integer(rec, K + 28), integer(rec, K + 29),
+            real(rec, K + 30), real(rec, K + 31), real(rec, K + 32))
+
+
 @autotuned
 @triton.jit
-def _score_kernel(q_ptr, tk_ptr, s_out, l_out, d_out, ls_out, s_qk, s_qg, s_ok, s_og, s_on,
-                  s_lk, s_lg, s_tk, s_tt, counts_ptr, scaling, groups, G: tl.constexpr,
+def _score_kernel(q_ptr, seq_ptr, s_out, l_out, d_out, ls_out, s_qs, s_qk, s_qg, s_os, s_ok,
+                  s_og, s_on, s_ls, s_lk, s_lg, scaling, G: tl.constexpr,
                   BLOCK_G: tl.constexpr, B: tl.constexpr, D: tl.constexpr,
-                  DOT_C: tl.constexpr, SPLIT: tl.constexpr, LAYOUTS: tl.constexpr):
-    """Grid ``(kv head, program)``: the programs of every precision's blocks in one launch.
-    ``groups[k]``: precision ``k``'s programs ``[first, end)`` and what they read;
-    ``LAYOUTS[k]``: its ``(FP16, BITS, BIAS, GROUP, TAIL, CARRIES, TOKEN, INNER, NORM, ROT,
-    CODEBOOK, OUTLIERS, ROPE)`` (:func:`~certkv.kernels.triton_sources.kernel_groups`)."""
+                  DOT_C: tl.constexpr, SPLIT: tl.constexpr, LAYOUTS: tl.constexpr,
+                  KINDS: tl.constexpr):
+    """Grid ``(kv head, program, sequence)``: the programs of every precision's blocks of
+    every sequence of a batch in one launch. Sequence ``s`` reads its queries and writes its
+    results at ``s`` times the sequence strides (``s_qs``, ``s_os``, ``s_ls``) and reads the
+    rest from its record (:mod:`~certkv.kernels.records`): its tail block's keys and strides,
+    its block counts, then per group of ``LAYOUTS`` its programs ``[first, end)`` and what
+    they read (:func:`group_fields`); ``LAYOUTS[k]``: ``(FP16, BITS, BIAS, GROUP, TAIL,
+    CARRIES, TOKEN, INNER, NORM, ROT, CODEBOOK, OUTLIERS, ROPE)``
+    (:func:`~certkv.kernels.triton_sources.kernel_groups`)."""
     kv = tl.program_id(0)
     p = tl.program_id(1)
-    q = load_group_queries(q_ptr, kv, s_qk, s_qg, G, BLOCK_G, D)
+    seq = tl.program_id(2)
+    rec = seq_ptr + seq * len(KINDS)
+    tk_ptr = pointer(rec, 0, KINDS[0])
+    counts_ptr = pointer(rec, 3, KINDS[3])
+    q = load_group_queries(q_ptr + seq * s_qs, kv, s_qk, s_qg, G, BLOCK_G, D)
     for k in tl.static_range(len(LAYOUTS)):
-        src = groups[k]
+        src = group_fields(rec, 4 + 33 * k, KINDS)
         if (p >= src[0]) & (p < src[1]):
-            _score_split(q, kv, p - src[0], src, tk_ptr, s_out, l_out, d_out, ls_out, s_ok,
-                         s_og, s_on, s_lk, s_lg, s_tk, s_tt, counts_ptr, scaling, G, BLOCK_G,
-                         B, D, DOT_C, SPLIT, LAYOUTS[k][0], LAYOUTS[k][1], LAYOUTS[k][2],
-                         LAYOUTS[k][3], LAYOUTS[k][4], LAYOUTS[k][5], LAYOUTS[k][6],
-                         LAYOUTS[k][7], LAYOUTS[k][8], LAYOUTS[k][9], LAYOUTS[k][12])
+            _score_split(q, kv, p - src[0], src, tk_ptr, s_out + seq * s_os,
+                         l_out + seq * s_ls, d_out + seq * s_ls, ls_out + seq * s_ls, s_ok,
+                         s_og, s_on, s_lk, s_lg, integer(rec, 1), integer(rec, 2), counts_ptr,
+                         scaling, G, BLOCK_G, B, D, DOT_C, SPLIT, LAYOUTS[k][0],
+                         LAYOUTS[k][1], LAYOUTS[k][2], LAYOUTS[k][3], LAYOUTS[k][4],
+                         LAYOUTS[k][5], LAYOUTS[k][6], LAYOUTS[k][7], LAYOUTS[k][8],
+                         LAYOUTS[k][9], LAYOUTS[k][12])
 
 
 @triton.jit
@@ -406,21 +437,36 @@ def score_blocks(q: torch.Tensor, sources: list, n: int, block_size: int, scalin
     tail block's (``n`` above the store's blocks and tail: a padded layout) are empty blocks:
     ``-inf`` logits, log-mass and log-spread, ``Delta_b = 0``.
     """
-    hkv, group, _ = q.shape
+    return tuple(x[0] for x in score_batch(q[None], [sources], [n], block_size, scaling,
+                                           split))
+
+
+def score_batch(q: torch.Tensor, sources: list[list], widths: list[int], block_size: int,
+                scaling: float, split: int | None = None):
+    """:func:`score_blocks` for a batch of sequences in one launch: ``q [S, Hkv, G, d]``,
+    sequence ``s``'s groups ``sources[s]`` over ``widths[s]`` blocks. Returns the same four
+    tensors with a leading sequence axis, ``W = max(widths)`` block columns: sequence ``s``'s
+    are its first ``widths[s]`` (the others are not written)."""
+    nseq, hkv, group, _ = q.shape
+    width = max(widths)
     q = q.float().contiguous()
-    s = torch.empty(hkv, group, n, block_size, device=q.device, dtype=torch.float32)
-    log_mass = torch.empty(hkv, group, n, device=q.device, dtype=torch.float32)
+    dev = q.device
+    s = torch.empty(nseq, hkv, group, width, block_size, device=dev, dtype=torch.float32)
+    log_mass = torch.empty(nseq, hkv, group, width, device=dev, dtype=torch.float32)
     delta = torch.empty_like(log_mass)
     log_spread = torch.empty_like(log_mass)
-    split = split or blocks_per_program(n, hkv, q.device)
-    plan = program_groups(sources, n)
-    groups, layouts, programs = kernel_groups(plan, split)
-    tail_k = tail_data(plan)
-    _score_kernel[(hkv, programs)](
-        q, tail_k, s, log_mass, delta, log_spread, q.stride(0), q.stride(1),
-        s.stride(0), s.stride(1), s.stride(2), log_mass.stride(0), log_mass.stride(1),
-        tail_k.stride(0), tail_k.stride(2), sources[0].counts, float(scaling), groups,
-        G=group, BLOCK_G=triton.next_power_of_2(group), B=block_size, D=q.shape[2],
-        DOT_C=dot_chunk(q.shape[2]), SPLIT=split, LAYOUTS=layouts)
+    split = split or blocks_per_program(sum(widths), hkv, dev)
+    plans = [program_groups(src, n) for src, n in zip(sources, widths, strict=True)]
+    fields, layouts, programs, _ = batch_groups(plans, split)
+    rows = []
+    for src, plan, own in zip(sources, plans, fields, strict=True):
+        tail_k = tail_data(plan)
+        rows.append((tail_k, tail_k.stride(0), tail_k.stride(2), src[0].counts, *own))
+    rec = records(rows, dev)
+    _score_kernel[(hkv, programs, nseq)](
+        q, rec.table, s, log_mass, delta, log_spread, q.stride(0), q.stride(1), q.stride(2),
+        s.stride(0), s.stride(1), s.stride(2), s.stride(3), log_mass.stride(0),
+        log_mass.stride(1), log_mass.stride(2), float(scaling),
+        G=group, BLOCK_G=triton.next_power_of_2(group), B=block_size, D=q.shape[3],
+        DOT_C=dot_chunk(q.shape[3]), SPLIT=split, LAYOUTS=layouts, KINDS=rec.kinds)
     return s, log_mass, delta, log_spread
-

@@ -29,6 +29,7 @@ import triton.language as tl
 
 from certkv.certify.arith import memoised_tensor
 from certkv.certify.segment import SelectInputs, Selection
+from certkv.kernels.records import integer, pointer, records
 from certkv.kernels.triton_certify import _amax, _lse_top, _nmax, _nmin, _shift
 from certkv.kernels.triton_score import log_or_minus_inf
 
@@ -51,36 +52,55 @@ def _top(keys, sorted_keys, pos, k):
 
 
 @triton.jit
-def _select_kernel(l8_ptr, dch_ptr, lsp_ptr, q_ptr, quant_ptr, eta_ptr, vspec_ptr, kerr_ptr,
-                   s_kv, vmax_ptr, vrad_ptr, nq_ptr, par_ptr, logp_ptr, db_ptr, delta_ptr,
-                   prom_ptr, expd_ptr, qn_ptr, radii_ptr, plan_ptr, exact_ptr, n,
-                   G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                   K_MIN: tl.constexpr, K_MAX: tl.constexpr, CAP: tl.constexpr,
-                   EXPAND: tl.constexpr, FACTOR_INT: tl.constexpr, TIGHT: tl.constexpr,
-                   INDEX_BITS: tl.constexpr):
+def _select_kernel(l8_ptr, dch_ptr, lsp_ptr, q_ptr, seq_ptr, par_ptr, logp_ptr, db_ptr,
+                   delta_ptr, prom_ptr, expd_ptr, qn_ptr, radii_ptr, plan_ptr, exact_ptr,
+                   width, KINDS: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                   BLOCK_N: tl.constexpr, K_MIN: tl.constexpr, K_MAX: tl.constexpr,
+                   CAP: tl.constexpr, EXPAND: tl.constexpr, FACTOR_INT: tl.constexpr,
+                   TIGHT: tl.constexpr, INDEX_BITS: tl.constexpr):
+    """Grid ``(kv head, sequence)``; the step's tensors contiguous with a leading sequence
+    axis (``width`` block columns; the plan ``[2, S, Hkv, W]``), sequence ``s``'s block count
+    and what its store holds in its record (:func:`select_batch`)."""
     kv = tl.program_id(0)
-    hq = tl.num_programs(0) * G
+    seq = tl.program_id(1)
+    hkv = tl.num_programs(0)
+    hq = hkv * G
+    rec = seq_ptr + seq * len(KINDS)
+    n = integer(rec, 0)
+    s_kv = integer(rec, 5)
+    on_blocks = seq * hq * width
+    l8_ptr += on_blocks
+    dch_ptr += on_blocks
+    lsp_ptr += on_blocks
+    logp_ptr += on_blocks
+    db_ptr += on_blocks
+    prom_ptr += on_blocks
+    q_ptr += seq * hq * D
+    delta_ptr += seq * hq
+    expd_ptr += seq * hq
+    qn_ptr += seq * hq
+    radii_ptr += seq * 2 * hq
     b = tl.arange(0, BLOCK_N)
     live = b < n
     c = tl.arange(0, D)
-    quantized = live & (tl.load(quant_ptr + b, mask=live, other=0) != 0)
-    eta = tl.load(eta_ptr + kv * s_kv + b, mask=live, other=0.0)
-    vspec = tl.load(vspec_ptr + kv * s_kv + b, mask=live, other=0.0)
-    kerr = tl.load(kerr_ptr + kv * s_kv + b, mask=live, other=0.0)
+    quantized = live & (tl.load(pointer(rec, 1, KINDS[1]) + b, mask=live, other=0) != 0)
+    eta = tl.load(pointer(rec, 2, KINDS[2]) + kv * s_kv + b, mask=live, other=0.0)
+    vspec = tl.load(pointer(rec, 3, KINDS[3]) + kv * s_kv + b, mask=live, other=0.0)
+    kerr = tl.load(pointer(rec, 4, KINDS[4]) + kv * s_kv + b, mask=live, other=0.0)
     scaling = tl.load(par_ptr + 0)
     tau_cov = tl.load(par_ptr + 1)
     factor = tl.load(par_ptr + 2)
     v_tol = tl.load(par_ptr + 3).to(tl.float32)
-    n_q = tl.load(nq_ptr).to(tl.int32)
+    n_q = tl.load(pointer(rec, 8, KINDS[8])).to(tl.int32)
     k_cap = tl.minimum(n_q, K_MAX)
     cap = tl.minimum(n_q, CAP)
-    v_max = tl.load(vmax_ptr + kv)
-    v_rad = _nmin(tl.load(vrad_ptr + kv), v_max)
+    v_max = tl.load(pointer(rec, 6, KINDS[6]) + kv)
+    v_rad = _nmin(tl.load(pointer(rec, 7, KINDS[7]) + kv), v_max)
     want_k = b < 0  # all False: FP16 keys / values any head of the group asks for
     want_v = b < 0
     for g in tl.static_range(G):
         h = kv * G + g
-        row = h * n
+        row = h * width
         l8 = tl.load(l8_ptr + row + b, mask=live, other=0.0)
         q = tl.load(q_ptr + h * D + c).to(tl.float64)
         q_norm = tl.sqrt(tl.sum(q * q, axis=0)).to(tl.float32)
@@ -136,11 +156,11 @@ def _select_kernel(l8_ptr, dch_ptr, lsp_ptr, q_ptr, quant_ptr, eta_ptr, vspec_pt
         tl.store(qn_ptr + h, q_norm)
         tl.store(radii_ptr + h, v_max)
         tl.store(radii_ptr + hq + h, v_rad)
-    hkv = tl.num_programs(0)
-    tl.store(plan_ptr + kv * n + b, want_k.to(tl.int8), mask=live)
-    tl.store(plan_ptr + (hkv + kv) * n + b, want_v.to(tl.int8), mask=live)
+    nseq = tl.num_programs(1)
+    tl.store(plan_ptr + (seq * hkv + kv) * width + b, want_k.to(tl.int8), mask=live)
+    tl.store(plan_ptr + ((nseq + seq) * hkv + kv) * width + b, want_v.to(tl.int8), mask=live)
     if kv == 0:
-        tl.store(exact_ptr + b, (~quantized).to(tl.int8), mask=live)
+        tl.store(exact_ptr + seq * width + b, (~quantized).to(tl.int8), mask=live)
 
 
 def select(selector, ladder, value_policy, x: SelectInputs) -> Selection:
@@ -148,32 +168,60 @@ def select(selector, ladder, value_policy, x: SelectInputs) -> Selection:
     :class:`~certkv.certify.segment.Selection` for the default policy
     (:func:`certkv.certify.fused_select.covers`) in one launch; ``x.n_q`` the device path's 0-d
     tensor (read by the kernel: no host sync)."""
-    hkv, group, n = x.l8_kv.shape
-    hq, d = hkv * group, x.qg.shape[-1]
-    dev = x.l8_kv.device
+    n = x.l8_kv.shape[2]
+    batch = x._replace(qg=x.qg[None], l8_kv=x.l8_kv[None], delta_kv=x.delta_kv[None],
+                       log_spread_kv=x.log_spread_kv[None])
+    return select_batch(selector, ladder, value_policy, batch, [store_fields(x, n)])[0]
+
+
+def store_fields(x: SelectInputs, n: int) -> tuple:
+    """A sequence's record for :func:`select_batch`: its block count and what its store holds
+    (``x``'s ``quantized, eta, value_spec, key_err`` with their row stride, ``v_max_kv,
+    v_rad_kv`` and the quantized count ``n_q``, a 0-d device tensor)."""
     lay = (x.eta, x.value_spec, x.key_err)
     assert all(t.stride() == x.eta.stride() and t.stride(1) == 1 for t in lay)
-    log_p, delta_b = (torch.empty(hq, n, device=dev) for _ in range(2))
-    promoted = torch.empty(hq, n, dtype=torch.bool, device=dev)
-    delta, q_norm = torch.empty(hq, device=dev), torch.empty(hq, device=dev)
-    expanded = torch.empty(hq, dtype=torch.bool, device=dev)
-    radii = torch.empty(2, hq, device=dev)
-    plan = torch.empty(2, hkv, n, dtype=torch.bool, device=dev)
-    exact = torch.empty(n, dtype=torch.bool, device=dev)
+    return (n, x.quantized.contiguous(), *lay, x.eta.stride(0), x.v_max_kv.contiguous(),
+            x.v_rad_kv.contiguous(), x.n_q)
+
+
+def select_batch(selector, ladder, value_policy, x: SelectInputs, stores: list[tuple]
+                 ) -> list[Selection]:
+    """:func:`select` over a batch in one launch: ``x``'s Phase-1 tensors and queries with a
+    leading sequence axis (``[S, Hkv, G, W]``, ``[S, Hkv, G, d]``; its store fields unread),
+    ``stores[s]`` sequence ``s``'s record (:func:`store_fields`). Returns each sequence's
+    :class:`~certkv.certify.segment.Selection` as views of ``[S, ...]`` tensors (``W`` block
+    columns: sequence ``s``'s first ``n_s``; the plan ``[2, S, Hkv, W]``)."""
+    nseq, hkv, group, width = x.l8_kv.shape
+    hq, d = hkv * group, x.qg.shape[-1]
+    dev = x.l8_kv.device
+    log_p, delta_b = (torch.empty(nseq, hq, width, device=dev) for _ in range(2))
+    promoted = torch.empty(nseq, hq, width, dtype=torch.bool, device=dev)
+    delta, q_norm = torch.empty(nseq, hq, device=dev), torch.empty(nseq, hq, device=dev)
+    expanded = torch.empty(nseq, hq, dtype=torch.bool, device=dev)
+    radii = torch.empty(nseq, 2, hq, device=dev)
+    plan = torch.empty(2, nseq, hkv, width, dtype=torch.bool, device=dev)
+    exact = torch.empty(nseq, width, dtype=torch.bool, device=dev)
     par = _scalars(float(x.scaling), float(selector.tau_cov), float(ladder.expand_factor),
                    float(value_policy.v_tol), dev)
     cap = 2 * selector.k_max if ladder.k_max is None else ladder.k_max
-    _select_kernel[(hkv,)](
+    rec = records(stores, dev)
+    _select_kernel[(hkv, nseq)](
         x.l8_kv.contiguous(), x.delta_kv.contiguous(), x.log_spread_kv.contiguous(),
-        x.qg.contiguous(), x.quantized.contiguous(), *lay, x.eta.stride(0),
-        x.v_max_kv.contiguous(), x.v_rad_kv.contiguous(), x.n_q, par, log_p, delta_b, delta,
-        promoted, expanded, q_norm, radii, plan, exact, n,
-        G=group, D=d, BLOCK_N=triton.next_power_of_2(max(n, 1)), K_MIN=int(selector.k_min),
+        x.qg.contiguous(), rec.table, par, log_p, delta_b, delta, promoted, expanded, q_norm,
+        radii, plan, exact, width, KINDS=rec.kinds,
+        G=group, D=d, BLOCK_N=triton.next_power_of_2(max(width, 1)), K_MIN=int(selector.k_min),
         K_MAX=int(selector.k_max), CAP=int(cap), EXPAND=bool(ladder.expand),
         FACTOR_INT=float(ladder.expand_factor) == int(ladder.expand_factor),
         TIGHT=value_policy.contribution == "tight", INDEX_BITS=_INDEX_BITS)
-    return Selection(log_p, delta_b, delta, x.delta_kv.reshape(hq, n), radii[0], radii[1],
-                     q_norm.view(hkv, group), promoted, expanded, plan[1], plan, exact)
+    chosen = []
+    for s, fields in enumerate(stores):
+        n = fields[0]
+        own_plan = plan[:, s, :, :n]
+        chosen.append(Selection(
+            log_p[s, :, :n], delta_b[s, :, :n], delta[s], x.delta_kv[s].reshape(hq, width)[:, :n],
+            radii[s, 0], radii[s, 1], q_norm[s].view(hkv, group), promoted[s, :, :n],
+            expanded[s], own_plan[1], own_plan, exact[s, :n]))
+    return chosen
 
 
 @lru_cache(maxsize=64)

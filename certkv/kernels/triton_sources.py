@@ -237,6 +237,48 @@ def kernel_groups(plan: list, split: int) -> tuple[tuple, tuple, int]:
     return tuple(groups), tuple(layouts), first
 
 
+GROUP_FIELDS = 33  # the fields of one group's arguments (kernel_groups)
+
+
+def batch_groups(plans: list[list], split: int) -> tuple[list[tuple], tuple, int, list[int]]:
+    """:func:`kernel_groups` over a batch's sequences (one ``plan`` each, from
+    :func:`program_groups`): ``(fields, layouts, programs, each)``. The launch's groups are
+    every layout any sequence walks (the union, in the order of first appearance: a batch of
+    one keeps its own order); ``fields[s]``: sequence ``s``'s arguments for them, group after
+    group (:data:`GROUP_FIELDS` each, for records: :mod:`~certkv.kernels.records`), a group the
+    sequence does not walk given no programs (``first = end = 0``) and pointers never read;
+    ``programs``: the most any sequence launches, ``each``: each sequence's."""
+    per = [kernel_groups(plan, split) for plan in plans]
+    union: list[tuple] = []  # a layout repeated within a sequence takes its own slot
+    template: dict = {}
+    for groups, layouts, _ in per:
+        seen: dict = {}
+        for group, layout in zip(groups, layouts, strict=True):
+            slot = (layout, seen.get(layout, 0))
+            seen[layout] = slot[1] + 1
+            if slot not in template:
+                union.append(slot)
+                template[slot] = group
+    fields = []
+    for groups, layouts, _ in per:
+        own, seen = {}, {}
+        for group, layout in zip(groups, layouts, strict=True):
+            own[(layout, seen.get(layout, 0))] = group
+            seen[layout] = seen.get(layout, 0) + 1
+        row: list = []
+        for slot in union:
+            row += own[slot] if slot in own else _no_programs(template[slot])
+        fields.append(tuple(row))
+    return fields, tuple(layout for layout, _ in union), max(p for *_, p in per), \
+        [p for *_, p in per]
+
+
+def _no_programs(group: tuple) -> tuple:
+    """A group's fields with no program (``first = end = 0``), no pointer (never read) and
+    zeros, of the kinds of ``group``'s."""
+    return (0, 0, *(None if isinstance(x, torch.Tensor) else type(x)(0) for x in group[2:]))
+
+
 def tail_data(plan: list) -> torch.Tensor:
     """The exact tail block's FP16 buffer ``[Hkv, 1, B, d]`` that a group of ``plan`` carries
     (or, where none does, a tensor the kernels never read there)."""

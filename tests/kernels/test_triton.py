@@ -477,7 +477,7 @@ def test_phase2_merge_runs_the_checks_in_its_epilogue(r, n):
     """The checks in the merge's epilogue (reading back the log-masses it wrote, ``m_b + log
     l_b``; ``l_b = 1`` makes them the test's FP16 log-masses) equal the reference's."""
     from certkv.kernels.reference import CheckInputs
-    from certkv.kernels.triton_attend import reduce_splits
+    from certkv.kernels.triton_merge import reduce_splits
 
     gen = torch.Generator().manual_seed(7 * r + n)
     hkv, g = 4, 6
@@ -642,7 +642,7 @@ def torch_merge(m_b, l_b, m, lsum, acc, l2_b) -> Attended:
 
 
 def test_fused_split_reduction_matches_the_torch_merge():
-    from certkv.kernels.triton_attend import reduce_splits
+    from certkv.kernels.triton_merge import reduce_splits
 
     gen = torch.Generator().manual_seed(0)
     hkv, g, n, splits, d = 2, 3, 140, 70, 32  # more splits than one chunk of 64
