@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from certkv.batch_step import BatchedStep
 from certkv.cache.scratch import ScratchCache
 from certkv.cache.store import TieredKVStore
 from certkv.certify.arith import ArithSpec
@@ -33,14 +34,14 @@ from certkv.certify.values import LocalThreshold
 from certkv.errors import ConfigError, EmptyStoreError, NonFiniteError, ShapeError, require
 from certkv.kernels.dispatch import get_backend
 from certkv.kernels.layout import StepLayout
-from certkv.step import NONFINITE_Q, QuantizedStep
+from certkv.step import NONFINITE_Q
 from certkv.timing import PhaseTimer
 
 MODES = ("certified", "naive", "dense")
 
 
 @dataclass
-class CertifiedAttention(QuantizedStep):
+class CertifiedAttention(BatchedStep):
     """Certified attention for one decode step (defaults: the paper's Table 2 policy).
 
     Args:
@@ -137,9 +138,13 @@ class CertifiedAttention(QuantizedStep):
         """
         self._check_batch(q, stores, scratches)
         scaling = _scaling(stores[0].head_dim, scaling)  # one for the batch
-        outs, certs = [], []
         for b, store in enumerate(stores):
             self._check(q[b], store)
+        lays = self._batch_layouts(q, stores, scratches)
+        if lays is not None:  # every stage one launch over the batch (batch_step)
+            return self._device_batch(q, lays, scaling, scratches)
+        outs, certs = [], []
+        for b, store in enumerate(stores):
             out, cert = self._step(q[b], store, scaling,
                                    None if scratches is None else scratches[b])
             cert.sequence = b

@@ -230,17 +230,9 @@ class QuantizedStep(Escalation, Fallback):
         """The selection segment's inputs from Phase 1 and the layout, then the segment: one
         fused CPU loop nest where it covers the step, the backend's kernels on a device step
         (:meth:`~certkv.kernels.base.Backend.select`), else the PyTorch (compiled) segment."""
-        lay, q = step.lay, step.q
-        certified = self.mode == "certified"
-        draw = self.ladder.exploration_draw((q.shape[0], lay.quantized.numel()), q.device) \
-            if certified else None
-        inputs = SelectInputs(
-            qg=step.qg, l8_kv=scored.log_mass, delta_kv=scored.delta_b,
-            log_spread_kv=_log_spread(scored), quantized=lay.quantized, eta=lay.eta,
-            value_spec=lay.value_spec, key_err=lay.key_err, v_max_kv=lay.v_max,
-            v_rad_kv=lay.v_radius, kv_of=kv_of, draw=draw,
-            n_q=lay.quantized_count if step.on_device else lay.num_quantized,
-            scaling=step.scaling, boost=boost, force=force)  # on the device n_q changes in place
+        q, certified = step.q, self.mode == "certified"
+        inputs = self._select_inputs(step, scored, kv_of, boost, force)
+        draw = inputs.draw
         if self._fused_select(q.device, draw, boost, step.on_device):
             return fused_select.select(self.selector, self.ladder, self.value_policy, inputs)
         if step.in_phase2 and certified and force is None and fused_select.covers(
@@ -249,6 +241,20 @@ class QuantizedStep(Escalation, Fallback):
             if chosen is not None:  # the backend's kernels
                 return chosen
         return self._segment("_select_step", q.device)(inputs)
+
+    def _select_inputs(self, step: _Step, scored, kv_of, boost, force) -> SelectInputs:
+        """The selection's :class:`SelectInputs` from Phase 1's ``scored`` and the layout
+        (the exploration's draw made here)."""
+        lay, q = step.lay, step.q
+        draw = self.ladder.exploration_draw((q.shape[0], lay.quantized.numel()), q.device) \
+            if self.mode == "certified" else None
+        return SelectInputs(
+            qg=step.qg, l8_kv=scored.log_mass, delta_kv=scored.delta_b,
+            log_spread_kv=_log_spread(scored), quantized=lay.quantized, eta=lay.eta,
+            value_spec=lay.value_spec, key_err=lay.key_err, v_max_kv=lay.v_max,
+            v_rad_kv=lay.v_radius, kv_of=kv_of, draw=draw,
+            n_q=lay.quantized_count if step.on_device else lay.num_quantized,
+            scaling=step.scaling, boost=boost, force=force)  # on the device n_q changes in place
 
     def _certify_request(self, inputs: CertifyInputs, spec, lay: StepLayout):
         """What Phase 2's merge needs to compute the certificate on the device path

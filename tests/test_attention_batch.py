@@ -6,8 +6,9 @@ thousand, every quantizer, protection and eviction policy of ``conf/``, both CPU
 the Triton kernels in their interpreter) and checks every (sequence, head) of every step
 against FP64 attention on that sequence's own originals (the test's copy, no allowance). The
 same steps taken one sequence at a time, on twin stores, give every sequence the same output
-and certificate bit for bit; a sequence that finishes leaves the batch and the others go on
-unchanged.
+and certificate bit for bit (on a GPU, where the batched kernels, :mod:`certkv.batch_step`,
+may sum in another order, both keep the contract); a sequence that finishes leaves the batch
+and the others go on unchanged.
 """
 
 from __future__ import annotations
@@ -81,9 +82,12 @@ def run_batch(sc) -> None:
         for i, b in enumerate(live):
             check_heads(out[i], certs[i], q[i], stores[b])
             own, cert = attn_alone(q[i], alone[b])
-            assert torch.equal(out[i], own), (b, step)
-            for name in ("bound", "rung", "k_star", "value_blocks"):
-                assert torch.equal(getattr(certs[i], name), getattr(cert, name)), (name, b)
+            if dev != "cpu":  # a GPU's batched kernels may sum in another order: the contract
+                check_heads(own, cert, q[i], alone[b])
+            else:
+                assert torch.equal(out[i], own), (b, step)
+                for name in ("bound", "rung", "k_star", "value_blocks"):
+                    assert torch.equal(getattr(certs[i], name), getattr(cert, name)), (name, b)
             stores[b].observe(certs[i])
             alone[b].observe(cert)
     assert any(s.num_quantized() for s in stores), "no quantized block: nothing was certified"

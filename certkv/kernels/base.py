@@ -77,6 +77,12 @@ class Backend(ABC):
         without the certificate segment."""
         return False
 
+    def steps_batch_on_device(self, lays) -> bool:
+        """Whether a batch's certified device step over these layouts (one per sequence) runs
+        each stage as one launch over every sequence (:mod:`certkv.batch_step`): the
+        ``*_batch`` methods of :class:`~certkv.kernels.triton_backend.TritonBackend`."""
+        return False
+
     def fuses_step(self, device: torch.device) -> bool:
         """Whether a whole default step on ``device`` can run as one fused call
         (:mod:`certkv.kernels.numba_step`)."""

@@ -89,3 +89,33 @@ def on_device(scratch, lay: StepLayout, plan: torch.Tensor, no_pool: torch.Tenso
     maps, wanted = page_in(plan, width, tables, pools, (k2, v2))
     return PagedIn(SlotMap(maps[0], pools[0]), SlotMap(maps[1], pools[1]),
                    paged_evicted(store, plan), wanted[1])
+
+
+def on_device_batch(scratches: list, lays: list[StepLayout], plan: torch.Tensor,
+                    no_pool: torch.Tensor) -> tuple[torch.Tensor, list, list[PagedIn]]:
+    """:func:`on_device` over a batch in one launch
+    (:func:`~certkv.kernels.triton_lru.page_in_batch`): ``plan [2, S, Hkv, W]``, one scratch
+    cache (or None) and layout per sequence, each scratch cache its own sequence's. Returns the
+    slot maps ``[2, S, Hkv, W]``, each sequence's ``(key pool, value pool, tier2)`` as Phase 2
+    reads them and its :class:`PagedIn` (counts 0-d on the device)."""
+    from certkv.kernels.triton_lru import page_in_batch
+
+    rows, pools = [], []
+    for scratch, lay in zip(scratches, lays, strict=True):
+        store = lay.store
+        if lay.num_completed:
+            k2, v2, width = store.original_rows()
+        else:  # no completed block: nothing is wanted, rows never read
+            k2 = v2 = no_pool
+            width = 0
+        lrus = [None if scratch is None else scratch.device_lru(which) for which in "kv"]
+        tables = [None if lru is None else lru.tables(store, lay.num_blocks) for lru in lrus]
+        kinds = [no_pool if lru is None else lru.pool for lru in lrus]
+        rows.append((lay.num_blocks, width, tables, kinds, (k2, v2)))
+        pools.append((kinds[0], kinds[1], (k2, v2)))
+    maps, wanted = page_in_batch(plan, rows)
+    paged = [PagedIn(SlotMap(maps[0, s, :, :lay.num_blocks], pools[s][0]),
+                     SlotMap(maps[1, s, :, :lay.num_blocks], pools[s][1]),
+                     paged_evicted(lay.store, plan[:, s, :, :lay.num_blocks]), wanted[1, s])
+             for s, lay in enumerate(lays)]
+    return maps, pools, paged

@@ -153,6 +153,48 @@ class TritonBackend(Backend):
         return (lay.kernel_sources("key") is not None
                 and lay.kernel_sources("value") is not None)
 
+    # ---------------------------------------------------------------- a batch, stage by stage
+    def steps_batch_on_device(self, lays) -> bool:
+        """Whether both phases of every layout run the kernels (a batch's stages are then one
+        launch each over its sequences, :mod:`certkv.batch_step`)."""
+        return all(self.takes_empty_tail(lay) for lay in lays)
+
+    def phase1_batch(self, qg: torch.Tensor, lays: list, scaling: float) -> Scored:
+        """Phase 1 of a batch in one launch: ``qg [S, Hkv, G, d]``, one layout per sequence;
+        :class:`Scored` with a leading sequence axis (``W`` block columns, the widest layout's:
+        sequence ``s``'s first ``n_s``)."""
+        from certkv.kernels.triton_score import score_batch
+
+        block = lays[0].store.block_size
+        s, log_mass, delta, log_spread = score_batch(
+            qg, [lay.kernel_sources("key") for lay in lays], [lay.num_blocks for lay in lays],
+            block, scaling, self.split)
+        return Scored(scores=s, log_mass=log_mass, delta_b=delta, log_spread=log_spread)
+
+    def select_batch(self, selector, ladder, value_policy, x, stores: list):
+        """The default policy's selection of a batch in one launch
+        (:func:`~certkv.kernels.triton_select.select_batch`)."""
+        from certkv.kernels.triton_select import select_batch
+
+        return select_batch(selector, ladder, value_policy, x, stores)
+
+    def phase2_batch(self, batch, scaling: float, eps_guard: float, checks=None, certify=None):
+        """Phase 2 of a batch and its merge, the checks and the certificate in its epilogue, in
+        two launches (:func:`~certkv.kernels.triton_attend.attend_batch`)."""
+        from certkv.kernels.triton_attend import attend_batch
+
+        return attend_batch(batch, scaling, eps_guard, split=self.split, checks=checks,
+                            certify=certify)
+
+    def dense_flagged_batch(self, q, stores: list, out, scaling: float, finish):
+        """Rungs 3-4 of a batch in one launch, the rungs decided first
+        (:func:`~certkv.kernels.triton_fallback.dense_flagged_batch`)."""
+        from certkv.kernels.triton_fallback import dense_flagged_batch
+
+        parts = [(store.originals(), store.tail_buffers(), store.block_counts())
+                 for store in stores]
+        return dense_flagged_batch(q, None, parts, out, scaling, finish)
+
     def checks(self, l_int8, l_fp16, delta_b, promoted, quantized, r):
         """Ranking (eq. 17) and boundary (eq. 18) flags ``[Hq]`` in one tiny kernel."""
         from certkv.kernels.triton_checks import ranking_and_boundary

@@ -24,6 +24,18 @@ from certkv.kernels.triton_certify import Certified, CertifyRequest, certify_hea
 from certkv.kernels.triton_checks import check_head
 from certkv.kernels.triton_score import log_or_minus_inf
 
+SPLIT_TILE = 64  # splits merged per tile (the rounding chain's chunks of 64 splits)
+
+
+def block_tile(width: int, most: int) -> int:
+    """A tile over ``width`` block columns (a power of two, at least 8, at most ``most``): a
+    sequence's sums over its blocks then round alike alone and in a batch's wider tile, whose
+    extra lanes are zeros (NumPy, which runs the interpreter's sums, adds pairwise from 8
+    terms on, and the pairs of the real terms are the same in any wider power of two; a GPU's
+    reduction tree over a tile depends on its size: there the batch's sums may round
+    differently, within the bound's rounding chain)."""
+    return max(8, min(most, triton.next_power_of_2(max(width, 1))))
+
 
 class SequenceFields(NamedTuple):
     """What one sequence's store holds for its certificate (read in place through the
@@ -269,8 +281,7 @@ def reduce_batch(states: tuple, widths: list[int], splits: list[int],
     _reduce_kernel[(hq, nseq)](m_b, l_b, l2_b, m, lsum, acc, out, rho, log_mass, spread,
                                *inputs, flags[:, 0], flags[:, 1], *step, rec.table, width,
                                programs, KINDS=rec.kinds, D=d,
-                               BLOCK_S=min(64, triton.next_power_of_2(max(splits))),
-                               BLOCK_N=min(1024, triton.next_power_of_2(width)), R=r,
+                               BLOCK_S=SPLIT_TILE, BLOCK_N=block_tile(width, 1024), R=r,
                                CHECKS=checks is not None, CERTIFY=certify is not None, G=g,
                                CERTIFIED=bool(certify and certify.certified),
                                CANARY=bool(certify and certify.canary),

@@ -31,6 +31,7 @@ from certkv.certify.arith import memoised_tensor
 from certkv.certify.segment import SelectInputs, Selection
 from certkv.kernels.records import integer, pointer, records
 from certkv.kernels.triton_certify import _amax, _lse_top, _nmax, _nmin, _shift
+from certkv.kernels.triton_merge import block_tile
 from certkv.kernels.triton_score import log_or_minus_inf
 
 _INDEX_BITS = 21  # block index bits under a sort key's mass bits (2M blocks per head)
@@ -171,7 +172,7 @@ def select(selector, ladder, value_policy, x: SelectInputs) -> Selection:
     n = x.l8_kv.shape[2]
     batch = x._replace(qg=x.qg[None], l8_kv=x.l8_kv[None], delta_kv=x.delta_kv[None],
                        log_spread_kv=x.log_spread_kv[None])
-    return select_batch(selector, ladder, value_policy, batch, [store_fields(x, n)])[0]
+    return select_batch(selector, ladder, value_policy, batch, [store_fields(x, n)])[0][0]
 
 
 def store_fields(x: SelectInputs, n: int) -> tuple:
@@ -185,12 +186,13 @@ def store_fields(x: SelectInputs, n: int) -> tuple:
 
 
 def select_batch(selector, ladder, value_policy, x: SelectInputs, stores: list[tuple]
-                 ) -> list[Selection]:
+                 ) -> tuple[list[Selection], Selection]:
     """:func:`select` over a batch in one launch: ``x``'s Phase-1 tensors and queries with a
     leading sequence axis (``[S, Hkv, G, W]``, ``[S, Hkv, G, d]``; its store fields unread),
     ``stores[s]`` sequence ``s``'s record (:func:`store_fields`). Returns each sequence's
-    :class:`~certkv.certify.segment.Selection` as views of ``[S, ...]`` tensors (``W`` block
-    columns: sequence ``s``'s first ``n_s``; the plan ``[2, S, Hkv, W]``)."""
+    :class:`~certkv.certify.segment.Selection` (views) and the batch's, whose tensors have a
+    leading sequence axis (``W`` block columns: sequence ``s``'s first ``n_s``; the plan
+    ``[2, S, Hkv, W]``)."""
     nseq, hkv, group, width = x.l8_kv.shape
     hq, d = hkv * group, x.qg.shape[-1]
     dev = x.l8_kv.device
@@ -209,7 +211,8 @@ def select_batch(selector, ladder, value_policy, x: SelectInputs, stores: list[t
         x.l8_kv.contiguous(), x.delta_kv.contiguous(), x.log_spread_kv.contiguous(),
         x.qg.contiguous(), rec.table, par, log_p, delta_b, delta, promoted, expanded, q_norm,
         radii, plan, exact, width, KINDS=rec.kinds,
-        G=group, D=d, BLOCK_N=triton.next_power_of_2(max(width, 1)), K_MIN=int(selector.k_min),
+        G=group, D=d, BLOCK_N=block_tile(width, 1 << _INDEX_BITS),
+        K_MIN=int(selector.k_min),
         K_MAX=int(selector.k_max), CAP=int(cap), EXPAND=bool(ladder.expand),
         FACTOR_INT=float(ladder.expand_factor) == int(ladder.expand_factor),
         TIGHT=value_policy.contribution == "tight", INDEX_BITS=_INDEX_BITS)
@@ -221,7 +224,10 @@ def select_batch(selector, ladder, value_policy, x: SelectInputs, stores: list[t
             log_p[s, :, :n], delta_b[s, :, :n], delta[s], x.delta_kv[s].reshape(hq, width)[:, :n],
             radii[s, 0], radii[s, 1], q_norm[s].view(hkv, group), promoted[s, :, :n],
             expanded[s], own_plan[1], own_plan, exact[s, :n]))
-    return chosen
+    whole = Selection(log_p, delta_b, delta, x.delta_kv.reshape(nseq, hq, width), radii[:, 0],
+                      radii[:, 1], q_norm.view(nseq, hkv, group), promoted, expanded, plan[1],
+                      plan, exact)
+    return chosen, whole
 
 
 @lru_cache(maxsize=64)

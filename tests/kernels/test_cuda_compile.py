@@ -51,15 +51,23 @@ def quantizers():
 
 def certified_steps():
     """Steps over every quantizer: 16 blocks and a one-token tail (an integer argument equal
-    to 1 is a constant to the JIT), scratch page-in, some heads on rungs 3-4 (r=3); a naive
-    step; a BF16 query; the fused quantize-on-append kernel."""
+    to 1 is a constant to the JIT), scratch page-in, some heads on rungs 3-4 (r=3); a batch
+    of ragged sequences (the batched step's launches); a naive step; a BF16 query; the fused
+    quantize-on-append kernel."""
     k, v = make_kv(2, 16 * 16 + 1, 32, seed=3, outlier_channels=2)
     q = make_query(k, 3, seed=3, scale=4.0, peaked=True)
+    lengths = (16 * 16 + 1, 70, 5)  # a batch: ragged, one sequence without a completed block
     for quantizer in quantizers():
-        store = TieredKVStore(2, 32, **quantizer.store_kwargs())
-        store.append(k, v)
+        evicts = getattr(quantizer, "eviction", None) is not None  # no batched step: alone
+        stores = [TieredKVStore(2, 32, **quantizer.store_kwargs())
+                  for _ in lengths[:1 if evicts else 3]]
+        for store, n in zip(stores, lengths, strict=False):
+            store.append(k[:, :n], v[:, :n])
         attn = CertifiedAttention(backend="triton", ladder=Ladder(r=3))
-        attn(q, store, scratch=ScratchCache(8, 8))
+        attn(q, store := stores[0], scratch=ScratchCache(8, 8))
+        if not evicts:
+            attn.batch(q[None].expand(3, -1, -1), stores,
+                       scratches=[ScratchCache(8, 8) for _ in lengths])
     CertifiedAttention(backend="triton", mode="naive")(q, store)
     CertifiedAttention(backend="triton")(q.bfloat16(), store)  # the output rounded to BF16
     TieredKVStore(2, 32, value_group=8, fused_encode=True).append(k, v)
