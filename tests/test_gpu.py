@@ -187,3 +187,31 @@ def test_a_batch_decode_step_captured_whole_in_a_cuda_graph_replays_as_eager():
     graphed = decode_a_batch(model, CertifiedAttention(), graphed=True, device="cuda")
     assert all(torch.equal(a, b) for a, b in zip(eager.logits, graphed.logits, strict=True))
     assert eager.logs == graphed.logs and graphed.decode.replays > 0
+
+
+def test_a_batch_steps_in_six_launches_without_a_sync_on_cuda():
+    """A batch of ragged CUDA sequences (8K tokens down to 40) in one batched device step:
+    six Triton launches whatever its size, no host read, no synchronizing call, every
+    (sequence, head) within the contract."""
+    from certkv.cache.scratch import ScratchCache
+    from certkv.opcount import count_step
+
+    layers = [cuda_layer(8, n, 128, group=4, seed=s) for s, n in enumerate((8192, 3000, 700, 40))]
+    stores, q = [s for s, _ in layers], torch.stack([q for _, q in layers])
+    scratches = [ScratchCache() for _ in stores]
+    attn = CertifiedAttention(backend="triton")
+    out, certs = attn.batch(q, stores, scratches=scratches)  # warm-up (compilation, allocator)
+    for i, store in enumerate(stores):
+        check_heads(out[i], certs[i], q[i], store)
+    counts = count_step(lambda: attn.batch(q, stores, scratches=scratches), attn)
+    assert counts["kernels"] == 6 and counts["host_reads"] == 0 and counts["segments"] == 0
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            attn.batch(q, stores, scratches=scratches)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "called a synchronizing" in str(w.message)]
+    assert syncs == [], [str(w.message) for w in syncs]
