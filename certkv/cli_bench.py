@@ -96,6 +96,9 @@ def bench_launches(
              "smartkv or kivi2 (several precisions), with changes after a colon "
              "(tiers:archive=kvquant,stale=256); the report's name ends in _<quantizer>")
     ] = None,
+    batch: Annotated[int, typer.Option(
+        help="also count one certified step of a batch of this many sequences (ragged, from "
+             "the context down to about half); the report's name ends in _batch<B>")] = 1,
 ) -> None:
     """What one layer step of the Triton path dispatches (no timing): Triton launches, compiled
     segments, eager launching operators and host reads per method (CUDA launches on a GPU).
@@ -103,6 +106,8 @@ def bench_launches(
     if context and min(context) < 1:
         _fail(f"--context {min(context)} is not a token count; pass positive contexts such as "
               "--context 1024.")
+    if batch < 1:
+        _fail(f"--batch {batch} is not a number of sequences; pass --batch 4, or 1 for none.")
     dev = _device(device)
     if dev.type == "cpu":  # before any kernel module is imported: @triton.jit reads it
         os.environ["TRITON_INTERPRET"] = "1"
@@ -112,16 +117,17 @@ def bench_launches(
     cases = [bench.AttentionCase(n, d, h, g) for n in contexts
              for d, h, g in bench.LAUNCH_SHAPES]
     codecs, suffix = _quantizer(quantizer)
+    suffix += f"_batch{batch}" if batch > 1 else ""
     report = bench.BenchReport(f"launches_{dev.type}{suffix}", _command(), out, force)
     with _user_errors():
         report.check()
     # the interpreter computes with NumPy, which warns on the IEEE infinities of masked lanes
     # and empty sums (log 0 = -inf) that the kernels mean and a GPU computes silently
     quiet = np.errstate(all="ignore") if dev.type == "cpu" else nullcontext()
-    with quiet, bench.progress(len(bench.LAUNCH_METHODS) * len(cases),
-                               "bench launches") as update:
-        records = [bench.bench_launches_case(case, dev, _compile(compile), update, codecs)
-                   for case in cases]
+    methods = len(bench.LAUNCH_METHODS) + (batch > 1)
+    with quiet, bench.progress(methods * len(cases), "bench launches") as update:
+        records = [bench.bench_launches_case(case, dev, _compile(compile), update, codecs,
+                                             batch) for case in cases]
     tables, notes = bench.dispatch_tables(records), bench.launch_notes(records)
     path = report.write(records, bench.markdown(tables, notes),
                         lambda p: bench.plot_launches(records, p))

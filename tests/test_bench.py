@@ -204,6 +204,26 @@ def test_bench_launches_takes_a_quantizer_and_names_its_precisions(tmp_path, mon
     assert "FP16, K2/V2" in (tmp_path / "launches_cpu_kivi2.md").read_text()
 
 
+def test_bench_launches_counts_a_batch_step_in_the_launches_of_one_sequence(tmp_path,
+                                                                          monkeypatch):
+    """``--batch 3``: also one certified step of a ragged batch of three sequences, in a
+    report named ``launches_cpu_batch3``: the six launches of one sequence's step, nothing
+    else; ``--batch 0`` is one sentence naming the fix."""
+    monkeypatch.setattr(bench, "LAUNCH_SHAPES", ((32, 1, 2),))
+    result = runner.invoke(app, ["bench", "launches", "--context", "120", "--device", "cpu",
+                                 "--out", str(tmp_path), "--compile", "off", "--batch", "3"],
+                           env={"COLUMNS": "100"})
+    assert result.exit_code == 0, result.output
+    (record,) = json.loads((tmp_path / "launches_cpu_batch3.json").read_text())["records"]
+    assert list(record["dispatch"]) == [*bench.LAUNCH_METHODS, "certified x3"]
+    batch = record["dispatch"]["certified x3"]
+    assert (batch["kernels"], batch["segments"], batch["eager_launches"],
+            batch["host_reads"]) == (6, 0, 0, 0)
+    assert "certified x3" in (tmp_path / "launches_cpu_batch3.md").read_text()
+    refused = runner.invoke(app, ["bench", "launches", "--batch", "0", "--out", str(tmp_path)])
+    assert refused.exit_code != 0 and "--batch 4" in refused.output
+
+
 def test_bench_launches_takes_changes_to_a_quantizer_after_a_colon(tmp_path, monkeypatch):
     """``--quantizer tiers:archive=kvquant,...``: the tiers with KVQuant's archive (pre-RoPE
     keys, dense-and-sparse values) from a short context, in a report named after the changes;

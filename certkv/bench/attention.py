@@ -5,7 +5,7 @@ host reads of one step."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
@@ -86,13 +86,15 @@ def bench_attention_case(case: AttentionCase, device: torch.device, repeats: int
 
 
 def layer_steps(case: AttentionCase, device: torch.device, compile: bool | str | None,
-                backend: str, quantizer=None) -> tuple[TieredKVStore, dict, dict]:
+                backend: str, quantizer=None, batch: int = 1) -> tuple[TieredKVStore, dict, dict]:
     """``(store, steps, methods)`` of one case: a callable step per method and its
     :class:`CertifiedAttention` (None for dense). ``dense`` decodes straight from a resident
     cache in the device's compute dtype (:func:`_dense_dtype`), converted once here;
     ``certified`` uses a scratch cache; where the backend keeps the step on the device
     (Triton), ``certified-host`` is the same step with its page-in plan and fallback flags
-    read on the host (``device_fallback=False``); ``quantizer``: the store's (None: INT8/INT4)."""
+    read on the host (``device_fallback=False``); ``quantizer``: the store's (None: INT8/INT4);
+    with ``batch`` above 1, ``certified xB``: one certified step of a batch of ``B`` sequences
+    (:meth:`CertifiedAttention.batch`), from the case's context down to about half of it."""
     naive = CertifiedAttention(mode="naive", compile=compile, backend=backend)
     certified = CertifiedAttention(compile=compile, backend=backend)
     store, q, k16, v16 = case.build(device, certified.decoded_mirror(device), quantizer)
@@ -107,7 +109,22 @@ def layer_steps(case: AttentionCase, device: torch.device, compile: bool | str |
         host = CertifiedAttention(compile=compile, backend=backend, device_fallback=False)
         steps["certified-host"] = partial(host, q, store, scratch=ScratchCache())
         methods["certified-host"] = host
+    if batch > 1:
+        steps[f"certified x{batch}"] = _batch_step(case, device, certified, quantizer, batch)
+        methods[f"certified x{batch}"] = certified
     return store, steps, methods
+
+
+def _batch_step(case: AttentionCase, device: torch.device, attention, quantizer, batch: int):
+    """One certified step of a batch of ``batch`` sequences of the case's shape, ragged from
+    its context down to about half of it, each with its own scratch cache."""
+    built = [replace(case, context=case.context - i * case.context // (2 * batch),
+                     seed=case.seed + i).build(device, attention.decoded_mirror(device),
+                                               quantizer)
+             for i in range(batch)]
+    q = torch.stack([q for _, q, _, _ in built])
+    return partial(attention.batch, q, [store for store, *_ in built],
+                   scratches=[ScratchCache() for _ in built])
 
 
 def _dense_dtype(device: torch.device) -> torch.dtype:
@@ -154,16 +171,16 @@ def tuning_notes(device: torch.device) -> list[str]:
 
 def bench_launches_case(case: AttentionCase, device: torch.device,
                         compile: bool | str | None = None, update: Update = _quiet,
-                        quantizer=None) -> dict:
+                        quantizer=None, batch: int = 1) -> dict:
     """What one layer step of the Triton path dispatches, per method
     (:data:`LAUNCH_METHODS`, :func:`layer_steps`), without timing it (on CPU the kernels run
     under ``TRITON_INTERPRET=1``): Triton launches, segment calls, eager launching operators,
     host reads, aten operators and, on CUDA, the launches the profiler records
     (:class:`~certkv.opcount.StepCounter`), over a store of ``quantizer``'s (None: INT8/INT4)
-    with its precisions held."""
-    store, steps, methods = layer_steps(case, device, compile, "triton", quantizer)
+    with its precisions held; with ``batch`` above 1 also a batch's certified step."""
+    store, steps, methods = layer_steps(case, device, compile, "triton", quantizer, batch)
     dispatch = {}
-    for method in LAUNCH_METHODS:
+    for method in steps:
         update(f"{case.short_label}: {method}")
         steps[method](), steps[method]()  # warm-up: compilation, the scratch's first fills
         dispatch[method] = count_step(steps[method], methods[method])

@@ -72,9 +72,10 @@ def plot_launches(records: list[dict], path: Path) -> None:
     parts = (("kernels", "Triton launches"),
              ("segments", "segment calls (a compiled graph each: several CUDA kernels)"),
              ("eager_launches", "eager launching operators"))
-    width = 0.8 / len(LAUNCH_METHODS)
-    for i, method in enumerate(LAUNCH_METHODS):
-        x = [j + (i - (len(LAUNCH_METHODS) - 1) / 2) * width for j in range(len(records))]
+    methods = list(records[0]["dispatch"]) if records else list(LAUNCH_METHODS)
+    width = 0.8 / len(methods)
+    for i, method in enumerate(methods):
+        x = [j + (i - (len(methods) - 1) / 2) * width for j in range(len(records))]
         counts = [r["dispatch"][method] for r in records]
         bottom = [0] * len(records)
         for k, (key, label) in enumerate(parts):
