@@ -9,9 +9,14 @@ is timed on the same arguments, and the whole step (layout, argument marshalling
 objects) as users call it. Medians over ``--repeats`` calls of each, after warm-up.
 
     .venv/bin/python scripts/cpu_step_profile.py [--context 4096 --context 8192] [--repeats 200]
-        [--out DIR]
+        [--model smollm2_135m --layer 15] [--out DIR]
 
-The default layer is SmolLM2-135M's (3 kv heads x 3 query heads each, d = 64).
+The default layer is SmolLM2-135M's shape (3 kv heads x 3 query heads each, d = 64) with
+synthetic keys (:class:`~certkv.bench.AttentionCase`); ``--model`` takes the query, keys and
+values of layer ``--layer`` of that model's first decode step after a dense prefill of the
+context of a book (:func:`evict_frontier.captured_decode`). Each case also says how many
+blocks the step read in FP16: its heads' ``K*`` and FP16 value blocks against the quantized
+blocks, the part of its bytes (and of its logits, computed twice) beyond the codes.
 """
 
 from __future__ import annotations
@@ -24,13 +29,16 @@ from pathlib import Path
 
 import torch
 
+from certkv import CertifiedAttention, TieredKVStore
 from certkv.bench import AttentionCase, device_info
 from certkv.bench.attention import layer_steps
 from certkv.bench.measure import interleaved_timings, timing_calls, timings
 from certkv.bench.tables import share_rows
+from certkv.cache.scratch import ScratchCache
 from certkv.certify import fused_cpu, fused_select
 from certkv.files import write_atomic
 from certkv.kernels import numba_backend, numba_logits, numba_step
+from certkv.kernels.reference import dense_attention
 from certkv.step import QuantizedStep
 
 # the kernels the compiled step calls, in its order: (module, function, what it computes)
@@ -62,10 +70,40 @@ def step_arguments(certified) -> tuple:
     return seen[0]
 
 
-def profile(case: AttentionCase, repeats: int) -> dict:
+def model_steps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> dict:
+    """The dense and certified steps (as :func:`~certkv.bench.attention.layer_steps` makes
+    them) over a captured layer: ``q [Hq, d]``, FP16 ``k, v [Hkv, N, d]``."""
+    certified = CertifiedAttention()
+    store = TieredKVStore(k.shape[0], k.shape[2],
+                          decoded_mirror=certified.decoded_mirror(torch.device("cpu")))
+    store.append(k, v)
+    q, scratch = q.float(), ScratchCache()
+    return {"dense": lambda: dense_attention(q, k.float(), v.float(), scaling),
+            "certified": lambda: certified(q, store, scaling, scratch=scratch)}
+
+
+def captured_layers(model: str, layer: int, contexts: list[int]) -> dict:
+    """``{context: (q, k, v, scaling)}`` of ``layer`` at ``model``'s first decode step after
+    each context (its own weights, a book's text)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from evict_frontier import captured_decode
+
+    out = {}
+    for context in contexts:
+        def keep(at, q, k, v, scaling, context=context):
+            if at == layer and context not in out:
+                out[context] = (q.clone(), k[:, :context].clone(), v[:, :context].clone(),
+                                scaling)
+        captured_decode(model, "auto", context, 1, keep, "certkv_cpu_step_profile")
+    return out
+
+
+def profile(case: AttentionCase, repeats: int, steps: dict | None = None) -> dict:
     """Medians (ms) of the dense step, the whole certified step, its compiled call and each
-    kernel of that call on ``case``'s layer."""
-    _, steps, _ = layer_steps(case, torch.device("cpu"), None, "auto")
+    kernel of that call on ``case``'s layer (or the ``steps`` of a captured one,
+    :func:`model_steps`), and what the step read in FP16."""
+    if steps is None:
+        _, steps, _ = layer_steps(case, torch.device("cpu"), None, "auto")
     args = step_arguments(steps["certified"])
     # the step and its compiled call in turn (a slow spell of the machine falls on both, and
     # both find the same data in cache); dense in its own loop, as its FP32 cache (25 MB at
@@ -83,9 +121,12 @@ def profile(case: AttentionCase, repeats: int) -> dict:
     calls = {name: len(t) // (repeats + 2) for name, t in times.items()}  # 2 warm-up calls
     kernels = {name: statistics.median(t) if t else 0.0 for name, t in times.items()}
     _, cert = steps["certified"]()
+    quantized = max(cert.num_blocks, 1)  # the step's quantized blocks
     return {"case": case.__dict__, "label": case.label, "repeats": repeats, "ms": med,
             "kernels": kernels, "calls": calls, "dense_heads": int((cert.rung >= 3).sum()),
-            "heads": int(cert.rung.numel())}
+            "heads": int(cert.rung.numel()),
+            "fp16_keys": float(cert.k_star.double().mean()) / quantized,
+            "fp16_values": float(cert.value_blocks.double().mean()) / quantized}
 
 
 def render(results: list[dict], info: dict, command: str) -> str:
@@ -103,7 +144,8 @@ def render(results: list[dict], info: dict, command: str) -> str:
             ("the compiled call", lambda r: r["ms"]["compiled"])]
     rows += [(f"kernel: {what}", lambda r, k=f"{m.__name__}.{n}": r["kernels"][k])
              for m, n, what in KERNELS]
-    lines = [f"# Where a CPU layer step's time goes ({shape})", "",
+    source = results[0].get("data", "synthetic keys")
+    lines = [f"# Where a CPU layer step's time goes ({shape}; {source})", "",
              f"Command: `{command}`  ", f"Commit: `{info['commit']}`  ",
              f"Device: {info['device']} (copy {info.get('copy_gbps', 'n/a')} GB/s measured); "
              f"torch {info['torch']}, {torch.get_num_threads()} threads", "",
@@ -119,7 +161,9 @@ def render(results: list[dict], info: dict, command: str) -> str:
                      f"{ms['certified'] / ms['dense']:.2f}x; {r['dense_heads']} of "
                      f"{r['heads']} heads on rungs 3-4; the kernels one by one sum to "
                      f"{sum(r['kernels'].values()):.3f} ms, the compiled call "
-                     f"{ms['compiled']:.3f} ms.  ")
+                     f"{ms['compiled']:.3f} ms; FP16 keys read for {r['fp16_keys']:.0%} "
+                     f"of the quantized blocks (K* over a head's quantized blocks, the mean "
+                     f"head), FP16 values for {r['fp16_values']:.0%}.  ")
     return "\n".join(lines) + "\n"
 
 
@@ -131,14 +175,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kv-heads", type=int, default=3)
     parser.add_argument("--group", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--model", default=None,
+                        help="profile this model's own layer (its weights, a book's text), "
+                             "e.g. smollm2_135m; default: synthetic keys of --head-dim etc.")
+    parser.add_argument("--layer", type=int, default=15, help="with --model: which layer")
     parser.add_argument("--out", type=Path, default=None,
                         help="write cpu_step_profile.md and .json here")
     a = parser.parse_args(argv)
     contexts = a.context or [4096]
     if min(contexts) < 1 or a.repeats < 1:
         parser.error("--context and --repeats take positive numbers, e.g. --context 4096")
-    results = [profile(AttentionCase(n, a.head_dim, a.kv_heads, a.group), a.repeats)
-               for n in contexts]
+    if a.model:
+        layers = captured_layers(a.model, a.layer, contexts)
+        results = []
+        for n in contexts:
+            q, k, v, scaling = layers[n]
+            case = AttentionCase(n, k.shape[2], k.shape[0], q.shape[0] // k.shape[0])
+            result = profile(case, a.repeats, model_steps(q, k, v, scaling))
+            results.append({**result, "data": f"{a.model} layer {a.layer}"})
+    else:
+        results = [profile(AttentionCase(n, a.head_dim, a.kv_heads, a.group), a.repeats)
+                   for n in contexts]
     info = device_info()
     command = ("python scripts/cpu_step_profile.py " + " ".join(
         sys.argv[1:] if argv is None else argv)).strip()
