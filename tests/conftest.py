@@ -153,8 +153,9 @@ def tiny_model_dir(tmp_path_factory):
 # The longest files (seconds per file of the last CI run, "seconds per test file" below) run
 # first: xdist hands each worker whole files in collection order, and a long file left to the
 # end kept one worker busy alone for a minute while the other had finished.
-LONG_FILES_FIRST = ("tests/test_graphs.py", "tests/test_cli.py", "tests/test_every_option.py",
-                    "tests/test_faults.py", "tests/test_sweep.py", "tests/test_bench.py",
+LONG_FILES_FIRST = ("tests/test_graphs.py", "tests/test_batch_step.py", "tests/test_cli.py",
+                    "tests/test_every_option.py", "tests/test_faults.py", "tests/test_sweep.py",
+                    "tests/test_bench.py",
                     "tests/integrations/test_lm_eval.py", "tests/test_readme.py",
                     "tests/models/test_smollm2.py", "tests/test_user_paths.py",
                     "tests/kernels/test_device_fallback.py", "tests/test_component_contract.py",
