@@ -47,8 +47,8 @@ class BatchedStep(QuantizedStep):
                        scratches) -> list | None:
         """The step's layouts where :meth:`_device_batch` steps this batch (a certified step
         on the device path without a bound tolerance, the default selection, no audit,
-        eviction or phase timer, every store's phases on the kernels, one scratch cache per
-        sequence or none), else None (each sequence steps alone)."""
+        eviction, transient faults or phase timer, every store's phases on the kernels, one
+        scratch cache per sequence or none), else None (each sequence steps alone)."""
         ladder = self.ladder
         if (self.mode != "certified" or self.audit or ladder.bound_tolerance
                 or not self._on_device(q[0], False) or ladder.exploration > 0
@@ -56,8 +56,8 @@ class BatchedStep(QuantizedStep):
                 or not fused_select.covers(self.selector, ladder, self.value_policy, None, None)
                 or q.device != stores[0].device or len(stores) < 2):
             return None
-        if any(store.evicted_pid is not None for store in stores):
-            return None
+        if any(store.evicted_pid is not None or store.reads_draw_faults() for store in stores):
+            return None  # (a fallback to each sequence alone would read transient faults twice)
         if scratches is not None and (any(s is None for s in scratches) or
                                       len({id(s) for s in scratches}) < len(scratches)):
             return None

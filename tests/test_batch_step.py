@@ -145,7 +145,9 @@ def test_a_fallback_in_one_sequence_never_makes_another_dense(ladder, seed, batc
 
 
 def test_steps_the_kernels_do_not_run_step_one_sequence_at_a_time(batched):
-    """A naive step, a shared scratch cache or a batch of one: each sequence alone."""
+    """A naive step, a shared scratch cache, a batch of one, or stores whose reads draw
+    transient faults (each step reads them once, and a batch that fell back to its sequences
+    would read them twice): each sequence alone, each as its own step decides."""
     lengths = [200, 40]
     (stores, _), _ = twin_batches(KVQuantizer, lengths)
     q = queries(lengths, 0)
@@ -153,4 +155,12 @@ def test_steps_the_kernels_do_not_run_step_one_sequence_at_a_time(batched):
     shared = ScratchCache(6, 6)
     CertifiedAttention(backend="triton").batch(q, stores, scratches=[shared, shared])
     CertifiedAttention(backend="triton").batch(q[:1], stores[:1])
+    assert batched == []
+    faulty = lambda: KVQuantizer().with_protection(  # noqa: E731
+        Protection("hamming84", "zero", True, FaultModel(p=1e-3, seed=3, transient=True)))
+    (stores, _), (alone, _) = twin_batches(faulty, lengths)
+    out, certs = CertifiedAttention(backend="triton").batch(q, stores)
+    for i, store in enumerate(alone):
+        own, cert = CertifiedAttention(backend="triton")(q[i], store)
+        assert torch.equal(out[i], own) and torch.equal(certs[i].bound, cert.bound)
     assert batched == []

@@ -74,6 +74,11 @@ class FaultHandling:
         self.bits_flipped += flipped
         return (block_hash(read) != block_hash(clean)).any(dim=-1)
 
+    def reads_draw_faults(self) -> bool:
+        """Whether each step's read of Tier-1 draws fresh faults (transient ones, injected):
+        a step must then read it once (:meth:`refresh_reads`)."""
+        return bool(self._faults.active and self._faults.transient)
+
     def refresh_reads(self) -> None:
         """Called once per attention step before it reads Tier-1 (:class:`~certkv.kernels.
         layout.StepLayout`). With transient faults, the step reads every lossy block through a
