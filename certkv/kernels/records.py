@@ -24,6 +24,7 @@ from __future__ import annotations
 import struct
 from collections import OrderedDict
 from collections.abc import Sequence
+from functools import lru_cache
 from typing import NamedTuple
 
 import torch
@@ -60,58 +61,58 @@ def records(rows: Sequence[Sequence], device: torch.device) -> Records:
     ints, bools, floats, or None for a pointer never read, whose kind another row gives).
 
     Every row must give a field the same kind (a tensor of one dtype, an int, a float): a
-    batch is one config. The table is made once per content and kept (at most ``_KEPT``)."""
+    batch is one config. The table is made once per content and kept (at most ``_KEPT``): a
+    step reads its fields (one pass, no more) and finds its table."""
     width = len(rows[0])
     require(all(len(row) == width for row in rows), ConfigError,
             "the sequences of a batch give their kernels different arguments; build every "
             "store of a batch from the same config.")
-    kinds = tuple(_kind(i, [row[i] for row in rows]) for i in range(width))
-    values = tuple(tuple(_value(x) for x in row) for row in rows)
-    key = (str(device), values, kinds)
-    table = _TABLES.get(key)
-    if table is None:
-        table = torch.tensor(values, dtype=torch.int64).to(device)
-        _TABLES[key] = table
+    encoded = [tuple(map(_encode, row)) for row in rows]
+    key = (str(device), tuple(encoded))
+    kept = _TABLES.get(key)
+    if kept is None:
+        kinds = tuple(_kind(i, [row[i] for row in encoded]) for i in range(width))
+        table = torch.tensor([[v for v, _ in row] for row in encoded],
+                             dtype=torch.int64).to(device)
+        kept = Records(table, kinds)
+        _TABLES[key] = kept
         if len(_TABLES) > _KEPT:
             _TABLES.popitem(last=False)
     else:
         _TABLES.move_to_end(key)
-    return Records(table, kinds)
+    return kept
 
 
-def _kind(index: int, column: list) -> int:
-    """The kind of field ``index`` from every row's value (see :func:`records`)."""
-    sorts = {_sort(x) for x in column if x is not None}
+def _encode(x) -> tuple[int, object]:
+    """A field as ``(the int64 the table holds, its sort)``: a tensor's address and dtype, an
+    int and :data:`INT`, a float's FP64 bits and :data:`REAL`, None as ``(0, None)``."""
+    if isinstance(x, torch.Tensor):
+        return x.data_ptr(), x.dtype
+    if isinstance(x, float):
+        return _bits(x), REAL
+    if x is None:
+        return 0, None
+    if isinstance(x, bool | int):
+        return int(x), INT
+    raise TypeError(f"a record field must be a tensor, an int or a float, not {type(x)}")
+
+
+@lru_cache(maxsize=4096)
+def _bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+def _kind(index: int, column: list[tuple[int, object]]) -> int:
+    """The kind of field ``index`` from every row's encoded value (see :func:`records`)."""
+    sorts = {sort for _, sort in column if sort is not None}
     require(len(sorts) <= 1, ConfigError,
             f"the sequences of a batch give a kernel argument ({index}) of different kinds "
             f"({sorted(map(str, sorts))}); build every store of a batch from the same config.")
     sort = sorts.pop() if sorts else torch.int8  # no row reads it: any pointer
     if sort in (INT, REAL):
         return sort
-    aligned = all(x.data_ptr() % 16 == 0 for x in column if isinstance(x, torch.Tensor))
+    aligned = all(value % 16 == 0 for value, s in column if s is not None)
     return 2 * _POINTER_CODES[sort] + int(aligned)
-
-
-def _sort(x):
-    """A field's sort: :data:`INT`, :data:`REAL` or a tensor's dtype."""
-    if isinstance(x, torch.Tensor):
-        return x.dtype
-    if isinstance(x, bool | int):
-        return INT
-    if isinstance(x, float):
-        return REAL
-    raise TypeError(f"a record field must be a tensor, an int or a float, not {type(x)}")
-
-
-def _value(x) -> int:
-    """A field as the int64 the table holds."""
-    if x is None:
-        return 0
-    if isinstance(x, torch.Tensor):
-        return x.data_ptr()
-    if isinstance(x, float):
-        return struct.unpack("<q", struct.pack("<d", x))[0]
-    return int(x)
 
 
 @triton.jit
