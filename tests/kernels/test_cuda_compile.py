@@ -51,26 +51,35 @@ def quantizers():
 
 def certified_steps():
     """Steps over every quantizer: 16 blocks and a one-token tail (an integer argument equal
-    to 1 is a constant to the JIT), scratch page-in, some heads on rungs 3-4 (r=3); a batch
-    of ragged sequences (the batched step's launches); a naive step; a BF16 query; the fused
-    quantize-on-append kernel."""
+    to 1 is a constant to the JIT), scratch page-in, some heads on rungs 3-4 (r=3); batches of
+    ragged sequences of the first quantizer and of those holding several precisions (the
+    batched step's launches); a naive step; a BF16 query; the fused quantize-on-append
+    kernel."""
     k, v = make_kv(2, 16 * 16 + 1, 32, seed=3, outlier_channels=2)
     q = make_query(k, 3, seed=3, scale=4.0, peaked=True)
-    lengths = (16 * 16 + 1, 70, 5)  # a batch: ragged, one sequence without a completed block
-    for quantizer in quantizers():
-        evicts = getattr(quantizer, "eviction", None) is not None  # no batched step: alone
-        stores = [TieredKVStore(2, 32, **quantizer.store_kwargs())
-                  for _ in lengths[:1 if evicts else 3]]
-        for store, n in zip(stores, lengths, strict=False):
-            store.append(k[:, :n], v[:, :n])
+    for i, quantizer in enumerate(quantizers()):
+        store = TieredKVStore(2, 32, **quantizer.store_kwargs())
+        store.append(k, v)
         attn = CertifiedAttention(backend="triton", ladder=Ladder(r=3))
-        attn(q, store := stores[0], scratch=ScratchCache(8, 8))
-        if not evicts:
-            attn.batch(q[None].expand(3, -1, -1), stores,
-                       scratches=[ScratchCache(8, 8) for _ in lengths])
+        attn(q, store, scratch=ScratchCache(8, 8))
+        several = len(store.block_groups("value")) > 1
+        if getattr(quantizer, "eviction", None) is None and (i == 0 or several):
+            batch_step(attn, quantizer, k, v, q, ragged=i == 0)
     CertifiedAttention(backend="triton", mode="naive")(q, store)
     CertifiedAttention(backend="triton")(q.bfloat16(), store)  # the output rounded to BF16
     TieredKVStore(2, 32, value_group=8, fused_encode=True).append(k, v)
+
+
+def batch_step(attn, quantizer, k, v, q, ragged: bool) -> None:
+    """One batched step of three sequences (a launch over every sequence's precision groups:
+    the union of theirs); ``ragged``: the last without a completed block (its tail block a
+    group of its own)."""
+    lengths = (k.shape[1], 70, 5) if ragged else (k.shape[1], 200, 150)
+    stores = [TieredKVStore(2, 32, **quantizer.store_kwargs()) for _ in lengths]
+    for store, n in zip(stores, lengths, strict=True):
+        store.append(k[:, :n], v[:, :n])
+    attn.batch(q[None].expand(3, -1, -1), stores,
+               scratches=[ScratchCache(8, 8) for _ in lengths])
 
 
 @pytest.mark.slow
