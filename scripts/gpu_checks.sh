@@ -25,6 +25,8 @@ CERTKV_AUTOTUNE=0 "$PY" -m pytest -m gpu -p no:cacheprovider "${SKIP[@]}" tests 
 # what a layer step launches on CUDA (Triton launches, segments, eager operators, and the
 # CUDA kernels the profiler records): issue 24's launch count, measured on the device
 "$PY" -m certkv.cli bench launches --out "$OUTDIR" --force
+# ... and one step of a ragged batch of four: six launches over (sequence, kv head, program)
+"$PY" -m certkv.cli bench launches --batch 4 --out "$OUTDIR" --force
 # ... over the tiers with KVQuant's archive (pre-RoPE keys, dense-and-sparse values)
 "$PY" -m certkv.cli bench launches --quantizer tiers:archive=kvquant --context 4104 \
   --out "$OUTDIR" --force

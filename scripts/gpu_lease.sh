@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One lent GPU call (about 15 minutes of device time a task, 10 minutes a call): the `gpu`
-# tests in parallel, the launch count, attention at 32K-128K and the whole Llama-3.1-8B-shaped
+# tests in parallel, the launch count (one sequence's step and a batch of four's), attention at 32K-128K and the whole Llama-3.1-8B-shaped
 # decode with CUDA graphs (T_ATTN_EAGER > 0 adds attention with the segments left eager, which
 # compiles nothing; T_BATCH > 0 the batched decode at 8K, batches of 1 and 4, T_BATCH_GRAPHS > 0
 # the same with each batch step replayed as a CUDA graph), each step under
@@ -37,10 +37,10 @@ GPU_FIRST=${GPU_FIRST:-"tests/test_gpu.py tests/test_attention_batch.py tests/te
 tests/test_tiers_contract.py tests/evict/test_summary.py"}
 # the tests' many small shapes at the default launch configuration (no tuning time; the
 # benches below tune Phase 1 and 2 and list what they kept: certkv/kernels/triton_tune.py)
-step ${T_TESTS:-190} gpu_tests env CERTKV_AUTOTUNE=0 $PY -m pytest -m gpu -p no:cacheprovider \
+step ${T_TESTS:-180} gpu_tests env CERTKV_AUTOTUNE=0 $PY -m pytest -m gpu -p no:cacheprovider \
   -n 8 --dist load \
   --timeout 170 --durations=25 -v -rfE "${SKIP[@]}" $GPU_FIRST tests
-step ${T_LAUNCH:-70} launches $PY -m certkv.cli bench launches --out "$R" --force
+step ${T_LAUNCH:-80} launches $PY -m certkv.cli bench launches --batch 4 --out "$R" --force
 step ${T_ATTN_EAGER:-0} attention_eager $PY -m certkv.cli bench attention --context 32768 \
   --context 65536 --context 131072 --repeats 10 --compile off --out "$R/eager_segments" --force
 step ${T_ATTN:-120} attention $PY -m certkv.cli bench attention --context 32768 --context 65536 \
