@@ -72,23 +72,14 @@ def tier2_stage(store, kv_heads, blocks, which: str):
 
 def on_device(scratch, lay: StepLayout, plan: torch.Tensor, no_pool: torch.Tensor) -> PagedIn:
     """The page-in without a host read, in one launch
-    (:func:`~certkv.kernels.triton_lru.page_in`): through the scratch cache's device
+    (:func:`on_device_batch` of one): through the scratch cache's device
     bookkeeping (misses of keys and values copied from Tier-2, blocks without a free slot read
     by Phase 2 from Tier-2 in place) or, without a scratch cache, every wanted block read from
     Tier-2 in place (``no_pool``: a one-block FP16 pool never read). Counts stay on the device
     (0-d)."""
-    from certkv.kernels.triton_lru import page_in
-
-    store = lay.store
     if lay.num_completed == 0:
         return NOTHING
-    k2, v2, width = store.original_rows()
-    lrus = [None if scratch is None else scratch.device_lru(which) for which in "kv"]
-    tables = [None if lru is None else lru.tables(store, lay.num_blocks) for lru in lrus]
-    pools = [no_pool if lru is None else lru.pool for lru in lrus]
-    maps, wanted = page_in(plan, width, tables, pools, (k2, v2))
-    return PagedIn(SlotMap(maps[0], pools[0]), SlotMap(maps[1], pools[1]),
-                   paged_evicted(store, plan), wanted[1])
+    return on_device_batch([scratch], [lay], plan.contiguous()[:, None], no_pool)[2][0]
 
 
 def on_device_batch(scratches: list, lays: list[StepLayout], plan: torch.Tensor,

@@ -48,10 +48,6 @@ class Records(NamedTuple):
     table: torch.Tensor
     kinds: tuple[int, ...]
 
-    @property
-    def width(self) -> int:
-        return len(self.kinds)
-
 
 _TABLES: OrderedDict = OrderedDict()  # (device, values, kinds) -> table
 
