@@ -109,6 +109,18 @@ def _sums(w):
 
 
 @jit
+def _shifted(s, out):
+    """One block's logits ``s [B]`` shifted for its softmax: ``out [B] = (s - max(m_b, FP32
+    min)) log2 e``, the exponents of its weights; returns its max ``m_b`` (NaN if any logit is
+    NaN)."""
+    mb = _amax(s)
+    shift = mb if (mb != mb or mb > _F32_MIN) else _F32_MIN
+    for t in range(s.shape[0]):
+        out[t] = (s[t] - shift) * _LOG2E
+    return mb
+
+
+@jit
 def _row_state(s, w, m, total, total2, frac, scale):
     """The softmax state of one head's blocks from their logits ``s [n, B]`` (``-inf`` on empty
     slots): each block's max ``m [n]``, the weights ``w [n, B] = 2^((s - max(m_b, FP32 min))
@@ -117,15 +129,34 @@ def _row_state(s, w, m, total, total2, frac, scale):
     over the row, :func:`_exp2` with scratch ``frac, scale [n B]``)."""
     n, bsz = s.shape
     for b in range(n):
-        mb = _amax(s[b])
-        m[b] = mb
-        shift = mb if (mb != mb or mb > _F32_MIN) else _F32_MIN
-        for t in range(bsz):
-            w[b, t] = (s[b, t] - shift) * _LOG2E
+        m[b] = _shifted(s[b], w[b])
     flat = w.reshape(n * bsz)
     _exp2(flat, flat, frac, scale)
     for b in range(n):
         total[b], total2[b] = _sums(w[b])
+
+
+@jit
+def _gated_state(s, gate, w, m, total, total2, x, frac, scale):
+    """:func:`_row_state` of the blocks ``gate [n]`` marks only, from their logits ``s [n, B]``
+    (the other blocks' rows of ``w [n, B]``, ``m, total, total2 [n]`` are left as they are):
+    their exponents gathered into the scratch ``x [n B]`` and taken in one vectorised pass, as
+    :func:`_row_state` takes a whole row's (block by block, each block's 16 exponentials cost
+    about as much as a row's; the same operations on each weight, so the same bits)."""
+    n, bsz = s.shape
+    count = 0
+    for b in range(n):
+        if gate[b]:
+            m[b] = _shifted(s[b], x[count * bsz:(count + 1) * bsz])
+            count += 1
+    flat = x[:count * bsz]
+    _exp2(flat, flat, frac, scale)
+    i = 0
+    for b in range(n):
+        if gate[b]:
+            w[b] = x[i * bsz:(i + 1) * bsz]
+            total[b], total2[b] = _sums(w[b])
+            i += 1
 
 
 @jit
@@ -185,7 +216,7 @@ def _sum_blocks(x, n):
 
 @jit
 def _head_weights(h, s8, s16, state, gate, delta_b, eps_guard, rho, log_mass, spread, canary,
-                  w, alphas, frac, scale):
+                  w, alphas, scratch):
     """Phase 2's softmax of query head ``h``: every block's state is Phase 1's (``state``: ``m,
     w, total, total2``), except a gated block's, made again from its FP16-key logits (the
     canary on those); where any block is gated, the head's weights go into ``w [n, B]``
@@ -193,8 +224,10 @@ def _head_weights(h, s8, s16, state, gate, delta_b, eps_guard, rho, log_mass, sp
     ``alpha_b = e^{m_b - m}`` into ``alphas [n]``, the block masses, log-masses and spreads
     (:func:`certkv.kernels.reference.attend_blocks`). A block's state depends on its own
     logits only, so this is the whole row's state made again, bit for bit. Returns whether
-    the head is gated and its total mass. Scratch: ``frac, scale [max(n, B)]``."""
+    the head is gated and its total mass. ``scratch``: ``x [n B]`` FP32, ``frac, scale [n B]``
+    FP64 (:func:`_gated_state`)."""
     m8, w8, l8, l28 = state
+    x, frac, scale = scratch
     n = s8.shape[1]
     m_b, l_b, l2_b = np.empty((3, n), _F32)
     m_b[:], l_b[:], l2_b[:] = m8[h], l8[h], l28[h]
@@ -207,8 +240,7 @@ def _head_weights(h, s8, s16, state, gate, delta_b, eps_guard, rho, log_mass, sp
         for b in range(n):
             if gate[h, b]:
                 canary[h, b] = _canary(s16[h, b], s8[h, b], delta_b[h, b], eps_guard)
-                _row_state(s16[h, b:b + 1], w[b:b + 1], m_b[b:b + 1], l_b[b:b + 1],
-                           l2_b[b:b + 1], frac, scale)
+        _gated_state(s16[h], gate[h], w, m_b, l_b, l2_b, x, frac, scale)
     top = _amax(m_b)
     for b in range(n):
         log_mass[h, b] = m_b[b] + np.log(l_b[b])
@@ -297,10 +329,9 @@ def _attend(group, s8, s16, state, gate, delta_b, eps_guard, values, staged_kv, 
     w, alphas = np.empty((hq, n, bsz), _F32), np.empty((hq, n), _F32)
     total, gated = np.empty(hq, _F32), np.empty(hq, np.bool_)
     for h in prange(hq):
-        frac, scale = np.empty(max(n, bsz)), np.empty(max(n, bsz))
+        scratch = np.empty(n * bsz, _F32), np.empty(n * bsz), np.empty(n * bsz)
         gated[h], total[h] = _head_weights(h, s8, s16, state, gate, delta_b, eps_guard, rho,
-                                           log_mass, spread, canary, w[h], alphas[h], frac,
-                                           scale)
+                                           log_mass, spread, canary, w[h], alphas[h], scratch)
         if r >= 1:
             rank_checks(h, l8, log_mass, delta_t, promoted, quantized, r, flags[0], flags[1])
     chunks = (n + SUM_CHUNK - 1) // SUM_CHUNK
