@@ -27,6 +27,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from certkv.certify import numba_cache
 from certkv.certify.arith import (
     LOG_ULPS,
     ROUND_UP_ABS,
@@ -42,8 +43,12 @@ from certkv.certify.arith import (
 
 try:  # without numba the PyTorch operators run (same results, slower)
     import numba
+    import numba.core.caching
 except ImportError:
     numba = None
+
+if numba is not None:  # a kernel's cache is stale once any certkv source changes
+    numba_cache.install(numba)
 
 AVAILABLE = numba is not None
 prange = numba.prange if AVAILABLE else range  # a parallel loop in jit(parallel=True) kernels
