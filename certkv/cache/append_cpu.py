@@ -19,7 +19,8 @@ import math
 import numpy as np
 import torch
 
-from certkv.certify.fused_cpu import AVAILABLE, decode_half, jit
+from certkv.certify.fused_cpu import AVAILABLE, jit
+from certkv.certify.halves import decode_half
 
 _F32 = np.float32
 

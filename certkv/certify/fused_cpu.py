@@ -270,40 +270,6 @@ def _params(spec: ArithSpec, coef: StepCoefficients, exponent: float) -> tuple:
                      coef.spread_rel, gamma(d + 8)], dtype=np.float64), as_array(coef.weights)
 
 
-HALF_SCALE = np.float32(2.0**112)  # 2^(127 - 15): a half's exponent bits placed in a float's
-
-
-@jit
-def decode_half(bits, keys):
-    """One block of FP16 originals, as their bits ``bits [B, d]`` (int16: numba has no float16
-    arithmetic), converted exactly into FP32 ``keys [B, d]`` in three loops that vectorise: the
-    half's magnitude bits moved into a float's (``<< 13``) then scaled by ``2^112`` (exact, for
-    normal and subnormal halves alike), then infinities and NaNs (exponent 31) and the sign
-    bit set. ``tests/kernels/test_numba_backend.py`` checks all 65,536 halves."""
-    out = keys.view(np.int32)
-    bsz, d = bits.shape
-    for t in range(bsz):
-        for c in range(d):
-            out[t, c] = (np.int32(bits[t, c]) & 0x7FFF) << 13
-    for t in range(bsz):
-        for c in range(d):
-            keys[t, c] = keys[t, c] * HALF_SCALE
-    for t in range(bsz):
-        for c in range(d):
-            out[t, c] = half_word(bits[t, c], out[t, c])
-
-
-@jit(inline="always")
-def half_word(bits, word):
-    """The FP32 word of the half ``bits`` given ``word``, its magnitude bits moved and scaled
-    (:func:`decode_half`'s first two steps): infinities and NaNs (exponent 31) set, then the
-    sign bit."""
-    h = np.int32(bits)
-    magnitude = h & 0x7FFF
-    word = (0x7F800000 | ((magnitude & 0x3FF) << 13)) if magnitude >= 0x7C00 else word
-    return word | ((h & 0x8000) << 16)
-
-
 def as_array(x: torch.Tensor) -> np.ndarray:
     """A contiguous NumPy view (a copy only for a strided tensor)."""
     return np.ascontiguousarray(x.numpy())

@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from certkv.certify.checks import CANARY_REL
-from certkv.certify.fused_cpu import AVAILABLE, as_array, decode_half, jit, prange, use_threads
+from certkv.certify.fused_cpu import AVAILABLE, as_array, jit, prange, use_threads
+from certkv.certify.halves import decode_half
 from certkv.kernels import numba_dense
 from certkv.kernels import numba_values as nv
 from certkv.kernels.numba_checks import rank_checks
@@ -288,15 +289,13 @@ def _chunk_values(kv, chunk, weights, alphas, values, vslot, pool, part, o_b, bl
     d]``."""
     group = part.shape[0]
     part[:] = 0.0
-    d = block16.shape[1]
-    words = np.empty((2, d // values[7]), np.int32)  # a token's per-group scales and offsets
     for b in range(chunk * SUM_CHUNK, min((chunk + 1) * SUM_CHUNK, vslot.shape[1])):
         row = vslot[kv, b]
         if row >= 0:
             decode_half(pool[row], block16)
             block, permuted = block16, False
         else:
-            block, permuted = nv.load(kv, b, values, block16, words)
+            block, permuted = nv.load(kv, b, values, block16)
         o_b[:] = 0.0
         for g in range(group):
             _block_product(weights[g][b], alphas[g, b], block, o_b[g])

@@ -20,7 +20,8 @@ import math
 import numpy as np
 import torch
 
-from certkv.certify.fused_cpu import AVAILABLE, decode_half, jit, kept_bits, prange, use_threads
+from certkv.certify.fused_cpu import AVAILABLE, jit, kept_bits, prange, use_threads
+from certkv.certify.halves import decode_half
 from certkv.kernels.reference import DENSE_CHUNK
 
 _F32 = np.float32

@@ -28,7 +28,8 @@ import numpy as np
 import torch
 
 from certkv.cache.blocks import head_rows
-from certkv.certify.fused_cpu import as_array, decode_half, jit, kept, kept_bits, prange
+from certkv.certify.fused_cpu import as_array, jit, kept, kept_bits, prange
+from certkv.certify.halves import decode_half
 from certkv.quant.int8_channel import is_int8
 
 _F32 = np.float32

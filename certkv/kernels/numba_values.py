@@ -22,14 +22,8 @@ import numpy as np
 import torch
 
 from certkv.cache.blocks import head_rows
-from certkv.certify.fused_cpu import (
-    HALF_SCALE,
-    as_array,
-    decode_half,
-    half_word,
-    jit,
-    kept_bits,
-)
+from certkv.certify.fused_cpu import as_array, jit, kept_bits
+from certkv.certify.halves import decode_half, half_float
 from certkv.kernels.numba_logits import same_objects
 
 _F32 = np.float32
@@ -92,50 +86,37 @@ def _in_place_codes(store, groups) -> tuple:
 
 
 @jit
-def load(kv, b, src, block, words):
+def load(kv, b, src, block):
     """Block ``b`` of kv head ``kv`` from the sources ``src`` (:func:`sources`) as FP32
-    ``[B, d]``: the mirror's row, or decoded into ``block`` (scratch; ``words [2, d/g]`` int32
-    too). Returns ``(values, permuted)``: ``permuted`` when its channels come de-interleaved
-    (:func:`_decode`)."""
+    ``[B, d]``: the mirror's row, or decoded into ``block`` (scratch). Returns ``(values,
+    permuted)``: ``permuted`` when its channels come de-interleaved (:func:`_decode`)."""
     mirror, has_mirror, slot, codes, sbits, obits, width, group, v16, vwidth, completed, tail = src
     if has_mirror:
         return mirror[b, kv], False
     row = slot[b]
     if row >= 0:
-        at = kv * width + row
-        _decode(codes[at], sbits[at], obits[at], group, block, words)
+        at = kv * width + slot[b]
+        _decode(codes[at], sbits[at], obits[at], group, block)
         return block, True
     decode_half(tail[kv] if b >= completed else v16[kv * vwidth + b], block)
     return block, False
 
 
 @jit
-def _decode(codes, sbits, obits, group, block, words):
+def _decode(codes, sbits, obits, group, block):
     """4-bit codes ``[B, d/2]`` (channel ``2j`` in byte ``j``'s low nibble, ``2j + 1`` in its
     high one) with their FP16 scales and offsets' bits ``sbits, obits [B, d/g]`` decoded as
     ``code * s + o`` in FP32, the product and the sum each rounded (as the codec's own
     ``decode``: the decoded mirror's values, bit for bit), into ``block [B, d]``
-    de-interleaved: channel ``2j`` at column ``j``, ``2j + 1`` at ``d/2 + j``. Token by token:
-    its ``d/g`` scales and offsets converted exactly into ``words [2, d/g]`` (int32 scratch,
-    :func:`~certkv.certify.fused_cpu.decode_half`'s three steps), then its codes: one loop nest
-    per block (the block's scales converted first by two calls of ``decode_half`` took about 3x
-    as long: 0.49 against 0.17 ms for a 4K step's 768 blocks on one Zen 5 core)."""
+    de-interleaved: channel ``2j`` at column ``j``, ``2j + 1`` at ``d/2 + j``. Token by token,
+    group by group: its scale and offset converted exactly
+    (:func:`~certkv.certify.halves.half_float`), then its codes."""
     bsz, half = codes.shape
     per, count = group // 2, sbits.shape[1]
-    floats = words.view(np.float32)
     for t in range(bsz):
-        for k in range(count):
-            words[0, k] = (np.int32(sbits[t, k]) & 0x7FFF) << 13
-            words[1, k] = (np.int32(obits[t, k]) & 0x7FFF) << 13
-        for k in range(count):
-            floats[0, k] = floats[0, k] * HALF_SCALE
-            floats[1, k] = floats[1, k] * HALF_SCALE
-        for k in range(count):
-            words[0, k] = half_word(sbits[t, k], words[0, k])
-            words[1, k] = half_word(obits[t, k], words[1, k])
         row, lo, hi = codes[t], block[t, :half], block[t, half:]
         for k in range(count):
-            s, o, base = floats[0, k], floats[1, k], k * per
+            s, o, base = half_float(sbits[t, k]), half_float(obits[t, k]), k * per
             for j in range(per):
                 c = row[base + j]
                 lo[base + j] = _F32(c & np.uint8(15)) * s + o
