@@ -10,9 +10,10 @@ the same two roundings (so the keys are bitwise the mirror's), and its ``G x B``
 products from that scratch; blocks of any other precision (FP16 windows, the tail block, other
 codecs) are copied into it from the mirror. The FP16-key logits Phase 2 needs are the same dot
 products for the blocks some head gates only, their FP16 originals read in place from Tier-2
-and converted exactly (:func:`decode_half`), so the canary compares two logits of one kind of
-product. Every block is read as C-contiguous rows of its buffer (:func:`rows`, as the
-store's Tier-2 rows): numba's loops over a strided view ran several times slower.
+and converted exactly (:func:`~certkv.certify.halves.decode_half`), so the canary compares two
+logits of one kind of product. Every block is read as C-contiguous rows of its buffer
+(:func:`rows`, as the store's Tier-2 rows): numba's loops over a strided view ran several times
+slower.
 
 A logit is ``scaling * (q . k)`` plus the slot bias (0, or ``-inf`` on the tail block's empty
 slots), as the reference's ``baddbmm(bias, q, k^T, alpha=scaling)``; its dot product sums
