@@ -10,7 +10,9 @@ each a call on named inputs and outputs: :class:`~certkv.certify.segment.SelectI
 :class:`QuantizedStep` is the attention's base class: it holds no state of its own and reads
 the attention's configuration (``selector``, ``value_policy``, ``ladder``, ``backend``,
 ``mode``, ``timer``, ``compile``, ``device_fallback``, ``pad_layout``) and caches. The pure
-tensor math lives in :mod:`certkv.certify.step_select` and :mod:`certkv.certify.step_certify`.
+tensor math lives in :mod:`certkv.certify.step_select` and :mod:`certkv.certify.step_certify`;
+which implementation runs each piece (a compiled or eager segment, a fused CPU loop nest) is
+:mod:`certkv.dispatch`'s to say.
 
 Shapes: ``q: [Hq, d]`` with ``Hq = G * Hkv``; per-head tensors ``[Hq]``; per-block tensors
 ``[Hq, n]`` where the ``n`` blocks are the store's quantized blocks followed, if present, by
@@ -27,19 +29,18 @@ import torch
 
 from certkv.cache.appending import NONFINITE_KV
 from certkv.cache.store import TieredKVStore
-from certkv.certify import fused_cpu, fused_select, targeted
+from certkv.certify import fused_select, targeted
 from certkv.certify.arith import U32, ArithSpec, as_tensors, step_coefficients
 from certkv.certify.certificate import BlockStats
 from certkv.certify.checks import paged_summaries
 from certkv.certify.dropped import dropped_error, dropped_mass
 from certkv.certify.segment import CertifyInputs, CertifyOutputs, SelectInputs, Selection
-from certkv.certify.step_certify import StepPass, certify_fused, certify_step
-from certkv.certify.step_select import select_step
+from certkv.certify.step_certify import StepPass
+from certkv.dispatch import Dispatch
 from certkv.errors import NonFiniteError, require
 from certkv.escalation import Escalation
 from certkv.fallback import NONFINITE_Q, Fallback, record_faults
 from certkv.kernels import numba_step
-from certkv.kernels.compiled import CompiledSegment
 from certkv.kernels.layout import StepLayout
 from certkv.kernels.page_in import NOTHING, PagedIn, on_device, stage_blocks, tier2_stage
 from certkv.kernels.reference import CheckInputs, dense_rounding, without_blocks
@@ -59,7 +60,7 @@ class _Step(NamedTuple):
     in_phase2: bool = False  # the certificate in Phase 2's merge, the rungs in the fallback
 
 
-class QuantizedStep(Escalation, Fallback):
+class QuantizedStep(Escalation, Fallback, Dispatch):
     """The naive and certified steps and their fallback (see the module); the base class of
     :class:`~certkv.attention.CertifiedAttention`, whose fields it reads."""
 
@@ -343,66 +344,6 @@ class QuantizedStep(Escalation, Fallback):
                             n_tokens=store.num_tokens)
         v_rad = torch.minimum(lay.v_radius, lay.v_max).repeat_interleave(group)
         return without_blocks(scored, dropped), dropped_error(mass, v_rad)
-
-    def _kv_of(self, hq: int, hkv: int, device: torch.device) -> torch.Tensor:
-        """``[Hq]`` int64 on ``device``: each query head's kv head (``x[kv_of]`` spreads a
-        per-kv-head ``x`` over its query heads in one gather), made once per shape."""
-        key = (hq, hkv, str(device))
-        if key not in self._constants:
-            self._constants[key] = torch.arange(hq, device=device) // (hq // hkv)
-        return self._constants[key]
-
-    def _segment(self, name: str, device: torch.device):
-        """The pure tensor segment ``name``, compiled (fused kernels, one graph, dynamic
-        shapes) when ``compile`` asks for it on this device, else the eager method. A segment
-        that fails to compile warns once and runs eagerly from then on."""
-        fn, backend = getattr(self, name), self._compiler(device)
-        if backend is None:
-            return fn
-        if (name, backend) not in self._compiled:
-            self._compiled[name, backend] = CompiledSegment(fn, backend)
-        return self._compiled[name, backend]
-
-    def _fused_cpu(self, device: torch.device, on_device: bool) -> bool:
-        """Whether the certificate runs as fused CPU loop nests: ``compile=None`` on a CPU
-        device with numba installed, unless the step's fallback runs on the device (the GPU's
-        design: it needs the segment's final ``e_arith`` and never reads a tensor on the
-        host)."""
-        return (self.compile is None and device.type == "cpu" and not on_device
-                and fused_cpu.AVAILABLE)
-
-    def _fused_select(self, device: torch.device, draw, boost, on_device=False) -> bool:
-        """Whether selection runs as one fused CPU loop nest: where the certificate does
-        (:meth:`_fused_cpu`), on a certified step with the default policy
-        (:func:`fused_select.covers`)."""
-        return (self._fused_cpu(device, on_device) and self.mode == "certified"
-                and fused_select.covers(self.selector, self.ladder, self.value_policy, draw,
-                                        boost))
-
-    def _compiler(self, device: torch.device) -> str | None:
-        """The ``torch.compile`` backend of this device's segments, or None (eager)."""
-        backend = self.compile
-        if backend is None:
-            backend = "inductor" if device.type == "cuda" else False
-        if backend is False:
-            return None
-        return "inductor" if backend is True else backend
-
-    # the pure tensor segments (certkv.certify.step_select / step_certify), as methods so that
-    # a compiled segment guards on the components this attention holds
-    def _select_step(self, x: SelectInputs) -> Selection:
-        """:func:`certkv.certify.step_select.select_step` with this attention's components."""
-        return select_step(self, x)
-
-    def _certify_step(self, x: CertifyInputs, spec, coef) -> CertifyOutputs:
-        """:func:`certkv.certify.step_certify.certify_step` with this attention's components."""
-        return certify_step(self, x, spec, coef)
-
-    def _certify_fused(self, x: CertifyInputs, spec, coef) -> CertifyOutputs:
-        """:func:`certkv.certify.step_certify.certify_fused` with this attention's components
-        (host fallback only: the device fallback's final ``e_arith`` is the PyTorch
-        segment's, :meth:`_fused_cpu`)."""
-        return certify_fused(self, x, spec, coef)
 
     def _rank_checks(self, checks: CheckInputs | None, l16, att):
         """Ranking (eq. 17) and boundary (eq. 18) flags ``[Hq]``: from Phase 2's epilogue
