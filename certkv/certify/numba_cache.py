@@ -52,6 +52,16 @@ def _stamped(base: type) -> type:
     return Locator
 
 
+def is_cached(dispatcher) -> bool:
+    """Whether numba's cache holds code of the kernel ``dispatcher`` compiled from the current
+    sources (its index read with the stamp of :func:`install`'s locators; False for any
+    dispatcher without a cache, or a numba whose cache cannot say)."""
+    try:
+        return bool(dispatcher._cache._cache_file._load_index())
+    except (AttributeError, OSError, EOFError, TypeError, ValueError):
+        return False
+
+
 def install(numba_module) -> bool:
     """Put the stamped locators first in numba's list (once); False where this numba's cache
     has no such list (its own locators then stay, as before)."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 
 from rich.console import Console
 from rich.progress import (
@@ -23,13 +22,15 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-PACKAGE = Path(__file__).resolve().parent.parent
-
 
 def kernels_compiled() -> bool:
-    """Whether numba's cache beside the package holds compiled CPU kernels (a first run in a
-    fresh checkout compiles them: about a minute on two cores, then cached)."""
-    return any(PACKAGE.glob("*/__pycache__/*.nbi"))
+    """Whether numba's cache holds the CPU step's kernel compiled from the current sources (a
+    first run in a fresh checkout, or after an upgrade or an edit of any certkv file, compiles
+    them: about a minute on two cores, then cached)."""
+    from certkv.certify.numba_cache import is_cached
+    from certkv.kernels import numba_step
+
+    return is_cached(numba_step._step)
 
 
 def announce_compile(console: Console | None = None) -> None:
