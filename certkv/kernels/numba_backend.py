@@ -138,20 +138,24 @@ def _row_state(s, w, m, total, total2, frac, scale):
 
 
 @jit
-def _gated_state(s, gate, w, m, total, total2, x, frac, scale):
+def _gated_state(s, gate, w, m, total, total2):
     """:func:`_row_state` of the blocks ``gate [n]`` marks only, from their logits ``s [n, B]``
     (the other blocks' rows of ``w [n, B]``, ``m, total, total2 [n]`` are left as they are):
-    their exponents gathered into the scratch ``x [n B]`` and taken in one vectorised pass, as
+    their exponents gathered into one scratch row and taken in one vectorised pass, as
     :func:`_row_state` takes a whole row's (block by block, each block's 16 exponentials cost
     about as much as a row's; the same operations on each weight, so the same bits)."""
     n, bsz = s.shape
     count = 0
     for b in range(n):
+        count += gate[b]
+    x = np.empty(count * bsz, _F32)
+    frac, scale = np.empty(count * bsz), np.empty(count * bsz)
+    i = 0
+    for b in range(n):
         if gate[b]:
-            m[b] = _shifted(s[b], x[count * bsz:(count + 1) * bsz])
-            count += 1
-    flat = x[:count * bsz]
-    _exp2(flat, flat, frac, scale)
+            m[b] = _shifted(s[b], x[i * bsz:(i + 1) * bsz])
+            i += 1
+    _exp2(x, x, frac, scale)
     i = 0
     for b in range(n):
         if gate[b]:
@@ -217,7 +221,7 @@ def _sum_blocks(x, n):
 
 @jit
 def _head_weights(h, s8, s16, state, gate, delta_b, eps_guard, rho, log_mass, spread, canary,
-                  w, alphas, scratch):
+                  w, alphas, frac, scale):
     """Phase 2's softmax of query head ``h``: every block's state is Phase 1's (``state``: ``m,
     w, total, total2``), except a gated block's, made again from its FP16-key logits (the
     canary on those); where any block is gated, the head's weights go into ``w [n, B]``
@@ -225,10 +229,8 @@ def _head_weights(h, s8, s16, state, gate, delta_b, eps_guard, rho, log_mass, sp
     ``alpha_b = e^{m_b - m}`` into ``alphas [n]``, the block masses, log-masses and spreads
     (:func:`certkv.kernels.reference.attend_blocks`). A block's state depends on its own
     logits only, so this is the whole row's state made again, bit for bit. Returns whether
-    the head is gated and its total mass. ``scratch``: ``x [n B]`` FP32, ``frac, scale [n B]``
-    FP64 (:func:`_gated_state`)."""
+    the head is gated and its total mass. Scratch: ``frac, scale [max(n, B)]``."""
     m8, w8, l8, l28 = state
-    x, frac, scale = scratch
     n = s8.shape[1]
     m_b, l_b, l2_b = np.empty((3, n), _F32)
     m_b[:], l_b[:], l2_b[:] = m8[h], l8[h], l28[h]
@@ -241,7 +243,7 @@ def _head_weights(h, s8, s16, state, gate, delta_b, eps_guard, rho, log_mass, sp
         for b in range(n):
             if gate[h, b]:
                 canary[h, b] = _canary(s16[h, b], s8[h, b], delta_b[h, b], eps_guard)
-        _gated_state(s16[h], gate[h], w, m_b, l_b, l2_b, x, frac, scale)
+        _gated_state(s16[h], gate[h], w, m_b, l_b, l2_b)
     top = _amax(m_b)
     for b in range(n):
         log_mass[h, b] = m_b[b] + np.log(l_b[b])
@@ -328,9 +330,10 @@ def _attend(group, s8, s16, state, gate, delta_b, eps_guard, values, staged_kv, 
     w, alphas = np.empty((hq, n, bsz), _F32), np.empty((hq, n), _F32)
     total, gated = np.empty(hq, _F32), np.empty(hq, np.bool_)
     for h in prange(hq):
-        scratch = np.empty(n * bsz, _F32), np.empty(n * bsz), np.empty(n * bsz)
+        frac, scale = np.empty(max(n, bsz)), np.empty(max(n, bsz))
         gated[h], total[h] = _head_weights(h, s8, s16, state, gate, delta_b, eps_guard, rho,
-                                           log_mass, spread, canary, w[h], alphas[h], scratch)
+                                           log_mass, spread, canary, w[h], alphas[h], frac,
+                                           scale)
         if r >= 1:
             rank_checks(h, l8, log_mass, delta_t, promoted, quantized, r, flags[0], flags[1])
     chunks = (n + SUM_CHUNK - 1) // SUM_CHUNK

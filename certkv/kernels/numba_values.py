@@ -95,7 +95,7 @@ def load(kv, b, src, block):
         return mirror[b, kv], False
     row = slot[b]
     if row >= 0:
-        at = kv * width + slot[b]
+        at = kv * width + row
         _decode(codes[at], sbits[at], obits[at], group, block)
         return block, True
     decode_half(tail[kv] if b >= completed else v16[kv * vwidth + b], block)
