@@ -13,6 +13,7 @@ quantized blocks followed, if present, by the exact FP16 partial tail block.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import weakref
@@ -207,6 +208,13 @@ class CertifiedAttention(BatchedStep):
                 bool(store.tail_len) or takes_empty)
 
     def _check(self, q: torch.Tensor, store: TieredKVStore) -> None:
+        """``q [Hq, d]`` a float query of ``store``'s head size and a multiple of its kv heads,
+        and ``store`` not empty; else one sentence naming the fix (built only then: a decode
+        step checks every layer)."""
+        if (isinstance(q, torch.Tensor) and q.dim() == 2 and q.shape[1] == store.head_dim
+                and q.shape[0] > 0 and q.shape[0] % store.num_kv_heads == 0
+                and q.is_floating_point() and store.num_tokens > 0):
+            return
         require(isinstance(q, torch.Tensor) and q.dim() == 2, ShapeError,
                 "q must be a 2-D tensor [num_query_heads, head_dim] for one decode step; "
                 "squeeze batch and time dimensions first.")
@@ -235,6 +243,7 @@ class CertifiedAttention(BatchedStep):
             value_promotions=0, num_blocks=store.num_blocks, mode="dense")
         return out, cert
 
+@functools.cache
 def max_scaling(head_dim: int) -> float:
     """The largest softmax scale certkv honours: every logit it computes, ``scaling q.k`` with
     ``q`` prescaled to ``|q|_inf <= 1`` on the dense path and FP16 keys (``|k| <= 65504``), stays
@@ -249,6 +258,8 @@ def _scaling(head_dim: int, scaling) -> float:
     :func:`max_scaling` is a :class:`ConfigError` naming the fix."""
     if scaling is None:
         return head_dim**-0.5
+    if type(scaling) is float and 0.0 < scaling <= max_scaling(head_dim):  # what models pass
+        return scaling
     if isinstance(scaling, torch.Tensor | np.ndarray) and scaling.ndim == 0 \
             and scaling.dtype != bool and not isinstance(scaling, torch.BoolTensor):
         scaling = scaling.item()

@@ -93,8 +93,7 @@ class QuantizedStep(Escalation, Fallback, Dispatch):
         qg = q.float().reshape(hkv, q.shape[0] // hkv, -1)
         boost, e_drop = None, None
         if numba_step.covers(self, q, store, on_device, tolerant):
-            result = self._one_call(q, qg, store, scaling, scratch, timer)
-            dense_heads = self._host_flags(result.flags)[0]
+            result, dense_heads = self._one_call(q, qg, store, scaling, scratch, timer)
         else:
             with timer.phase("layout"):
                 lay = self._layout(store, on_device)
@@ -283,12 +282,15 @@ class QuantizedStep(Escalation, Fallback, Dispatch):
             coef = as_tensors(coef, device)
         return self._segment("_certify_step", device)(inputs, spec, coef)
 
-    def _one_call(self, q, qg, store, scaling, scratch, timer) -> StepPass:
+    def _one_call(self, q, qg, store, scaling, scratch, timer):
         """Phase 1 and one certified pass as one compiled call on the numba backend
         (:mod:`certkv.kernels.numba_step`: the phase-by-phase step's numbers, bit for bit) over
         the store's arrays (made again only when a block completes or a buffer grows:
         :func:`~certkv.kernels.numba_step.store_arrays`); the scratch cache counts the FP16
-        blocks read from Tier-2 in place as the host page-in has it do."""
+        blocks read from Tier-2 in place as the host page-in has it do. Returns the
+        :class:`StepPass` and the heads flagged for rungs 3-4 (host indices): the call's counts
+        say whether any head is flagged or any input non-finite, so a step with none reads no
+        flag."""
         with timer.phase("layout"):
             arrays = numba_step.store_arrays(store)
         key = (self.backend.name, q.dtype, scaling, self.selector.mass_inflation)
@@ -299,17 +301,19 @@ class QuantizedStep(Escalation, Fallback, Dispatch):
         coef = step_coefficients(spec, arrays.num_blocks, store.num_tokens, q.device)
         with timer.phase("step"):
             f = numba_step.run(self, q, qg, store, arrays, scaling, spec, coef)
-        plan = f.plan.numpy()  # [2, Hkv, n] FP16 keys, values read
+        flagged, bad_q, bad_kv, keys_read, values_read = f.counts
         if scratch is not None:
-            for which, mask in zip("kv", plan, strict=True):
-                if mask.any():
+            plan = f.plan.numpy()  # [2, Hkv, n] FP16 keys, values read
+            for which, mask, read in (("k", plan[0], keys_read), ("v", plan[1], values_read)):
+                if read:
                     scratch.record(store, mask, which)
         cert = CertifyOutputs(f.e_key, f.e_val, f.e_arith, f.tail_mass, f.k_star, f.canary,
                               f.rung, f.value_blocks, f.flags, f.paper_key, f.paper_val,
                               f.returned, None)
         blocks = BlockStats(f.rho, arrays.eta, f.delta_b, f.v_rad, arrays.quantized)
+        dense_heads = self._host_flags(f.flags)[0] if flagged or bad_q or bad_kv else NO_HEADS
         return StepPass(f.out, spec, cert, f.delta, f.ranking, f.boundary, blocks,
-                        arrays.num_quantized, int(plan[1].sum()))
+                        arrays.num_quantized, values_read), dense_heads
 
     def _layout(self, store: TieredKVStore, on_device: bool) -> StepLayout:
         """The step's layout: on the device path with the kernels running both phases, a tail
@@ -409,6 +413,9 @@ class QuantizedStep(Escalation, Fallback, Dispatch):
         self._nonfinite.zero_()
         require(not bad_q, NonFiniteError, NONFINITE_Q)
         require(not bad_kv, NonFiniteError, NONFINITE_KV)
+
+
+NO_HEADS = torch.empty(0, dtype=torch.long)  # no head flagged (never written)
 
 
 def _counted_tokens(lay: StepLayout, on_device: bool) -> int:

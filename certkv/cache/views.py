@@ -203,6 +203,11 @@ class StoreViews:
         the exact tail block in place, masked by ``tail_len``."""
         return self._tail_k, self._tail_v
 
+    @property
+    def has_decoded_mirror(self) -> bool:
+        """Whether a decoded mirror is kept (:meth:`decoded_with_tail` is not None)."""
+        return self._mirror is not None
+
     def decoded_with_tail(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """FP32 keys and values ``[Hkv, n, B, d]`` of every block with the partial tail block
         (zero-padded) last, from the decoded mirror (no copy: the values a view of its

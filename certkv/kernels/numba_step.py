@@ -47,7 +47,7 @@ def covers(attention, q: torch.Tensor, store, on_device: bool, tolerant: bool) -
             and backend.fuses_step(q.device)
             and q.dtype in QUERY_DTYPES and not getattr(attention.timer, "per_phase", False)
             and store.evicted_pid is None and not store.protection.enabled
-            and store.decoded_with_tail() is not None)  # what numba_logits.int8_keys reads
+            and store.has_decoded_mirror)  # what numba_logits.int8_keys reads
 
 
 class Fused(NamedTuple):
@@ -74,6 +74,8 @@ class Fused(NamedTuple):
     rho: torch.Tensor  # [Hq, n] Phase 2's block masses
     delta_b: torch.Tensor  # [Hq, n] tightened
     plan: torch.Tensor  # [2, Hkv, n] FP16 keys, FP16 values wanted
+    counts: tuple  # (heads flagged dense, q non-finite, K/V non-finite, FP16 key blocks,
+    # FP16 value blocks): what the caller's host bookkeeping branches on, read in one call
 
 
 class StoreArrays(NamedTuple):
@@ -186,11 +188,12 @@ def run(attention, q: torch.Tensor, qg: torch.Tensor, store, arrays: StoreArrays
         *fused_cpu._params(spec, coef, attention.selector.mass_inflation),
         (bool(store.nonfinite_appended()), fused_cpu.CAST_LIMIT.get(q.dtype, math.inf),
          ladder.canary, max(1.0, ladder.layer_dense_fraction * hq)))
+    *arrays, counts = res
     out, blocks, res_f, res_i, per_head, ranked, canary, rung, flags, returned, plan = (
-        torch.from_numpy(x) for x in res)
+        torch.from_numpy(x) for x in arrays)
     return Fused(out, *res_f.unbind(), *res_i.unbind(), per_head[0], per_head[2], rung,
                  ranked[0], ranked[1], canary, flags, tuple(returned.unbind()), blocks[2],
-                 blocks[5], plan)
+                 blocks[5], plan, tuple(counts.tolist()))
 
 
 @jit
@@ -210,7 +213,8 @@ def _step(group, q, scaling, keys, bias, bound, quantized, per_kv, v_max, v_rad,
     ``wanted`` (ranking, boundary);
     ``key_abs_max [Hkv, d]``, ``eta_max [Hkv]``; ``par, weights``: the certificate's scalars;
     ``rung_par``: (non-finite appended K/V, the output dtype's cast limit, the canary on,
-    the layer-dense head count).
+    the layer-dense head count). Returns :class:`Fused`'s arrays in its order, ``counts [5]``
+    (:attr:`Fused.counts`) last.
     """
     hq, d = q.shape
     hkv = hq // group
@@ -269,4 +273,7 @@ def _step(group, q, scaling, keys, bias, bound, quantized, per_kv, v_max, v_rad,
     fused_cpu._rungs(res_f[0], res_f[1], res_f[2], res_i[1], out, q64, expanded, ranked[0],
                      ranked[1], canary, kv_bad, limit, True, use_canary, least, canary_ok, rung,
                      flags, returned)
-    return out, blocks, res_f, res_i, per_head, ranked, canary_ok, rung, flags, returned, plan
+    counts = np.array([flags[:hq].sum(), flags[hq], flags[hq + 1], plan[0].sum(),
+                       plan[1].sum()], np.int64)
+    return (out, blocks, res_f, res_i, per_head, ranked, canary_ok, rung, flags, returned, plan,
+            counts)
