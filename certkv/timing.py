@@ -40,7 +40,7 @@ class NullTimer:
     """No-op stand-in used when nothing is being measured."""
 
     def phase(self, name: str):
-        return nullcontext()
+        return _NOTHING
 
 
 def _sync() -> None:
@@ -48,4 +48,5 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+_NOTHING = nullcontext()  # reusable: it keeps no state
 NULL_TIMER = NullTimer()
