@@ -10,8 +10,8 @@ every part is timed as the model calls it (its callers' share not counted again)
   store's append, with the block commits that quantize and annotate a completed block every
   ``B`` tokens) and the attention function (dense: SDPA; certified: the certified step and
   its certificate's logging);
-* in the certified step, the compiled numba call (:mod:`certkv.kernels.numba_step`) and the
-  Python around it.
+* in the certified step, the compiled numba call (:mod:`certkv.kernels.numba_step`), the
+  fallback (rungs 3-4, where a head needs dense attention) and the Python around them.
 
 Means over ``--steps`` steps (48: each layer completes three blocks), since the block commits
 fall on one step in ``B``; ``certkv bench decode`` reports medians.
@@ -43,6 +43,7 @@ from certkv.files import write_atomic
 from certkv.kernels import numba_step
 from certkv.models import hook
 from certkv.models.tiered_layer import TieredLayer
+from certkv.step import QuantizedStep
 
 MODES = ("dense", "certified")
 
@@ -54,6 +55,7 @@ PARTS = (("mlp", "MLPs", 0),
           1),
          ("certified_step", "certified step, as the hook calls it", 2),
          ("compiled_call", "the compiled numba call", 3),
+         ("fallback", "the fallback (rungs 3-4: dense heads over the FP16 originals)", 3),
          ("certificate_log", "certificate log (per layer; the step's summary at layer 0)", 2))
 
 
@@ -92,6 +94,7 @@ def profile(lm, context: int, steps: int) -> dict:
               (TieredLayer, "update", "cache_update"),
               (CertifiedAttention, "__call__", "certified_step"),
               (numba_step, "_step", "compiled_call"),
+              (QuantizedStep, "_fallback", "fallback"),
               (TieredLayer, "record", "certificate_log")]
     times: dict[str, dict[str, list[float]]] = {mode: {} for mode in MODES}
     whole: dict[str, list[float]] = {mode: [] for mode in MODES}
@@ -117,9 +120,10 @@ def _rows() -> list[tuple]:
     rows = [("**whole decode step**", lambda r: r["step"])]
     for label, what, depth in PARTS:
         rows.append((indent(depth) + what, lambda r, label=label: r[label]))
-        if label == "compiled_call":
-            rows.append((indent(depth) + "Python around it (layout, arguments, certificate "
-                         "objects, fallback)", lambda r: r["certified_step"] - r["compiled_call"]))
+        if label == "fallback":
+            rows.append((indent(depth) + "Python around them (layout, arguments, certificate "
+                         "objects)", lambda r: r["certified_step"] - r["compiled_call"]
+                         - r["fallback"]))
     rows.append(("rest (embedding, norms, residuals, LM head, the decode loop)",
                  lambda r: r["step"] - r["mlp"] - r["attention_module"]))
     return rows
@@ -145,8 +149,8 @@ def render(results: list[dict], info: dict, command: str, model: str) -> str:
             f"N={r['context']}: certified / dense {cert['step'] / dense['step']:.2f}x (mean "
             f"step); attention functions {cert['attention_function']:.1f} against "
             f"{dense['attention_function']:.1f} ms, of which the compiled calls "
-            f"{cert['compiled_call']:.1f} ms; cache updates {cert['cache_update']:.1f} "
-            f"against {dense['cache_update']:.1f} ms.  ")
+            f"{cert['compiled_call']:.1f} ms and the fallback {cert['fallback']:.1f} ms; "
+            f"cache updates {cert['cache_update']:.1f} against {dense['cache_update']:.1f} ms.  ")
     return "\n".join(lines) + "\n"
 
 

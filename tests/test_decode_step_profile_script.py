@@ -28,6 +28,7 @@ def test_a_decode_profile_splits_both_methods_steps_and_writes_its_report(tmp_pa
         assert m["mlp"] > 0 and 0 < m["attention_function"] < m["attention_module"]
         assert m["mlp"] + m["attention_module"] < m["step"]
     assert dense["certified_step"] == dense["compiled_call"] == dense["certificate_log"] == 0
+    assert dense["fallback"] == 0 and cert["fallback"] < cert["certified_step"]
     assert 0 < cert["compiled_call"] < cert["certified_step"] < cert["attention_function"]
     assert min(cert["certificate_log"], cert["cache_update"], dense["cache_update"]) > 0
     text = (tmp_path / "decode_step_profile.md").read_text()
