@@ -1,6 +1,6 @@
 """Where a whole-model decode step's time goes on a CPU, dense and certified in one process
-(issue 55: the layer profile, :mod:`cpu_step_profile`, times one layer warm; in the model every
-layer's step follows an MLP and finds its data and code cold).
+(issue 55: the layer profile, :mod:`cpu_step_profile`, times one layer called again and again;
+in the model each layer's step follows the layer before it and its MLP).
 
 Each method decodes from its own prefill of the same book prompt, one step of each in turn;
 every part is timed as the model calls it (its callers' share not counted again):
