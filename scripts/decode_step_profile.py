@@ -114,8 +114,8 @@ def profile(lm, context: int, steps: int) -> dict:
 
 def _rows() -> list[tuple]:
     """The report's rows: the whole step, each part, what the step's parts leave."""
-    def indent(depth: int) -> str:
-        return "&nbsp;&nbsp;" * depth + ("" if depth == 0 else "in it: ")
+    def indent(depth: int) -> str:  # markdown tables drop leading spaces
+        return "· " * depth + ("" if depth == 0 else "in it: ")
 
     rows = [("**whole decode step**", lambda r: r["step"])]
     for label, what, depth in PARTS:
