@@ -211,21 +211,20 @@ class CertifiedAttention(BatchedStep):
         """``q [Hq, d]`` a float query of ``store``'s head size and a multiple of its kv heads,
         and ``store`` not empty; else one sentence naming the fix (built only then: a decode
         step checks every layer)."""
-        if (isinstance(q, torch.Tensor) and q.dim() == 2 and q.shape[1] == store.head_dim
-                and q.shape[0] > 0 and q.shape[0] % store.num_kv_heads == 0
-                and q.is_floating_point() and store.num_tokens > 0):
-            return
-        require(isinstance(q, torch.Tensor) and q.dim() == 2, ShapeError,
-                "q must be a 2-D tensor [num_query_heads, head_dim] for one decode step; "
-                "squeeze batch and time dimensions first.")
-        require(q.shape[1] == store.head_dim, ShapeError,
-                f"q has head_dim {q.shape[1]} but the store holds head_dim {store.head_dim}.")
-        require(q.shape[0] % store.num_kv_heads == 0 and q.shape[0] > 0, ShapeError,
-                f"q has {q.shape[0]} heads, not a multiple of the store's {store.num_kv_heads} "
-                "kv heads; pass all query heads of the layer.")
-        require(q.is_floating_point(), ShapeError, f"q has dtype {q.dtype}; pass a float query.")
-        require(store.num_tokens > 0, EmptyStoreError,
-                "the store holds no tokens; append the prompt's keys and values before decoding.")
+        if not (isinstance(q, torch.Tensor) and q.dim() == 2):
+            raise ShapeError("q must be a 2-D tensor [num_query_heads, head_dim] for one decode "
+                             "step; squeeze batch and time dimensions first.")
+        if q.shape[1] != store.head_dim:
+            raise ShapeError(f"q has head_dim {q.shape[1]} but the store holds head_dim "
+                             f"{store.head_dim}.")
+        if not (q.shape[0] % store.num_kv_heads == 0 and q.shape[0] > 0):
+            raise ShapeError(f"q has {q.shape[0]} heads, not a multiple of the store's "
+                             f"{store.num_kv_heads} kv heads; pass all query heads of the layer.")
+        if not q.is_floating_point():
+            raise ShapeError(f"q has dtype {q.dtype}; pass a float query.")
+        if store.num_tokens <= 0:
+            raise EmptyStoreError("the store holds no tokens; append the prompt's keys and values "
+                                  "before decoding.")
 
     # ------------------------------------------------------------ dense mode
     def _dense_step(self, q, store, scaling):

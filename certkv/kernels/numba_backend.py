@@ -229,7 +229,7 @@ def _head_weights(h, s8, s16, state, gate, delta_b, eps_guard, rho, log_mass, sp
     ``alpha_b = e^{m_b - m}`` into ``alphas [n]``, the block masses, log-masses and spreads
     (:func:`certkv.kernels.reference.attend_blocks`). A block's state depends on its own
     logits only, so this is the whole row's state made again, bit for bit. Returns whether
-    the head is gated and its total mass. Scratch: ``frac, scale [max(n, B)]``."""
+    the head is gated and its total mass. Scratch: ``frac, scale [n]``."""
     m8, w8, l8, l28 = state
     n = s8.shape[1]
     m_b, l_b, l2_b = np.empty((3, n), _F32)
@@ -330,7 +330,7 @@ def _attend(group, s8, s16, state, gate, delta_b, eps_guard, values, staged_kv, 
     w, alphas = np.empty((hq, n, bsz), _F32), np.empty((hq, n), _F32)
     total, gated = np.empty(hq, _F32), np.empty(hq, np.bool_)
     for h in prange(hq):
-        frac, scale = np.empty(max(n, bsz)), np.empty(max(n, bsz))
+        frac, scale = np.empty(n), np.empty(n)  # alphas' exponentials
         gated[h], total[h] = _head_weights(h, s8, s16, state, gate, delta_b, eps_guard, rho,
                                            log_mass, spread, canary, w[h], alphas[h], frac,
                                            scale)
