@@ -172,6 +172,23 @@ def _count(stats: ScratchStats, store, hits: int, misses: int) -> None:
 
 
 @jit
+def _oldest(free, stamp, take):
+    """The ``take`` slots of ``free`` (ascending) least recently stamped, oldest first and
+    equal stamps in slot order: a stable sort's first ``take`` (:meth:`_LRUBlocks._insert`)
+    without sorting every free slot. Each slot's key ``(stamp + 1) S + slot`` (``S`` slots,
+    stamps from -1) is unique and orders as that sort does, so a partition and a sort of the
+    ``take`` smallest give the same slots: a few misses among 2,048 slots cost about 4 us, not
+    40."""
+    if take == 0:
+        return free[:0]
+    size = stamp.shape[0]
+    key = (stamp[free] + 1) * size + free
+    if take < key.shape[0]:
+        key = np.partition(key, take - 1)[:take]
+    return np.sort(key) % size
+
+
+@jit
 def _record(mask, slot_of, stamp, owner, clock):
     """:meth:`_LRUBlocks._track` then :meth:`_LRUBlocks._insert` (no data) for the blocks
     ``mask [Hkv, n]`` sets, in place on the bookkeeping ``slot_of [Hkv, >= n]``, ``stamp [S]``
@@ -191,15 +208,14 @@ def _record(mask, slot_of, stamp, owner, clock):
     if misses == 0:
         return hits, misses
     free = np.flatnonzero(stamp < clock)
-    take = min(free.size, misses)
-    victims = free[np.argsort(stamp[free], kind="mergesort")[:take]]
+    victims = _oldest(free, stamp, min(free.size, misses))
     for slot in victims:  # their owners were not asked for this step (those are stamped)
         if owner[slot, 0] >= 0:
             slot_of[owner[slot, 0], owner[slot, 1]] = -1
     i = 0
     for kv in range(mask.shape[0]):
         for b in range(mask.shape[1]):
-            if i < take and mask[kv, b] and slot_of[kv, b] < 0:
+            if i < victims.size and mask[kv, b] and slot_of[kv, b] < 0:
                 slot = victims[i]
                 slot_of[kv, b], owner[slot, 0], owner[slot, 1] = slot, kv, b
                 stamp[slot] = clock

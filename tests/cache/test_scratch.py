@@ -173,3 +173,19 @@ def test_what_a_cpu_scratch_would_hold_is_counted(capacity):
     assert held["numba"] == slots * block > 0
     assert held["numba"] <= 2 * capacity * block
     assert held["torch"] == held["numba"]  # the same bookkeeping on both backends
+
+
+def test_oldest_free_slots_are_a_stable_sorts_first_ones():
+    """:func:`certkv.cache.scratch._oldest` (a partition of unique keys) picks the same slots in
+    the same order as a stable sort of the free slots' stamps, ties and never-used slots
+    (stamp -1) included, for every count from none to all of them."""
+    pytest.importorskip("numba")
+    from certkv.cache.scratch import _oldest
+
+    rng = np.random.default_rng(0)
+    for size in (1, 7, 64, 2048):
+        stamp = rng.integers(-1, 6, size).astype(np.int64)  # few distinct stamps: many ties
+        free = np.flatnonzero(stamp < 5)
+        want = free[np.argsort(stamp[free], kind="stable")]
+        for take in {0, 1, 3, free.size // 2, free.size}:
+            assert np.array_equal(_oldest(free, stamp, take), want[:take]), (size, take)
