@@ -224,13 +224,13 @@ def _head_weights(h, s8, s16, state, gate, delta_b, eps_guard, rho, log_mass, sp
                   w, alphas, frac, scale):
     """Phase 2's softmax of query head ``h``: every block's state is Phase 1's (``state``: ``m,
     w, total, total2``), except a gated block's, made again from its FP16-key logits (the
-    canary on those); where any block is gated, the head's weights go into ``w [n, B]``
-    (Phase 1's, the gated blocks' replaced), else they stay in Phase 1's. Then the rescalings
+    canary on those); a gated block's weights go into its row of ``w [n, B]`` (the other rows
+    are left as they are: those blocks' weights stay in Phase 1's). Then the rescalings
     ``alpha_b = e^{m_b - m}`` into ``alphas [n]``, the block masses, log-masses and spreads
     (:func:`certkv.kernels.reference.attend_blocks`). A block's state depends on its own
-    logits only, so this is the whole row's state made again, bit for bit. Returns whether
-    the head is gated and its total mass. Scratch: ``frac, scale [n]``."""
-    m8, w8, l8, l28 = state
+    logits only, so this is the whole row's state made again, bit for bit. Returns the head's
+    total mass. Scratch: ``frac, scale [n]``."""
+    m8, _, l8, l28 = state
     n = s8.shape[1]
     m_b, l_b, l2_b = np.empty((3, n), _F32)
     m_b[:], l_b[:], l2_b[:] = m8[h], l8[h], l28[h]
@@ -239,7 +239,6 @@ def _head_weights(h, s8, s16, state, gate, delta_b, eps_guard, rho, log_mass, sp
         canary[h, b] = False
         gated = gated or gate[h, b]
     if gated:  # Phase 1's blocks kept, the gated ones' states from their FP16-key logits
-        w[:] = w8[h]
         for b in range(n):
             if gate[h, b]:
                 canary[h, b] = _canary(s16[h, b], s8[h, b], delta_b[h, b], eps_guard)
@@ -255,7 +254,7 @@ def _head_weights(h, s8, s16, state, gate, delta_b, eps_guard, rho, log_mass, sp
     for b in range(n):
         rho[h, b] = l_b[b] / total
         spread[h, b] = alphas[b] * np.sqrt(l2_b[b]) / total
-    return gated, total
+    return total
 
 
 @jit(fastmath={"contract"})
@@ -286,10 +285,12 @@ def _chunk_values(kv, chunk, weights, alphas, values, vslot, pool, part, o_b, bl
     once for the ``G`` query heads of the kv head (block ``b`` from the value sources
     ``values``, :func:`~certkv.kernels.numba_values.load`, or, staged, the FP16 bits at row
     ``vslot[kv, b]`` of ``pool [P, B, d]`` converted into ``block16 [B, d]``), each head's
-    per-block product of ``B`` terms with its weights ``weights[g] [n, B]`` rescaled by
-    ``alphas [G, n]``, summed over the chunk's blocks into ``part [G, d]``. Scratch: ``o_b [G,
-    d]``."""
+    per-block product of ``B`` terms with its weights rescaled by ``alphas [G, n]``, summed
+    over the chunk's blocks into ``part [G, d]``. ``weights``: the kv head's rows of Phase 2's
+    and Phase 1's weights ``[G, n, B]`` each and of the gate ``[G, n]``: a gated block's weights
+    are Phase 2's, any other's Phase 1's. Scratch: ``o_b [G, d]``."""
     group = part.shape[0]
+    w16, w8, gate = weights
     part[:] = 0.0
     for b in range(chunk * SUM_CHUNK, min((chunk + 1) * SUM_CHUNK, vslot.shape[1])):
         row = vslot[kv, b]
@@ -300,7 +301,8 @@ def _chunk_values(kv, chunk, weights, alphas, values, vslot, pool, part, o_b, bl
             block, permuted = nv.load(kv, b, values, block16)
         o_b[:] = 0.0
         for g in range(group):
-            _block_product(weights[g][b], alphas[g, b], block, o_b[g])
+            w = w16[g, b] if gate[g, b] else w8[g, b]
+            _block_product(w, alphas[g, b], block, o_b[g])
         nv.add_block(part, o_b, permuted)
 
 
@@ -327,13 +329,11 @@ def _attend(group, s8, s16, state, gate, delta_b, eps_guard, values, staged_kv, 
     for i in range(staged_kv.shape[0]):
         vslot[staged_kv[i], staged_blk[i]] = staged_row[i]
     l8, delta_t, promoted, quantized, r = checks
-    w, alphas = np.empty((hq, n, bsz), _F32), np.empty((hq, n), _F32)
-    total, gated = np.empty(hq, _F32), np.empty(hq, np.bool_)
+    w, alphas, total = np.empty((hq, n, bsz), _F32), np.empty((hq, n), _F32), np.empty(hq, _F32)
     for h in prange(hq):
         frac, scale = np.empty(n), np.empty(n)  # alphas' exponentials
-        gated[h], total[h] = _head_weights(h, s8, s16, state, gate, delta_b, eps_guard, rho,
-                                           log_mass, spread, canary, w[h], alphas[h], frac,
-                                           scale)
+        total[h] = _head_weights(h, s8, s16, state, gate, delta_b, eps_guard, rho, log_mass,
+                                 spread, canary, w[h], alphas[h], frac, scale)
         if r >= 1:
             rank_checks(h, l8, log_mass, delta_t, promoted, quantized, r, flags[0], flags[1])
     chunks = (n + SUM_CHUNK - 1) // SUM_CHUNK
@@ -341,9 +341,9 @@ def _attend(group, s8, s16, state, gate, delta_b, eps_guard, values, staged_kv, 
     w8 = state[1]
     for task in prange(hkv * chunks):
         kv, chunk = task // chunks, task % chunks
-        weights = [w[h] if gated[h] else w8[h] for h in range(kv * group, (kv + 1) * group)]
-        _chunk_values(kv, chunk, weights, alphas[kv * group:(kv + 1) * group], values, vslot,
-                      pool, parts[kv, chunk], np.empty((group, d), _F32),
+        heads = slice(kv * group, (kv + 1) * group)
+        _chunk_values(kv, chunk, (w[heads], w8[heads], gate[heads]), alphas[heads], values,
+                      vslot, pool, parts[kv, chunk], np.empty((group, d), _F32),
                       np.empty((bsz, d), _F32))
     for h in prange(hq):
         row = out[h]
