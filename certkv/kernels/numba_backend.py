@@ -258,23 +258,27 @@ def _head_weights(h, s8, s16, state, gate, delta_b, eps_guard, rho, log_mass, sp
 
 
 @jit(fastmath={"contract"})
-def _block_product(w, alpha, block, o):
-    """``o [d] += sum_t (w_t alpha) v_t`` over a block's ``B`` value rows ``block [B, d]``, four
-    rows at a time (a sum of ``B`` products in some order: at most ``B - 1`` additions each, as
-    arith item 4 counts; a fused multiply-add rounds once where a product and a sum would
-    twice)."""
+def _block_products(wb, block, o):
+    """``o [G, d] += wb [G, B] block``: each of ``G`` heads' ``o[g] += sum_t wb[g, t] v_t`` over
+    a block's ``B`` value rows ``block [B, d]``, four rows at a time, the four rows read once for
+    every head (a sum of ``B`` products in some order: at most ``B - 1`` additions each, as arith
+    item 4 counts; a fused multiply-add rounds once where a product and a sum would twice)."""
+    group = o.shape[0]
     bsz, d = block.shape
     t = 0
     while t + 4 <= bsz:
-        w0, w1, w2, w3 = w[t] * alpha, w[t + 1] * alpha, w[t + 2] * alpha, w[t + 3] * alpha
         v0, v1, v2, v3 = block[t], block[t + 1], block[t + 2], block[t + 3]
-        for i in range(d):
-            o[i] += (w0 * v0[i] + w1 * v1[i]) + (w2 * v2[i] + w3 * v3[i])
+        for g in range(group):
+            w0, w1, w2, w3 = wb[g, t], wb[g, t + 1], wb[g, t + 2], wb[g, t + 3]
+            og = o[g]
+            for i in range(d):
+                og[i] += (w0 * v0[i] + w1 * v1[i]) + (w2 * v2[i] + w3 * v3[i])
         t += 4
     while t < bsz:
-        wt = w[t] * alpha
-        for i in range(d):
-            o[i] += wt * block[t, i]
+        for g in range(group):
+            wt, og = wb[g, t], o[g]
+            for i in range(d):
+                og[i] += wt * block[t, i]
         t += 1
 
 
@@ -284,13 +288,14 @@ def _chunk_values(kv, chunk, weights, alphas, values, vslot, pool, part, o_b, bl
     first level of the two-level sum over blocks: ``SUM_CHUNK`` blocks): each value block read
     once for the ``G`` query heads of the kv head (block ``b`` from the value sources
     ``values``, :func:`~certkv.kernels.numba_values.load`, or, staged, the FP16 bits at row
-    ``vslot[kv, b]`` of ``pool [P, B, d]`` converted into ``block16 [B, d]``), each head's
-    per-block product of ``B`` terms with its weights rescaled by ``alphas [G, n]``, summed
+    ``vslot[kv, b]`` of ``pool [P, B, d]`` converted into ``block16 [B, d]``), the heads'
+    per-block products of ``B`` terms with their weights rescaled by ``alphas [G, n]``, summed
     over the chunk's blocks into ``part [G, d]``. ``weights``: the kv head's rows of Phase 2's
     and Phase 1's weights ``[G, n, B]`` each and of the gate ``[G, n]``: a gated block's weights
     are Phase 2's, any other's Phase 1's. Scratch: ``o_b [G, d]``."""
-    group = part.shape[0]
+    group, bsz = part.shape[0], block16.shape[0]
     w16, w8, gate = weights
+    wb = np.empty((group, bsz), _F32)  # a block's weights times its rescaling, per head
     part[:] = 0.0
     for b in range(chunk * SUM_CHUNK, min((chunk + 1) * SUM_CHUNK, vslot.shape[1])):
         row = vslot[kv, b]
@@ -299,10 +304,12 @@ def _chunk_values(kv, chunk, weights, alphas, values, vslot, pool, part, o_b, bl
             block, permuted = block16, False
         else:
             block, permuted = nv.load(kv, b, values, block16)
-        o_b[:] = 0.0
         for g in range(group):
-            w = w16[g, b] if gate[g, b] else w8[g, b]
-            _block_product(w, alphas[g, b], block, o_b[g])
+            w, alpha = (w16[g, b] if gate[g, b] else w8[g, b]), alphas[g, b]
+            for t in range(bsz):
+                wb[g, t] = w[t] * alpha
+        o_b[:] = 0.0
+        _block_products(wb, block, o_b)
         nv.add_block(part, o_b, permuted)
 
 
