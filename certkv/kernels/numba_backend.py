@@ -35,7 +35,7 @@ from certkv.certify.halves import decode_half
 from certkv.kernels import numba_dense
 from certkv.kernels import numba_values as nv
 from certkv.kernels.numba_checks import rank_checks
-from certkv.kernels.numba_logits import gated_logits, int8_keys, key_logits
+from certkv.kernels.numba_logits import PARTS, gated_logits, int8_keys, key_logits
 from certkv.kernels.reference import (
     LOG2E,
     SUM_CHUNK,
@@ -192,16 +192,21 @@ def _delta(q, bound, scaling):
 def _block_states(group, s, q, bound, scaling, w, m, total, total2, log_mass, log_spread,
                   delta):
     """Phase 1 after its logits ``s [H, n, B]`` (``-inf`` on empty slots), for every query
-    head ``h`` (kv head ``h // group``) in parallel: the blocks' weights ``w [H, n, B]`` and
-    softmax state ``m, total, total2 [H, n]`` (:func:`_row_state`), log-masses ``m +
-    log(total)``, log-spreads ``m + log(total2) / 2`` and ``Delta_b`` from ``q [H, d]`` and the
-    channel bounds ``bound [Hkv, n, d]`` (:func:`certkv.kernels.reference.phase1`)."""
+    head ``h`` (kv head ``h // group``): the blocks' weights ``w [H, n, B]`` and softmax state
+    ``m, total, total2 [H, n]`` (:func:`_row_state`), log-masses ``m + log(total)``,
+    log-spreads ``m + log(total2) / 2`` and ``Delta_b`` from ``q [H, d]`` and the channel
+    bounds ``bound [Hkv, n, d]`` (:func:`certkv.kernels.reference.phase1`). In parallel over
+    (head, range of blocks): each block's numbers are its own, so two threads share out an odd
+    number of heads evenly and every number is the same."""
     hq, n, bsz = s.shape
-    for h in prange(hq):
-        frac, scale = np.empty(n * bsz), np.empty(n * bsz)
-        _row_state(s[h], w[h], m[h], total[h], total2[h], frac, scale)
+    for task in prange(hq * PARTS):
+        h, part = task // PARTS, task % PARTS
+        lo, hi = part * n // PARTS, (part + 1) * n // PARTS
+        frac, scale = np.empty((hi - lo) * bsz), np.empty((hi - lo) * bsz)
+        _row_state(s[h, lo:hi], w[h, lo:hi], m[h, lo:hi], total[h, lo:hi], total2[h, lo:hi],
+                   frac, scale)
         kv = h // group
-        for b in range(n):
+        for b in range(lo, hi):
             log_mass[h, b] = m[h, b] + np.log(total[h, b])
             log_spread[h, b] = m[h, b] + _F32(0.5) * np.log(total2[h, b])
             delta[h, b] = _delta(q[h], bound[kv, b], scaling)
