@@ -52,6 +52,7 @@ _F32 = np.float32
 _LOG2E = _F32(LOG2E)
 _F32_MIN = _F32(np.finfo(np.float32).min)
 _CANARY_REL = _F32(CANARY_REL)
+GATED_CHUNK = 64  # blocks whose exponents Phase 2 takes in one pass (its scratch: 64 B floats)
 
 
 @jit
@@ -138,30 +139,30 @@ def _row_state(s, w, m, total, total2, frac, scale):
 
 
 @jit
-def _gated_state(s, gate, w, m, total, total2):
+def _gated_state(s, gate, w, m, total, total2, x, frac, scale):
     """:func:`_row_state` of the blocks ``gate [n]`` marks only, from their logits ``s [n, B]``
     (the other blocks' rows of ``w [n, B]``, ``m, total, total2 [n]`` are left as they are):
-    their exponents gathered into one scratch row and taken in one vectorised pass, as
-    :func:`_row_state` takes a whole row's (block by block, each block's 16 exponentials cost
-    about as much as a row's; the same operations on each weight, so the same bits)."""
+    their exponents gathered into the scratch row ``x [C]`` (``C / B`` blocks at a time; ``frac,
+    scale [C]`` FP64) and taken in one vectorised pass, as :func:`_row_state` takes a whole
+    row's (block by block, each block's 16 exponentials cost about as much as a row's; the same
+    operations on each weight, so the same bits)."""
     n, bsz = s.shape
-    count = 0
-    for b in range(n):
-        count += gate[b]
-    x = np.empty(count * bsz, _F32)
-    frac, scale = np.empty(count * bsz), np.empty(count * bsz)
-    i = 0
-    for b in range(n):
-        if gate[b]:
-            m[b] = _shifted(s[b], x[i * bsz:(i + 1) * bsz])
-            i += 1
-    _exp2(x, x, frac, scale)
-    i = 0
-    for b in range(n):
-        if gate[b]:
-            w[b] = x[i * bsz:(i + 1) * bsz]
-            total[b], total2[b] = _sums(w[b])
-            i += 1
+    per = x.shape[0] // bsz
+    b = 0
+    while b < n:
+        start, i = b, 0
+        while b < n and i < per:
+            if gate[b]:
+                m[b] = _shifted(s[b], x[i * bsz:(i + 1) * bsz])
+                i += 1
+            b += 1
+        _exp2(x[:i * bsz], x[:i * bsz], frac, scale)
+        i = 0
+        for c in range(start, b):
+            if gate[c]:
+                w[c] = x[i * bsz:(i + 1) * bsz]
+                total[c], total2[c] = _sums(w[c])
+                i += 1
 
 
 @jit
@@ -228,7 +229,7 @@ def _sum_blocks(x, n):
 
 @jit
 def _head_weights(h, s8, s16, state, gate, delta_b, eps_guard, rho, log_mass, spread, canary,
-                  w, alphas, frac, scale):
+                  w, alphas, scratch):
     """Phase 2's softmax of query head ``h``: every block's state is Phase 1's (``state``: ``m,
     w, total, total2``), except a gated block's, made again from its FP16-key logits (the
     canary on those); a gated block's weights go into its row of ``w [n, B]`` (the other rows
@@ -236,10 +237,11 @@ def _head_weights(h, s8, s16, state, gate, delta_b, eps_guard, rho, log_mass, sp
     ``alpha_b = e^{m_b - m}`` into ``alphas [n]``, the block masses, log-masses and spreads
     (:func:`certkv.kernels.reference.attend_blocks`). A block's state depends on its own
     logits only, so this is the whole row's state made again, bit for bit. Returns the head's
-    total mass. Scratch: ``frac, scale [n]``."""
+    total mass. ``scratch``: FP32 ``[4, m]`` and FP64 ``[2, m]``, ``m >= n`` (:func:`_attend`)."""
     m8, _, l8, l28 = state
     n = s8.shape[1]
-    m_b, l_b, l2_b = np.empty((3, n), _F32)
+    f32, f64 = scratch
+    m_b, l_b, l2_b = f32[0, :n], f32[1, :n], f32[2, :n]
     m_b[:], l_b[:], l2_b[:] = m8[h], l8[h], l28[h]
     gated = False
     for b in range(n):
@@ -249,12 +251,12 @@ def _head_weights(h, s8, s16, state, gate, delta_b, eps_guard, rho, log_mass, sp
         for b in range(n):
             if gate[h, b]:
                 canary[h, b] = _canary(s16[h, b], s8[h, b], delta_b[h, b], eps_guard)
-        _gated_state(s16[h], gate[h], w, m_b, l_b, l2_b)
+        _gated_state(s16[h], gate[h], w, m_b, l_b, l2_b, f32[3], f64[0], f64[1])
     top = _amax(m_b)
     for b in range(n):
         log_mass[h, b] = m_b[b] + np.log(l_b[b])
         alphas[b] = (m_b[b] - top) * _LOG2E
-    _exp2(alphas, alphas, frac, scale)
+    _exp2(alphas, alphas, f64[0], f64[1])
     for b in range(n):  # the block masses
         l_b[b] = alphas[b] * l_b[b]
     total = _sum_blocks(l_b, n)
@@ -290,7 +292,7 @@ def _block_products(wb, block, o):
 
 
 @jit
-def _chunk_values(kv, chunk, weights, alphas, values, vslot, pool, part, o_b, block16):
+def _chunk_values(kv, chunk, weights, alphas, values, vslot, pool, part, scratch):
     """Kv head ``kv``'s share of the weighted value sums over the blocks of ``chunk`` (the
     first level of the two-level sum over blocks: ``SUM_CHUNK`` blocks): each value block read
     once for the ``G`` query heads of the kv head (block ``b`` from the value sources
@@ -299,10 +301,11 @@ def _chunk_values(kv, chunk, weights, alphas, values, vslot, pool, part, o_b, bl
     per-block products of ``B`` terms with their weights rescaled by ``alphas [G, n]``, summed
     over the chunk's blocks into ``part [G, d]``. ``weights``: the kv head's rows of Phase 2's
     and Phase 1's weights ``[G, n, B]`` each and of the gate ``[G, n]``: a gated block's weights
-    are Phase 2's, any other's Phase 1's. Scratch: ``o_b [G, d]``."""
+    are Phase 2's, any other's Phase 1's. ``scratch``: ``o_b [G, d]``, ``block16 [B, d]`` and
+    ``wb [G, B]`` (a block's weights times its rescaling, per head)."""
+    o_b, block16, wb = scratch
     group, bsz = part.shape[0], block16.shape[0]
     w16, w8, gate = weights
-    wb = np.empty((group, bsz), _F32)  # a block's weights times its rescaling, per head
     part[:] = 0.0
     for b in range(chunk * SUM_CHUNK, min((chunk + 1) * SUM_CHUNK, vslot.shape[1])):
         row = vslot[kv, b]
@@ -344,21 +347,24 @@ def _attend(group, s8, s16, state, gate, delta_b, eps_guard, values, staged_kv, 
         vslot[staged_kv[i], staged_blk[i]] = staged_row[i]
     l8, delta_t, promoted, quantized, r = checks
     w, alphas, total = np.empty((hq, n, bsz), _F32), np.empty((hq, n), _F32), np.empty(hq, _F32)
+    m = max(n, GATED_CHUNK * bsz)  # each head's scratch, made once for all (not per head)
+    f32, f64 = np.empty((hq, 4, m), _F32), np.empty((hq, 2, m))
     for h in prange(hq):
-        frac, scale = np.empty(n), np.empty(n)  # alphas' exponentials
         total[h] = _head_weights(h, s8, s16, state, gate, delta_b, eps_guard, rho, log_mass,
-                                 spread, canary, w[h], alphas[h], frac, scale)
+                                 spread, canary, w[h], alphas[h], (f32[h], f64[h]))
         if r >= 1:
             rank_checks(h, l8, log_mass, delta_t, promoted, quantized, r, flags[0], flags[1])
     chunks = (n + SUM_CHUNK - 1) // SUM_CHUNK
     parts = np.empty((hkv, chunks, group, d), _F32)
+    o_b, blocks, wb = (np.empty((hkv * chunks, group, d), _F32),
+                       np.empty((hkv * chunks, bsz, d), _F32),
+                       np.empty((hkv * chunks, group, bsz), _F32))
     w8 = state[1]
     for task in prange(hkv * chunks):
         kv, chunk = task // chunks, task % chunks
         heads = slice(kv * group, (kv + 1) * group)
         _chunk_values(kv, chunk, (w[heads], w8[heads], gate[heads]), alphas[heads], values,
-                      vslot, pool, parts[kv, chunk], np.empty((group, d), _F32),
-                      np.empty((bsz, d), _F32))
+                      vslot, pool, parts[kv, chunk], (o_b[task], blocks[task], wb[task]))
     for h in prange(hq):
         row = out[h]
         row[:] = 0.0
