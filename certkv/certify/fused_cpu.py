@@ -164,11 +164,12 @@ def _round_up(x):
 
 @jit(parallel=True)
 def _kernel(blocks, per_head, per_kv, promoted, exact, value_kv, q, key_abs_max, eta_max_kv,
-            out, par, weights):
+            out, par, weights, lanes_all):
     """Every head's terms (see :func:`certificate`), heads in parallel (each writes its own
     results): ``blocks [7, Hq, n]`` stacks ``l8, l16, rho, spread, log_p, delta_b,
     delta_chan``; ``per_head [4, Hq]`` ``delta, v_max, v_rad, q_norm``; ``per_kv [3, Hkv, n]``
-    ``eta, value_spec, key_spec``; ``par, weights``: :func:`_params`."""
+    ``eta, value_spec, key_spec``; ``par, weights``: :func:`_params`; ``lanes_all [Hq, 8,
+    n]`` FP64 scratch."""
     l8, l16, rho, spread, log_p, delta_b, delta_chan = blocks
     delta, v_max, v_rad, q_norm = per_head
     eta, value_spec, key_spec = per_kv
@@ -178,10 +179,12 @@ def _kernel(blocks, per_head, per_kv, promoted, exact, value_kv, q, key_abs_max,
     f32 = np.float32
     res_f = np.empty((6, hq), dtype=np.float32)  # e_key, e_val, e_arith, tail, paper key, val
     res_i = np.empty((2, hq), dtype=np.int64)  # k_star, value_blocks
+    # each head's scratch, made once for all heads
+    all_tails, all_up = np.empty((hq, n), np.bool_), np.empty((hq, 2, n))
     for h in prange(hq):
-        lanes = np.empty((8, n))  # rho, D, lam, spread as computed, then widened
-        tail = np.empty(n, dtype=np.bool_)  # the head's INT8 tail blocks
-        up = np.empty((2, n))  # upper log-masses of the tail blocks: tight, eq. 8's Delta_b
+        lanes = lanes_all[h]  # rho, D, lam, spread as computed, then widened
+        tail = all_tails[h]  # the head's INT8 tail blocks
+        up = all_up[h]  # upper log-masses of the tail blocks: tight, eq. 8's Delta_b
         kv = h // group  # query head h reads kv head h // G
         for b in range(n):
             tail[b] = not (promoted[h, b] or exact[b])
@@ -342,7 +345,8 @@ def certificate(spec: ArithSpec, coef: StepCoefficients, exponent: float, x,
     use_threads(torch.get_num_threads())
     res_f, res_i = _kernel(*(as_array(t) for t in (
         blocks, per_head, per_kv, x.promoted, x.exact, x.value_kv)), q64,
-        as_array(x.key_abs_max), as_array(x.eta_max_kv), out32, *_params(spec, coef, exponent))
+        as_array(x.key_abs_max), as_array(x.eta_max_kv), out32, *_params(spec, coef, exponent),
+        np.empty((blocks.shape[1], 8, blocks.shape[2])))
     ruled = _rung_arrays(*res_f[:3], res_i[1], out32, q64, x.q.dtype, rung_inputs)
     f, i = torch.from_numpy(res_f), torch.from_numpy(res_i)
     return (*f.unbind(), *i.unbind(), *ruled)

@@ -41,10 +41,10 @@ def covers(selector, ladder, value_policy, draw, boost) -> bool:
 
 
 @jit
-def _descending(key):
+def _descending(key, neg):
     """A stable descending argsort of ``key [n]`` with NaN first (``torch.sort(descending=True,
-    stable=True)`` on keys below ``+inf``): a stable ascending sort of ``-key``."""
-    neg = np.empty(key.shape[0])
+    stable=True)`` on keys below ``+inf``): a stable ascending sort of ``-key`` (into the FP64
+    scratch ``neg [n]``)."""
     for b in range(key.shape[0]):
         neg[b] = -np.inf if key[b] != key[b] else -np.float64(key[b])
     return np.argsort(neg, kind="mergesort")
@@ -76,14 +76,18 @@ def _expanded_k(k, factor, integral, cap):
 
 @jit
 def _head(h, kv, l8, delta_chan, log_spread, q, quantized, eta, value_spec, key_err, params,
-          n_q, out_f, out_b, q_norm, expanded):
+          n_q, out_f, out_b, q_norm, expanded, scratch):
     """One query head: ``log_p``, tightened ``Delta_b``, the key set (``K*`` by coverage,
-    rung 1 on the tight tail mass) and the value blocks it asks for."""
+    rung 1 on the tight tail mass) and the value blocks it asks for. ``scratch``: FP32 ``[2,
+    n]``, FP64 ``[n]``, int64 ``[n]`` and bool ``[2, n]`` (:func:`_kernel` makes them once)."""
     scaling, tau_cov, k_min, k_cap, expand, factor, cap, v_tol, tight = params
     n = l8.shape[1]
-    log_p, delta_b, p = out_f[0, h], out_f[1, h], np.empty(n, _F32)
+    f32, neg, rank, flags = scratch
+    log_p, delta_b, p, key = out_f[0, h], out_f[1, h], f32[0], f32[1]
     promoted, value = out_b[0, h], out_b[1, h]
-    lse = _lse(l8, np.ones(n, np.bool_), h)
+    every, tail = flags[0], flags[1]
+    every[:] = True
+    lse = _lse(l8, every, h)
     acc = 0.0
     for c in range(q.shape[1]):
         acc += np.float64(q[h, c]) * np.float64(q[h, c])
@@ -96,15 +100,13 @@ def _head(h, kv, l8, delta_chan, log_spread, q, quantized, eta, value_spec, key_
         delta_b[b] = _nmin(delta_chan[h, b], _F32(scaling) * qn * key_err[kv, b])
         delta = delta_b[b] if (delta_b[b] > delta or delta_b[b] != delta_b[b]) else delta
     out_f[2, h, 0] = delta
-    key = np.empty(n, _F32)
     for b in range(n):
         key[b] = p[b] if quantized[b] else _F32(-1.0)
-    order = _descending(key)
-    rank = np.empty(n, np.int64)
+    order = _descending(key, neg)
     for j in range(n):
         rank[order[j]] = j
     k = min(max(_coverage_k(p, quantized, order, n_q, tau_cov), k_min), k_cap)
-    tail = np.empty(n, np.bool_)  # left on INT8 keys: quantized, of rank K* or more
+    # tail: left on INT8 keys, quantized, of rank K* or more
     delta_f = _F32(0.0)
     for b in range(n):
         tail[b] = quantized[b] and rank[b] >= k
@@ -133,9 +135,11 @@ def _kernel(l8, delta_chan, log_spread, q, quantized, eta, value_spec, key_err, 
     (FP16 keys any of its heads promoted among the quantized blocks, FP16 values any asked
     for), each head's ``radii [2, Hq]`` (``V_max``, ``min(R, V_max)``) and ``exact [n]``."""
     hq, n = l8.shape
+    f32, neg, rank, flags = (np.empty((hq, 2, n), _F32), np.empty((hq, n)),
+                             np.empty((hq, n), np.int64), np.empty((hq, 2, n), np.bool_))
     for h in prange(hq):
         _head(h, h // group, l8, delta_chan, log_spread, q, quantized, eta, value_spec, key_err,
-              params, n_q, out_f, out_b, q_norm, expanded)
+              params, n_q, out_f, out_b, q_norm, expanded, (f32[h], neg[h], rank[h], flags[h]))
         kv = h // group
         radii[0, h], radii[1, h] = v_max[kv], _nmin(v_rad[kv], v_max[kv])
     for kv in range(hq // group):

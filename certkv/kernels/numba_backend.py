@@ -191,21 +191,27 @@ def _delta(q, bound, scaling):
     return acc * scaling
 
 
+def states_scratch(hq: int, n: int, bsz: int) -> np.ndarray:
+    """:func:`_block_states`' scratch: each (head, range of blocks) task's FP64 exponent rows."""
+    return np.empty((hq * PARTS, 2, (n // PARTS + 1) * bsz))
+
+
 @jit(parallel=True)
 def _block_states(group, s, q, bound, scaling, w, m, total, total2, log_mass, log_spread,
-                  delta):
+                  delta, scratch):
     """Phase 1 after its logits ``s [H, n, B]`` (``-inf`` on empty slots), for every query
     head ``h`` (kv head ``h // group``): the blocks' weights ``w [H, n, B]`` and softmax state
     ``m, total, total2 [H, n]`` (:func:`_row_state`), log-masses ``m + log(total)``,
     log-spreads ``m + log(total2) / 2`` and ``Delta_b`` from ``q [H, d]`` and the channel
     bounds ``bound [Hkv, n, d]`` (:func:`certkv.kernels.reference.phase1`). In parallel over
     (head, range of blocks): each block's numbers are its own, so two threads share out an odd
-    number of heads evenly and every number is the same."""
-    hq, n, bsz = s.shape
+    number of heads evenly and every number is the same. ``scratch``: FP64
+    (:func:`states_scratch`)."""
+    hq, n = s.shape[0], s.shape[1]
     for task in prange(hq * PARTS):
         h, part = task // PARTS, task % PARTS
         lo, hi = part * n // PARTS, (part + 1) * n // PARTS
-        frac, scale = np.empty((hi - lo) * bsz), np.empty((hi - lo) * bsz)
+        frac, scale = scratch[task, 0], scratch[task, 1]
         _row_state(s[h, lo:hi], w[h, lo:hi], m[h, lo:hi], total[h, lo:hi], total2[h, lo:hi],
                    frac, scale)
         kv = h // group
@@ -323,9 +329,16 @@ def _chunk_values(kv, chunk, weights, alphas, values, vslot, pool, part, scratch
         nv.add_block(part, o_b, permuted)
 
 
+def attend_scratch(hq: int, n: int, bsz: int) -> tuple:
+    """:func:`_attend`'s scratch: Phase 2's weights ``[H, n, B]`` and each head's FP32 ``[4,
+    m]`` and FP64 ``[2, m]`` rows (:func:`_head_weights`), ``m = max(n, GATED_CHUNK B)``."""
+    m = max(n, GATED_CHUNK * bsz)
+    return np.empty((hq, n, bsz), _F32), np.empty((hq, 4, m), _F32), np.empty((hq, 2, m))
+
+
 @jit(parallel=True)
 def _attend(group, s8, s16, state, gate, delta_b, eps_guard, values, staged_kv, staged_blk,
-            staged_row, pool, checks, out, rho, log_mass, spread, canary, flags):
+            staged_row, pool, checks, out, rho, log_mass, spread, canary, flags, work):
     """Phase 2 over every query head (``[H, ...]`` per head, head ``h`` reading kv head
     ``h // group``) from the INT8 and FP16-key logits ``s8, s16 [H, n, B]`` (``s16`` read
     where ``gate [H, n]`` is set); the values from their sources ``values``
@@ -334,7 +347,7 @@ def _attend(group, s8, s16, state, gate, delta_b, eps_guard, values, staged_kv, 
     scratch cache or Tier-2 in place) replace block ``staged_blk[i]`` of kv head
     ``staged_kv[i]``; ``checks``: ``(l8, delta_b,
     promoted, quantized, r)`` or an empty ``r < 1`` for none, flags ``[2, H]`` (ranking,
-    boundary).
+    boundary); ``work``: its scratch (:func:`attend_scratch`).
 
     Three parallel loops, each writing its own rows (the same numbers in any schedule): the
     heads' softmax and checks; the value sums of each (kv head, chunk of ``SUM_CHUNK``
@@ -346,9 +359,8 @@ def _attend(group, s8, s16, state, gate, delta_b, eps_guard, values, staged_kv, 
     for i in range(staged_kv.shape[0]):
         vslot[staged_kv[i], staged_blk[i]] = staged_row[i]
     l8, delta_t, promoted, quantized, r = checks
-    w, alphas, total = np.empty((hq, n, bsz), _F32), np.empty((hq, n), _F32), np.empty(hq, _F32)
-    m = max(n, GATED_CHUNK * bsz)  # each head's scratch, made once for all (not per head)
-    f32, f64 = np.empty((hq, 4, m), _F32), np.empty((hq, 2, m))
+    w, f32, f64 = work  # Phase 2's weights, each head's scratch
+    alphas, total = np.empty((hq, n), _F32), np.empty(hq, _F32)
     for h in prange(hq):
         total[h] = _head_weights(h, s8, s16, state, gate, delta_b, eps_guard, rho, log_mass,
                                  spread, canary, w[h], alphas[h], (f32[h], f64[h]))
@@ -428,7 +440,7 @@ class NumbaBackend(TorchBackend):
         per_block, w = np.empty((6, hq, n), _F32), np.empty((hq, n, bsz), _F32)
         use_threads(torch.get_num_threads())
         _block_states(group, s8, as_array(q.reshape(hq, -1)), as_array(lay.key_bound),
-                      _F32(scaling), w, *per_block)
+                      _F32(scaling), w, *per_block, states_scratch(hq, n, bsz))
         m, total, total2, log_mass, log_spread, delta = torch.from_numpy(per_block).view(
             6, hkv, group, n).unbind()
         state = BlockSoftmax(m, torch.from_numpy(w).view(hkv, group, n, bsz), total, total2)
@@ -463,7 +475,8 @@ class NumbaBackend(TorchBackend):
         _attend(group, s8, s16, state,
                 as_array(gate.reshape(hq, n)), as_array(scored.delta_b.reshape(hq, n)),
                 _F32(eps_guard), nv.sources(lay.store, lay), *_staged(values, lay.store),
-                _check_args(checks, hq, n), out, *per_block, canary, flags)
+                _check_args(checks, hq, n), out, *per_block, canary, flags,
+                attend_scratch(hq, n, bsz))
         rho, log_mass, spread = torch.from_numpy(per_block).view(3, hkv, group, n).unbind()
         att = Attended(out=torch.from_numpy(out).view(hkv, group, d), rho=rho,
                        log_mass=log_mass, canary=torch.from_numpy(canary).view(hkv, group, n),

@@ -88,10 +88,11 @@ def _key_logits(group, q, slot, codes, scale, offset, width, mirror, mirror_widt
     n, bsz = bias.shape
     hkv, d = q.shape[0] // group, q.shape[1]
     completed = n - 1 if fill else n
+    keys, dots = np.empty((hkv * PARTS, bsz, d), _F32), np.empty((hkv * PARTS, group, bsz), _F32)
     for task in prange(hkv * PARTS):
         kv, part = task // PARTS, task % PARTS
         heads = q[kv * group:(kv + 1) * group]
-        scratch, out = np.empty((bsz, d), _F32), np.empty((group, bsz), _F32)
+        scratch, out = keys[task], dots[task]
         for b in range(part * n // PARTS, (part + 1) * n // PARTS):
             if slot[b] >= 0:
                 row = kv * width + slot[b]
@@ -115,10 +116,11 @@ def _gated_logits(group, q, gate, originals, width, completed, tail, fill, bias,
     tokens, :func:`_tail_keys`); the dot products of :func:`_key_logits`."""
     hkv, n = gate.shape[0], gate.shape[2]
     bsz, d = bias.shape[1], q.shape[1]
+    keys, dots = np.empty((hkv * PARTS, bsz, d), _F32), np.empty((hkv * PARTS, group, bsz), _F32)
     for task in prange(hkv * PARTS):
         kv, part = task // PARTS, task % PARTS
         heads = q[kv * group:(kv + 1) * group]
-        scratch, out = np.empty((bsz, d), _F32), np.empty((group, bsz), _F32)
+        scratch, out = keys[task], dots[task]
         for b in range(part * n // PARTS, (part + 1) * n // PARTS):
             wanted = False
             for g in range(group):

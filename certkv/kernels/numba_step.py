@@ -22,6 +22,7 @@ and no phase timer (a :class:`~certkv.timing.PhaseTimer` times the phases one ca
 from __future__ import annotations
 
 import math
+import threading
 import weakref
 from typing import NamedTuple
 
@@ -108,6 +109,24 @@ class StoreArrays(NamedTuple):
 
 
 _ARRAYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # store -> StoreArrays
+_SCRATCH = threading.local()  # this thread's (shape, arrays) of the last step
+
+
+def scratch(hq: int, n: int, bsz: int) -> tuple:
+    """The scratch arrays :func:`_step` writes and reads within one call and never returns
+    (``s8, w, s16 [Hq, n, B]`` FP32, then :func:`~certkv.kernels.numba_backend._block_states`',
+    :func:`~certkv.kernels.numba_backend._attend`'s and the certificate's): made when the
+    shape changes (a block completes) and shared by every layer's steps on this thread
+    meanwhile, instead of some 1.5 MB (at 4K) allocated and freed per layer step, which cost
+    the host's allocator about a millisecond a SmolLM2 decode step."""
+    kept = getattr(_SCRATCH, "kept", None)
+    if kept is None or kept[0] != (hq, n, bsz):
+        made = (*(np.empty((hq, n, bsz), _F32) for _ in range(3)),
+                nb.states_scratch(hq, n, bsz), nb.attend_scratch(hq, n, bsz),
+                np.empty((hq, 8, n)))
+        kept = ((hq, n, bsz), made)
+        _SCRATCH.kept = kept
+    return kept[1]
 
 
 def store_arrays(store) -> StoreArrays:
@@ -187,7 +206,8 @@ def run(attention, q: torch.Tensor, qg: torch.Tensor, store, arrays: StoreArrays
         (ladder.ranking_check, ladder.boundary_check), a.key_abs_max, a.eta_max,
         *fused_cpu._params(spec, coef, attention.selector.mass_inflation),
         (bool(store.nonfinite_appended()), fused_cpu.CAST_LIMIT.get(q.dtype, math.inf),
-         ladder.canary, max(1.0, ladder.layer_dense_fraction * hq)))
+         ladder.canary, max(1.0, ladder.layer_dense_fraction * hq)),
+        scratch(hq, arrays.num_blocks, store.block_size))
     *arrays, counts = res
     out, blocks, res_f, res_i, per_head, ranked, canary, rung, flags, returned, plan = (
         torch.from_numpy(x) for x in arrays)
@@ -199,7 +219,7 @@ def run(attention, q: torch.Tensor, qg: torch.Tensor, store, arrays: StoreArrays
 @jit
 def _step(group, q, scaling, keys, bias, bound, quantized, per_kv, v_max, v_rad, sel_params,
           n_q, originals, values, pool, width, eps_guard, r, wanted, key_abs_max, eta_max,
-          par, weights, rung_par):
+          par, weights, rung_par, work):
     """Phase 1, the selection, Phase 2 with its checks, the certificate and the rungs of a
     certified step in one call (:func:`run`; each kernel's docstring gives its shapes).
 
@@ -213,24 +233,24 @@ def _step(group, q, scaling, keys, bias, bound, quantized, per_kv, v_max, v_rad,
     ``wanted`` (ranking, boundary);
     ``key_abs_max [Hkv, d]``, ``eta_max [Hkv]``; ``par, weights``: the certificate's scalars;
     ``rung_par``: (non-finite appended K/V, the output dtype's cast limit, the canary on,
-    the layer-dense head count). Returns :class:`Fused`'s arrays in its order, ``counts [5]``
-    (:attr:`Fused.counts`) last.
+    the layer-dense head count); ``work``: the step's scratch (:func:`scratch`). Returns
+    :class:`Fused`'s arrays in its order, ``counts [5]`` (:attr:`Fused.counts`) last.
     """
     hq, d = q.shape
     hkv = hq // group
-    n, bsz = bias.shape
+    n = bias.shape[0]
     eta, value_spec, key_err, key_spec = per_kv
     slot, codes, scale, offset, cwidth, mirror, mwidth, okeys, owidth, tail, fill = keys
     orig, orig_width, completed = originals
+    s8, w, s16_work, states_work, attend_work, lanes = work
     # Phase 1: INT8 logits, block softmax states, log-masses, log-spreads, Delta_b (eq. 8)
-    s8 = np.empty((hq, n, bsz), _F32)
     nl._key_logits(group, q, slot, codes, scale, offset, cwidth, mirror, mwidth, okeys,
                    owidth, tail, fill, bias, scaling, s8)
     # the certificate's block inputs: l8, l16, rho, spread, log_p, delta_b, delta_chan
     blocks = np.empty((7, hq, n), _F32)
-    state, w = np.empty((4, hq, n), _F32), np.empty((hq, n, bsz), _F32)
+    state = np.empty((4, hq, n), _F32)
     nb._block_states(group, s8, q, bound, scaling, w, state[0], state[1], state[2],
-                     blocks[0], state[3], blocks[6])
+                     blocks[0], state[3], blocks[6], states_work)
     # selection, rung 1 and value promotion (rung 2)
     sel_f, sel_b = np.empty((3, hq, n), _F32), np.empty((2, hq, n), np.bool_)
     q_norm, expanded = np.empty(hq, _F32), np.empty(hq, np.bool_)
@@ -245,7 +265,7 @@ def _step(group, q, scaling, keys, bias, bound, quantized, per_kv, v_max, v_rad,
     # promoted FP16 values read from Tier-2 in place, the checks (eq. 17-18) in its epilogue
     gate, s16 = np.zeros((hq, n), np.bool_), s8
     if plan[0].any():
-        gate, s16 = promoted, np.empty((hq, n, bsz), _F32)
+        gate, s16 = promoted, s16_work
         nl._gated_logits(group, q, gate.reshape(hkv, group, n), orig, orig_width, completed,
                          tail, fill, bias, scaling, s16)
     staged = np.argwhere(plan[1])
@@ -255,7 +275,7 @@ def _step(group, q, scaling, keys, bias, bound, quantized, per_kv, v_max, v_rad,
                values, staged[:, 0].copy(), staged[:, 1].copy(),
                staged[:, 0] * width + staged[:, 1], pool,
                (blocks[0], blocks[5], promoted, quantized, r), out, blocks[2], blocks[1],
-               blocks[3], canary, ranked)
+               blocks[3], canary, ranked, attend_work)
     for i in range(2):
         if not wanted[i]:
             ranked[i] = True
@@ -266,7 +286,7 @@ def _step(group, q, scaling, keys, bias, bound, quantized, per_kv, v_max, v_rad,
     q64 = q.astype(np.float64)
     res_f, res_i = fused_cpu._kernel(blocks, per_head, np.stack((eta, value_spec, key_spec)),
                                      promoted, exact, plan[1], q64, key_abs_max, eta_max, out,
-                                     par, weights)
+                                     par, weights, lanes)
     kv_bad, limit, use_canary, least = rung_par
     canary_ok, rung = np.empty(hq, np.bool_), np.empty(hq, np.int64)
     flags, returned = np.empty(hq + 2, np.bool_), np.empty((2, hq), _F32)
