@@ -3,6 +3,8 @@ phase-by-phase step's numbers bit for bit, only on the steps it covers, under th
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from helpers import examples, make_kv, make_query, same_values
@@ -69,6 +71,35 @@ def test_one_call_gives_the_phase_by_phase_steps(one_calls, mirror, q_dtype):
     assert len(one_calls) == 20  # every fused step, no phased one
     assert cache.stats == cache_p.stats and cache.stats.misses > 0
     assert sum(int(c.k_star.sum()) for c in certs) > 0  # FP16 keys were paged in
+
+
+def test_layers_share_one_scratch_and_carry_nothing_from_step_to_step(one_calls):
+    """Two stores of one shape stepped in turn, as a model's layers are, share this thread's
+    scratch (:func:`numba_step.scratch`: the same arrays at every step) and every step equals
+    its phase-by-phase twin bit for bit, so nothing one step leaves in the scratch reaches the
+    next; another thread gets arrays of its own."""
+    kvs = [make_kv(3, 16 * 18 + 12, 64, seed=seed) for seed in (4, 5)]
+    stores = []
+    for k, v in kvs:
+        stores.append(TieredKVStore(3, 64, quantizer=KVQuantizer(sink=16, residual=32),
+                                    decoded_mirror="lean"))
+        stores[-1].append(k, v)
+    fused, phased = CertifiedAttention(), CertifiedAttention()
+    phased.timer = PhaseTimer()
+    kept = set()
+    for t in range(4):
+        for i, (store, (k, _)) in enumerate(zip(stores, kvs, strict=True)):
+            q = make_query(k, 3, seed=10 * t + i, peaked=t % 2 == 0)
+            (out, cert), (out_p, cert_p) = fused(q, store), phased(q, store)
+            assert torch.equal(out, out_p) and same_values(cert, cert_p), (t, i)
+            kept.add(id(numba_step._SCRATCH.kept[1][0]))
+    assert len(one_calls) == 8 and len(kept) == 1
+    shape = numba_step._SCRATCH.kept[0]
+    other = []
+    thread = threading.Thread(target=lambda: other.append(numba_step.scratch(*shape)[0]))
+    thread.start()
+    thread.join()
+    assert other[0] is not numba_step.scratch(*shape)[0]
 
 
 @pytest.mark.parametrize("mirror", [True, "lean"])
