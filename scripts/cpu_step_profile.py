@@ -37,7 +37,7 @@ from certkv.bench.tables import share_rows
 from certkv.cache.scratch import ScratchCache
 from certkv.certify import fused_cpu, fused_select
 from certkv.files import write_atomic
-from certkv.kernels import numba_backend, numba_logits, numba_step
+from certkv.kernels import numba_attend, numba_backend, numba_logits, numba_step
 from certkv.kernels.reference import dense_attention
 from certkv.step import QuantizedStep
 
@@ -46,7 +46,7 @@ KERNELS = ((numba_logits, "_key_logits", "phase 1: INT8-key logits"),
            (numba_backend, "_block_states", "phase 1: block softmax states, Delta_b"),
            (fused_select, "_kernel", "selection (rung 1, value promotion)"),
            (numba_logits, "_gated_logits", "phase 2: FP16-key logits of promoted blocks"),
-           (numba_backend, "_attend", "phase 2: softmax, value sums, checks"),
+           (numba_attend, "attend", "phase 2: softmax, value sums, checks"),
            (fused_cpu, "_kernel", "certificate (eq. 15, Cor. 4.2, E_arith)"),
            (fused_cpu, "_rungs", "rungs"))
 

@@ -1,5 +1,5 @@
 """The ranking and boundary checks (eq. 17-18) as numba loops, for one query head at a time:
-what Phase 2's epilogue (:func:`certkv.kernels.numba_backend._attend`) runs after a head's block
+what Phase 2's epilogue (:func:`certkv.kernels.numba_attend.attend`) runs after a head's block
 masses. The same decisions as :func:`certkv.certify.checks.rank_checks` (a stable descending
 sort with NaN first, the ``r``-th FP16 log-mass as the boundary's threshold).
 """

@@ -31,6 +31,7 @@ import torch
 
 from certkv.certify import fused_cpu, fused_select
 from certkv.certify.fused_cpu import as_array, jit, kept_array, kept_bits, use_threads
+from certkv.kernels import numba_attend as na
 from certkv.kernels import numba_backend as nb
 from certkv.kernels import numba_logits as nl
 from certkv.kernels import numba_values as nv
@@ -115,14 +116,14 @@ _SCRATCH = threading.local()  # this thread's (shape, arrays) of the last step
 def scratch(hq: int, n: int, bsz: int) -> tuple:
     """The scratch arrays :func:`_step` writes and reads within one call and never returns
     (``s8, w, s16 [Hq, n, B]`` FP32, then :func:`~certkv.kernels.numba_backend._block_states`',
-    :func:`~certkv.kernels.numba_backend._attend`'s and the certificate's): made when the
+    :func:`~certkv.kernels.numba_attend.attend`'s and the certificate's): made when the
     shape changes (a block completes) and shared by every layer's steps on this thread
     meanwhile, instead of some 1.5 MB (at 4K) allocated and freed per layer step, which cost
     the host's allocator about a millisecond a SmolLM2 decode step."""
     kept = getattr(_SCRATCH, "kept", None)
     if kept is None or kept[0] != (hq, n, bsz):
         made = (*(np.empty((hq, n, bsz), _F32) for _ in range(3)),
-                nb.states_scratch(hq, n, bsz), nb.attend_scratch(hq, n, bsz),
+                nb.states_scratch(hq, n, bsz), na.attend_scratch(hq, n, bsz),
                 np.empty((hq, 8, n)))
         kept = ((hq, n, bsz), made)
         _SCRATCH.kept = kept
@@ -271,7 +272,7 @@ def _step(group, q, scaling, keys, bias, bound, quantized, per_kv, v_max, v_rad,
     staged = np.argwhere(plan[1])
     out, canary = np.empty((hq, d), _F32), np.empty((hq, n), np.bool_)
     ranked = np.ones((2, hq), np.bool_)
-    nb._attend(group, s8, s16, (state[0], w, state[1], state[2]), gate, blocks[6], eps_guard,
+    na.attend(group, s8, s16, (state[0], w, state[1], state[2]), gate, blocks[6], eps_guard,
                values, staged[:, 0].copy(), staged[:, 1].copy(),
                staged[:, 0] * width + staged[:, 1], pool,
                (blocks[0], blocks[5], promoted, quantized, r), out, blocks[2], blocks[1],
