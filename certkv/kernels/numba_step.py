@@ -118,8 +118,9 @@ def scratch(hq: int, n: int, bsz: int) -> tuple:
     (``s8, w, s16 [Hq, n, B]`` FP32, then :func:`~certkv.kernels.numba_backend._block_states`',
     :func:`~certkv.kernels.numba_attend.attend`'s and the certificate's): made when the
     shape changes (a block completes) and shared by every layer's steps on this thread
-    meanwhile, instead of some 1.5 MB (at 4K) allocated and freed per layer step, which cost
-    the host's allocator about a millisecond a SmolLM2 decode step."""
+    meanwhile, instead of some 1.5 MB (a SmolLM2 layer at 4K) allocated and freed per layer
+    step. Each step writes every element it later reads, so no step sees another's numbers
+    (``tests/kernels/test_numba_step.py`` steps two stores in turn)."""
     kept = getattr(_SCRATCH, "kept", None)
     if kept is None or kept[0] != (hq, n, bsz):
         made = (*(np.empty((hq, n, bsz), _F32) for _ in range(3)),
