@@ -28,7 +28,7 @@ from certkv.bench import device_info
 from certkv.bench.batch import BatchRun, batch_prompts
 from certkv.bench.decode import _decode_model, _decode_prompt
 from certkv.bench.measure import timing_calls
-from certkv.bench.tables import share_rows
+from certkv.bench.tables import provenance, share_rows
 from certkv.cache.store import TieredKVStore
 from certkv.files import write_atomic
 from certkv.kernels import numba_step
@@ -77,9 +77,7 @@ def render(results: list[dict], info: dict, command: str, weights: str) -> str:
     """The report: each batch's split as two columns (ms per step, % of the step) of one
     markdown table, with command, commit and machine."""
     lines = ["# Where a batch decode step's time goes (SmolLM2-135M, certified, CPU)", "",
-             f"Command: `{command}`  ", f"Commit: `{info['commit']}`  ",
-             f"Device: {info['device']}; torch {info['torch']}, {torch.get_num_threads()} "
-             f"threads; {weights} weights", "",
+             *provenance(command, info, threads=True, extra=f"; {weights} weights"), "",
              f"Per decode step (the mean of {results[0]['steps']} steps after 2 warm-up steps, "
              "each part timed around the functions it calls, outermost calls only). %: share of "
              "the step.", "",

@@ -33,7 +33,7 @@ from certkv import CertifiedAttention, TieredKVStore
 from certkv.bench import AttentionCase, device_info
 from certkv.bench.attention import layer_steps
 from certkv.bench.measure import interleaved_timings, timing_calls, timings
-from certkv.bench.tables import share_rows
+from certkv.bench.tables import provenance, share_rows
 from certkv.cache.scratch import ScratchCache
 from certkv.certify import fused_cpu, fused_select
 from certkv.files import write_atomic
@@ -146,9 +146,7 @@ def render(results: list[dict], info: dict, command: str) -> str:
              for m, n, what in KERNELS]
     source = results[0].get("data", "synthetic keys")
     lines = [f"# Where a CPU layer step's time goes ({shape}; {source})", "",
-             f"Command: `{command}`  ", f"Commit: `{info['commit']}`  ",
-             f"Device: {info['device']} (copy {info.get('copy_gbps', 'n/a')} GB/s measured); "
-             f"torch {info['torch']}, {torch.get_num_threads()} threads", "",
+             *provenance(command, info, copy=True, threads=True), "",
              f"Medians of {results[0]['repeats']} calls each after 2 warm-up calls, one "
              "process (the certified step and its compiled call in turn, the dense step apart). %: "
              "share of the certified step. The kernels are timed one by one as the compiled "

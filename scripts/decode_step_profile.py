@@ -38,7 +38,7 @@ from certkv.bench import device_info
 from certkv.bench.batch import BatchRun, batch_prompts
 from certkv.bench.decode import _decode_model, _decode_prompt
 from certkv.bench.measure import timing_calls
-from certkv.bench.tables import share_rows
+from certkv.bench.tables import provenance, share_rows
 from certkv.files import write_atomic
 from certkv.kernels import numba_step
 from certkv.models import hook
@@ -135,9 +135,7 @@ def render(results: list[dict], info: dict, command: str, model: str) -> str:
     labels = [f"N={r['context']} {mode}" for r in results for mode in MODES]
     steps = results[0]["steps"]
     lines = [f"# Where a whole decode step's time goes ({model}, CPU)", "",
-             f"Command: `{command}`  ", f"Commit: `{info['commit']}`  ",
-             f"Device: {info['device']} (copy {info.get('copy_gbps', 'n/a')} GB/s measured); "
-             f"torch {info['torch']}, {torch.get_num_threads()} threads", "",
+             *provenance(command, info, copy=True, threads=True), "",
              f"Means of {steps} decode steps per method after 3 warm-up steps, dense and "
              "certified one step each in turn, each from its own prefill of the same book "
              "prompt. %: share of the method's whole step. Each part is timed as the model "

@@ -36,6 +36,7 @@ import torch
 
 from certkv.bench import device_info
 from certkv.bench.decode import _decode_model, _decode_prompt
+from certkv.bench.tables import provenance
 from certkv.cache.annotations import block_annotations
 from certkv.cache.store import TieredKVStore
 from certkv.certify.bounds import block_deltas, tightened_deltas
@@ -307,8 +308,7 @@ def frontier(model: str, context: int, steps: int, budgets, weights: str = "auto
 def markdown(runs: list[dict], command: str, info: dict) -> str:
     """The report: one table per context."""
     lines = ["# Certified eviction's frontier: the values a certificate must read", "",
-             f"Command: `{command}`  ", f"Commit: `{info['commit']}`  ",
-             f"Device: {info['device']}; torch {info['torch']}", "",
+             *provenance(command, info), "",
              "Per (policy, Tier-1 budget): the completed blocks kept in Tier-1 (INT8 keys, INT4 "
              "values), the attention mass on the evicted ones (summaries: centre and radius) and "
              "the value term of every block with nothing read (medians over head-steps); for "

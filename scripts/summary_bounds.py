@@ -43,6 +43,7 @@ from evict_frontier import (
     publish,
 )
 
+from certkv.bench.tables import provenance
 from certkv.quant import KVQuantizer
 from certkv.registry import SUMMARIES
 
@@ -176,8 +177,7 @@ def summary_bounds(model: str, context: int, steps: int, weights: str = "auto",
 
 def markdown(runs: list[dict], command: str, info: dict) -> str:
     lines = ["# Key summaries of evicted blocks: bytes against the logit bound", "",
-             f"Command: `{command}`  ", f"Commit: `{info['commit']}`  ",
-             f"Device: {info['device']}; torch {info['torch']}", "",
+             *provenance(command, info), "",
              "Per summary: Tier-1 key bytes per block and kv head, and `Delta` (nats: the "
              "block's logits are known within it, its mass within `e^Delta`), its mean over "
              "every completed block of every layer and query head weighted by the exact "

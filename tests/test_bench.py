@@ -555,3 +555,18 @@ def test_timing_calls_counts_outermost_calls_per_label_and_restores_what_it_wrap
     assert len(times["both"]) == 1 and len(times["Sub.own"]) == 1  # inner: inside outer
     assert "outer" not in vars(Sub) and "inner" not in vars(Sub)
     assert vars(Sub)["own"] is Sub.own and Sub.outer is Base.outer
+
+
+def test_a_script_reports_provenance_lines_name_command_commit_and_device():
+    """:func:`certkv.bench.tables.provenance`: the three lines the profile scripts' reports
+    open with, the copy bandwidth, torch's threads and an extra note where asked."""
+    from certkv.bench.tables import provenance
+
+    info = {"commit": "abc1234", "device": "CPU (x86_64, 2 cores)", "torch": "2.13.0+cpu",
+            "copy_gbps": 44.4}
+    assert provenance("python scripts/x.py --n 1", info) == [
+        "Command: `python scripts/x.py --n 1`  ", "Commit: `abc1234`  ",
+        "Device: CPU (x86_64, 2 cores); torch 2.13.0+cpu"]
+    device = provenance("c", info, copy=True, threads=True, extra="; real weights")[2]
+    assert device == (f"Device: CPU (x86_64, 2 cores) (copy 44.4 GB/s measured); torch "
+                      f"2.13.0+cpu, {torch.get_num_threads()} threads; real weights")

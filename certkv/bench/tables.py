@@ -8,6 +8,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from certkv.bench.measure import PHASE_RUNS, RUNS_DIR, device_info, short, spread_warnings
 from certkv.errors import CertKVError
 from certkv.files import fresh_dir, writable_dir, write_atomic
@@ -62,6 +64,20 @@ class BenchReport:
             head[-2] = "(plot skipped: matplotlib is not installed)"
         write_atomic(folder / f"{self.name}.md", "\n".join(head + table) + "\n")
         return folder / f"{self.name}.md"
+
+
+def provenance(command: str, info: dict, copy: bool = False, threads: bool = False,
+               extra: str = "") -> list[str]:
+    """The Command, Commit and Device lines a script's markdown report opens with (markdown
+    line breaks): ``info`` as :func:`~certkv.bench.measure.device_info` gives it (with its
+    ``commit``); ``copy``: the measured copy bandwidth beside the device; ``threads``: torch's
+    thread count beside its version; ``extra``: appended to the Device line."""
+    device = info["device"] + (f" (copy {info.get('copy_gbps', 'n/a')} GB/s measured)"
+                               if copy else "")
+    versions = f"torch {info['torch']}" + (f", {torch.get_num_threads()} threads"
+                                           if threads else "")
+    return [f"Command: `{command}`  ", f"Commit: `{info['commit']}`  ",
+            f"Device: {device}; {versions}{extra}"]
 
 
 def _copied(info: dict) -> str:
