@@ -162,14 +162,20 @@ def _round_up(x):
     return np.float32(x * (1.0 + ROUND_UP_REL) + ROUND_UP_ABS)
 
 
+def lanes_scratch(hq: int, n: int) -> np.ndarray:
+    """:func:`_kernel`'s scratch: each head's FP64 lanes (rho, D, lam, spread as computed, then
+    widened) ``[Hq, 8, n]``."""
+    return np.empty((hq, 8, n))
+
+
 @jit(parallel=True)
 def _kernel(blocks, per_head, per_kv, promoted, exact, value_kv, q, key_abs_max, eta_max_kv,
             out, par, weights, lanes_all):
     """Every head's terms (see :func:`certificate`), heads in parallel (each writes its own
     results): ``blocks [7, Hq, n]`` stacks ``l8, l16, rho, spread, log_p, delta_b,
     delta_chan``; ``per_head [4, Hq]`` ``delta, v_max, v_rad, q_norm``; ``per_kv [3, Hkv, n]``
-    ``eta, value_spec, key_spec``; ``par, weights``: :func:`_params`; ``lanes_all [Hq, 8,
-    n]`` FP64 scratch."""
+    ``eta, value_spec, key_spec``; ``par, weights``: :func:`_params`; ``lanes_all``:
+    :func:`lanes_scratch`."""
     l8, l16, rho, spread, log_p, delta_b, delta_chan = blocks
     delta, v_max, v_rad, q_norm = per_head
     eta, value_spec, key_spec = per_kv
@@ -346,7 +352,7 @@ def certificate(spec: ArithSpec, coef: StepCoefficients, exponent: float, x,
     res_f, res_i = _kernel(*(as_array(t) for t in (
         blocks, per_head, per_kv, x.promoted, x.exact, x.value_kv)), q64,
         as_array(x.key_abs_max), as_array(x.eta_max_kv), out32, *_params(spec, coef, exponent),
-        np.empty((blocks.shape[1], 8, blocks.shape[2])))
+        lanes_scratch(blocks.shape[1], blocks.shape[2]))
     ruled = _rung_arrays(*res_f[:3], res_i[1], out32, q64, x.q.dtype, rung_inputs)
     f, i = torch.from_numpy(res_f), torch.from_numpy(res_i)
     return (*f.unbind(), *i.unbind(), *ruled)

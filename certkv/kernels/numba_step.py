@@ -125,7 +125,7 @@ def scratch(hq: int, n: int, bsz: int) -> tuple:
     if kept is None or kept[0] != (hq, n, bsz):
         made = (*(np.empty((hq, n, bsz), _F32) for _ in range(3)),
                 nb.states_scratch(hq, n, bsz), na.attend_scratch(hq, n, bsz),
-                np.empty((hq, 8, n)))
+                fused_cpu.lanes_scratch(hq, n))
         kept = ((hq, n, bsz), made)
         _SCRATCH.kept = kept
     return kept[1]
@@ -274,10 +274,10 @@ def _step(group, q, scaling, keys, bias, bound, quantized, per_kv, v_max, v_rad,
     out, canary = np.empty((hq, d), _F32), np.empty((hq, n), np.bool_)
     ranked = np.ones((2, hq), np.bool_)
     na.attend(group, s8, s16, (state[0], w, state[1], state[2]), gate, blocks[6], eps_guard,
-               values, staged[:, 0].copy(), staged[:, 1].copy(),
-               staged[:, 0] * width + staged[:, 1], pool,
-               (blocks[0], blocks[5], promoted, quantized, r), out, blocks[2], blocks[1],
-               blocks[3], canary, ranked, attend_work)
+              values, staged[:, 0].copy(), staged[:, 1].copy(),
+              staged[:, 0] * width + staged[:, 1], pool,
+              (blocks[0], blocks[5], promoted, quantized, r), out, blocks[2], blocks[1],
+              blocks[3], canary, ranked, attend_work)
     for i in range(2):
         if not wanted[i]:
             ranked[i] = True
