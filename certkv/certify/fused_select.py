@@ -41,13 +41,42 @@ def covers(selector, ladder, value_policy, draw, boost) -> bool:
 
 
 @jit
-def _descending(key, neg):
+def _descending(key, scratch):
     """A stable descending argsort of ``key [n]`` with NaN first (``torch.sort(descending=True,
-    stable=True)`` on keys below ``+inf``): a stable ascending sort of ``-key`` (into the FP64
-    scratch ``neg [n]``)."""
-    for b in range(key.shape[0]):
-        neg[b] = -np.inf if key[b] != key[b] else -np.float64(key[b])
-    return np.argsort(neg, kind="mergesort")
+    stable=True)`` on keys below ``+inf``, NaN taken as ``+inf``): a stable ascending sort of
+    ``-key`` (``-0`` as ``+0``) as a least-significant-digit radix sort of its FP32 bits made
+    monotone (sign bit flipped, every bit of a negative value flipped), one byte per pass,
+    skipping a byte every key shares. Equal keys have equal bits and each pass is stable, so
+    the order is exactly a stable comparison sort's (``np.argsort(kind="mergesort")``), in
+    ``O(n)`` instead of ``O(n log n)`` (a selection at 8K sorts 513 blocks per head).
+    ``scratch``: FP32 ``[n]``, int64 ``[2, n]`` and int64 ``[256]``. Returns ``order [n]``
+    (a row of the int64 scratch)."""
+    neg, orders, counts = scratch
+    n = key.shape[0]
+    for b in range(n):
+        x = key[b]
+        neg[b] = -np.inf if x != x else -x + _F32(0.0)  # -0 + 0 = +0
+    bits = neg.view(np.uint32)
+    for b in range(n):
+        bits[b] = ~bits[b] if bits[b] >> np.uint32(31) else bits[b] | np.uint32(1 << 31)
+    order, spare = orders[0], orders[1]
+    for b in range(n):
+        order[b] = b
+    for shift in range(0, 32, 8):
+        counts[:] = 0
+        for b in range(n):
+            counts[(bits[b] >> np.uint32(shift)) & np.uint32(255)] += 1
+        if counts.max() == n:  # every key has this byte
+            continue
+        start = 0
+        for digit in range(256):
+            start, counts[digit] = start + counts[digit], start
+        for j in range(n):
+            digit = (bits[order[j]] >> np.uint32(shift)) & np.uint32(255)
+            spare[counts[digit]] = order[j]
+            counts[digit] += 1
+        order, spare = spare, order
+    return order
 
 
 @jit
@@ -79,10 +108,10 @@ def _head(h, kv, l8, delta_chan, log_spread, q, quantized, eta, value_spec, key_
           n_q, out_f, out_b, q_norm, expanded, scratch):
     """One query head: ``log_p``, tightened ``Delta_b``, the key set (``K*`` by coverage,
     rung 1 on the tight tail mass) and the value blocks it asks for. ``scratch``: FP32 ``[2,
-    n]``, FP64 ``[n]``, int64 ``[n]`` and bool ``[2, n]`` (:func:`_kernel` makes them once)."""
+    n]``, :func:`_descending`'s, int64 ``[n]`` and bool ``[2, n]`` (:func:`_kernel` makes them once)."""
     scaling, tau_cov, k_min, k_cap, expand, factor, cap, v_tol, tight = params
     n = l8.shape[1]
-    f32, neg, rank, flags = scratch
+    f32, sort, rank, flags = scratch
     log_p, delta_b, p, key = out_f[0, h], out_f[1, h], f32[0], f32[1]
     promoted, value = out_b[0, h], out_b[1, h]
     every, tail = flags[0], flags[1]
@@ -102,7 +131,7 @@ def _head(h, kv, l8, delta_chan, log_spread, q, quantized, eta, value_spec, key_
     out_f[2, h, 0] = delta
     for b in range(n):
         key[b] = p[b] if quantized[b] else _F32(-1.0)
-    order = _descending(key, neg)
+    order = _descending(key, sort)
     for j in range(n):
         rank[order[j]] = j
     k = min(max(_coverage_k(p, quantized, order, n_q, tau_cov), k_min), k_cap)
@@ -135,11 +164,14 @@ def _kernel(l8, delta_chan, log_spread, q, quantized, eta, value_spec, key_err, 
     (FP16 keys any of its heads promoted among the quantized blocks, FP16 values any asked
     for), each head's ``radii [2, Hq]`` (``V_max``, ``min(R, V_max)``) and ``exact [n]``."""
     hq, n = l8.shape
-    f32, neg, rank, flags = (np.empty((hq, 2, n), _F32), np.empty((hq, n)),
-                             np.empty((hq, n), np.int64), np.empty((hq, 2, n), np.bool_))
+    f32, rank, flags = (np.empty((hq, 2, n), _F32), np.empty((hq, n), np.int64),
+                        np.empty((hq, 2, n), np.bool_))
+    neg, orders, counts = (np.empty((hq, n), _F32), np.empty((hq, 2, n), np.int64),
+                           np.empty((hq, 256), np.int64))
     for h in prange(hq):
         _head(h, h // group, l8, delta_chan, log_spread, q, quantized, eta, value_spec, key_err,
-              params, n_q, out_f, out_b, q_norm, expanded, (f32[h], neg[h], rank[h], flags[h]))
+              params, n_q, out_f, out_b, q_norm, expanded,
+              (f32[h], (neg[h], orders[h], counts[h]), rank[h], flags[h]))
         kv = h // group
         radii[0, h], radii[1, h] = v_max[kv], _nmin(v_rad[kv], v_max[kv])
     for kv in range(hq // group):

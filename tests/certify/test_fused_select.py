@@ -6,12 +6,14 @@ contract (both against FP64 attention) is ``test_contract.py``'s."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from helpers import examples, make_kv, make_query
 from helpers.contract import scenarios
 from helpers.select import check_selections
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from certkv import AdaptiveTopK, CertifiedAttention, Ladder, TieredKVStore
 from certkv.certify.values import GreedyBudget, LocalThreshold
@@ -39,6 +41,35 @@ def test_decisions_match_on_a_model_like_step():
             assert torch.equal(getattr(cert_o, name), getattr(cert_f, name)), name
         torch.testing.assert_close(out_f, out_o, rtol=1e-5, atol=1e-6)
 
+
+
+SPECIAL = [0.0, -0.0, 1.0, -1.0, 0.5, 1e-45, -1e-45, 3.4e38, float("inf"), float("-inf"),
+           float("nan")]
+
+
+@settings(max_examples=examples(300), deadline=None)
+@given(st.lists(st.one_of(st.sampled_from(SPECIAL), st.floats(width=32)), min_size=1,
+                max_size=700),
+       st.integers(0, 2**32 - 1))
+def test_the_radix_ranking_is_the_stable_descending_sort_with_nan_first(values, bits_seed):
+    """The selection's ranking (:func:`~certkv.certify.fused_select._descending`) puts blocks
+    in exactly the order of ``torch.sort(descending=True, stable=True)`` with NaN first: ties
+    (``0`` and ``-0`` among them), infinities, NaN and raw bit patterns (NaN payloads,
+    subnormals) included, against a stable comparison sort of the same keys."""
+    from certkv.certify.fused_select import _descending
+
+    key = np.array(values, np.float32)
+    raw = np.random.default_rng(bits_seed).integers(0, 2**32, key.size, dtype=np.uint32)
+    key[::3] = raw[::3].view(np.float32)  # every third key: any 32 bits
+    n = key.size
+    expected = np.argsort(np.where(np.isnan(key), np.inf, key).astype(np.float64) * -1.0 + 0.0,
+                          kind="stable")
+    order = _descending(key, (np.empty(n, np.float32), np.empty((2, n), np.int64),
+                              np.empty(256, np.int64)))
+    assert np.array_equal(order, expected)
+    torch_order = torch.sort(torch.from_numpy(np.where(np.isnan(key), np.inf, key)),
+                             descending=True, stable=True).indices.numpy()
+    assert np.array_equal(order, torch_order)
 
 def test_blocks_forced_by_targeted_page_in_join_the_fused_selection_as_the_operators_add_them():
     """The blocks a tolerant step reads whole (``force``, :mod:`certkv.certify.targeted`) go
