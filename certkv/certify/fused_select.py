@@ -108,7 +108,8 @@ def _head(h, kv, l8, delta_chan, log_spread, q, quantized, eta, value_spec, key_
           n_q, out_f, out_b, q_norm, expanded, scratch):
     """One query head: ``log_p``, tightened ``Delta_b``, the key set (``K*`` by coverage,
     rung 1 on the tight tail mass) and the value blocks it asks for. ``scratch``: FP32 ``[2,
-    n]``, :func:`_descending`'s, int64 ``[n]`` and bool ``[2, n]`` (:func:`_kernel` makes them once)."""
+    n]``, :func:`_descending`'s, int64 ``[n]`` and bool ``[2, n]`` (:func:`_kernel` makes
+    them once)."""
     scaling, tau_cov, k_min, k_cap, expand, factor, cap, v_tol, tight = params
     n = l8.shape[1]
     f32, sort, rank, flags = scratch
