@@ -107,9 +107,8 @@ def _expanded_k(k, factor, integral, cap):
 def _head(h, kv, l8, delta_chan, log_spread, q, quantized, eta, value_spec, key_err, params,
           n_q, out_f, out_b, q_norm, expanded, scratch):
     """One query head: ``log_p``, tightened ``Delta_b``, the key set (``K*`` by coverage,
-    rung 1 on the tight tail mass) and the value blocks it asks for. ``scratch``: FP32 ``[2,
-    n]``, :func:`_descending`'s, int64 ``[n]`` and bool ``[2, n]`` (:func:`_kernel` makes
-    them once)."""
+    rung 1 on the tight tail mass) and the value blocks it asks for. ``scratch``: the
+    head's rows of :func:`select_scratch`."""
     scaling, tau_cov, k_min, k_cap, expand, factor, cap, v_tol, tight = params
     n = l8.shape[1]
     f32, sort, rank, flags = scratch
@@ -157,18 +156,25 @@ def _head(h, kv, l8, delta_chan, log_spread, q, quantized, eta, value_spec, key_
         value[b] = contribution > _F32(v_tol) and eta[kv, b] > 0
 
 
+def select_scratch(hq: int, n: int) -> tuple:
+    """:func:`_kernel`'s scratch, each head's rows of: FP32 ``[2, n]`` (``p``, the sort keys),
+    int64 ranks ``[n]``, bool ``[2, n]`` (every block, the tail) and :func:`_descending`'s
+    FP32 ``[n]``, int64 ``[2, n]`` and ``[256]``."""
+    return (np.empty((hq, 2, n), _F32), np.empty((hq, n), np.int64),
+            np.empty((hq, 2, n), np.bool_), np.empty((hq, n), _F32),
+            np.empty((hq, 2, n), np.int64), np.empty((hq, 256), np.int64))
+
+
 @jit(parallel=True)
 def _kernel(l8, delta_chan, log_spread, q, quantized, eta, value_spec, key_err, v_max, v_rad,
-            params, n_q, group, out_f, out_b, q_norm, expanded, plan, radii, exact):
+            params, n_q, group, out_f, out_b, q_norm, expanded, plan, radii, exact, work):
     """:func:`_head` for every query head in parallel (head ``h`` reads kv head ``h //
     group``; each writes its own rows), then per kv head the page-in ``plan [2, Hkv, n]``
     (FP16 keys any of its heads promoted among the quantized blocks, FP16 values any asked
-    for), each head's ``radii [2, Hq]`` (``V_max``, ``min(R, V_max)``) and ``exact [n]``."""
+    for), each head's ``radii [2, Hq]`` (``V_max``, ``min(R, V_max)``) and ``exact [n]``.
+    ``work``: :func:`select_scratch` (every element a head reads it writes first)."""
     hq, n = l8.shape
-    f32, rank, flags = (np.empty((hq, 2, n), _F32), np.empty((hq, n), np.int64),
-                        np.empty((hq, 2, n), np.bool_))
-    neg, orders, counts = (np.empty((hq, n), _F32), np.empty((hq, 2, n), np.int64),
-                           np.empty((hq, 256), np.int64))
+    f32, rank, flags, neg, orders, counts = work
     for h in prange(hq):
         _head(h, h // group, l8, delta_chan, log_spread, q, quantized, eta, value_spec, key_err,
               params, n_q, out_f, out_b, q_norm, expanded,
@@ -216,7 +222,7 @@ def select(selector: AdaptiveTopK, ladder, value_policy: LocalThreshold,
         qg.reshape(hq, -1).float(), quantized, x.eta, x.value_spec, x.key_err, x.v_max_kv,
         x.v_rad_kv)),
         params(selector, ladder, value_policy, scaling, n_q), int(n_q), group, out_f, out_b,
-        q_norm, expanded, plan, radii, exact)
+        q_norm, expanded, plan, radii, exact, select_scratch(hq, n))
     out_f, out_b, plan, radii = (torch.from_numpy(t) for t in (out_f, out_b, plan, radii))
     promoted = out_b[0]
     if x.force is not None:

@@ -116,16 +116,16 @@ _SCRATCH = threading.local()  # this thread's (shape, arrays) of the last step
 def scratch(hq: int, n: int, bsz: int) -> tuple:
     """The scratch arrays :func:`_step` writes and reads within one call and never returns
     (``s8, w, s16 [Hq, n, B]`` FP32, then :func:`~certkv.kernels.numba_backend._block_states`',
-    :func:`~certkv.kernels.numba_attend.attend`'s and the certificate's): made when the
-    shape changes (a block completes) and shared by every layer's steps on this thread
-    meanwhile, instead of some 1.5 MB (a SmolLM2 layer at 4K) allocated and freed per layer
-    step. Each step writes every element it later reads, so no step sees another's numbers
+    the selection's, :func:`~certkv.kernels.numba_attend.attend`'s and the certificate's): made
+    when the shape changes (a block completes) and shared by every layer's steps on this
+    thread meanwhile, instead of some 1.5 MB (a SmolLM2 layer at 4K) allocated and freed per
+    layer step. Each step writes every element it later reads, so no step sees another's numbers
     (``tests/kernels/test_numba_step.py`` steps two stores in turn)."""
     kept = getattr(_SCRATCH, "kept", None)
     if kept is None or kept[0] != (hq, n, bsz):
         made = (*(np.empty((hq, n, bsz), _F32) for _ in range(3)),
-                nb.states_scratch(hq, n, bsz), na.attend_scratch(hq, n, bsz),
-                fused_cpu.lanes_scratch(hq, n))
+                nb.states_scratch(hq, n, bsz), fused_select.select_scratch(hq, n),
+                na.attend_scratch(hq, n, bsz), fused_cpu.lanes_scratch(hq, n))
         kept = ((hq, n, bsz), made)
         _SCRATCH.kept = kept
     return kept[1]
@@ -244,7 +244,7 @@ def _step(group, q, scaling, keys, bias, bound, quantized, per_kv, v_max, v_rad,
     eta, value_spec, key_err, key_spec = per_kv
     slot, codes, scale, offset, cwidth, mirror, mwidth, okeys, owidth, tail, fill = keys
     orig, orig_width, completed = originals
-    s8, w, s16_work, states_work, attend_work, lanes = work
+    s8, w, s16_work, states_work, select_work, attend_work, lanes = work
     # Phase 1: INT8 logits, block softmax states, log-masses, log-spreads, Delta_b (eq. 8)
     nl._key_logits(group, q, slot, codes, scale, offset, cwidth, mirror, mwidth, okeys,
                    owidth, tail, fill, bias, scaling, s8)
@@ -260,7 +260,7 @@ def _step(group, q, scaling, keys, bias, bound, quantized, per_kv, v_max, v_rad,
                           np.empty(n, np.bool_))
     fused_select._kernel(blocks[0], blocks[6], state[3], q, quantized, eta, value_spec, key_err,
                          v_max, v_rad, sel_params, n_q, group, sel_f, sel_b, q_norm, expanded,
-                         plan, radii, exact)
+                         plan, radii, exact, select_work)
     blocks[4], blocks[5] = sel_f[0], sel_f[1]
     promoted = sel_b[0]
     # Phase 2: the promoted blocks' FP16-key logits (where any key block is paged in), the
