@@ -71,10 +71,12 @@ def test_the_checks_above_see_what_they_check():
 
 def test_test_directories_mirror_the_package():
     """``tests/<package>/`` holds the tests of ``certkv/<package>/``; tests across packages (the
-    contract, the CLI, the docs) sit at the top, shared code in ``tests/helpers``."""
+    contract, the CLI, the docs) sit at the top, shared code in ``tests/helpers``, reference
+    data in ``tests/data``."""
     tests = Path(__file__).parent
     dirs = {p.name for p in tests.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))}
     packages = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
-    assert dirs - {"helpers"} <= packages and len(dirs) > 5
-    for d in dirs - {"helpers"}:
+    shared = {"helpers", "data"}
+    assert dirs - shared <= packages and len(dirs) > 5
+    for d in dirs - shared:
         assert list((tests / d).glob("test_*.py")), d

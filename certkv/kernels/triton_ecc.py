@@ -24,7 +24,7 @@ import triton.language as tl
 
 from certkv.quant.protect.base import DETECTED, Code
 
-_WORDS = 128  # words per program
+_WORDS = 1024  # words per program
 
 
 @triton.jit
@@ -33,7 +33,7 @@ def _ecc_decode_kernel(words_ptr, out_ptr, data_ptr, times_b_ptr, err_ptr, statu
                        WORD_BITS: tl.constexpr, PER_WORD: tl.constexpr, GOLAY: tl.constexpr,
                        BLOCK: tl.constexpr):
     row = tl.program_id(0)
-    w = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    w = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # a long row's bits pass 2^31
     live = w < n_words
     bit = w * WORD_BITS
     first = bit // 8
@@ -68,15 +68,21 @@ def _tables(code: Code, device: torch.device) -> tuple[torch.Tensor, ...]:
 def decode_words(code: Code, packed: torch.Tensor, m: int) -> torch.Tensor:
     """Corrected 4-bit values ``[..., m]`` (uint8) of the packed words ``packed [..., bytes]``
     of ``m`` values (``m`` a multiple of the code's values per word): what
-    :meth:`Code.recover` returns, decoded by the Triton kernel."""
+    :meth:`Code.recover` returns, decoded by the Triton kernel. Where the rows hold no padding
+    bits (every code but Hamming(7,4), whose 7-bit words may leave some at a row's end), the
+    rows are one long row: ``cdiv(rows m / values per word, 1024)`` programs, not one or more
+    per row (a block's row is a token's few dozen words)."""
     rows = packed.reshape(-1, packed.shape[-1]).contiguous()
     n_words = m // code.values_per_word
     out = torch.empty(rows.shape[0], m, dtype=torch.uint8, device=packed.device)
-    if rows.shape[0] and n_words:
+    if rows.numel() and n_words:
         data, times_b, error, status = _tables(code, packed.device)
+        flat = rows.shape[1] * 8 == n_words * code.word_bits  # no padding bits between rows
+        if flat:  # one row of every word: row r's word w is word r * n_words + w
+            rows, n_words, m = rows.view(1, -1), rows.shape[0] * n_words, rows.shape[0] * m
         grid = (rows.shape[0], triton.cdiv(n_words, _WORDS))
         _ecc_decode_kernel[grid](rows, out, data, times_b, error, status, rows.shape[1],
                                  n_words, m, DETECTED, WORD_BITS=code.word_bits,
                                  PER_WORD=code.values_per_word,
                                  GOLAY=code.by_syndrome, BLOCK=_WORDS)
-    return out.reshape(*packed.shape[:-1], m)
+    return out.reshape(*packed.shape[:-1], -1)
