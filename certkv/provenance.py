@@ -31,9 +31,33 @@ def source_commit() -> str:
 
 
 def device_name() -> str:
+    """The GPU's name, or the CPU's: its model, the microarchitecture numba compiles the CPU
+    kernels for (their speed and last bits follow it), the machine and its cores, e.g. ``CPU
+    (Intel(R) Xeon(R) Processor, emeraldrapids, x86_64, 2 cores)``."""
     if torch.cuda.is_available():
         return torch.cuda.get_device_name()
-    return f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
+    parts = [cpu_model(), compiled_for(), platform.machine(), f"{os.cpu_count()} cores"]
+    return f"CPU ({', '.join(part for part in parts if part)})"
+
+
+def cpu_model() -> str:
+    """The CPU's model name (Linux's ``/proc/cpuinfo``; the platform's processor elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def compiled_for() -> str:
+    """llvmlite's name for this CPU (what numba compiles for), or ``""`` without it."""
+    try:
+        import llvmlite.binding as llvm
+    except ImportError:
+        return ""
+    return llvm.get_host_cpu_name()
 
 
 def environment() -> dict:

@@ -5,7 +5,6 @@ than 20% of the median is flagged), phase breakdowns, progress bars and number f
 from __future__ import annotations
 
 import math
-import os
 import platform
 import statistics
 import time
@@ -16,7 +15,7 @@ from pathlib import Path
 import torch
 
 from certkv.attention import CertifiedAttention
-from certkv.provenance import source_commit
+from certkv.provenance import device_name, source_commit
 from certkv.timing import PhaseTimer, _sync
 
 # Peak DRAM bandwidth (GB/s) of GPUs this project is measured on; None elsewhere.
@@ -43,7 +42,7 @@ def device_info() -> dict:
         peak = next((v for k, v in PEAK_GBPS.items() if k in name), None)
         measured = {}
     else:
-        name, peak = f"CPU ({platform.machine()}, {os.cpu_count()} cores)", None
+        name, peak = device_name(), None
         measured = {"copy_gbps": round(copy_gbps(), 2)}
     return {"device": name, "peak_gbps": peak, **measured, "torch": torch.__version__,
             "transformers": transformers.__version__, "python": platform.python_version(),
