@@ -386,6 +386,33 @@ def test_plots_tell_every_series_apart(tmp_path, monkeypatch):
         close(fig)
 
 
+def test_a_plots_bars_span_the_runs_middle_80_percent_not_one_stalled_step(tmp_path, monkeypatch):
+    """One step in a hundred that stalls (a whole-model step of 6.4 s among ~100 ms ones, seen
+    on a 2-core Xeon) stays in the table's max; the figure's bars run from the 10th to the 90th
+    percentile, so the axis still shows the medians."""
+    import matplotlib.pyplot as plt
+
+    from certkv.bench.plots import percentiles
+
+    runs = [100.0 + i for i in range(99)] + [6400.0]
+    s = bench.stats(runs)
+    assert s["max"] == 6400.0
+    low, high = percentiles(s)
+    assert 100.0 < low < 115.0 < 185.0 < high < 200.0
+    assert percentiles({"min": 1.0, "median": 2.0, "max": 3.0}) == (1.0, 3.0)  # no runs kept
+    kept, close = [], plt.close
+    monkeypatch.setattr(plt, "close", kept.append)
+    records = [{"model": "m", "context": n, "ms_stats": {"dense": bench.stats(runs[:-1]),
+                                                        "certified": s}} for n in (4096, 8192)]
+    bench.plot_decode(records, tmp_path / "d.png")
+    (ax,) = kept[0].axes
+    assert ax.get_ylim()[1] < 300.0
+    legend = next(a for a in ax.get_children() if type(a).__name__ == "Legend")
+    assert "10th-90th percentile" in legend.get_title().get_text()
+    for fig in kept:
+        close(fig)
+
+
 def test_bench_rejects_unknown_model(tmp_path):
     result = runner.invoke(app, ["bench", "decode", "--model", "gpt9", "--out", str(tmp_path)])
     assert result.exit_code == 2 and "unknown model config" in result.output

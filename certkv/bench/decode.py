@@ -240,8 +240,8 @@ def decode_table(records: list[dict]) -> list[str]:
 
 
 def plot_decode(records: list[dict], path: Path) -> None:
-    """Median whole-model step time (min-max bars) against context, one colour per method (the
-    same colours as the attention plot)."""
+    """Median whole-model step time (10th-90th percentile bars) against context, one colour
+    per method (the same colours as the attention plot)."""
     plt, fig, ax = _figure((7, 3.8))
     ctx = [r["context"] for r in records]
     methods = list(records[0]["ms_stats"]) if records else []

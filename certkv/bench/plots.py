@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import statistics
 from pathlib import Path
 
 from certkv.bench.attention import LAUNCH_METHODS
@@ -24,12 +25,28 @@ def _figure(figsize: tuple[float, float]):
     return plt, *plt.subplots(figsize=figsize)
 
 
+BARS = "bars: 10th-90th percentile"  # of a case's runs; the tables give min and max
+
+
+def percentiles(s: dict) -> tuple[float, float]:
+    """The 10th and 90th percentiles of a timing's runs (:func:`~certkv.bench.measure.stats`;
+    its min and max where it keeps no runs or one): one stalled step among a hundred, which
+    the tables' max shows, does not stretch the figure's axis a hundredfold."""
+    runs = s.get("runs") or []
+    if len(runs) < 2:
+        return s["min"], s["max"]
+    cuts = statistics.quantiles(runs, n=10, method="inclusive")
+    return cuts[0], cuts[-1]
+
+
 def _series(ax, contexts: list[int], runs: list[dict], method: str, style: str,
             marker: str) -> None:
-    """One method's median line, with min-max error bars in the same colour."""
+    """One method's median line, with error bars from the 10th to the 90th percentile of its
+    runs (:func:`percentiles`) in the same colour."""
     med = [s["median"] for s in runs]
-    low = [m - s["min"] for m, s in zip(med, runs, strict=True)]
-    high = [s["max"] - m for m, s in zip(med, runs, strict=True)]
+    spans = [percentiles(s) for s in runs]
+    low = [max(0.0, m - lo) for m, (lo, _) in zip(med, spans, strict=True)]
+    high = [max(0.0, hi - m) for m, (_, hi) in zip(med, spans, strict=True)]
     ax.errorbar(contexts, med, yerr=[low, high], linestyle=style, marker=marker, capsize=3,
                 color=METHOD_COLORS[method])
 
@@ -47,12 +64,12 @@ def _context_axis(ax, contexts: list[int]) -> None:
 
 
 def _legends(ax, methods: list[str], shapes: list[tuple[str, str, str]]) -> None:
-    """Outside the axes: colours = methods (bars: min-max of the runs), and when there are
+    """Outside the axes: colours = methods (bars: :data:`BARS`), and when there are
     several shapes, line style + marker = shape; every series is told apart."""
     from matplotlib.lines import Line2D
 
     handles = [Line2D([], [], color=METHOD_COLORS[m], lw=2, label=m) for m in methods]
-    first = ax.legend(handles=handles, title="method\n(bars: min-max)", fontsize=8,
+    first = ax.legend(handles=handles, title=f"method\n({BARS})", fontsize=8,
                       title_fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     if len(shapes) > 1:
         ax.add_artist(first)
@@ -109,7 +126,7 @@ def _case_label(record: dict) -> str:
 
 
 def plot_attention(records: list[dict], path: Path) -> None:
-    """Median step time (min-max bars) against context: colour = method, line style and marker
+    """Median step time (:data:`BARS`) against context: colour = method, line style and marker
     = shape (head dim, GQA ratio)."""
     from matplotlib.ticker import FuncFormatter
 
