@@ -43,6 +43,29 @@ def _compile(name: str) -> bool | str | None:
     return {"auto": None, "on": True, "off": False}.get(name, name)
 
 
+def _compiled_first(dev) -> bool:
+    """On a CPU whose numba kernels are not in the cache for the current sources (a fresh
+    checkout, an upgrade, any edit of a certkv file), compile them before timing
+    (:func:`certkv.warm.warm`, about a minute on two cores): otherwise the first step that meets
+    a kernel the warm-up steps did not, such as the fallback's, compiles it inside a timed step
+    (6-7 s among 100-ms steps, seen on 2 cores). Returns whether it compiled."""
+    from certkv.certify.fused_cpu import AVAILABLE
+    from certkv.eval.progress import kernels_compiled
+
+    if dev.type != "cpu" or not AVAILABLE or kernels_compiled():
+        return False
+    try:  # the warm-up composes conf/'s quantizers (hydra-core, omegaconf)
+        from certkv.warm import warm
+    except ImportError as missing:
+        typer.echo(f"the CPU kernels are not compiled yet and cannot be warmed first ({missing}):"
+                   " the first timed steps may compile them", err=True)
+        return False
+    typer.echo("compiling the CPU kernels before timing (python -m certkv.warm, about a minute "
+               "on two cores), so that no timed step compiles one", err=True)
+    warm()
+    return True
+
+
 @bench_app.command("attention")
 def bench_attention(
     context: Annotated[list[int] | None, typer.Option(
@@ -71,6 +94,7 @@ def bench_attention(
     report = bench.BenchReport(f"attention_{dev.type}", _command(), out, force)
     with _user_errors():
         report.check()
+    _compiled_first(dev)
     with bench.progress(3 * len(cases), "bench attention") as update:
         records = [bench.bench_attention_case(case, dev, repeats, _compile(compile), update)
                    for case in cases]
@@ -231,6 +255,7 @@ def bench_decode(
     report = bench.BenchReport(f"decode_{model}_{dev.type}{suffix}", _command(), out, force)
     with _user_errors():
         report.check()
+    _compiled_first(dev)
     with bench.progress(2 * len(contexts), "bench decode") as update, _user_errors():
         records = bench.bench_decode(model, contexts, dev, repeats, torch_dtype,
                                      compile=_compile(compile), update=update, weights=weights,
@@ -292,6 +317,7 @@ def _bench_batches(model, contexts, batches, dev, *, repeats, dtype, written, we
                                *written)
     with _user_errors():
         report.check()
+    _compiled_first(dev)
     with bench.progress(len(contexts) * len(batches), "bench decode --batch") as update, \
             _user_errors():
         records = batching.bench_batches(model, contexts, sorted(set(batches)), dev, repeats,

@@ -246,13 +246,41 @@ def test_bench_launches_takes_changes_to_a_quantizer_after_a_colon(tmp_path, mon
     assert bad.exit_code != 0 and "key=value pairs separated by commas" in message
 
 
+def test_a_bench_on_a_cpu_compiles_the_kernels_before_it_times_a_step(monkeypatch, capsys):
+    """Kernels not cached for the current sources (after any edit of certkv): ``warm`` runs
+    first and says so, so that no timed step compiles one; cached kernels or a GPU: nothing."""
+    import sys
+
+    import certkv.cli_bench as cli_bench
+    import certkv.eval.progress as progress
+    import certkv.warm as warming
+
+    warmed: list = []
+    monkeypatch.setattr(warming, "warm", lambda: warmed.append(1) or 74)
+    monkeypatch.setattr(progress, "kernels_compiled", lambda: False)
+    assert cli_bench._compiled_first(torch.device("cpu")) and warmed == [1]
+    assert "compiling the CPU kernels before timing" in capsys.readouterr().err
+    assert not cli_bench._compiled_first(torch.device("meta")) and warmed == [1]
+    monkeypatch.setattr(progress, "kernels_compiled", lambda: True)
+    assert not cli_bench._compiled_first(torch.device("cpu")) and warmed == [1]
+    monkeypatch.setattr(progress, "kernels_compiled", lambda: False)
+    monkeypatch.setitem(sys.modules, "certkv.warm", None)  # no hydra-core: cannot warm, says so
+    assert not cli_bench._compiled_first(torch.device("cpu")) and warmed == [1]
+    assert "cannot be warmed first" in capsys.readouterr().err
+
+
 def test_bench_decode_command_writes_report(tmp_path, monkeypatch):
+    import certkv.cli_bench as cli_bench
+
     calls: list = []
     monkeypatch.setattr(bench, "progress", _recording_progress(calls))
+    asked = []
+    monkeypatch.setattr(cli_bench, "_compiled_first", asked.append)
     result = runner.invoke(app, ["bench", "decode", "--context", "64", "--repeats", "2",
                                  "--device", "cpu", "--out", str(tmp_path), "--weights",
                                  "random"])
     assert result.exit_code == 0, result.output
+    assert asked == [torch.device("cpu")]  # before the timed steps
     data = json.loads((tmp_path / "decode_smollm2_135m_cpu.json").read_text())
     row = data["records"][0]
     assert row["context"] == 64 and row["weights"] == "random"
