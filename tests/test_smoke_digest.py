@@ -35,7 +35,8 @@ import pytest
 # paper_e_val_step_mean by 1e-9); moved at issue 56 (the records gained targeted_blocks,
 # mended_heads and scratch_bytes, every other field as f551615 gives it). The AVX2 pair was
 # made on an AMD EPYC with AVX2 only (numba 0.68.1, llvmlite 0.50.0, numpy 2.4.6, pinned in
-# constraints-cpu.txt), the znver5 pair on a Zen 5 (cda6d29 and later), the emeraldrapids pair
+# constraints-cpu.txt; llvmlite's name for it was not recorded, so it stands for every Zen
+# without AVX-512), the znver5 pair on a Zen 5 (cda6d29 and later), the emeraldrapids pair
 # on an Intel Xeon with AVX-512 and AMX at 021bdae, the code that gives the other two pairs.
 _AVX2_EPYC = ("78804ba2e908e86b", "6566d79577213354")
 PINNED_BY_CPU = {
