@@ -47,8 +47,8 @@ def _compiled_first(dev) -> bool:
     """On a CPU whose numba kernels are not in the cache for the current sources (a fresh
     checkout, an upgrade, any edit of a certkv file), compile them before timing
     (:func:`certkv.warm.warm`, about a minute on two cores): otherwise the first step that meets
-    a kernel the warm-up steps did not, such as the fallback's, compiles it inside a timed step
-    (6-7 s among 100-ms steps, seen on 2 cores). Returns whether it compiled."""
+    a kernel the two warm-up steps did not compiles it inside a timed step (6-7 s among 100-ms
+    steps, the 11th step at 4K of two runs on 2 cores). Returns whether it compiled."""
     from certkv.certify.fused_cpu import AVAILABLE
     from certkv.eval.progress import kernels_compiled
 
