@@ -27,6 +27,8 @@ from pathlib import Path
 
 import pytest
 
+from certkv.provenance import compiled_for, source_commit
+
 # sha256 (first 16 hex digits) of samples.jsonl then certificates.jsonl, timings dropped, of a
 # run on one thread (CPU reductions, and so the last bits, depend on the thread count), alone
 # and in the default batches. History: the same digest at 8d196de, before issue 53's
@@ -77,13 +79,6 @@ def digest(run) -> str:
     return h.hexdigest()[:16]
 
 
-def host_cpu() -> str:
-    """The CPU numba compiles for here (llvmlite's name)."""
-    import llvmlite.binding as llvm
-
-    return llvm.get_host_cpu_name()
-
-
 def tiny_run(out, *overrides):
     done = subprocess.run([sys.executable, "-m", "certkv.cli", "run", "+experiment=tiny",
                            "threads=1", f"out_dir={out}", *overrides],
@@ -117,7 +112,7 @@ def check_against_reference(alone, batched) -> None:
     reference = json.loads(REFERENCE.read_text())
     for name, run in (("alone", alone), ("batched", batched)):
         found = differences(kept(run), reference[name], name)
-        assert not found, (f"the {name} run on {host_cpu()} departs from the reference records "
+        assert not found, (f"the {name} run on {compiled_for()} departs from the reference records "
                            f"({reference['cpu']}, {reference['commit']}): " + "; ".join(found[:8]))
 
 
@@ -125,7 +120,7 @@ def check_against_reference(alone, batched) -> None:
 def test_the_tiny_run_gives_the_pinned_generations_and_certificates_alone_and_batched(tmp_path):
     alone, batched = tiny_run(tmp_path / "alone", *ONE_AT_A_TIME), tiny_run(tmp_path / "batched")
     assert len(records(alone)) == 9 and all("ms_per_step" in r for r in records(alone))
-    cpu = host_cpu()
+    cpu = compiled_for()
     if cpu in PINNED_BY_CPU:
         assert (digest(alone), digest(batched)) == PINNED_BY_CPU[cpu]
     else:  # no pin for this CPU: the reference records, floats to CROSS_CPU_RTOL
@@ -169,11 +164,10 @@ def write_reference() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         alone = tiny_run(Path(tmp) / "alone", *ONE_AT_A_TIME)
         batched = tiny_run(Path(tmp) / "batched")
-        cpu = host_cpu()
+        cpu = compiled_for()
         assert PINNED_BY_CPU.get(cpu) == (digest(alone), digest(batched)), (
             f"{cpu}'s run does not give its pinned digests: pin them first")
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, cwd=Path(__file__).parent).stdout.strip()
+        commit = source_commit()
         reference = {"cpu": cpu, "commit": commit, "alone": kept(alone),
                      "batched": kept(batched)}
         REFERENCE.parent.mkdir(exist_ok=True)
