@@ -86,7 +86,7 @@ class CertifiedAttention(BatchedStep):
                 f"mode={self.mode!r} is unknown; choose one of {list(MODES)}.")
         self.backend = get_backend(self.backend)
         self._compiled: dict = {}
-        self._constants: dict = {}  # per-shape constants: kv_of (_kv_of), _no_pool
+        self._constants: dict = {}  # per-shape constants: kv_of (_kv_of), _no_pool; one_call
         self._specs: dict[ArithSpec, ArithSpec] = {}
         self._nonfinite: torch.Tensor | None = None  # [2] q, K/V since the last synchronize()
         self.pad_layout = False  # (issue 24's bucketed block counts, class docstring)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Iterator
 from difflib import get_close_matches
+from functools import lru_cache
 from typing import TypeVar
 
 from certkv.errors import ConfigError
@@ -85,8 +86,15 @@ def inherits(component, owner: type, *methods: str) -> bool:
     ``owner`` lacks count as kept): what a capability claim of ``owner`` rests on (a fast path
     that computes ``owner``'s methods its own way), so a subclass that changes one of them
     loses the claim without saying so."""
-    return isinstance(component, owner) and all(
-        getattr(type(component), name, None) is getattr(owner, name, None) for name in methods)
+    return _inherits(type(component), owner, methods)
+
+
+@lru_cache(maxsize=256)
+def _inherits(cls: type, owner: type, methods: tuple[str, ...]) -> bool:
+    """:func:`inherits` by class (memoised: a decode step asks it of its components at every
+    layer; classes are not changed after they are used)."""
+    return issubclass(cls, owner) and all(
+        getattr(cls, name, None) is getattr(owner, name, None) for name in methods)
 
 
 KEY_CODECS = Registry("key codec", "certkv.quant")

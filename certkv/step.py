@@ -29,12 +29,12 @@ import torch
 
 from certkv.cache.appending import NONFINITE_KV
 from certkv.cache.store import TieredKVStore
-from certkv.certify import fused_select, targeted
+from certkv.certify import fused_cpu, fused_select, targeted
 from certkv.certify.arith import U32, ArithSpec, as_tensors, step_coefficients
 from certkv.certify.certificate import BlockStats
 from certkv.certify.checks import paged_summaries
 from certkv.certify.dropped import dropped_error, dropped_mass
-from certkv.certify.segment import CertifyInputs, CertifyOutputs, SelectInputs, Selection
+from certkv.certify.segment import CertifyInputs, SelectInputs, Selection
 from certkv.certify.step_certify import StepPass
 from certkv.dispatch import Dispatch
 from certkv.errors import NonFiniteError, require
@@ -93,7 +93,13 @@ class QuantizedStep(Escalation, Fallback, Dispatch):
         qg = q.float().reshape(hkv, q.shape[0] // hkv, -1)
         boost, e_drop = None, None
         if numba_step.covers(self, q, store, on_device, tolerant):
-            result, dense_heads = self._one_call(q, qg, store, scaling, scratch, timer)
+            fused, arrays, spec, dense_heads = self._one_call(q, qg, store, scaling, scratch,
+                                                              timer)
+            if not dense_heads.numel():  # the steady state: no head on rungs 3-4
+                with timer.phase("fallback"):
+                    out = fused.out.to(q.dtype)
+                return out, fused.certificate(arrays, self.mode)
+            result = fused.step_pass(arrays, spec)
         else:
             with timer.phase("layout"):
                 lay = self._layout(store, on_device)
@@ -287,10 +293,14 @@ class QuantizedStep(Escalation, Fallback, Dispatch):
         (:mod:`certkv.kernels.numba_step`: the phase-by-phase step's numbers, bit for bit) over
         the store's arrays (made again only when a block completes or a buffer grows:
         :func:`~certkv.kernels.numba_step.store_arrays`); the scratch cache counts the FP16
-        blocks read from Tier-2 in place as the host page-in has it do. Returns the
-        :class:`StepPass` and the heads flagged for rungs 3-4 (host indices): the call's counts
-        say whether any head is flagged or any input non-finite, so a step with none reads no
-        flag."""
+        blocks read from Tier-2 in place as the host page-in has it do. Returns the call's
+        :class:`~certkv.kernels.numba_step.Fused`, the store's
+        :class:`~certkv.kernels.numba_step.StoreArrays`, the step's :class:`ArithSpec` and the
+        heads flagged for rungs 3-4
+        (host indices): the call's counts say whether any head is flagged or any input
+        non-finite, so a step with none reads no flag (and makes its certificate at once,
+        :meth:`~certkv.kernels.numba_step.Fused.certificate`, with no :class:`StepPass` for
+        the fallback)."""
         with timer.phase("layout"):
             arrays = numba_step.store_arrays(store)
         key = (self.backend.name, q.dtype, scaling, self.selector.mass_inflation)
@@ -298,22 +308,31 @@ class QuantizedStep(Escalation, Fallback, Dispatch):
         if spec is None:  # once per store layout and query kind
             spec = self._arith_spec(q, store, scaling, StepLayout(store, read=False))
             arrays.specs[key] = spec
-        coef = step_coefficients(spec, arrays.num_blocks, store.num_tokens, q.device)
+        params = self._one_call_params(spec, arrays.num_blocks, store.num_tokens)
         with timer.phase("step"):
-            f = numba_step.run(self, q, qg, store, arrays, scaling, spec, coef)
+            f = numba_step.run(self, q, qg, store, arrays, scaling, params)
         flagged, bad_q, bad_kv, keys_read, values_read = f.counts
         if scratch is not None:
             plan = f.plan.numpy()  # [2, Hkv, n] FP16 keys, values read
             for which, mask, read in (("k", plan[0], keys_read), ("v", plan[1], values_read)):
                 if read:
                     scratch.record(store, mask, which)
-        cert = CertifyOutputs(f.e_key, f.e_val, f.e_arith, f.tail_mass, f.k_star, f.canary,
-                              f.rung, f.value_blocks, f.flags, f.paper_key, f.paper_val,
-                              f.returned, None)
-        blocks = BlockStats(f.rho, arrays.eta, f.delta_b, f.v_rad, arrays.quantized)
         dense_heads = self._host_flags(f.flags)[0] if flagged or bad_q or bad_kv else NO_HEADS
-        return StepPass(f.out, spec, cert, f.delta, f.ranking, f.boundary, blocks,
-                        arrays.num_quantized, values_read), dense_heads
+        return f, arrays, spec, dense_heads
+
+    def _one_call_params(self, spec: ArithSpec, num_blocks: int, num_tokens: int) -> tuple:
+        """The certificate's scalars and weights for :meth:`_one_call`
+        (:func:`~certkv.certify.fused_cpu._params` of :func:`step_coefficients`), the last
+        step's while ``spec`` (one object per setting) and the counts are the same: every layer
+        of a decode step asks for them, and hashing the spec twice a layer cost more than the
+        numbers."""
+        last = self._constants.get("one_call")
+        if last is None or last[0] is not spec or last[1:3] != (num_blocks, num_tokens):
+            coef = step_coefficients(spec, num_blocks, num_tokens, "cpu")
+            last = (spec, num_blocks, num_tokens,
+                    fused_cpu._params(spec, coef, self.selector.mass_inflation))
+            self._constants["one_call"] = last
+        return last[3]
 
     def _layout(self, store: TieredKVStore, on_device: bool) -> StepLayout:
         """The step's layout: on the device path with the kernels running both phases, a tail

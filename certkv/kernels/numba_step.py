@@ -30,7 +30,10 @@ import numpy as np
 import torch
 
 from certkv.certify import fused_cpu, fused_select
+from certkv.certify.certificate import BlockStats, Certificate
 from certkv.certify.fused_cpu import as_array, jit, kept_array, kept_bits, use_threads
+from certkv.certify.segment import CertifyOutputs
+from certkv.certify.step_certify import StepPass
 from certkv.kernels import numba_attend as na
 from certkv.kernels import numba_backend as nb
 from certkv.kernels import numba_logits as nl
@@ -78,6 +81,34 @@ class Fused(NamedTuple):
     plan: torch.Tensor  # [2, Hkv, n] FP16 keys, FP16 values wanted
     counts: tuple  # (heads flagged dense, q non-finite, K/V non-finite, FP16 key blocks,
     # FP16 value blocks): what the caller's host bookkeeping branches on, read in one call
+
+    def step_pass(self, arrays: StoreArrays, spec) -> StepPass:
+        """The pass as :class:`~certkv.certify.step_certify.StepPass`, for the fallback of its
+        flagged heads (``arrays``: the store's, :func:`store_arrays`; ``spec``: its
+        :class:`~certkv.certify.arith.ArithSpec`)."""
+        cert = CertifyOutputs(self.e_key, self.e_val, self.e_arith, self.tail_mass, self.k_star,
+                              self.canary, self.rung, self.value_blocks, self.flags,
+                              self.paper_key, self.paper_val, self.returned, None)
+        return StepPass(self.out, spec, cert, self.delta, self.ranking, self.boundary,
+                        self.blocks(arrays), arrays.num_quantized, self.counts[4])
+
+    def certificate(self, arrays: StoreArrays, mode: str) -> Certificate:
+        """The step's certificate where no head is on rungs 3-4: what
+        :meth:`~certkv.certify.step_certify.StepPass.certificate` makes of :meth:`step_pass`
+        after a fallback that changed nothing, without the objects between (a decode step
+        makes one per layer)."""
+        e_key, e_val = self.returned
+        return Certificate(
+            candidate_e_key=self.e_key, candidate_e_val=self.e_val, e_key=e_key, e_val=e_val,
+            e_arith=self.e_arith, delta=self.delta, tail_mass=self.tail_mass,
+            k_star=self.k_star, rung=self.rung, ranking_ok=self.ranking,
+            boundary_ok=self.boundary, canary_ok=self.canary, value_blocks=self.value_blocks,
+            value_promotions=self.counts[4], num_blocks=arrays.num_quantized, mode=mode,
+            paper_e_key=self.paper_key, paper_e_val=self.paper_val, blocks=self.blocks(arrays))
+
+    def blocks(self, arrays: StoreArrays) -> BlockStats:
+        """The step's :class:`~certkv.certify.certificate.BlockStats`."""
+        return BlockStats(self.rho, arrays.eta, self.delta_b, self.v_rad, arrays.quantized)
 
 
 class StoreArrays(NamedTuple):
@@ -190,10 +221,11 @@ def _in_place(x: np.ndarray, t: torch.Tensor) -> bool:
 
 
 def run(attention, q: torch.Tensor, qg: torch.Tensor, store, arrays: StoreArrays,
-        scaling: float, spec, coef) -> Fused:
+        scaling: float, params: tuple) -> Fused:
     """One certified pass of ``attention`` (:func:`covers`) over ``store`` as ``arrays``
     (:func:`store_arrays`) hold it: ``q [Hq, d]`` in the caller's dtype, ``qg [Hkv, G, d]``
-    its FP32 copy; ``spec, coef``: the arithmetic bound's facts and step coefficients."""
+    its FP32 copy; ``params``: the certificate's scalars and weights at this step
+    (:func:`certkv.certify.fused_cpu._params`)."""
     ladder, a = attention.ladder, arrays
     hkv, group, d = qg.shape
     hq = hkv * group
@@ -206,7 +238,7 @@ def run(attention, q: torch.Tensor, qg: torch.Tensor, store, arrays: StoreArrays
                             a.num_quantized), a.num_quantized, a.originals, a.values,
         a.pool, a.width, _F32(ladder.eps_guard), checks,
         (ladder.ranking_check, ladder.boundary_check), a.key_abs_max, a.eta_max,
-        *fused_cpu._params(spec, coef, attention.selector.mass_inflation),
+        *params,
         (bool(store.nonfinite_appended()), fused_cpu.CAST_LIMIT.get(q.dtype, math.inf),
          ladder.canary, max(1.0, ladder.layer_dense_fraction * hq)),
         scratch(hq, arrays.num_blocks, store.block_size))
