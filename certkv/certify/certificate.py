@@ -192,19 +192,20 @@ class Certificate:
             if name not in on_device:
                 merged[name] = int(sum(counts[name]))
         for f in fields(cls):
-            if f.name in merged:
+            name = f.name
+            if name in merged:
                 continue
-            values = [getattr(c, f.name) for c in certs]
-            if f.name == "num_blocks":
-                merged[f.name] = max(values)
-            elif f.name == "blocks":
-                merged[f.name] = None  # per layer only
-            elif f.name == "faults_covered":
-                merged[f.name] = all(values)
-            elif f.name == "sequence":  # one sequence's layers, or a batch's sequences
-                merged[f.name] = values[0] if len(set(values)) == 1 else -1
-            else:
-                merged[f.name] = values[0]
+            if name == "num_blocks":
+                merged[name] = max(c.num_blocks for c in certs)
+            elif name == "blocks":
+                merged[name] = None  # per layer only
+            elif name == "faults_covered":
+                merged[name] = all(c.faults_covered for c in certs)
+            elif name == "sequence":  # one sequence's layers, or a batch's sequences
+                sequences = {c.sequence for c in certs}
+                merged[name] = certs[0].sequence if len(sequences) == 1 else -1
+            else:  # the first certificate's (the mode, the audit's flag)
+                merged[name] = getattr(certs[0], name)
         return cls(**merged)
 
     def head_records(self) -> list[dict[str, float | int | bool]]:
