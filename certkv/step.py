@@ -296,11 +296,10 @@ class QuantizedStep(Escalation, Fallback, Dispatch):
         blocks read from Tier-2 in place as the host page-in has it do. Returns the call's
         :class:`~certkv.kernels.numba_step.Fused`, the store's
         :class:`~certkv.kernels.numba_step.StoreArrays`, the step's :class:`ArithSpec` and the
-        heads flagged for rungs 3-4
-        (host indices): the call's counts say whether any head is flagged or any input
-        non-finite, so a step with none reads no flag (and makes its certificate at once,
-        :meth:`~certkv.kernels.numba_step.Fused.certificate`, with no :class:`StepPass` for
-        the fallback)."""
+        heads flagged for rungs 3-4 (host indices): the call's counts say whether any head is
+        flagged or any input non-finite, so a step with none reads no flag (and makes its
+        certificate at once, :meth:`~certkv.kernels.numba_step.Fused.certificate`, with no
+        :class:`StepPass` for the fallback)."""
         with timer.phase("layout"):
             arrays = numba_step.store_arrays(store)
         key = (self.backend.name, q.dtype, scaling, self.selector.mass_inflation)

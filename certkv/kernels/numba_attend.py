@@ -121,7 +121,13 @@ def _block_products(wb, block, o):
     """``o [G, d] += wb [G, B] block``: each of ``G`` heads' ``o[g] += sum_t wb[g, t] v_t`` over
     a block's ``B`` value rows ``block [B, d]``, four rows at a time, the four rows read once for
     every head (a sum of ``B`` products in some order: at most ``B - 1`` additions each, as arith
-    item 4 counts; a fused multiply-add rounds once where a product and a sum would twice)."""
+    item 4 counts; a fused multiply-add rounds once where a product and a sum would twice).
+    Three heads (SmolLM2's groups) update all their rows in one pass over the four
+    (:func:`_products3`): each element the same expression, bit for bit
+    (``tests/kernels/test_numba_attend.py``)."""
+    if o.shape[0] == 3 and block.shape[0] % 4 == 0:
+        _products3(wb, block, o)
+        return
     group = o.shape[0]
     bsz, d = block.shape
     t = 0
@@ -139,6 +145,22 @@ def _block_products(wb, block, o):
             for i in range(d):
                 og[i] += wt * block[t, i]
         t += 1
+
+
+@jit(fastmath={"contract"})
+def _products3(wb, block, o):
+    """:func:`_block_products` for three heads and ``B`` a multiple of 4."""
+    o0, o1, o2 = o[0], o[1], o[2]
+    for t in range(0, block.shape[0], 4):
+        v0, v1, v2, v3 = block[t], block[t + 1], block[t + 2], block[t + 3]
+        a0, a1, a2, a3 = wb[0, t], wb[0, t + 1], wb[0, t + 2], wb[0, t + 3]
+        b0, b1, b2, b3 = wb[1, t], wb[1, t + 1], wb[1, t + 2], wb[1, t + 3]
+        c0, c1, c2, c3 = wb[2, t], wb[2, t + 1], wb[2, t + 2], wb[2, t + 3]
+        for i in range(block.shape[1]):
+            x0, x1, x2, x3 = v0[i], v1[i], v2[i], v3[i]
+            o0[i] += (a0 * x0 + a1 * x1) + (a2 * x2 + a3 * x3)
+            o1[i] += (b0 * x0 + b1 * x1) + (b2 * x2 + b3 * x3)
+            o2[i] += (c0 * x0 + c1 * x1) + (c2 * x2 + c3 * x3)
 
 
 @jit

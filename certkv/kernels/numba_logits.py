@@ -41,7 +41,59 @@ PARTS = 2  # block ranges per kv head: two threads share out even one or three k
 def _dots(q, keys, bias, scaling, out):
     """``out [G, B] = scaling * q keys^T + bias`` for ``q [G, d]``, one block's FP32 keys
     ``keys [B, d]`` (always the callers' C-contiguous scratch: one compiled loop, so the
-    INT8 and FP16-key logits of a block take the same operations) and its slot bias ``[B]``."""
+    INT8 and FP16-key logits of a block take the same operations) and its slot bias ``[B]``.
+    Groups of 3 and 4 heads (SmolLM2, Llama-3) read each key once for all their heads
+    (:func:`_dots3`, :func:`_dots4`): each dot product the one-head loop's sum
+    (:func:`_dots_any`) bit for bit (compared in ``tests/kernels/test_numba_logits.py``)."""
+    group = q.shape[0]
+    if group == 3:
+        _dots3(q, keys, bias, scaling, out)
+        return
+    if group == 4:
+        _dots4(q, keys, bias, scaling, out)
+        return
+    _dots_any(q, keys, bias, scaling, out)
+
+
+@jit(fastmath={"reassoc", "contract"})
+def _dots3(q, keys, bias, scaling, out):
+    """:func:`_dots` for three heads: one pass over each key, three sums."""
+    q0, q1, q2 = q[0], q[1], q[2]
+    for t in range(keys.shape[0]):
+        key = keys[t]
+        a0, a1, a2 = _F32(0.0), _F32(0.0), _F32(0.0)
+        for c in range(q.shape[1]):
+            k = key[c]
+            a0 += q0[c] * k
+            a1 += q1[c] * k
+            a2 += q2[c] * k
+        out[0, t] = a0 * scaling + bias[t]
+        out[1, t] = a1 * scaling + bias[t]
+        out[2, t] = a2 * scaling + bias[t]
+
+
+@jit(fastmath={"reassoc", "contract"})
+def _dots4(q, keys, bias, scaling, out):
+    """:func:`_dots` for four heads: one pass over each key, four sums."""
+    q0, q1, q2, q3 = q[0], q[1], q[2], q[3]
+    for t in range(keys.shape[0]):
+        key = keys[t]
+        a0, a1, a2, a3 = _F32(0.0), _F32(0.0), _F32(0.0), _F32(0.0)
+        for c in range(q.shape[1]):
+            k = key[c]
+            a0 += q0[c] * k
+            a1 += q1[c] * k
+            a2 += q2[c] * k
+            a3 += q3[c] * k
+        out[0, t] = a0 * scaling + bias[t]
+        out[1, t] = a1 * scaling + bias[t]
+        out[2, t] = a2 * scaling + bias[t]
+        out[3, t] = a3 * scaling + bias[t]
+
+
+@jit(fastmath={"reassoc", "contract"})
+def _dots_any(q, keys, bias, scaling, out):
+    """:func:`_dots` for any number of heads, one head at a time."""
     group, d = q.shape
     for g in range(group):
         row = q[g]
