@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import statistics
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -73,6 +74,18 @@ def test_interleaved_timings_call_each_function_in_turn():
                                        "b": lambda: calls.append("b")}, repeats=3, warmup=1)
     assert calls == ["a", "b"] * 4 and [len(t) for t in times.values()] == [3, 3]
     assert list(times) == ["a", "b"]
+
+
+def test_paired_ratio_cancels_a_drift_the_medians_ratio_does_not():
+    """Steps timed in turn: the machine slows 2x halfway, on dense's side for most pairs, so
+    the medians' ratio moves while each pair's ratio (1.1) stays."""
+    dense = [100.0] * 7 + [200.0] * 6
+    certified = [1.1 * x for x in dense]
+    assert bench.paired_ratio(certified, dense) == pytest.approx(1.1)
+    moved = [110.0] * 4 + [220.0] * 9  # the slow spell arrived earlier for certified
+    assert statistics.median(moved) / statistics.median(dense) == pytest.approx(2.2)
+    with pytest.raises(ValueError):  # unpaired runs: not a pairing
+        bench.paired_ratio([1.0, 2.0], [1.0])
 
 
 def test_spread_warning_exactly_above_20_percent():
@@ -286,6 +299,9 @@ def test_bench_decode_command_writes_report(tmp_path, monkeypatch):
     assert row["context"] == 64 and row["weights"] == "random"
     assert_ordered(row["ms_stats"], runs=2)
     assert row["ratio"] == row["ms_stats"]["certified"]["median"] / row["ms"]["dense"]
+    runs = {m: row["ms_stats"][m]["runs"] for m in ("dense", "certified")}
+    assert row["paired"] == {"dense": 1.0, "certified": bench.paired_ratio(runs["certified"],
+                                                                          runs["dense"])}
     assert "non_attention" in row["phases_ms"]["certified"]
     assert_ordered(row["phases_ms_stats"]["certified"], runs=bench.PHASE_RUNS)
     assert sum(row["phases_ms"]["certified"].values()) == pytest.approx(
@@ -296,7 +312,7 @@ def test_bench_decode_command_writes_report(tmp_path, monkeypatch):
     assert "N=64: dense prefill" in texts and "N=64: dense and certified steps in turn" in texts
     assert "N=64: certified phases" in texts
     report = (tmp_path / "decode_smollm2_135m_cpu.md").read_text()
-    assert "| N | method | min | med | max | ×dense |" in report
+    assert "| N | method | min | med | max | ×dense | paired |" in report
     memory, token = row["memory_bytes"], 30 * 2 * 2 * 3 * 64  # a token's FP16 K and V
     assert memory["dense"] % token == 0 and memory["dense"] // token > 64  # every layer
     assert 0 < memory["tier1"] < memory["dense"] and 0 < memory["workspace"] < 0.1 * memory["dense"]

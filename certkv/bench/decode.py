@@ -19,6 +19,7 @@ from certkv.bench.measure import (
     _quiet,
     interleaved_timings,
     medians,
+    paired_ratio,
     phase_stats,
     short,
     spread_warnings,
@@ -172,10 +173,14 @@ def _wall(step: Callable[[], object], walls: list[float]) -> None:
 
 
 def _decode_ratios(row: dict) -> dict:
-    """Add certified / dense and the certified step's non-attention remainder to ``row``: the
-    phase runs' whole step less their phases (a phase timer runs the phases one call each,
-    which the default CPU step does not, :mod:`certkv.kernels.numba_step`)."""
+    """Add certified / dense (the medians' ratio, and the median of the steps' ratios to the
+    dense step run beside each: :func:`~certkv.bench.measure.paired_ratio`) and the certified
+    step's non-attention remainder to ``row``: the phase runs' whole step less their phases
+    (a phase timer runs the phases one call each, which the default CPU step does not,
+    :mod:`certkv.kernels.numba_step`)."""
     row["ratio"] = row["ms"]["certified"] / row["ms"]["dense"]
+    dense = row["ms_stats"]["dense"]["runs"]
+    row["paired"] = {mode: paired_ratio(s["runs"], dense) for mode, s in row["ms_stats"].items()}
     attention = sum(row["phases_ms"]["certified"].values())
     whole = row.get("phase_steps_ms", row["ms"])["certified"]
     row["phases_ms"]["certified"]["non_attention"] = max(whole - attention, 0.0)

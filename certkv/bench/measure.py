@@ -144,6 +144,13 @@ def stats(times: list[float]) -> dict:
             "runs": list(times)}
 
 
+def paired_ratio(runs: list[float], base: list[float]) -> float:
+    """The median of ``runs[i] / base[i]``: of calls made in turn
+    (:func:`interleaved_timings`), each pair ran in the same spell of the machine, so a drift
+    that moves both medians (a noisy neighbour, a clock change) cancels in each ratio."""
+    return statistics.median(r / b for r, b in zip(runs, base, strict=True))
+
+
 def spread(s: dict) -> float:
     """How far a timing's runs disagree: (max - min) / median."""
     return (s["max"] - s["min"]) / s["median"] if s["median"] > 0 else 0.0

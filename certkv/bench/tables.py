@@ -131,11 +131,14 @@ ONE_CALL = ("one", "step", "Phase 1 to the rungs in one call (numba)")
 
 
 def step_table(records: list[dict], what: str, key: tuple[str, str]) -> Table:
-    """Min / median / max step time per case and method, the ratio to dense and (attention)
-    achieved GB/s."""
+    """Min / median / max step time per case and method, the ratio to dense, (steps timed in
+    turn with dense's) the median of the steps' ratios and (attention) achieved GB/s."""
     runs = len(records[0]["ms_stats"]["dense"]["runs"]) if records else 0
     columns = [key, ("method", ""), ("min", ""), ("med", "median"), ("max", ""),
                ("×dense", "median / dense median")]
+    paired = bool(records) and "paired" in records[0]
+    if paired:
+        columns.append(("paired", "median of each step / the dense step timed beside it"))
     gbps = bool(records) and "gbps" in records[0]
     if gbps:
         columns.append(("GB/s", "bytes the method must read / median time"))
@@ -145,6 +148,7 @@ def step_table(records: list[dict], what: str, key: tuple[str, str]) -> Table:
         for method, s in r["ms_stats"].items():
             row = [r["short_label"], method, short(s["min"]), short(s["median"]),
                    short(s["max"]), short(s["median"] / r["ms"]["dense"])]
+            row += [short(r["paired"][method])] if paired else []
             table.rows.append(row + ([short(r["gbps"][method])] if gbps else []))
     return table
 
