@@ -95,10 +95,6 @@ class QuantizedStep(Escalation, Fallback, Dispatch):
         if numba_step.covers(self, q, store, on_device, tolerant):
             fused, arrays, spec, dense_heads = self._one_call(q, qg, store, scaling, scratch,
                                                               timer)
-            if not dense_heads.numel():  # the steady state: no head on rungs 3-4
-                with timer.phase("fallback"):
-                    out = fused.out.to(q.dtype)
-                return out, fused.certificate(arrays, self.mode)
             result = fused.step_pass(arrays, spec)
         else:
             with timer.phase("layout"):
@@ -297,9 +293,7 @@ class QuantizedStep(Escalation, Fallback, Dispatch):
         :class:`~certkv.kernels.numba_step.Fused`, the store's
         :class:`~certkv.kernels.numba_step.StoreArrays`, the step's :class:`ArithSpec` and the
         heads flagged for rungs 3-4 (host indices): the call's counts say whether any head is
-        flagged or any input non-finite, so a step with none reads no flag (and makes its
-        certificate at once, :meth:`~certkv.kernels.numba_step.Fused.certificate`, with no
-        :class:`StepPass` for the fallback)."""
+        flagged or any input non-finite, so a step with none reads no flag."""
         with timer.phase("layout"):
             arrays = numba_step.store_arrays(store)
         key = (self.backend.name, q.dtype, scaling, self.selector.mass_inflation)

@@ -71,7 +71,6 @@ class GrowingBlocks:
         self.fill = fill  # name -> value of the spare blocks after every extend (None: as left)
         self.size = 0
         self._data: Blocks = {}
-        self._capacity = 0  # the buffers' block count (kept: every decode step asks, per layer)
         self._views: dict = {}  # extra (or 'spare') -> views, until the next extend
         self._copied = None  # CUDA event after the last asynchronous copy into pinned memory
 
@@ -107,7 +106,6 @@ class GrowingBlocks:
             if name in self._data:
                 grown[:, : self.size].copy_(self._data[name][:, : self.size])
             self._data[name] = grown
-        self._capacity = next(iter(self._data.values())).shape[1]
         self._views = {}
         self._fill_after(capacity)
 
@@ -126,7 +124,7 @@ class GrowingBlocks:
     @property
     def capacity(self) -> int:
         """Blocks the buffers hold before the next growth (0 before the first extend)."""
-        return self._capacity
+        return next(iter(self._data.values())).shape[1] if self._data else 0
 
     def put(self, index: torch.Tensor, blocks: Blocks) -> None:
         """Write ``blocks`` (leading dims ``[Hkv, len(index)]``) at block positions ``index``
@@ -188,7 +186,7 @@ class GrowingBlocks:
 
     def clear(self) -> None:
         self._data, self._views = {}, {}
-        self.size = self._capacity = 0
+        self.size = 0
 
     def clone(self) -> GrowingBlocks:
         """An independent copy (same capacity; pinned where this one is)."""
@@ -197,7 +195,6 @@ class GrowingBlocks:
         new.size = self.size
         for name, t in self._data.items():
             new._data[name] = self._allocate(t, t.shape[1]).copy_(t)
-        new._capacity = self._capacity
         return new
 
 
@@ -430,8 +427,7 @@ class BlockTable:
     def capacities(self) -> tuple[int, ...]:
         """The lengths of every device buffer a step reads in place (codes of each
         precision, the mask and block lists): any growth reallocates, and changes them."""
-        return (self._lossy.numel(), *[b._capacity for b in self._keys],
-                *[b._capacity for b in self._values])
+        return (self._lossy.numel(), *(b.capacity for b in self._keys + self._values))
 
     def held(self) -> list[int]:
         """Precision ids holding blocks now (an empty table: the one new blocks start at)."""

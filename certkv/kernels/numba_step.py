@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from certkv.certify import fused_cpu, fused_select
-from certkv.certify.certificate import BlockStats, Certificate
+from certkv.certify.certificate import BlockStats
 from certkv.certify.fused_cpu import as_array, jit, kept_array, kept_bits, use_threads
 from certkv.certify.segment import CertifyOutputs
 from certkv.certify.step_certify import StepPass
@@ -83,32 +83,15 @@ class Fused(NamedTuple):
     # FP16 value blocks): what the caller's host bookkeeping branches on, read in one call
 
     def step_pass(self, arrays: StoreArrays, spec) -> StepPass:
-        """The pass as :class:`~certkv.certify.step_certify.StepPass`, for the fallback of its
-        flagged heads (``arrays``: the store's, :func:`store_arrays`; ``spec``: its
+        """The pass as :class:`~certkv.certify.step_certify.StepPass`, which the fallback and
+        the certificate read (``arrays``: the store's, :func:`store_arrays`; ``spec``: its
         :class:`~certkv.certify.arith.ArithSpec`)."""
         cert = CertifyOutputs(self.e_key, self.e_val, self.e_arith, self.tail_mass, self.k_star,
                               self.canary, self.rung, self.value_blocks, self.flags,
                               self.paper_key, self.paper_val, self.returned, None)
-        return StepPass(self.out, spec, cert, self.delta, self.ranking, self.boundary,
-                        self.blocks(arrays), arrays.num_quantized, self.counts[4])
-
-    def certificate(self, arrays: StoreArrays, mode: str) -> Certificate:
-        """The step's certificate where no head is on rungs 3-4: what
-        :meth:`~certkv.certify.step_certify.StepPass.certificate` makes of :meth:`step_pass`
-        after a fallback that changed nothing, without the objects between (a decode step
-        makes one per layer)."""
-        e_key, e_val = self.returned
-        return Certificate(
-            candidate_e_key=self.e_key, candidate_e_val=self.e_val, e_key=e_key, e_val=e_val,
-            e_arith=self.e_arith, delta=self.delta, tail_mass=self.tail_mass,
-            k_star=self.k_star, rung=self.rung, ranking_ok=self.ranking,
-            boundary_ok=self.boundary, canary_ok=self.canary, value_blocks=self.value_blocks,
-            value_promotions=self.counts[4], num_blocks=arrays.num_quantized, mode=mode,
-            paper_e_key=self.paper_key, paper_e_val=self.paper_val, blocks=self.blocks(arrays))
-
-    def blocks(self, arrays: StoreArrays) -> BlockStats:
-        """The step's :class:`~certkv.certify.certificate.BlockStats`."""
-        return BlockStats(self.rho, arrays.eta, self.delta_b, self.v_rad, arrays.quantized)
+        blocks = BlockStats(self.rho, arrays.eta, self.delta_b, self.v_rad, arrays.quantized)
+        return StepPass(self.out, spec, cert, self.delta, self.ranking, self.boundary, blocks,
+                        arrays.num_quantized, self.counts[4])
 
 
 class StoreArrays(NamedTuple):
