@@ -42,8 +42,7 @@ from certkv.kernels.reference import dense_attention
 from certkv.step import QuantizedStep
 
 # the kernels the compiled step calls, in its order: (module, function, what it computes)
-KERNELS = ((numba_logits, "_key_logits", "phase 1: INT8-key logits"),
-           (numba_backend, "_block_states", "phase 1: block softmax states, Delta_b"),
+KERNELS = ((numba_backend, "_phase1", "phase 1: INT8-key logits, block states, Delta_b"),
            (fused_select, "_kernel", "selection (rung 1, value promotion)"),
            (numba_logits, "_gated_logits", "phase 2: FP16-key logits of promoted blocks"),
            (numba_attend, "attend", "phase 2: softmax, value sums, checks"),

@@ -31,7 +31,14 @@ from certkv.certify.fused_cpu import AVAILABLE, as_array, jit, prange, use_threa
 from certkv.kernels import numba_dense
 from certkv.kernels import numba_values as nv
 from certkv.kernels.numba_attend import attend, attend_scratch
-from certkv.kernels.numba_logits import PARTS, gated_logits, int8_keys, key_logits
+from certkv.kernels.numba_logits import (
+    PARTS,
+    gated_logits,
+    int8_keys,
+    key_logits,
+    logits_range,
+    logits_scratch,
+)
 from certkv.kernels.numba_softmax import row_state
 from certkv.kernels.reference import (
     Attended,
@@ -62,29 +69,57 @@ def states_scratch(hq: int, n: int, bsz: int) -> np.ndarray:
     return np.empty((hq * PARTS, 2, (n // PARTS + 1) * bsz))
 
 
+@jit
+def _states_range(h, blocks, s, q, bound, scaling, states, scratch):
+    """Phase 1 after its logits ``s [H, n, B]`` (``-inf`` on empty slots) for query head ``h``
+    (of kv head ``kv``) over its blocks ``lo <= b < hi`` (``blocks = (kv, lo, hi)``): their
+    weights and softmax state (:func:`row_state`) into ``states = (w [H, n, B], m, total,
+    total2, log_mass, log_spread, delta [H, n])``, log-masses ``m + log(total)``, log-spreads
+    ``m + log(total2) / 2`` and ``Delta_b`` from ``q [H, d]`` and the channel bounds ``bound
+    [Hkv, n, d]`` (:func:`certkv.kernels.reference.phase1`). Each block's numbers are its own,
+    so any split of the blocks gives the same numbers. ``scratch``: FP64 ``[2, >= (hi - lo)
+    B]``."""
+    w, m, total, total2, log_mass, log_spread, delta = states
+    kv, lo, hi = blocks
+    row_state(s[h, lo:hi], w[h, lo:hi], m[h, lo:hi], total[h, lo:hi], total2[h, lo:hi],
+              scratch[0], scratch[1])
+    for b in range(lo, hi):
+        log_mass[h, b] = m[h, b] + np.log(total[h, b])
+        log_spread[h, b] = m[h, b] + _F32(0.5) * np.log(total2[h, b])
+        delta[h, b] = _delta(q[h], bound[kv, b], scaling)
+
+
 @jit(parallel=True)
-def _block_states(group, s, q, bound, scaling, w, m, total, total2, log_mass, log_spread,
-                  delta, scratch):
-    """Phase 1 after its logits ``s [H, n, B]`` (``-inf`` on empty slots), for every query
-    head ``h`` (kv head ``h // group``): the blocks' weights ``w [H, n, B]`` and softmax state
-    ``m, total, total2 [H, n]`` (:func:`row_state`), log-masses ``m + log(total)``,
-    log-spreads ``m + log(total2) / 2`` and ``Delta_b`` from ``q [H, d]`` and the channel
-    bounds ``bound [Hkv, n, d]`` (:func:`certkv.kernels.reference.phase1`). In parallel over
-    (head, range of blocks): each block's numbers are its own, so two threads share out an odd
-    number of heads evenly and every number is the same. ``scratch``: FP64
-    (:func:`states_scratch`)."""
+def _block_states(group, s, q, bound, scaling, states, scratch):
+    """:func:`_states_range` for every query head ``h`` (kv head ``h // group``) over all
+    blocks, in parallel over (head, range of blocks), so that two threads share out an odd
+    number of heads evenly. ``scratch``: FP64 (:func:`states_scratch`)."""
     hq, n = s.shape[0], s.shape[1]
     for task in prange(hq * PARTS):
         h, part = task // PARTS, task % PARTS
-        lo, hi = part * n // PARTS, (part + 1) * n // PARTS
-        frac, scale = scratch[task, 0], scratch[task, 1]
-        row_state(s[h, lo:hi], w[h, lo:hi], m[h, lo:hi], total[h, lo:hi], total2[h, lo:hi],
-                   frac, scale)
-        kv = h // group
-        for b in range(lo, hi):
-            log_mass[h, b] = m[h, b] + np.log(total[h, b])
-            log_spread[h, b] = m[h, b] + _F32(0.5) * np.log(total2[h, b])
-            delta[h, b] = _delta(q[h], bound[kv, b], scaling)
+        blocks = (h // group, part * n // PARTS, (part + 1) * n // PARTS)
+        _states_range(h, blocks, s, q, bound, scaling, states, scratch[task])
+
+
+@jit(parallel=True)
+def _phase1(group, q, keys, bias, bound, scaling, s, states, scratch):
+    """Phase 1 of a certified step in one parallel loop: for each (kv head, range of blocks)
+    the logits ``s [H, n, B]`` of its query heads (:func:`~certkv.kernels.numba_logits.
+    logits_range`: ``keys`` its key sources, ``bias [n, B]`` the slot bias), then, while they
+    are in cache, each of those heads' block states over the same range
+    (:func:`_states_range`; ``states`` as there, ``bound [Hkv, n, d]``, ``scratch``:
+    :func:`states_scratch`). The same ranges as :func:`~certkv.kernels.numba_logits.
+    _key_logits` and :func:`_block_states`, so the same numbers as the two in turn, with one
+    fork and join fewer."""
+    n, bsz = bias.shape
+    hkv, d = q.shape[0] // group, q.shape[1]
+    work = logits_scratch(hkv, bsz, d, group)
+    for task in prange(hkv * PARTS):
+        kv, part = task // PARTS, task % PARTS
+        blocks = (kv, part * n // PARTS, (part + 1) * n // PARTS)
+        logits_range(group, q, keys, blocks, bias, scaling, (work[0][task], work[1][task]), s)
+        for h in range(kv * group, (kv + 1) * group):
+            _states_range(h, blocks, s, q, bound, scaling, states, scratch[h * PARTS + part])
 
 
 @dataclass
@@ -141,7 +176,7 @@ class NumbaBackend(TorchBackend):
         per_block, w = np.empty((6, hq, n), _F32), np.empty((hq, n, bsz), _F32)
         use_threads(torch.get_num_threads())
         _block_states(group, s8, as_array(q.reshape(hq, -1)), as_array(lay.key_bound),
-                      _F32(scaling), w, *per_block, states_scratch(hq, n, bsz))
+                      _F32(scaling), (w, *per_block), states_scratch(hq, n, bsz))
         m, total, total2, log_mass, log_spread, delta = torch.from_numpy(per_block).view(
             6, hkv, group, n).unbind()
         state = BlockSoftmax(m, torch.from_numpy(w).view(hkv, group, n, bsz), total, total2)

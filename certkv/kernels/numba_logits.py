@@ -125,38 +125,57 @@ def _tail_keys(tail, fill, keys):
 
 
 @jit(parallel=True)
-def _key_logits(group, q, slot, codes, scale, offset, width, mirror, mirror_width, originals,
-                originals_width, tail, fill, bias, scaling, s):
+def _key_logits(group, q, keys, bias, scaling, s):
     """Phase 1's logits ``s [H, n, B]`` of query heads ``q [H, d]`` (head ``h`` reads kv head
-    ``h // group``): block ``b`` of kv head ``kv`` decoded from slot ``slot[b]`` of the INT8
-    code rows ``codes [R, B, d]`` with ``scale, offset [R, d]`` at row ``kv * width +
-    slot[b]``; the partial tail block (``fill > 0`` tokens, last) from the FP16 tail buffer's
-    bits ``tail [Hkv, B, d]`` (:func:`_tail_keys`); any other block from the FP32 ``mirror``
-    rows ``[R', B, d]`` at ``kv * mirror_width + b`` (:func:`rows`), or, where the mirror
-    keeps no keys (``mirror_width`` 0: a lean mirror, whose other blocks are exact windows),
-    converted from the bits of their FP16 originals ``originals [R'', B, d]`` at row ``kv *
-    originals_width + b`` (Tier-2); ``bias [n, B]``. In parallel over (kv head, range of
-    blocks)."""
+    ``h // group``) from the key sources ``keys`` (:func:`logits_range`) and the slot bias
+    ``bias [n, B]``. In parallel over (kv head, range of blocks)."""
     n, bsz = bias.shape
     hkv, d = q.shape[0] // group, q.shape[1]
-    completed = n - 1 if fill else n
-    keys, dots = np.empty((hkv * PARTS, bsz, d), _F32), np.empty((hkv * PARTS, group, bsz), _F32)
+    work = logits_scratch(hkv, bsz, d, group)
     for task in prange(hkv * PARTS):
         kv, part = task // PARTS, task % PARTS
-        heads = q[kv * group:(kv + 1) * group]
-        scratch, out = keys[task], dots[task]
-        for b in range(part * n // PARTS, (part + 1) * n // PARTS):
-            if slot[b] >= 0:
-                row = kv * width + slot[b]
-                _decode(codes[row], scale[row], offset[row], scratch)
-            elif b >= completed:
-                _tail_keys(tail[kv], fill, scratch)
-            elif mirror_width:
-                scratch[:] = mirror[kv * mirror_width + b]
-            else:
-                decode_half(originals[kv * originals_width + b], scratch)
-            _dots(heads, scratch, bias[b], scaling, out)
-            s[kv * group:(kv + 1) * group, b] = out
+        logits_range(group, q, keys, (kv, part * n // PARTS, (part + 1) * n // PARTS), bias,
+                     scaling, (work[0][task], work[1][task]), s)
+
+
+@jit
+def logits_scratch(hkv, bsz, d, group):
+    """:func:`logits_range`'s scratch per (kv head, range of blocks) task: FP32 keys ``[B,
+    d]`` and dot products ``[G, B]``."""
+    return np.empty((hkv * PARTS, bsz, d), _F32), np.empty((hkv * PARTS, group, bsz), _F32)
+
+
+@jit
+def logits_range(group, q, keys, blocks, bias, scaling, work, s):
+    """Phase 1's logits ``s[h, b] [B]`` of kv head ``kv``'s query heads ``h`` for its blocks
+    ``lo <= b < hi`` (``blocks = (kv, lo, hi)``). ``keys = (slot, codes, scale, offset, W,
+    mirror, W', originals, W'', tail, fill)``: block ``b`` decoded from slot ``slot[b]`` of the
+    INT8 code rows ``codes [R, B, d]`` with ``scale, offset [R, d]`` at row ``kv * W +
+    slot[b]``; the partial tail block (``fill > 0`` tokens, last) from the FP16 tail buffer's
+    bits ``tail [Hkv, B, d]`` (:func:`_tail_keys`); any other block from the FP32 ``mirror``
+    rows ``[R', B, d]`` at ``kv * W' + b`` (:func:`rows`), or, where the mirror keeps no keys
+    (``W'`` 0: a lean mirror, whose other blocks are exact windows), converted from the bits
+    of their FP16 originals ``originals [R'', B, d]`` at row ``kv * W'' + b`` (Tier-2);
+    ``bias [n, B]``; ``work``: FP32 keys ``[B, d]`` and dots ``[G, B]`` (scratch)."""
+    slot, codes, scale, offset, width, mirror, mirror_width, originals, originals_width, \
+        tail, fill = keys
+    kv, lo, hi = blocks
+    scratch, out = work
+    n = bias.shape[0]
+    completed = n - 1 if fill else n
+    heads = q[kv * group:(kv + 1) * group]
+    for b in range(lo, hi):
+        if slot[b] >= 0:
+            row = kv * width + slot[b]
+            _decode(codes[row], scale[row], offset[row], scratch)
+        elif b >= completed:
+            _tail_keys(tail[kv], fill, scratch)
+        elif mirror_width:
+            scratch[:] = mirror[kv * mirror_width + b]
+        else:
+            decode_half(originals[kv * originals_width + b], scratch)
+        _dots(heads, scratch, bias[b], scaling, out)
+        s[kv * group:(kv + 1) * group, b] = out
 
 
 @jit(parallel=True)
@@ -265,8 +284,9 @@ def key_logits(q: torch.Tensor, lay, scaling: float, codes) -> np.ndarray:
     hkv, group, d = q.shape
     store, n, bsz = lay.store, lay.num_blocks, lay.store.block_size
     s = np.empty((hkv * group, n, bsz), _F32)
-    _key_logits(group, as_array(q.reshape(-1, d)), *codes, *_other_keys(store),
-                *_tail(store), as_array(lay.slot_bias.view(n, bsz)), _F32(scaling), s)
+    keys = (*codes, *_other_keys(store), *_tail(store))
+    _key_logits(group, as_array(q.reshape(-1, d)), keys, as_array(lay.slot_bias.view(n, bsz)),
+                _F32(scaling), s)
     return s
 
 

@@ -1,8 +1,8 @@
 """The CPU backend's certified step as one compiled call (issue 24: a few fused loops, not
 hundreds of small operators).
 
-The numba backend runs a certified step as seven loop nests: Phase 1's logits and block
-states (:mod:`~certkv.kernels.numba_logits`, :mod:`~certkv.kernels.numba_backend`), the
+The numba backend runs a certified step as six loop nests: Phase 1's logits and block states
+in one (:mod:`~certkv.kernels.numba_logits`, :mod:`~certkv.kernels.numba_backend`), the
 selection (:mod:`certkv.certify.fused_select`), Phase 2's FP16-key logits and its attention with
 the checks in its epilogue, the certificate and the rungs (:mod:`certkv.certify.fused_cpu`).
 Called one by one from Python, a SmolLM2 layer step spent about as long between them (NumPy
@@ -129,7 +129,7 @@ _SCRATCH = threading.local()  # this thread's (shape, arrays) of the last step
 
 def scratch(hq: int, n: int, bsz: int) -> tuple:
     """The scratch arrays :func:`_step` writes and reads within one call and never returns
-    (``s8, w, s16 [Hq, n, B]`` FP32, then :func:`~certkv.kernels.numba_backend._block_states`',
+    (``s8, w, s16 [Hq, n, B]`` FP32, then :func:`~certkv.kernels.numba_backend._phase1`'s,
     the selection's, :func:`~certkv.kernels.numba_attend.attend`'s and the certificate's): made
     when the shape changes (a block completes) and shared by every layer's steps on this
     thread meanwhile, instead of some 1.5 MB (a SmolLM2 layer at 4K) allocated and freed per
@@ -241,7 +241,7 @@ def _step(group, q, scaling, keys, bias, bound, quantized, per_kv, v_max, v_rad,
     certified step in one call (:func:`run`; each kernel's docstring gives its shapes).
 
     ``q [Hq, d]`` FP32 (head ``h`` reads kv head ``h // group``); ``keys``: Phase 1's key
-    sources (:func:`numba_logits._key_logits` from ``slot`` to ``fill``); ``bias [n, B]``;
+    sources (:func:`numba_logits.logits_range`); ``bias [n, B]``;
     ``bound [Hkv, n, d]``; ``quantized [n]``; ``per_kv``: ``eta, value_spec, key_err,
     key_spec``, ``[Hkv, n]`` each; ``v_max, v_rad [Hkv]``; ``originals``: the FP16 original keys'
     bits ``[R, B, d]``, their row width and the completed block count; ``values``: the value
@@ -257,17 +257,15 @@ def _step(group, q, scaling, keys, bias, bound, quantized, per_kv, v_max, v_rad,
     hkv = hq // group
     n = bias.shape[0]
     eta, value_spec, key_err, key_spec = per_kv
-    slot, codes, scale, offset, cwidth, mirror, mwidth, okeys, owidth, tail, fill = keys
+    tail, fill = keys[9], keys[10]  # the tail buffer's bits and fill (logits_range)
     orig, orig_width, completed = originals
     s8, w, s16_work, states_work, select_work, attend_work, lanes = work
     # Phase 1: INT8 logits, block softmax states, log-masses, log-spreads, Delta_b (eq. 8)
-    nl._key_logits(group, q, slot, codes, scale, offset, cwidth, mirror, mwidth, okeys,
-                   owidth, tail, fill, bias, scaling, s8)
     # the certificate's block inputs: l8, l16, rho, spread, log_p, delta_b, delta_chan
     blocks = np.empty((7, hq, n), _F32)
     state = np.empty((4, hq, n), _F32)
-    nb._block_states(group, s8, q, bound, scaling, w, state[0], state[1], state[2],
-                     blocks[0], state[3], blocks[6], states_work)
+    nb._phase1(group, q, keys, bias, bound, scaling, s8,
+               (w, state[0], state[1], state[2], blocks[0], state[3], blocks[6]), states_work)
     # selection, rung 1 and value promotion (rung 2)
     sel_f, sel_b = np.empty((3, hq, n), _F32), np.empty((2, hq, n), np.bool_)
     q_norm, expanded = np.empty(hq, _F32), np.empty(hq, np.bool_)
