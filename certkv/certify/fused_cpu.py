@@ -110,17 +110,24 @@ def _lse(x, mask, row):
 
 @jit
 def _tv_block(n, rho, d, lam, spread):
-    """:func:`~certkv.certify.bounds.block_tv_bound` over ``n`` blocks (FP64 arrays)."""
+    """:func:`~certkv.certify.bounds.block_tv_bound` over ``n`` blocks (FP64 arrays). A block
+    read exactly (``D_b = +-0``: promoted, or the tail) adds nothing to the numerator (its
+    ``min(rho_b D_b, ...)`` is 0 or NaN, never ``> 0``) and ``rho_b (e^{-D_b} - 1) = rho_b
+    (-D_b)`` exactly to the denominator's sum, so it skips both ``expm1``: the same numbers
+    with about half the transcendentals of a step that promotes half its blocks."""
     num, kept, top = 0.0, 0.0, -math.inf
     for b in range(n):
         db = d[b]
+        top = _nmax(top, db)
+        if db == 0.0:  # expm1(-(+-0)) is -(+-0)
+            kept += rho[b] * -db
+            continue
         dc = db if db != db else min(max(db, _F64_TINY), _F64_MAX)
         phi = math.expm1(dc) / dc
         per = _nmin(rho[b] * db, spread[b] * lam[b])
         if per > 0:
             num += phi * per
         kept += rho[b] * math.expm1(-db)
-        top = _nmax(top, db)
     den = _nmax(1.0 + kept, math.exp(-top))
     tv = num / (den if den != den else max(den, _F64_TINY))
     return 1.0 if tv != tv else min(tv, 1.0)

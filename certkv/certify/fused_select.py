@@ -150,10 +150,11 @@ def _head(h, kv, l8, delta_chan, log_spread, q, quantized, eta, value_spec, key_
     for b in range(n):
         promoted[b] = not quantized[b] or rank[b] < k_new
         contribution = p[b] * eta[kv, b]
-        if tight:
+        value[b] = contribution > _F32(v_tol) and eta[kv, b] > 0
+        if tight and value[b]:  # the minimum can only keep it below v_tol (or make it NaN)
             spread = np.exp(log_spread[h, b] - (l8[h, b] - log_p[b]))
             contribution = _nmin(contribution, spread * value_spec[kv, b])
-        value[b] = contribution > _F32(v_tol) and eta[kv, b] > 0
+            value[b] = contribution > _F32(v_tol)
 
 
 def select_scratch(hq: int, n: int) -> tuple:

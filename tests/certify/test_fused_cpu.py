@@ -176,3 +176,47 @@ def test_kept_views_follow_their_tensor():
     del x, strided
     gc.collect()
     assert len(fused_cpu._KEPT) == held - 1 and view[1, 2] == 5.0
+
+
+def _tv_every_block(rho, d, lam, spread) -> float:
+    """:func:`fused_cpu._tv_block` as it was, every block through both ``expm1``: the same
+    sequential FP64 sums in Python floats (libm's ``expm1``, as numba's)."""
+    num, kept, top = 0.0, 0.0, -math.inf
+    for r, db, la, sp in zip(rho, d, lam, spread, strict=True):
+        dc = db if db != db else min(max(db, fused_cpu._F64_TINY), fused_cpu._F64_MAX)
+        phi = math.expm1(dc) / dc
+        per = math.nan if (r * db != r * db or sp * la != sp * la) else min(r * db, sp * la)
+        if per > 0:
+            num += phi * per
+        kept += r * math.expm1(-db)
+        top = math.nan if (top != top or db != db) else max(top, db)
+    den = 1.0 + kept
+    den = math.nan if (den != den or top != top) else max(den, math.exp(-top))
+    tv = num / (den if den != den else max(den, fused_cpu._F64_TINY))
+    return 1.0 if tv != tv else min(tv, 1.0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_exact_blocks_skip_the_tv_bound_s_transcendentals_with_the_same_bits(seed):
+    """A block read exactly (``D_b = +-0``) skips both ``expm1`` of the per-block TV bound
+    and changes no bit of it: mixed with quantized blocks, massless, NaN and infinite masses
+    and spreads on the exact ones, a NaN ``D_b``, all blocks exact."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)  # D_b up to 0.3: bounds below TV's cap of 1
+    n = 40
+    rho, lam, spread = rng.random(n) / n, rng.random(n) * 3, rng.random(n) * 0.2
+    d = np.where(rng.random(n) < 0.6, 0.0, rng.random(n) * 0.3)
+    d[rng.random(n) < 0.3] = -0.0
+    exact = np.flatnonzero(d == 0)
+    if seed == 1:
+        rho[exact[:3]] = [math.nan, math.inf, 0.0]
+        spread[exact[3:5]] = [math.nan, math.inf]
+    if seed == 2:
+        d[np.flatnonzero(d != 0)[0]] = math.nan
+    if seed == 3:
+        d[:] = 0.0
+    got = fused_cpu._tv_block(n, rho, d, lam, spread)
+    want = _tv_every_block(rho, d, lam, spread)
+    assert np.float64(got).tobytes() == np.float64(want).tobytes(), (got, want)
+    assert (want == 1.0) == (seed in (1, 2)), want  # below the cap unless NaN is involved
