@@ -28,8 +28,10 @@ FUSED_4K_CEILING = 305
 # Where the store keeps a decoded mirror (as in a model) that step is one compiled call
 # (certkv.kernels.numba_step): 96 aten operators when this was first set (the NumPy views of its
 # inputs and the torch views of its results), 43 since its store's arrays are kept between
-# steps (numba_step.store_arrays): the torch views of its results, the query's FP32 copy.
-ONE_CALL_4K_CEILING = 50
+# steps (numba_step.store_arrays): the torch views of its results, the query's FP32 copy; 31
+# until its per-head results came packed in three arrays by kind (one view and one unbind
+# each), 23 since (warm, the views 29 -> 26 us).
+ONE_CALL_4K_CEILING = 25
 # The Triton path's certified layer step with a partial tail block (device page-in with a
 # scratch cache, device fallback) launched 5 Triton kernels (Phase 1 and Phase 2, the tail block
 # carried by their last launch; the scratch fill of keys and values; the merge, the checks in

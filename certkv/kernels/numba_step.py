@@ -226,10 +226,9 @@ def run(attention, q: torch.Tensor, qg: torch.Tensor, store, arrays: StoreArrays
          ladder.canary, max(1.0, ladder.layer_dense_fraction * hq)),
         scratch(hq, arrays.num_blocks, store.block_size))
     *arrays, counts = res
-    out, blocks, res_f, res_i, per_head, ranked, canary, rung, flags, returned, plan = (
-        torch.from_numpy(x) for x in arrays)
-    return Fused(out, *res_f.unbind(), *res_i.unbind(), per_head[0], per_head[2], rung,
-                 ranked[0], ranked[1], canary, flags, tuple(returned.unbind()), blocks[2],
+    out, blocks, floats, ints, bools, flags, plan = (torch.from_numpy(x) for x in arrays)
+    f, i, b = floats.unbind(), ints.unbind(), bools.unbind()  # every row is a field
+    return Fused(out, *f[:6], i[0], i[1], f[6], f[7], i[2], *b, flags, f[8:], blocks[2],
                  blocks[5], plan, tuple(counts.tolist()))
 
 
@@ -250,9 +249,11 @@ def _step(group, q, scaling, keys, bias, bound, quantized, per_kv, v_max, v_rad,
     ``wanted`` (ranking, boundary);
     ``key_abs_max [Hkv, d]``, ``eta_max [Hkv]``; ``par, weights``: the certificate's scalars;
     ``rung_par``: (non-finite appended K/V, the output dtype's cast limit, the canary on,
-    the layer-dense head count); ``work``: the step's scratch (:func:`scratch`). Returns
-    :class:`Fused`'s arrays in its order, ``counts [5]`` (:attr:`Fused.counts`) last.
-    """
+    the layer-dense head count); ``work``: the step's scratch (:func:`scratch`). Returns ``out
+    [Hq, d]``, the certificate's block inputs ``[7, Hq, n]``, the per-head results packed by
+    kind (``[10, Hq]`` FP32, ``[3, Hq]`` int64, ``[3, Hq]`` bool: :func:`run` unpacks them into
+    :class:`Fused`), the flags ``[Hq + 2]``, the page-in plan and ``counts [5]``
+    (:attr:`Fused.counts`)."""
     hq, d = q.shape
     hkv = hq // group
     n = bias.shape[0]
@@ -285,7 +286,12 @@ def _step(group, q, scaling, keys, bias, bound, quantized, per_kv, v_max, v_rad,
                          tail, fill, bias, scaling, s16)
     staged = np.argwhere(plan[1])
     out, canary = np.empty((hq, d), _F32), np.empty((hq, n), np.bool_)
-    ranked = np.ones((2, hq), np.bool_)
+    # the per-head results, packed so that run() views them in a few operators: floats
+    # (the certificate's six terms, delta, v_rad, E_key and E_val as returned), ints (k_star,
+    # value_blocks, rung), bools (ranking, boundary, canary_ok)
+    floats, ints = np.empty((10, hq), _F32), np.empty((3, hq), np.int64)
+    bools = np.ones((3, hq), np.bool_)
+    ranked = bools[:2]
     na.attend(group, s8, s16, (state[0], w, state[1], state[2]), gate, blocks[6], eps_guard,
               values, staged[:, 0].copy(), staged[:, 1].copy(),
               staged[:, 0] * width + staged[:, 1], pool,
@@ -302,13 +308,12 @@ def _step(group, q, scaling, keys, bias, bound, quantized, per_kv, v_max, v_rad,
     res_f, res_i = fused_cpu._kernel(blocks, per_head, np.stack((eta, value_spec, key_spec)),
                                      promoted, exact, plan[1], q64, key_abs_max, eta_max, out,
                                      par, weights, lanes)
+    floats[:6], floats[6], floats[7], ints[:2] = res_f, per_head[0], per_head[2], res_i
     kv_bad, limit, use_canary, least = rung_par
-    canary_ok, rung = np.empty(hq, np.bool_), np.empty(hq, np.int64)
-    flags, returned = np.empty(hq + 2, np.bool_), np.empty((2, hq), _F32)
-    fused_cpu._rungs(res_f[0], res_f[1], res_f[2], res_i[1], out, q64, expanded, ranked[0],
-                     ranked[1], canary, kv_bad, limit, True, use_canary, least, canary_ok, rung,
-                     flags, returned)
+    flags = np.empty(hq + 2, np.bool_)
+    fused_cpu._rungs(floats[0], floats[1], floats[2], ints[1], out, q64, expanded, ranked[0],
+                     ranked[1], canary, kv_bad, limit, True, use_canary, least, bools[2],
+                     ints[2], flags, floats[8:])
     counts = np.array([flags[:hq].sum(), flags[hq], flags[hq + 1], plan[0].sum(),
                        plan[1].sum()], np.int64)
-    return (out, blocks, res_f, res_i, per_head, ranked, canary_ok, rung, flags, returned, plan,
-            counts)
+    return out, blocks, floats, ints, bools, flags, plan, counts
