@@ -104,13 +104,12 @@ def _block_states(group, s, q, bound, scaling, states, scratch):
 @jit(parallel=True)
 def _phase1(group, q, keys, bias, bound, scaling, s, states, scratch):
     """Phase 1 of a certified step in one parallel loop: for each (kv head, range of blocks)
-    the logits ``s [H, n, B]`` of its query heads (:func:`~certkv.kernels.numba_logits.
-    logits_range`: ``keys`` its key sources, ``bias [n, B]`` the slot bias), then, while they
-    are in cache, each of those heads' block states over the same range
-    (:func:`_states_range`; ``states`` as there, ``bound [Hkv, n, d]``, ``scratch``:
-    :func:`states_scratch`). The same ranges as :func:`~certkv.kernels.numba_logits.
-    _key_logits` and :func:`_block_states`, so the same numbers as the two in turn, with one
-    fork and join fewer."""
+    the logits ``s [H, n, B]`` of its query heads (:func:`logits_range`: ``keys`` its key
+    sources, ``bias [n, B]`` the slot bias), then, while they are in cache, each of those
+    heads' block states over the same range (:func:`_states_range`; ``states`` as there,
+    ``bound [Hkv, n, d]``, ``scratch``: :func:`states_scratch`). The same ranges as
+    :func:`~certkv.kernels.numba_logits._key_logits` and :func:`_block_states`, so the same
+    numbers as the two in turn, with one fork and join fewer."""
     n, bsz = bias.shape
     hkv, d = q.shape[0] // group, q.shape[1]
     work = logits_scratch(hkv, bsz, d, group)
