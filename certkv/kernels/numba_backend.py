@@ -38,6 +38,7 @@ from certkv.kernels.numba_logits import (
     key_logits,
     logits_range,
     logits_scratch,
+    task_blocks,
 )
 from certkv.kernels.numba_softmax import row_state
 from certkv.kernels.reference import (
@@ -96,9 +97,8 @@ def _block_states(group, s, q, bound, scaling, states, scratch):
     number of heads evenly. ``scratch``: FP64 (:func:`states_scratch`)."""
     hq, n = s.shape[0], s.shape[1]
     for task in prange(hq * PARTS):
-        h, part = task // PARTS, task % PARTS
-        blocks = (h // group, part * n // PARTS, (part + 1) * n // PARTS)
-        _states_range(h, blocks, s, q, bound, scaling, states, scratch[task])
+        h, lo, hi = task_blocks(task, n)
+        _states_range(h, (h // group, lo, hi), s, q, bound, scaling, states, scratch[task])
 
 
 @jit(parallel=True)
@@ -114,10 +114,10 @@ def _phase1(group, q, keys, bias, bound, scaling, s, states, scratch):
     hkv, d = q.shape[0] // group, q.shape[1]
     work = logits_scratch(hkv, bsz, d, group)
     for task in prange(hkv * PARTS):
-        kv, part = task // PARTS, task % PARTS
-        blocks = (kv, part * n // PARTS, (part + 1) * n // PARTS)
+        blocks = task_blocks(task, n)
         logits_range(group, q, keys, blocks, bias, scaling, (work[0][task], work[1][task]), s)
-        for h in range(kv * group, (kv + 1) * group):
+        kv, part = blocks[0], task % PARTS
+        for h in range(kv * group, (kv + 1) * group):  # _block_states' task of h, this range
             _states_range(h, blocks, s, q, bound, scaling, states, scratch[h * PARTS + part])
 
 

@@ -133,9 +133,18 @@ def _key_logits(group, q, keys, bias, scaling, s):
     hkv, d = q.shape[0] // group, q.shape[1]
     work = logits_scratch(hkv, bsz, d, group)
     for task in prange(hkv * PARTS):
-        kv, part = task // PARTS, task % PARTS
-        logits_range(group, q, keys, (kv, part * n // PARTS, (part + 1) * n // PARTS), bias,
-                     scaling, (work[0][task], work[1][task]), s)
+        logits_range(group, q, keys, task_blocks(task, n), bias, scaling,
+                     (work[0][task], work[1][task]), s)
+
+
+@jit
+def task_blocks(task, n):
+    """``(owner, lo, hi)`` of parallel task ``task`` over ``n`` blocks: its owner (a kv head or
+    query head) ``task // PARTS`` and blocks ``lo <= b < hi``, the ``task % PARTS``-th of
+    ``PARTS`` ranges. Every loop nest over blocks splits them so, which is what lets
+    :func:`~certkv.kernels.numba_backend._phase1` give the same numbers as the loops it joins."""
+    part = task % PARTS
+    return task // PARTS, part * n // PARTS, (part + 1) * n // PARTS
 
 
 @jit
@@ -187,12 +196,12 @@ def _gated_logits(group, q, gate, originals, width, completed, tail, fill, bias,
     tokens, :func:`_tail_keys`); the dot products of :func:`_key_logits`."""
     hkv, n = gate.shape[0], gate.shape[2]
     bsz, d = bias.shape[1], q.shape[1]
-    keys, dots = np.empty((hkv * PARTS, bsz, d), _F32), np.empty((hkv * PARTS, group, bsz), _F32)
+    keys, dots = logits_scratch(hkv, bsz, d, group)
     for task in prange(hkv * PARTS):
-        kv, part = task // PARTS, task % PARTS
+        kv, lo, hi = task_blocks(task, n)
         heads = q[kv * group:(kv + 1) * group]
         scratch, out = keys[task], dots[task]
-        for b in range(part * n // PARTS, (part + 1) * n // PARTS):
+        for b in range(lo, hi):
             wanted = False
             for g in range(group):
                 wanted = wanted or gate[kv, g, b]
