@@ -169,10 +169,11 @@ def _round_up(x):
     return np.float32(x * (1.0 + ROUND_UP_REL) + ROUND_UP_ABS)
 
 
-def lanes_scratch(hq: int, n: int) -> np.ndarray:
-    """:func:`_kernel`'s scratch: each head's FP64 lanes (rho, D, lam, spread as computed, then
-    widened) ``[Hq, 8, n]``."""
-    return np.empty((hq, 8, n))
+def lanes_scratch(hq: int, n: int) -> tuple:
+    """:func:`_kernel`'s scratch, each head's rows of: FP64 lanes (rho, D, lam, spread as
+    computed, then widened) ``[Hq, 8, n]``, its INT8 tail blocks ``[Hq, n]`` (bool) and the
+    tail blocks' upper log-masses ``[Hq, 2, n]`` (FP64)."""
+    return np.empty((hq, 8, n)), np.empty((hq, n), np.bool_), np.empty((hq, 2, n))
 
 
 @jit(parallel=True)
@@ -192,10 +193,9 @@ def _kernel(blocks, per_head, per_kv, promoted, exact, value_kv, q, key_abs_max,
     f32 = np.float32
     res_f = np.empty((6, hq), dtype=np.float32)  # e_key, e_val, e_arith, tail, paper key, val
     res_i = np.empty((2, hq), dtype=np.int64)  # k_star, value_blocks
-    # each head's scratch, made once for all heads
-    all_tails, all_up = np.empty((hq, n), np.bool_), np.empty((hq, 2, n))
+    all_lanes, all_tails, all_up = lanes_all  # each head's scratch rows
     for h in prange(hq):
-        lanes = lanes_all[h]  # rho, D, lam, spread as computed, then widened
+        lanes = all_lanes[h]  # rho, D, lam, spread as computed, then widened
         tail = all_tails[h]  # the head's INT8 tail blocks
         up = all_up[h]  # upper log-masses of the tail blocks: tight, eq. 8's Delta_b
         kv = h // group  # query head h reads kv head h // G

@@ -195,11 +195,18 @@ def _chunk_values(kv, chunk, weights, alphas, values, vslot, pool, part, scratch
         nv.add_block(part, o_b, permuted)
 
 
-def attend_scratch(hq: int, n: int, bsz: int) -> tuple:
-    """:func:`attend`'s scratch: Phase 2's weights ``[H, n, B]`` and each head's FP32 ``[4,
-    m]`` and FP64 ``[2, m]`` rows (:func:`_head_weights`), ``m = max(n, GATED_CHUNK B)``."""
-    m = max(n, GATED_CHUNK * bsz)
-    return np.empty((hq, n, bsz), _F32), np.empty((hq, 4, m), _F32), np.empty((hq, 2, m))
+def attend_scratch(hq: int, n: int, bsz: int, group: int, d: int) -> tuple:
+    """:func:`attend`'s scratch: Phase 2's weights ``[H, n, B]``, each head's FP32 ``[4, m]``
+    and FP64 ``[2, m]`` rows (:func:`_head_weights`), ``m = max(n, GATED_CHUNK B)``; the FP16
+    value rows' slots ``[Hkv, n]`` (int64), the heads' ``alphas [H, n]`` and ``total [H]``;
+    per (kv head, chunk of ``SUM_CHUNK`` blocks) task its partial sums ``[Hkv, C, G, d]``
+    and :func:`_chunk_values`' ``o_b [G, d]``, decoded block ``[B, d]`` and weights ``[G,
+    B]`` (FP32)."""
+    m, hkv, chunks = max(n, GATED_CHUNK * bsz), hq // group, (n + SUM_CHUNK - 1) // SUM_CHUNK
+    return (np.empty((hq, n, bsz), _F32), np.empty((hq, 4, m), _F32), np.empty((hq, 2, m)),
+            np.empty((hkv, n), np.int64), np.empty((hq, n), _F32), np.empty(hq, _F32),
+            np.empty((hkv, chunks, group, d), _F32), np.empty((hkv * chunks, group, d), _F32),
+            np.empty((hkv * chunks, bsz, d), _F32), np.empty((hkv * chunks, group, bsz), _F32))
 
 
 @jit(parallel=True)
@@ -219,24 +226,19 @@ def attend(group, s8, s16, state, gate, delta_b, eps_guard, values, staged_kv, s
     heads' softmax and checks; the value sums of each (kv head, chunk of ``SUM_CHUNK``
     blocks), so that two threads share out even three kv heads; then each head's chunk sums
     added in order and divided by its total mass (the reference's two-level sum)."""
-    hq, n, bsz = s8.shape
+    hq, n = s8.shape[:2]
     hkv, d = hq // group, out.shape[1]
-    vslot = np.full((hkv, n), -1, np.int64)
+    w, f32, f64, vslot, alphas, total, parts, o_b, blocks, wb = work  # attend_scratch
+    vslot[:] = -1
     for i in range(staged_kv.shape[0]):
         vslot[staged_kv[i], staged_blk[i]] = staged_row[i]
     l8, delta_t, promoted, quantized, r = checks
-    w, f32, f64 = work  # Phase 2's weights, each head's scratch
-    alphas, total = np.empty((hq, n), _F32), np.empty(hq, _F32)
     for h in prange(hq):
         total[h] = _head_weights(h, s8, s16, state, gate, delta_b, eps_guard, rho, log_mass,
                                  spread, canary, w[h], alphas[h], (f32[h], f64[h]))
         if r >= 1:
             rank_checks(h, l8, log_mass, delta_t, promoted, quantized, r, flags[0], flags[1])
     chunks = (n + SUM_CHUNK - 1) // SUM_CHUNK
-    parts = np.empty((hkv, chunks, group, d), _F32)
-    o_b, blocks, wb = (np.empty((hkv * chunks, group, d), _F32),
-                       np.empty((hkv * chunks, bsz, d), _F32),
-                       np.empty((hkv * chunks, group, bsz), _F32))
     w8 = state[1]
     for task in prange(hkv * chunks):
         kv, chunk = task // chunks, task % chunks

@@ -37,7 +37,6 @@ from certkv.kernels.numba_logits import (
     int8_keys,
     key_logits,
     logits_range,
-    logits_scratch,
     task_blocks,
 )
 from certkv.kernels.numba_softmax import row_state
@@ -102,20 +101,22 @@ def _block_states(group, s, q, bound, scaling, states, scratch):
 
 
 @jit(parallel=True)
-def _phase1(group, q, keys, bias, bound, scaling, s, states, scratch):
+def _phase1(group, q, keys, bias, bound, scaling, s, states, work):
     """Phase 1 of a certified step in one parallel loop: for each (kv head, range of blocks)
     the logits ``s [H, n, B]`` of its query heads (:func:`logits_range`: ``keys`` its key
     sources, ``bias [n, B]`` the slot bias), then, while they are in cache, each of those
     heads' block states over the same range (:func:`_states_range`; ``states`` as there,
-    ``bound [Hkv, n, d]``, ``scratch``: :func:`states_scratch`). The same ranges as
+    ``bound [Hkv, n, d]``; ``work``: :func:`states_scratch`'s rows and
+    :func:`~certkv.kernels.numba_logits.logits_scratch`'s two arrays). The same ranges as
     :func:`~certkv.kernels.numba_logits._key_logits` and :func:`_block_states`, so the same
     numbers as the two in turn, with one fork and join fewer."""
-    n, bsz = bias.shape
-    hkv, d = q.shape[0] // group, q.shape[1]
-    work = logits_scratch(hkv, bsz, d, group)
+    n = bias.shape[0]
+    hkv = q.shape[0] // group
+    scratch, keys_work, dots_work = work
     for task in prange(hkv * PARTS):
         blocks = task_blocks(task, n)
-        logits_range(group, q, keys, blocks, bias, scaling, (work[0][task], work[1][task]), s)
+        logits_range(group, q, keys, blocks, bias, scaling, (keys_work[task], dots_work[task]),
+                     s)
         kv, part = blocks[0], task % PARTS
         for h in range(kv * group, (kv + 1) * group):  # _block_states' task of h, this range
             _states_range(h, blocks, s, q, bound, scaling, states, scratch[h * PARTS + part])
@@ -211,7 +212,7 @@ class NumbaBackend(TorchBackend):
                 as_array(gate.reshape(hq, n)), as_array(scored.delta_b.reshape(hq, n)),
                 _F32(eps_guard), nv.sources(lay.store, lay), *_staged(values, lay.store),
                 _check_args(checks, hq, n), out, *per_block, canary, flags,
-                attend_scratch(hq, n, bsz))
+                attend_scratch(hq, n, bsz, group, d))
         rho, log_mass, spread = torch.from_numpy(per_block).view(3, hkv, group, n).unbind()
         att = Attended(out=torch.from_numpy(out).view(hkv, group, d), rho=rho,
                        log_mass=log_mass, canary=torch.from_numpy(canary).view(hkv, group, n),

@@ -188,15 +188,16 @@ def logits_range(group, q, keys, blocks, bias, scaling, work, s):
 
 
 @jit(parallel=True)
-def _gated_logits(group, q, gate, originals, width, completed, tail, fill, bias, scaling, s):
+def _gated_logits(group, q, gate, originals, width, completed, tail, fill, bias, scaling, s,
+                  work):
     """The FP16-key logits ``s [H, n, B]`` of the blocks some query head of a kv head gates
     (``gate [Hkv, G, n]``; the others are left as they are): block ``b < completed`` of kv
     head ``kv`` from the FP16 originals' bits ``originals [R, B, d]`` at row ``kv * width +
     b``, the partial tail block from the tail buffer's bits ``tail [Hkv, B, d]`` (``fill``
-    tokens, :func:`_tail_keys`); the dot products of :func:`_key_logits`."""
+    tokens, :func:`_tail_keys`); the dot products of :func:`_key_logits`. ``work``:
+    :func:`logits_scratch`."""
     hkv, n = gate.shape[0], gate.shape[2]
-    bsz, d = bias.shape[1], q.shape[1]
-    keys, dots = logits_scratch(hkv, bsz, d, group)
+    keys, dots = work
     for task in prange(hkv * PARTS):
         kv, lo, hi = task_blocks(task, n)
         heads = q[kv * group:(kv + 1) * group]
@@ -339,5 +340,5 @@ def gated_logits(q: torch.Tensor, lay, gate: torch.Tensor, scaling: float) -> np
     s = np.empty((hkv * group, n, bsz), _F32)
     _gated_logits(group, as_array(q.reshape(-1, d)), as_array(gate), *_original_keys(store),
                   store.num_blocks, *_tail(store), as_array(lay.slot_bias.view(n, bsz)),
-                  _F32(scaling), s)
+                  _F32(scaling), s, logits_scratch(hkv, bsz, d, group))
     return s

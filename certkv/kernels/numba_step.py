@@ -127,20 +127,30 @@ _ARRAYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # store -> Sto
 _SCRATCH = threading.local()  # this thread's (shape, arrays) of the last step
 
 
-def scratch(hq: int, n: int, bsz: int) -> tuple:
+def scratch(hkv: int, group: int, n: int, bsz: int, d: int) -> tuple:
     """The scratch arrays :func:`_step` writes and reads within one call and never returns
     (``s8, w, s16 [Hq, n, B]`` FP32, then :func:`~certkv.kernels.numba_backend._phase1`'s,
-    the selection's, :func:`~certkv.kernels.numba_attend.attend`'s and the certificate's): made
-    when the shape changes (a block completes) and shared by every layer's steps on this
-    thread meanwhile, instead of some 1.5 MB (a SmolLM2 layer at 4K) allocated and freed per
-    layer step. Each step writes every element it later reads, so no step sees another's numbers
-    (``tests/kernels/test_numba_step.py`` steps two stores in turn)."""
+    the selection's, :func:`~certkv.kernels.numba_attend.attend`'s, the certificate's and the
+    step's own: the block states ``[4, Hq, n]``, the selection's FP32 ``[3, Hq, n]`` and bool
+    ``[2, Hq, n]`` results, the certificate's block inputs ``[7, Hq, n]``, the gate and the
+    canary ``[Hq, n]`` (bool), the per-kv-head inputs ``[3, Hkv, n]`` and the FP64 query
+    ``[Hq, d]``): made when the shape changes (a block completes) and shared by every layer's
+    steps on this thread meanwhile, instead of some 1.8 MB in about thirty arrays (a SmolLM2
+    layer at 4K) allocated and freed per layer step (each a walk of the C heap's bins between
+    the model's own allocations). Each step writes every element it later reads, so no step
+    sees another's numbers (``tests/kernels/test_numba_step.py`` steps two stores in turn)."""
+    hq = hkv * group
     kept = getattr(_SCRATCH, "kept", None)
-    if kept is None or kept[0] != (hq, n, bsz):
-        made = (*(np.empty((hq, n, bsz), _F32) for _ in range(3)),
-                nb.states_scratch(hq, n, bsz), fused_select.select_scratch(hq, n),
-                na.attend_scratch(hq, n, bsz), fused_cpu.lanes_scratch(hq, n))
-        kept = ((hq, n, bsz), made)
+    if kept is None or kept[0] != (hkv, group, n, bsz, d):
+        phase1 = (nb.states_scratch(hq, n, bsz), *nl.logits_scratch(hkv, bsz, d, group))
+        own = (np.empty((4, hq, n), _F32), np.empty((3, hq, n), _F32),
+               np.empty((2, hq, n), np.bool_), np.empty((7, hq, n), _F32),
+               np.empty((hq, n), np.bool_), np.empty((hq, n), np.bool_),
+               np.empty((3, hkv, n), _F32), np.empty((hq, d)))
+        made = (*(np.empty((hq, n, bsz), _F32) for _ in range(3)), phase1,
+                fused_select.select_scratch(hq, n), na.attend_scratch(hq, n, bsz, group, d),
+                fused_cpu.lanes_scratch(hq, n), own)
+        kept = ((hkv, group, n, bsz, d), made)
         _SCRATCH.kept = kept
     return kept[1]
 
@@ -224,12 +234,12 @@ def run(attention, q: torch.Tensor, qg: torch.Tensor, store, arrays: StoreArrays
         *params,
         (bool(store.nonfinite_appended()), fused_cpu.CAST_LIMIT.get(q.dtype, math.inf),
          ladder.canary, max(1.0, ladder.layer_dense_fraction * hq)),
-        scratch(hq, arrays.num_blocks, store.block_size))
+        scratch(hkv, group, arrays.num_blocks, store.block_size, d))
     *arrays, counts = res
     out, blocks, floats, ints, bools, flags, plan = (torch.from_numpy(x) for x in arrays)
     f, i, b = floats.unbind(), ints.unbind(), bools.unbind()  # every row is a field
-    return Fused(out, *f[:6], i[0], i[1], f[6], f[7], i[2], *b, flags, f[8:], blocks[2],
-                 blocks[5], plan, tuple(counts.tolist()))
+    return Fused(out, *f[:6], i[0], i[1], f[6], f[7], i[2], *b, flags, f[8:], blocks[0],
+                 blocks[1], plan, tuple(counts.tolist()))
 
 
 @jit
@@ -250,7 +260,9 @@ def _step(group, q, scaling, keys, bias, bound, quantized, per_kv, v_max, v_rad,
     ``key_abs_max [Hkv, d]``, ``eta_max [Hkv]``; ``par, weights``: the certificate's scalars;
     ``rung_par``: (non-finite appended K/V, the output dtype's cast limit, the canary on,
     the layer-dense head count); ``work``: the step's scratch (:func:`scratch`). Returns ``out
-    [Hq, d]``, the certificate's block inputs ``[7, Hq, n]``, the per-head results packed by
+    [Hq, d]``, Phase 2's block masses and the tightened ``Delta_b`` ``[2, Hq, n]`` (of the
+    certificate's block inputs, which stay in the scratch, those the caller keeps), the
+    per-head results packed by
     kind (``[10, Hq]`` FP32, ``[3, Hq]`` int64, ``[3, Hq]`` bool: :func:`run` unpacks them into
     :class:`Fused`), the flags ``[Hq + 2]``, the page-in plan and ``counts [5]``
     (:attr:`Fused.counts`)."""
@@ -260,15 +272,13 @@ def _step(group, q, scaling, keys, bias, bound, quantized, per_kv, v_max, v_rad,
     eta, value_spec, key_err, key_spec = per_kv
     tail, fill = keys[9], keys[10]  # the tail buffer's bits and fill (logits_range)
     orig, orig_width, completed = originals
-    s8, w, s16_work, states_work, select_work, attend_work, lanes = work
+    s8, w, s16_work, phase1_work, select_work, attend_work, lanes, own = work
+    state, sel_f, sel_b, blocks, no_gate, canary, per_kv_3, q64 = own
     # Phase 1: INT8 logits, block softmax states, log-masses, log-spreads, Delta_b (eq. 8)
     # the certificate's block inputs: l8, l16, rho, spread, log_p, delta_b, delta_chan
-    blocks = np.empty((7, hq, n), _F32)
-    state = np.empty((4, hq, n), _F32)
     nb._phase1(group, q, keys, bias, bound, scaling, s8,
-               (w, state[0], state[1], state[2], blocks[0], state[3], blocks[6]), states_work)
+               (w, state[0], state[1], state[2], blocks[0], state[3], blocks[6]), phase1_work)
     # selection, rung 1 and value promotion (rung 2)
-    sel_f, sel_b = np.empty((3, hq, n), _F32), np.empty((2, hq, n), np.bool_)
     q_norm, expanded = np.empty(hq, _F32), np.empty(hq, np.bool_)
     plan, radii, exact = (np.empty((2, hkv, n), np.bool_), np.empty((2, hq), _F32),
                           np.empty(n, np.bool_))
@@ -279,13 +289,15 @@ def _step(group, q, scaling, keys, bias, bound, quantized, per_kv, v_max, v_rad,
     promoted = sel_b[0]
     # Phase 2: the promoted blocks' FP16-key logits (where any key block is paged in), the
     # promoted FP16 values read from Tier-2 in place, the checks (eq. 17-18) in its epilogue
-    gate, s16 = np.zeros((hq, n), np.bool_), s8
     if plan[0].any():
         gate, s16 = promoted, s16_work
         nl._gated_logits(group, q, gate.reshape(hkv, group, n), orig, orig_width, completed,
-                         tail, fill, bias, scaling, s16)
+                         tail, fill, bias, scaling, s16, phase1_work[1:])
+    else:
+        gate, s16 = no_gate, s8
+        gate[:] = False
     staged = np.argwhere(plan[1])
-    out, canary = np.empty((hq, d), _F32), np.empty((hq, n), np.bool_)
+    out = np.empty((hq, d), _F32)
     # the per-head results, packed so that run() views them in a few operators: floats
     # (the certificate's six terms, delta, v_rad, E_key and E_val as returned), ints (k_star,
     # value_blocks, rung), bools (ranking, boundary, canary_ok)
@@ -304,10 +316,10 @@ def _step(group, q, scaling, keys, bias, bound, quantized, per_kv, v_max, v_rad,
     per_head = np.empty((4, hq), _F32)
     per_head[0], per_head[1], per_head[2], per_head[3] = sel_f[2, :, 0], radii[0], radii[1], \
         q_norm
-    q64 = q.astype(np.float64)
-    res_f, res_i = fused_cpu._kernel(blocks, per_head, np.stack((eta, value_spec, key_spec)),
-                                     promoted, exact, plan[1], q64, key_abs_max, eta_max, out,
-                                     par, weights, lanes)
+    q64[:] = q
+    per_kv_3[0], per_kv_3[1], per_kv_3[2] = eta, value_spec, key_spec
+    res_f, res_i = fused_cpu._kernel(blocks, per_head, per_kv_3, promoted, exact, plan[1], q64,
+                                     key_abs_max, eta_max, out, par, weights, lanes)
     floats[:6], floats[6], floats[7], ints[:2] = res_f, per_head[0], per_head[2], res_i
     kv_bad, limit, use_canary, least = rung_par
     flags = np.empty(hq + 2, np.bool_)
@@ -316,4 +328,6 @@ def _step(group, q, scaling, keys, bias, bound, quantized, per_kv, v_max, v_rad,
                      ints[2], flags, floats[8:])
     counts = np.array([flags[:hq].sum(), flags[hq], flags[hq + 1], plan[0].sum(),
                        plan[1].sum()], np.int64)
-    return out, blocks, floats, ints, bools, flags, plan, counts
+    kept = np.empty((2, hq, n), _F32)
+    kept[0], kept[1] = blocks[2], blocks[5]
+    return out, kept, floats, ints, bools, flags, plan, counts

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 import torch
 from helpers import examples, make_kv, make_query, same_values
@@ -77,7 +78,8 @@ def test_layers_share_one_scratch_and_carry_nothing_from_step_to_step(one_calls)
     """Two stores of one shape stepped in turn, as a model's layers are, share this thread's
     scratch (:func:`numba_step.scratch`: the same arrays at every step) and every step equals
     its phase-by-phase twin bit for bit, so nothing one step leaves in the scratch reaches the
-    next; another thread gets arrays of its own."""
+    next, even with every scratch element overwritten with poison (NaN, True, 0) between steps;
+    another thread gets arrays of its own."""
     kvs = [make_kv(3, 16 * 18 + 12, 64, seed=seed) for seed in (4, 5)]
     stores = []
     for k, v in kvs:
@@ -90,6 +92,8 @@ def test_layers_share_one_scratch_and_carry_nothing_from_step_to_step(one_calls)
     for t in range(4):
         for i, (store, (k, _)) in enumerate(zip(stores, kvs, strict=True)):
             q = make_query(k, 3, seed=10 * t + i, peaked=t % 2 == 0)
+            if t >= 2:
+                _poison(numba_step._SCRATCH.kept[1])
             (out, cert), (out_p, cert_p) = fused(q, store), phased(q, store)
             assert torch.equal(out, out_p) and same_values(cert, cert_p), (t, i)
             kept.add(id(numba_step._SCRATCH.kept[1][0]))
@@ -100,6 +104,16 @@ def test_layers_share_one_scratch_and_carry_nothing_from_step_to_step(one_calls)
     thread.start()
     thread.join()
     assert other[0] is not numba_step.scratch(*shape)[0]
+
+
+def _poison(arrays) -> None:
+    """Every array in the nested tuple ``arrays`` filled with what a step must never read:
+    NaN, True, 0 (a slot that names a real row)."""
+    for x in arrays:
+        if isinstance(x, tuple):
+            _poison(x)
+        else:
+            x.fill(np.nan if x.dtype.kind == "f" else 0 if x.dtype.kind in "iu" else True)
 
 
 @pytest.mark.parametrize("mirror", [True, "lean"])
