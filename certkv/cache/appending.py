@@ -114,15 +114,11 @@ class Appending:
         if not (self._centred and self._layer.key_max is not None
                 and append_cpu.covers(k, self.device, self.tail_len, self.block_size)):
             return False
-        k16, v16 = (x.to(device=self.device, dtype=torch.float16) for x in (k, v))
-        tails, mirror_rows = self._append_views()
+        k16, v16 = k.to(self.device, torch.float16), v.to(self.device, torch.float16)
+        tails, maxima, mirror_rows, scratch = self._append_views()
         finite = append_cpu.append(  # the maxima updated in place (NumPy views of them)
             k16.view(torch.int16).numpy(), v16.view(torch.int16).numpy(), *tails,
-            self.tail_len, *(x.numpy() for x in (self._centre, self._key_abs_max,
-                                                 self._block_maxima, self._tail_maxima,
-                                                 self._value_maxima)),
-            INFLATE, self._mirror is not None, *mirror_rows,
-            np.empty((2, 1, self.head_dim), np.float32))
+            self.tail_len, *maxima, INFLATE, self._mirror is not None, *mirror_rows, scratch)
         require(finite, NonFiniteError, NONFINITE_KV)
         self._step_read, self._step_codes = None, {}
         self.tail_len += 1
@@ -130,21 +126,26 @@ class Appending:
             self._graduate()
         return True
 
-    def _append_views(self) -> tuple[tuple, tuple]:
-        """The NumPy views :meth:`_append_token` writes through: the tail buffers' bits and the
-        decoded mirror's tail row (keys, original keys, values, slot bias; placeholders without
-        a mirror), made again only when those buffers are not the ones they view."""
+    def _append_views(self) -> tuple[tuple, tuple, tuple, np.ndarray]:
+        """The NumPy views :meth:`_append_token` reads and writes through: the tail buffers'
+        bits, the centre and the running maxima, the decoded mirror's tail row (keys, original
+        keys, values, slot bias; placeholders without a mirror), and its FP32 scratch ``[2, 1,
+        d]``; made again only when those buffers are not the ones they view."""
         spare = self._mirror.spare_view() if self._mirror is not None else None
         cached = self._views
-        if cached is not None and cached[0] is spare and cached[1] is self._tail_k:
-            return cached[2]
+        maxima = (self._centre, self._key_abs_max, self._block_maxima, self._tail_maxima,
+                  self._value_maxima)
+        sources = (spare, self._tail_k, *maxima)
+        if cached is not None and all(a is b for a, b in zip(cached[0], sources, strict=True)):
+            return cached[1]
         unused = torch.zeros(self.num_kv_heads, self.block_size, self.head_dim)  # written only
         rows = ((*(spare[name][:, 0] if name in spare else unused for name in ("k", "orig_k")),
                  spare["v"][0, 0] if "v" in spare else unused, spare["bias"][:, 0])
                 if spare is not None else (torch.zeros(1, 1, 1),) * 3 + (torch.zeros(1, 1),))
         views = (tuple(x.view(torch.int16).numpy() for x in (self._tail_k, self._tail_v)),
-                 tuple(x.numpy() for x in rows))
-        self._views = (spare, self._tail_k, views)
+                 tuple(x.numpy() for x in maxima), tuple(x.numpy() for x in rows),
+                 np.empty((2, 1, self.head_dim), np.float32))
+        self._views = (sources, views)
         return views
 
     def _commit_tail(self, k16: torch.Tensor, v16: torch.Tensor, n_full: int) -> None:
