@@ -128,8 +128,8 @@ class StepCounter:
         return labelled
 
     def _label_kernels(self):
-        """Count Triton launches under a profiler label; returns the function that restores
-        Triton's launch methods (:func:`wrap_triton_launches`)."""
+        """Count Triton launches under a profiler label; returns the function that removes
+        the counting wrapper again (:func:`wrap_triton_launches`)."""
         def labelled(fn, launch, args, kwargs):
             name = getattr(getattr(fn, "fn", None), "__name__", "kernel")
             self.kernels[name] += 1
