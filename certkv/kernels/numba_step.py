@@ -135,10 +135,11 @@ def scratch(hkv: int, group: int, n: int, bsz: int, d: int) -> tuple:
     ``[2, Hq, n]`` results, the certificate's block inputs ``[7, Hq, n]``, the gate and the
     canary ``[Hq, n]`` (bool), the per-kv-head inputs ``[3, Hkv, n]`` and the FP64 query
     ``[Hq, d]``): made when the shape changes (a block completes) and shared by every layer's
-    steps on this thread meanwhile, instead of some 1.8 MB in about thirty arrays (a SmolLM2
-    layer at 4K) allocated and freed per layer step (each a walk of the C heap's bins between
-    the model's own allocations). Each step writes every element it later reads, so no step
-    sees another's numbers (``tests/kernels/test_numba_step.py`` steps two stores in turn)."""
+    steps on this thread meanwhile, instead of 33 arrays, about 2 MB (a SmolLM2 layer at 4K),
+    allocated and freed per layer step (each a walk of the C heap's bins between the model's
+    own allocations). Each step writes every element it later reads, so no step sees another's
+    numbers (``tests/kernels/test_numba_step.py`` steps two stores in turn, the scratch
+    poisoned between them)."""
     hq = hkv * group
     kept = getattr(_SCRATCH, "kept", None)
     if kept is None or kept[0] != (hkv, group, n, bsz, d):
@@ -236,10 +237,10 @@ def run(attention, q: torch.Tensor, qg: torch.Tensor, store, arrays: StoreArrays
          ladder.canary, max(1.0, ladder.layer_dense_fraction * hq)),
         scratch(hkv, group, arrays.num_blocks, store.block_size, d))
     *arrays, counts = res
-    out, blocks, floats, ints, bools, flags, plan = (torch.from_numpy(x) for x in arrays)
+    out, kept, floats, ints, bools, flags, plan = (torch.from_numpy(x) for x in arrays)
     f, i, b = floats.unbind(), ints.unbind(), bools.unbind()  # every row is a field
-    return Fused(out, *f[:6], i[0], i[1], f[6], f[7], i[2], *b, flags, f[8:], blocks[0],
-                 blocks[1], plan, tuple(counts.tolist()))
+    return Fused(out, *f[:6], i[0], i[1], f[6], f[7], i[2], *b, flags, f[8:], kept[0], kept[1],
+                 plan, tuple(counts.tolist()))
 
 
 @jit
@@ -260,12 +261,11 @@ def _step(group, q, scaling, keys, bias, bound, quantized, per_kv, v_max, v_rad,
     ``key_abs_max [Hkv, d]``, ``eta_max [Hkv]``; ``par, weights``: the certificate's scalars;
     ``rung_par``: (non-finite appended K/V, the output dtype's cast limit, the canary on,
     the layer-dense head count); ``work``: the step's scratch (:func:`scratch`). Returns ``out
-    [Hq, d]``, Phase 2's block masses and the tightened ``Delta_b`` ``[2, Hq, n]`` (of the
-    certificate's block inputs, which stay in the scratch, those the caller keeps), the
-    per-head results packed by
-    kind (``[10, Hq]`` FP32, ``[3, Hq]`` int64, ``[3, Hq]`` bool: :func:`run` unpacks them into
-    :class:`Fused`), the flags ``[Hq + 2]``, the page-in plan and ``counts [5]``
-    (:attr:`Fused.counts`)."""
+    [Hq, d]``, ``kept [2, Hq, n]`` (Phase 2's block masses and the tightened ``Delta_b``,
+    copied out of the certificate's block inputs in the scratch for the caller to keep), the
+    per-head results packed by kind (``[10, Hq]`` FP32, ``[3, Hq]`` int64, ``[3, Hq]`` bool:
+    :func:`run` unpacks them into :class:`Fused`), the flags ``[Hq + 2]``, the page-in plan
+    and ``counts [5]`` (:attr:`Fused.counts`)."""
     hq, d = q.shape
     hkv = hq // group
     n = bias.shape[0]
