@@ -124,7 +124,8 @@ class StoreArrays(NamedTuple):
 
 
 _ARRAYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # store -> StoreArrays
-_SCRATCH = threading.local()  # this thread's (shape, arrays) of the last step
+_SCRATCH = threading.local()  # kept: shape -> arrays, least recently used first; used: its call
+SCRATCH_SHAPES = 8  # a shape no call of the last 8 used is dropped (a batch's sequences take turns)
 
 
 def scratch(hkv: int, group: int, n: int, bsz: int, d: int) -> tuple:
@@ -134,26 +135,42 @@ def scratch(hkv: int, group: int, n: int, bsz: int, d: int) -> tuple:
     step's own: the block states ``[4, Hq, n]``, the selection's FP32 ``[3, Hq, n]`` and bool
     ``[2, Hq, n]`` results, the certificate's block inputs ``[7, Hq, n]``, the gate and the
     canary ``[Hq, n]`` (bool), the per-kv-head inputs ``[3, Hkv, n]`` and the FP64 query
-    ``[Hq, d]``): made when the shape changes (a block completes) and shared by every layer's
-    steps on this thread meanwhile, instead of 33 arrays, about 2 MB (a SmolLM2 layer at 4K),
-    allocated and freed per layer step (each a walk of the C heap's bins between the model's
-    own allocations). Each step writes every element it later reads, so no step sees another's
-    numbers (``tests/kernels/test_numba_step.py`` steps two stores in turn, the scratch
+    ``[Hq, d]``): made once per shape and kept for this thread's steps of that shape, instead
+    of 33 arrays, about 2 MB (a SmolLM2 layer at 4K), allocated and freed per layer step (each
+    a walk of the C heap's bins between the model's own allocations). Every layer of a model
+    shares one shape until a block completes; a CPU batch steps its sequences one by one, each
+    with its own block count, so a shape stays while one of the last :data:`SCRATCH_SHAPES`
+    calls used it (a batch of up to that many sequences keeps all of its shapes; a single
+    sequence's shape before its last block completed goes a few calls later). Each step writes
+    every element it later reads, so no step sees another's numbers
+    (``tests/kernels/test_numba_step.py`` steps stores of two shapes in turn, the scratch
     poisoned between them)."""
+    shape = (hkv, group, n, bsz, d)
+    kept, used = getattr(_SCRATCH, "kept", None), getattr(_SCRATCH, "used", None)
+    if kept is None or used is None:
+        kept, used = _SCRATCH.kept, _SCRATCH.used = {}, {}
+    call = _SCRATCH.calls = getattr(_SCRATCH, "calls", 0) + 1
+    made = kept.pop(shape, None)
+    if made is None:
+        made = _scratch(*shape)
+    kept[shape], used[shape] = made, call  # the most recently used last
+    oldest = next(iter(kept))
+    if call - used[oldest] > SCRATCH_SHAPES or len(kept) > SCRATCH_SHAPES:
+        del kept[oldest], used[oldest]
+    return made
+
+
+def _scratch(hkv: int, group: int, n: int, bsz: int, d: int) -> tuple:
+    """:func:`scratch`'s arrays for one shape, made anew."""
     hq = hkv * group
-    kept = getattr(_SCRATCH, "kept", None)
-    if kept is None or kept[0] != (hkv, group, n, bsz, d):
-        phase1 = (nb.states_scratch(hq, n, bsz), *nl.logits_scratch(hkv, bsz, d, group))
-        own = (np.empty((4, hq, n), _F32), np.empty((3, hq, n), _F32),
-               np.empty((2, hq, n), np.bool_), np.empty((7, hq, n), _F32),
-               np.empty((hq, n), np.bool_), np.empty((hq, n), np.bool_),
-               np.empty((3, hkv, n), _F32), np.empty((hq, d)))
-        made = (*(np.empty((hq, n, bsz), _F32) for _ in range(3)), phase1,
-                fused_select.select_scratch(hq, n), na.attend_scratch(hq, n, bsz, group, d),
-                fused_cpu.lanes_scratch(hq, n), own)
-        kept = ((hkv, group, n, bsz, d), made)
-        _SCRATCH.kept = kept
-    return kept[1]
+    phase1 = (nb.states_scratch(hq, n, bsz), *nl.logits_scratch(hkv, bsz, d, group))
+    own = (np.empty((4, hq, n), _F32), np.empty((3, hq, n), _F32),
+           np.empty((2, hq, n), np.bool_), np.empty((7, hq, n), _F32),
+           np.empty((hq, n), np.bool_), np.empty((hq, n), np.bool_),
+           np.empty((3, hkv, n), _F32), np.empty((hq, d)))
+    return (*(np.empty((hq, n, bsz), _F32) for _ in range(3)), phase1,
+            fused_select.select_scratch(hq, n), na.attend_scratch(hq, n, bsz, group, d),
+            fused_cpu.lanes_scratch(hq, n), own)
 
 
 def store_arrays(store) -> StoreArrays:

@@ -74,13 +74,15 @@ def test_one_call_gives_the_phase_by_phase_steps(one_calls, mirror, q_dtype):
     assert sum(int(c.k_star.sum()) for c in certs) > 0  # FP16 keys were paged in
 
 
-def test_layers_share_one_scratch_and_carry_nothing_from_step_to_step(one_calls):
-    """Two stores of one shape stepped in turn, as a model's layers are, share this thread's
-    scratch (:func:`numba_step.scratch`: the same arrays at every step) and every step equals
-    its phase-by-phase twin bit for bit, so nothing one step leaves in the scratch reaches the
-    next, even with every scratch element overwritten with poison (NaN, True, 0) between steps;
-    another thread gets arrays of its own."""
-    kvs = [make_kv(3, 16 * 18 + 12, 64, seed=seed) for seed in (4, 5)]
+def test_steps_share_a_scratch_per_shape_and_carry_nothing_from_step_to_step(one_calls):
+    """Two stores of one shape stepped in turn, as a model's layers are, and a third of another
+    block count, as a CPU batch steps its sequences: the stores of a shape share this thread's
+    scratch for it (:func:`numba_step.scratch`: the same arrays at every step), each shape keeps
+    its own, and every step equals its phase-by-phase twin bit for bit, so nothing one step
+    leaves in the scratch reaches the next, even with every scratch element overwritten with
+    poison (NaN, True, 0) between steps; another thread gets arrays of its own."""
+    kvs = [make_kv(3, 16 * blocks + 12, 64, seed=seed) for seed, blocks in ((4, 18), (5, 18),
+                                                                            (6, 13))]
     stores = []
     for k, v in kvs:
         stores.append(TieredKVStore(3, 64, quantizer=KVQuantizer(sink=16, residual=32),
@@ -88,22 +90,42 @@ def test_layers_share_one_scratch_and_carry_nothing_from_step_to_step(one_calls)
         stores[-1].append(k, v)
     fused, phased = CertifiedAttention(), CertifiedAttention()
     phased.timer = PhaseTimer()
-    kept = set()
+    kept: dict = {}  # shape -> ids of the arrays its steps used
     for t in range(4):
         for i, (store, (k, _)) in enumerate(zip(stores, kvs, strict=True)):
             q = make_query(k, 3, seed=10 * t + i, peaked=t % 2 == 0)
             if t >= 2:
-                _poison(numba_step._SCRATCH.kept[1])
+                for arrays in numba_step._SCRATCH.kept.values():
+                    _poison(arrays)
             (out, cert), (out_p, cert_p) = fused(q, store), phased(q, store)
             assert torch.equal(out, out_p) and same_values(cert, cert_p), (t, i)
-            kept.add(id(numba_step._SCRATCH.kept[1][0]))
-    assert len(one_calls) == 8 and len(kept) == 1
-    shape = numba_step._SCRATCH.kept[0]
+            shape = next(reversed(numba_step._SCRATCH.kept))  # this step's, the most recent
+            kept.setdefault(shape, set()).add(id(numba_step._SCRATCH.kept[shape][0]))
+    assert len(one_calls) == 12 and len(kept) == 2
+    assert all(len(ids) == 1 for ids in kept.values())
     other = []
     thread = threading.Thread(target=lambda: other.append(numba_step.scratch(*shape)[0]))
     thread.start()
     thread.join()
     assert other[0] is not numba_step.scratch(*shape)[0]
+
+
+def test_a_thread_keeps_the_scratch_of_the_shapes_its_last_calls_used():
+    """A shape stays while one of the last :data:`numba_step.SCRATCH_SHAPES` calls used it,
+    never more shapes than that, the least recently used dropped first: a shape used again is
+    kept, one the calls since went past is made anew, and a single sequence's shape from before
+    its last block completed is gone once the next calls all use the new one."""
+    most = numba_step.SCRATCH_SHAPES
+    shapes = [(1, 1, n, 4, 4) for n in range(1, most + 2)]
+    first = [numba_step.scratch(*shape)[0] for shape in shapes[:-1]]
+    assert numba_step.scratch(*shapes[0])[0] is first[0]  # used again: now the most recent
+    numba_step.scratch(*shapes[-1])  # one shape too many: the least recently used goes
+    assert len(numba_step._SCRATCH.kept) == most
+    assert numba_step.scratch(*shapes[0])[0] is first[0]
+    assert numba_step.scratch(*shapes[1])[0] is not first[1]
+    for _ in range(2 * most):  # one sequence after a block completed: only its new shape
+        numba_step.scratch(*shapes[-1])
+    assert list(numba_step._SCRATCH.kept) == [shapes[-1]]
 
 
 def _poison(arrays) -> None:
