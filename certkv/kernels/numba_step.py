@@ -124,7 +124,19 @@ class StoreArrays(NamedTuple):
 
 
 _ARRAYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # store -> StoreArrays
-_SCRATCH = threading.local()  # kept: shape -> arrays, least recently used first; used: its call
+
+
+class _ThreadScratch(threading.local):
+    """A thread's scratch sets (:func:`scratch`): ``kept`` shape -> arrays, least recently
+    used first; ``used`` shape -> the call that last used it; ``calls`` so far."""
+
+    def __init__(self) -> None:
+        self.kept: dict = {}
+        self.used: dict = {}
+        self.calls = 0
+
+
+_SCRATCH = _ThreadScratch()
 SCRATCH_SHAPES = 8  # a shape no call of the last 8 used is dropped (a batch's sequences take turns)
 
 
@@ -145,11 +157,9 @@ def scratch(hkv: int, group: int, n: int, bsz: int, d: int) -> tuple:
     every element it later reads, so no step sees another's numbers
     (``tests/kernels/test_numba_step.py`` steps stores of two shapes in turn, the scratch
     poisoned between them)."""
-    shape = (hkv, group, n, bsz, d)
-    kept, used = getattr(_SCRATCH, "kept", None), getattr(_SCRATCH, "used", None)
-    if kept is None or used is None:
-        kept, used = _SCRATCH.kept, _SCRATCH.used = {}, {}
-    call = _SCRATCH.calls = getattr(_SCRATCH, "calls", 0) + 1
+    shape, kept, used = (hkv, group, n, bsz, d), _SCRATCH.kept, _SCRATCH.used
+    _SCRATCH.calls += 1
+    call = _SCRATCH.calls
     made = kept.pop(shape, None)
     if made is None:
         made = _scratch(*shape)
